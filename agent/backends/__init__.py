@@ -1,0 +1,1 @@
+"""Build backends: tensorrt on devices, onnxruntime on any host. Imported lazily."""

@@ -1,0 +1,78 @@
+"""The errors users and controllers see: one exception type, stable codes.
+
+Every failure a user or a controller can cause is an ``AgentError`` whose ``code`` is one of
+``CODES`` (documented in docs/errors.md; a test keeps the two in step). The message says what
+was expected and what was found. Worker side: keep this module Python 3.6-compatible.
+"""
+
+from typing import Any, Dict, Optional
+
+# code -> one line for docs/errors.md. Codes are part of the wire protocol: never rename one.
+CODES = {
+    # configuration and input files
+    "bad_config": "The YAML config (or a command-line override) is invalid.",
+    "bad_argument": "A command-line argument or job parameter has an invalid value.",
+    "file_not_found": "A file named by the user or the job does not exist or cannot be read.",
+    "disk_full": "Not enough free disk space for a download, an engine or a cache write.",
+    # platform
+    "bad_platform_data": "A device-tree, release file or support-matrix entry cannot be parsed.",
+    "unsupported_precision": "The requested precision is not supported on this platform.",
+    "backend_unavailable": "The requested backend (tensorrt, onnxruntime) cannot be used here.",
+    # models and builds
+    "bad_model": "The model bytes are not a valid ONNX model.",
+    "unsupported_model": "The model uses an operator, type or shape the backend cannot build.",
+    "dynamic_shape": "The model has dynamic dimensions and no shape profile was given.",
+    "build_failed": "The backend failed to build an engine.",
+    "bad_engine": "An engine file is corrupt or was built for another backend or platform.",
+    "unknown_layer": "A layer named in --layer-precisions is not a node of the model.",
+    # calibration
+    "bad_calibration_data": "Calibration shards do not match the model (name, dtype or shape).",
+    "empty_calibration_data": "The calibration dataset holds no samples.",
+    "bad_calibration_cache": "A calibration cache is malformed.",
+    "calibration_cache_mismatch": "A calibration cache was made by another TensorRT version "
+    "or algorithm.",
+    # accuracy and search
+    "golden_mismatch": "Golden inputs or outputs do not match the model (names, shapes, dtypes) "
+    "or hold NaN.",
+    "reference_mismatch": "Even the full-precision build fails the goldens: the problem is not "
+    "precision.",
+    "accuracy_gate_failed": "The engine's outputs are outside the tolerances against the goldens.",
+    "search_failed": "The precision search found no set of layers that passes.",
+    "cancelled": "The work was cancelled.",
+    # cache
+    "cache_corrupt": "A cache entry failed verification; it was dropped.",
+    "cache_locked": "Another process holds the cache lock for too long.",
+    # daemon / protocol
+    "bad_message": "An MQTT payload is not valid JSON or violates its schema.",
+    "message_too_large": "An MQTT payload is larger than the configured limit.",
+    "unknown_job_kind": "The job document names a job kind this agent does not know.",
+    "unknown_artifact": "A block or reference names an artifact the agent does not expect.",
+    "hash_mismatch": "An assembled artifact does not match its announced sha256 or size.",
+    "duplicate_job": "A job with this id was already received.",
+    "job_timed_out": "The job ran longer than its timeout.",
+    "worker_crashed": "The worker process exited abnormally.",
+    "broker_unreachable": "The MQTT broker cannot be reached.",
+    "unknown_device": "The controller names a device that has never reported.",
+    "internal_error": "An unexpected error; the message carries the details.",
+}
+
+
+class AgentError(Exception):
+    """An error with a stable ``code`` and a message fit for the user."""
+
+    def __init__(self, code: str, message: str, details: Optional[Dict[str, Any]] = None) -> None:
+        if code not in CODES:
+            raise ValueError("unknown error code {!r}".format(code))
+        super(AgentError, self).__init__(message)
+        self.code = code
+        self.message = message
+        self.details = dict(details or {})
+
+    def to_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"code": self.code, "message": self.message}
+        if self.details:
+            out["details"] = self.details
+        return out
+
+    def __str__(self) -> str:
+        return "{}: {}".format(self.code, self.message)

@@ -1,0 +1,67 @@
+"""Atomic file writes and the state-directory rule (worker side: Python >= 3.6).
+
+Writes go to a temporary file in the target's directory, are fsync'd, then renamed over the
+target, so a reader (or a crash) never sees half a file. ENOSPC becomes ``disk_full``.
+"""
+
+import errno
+import os
+import tempfile
+from typing import Optional
+
+from agent.errors import AgentError
+
+
+def state_dir(override: Optional[str] = None) -> str:
+    """Where state and caches live: an explicit override, $JETSON_AGENT_STATE_DIR, systemd's
+    StateDirectory ($STATE_DIRECTORY), else ~/.cache/jetson-agent."""
+    path = (
+        override
+        or os.environ.get("JETSON_AGENT_STATE_DIR")
+        or (os.environ.get("STATE_DIRECTORY") or "").split(":")[0]
+        or os.path.join(os.path.expanduser("~"), ".cache", "jetson-agent")
+    )
+    return os.path.abspath(path)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the directory."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if exc.errno == errno.ENOSPC:
+            raise AgentError(
+                "disk_full",
+                "no space left writing {} ({} bytes expected to fit)".format(path, len(data)),
+            )
+        raise
+    fsync_dir(directory)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_write(path, text.encode("utf-8"))
