@@ -34,6 +34,7 @@ CODES = {
     # accuracy and search
     "golden_mismatch": "Golden inputs or outputs do not match the model (names, shapes, dtypes) "
     "or hold NaN.",
+    "bad_golden_file": "A golden inputs/outputs file (Polygraphy JSON or .npz) cannot be read.",
     "reference_mismatch": "Even the full-precision build fails the goldens: the problem is not "
     "precision.",
     "accuracy_gate_failed": "The engine's outputs are outside the tolerances against the goldens.",
@@ -49,6 +50,9 @@ CODES = {
     "unknown_artifact": "A block or reference names an artifact the agent does not expect.",
     "hash_mismatch": "An assembled artifact does not match its announced sha256 or size.",
     "duplicate_job": "A job with this id was already received.",
+    "unknown_job": "A command or state change names a job id the agent does not know.",
+    "bad_state_transition": "A job state change is not allowed from its current state "
+    "(e.g. cancelling a finished job).",
     "job_timed_out": "The job ran longer than its timeout.",
     "worker_crashed": "The worker process exited abnormally.",
     "broker_unreachable": "The MQTT broker cannot be reached.",

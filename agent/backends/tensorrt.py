@@ -1,0 +1,850 @@
+"""The device backend: TensorRT 8.2 / 8.5 / 8.6 / 10.x through the ONNX parser.
+
+Two ways to get reduced precision, chosen by the TensorRT version (``tensorrt_plan`` decides
+what to ask; this module carries it out):
+
+- TensorRT < 10.12 (implicit quantization): builder flags (FP16 / INT8 / TF32), per-layer
+  ``layer.precision`` + ``set_output_type`` under OBEY or PREFER precision constraints, INT8
+  scales from a calibrator (``calib.calibrators``), a calibration cache, or (percentile) ranges
+  measured on the device and set as dynamic ranges.
+- TensorRT >= 10.12 / 11 (explicitly typed): the network is created STRONGLY_TYPED and the
+  precision is written into the ONNX graph by ``agent.backends.graph`` (the same rewrites as the
+  host backend, typed rather than emulated): fp16 regions with Cast nodes, INT8 as
+  QuantizeLinear/DequantizeLinear pairs whose scales come from the calibration cache or from
+  ranges measured on the device (``calib.ranges``).
+
+The model is always read by ``graph.load_model`` (which names unnamed nodes) and handed to the
+parser as bytes, so TensorRT's layer names are built from the same node names the plan uses.
+After a build the engine inspector says what precision each layer really got (fusions can
+override requests); layers that did not get what was asked are reported as mismatches. Builds
+share a persistent timing cache per TensorRT version and device, merged under a file lock.
+
+TensorRT and pycuda are imported lazily. Worker side: Python >= 3.6.
+"""
+
+import contextlib
+import fcntl
+import logging
+import os
+import re
+import time
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from agent.backends.base import (
+    Backend,
+    BuildPlan,
+    BuildResult,
+    CalibrationSettings,
+    Progress,
+    Runner,
+    Shape,
+    TensorSpec,
+    no_progress,
+)
+from agent.backends.tensorrt_plan import (
+    TRT_DTYPES,
+    EngineLayer,
+    Features,
+    ProfileShapes,
+    apply_builder_settings,
+    builder_settings,
+    calibration_shapes,
+    layer_onnx_nodes,
+    network_creation_flags,
+    node_precisions,
+    parse_engine_information,
+    parse_version,
+    parser_error,
+    precision_mismatches,
+    profile_shapes,
+    shape_text,
+)
+from agent.errors import AgentError
+from agent.fsio import atomic_write, state_dir
+
+if TYPE_CHECKING:  # the stubs (scripts/lib/trt_stubs.py): mypy checks our calls against them
+    import tensorrt
+
+log = logging.getLogger(__name__)
+
+
+# -- timing cache ----------------------------------------------------------------------------
+
+def timing_cache_path(trt_version: str, device: str, root: Optional[str] = None) -> str:
+    """``<state dir>/timing/<trt version>-<device>.cache``: timing caches are valid for one
+    TensorRT version on one device model only."""
+    safe = re.sub(r"[^A-Za-z0-9.+-]+", "_", "{}-{}".format(trt_version, device)).strip("_")
+    return os.path.join(root or state_dir(), "timing", safe + ".cache")
+
+
+@contextlib.contextmanager
+def file_lock(path: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if needed) for the block."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+class TimingCache(object):
+    """The persistent timing cache of one TensorRT version and device."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.loaded_bytes = 0
+
+    def attach(self, config: "tensorrt.IBuilderConfig") -> None:
+        """Load the on-disk cache (an unreadable one is ignored) and set it on ``config``
+        (ignore_mismatch False: a cache from another device or version is not used)."""
+        data = _read_bytes(self.path)
+        cache = None
+        if data:
+            try:
+                cache = config.create_timing_cache(data)
+                self.loaded_bytes = len(data)
+            except Exception as exc:  # noqa: BLE001 (TensorRT raises plain RuntimeError)
+                log.warning("ignoring unreadable timing cache %s: %s", self.path, exc)
+        if cache is None:
+            cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, False)
+
+    def save(self, config: "tensorrt.IBuilderConfig") -> int:
+        """Merge the build's cache with what is on disk now (another build may have written
+        it meanwhile) and write the result atomically, under a lock. Returns bytes written."""
+        cache = config.get_timing_cache()
+        if cache is None:
+            return 0
+        with file_lock(self.path + ".lock"):
+            disk = _read_bytes(self.path)
+            if disk:
+                try:
+                    cache.combine(config.create_timing_cache(disk), False)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("not merging unreadable timing cache %s: %s", self.path, exc)
+            data = bytes(cache.serialize())
+            atomic_write(self.path, data)
+        return len(data)
+
+
+# -- calibration cache -----------------------------------------------------------------------
+
+def existing_calibration_cache(path: Optional[str], algorithm: str,
+                               trt_version: Optional[str]) -> Any:
+    """The parsed calibration cache at ``path`` when the file exists, else None. A cache
+    TensorRT would not reuse (another algorithm, or with ``trt_version`` another TensorRT
+    version) is refused with ``calibration_cache_mismatch`` rather than silently recalibrated.
+    ``trt_version`` None: only the algorithm must match (scales used directly, as Q/DQ or
+    dynamic ranges, mean the same whichever TensorRT wrote them)."""
+    from calib import cache as calib_cache
+
+    if not path or not os.path.isfile(path):
+        return None
+    parsed = calib_cache.read_cache(path)
+    calib_cache.check_compatible(parsed, algorithm, trt_version)
+    return parsed
+
+
+# -- TensorRT glue ---------------------------------------------------------------------------
+
+def import_tensorrt() -> Any:
+    """The tensorrt module, or ``backend_unavailable`` saying how to get it."""
+    try:
+        import tensorrt
+    except ImportError as exc:
+        raise AgentError(
+            "backend_unavailable",
+            "the tensorrt backend needs TensorRT's Python bindings (JetPack installs them as "
+            "python3-libnvinfer); importing tensorrt failed: {}. On a host use --backend "
+            "onnxruntime".format(exc))
+    return tensorrt
+
+
+def _make_logger() -> Any:
+    """A TensorRT logger that keeps errors and warnings for error messages."""
+    import tensorrt as trt
+
+    class Logger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.messages: List[str] = []
+
+        def log(self, severity: "trt.ILogger.Severity", msg: str) -> None:
+            level = int(severity)
+            if level <= int(trt.ILogger.Severity.ERROR):
+                log.error("TensorRT: %s", msg)
+                self.messages.append(msg)
+            elif level <= int(trt.ILogger.Severity.WARNING):
+                log.warning("TensorRT: %s", msg)
+                self.messages.append(msg)
+            else:
+                log.debug("TensorRT: %s", msg)
+            del self.messages[:-50]
+
+    return Logger()
+
+
+def _ints(dims: "tensorrt.Dims") -> Tuple[int, ...]:
+    return tuple(int(dims[i]) for i in range(len(dims)))
+
+
+def _dims(dims: "tensorrt.Dims") -> Tuple[Optional[int], ...]:
+    """A TensorRT shape as a TensorSpec shape (None for dynamic dimensions)."""
+    return tuple(None if d < 0 else d for d in _ints(dims))
+
+
+def _set_profile_shape(profile: "tensorrt.IOptimizationProfile", name: str, lo: Shape,
+                       opt: Shape, hi: Shape) -> None:
+    import tensorrt as trt
+
+    profile.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
+
+
+def _network_inputs(network: "tensorrt.INetworkDefinition") -> List[TensorSpec]:
+    import tensorrt as trt
+
+    specs = []
+    for i in range(network.num_inputs):
+        tensor = network.get_input(i)
+        specs.append(TensorSpec(tensor.name, trt.nptype(tensor.dtype), _dims(tensor.shape)))
+    return specs
+
+
+_INTEGER_DTYPES = ("int32", "int64", "bool", "uint8", "int8", "int4", "fp8")
+_UNCONSTRAINABLE_LAYERS = ("CONSTANT", "SHAPE", "ASSERTION", "CONDITION", "CONDITIONAL_INPUT",
+                           "CONDITIONAL_OUTPUT", "TRIP_LIMIT", "ITERATOR", "LOOP_OUTPUT",
+                           "RECURRENCE")
+
+
+def apply_layer_precisions(
+    trt: Any, network: "tensorrt.INetworkDefinition", asked: Dict[str, str],
+    node_order: Sequence[str],
+) -> Tuple[Dict[str, List[str]], List[Tuple[str, str]]]:
+    """Set ``layer.precision`` (and, for float precisions, every output type) on the network
+    layers of each asked ONNX node. Returns (node -> constrained layer names,
+    [(layer, why skipped)]): layers with integer/bool outputs, shape-tensor outputs, constant
+    and shape layers cannot be constrained."""
+    applied: Dict[str, List[str]] = {}
+    skipped: List[Tuple[str, str]] = []
+    fixed_types = [getattr(trt.LayerType, n) for n in _UNCONSTRAINABLE_LAYERS
+                   if hasattr(trt.LayerType, n)]
+    int_types = [getattr(trt, n) for n in _INTEGER_DTYPES if hasattr(trt, n)]
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        nodes = [n for n in layer_onnx_nodes(layer.name, node_order,
+                                             getattr(layer, "metadata", "") or "")
+                 if n in asked]
+        if not nodes:
+            continue
+        precision = asked[nodes[0]]
+        if layer.type in fixed_types:
+            skipped.append((layer.name, "{} layer".format(layer.type)))
+            continue
+        why = ""
+        for j in range(layer.num_outputs):
+            tensor = layer.get_output(j)
+            if tensor.dtype in int_types and not (precision == "int8" and tensor.dtype == trt.int8):
+                why = "{} output".format(tensor.dtype)
+            elif getattr(tensor, "is_shape_tensor", False):
+                why = "shape tensor output"
+        if why:
+            skipped.append((layer.name, why))
+            continue
+        dtype = getattr(trt, TRT_DTYPES[precision])
+        layer.precision = dtype
+        if precision != "int8":  # an int8 layer may still hand float to its consumers
+            for j in range(layer.num_outputs):
+                layer.set_output_type(j, dtype)
+        for node in nodes:
+            applied.setdefault(node, []).append(layer.name)
+    return applied, skipped
+
+
+def _set_dynamic_ranges(network: "tensorrt.INetworkDefinition", amax: Dict[str, float]) -> int:
+    """Implicit INT8 without a calibrator (percentile): each known tensor gets its range."""
+    count = 0
+    tensors = [network.get_input(i) for i in range(network.num_inputs)]
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        tensors.extend(layer.get_output(j) for j in range(layer.num_outputs))
+    for tensor in tensors:
+        value = amax.get(tensor.name)
+        if value is not None and value > 0:
+            tensor.set_dynamic_range(-float(value), float(value))
+            count += 1
+    return count
+
+
+def _inspect(runtime: "tensorrt.Runtime", serialized: Any) -> Optional[List[EngineLayer]]:
+    """The built engine's layers as the engine inspector reports them (TensorRT >= 8.2)."""
+    import tensorrt as trt
+
+    engine = runtime.deserialize_cuda_engine(serialized)
+    if engine is None or not hasattr(engine, "create_engine_inspector"):
+        return None
+    inspector = engine.create_engine_inspector()
+    return parse_engine_information(
+        inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+
+
+class _Network(object):
+    """A parsed network and its inputs."""
+
+    def __init__(self, builder: "tensorrt.Builder", network: "tensorrt.INetworkDefinition",
+                 parser: "tensorrt.OnnxParser", inputs: List[TensorSpec]) -> None:
+        self.builder = builder
+        self.network = network
+        self.parser = parser  # keeps the parsed weights alive until the build is done
+        self.inputs = inputs
+
+
+class TensorRTBackend(Backend):
+    name = "tensorrt"
+
+    def __init__(self, version: str, device: int = 0) -> None:
+        self._version = version
+        self.device = device
+        self.features = Features(parse_version(version))
+
+    def version(self) -> str:
+        return self._version
+
+    def fingerprint(self) -> Dict[str, str]:
+        from agent.backends import graph
+        from agent.backends.cuda_buffers import CudaContext, driver_version
+
+        with CudaContext(self.device) as ctx:
+            major, minor = ctx.compute_capability()
+            out = {"backend": self.name, "version": self.version(), "device": ctx.name(),
+                   "compute_capability": "{}.{}".format(major, minor),
+                   "cuda_driver": driver_version()}
+        if self.features.strongly_typed:
+            out["graph_rewrite"] = graph.REWRITE_VERSION
+        return out
+
+    def build(self, model_path: str, plan: BuildPlan, engine_path: str,
+              progress: Progress = no_progress) -> BuildResult:
+        from agent.backends.cuda_buffers import CudaContext
+
+        started = time.monotonic()
+        if not os.path.isfile(model_path):
+            raise AgentError("file_not_found",
+                             "model {} does not exist (expected an .onnx file)".format(model_path))
+        with CudaContext(self.device) as ctx:
+            result = _Build(self, ctx, model_path, plan, engine_path, progress).run()
+        result.seconds = time.monotonic() - started
+        return result
+
+    def open(self, engine_path: str) -> "TensorRTRunner":
+        if not os.path.isfile(engine_path):
+            raise AgentError("file_not_found", "engine {} does not exist".format(engine_path))
+        with open(engine_path, "rb") as f:
+            data = f.read()
+        return TensorRTRunner(data, self.device, source=engine_path)
+
+
+class _Build(object):
+    """One build: load, (rewrite,) parse, configure, calibrate, build, inspect, write."""
+
+    def __init__(self, backend: TensorRTBackend, ctx: Any, model_path: str, plan: BuildPlan,
+                 engine_path: str, progress: Progress) -> None:
+        self.backend = backend
+        self.ctx = ctx
+        self.model_path = model_path
+        self.plan = plan
+        self.engine_path = engine_path
+        self.progress = progress
+        self.version_text = backend.version()
+        self.version = parse_version(self.version_text)
+        self.settings = builder_settings(plan, self.version)
+        self.logger = _make_logger()
+        self.details: Dict[str, Any] = {"trt_version": self.version_text,
+                                        "strongly_typed": self.settings.strongly_typed,
+                                        "flags": list(self.settings.set_flags),
+                                        "notes": list(self.settings.notes)}
+        self.calibrated = False
+        self.calibration_cache: Optional[str] = None
+        self.calibrator: Any = None
+        self.graph_mismatches: List[Tuple[str, str, str]] = []
+        self.graph_assignment: Dict[str, str] = {}
+
+    # ONNX side --------------------------------------------------------------------------
+
+    def _load_model(self) -> Tuple[Any, List[str]]:
+        from agent.backends import graph
+
+        model = graph.load_model(self.model_path)  # names unnamed nodes, as the plan does
+        order = [str(n.name) for n in model.graph.node]
+        unknown = sorted(set(self.plan.layer_precisions) - set(order))
+        if unknown:
+            raise AgentError(
+                "unknown_layer",
+                "--layer-precisions names {} but the model has no such node (expected ONNX "
+                "node names such as {})".format(
+                    ", ".join(repr(u) for u in unknown), ", ".join(order[:5]) or "none"),
+                {"unknown": unknown})
+        return model, order
+
+    def _parse(self, model: Any) -> _Network:
+        import tensorrt as trt
+
+        builder = trt.Builder(self.logger)
+        network = builder.create_network(network_creation_flags(trt, self.settings))
+        parser = trt.OnnxParser(network, self.logger)
+        # The model's folder lets the parser find external weights the model still names.
+        if not parser.parse(model.SerializeToString(), self.model_path):
+            errors = []
+            for i in range(parser.num_errors):
+                err = parser.get_error(i)
+                node = err.node_name() if hasattr(err, "node_name") else str(err.node())
+                errors.append((str(err.code()).split(".")[-1], str(err.desc()),
+                               "" if node in ("-1", "") else node))
+            raise parser_error(errors, self.model_path)
+        return _Network(builder, network, parser, _network_inputs(network))
+
+    # build ------------------------------------------------------------------------------
+
+    def _config(self, net: _Network, profile: ProfileShapes) -> "tensorrt.IBuilderConfig":
+        import tensorrt as trt
+
+        config = net.builder.create_builder_config()
+        apply_builder_settings(trt, config, self.settings)
+        if profile:
+            prof = net.builder.create_optimization_profile()
+            for name, (lo, opt, hi) in profile.items():
+                _set_profile_shape(prof, name, lo, opt, hi)
+            config.add_optimization_profile(prof)
+        return config
+
+    def _serialize(self, net: _Network, config: "tensorrt.IBuilderConfig") -> Any:
+        self.progress("building", 0, 1)
+        serialized = net.builder.build_serialized_network(net.network, config)
+        if serialized is None:
+            raise AgentError(
+                "build_failed",
+                "TensorRT {} could not build {}: {}".format(
+                    self.version_text, self.model_path,
+                    " | ".join(self.logger.messages[-5:]) or "no message"),
+                {"messages": list(self.logger.messages)})
+        self.progress("building", 1, 1)
+        return serialized
+
+    def _timing_cache(self) -> TimingCache:
+        major, minor = self.ctx.compute_capability()
+        device = "{}-sm{}{}".format(self.ctx.name(), major, minor)
+        return TimingCache(timing_cache_path(self.version_text, device))
+
+    def run(self) -> BuildResult:
+        import tensorrt as trt
+
+        from agent.backends import graph
+
+        plan = self.plan
+        model, order = self._load_model()
+        if self.settings.strongly_typed and (plan.precision != "fp32" or plan.layer_precisions):
+            model = self._rewrite(model, order)
+        if plan.mark_outputs:
+            model = graph.mark_outputs(model, list(plan.mark_outputs))
+        net = self._parse(model)
+        profile = profile_shapes(net.inputs, plan.shapes)
+        config = self._config(net, profile)
+        if self.settings.layer_constraints:
+            applied, skipped = apply_layer_precisions(trt, net.network,
+                                                      plan.layer_precisions, order)
+            self.details["constrained_layers"] = applied
+            self.details["skipped_layers"] = [list(s) for s in skipped]
+        feeder = None
+        if self.settings.int8_source in ("calibrator", "ranges"):
+            feeder = self._implicit_int8(net, config, profile, order)
+        timing = self._timing_cache()
+        timing.attach(config)
+        try:
+            serialized = self._serialize(net, config)
+        except AgentError:
+            self._raise_calibrator_error()
+            raise
+        finally:
+            if feeder is not None:
+                feeder.close()
+        self._raise_calibrator_error()
+        if feeder is not None:
+            self.calibrated = feeder.batches_fed > 0
+            self.details["calibration_batches"] = feeder.batches_fed
+        self.details["timing_cache"] = {"path": timing.path, "loaded_bytes": timing.loaded_bytes,
+                                        "saved_bytes": timing.save(config)}
+        atomic_write(self.engine_path, bytes(serialized))
+        got, mismatches = self._read_back(serialized, order)
+        return BuildResult(
+            self.engine_path, plan.precision, layer_precisions=got, mismatches=mismatches,
+            calibration_cache=self.calibration_cache, calibrated=self.calibrated,
+            details=self.details)
+
+    def _raise_calibrator_error(self) -> None:
+        """An error kept by the calibrator (bad data, full disk) explains a failed build."""
+        error = getattr(self.calibrator, "error", None)
+        if error is not None:
+            raise error
+
+    def _read_back(self, serialized: Any,
+                   order: Sequence[str]) -> Tuple[Dict[str, str], List[Tuple[str, str, str]]]:
+        """Per-node precisions and mismatches. Weakly typed: what the engine inspector
+        shows. Strongly typed: TensorRT follows the graph's types exactly, so the rewrite's
+        assignment is the truth (fused Casts make the inspector's output types misleading);
+        the inspector's view goes to the details."""
+        import tensorrt as trt
+
+        if not self.settings.detailed_profiling:
+            self.details["inspector"] = "unavailable (TensorRT < 8.2)"
+            return dict(self.graph_assignment), list(self.graph_mismatches)
+        layers = _inspect(trt.Runtime(self.logger), serialized)
+        if layers is None:
+            self.details["inspector"] = "unavailable"
+            return dict(self.graph_assignment), list(self.graph_mismatches)
+        self.details["inspector"] = "json"
+        seen = node_precisions(layers, order)
+        if self.settings.strongly_typed and self.graph_assignment:
+            self.details["inspector_precisions"] = seen
+            return dict(self.graph_assignment), list(self.graph_mismatches)
+        missing = sorted(set(self.plan.layer_precisions) - set(seen))
+        if missing:
+            self.details["not_in_engine"] = missing
+        return seen, precision_mismatches(self.plan.layer_precisions, seen)
+
+    # INT8 -------------------------------------------------------------------------------
+
+    def _calibration(self) -> CalibrationSettings:
+        settings = self.plan.calibration
+        if settings is None or not (settings.data or settings.cache):
+            raise AgentError("bad_argument",
+                             "{} needs calibration data (--calib) or a calibration cache "
+                             "(--calibration-cache)".format(self.plan.precision))
+        return settings
+
+    def _cache_path(self, settings: CalibrationSettings) -> str:
+        if settings.cache:
+            return settings.cache
+        return os.path.splitext(self.engine_path)[0] + ".calibration.cache"
+
+    def _existing_cache(self, path: str, algorithm: str, check_version: bool) -> Any:
+        return existing_calibration_cache(path, algorithm,
+                                          self.version_text if check_version else None)
+
+    def _dataset(self, settings: CalibrationSettings, inputs: Sequence[TensorSpec],
+                 batch: int) -> Any:
+        from calib.dataset import CalibrationDataset
+
+        if not settings.data:
+            raise AgentError("bad_argument",
+                             "no calibration cache at {} and no calibration data (--calib) to "
+                             "make one".format(self._cache_path(settings)))
+        return CalibrationDataset(settings.data, list(inputs), batch,
+                                  shuffle_seed=settings.shuffle_seed,
+                                  max_samples=settings.max_samples)
+
+    def _implicit_int8(self, net: _Network, config: "tensorrt.IBuilderConfig",
+                       profile: ProfileShapes,
+                       order: Sequence[str]) -> Any:
+        from calib.calibrators import BatchFeeder, make_calibrator
+
+        settings = self._calibration()
+        algorithm = settings.algorithm
+        path = self._cache_path(settings)
+        self.calibration_cache = path
+        if algorithm == "percentile":
+            # No TensorRT calibrator: ranges measured here, handed over as dynamic ranges.
+            amax = self._amax(net.inputs, profile, settings, path)
+            self.details["dynamic_ranges"] = _set_dynamic_ranges(net.network, amax)
+            return None
+        existing = self._existing_cache(path, algorithm, check_version=True)
+        batch, shapes, notes = calibration_shapes(net.inputs, profile, settings.batch_size)
+        self.details["notes"].extend(notes)
+        cache_bytes = None
+        feeder = None
+        if existing is not None:
+            with open(path, "rb") as f:
+                cache_bytes = f.read()
+            self.details["calibration"] = "cache"
+        else:
+            dataset = self._dataset(settings, net.inputs, batch)
+            feeder = BatchFeeder(dataset, batch, {s.name: s.dtype for s in net.inputs},
+                                 progress=self.progress, total=dataset.num_batches(),
+                                 shapes=shapes)
+            self.details["calibration"] = algorithm
+        self.calibrator = make_calibrator(algorithm, feeder, batch, path, cache_bytes)
+        config.int8_calibrator = self.calibrator
+        if profile:
+            cprof = net.builder.create_optimization_profile()
+            for name, shape in shapes.items():
+                _set_profile_shape(cprof, name, shape, shape, shape)
+            config.set_calibration_profile(cprof)
+        return feeder
+
+    def _amax(self, inputs: Sequence[TensorSpec], profile: ProfileShapes,
+              settings: CalibrationSettings, path: str) -> Dict[str, float]:
+        """amax per tensor: from a compatible cache, else measured on this device by running
+        an fp32 engine with every float tensor marked as an output through ``calib.ranges``
+        (the cache is then written for the next build)."""
+        from agent.backends import graph
+        from calib import cache as calib_cache
+        from calib.ranges import RangeCollector
+
+        # Scales mean the same whichever TensorRT wrote them: only the algorithm must match.
+        existing = self._existing_cache(path, settings.algorithm, check_version=False)
+        if existing is not None:
+            self.details["calibration"] = "cache"
+            return dict(existing.amax)
+        batch, shapes, notes = calibration_shapes(inputs, profile, settings.batch_size)
+        self.details["notes"].extend(notes)
+        dataset = self._dataset(settings, inputs, batch)
+        model = graph.mark_outputs(graph.load_model(self.model_path), ["*"])
+        fp32 = BuildPlan(precision="fp32", workspace_bytes=self.plan.workspace_bytes,
+                         shapes=_range_profile(shapes, profile))
+        sub = _Build(self.backend, self.ctx, self.model_path, fp32, self.engine_path,
+                     no_progress)
+        net = sub._parse(model)
+        serialized = sub._serialize(net, sub._config(net, profile_shapes(net.inputs,
+                                                                         fp32.shapes)))
+        collector = RangeCollector(settings.algorithm)
+        total = dataset.num_batches()
+        with TensorRTRunner(bytes(serialized), self.backend.device,
+                            source="range engine", ctx=self.ctx) as runner:
+            for done, feeds in enumerate(dataset, start=1):
+                for name, array in feeds.items():
+                    collector.update(name, array)
+                for name, array in runner.infer(feeds).items():
+                    if array.dtype.kind == "f":
+                        collector.update(name, array)
+                self.progress("calibrating", done, total)
+        amax = collector.amax()
+        self.calibrated = True
+        self.details["calibration"] = settings.algorithm
+        calib_cache.write_cache(path, amax, settings.algorithm, self.version_text)
+        return amax
+
+    # explicitly typed -------------------------------------------------------------------
+
+    def _rewrite(self, model: Any, order: Sequence[str]) -> Any:
+        """Precision into the graph (graph.py, shared with the host backend, typed mode):
+        fp32 islands stay fp32 between Casts, INT8 becomes Q/DQ from calibration ranges."""
+        from agent.backends import graph
+
+        plan = self.plan
+        amax = None
+        if plan.needs_calibration:
+            settings = self._calibration()
+            path = self._cache_path(settings)
+            self.calibration_cache = path
+            inputs = self._parse(model).inputs  # the fp32 network's inputs, for the profile
+            amax = self._amax(inputs, profile_shapes(inputs, plan.shapes), settings, path)
+        assignment, mismatches, ignored = graph.resolve_precisions(
+            model, plan.precision, plan.layer_precisions, amax=amax, emulate=False)
+        self.graph_mismatches = list(mismatches)
+        self.graph_assignment = dict(assignment)
+        if ignored:
+            self.details["ignored_layers"] = ignored
+        self.details["graph_rewrite"] = graph.REWRITE_VERSION
+        return graph.apply_precisions(model, assignment, amax=amax, emulate=False)
+
+
+def _range_profile(shapes: Dict[str, Shape], profile: ProfileShapes) -> ProfileShapes:
+    """The range engine's profile: batch 1 .. calibration batch on dynamic batch dimensions
+    (a dataset's last, smaller batch must fit), the calibration shape elsewhere."""
+    out: ProfileShapes = {}
+    for name, shape in shapes.items():
+        if name not in profile:
+            continue
+        lo = tuple([1] + list(shape[1:])) if shape else shape
+        out[name] = (lo, shape, shape)
+    return out
+
+
+# -- runner ----------------------------------------------------------------------------------
+
+class TensorRTRunner(Runner):
+    """Runs a serialized engine: pinned host buffers, device buffers, one stream.
+
+    TensorRT >= 8.5 uses the tensor-name API (``set_input_shape``, ``set_tensor_address``,
+    ``execute_async_v3``), older versions the bindings API (``set_binding_shape``,
+    ``execute_async_v2``). One optimization profile (the first) is used."""
+
+    def __init__(self, data: bytes, device: int = 0, source: str = "engine",
+                 ctx: Any = None) -> None:
+        import tensorrt as trt
+
+        from agent.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
+
+        self.source = source
+        self.features = Features(parse_version(trt.__version__))
+        self._own_ctx = ctx is None
+        self.ctx = ctx if ctx is not None else CudaContext(device)
+        self.buffers: Optional[IOBuffers] = None
+        self._binding_index: Dict[str, int] = {}
+        self._last_feeds: Optional[Dict[str, np.ndarray]] = None
+        try:
+            self.logger = _make_logger()
+            self.runtime = trt.Runtime(self.logger)
+            engine = self.runtime.deserialize_cuda_engine(data)
+            if engine is None:
+                raise AgentError(
+                    "bad_engine",
+                    "{} is not a TensorRT {} engine for this device: {}".format(
+                        source, trt.__version__,
+                        " | ".join(self.logger.messages[-3:]) or "deserialization failed"))
+            self.engine = engine
+            self.context = engine.create_execution_context()
+            self.buffers = IOBuffers()
+            self.timer = EventTimer(self.buffers.stream)
+            self._inputs, self._outputs = self._io_specs()
+        except BaseException:
+            self.close()
+            raise
+
+    def _io_specs(self) -> Tuple[List[TensorSpec], List[TensorSpec]]:
+        import tensorrt as trt
+
+        engine = self.engine
+        inputs: List[TensorSpec] = []
+        outputs: List[TensorSpec] = []
+        if self.features.tensor_io_api:
+            for i in range(engine.num_io_tensors):
+                name = engine.get_tensor_name(i)
+                spec = TensorSpec(name, trt.nptype(engine.get_tensor_dtype(name)),
+                                  _dims(engine.get_tensor_shape(name)))
+                is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+                (inputs if is_input else outputs).append(spec)
+            return inputs, outputs
+        # TensorRT < 8.5: the bindings API (gone in 10, so absent from the stubs).
+        for i in range(engine.num_bindings):  # type: ignore[attr-defined]
+            name = engine.get_binding_name(i)  # type: ignore[attr-defined]
+            self._binding_index[name] = i
+            spec = TensorSpec(name, trt.nptype(engine.get_binding_dtype(i)),  # type: ignore[attr-defined]
+                              _dims(engine.get_binding_shape(i)))  # type: ignore[attr-defined]
+            (inputs if engine.binding_is_input(i) else outputs).append(spec)  # type: ignore[attr-defined]
+        return inputs, outputs
+
+    @property
+    def inputs(self) -> List[TensorSpec]:
+        return list(self._inputs)
+
+    @property
+    def outputs(self) -> List[TensorSpec]:
+        return list(self._outputs)
+
+    def _io(self) -> Any:
+        if self.buffers is None:
+            raise AgentError("bad_argument", "{} is closed".format(self.source))
+        return self.buffers
+
+    def _prepare(self, feeds: Dict[str, np.ndarray]) -> None:
+        """Check the feeds, fill the pinned inputs, set dynamic shapes, size the outputs."""
+        buffers = self._io()
+        names = {s.name for s in self._inputs}
+        if set(feeds) != names:
+            raise AgentError("bad_argument",
+                             "{}: expected inputs {}, found {}".format(
+                                 self.source, ", ".join(sorted(names)),
+                                 ", ".join(sorted(feeds)) or "none"))
+        context = self.context
+        for spec in self._inputs:
+            array = np.asarray(feeds[spec.name])
+            ok = array.ndim == len(spec.shape) and all(
+                want is None or want == got for want, got in zip(spec.shape, array.shape))
+            if not ok:
+                raise AgentError("bad_argument",
+                                 "{}: input {!r}: expected shape {}, found {}".format(
+                                     self.source, spec.name, shape_text(spec.shape),
+                                     list(array.shape)))
+            buffers.set_input(spec.name, array, spec.dtype)
+            if any(d is None for d in spec.shape):
+                if self.features.tensor_io_api:
+                    context.set_input_shape(spec.name, tuple(array.shape))
+                else:
+                    context.set_binding_shape(  # type: ignore[attr-defined]
+                        self._binding_index[spec.name], tuple(array.shape))
+        for spec in self._outputs:
+            if self.features.tensor_io_api:
+                shape = _ints(context.get_tensor_shape(spec.name))
+            else:
+                shape = _ints(context.get_binding_shape(  # type: ignore[attr-defined]
+                    self._binding_index[spec.name]))
+            if any(d < 0 for d in shape):
+                raise AgentError("unsupported_model",
+                                 "{}: output {!r} has a data-dependent shape {}, which this "
+                                 "runner does not support".format(self.source, spec.name,
+                                                                  list(shape)))
+            buffers.ensure(spec.name, shape, spec.dtype)
+        if self.features.tensor_io_api:
+            for spec in self._inputs + self._outputs:
+                context.set_tensor_address(spec.name, buffers.device_ptr(spec.name))
+        self._last_feeds = feeds
+
+    def _enqueue(self) -> None:
+        """Queue input copies, the inference and output copies on the stream."""
+        buffers = self._io()
+        in_names = [s.name for s in self._inputs]
+        out_names = [s.name for s in self._outputs]
+        buffers.to_device(in_names)
+        handle = buffers.stream.handle
+        if self.features.tensor_io_api:
+            ok = self.context.execute_async_v3(handle)
+        else:
+            bindings = [0] * len(self._binding_index)
+            for name in in_names + out_names:
+                bindings[self._binding_index[name]] = buffers.device_ptr(name)
+            ok = self.context.execute_async_v2(bindings, handle)  # type: ignore[attr-defined]
+        if not ok:
+            raise AgentError("internal_error",
+                             "{}: TensorRT failed to enqueue inference".format(self.source))
+        buffers.to_host(out_names)
+
+    def infer(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+        self._prepare(feeds)
+        self._enqueue()
+        buffers = self._io()
+        buffers.synchronize()
+        return {s.name: np.array(buffers.host(s.name)) for s in self._outputs}
+
+    def time_inference(self, iterations: int, warmup: int = 0,
+                       feeds: Optional[Dict[str, np.ndarray]] = None) -> List[float]:
+        """Milliseconds per inference (host->device copies, execution, device->host copies)
+        measured with CUDA events, on ``feeds`` or the last ones given to ``infer``."""
+        if feeds is not None:
+            self._prepare(feeds)
+        elif self._last_feeds is None:
+            raise AgentError("bad_argument",
+                             "time_inference needs feeds (or a previous infer call)")
+        return list(self.timer.time(self._enqueue, iterations, warmup))
+
+    def close(self) -> None:
+        if self.buffers is not None:
+            self.buffers.free()
+            self.buffers = None
+        # Release TensorRT objects before the context they live in.
+        for attr in ("context", "engine", "runtime"):
+            if hasattr(self, attr):
+                delattr(self, attr)
+        if self._own_ctx and self.ctx is not None:
+            self.ctx.close()
+            self.ctx = None
+
+
+def create() -> TensorRTBackend:
+    """The backend, or ``backend_unavailable`` when TensorRT or pycuda is missing."""
+    trt = import_tensorrt()
+    from agent.backends.cuda_buffers import require_pycuda
+
+    require_pycuda()
+    return TensorRTBackend(str(trt.__version__))

@@ -1,0 +1,209 @@
+"""Latency and throughput of a Runner, reported the way trtexec does.
+
+Latency percentiles use the nearest-rank rule trtexec uses (the p-th percentile of n sorted
+samples is the ceil(p/100*n)-th one; the median averages the two middle samples of an even
+count). Throughput is inferences completed over the wall time of the timed loop (not 1/mean),
+and samples/s multiplies by the batch. Pure measurement: nothing is printed here.
+
+Worker side: Python >= 3.6.
+"""
+
+import math
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from agent.errors import AgentError
+
+PERCENTILES = (90, 95, 99)
+
+
+def percentile(sorted_ms: Sequence[float], pct: float) -> float:
+    """Nearest-rank percentile of an ascending sequence (trtexec's rule)."""
+    if not sorted_ms:
+        raise ValueError("no samples")
+    if not 0 <= pct <= 100:
+        raise ValueError("percentile must be in [0, 100], found {}".format(pct))
+    rank = int(math.ceil(pct / 100.0 * len(sorted_ms) - 1e-9))  # guard 0.9*100 = 90.0000001
+    return float(sorted_ms[min(max(rank, 1), len(sorted_ms)) - 1])
+
+
+def median(sorted_ms: Sequence[float]) -> float:
+    n = len(sorted_ms)
+    if not n:
+        raise ValueError("no samples")
+    mid = n // 2
+    if n % 2:
+        return float(sorted_ms[mid])
+    return (float(sorted_ms[mid - 1]) + float(sorted_ms[mid])) / 2.0
+
+
+class LatencyStats(object):
+    """min / max / mean / median / p90 / p95 / p99 of a list of latencies in ms."""
+
+    def __init__(self, samples_ms: Sequence[float]) -> None:
+        ordered = sorted(float(x) for x in samples_ms)
+        if not ordered:
+            raise ValueError("no samples")
+        self.count = len(ordered)
+        self.min = ordered[0]
+        self.max = ordered[-1]
+        self.mean = sum(ordered) / len(ordered)
+        self.median = median(ordered)
+        self.percentiles = {p: percentile(ordered, p) for p in PERCENTILES}
+
+    def to_dict(self) -> Dict[str, float]:
+        out = {"min": self.min, "max": self.max, "mean": self.mean, "median": self.median}
+        for p, value in self.percentiles.items():
+            out["p{}".format(p)] = value
+        return {k: round(v, 6) for k, v in out.items()}
+
+
+class BenchResult(object):
+    """What ``benchmark`` measured."""
+
+    def __init__(self, latencies_ms: Sequence[float], wall_seconds: float, batch: int,
+                 warmup: int) -> None:
+        self.latencies_ms = list(latencies_ms)
+        self.latency = LatencyStats(self.latencies_ms)
+        self.iterations = len(self.latencies_ms)
+        self.wall_seconds = wall_seconds
+        self.batch = batch
+        self.warmup = warmup
+
+    @property
+    def inferences_per_second(self) -> float:
+        return self.iterations / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.inferences_per_second * self.batch
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {
+            "iterations": self.iterations,
+            "warmup": self.warmup,
+            "batch": self.batch,
+            "wall_seconds": round(self.wall_seconds, 6),
+            "latency_ms": self.latency.to_dict(),
+            "throughput": {
+                "inferences_per_second": round(self.inferences_per_second, 3),
+                "samples_per_second": round(self.samples_per_second, 3),
+            },
+        }
+
+    def summary(self) -> List[str]:
+        """trtexec's "Performance summary" lines (for the CLI to print)."""
+        lat = self.latency
+        pcts = ", ".join("percentile({}%) = {:.6g} ms".format(p, v)
+                         for p, v in lat.percentiles.items())
+        return [
+            "=== Performance summary ===",
+            "Throughput: {:.6g} qps ({:.6g} samples/s at batch {})".format(
+                self.inferences_per_second, self.samples_per_second, self.batch),
+            "Latency: min = {:.6g} ms, max = {:.6g} ms, mean = {:.6g} ms, median = {:.6g} ms, "
+            "{}".format(lat.min, lat.max, lat.mean, lat.median, pcts),
+            "Total Host Walltime: {:.6g} s ({} iterations after {} warm-up)".format(
+                self.wall_seconds, self.iterations, self.warmup),
+        ]
+
+
+def batch_of(feeds: Dict[str, np.ndarray]) -> int:
+    """The leading dimension of the first input (1 for scalars)."""
+    for name in sorted(feeds):
+        shape = np.shape(feeds[name])
+        return int(shape[0]) if shape else 1
+    return 1
+
+
+def check_settings(iterations: int, warmup: int, duration: Optional[float] = None,
+                   batch: int = 1) -> None:
+    """Reject bad loop settings before any build work."""
+    if iterations < 1:
+        raise AgentError("bad_argument", "--iterations must be >= 1, found {}".format(iterations))
+    if warmup < 0:
+        raise AgentError("bad_argument", "--warmup must be >= 0, found {}".format(warmup))
+    if duration is not None and duration < 0:
+        raise AgentError("bad_argument", "--duration must be >= 0 s, found {}".format(duration))
+    if batch < 1:
+        raise AgentError("bad_argument", "--batch must be >= 1, found {}".format(batch))
+
+
+def benchmark(
+    runner: Any,
+    feeds: Dict[str, np.ndarray],
+    iterations: int = 100,
+    warmup: int = 10,
+    duration: Optional[float] = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> BenchResult:
+    """Run ``runner.infer(feeds)`` ``warmup`` times untimed, then at least ``iterations`` times
+    and (like trtexec's --duration) for at least ``duration`` seconds, timing each call."""
+    check_settings(iterations, warmup, duration)
+    infer = runner.infer
+    for _ in range(warmup):
+        infer(feeds)
+    # Only completion times are recorded in the loop (one clock read per call); latencies are
+    # the differences, taken afterwards.
+    stamps: List[float] = []
+    append = stamps.append
+    start = clock()
+    for _ in range(iterations):
+        infer(feeds)
+        append(clock())
+    if duration:
+        end_by = start + duration
+        while stamps[-1] < end_by:
+            infer(feeds)
+            append(clock())
+    latencies = [b - a for a, b in zip([start] + stamps[:-1], stamps)]
+    wall = stamps[-1] - start
+    return BenchResult([x * 1000.0 for x in latencies], wall, batch_of(feeds), warmup)
+
+
+def _concrete_shape(name: str, shape: Sequence[Any], batch: int) -> List[int]:
+    dims = []
+    for i, dim in enumerate(shape):
+        if isinstance(dim, int) and dim >= 0:
+            dims.append(dim)
+        elif i == 0:
+            dims.append(batch)
+        else:
+            raise AgentError(
+                "dynamic_shape",
+                "input {!r} has dynamic dimension {} (shape {}); only the leading (batch) "
+                "dimension can be chosen by --batch: give the shape explicitly".format(
+                    name, i, list(shape)))
+    return dims
+
+
+def random_feeds(
+    input_specs: Sequence[Any],
+    batch: int = 1,
+    seed: int = 0,
+    shapes: Optional[Dict[str, Sequence[int]]] = None,
+) -> Dict[str, np.ndarray]:
+    """Random inputs for TensorSpecs: floats uniform in [0, 1) (Polygraphy's default value
+    range), integers in [0, 10), booleans. A dynamic leading dimension becomes ``batch``;
+    ``shapes`` gives full shapes for inputs with other dynamic dimensions."""
+    check_settings(1, 0, None, batch)
+    rng = np.random.RandomState(seed)
+    feeds = {}
+    for spec in input_specs:
+        if shapes and spec.name in shapes:
+            dims = [int(d) for d in shapes[spec.name]]
+        else:
+            dims = _concrete_shape(spec.name, spec.shape, batch)
+        dtype = np.dtype(spec.dtype)
+        if dtype.kind == "f":
+            value = rng.random_sample(dims).astype(dtype)
+        elif dtype.kind in "iu":
+            value = rng.randint(0, 10, size=dims).astype(dtype)
+        elif dtype.kind == "b":
+            value = rng.randint(0, 2, size=dims).astype(bool)
+        else:
+            raise AgentError("unsupported_model", "input {!r} has dtype {}; random inputs are "
+                             "made for float, integer and bool inputs".format(spec.name, dtype))
+        feeds[spec.name] = np.ascontiguousarray(value)
+    return feeds

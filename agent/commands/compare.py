@@ -1,0 +1,219 @@
+"""``jetson-agent compare``: build an engine (through the cache), run it, compare it with goldens.
+
+The first workflow of Polygraphy's "Adding Precision Constraints" example: compare a
+reduced-precision engine with the fp32 reference, with Polygraphy's comparator and report.
+Goldens come from ``--load-outputs`` (Polygraphy ``--save-outputs`` JSON or .npz) or are
+computed in fp32 on the host; inputs from ``--load-inputs`` or generated like Polygraphy's
+data loader (``--val-range``, ``--seed``, ``--iterations``). Exit status 0 only when every
+output of every iteration passes, 1 when the comparison fails.
+
+The argument groups shared with ``search`` (model build, goldens, tolerances) live here.
+"""
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+from agent import fsio, golden
+from agent.backends.base import (
+    BACKENDS,
+    CALIB_ALGORITHMS,
+    CONSTRAINTS,
+    Backend,
+    BuildPlan,
+    CalibrationSettings,
+    get_backend,
+    parse_layer_precisions,
+)
+from agent.compare import ERROR_STATS, Comparison, compare_outputs, parse_per_output
+from agent.errors import AgentError
+from agent.progress import ProgressBar
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+# ---------------------------------------------------------------------------------------------
+# shared argument groups
+
+
+def add_build_args(p: argparse.ArgumentParser, layer_precisions: bool = True) -> None:
+    p.add_argument("model", metavar="MODEL", help="ONNX model")
+    prec = p.add_mutually_exclusive_group()
+    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
+                      help="build with fp16 enabled")
+    prec.add_argument("--int8", dest="precision", action="store_const", const="int8",
+                      help="build with int8 enabled (needs --calib or --calibration-cache)")
+    prec.add_argument("--best", dest="precision", action="store_const", const="best",
+                      help="int8 with fp16 fallback")
+    if layer_precisions:
+        p.add_argument("--layer-precisions", nargs="+", default=[], metavar="NAME:PRECISION",
+                       help="per-layer precisions, e.g. Add:float16 Sub:float32")
+    p.add_argument("--precision-constraints", choices=CONSTRAINTS, default="none",
+                   help="how strictly the backend must follow --layer-precisions")
+    p.add_argument("--calib", metavar="PATH",
+                   help="calibration data: a directory of .npy/.npz shards, an .npz, or a "
+                   "Polygraphy inputs JSON")
+    p.add_argument("--calibration-cache", metavar="FILE",
+                   help="TensorRT calibration cache: read when it exists, else written")
+    p.add_argument("--calib-algo", choices=CALIB_ALGORITHMS, default="entropy2",
+                   help="calibration algorithm (default entropy2)")
+    p.add_argument("--calib-batch-size", type=int, default=8, metavar="N")
+    p.add_argument("--backend", choices=BACKENDS,
+                   help="default: this platform's (tensorrt on a device, onnxruntime on a host)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="where the engine and calibration caches live")
+
+
+def add_golden_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("inputs and goldens")
+    g.add_argument("--load-inputs", metavar="FILE",
+                   help="inputs: Polygraphy --save-inputs JSON or .npz (default: generated)")
+    g.add_argument("--load-outputs", metavar="FILE",
+                   help="golden outputs: Polygraphy --save-outputs JSON or .npz (default: "
+                   "computed in fp32 on the host)")
+    g.add_argument("--val-range", nargs="+", default=[], metavar="[NAME:][LO,HI]",
+                   help="range of generated inputs, e.g. x:[1,2] (default [0,1])")
+    g.add_argument("--seed", type=int, default=golden.DEFAULT_SEED,
+                   help="seed of generated inputs (Polygraphy's default 1)")
+    g.add_argument("--iterations", type=int, default=1, help="generated input iterations")
+
+
+def add_tolerance_args(p: argparse.ArgumentParser) -> None:
+    t = p.add_argument_group("comparison (Polygraphy's semantics)")
+    t.add_argument("--atol", nargs="+", default=[], metavar="[OUT:]TOL",
+                   help="absolute tolerance, per output with OUT:TOL (default 1e-5)")
+    t.add_argument("--rtol", nargs="+", default=[], metavar="[OUT:]TOL",
+                   help="relative tolerance, per output with OUT:TOL (default 1e-5)")
+    t.add_argument("--check-error-stat", nargs="+", default=[], metavar="[OUT:]STAT",
+                   help="one of {} (default elemwise)".format(", ".join(ERROR_STATS)))
+    t.add_argument("--error-quantile", nargs="+", default=[], metavar="[OUT:]Q",
+                   help="quantile for --check-error-stat quantile (default 0.99)")
+    t.add_argument("--infinities-compare-equal", action="store_true",
+                   help="matching +-inf values compare equal")
+
+
+def compare_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """Keyword arguments of compare_outputs from the tolerance arguments (validated)."""
+    opts: Dict[str, Any] = {
+        "atol": parse_per_output(args.atol, "--atol"),
+        "rtol": parse_per_output(args.rtol, "--rtol"),
+        "check_error_stat": parse_per_output(args.check_error_stat, "--check-error-stat",
+                                             "stat"),
+        "error_quantile": parse_per_output(args.error_quantile, "--error-quantile",
+                                           "quantile"),
+        "infinities_compare_equal": bool(args.infinities_compare_equal),
+    }
+    return {k: v for k, v in opts.items() if v not in ({}, None)}
+
+
+def build_plan(args: argparse.Namespace, precision: Optional[str] = None) -> BuildPlan:
+    precision = precision or args.precision or "fp32"
+    calibration = None
+    if args.calib or args.calibration_cache:
+        calibration = CalibrationSettings(data=args.calib, algorithm=args.calib_algo,
+                                          batch_size=args.calib_batch_size,
+                                          cache=args.calibration_cache)
+    if precision in ("int8", "best") and calibration is None:
+        raise AgentError("bad_argument", "--{} needs calibration: expected --calib DATA or "
+                         "--calibration-cache FILE, found neither".format(precision))
+    return BuildPlan(
+        precision=precision,
+        layer_precisions=parse_layer_precisions(getattr(args, "layer_precisions", []) or []),
+        precision_constraints=args.precision_constraints,
+        calibration=calibration,
+    )
+
+
+class Setup(object):
+    """Backend, caches and platform fingerprint for one command."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from agent import platform as plat
+        from agent.cache import EngineCache
+
+        info = plat.detect(use_jtop=False)
+        self.backend: Backend = get_backend(args.backend or info.backend)
+        self.fingerprint = info.fingerprint(self.backend.name)
+        root = fsio.state_dir(args.state_dir)
+        self.cache = EngineCache(root=os.path.join(root, "engines"))
+        self.calibration_dir = os.path.join(root, "calibration")
+
+    def host_reference(self) -> Backend:
+        """fp32 goldens are computed on the host backend, whatever builds the engines."""
+        if self.backend.name == "onnxruntime":
+            return self.backend
+        return get_backend("onnxruntime")
+
+
+def load_goldens(args: argparse.Namespace, model_path: str, setup: Setup
+                 ) -> Tuple[List[golden.Feed], List[golden.Feed], str]:
+    from agent.backends import graph
+
+    model = graph.load_model(model_path)
+    return golden.prepare(
+        model_path, graph.input_specs(model), graph.output_specs(model),
+        load_inputs_path=args.load_inputs, load_outputs_path=args.load_outputs,
+        val_range=golden.parse_val_range(args.val_range), seed=args.seed,
+        iterations=args.iterations, reference_backend=setup.host_reference())
+
+
+def progress_bar(args: argparse.Namespace) -> ProgressBar:
+    return ProgressBar(stream=sys.stderr, enabled=not getattr(args, "quiet", False))
+
+
+# ---------------------------------------------------------------------------------------------
+# compare
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "compare", help="build, run and compare an engine with golden outputs (Polygraphy-style)",
+        description=__doc__.split("\n\n")[1] if __doc__ else None)
+    add_build_args(p)
+    add_golden_args(p)
+    add_tolerance_args(p)
+    p.add_argument("--save-inputs", metavar="FILE",
+                   help="write the inputs used (Polygraphy JSON, or .npz by extension)")
+    p.add_argument("--save-outputs", metavar="FILE",
+                   help="write the engine's outputs (Polygraphy RunResults JSON, or .npz)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from agent.engine import build_engine
+
+    opts = compare_options(args)
+    plan = build_plan(args)
+    setup = Setup(args)
+    inputs, goldens, source = load_goldens(args, args.model, setup)
+    progress = progress_bar(args)
+    record = build_engine(args.model, plan, setup.backend, setup.cache, setup.fingerprint,
+                          progress, calibration_dir=setup.calibration_dir)
+    runner_name = "jetson-agent[{} {}]".format(setup.backend.name, plan.precision)
+    outputs = []
+    with setup.cache.pin(record.key):
+        with setup.backend.open(record.engine_path) as runner:
+            for i, feed in enumerate(inputs):
+                progress("inferring", i, len(inputs))
+                outputs.append(runner.infer(dict(feed)))
+            progress("inferring", len(inputs), len(inputs))
+    if args.save_inputs:
+        golden.save_inputs(args.save_inputs, inputs)
+    if args.save_outputs:
+        golden.save_outputs(args.save_outputs, outputs, runner=runner_name)
+    cmp = compare_outputs(outputs, goldens, runner=runner_name, reference=source, **opts)
+    print_comparison(args, cmp, record.to_dict())
+    return EXIT_OK if cmp.passed else EXIT_FAILED
+
+
+def print_comparison(args: argparse.Namespace, cmp: Comparison, engine: Dict[str, Any]) -> None:
+    if args.json:
+        doc = {"passed": cmp.passed, "engine": engine}
+        doc.update(cmp.to_dict())
+        print(json.dumps(doc, indent=2))
+    else:
+        print(cmp.format_report())

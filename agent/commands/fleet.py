@@ -1,0 +1,573 @@
+"""``jetson-agent fleet``: the controller side of a fleet, over MQTT (docs/fleet.md).
+
+- ``fleet devices``: the devices that reported (retained status): online, board, JetPack,
+  TensorRT, precisions, active engines, and telemetry heard within ``--wait`` seconds.
+- ``fleet rollout``: check the model, goldens and calibration set here, publish a job per
+  device in stages, serve the artifact blocks each device asks for, follow the progress, and
+  print a results table (``--json`` for machines). Exit status 0 only when every targeted
+  device SUCCEEDED, 1 otherwise, 2 on bad input (nothing published), 130 on Ctrl-C (devices
+  not started yet are cancelled).
+- ``fleet jobs``: job statuses and pending job documents retained on the broker.
+- ``fleet cancel JOB``: clear a job's retained documents and send cancel commands.
+- ``fleet telemetry DEVICE [--follow]``: a device's health metrics.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from typing import Any, Dict, List, Optional
+
+from agent import fleet, protocol
+from agent.errors import AgentError
+
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+GATE_STATS = ("elemwise", "max", "mean", "median")
+SEARCH_MODES = ("minimal", "bisect", "linear", "worst-first")
+CALIB_ALGORITHMS = ("entropy2", "minmax", "percentile", "legacy")
+
+
+# ---------------------------------------------------------------------------- arguments
+
+def add_connection_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("broker")
+    g.add_argument("--broker", metavar="URL",
+                   default=os.environ.get("JETSON_AGENT_FLEET_BROKER", "mqtt://localhost:1883"),
+                   help="mqtt://HOST:PORT or mqtts://HOST:PORT (default $JETSON_AGENT_FLEET_BROKER "
+                        "or mqtt://localhost:1883)")
+    g.add_argument("--prefix", default=protocol.DEFAULT_PREFIX,
+                   help="topic prefix (default %(default)s)")
+    g.add_argument("--username", help="MQTT user name")
+    g.add_argument("--password-file", metavar="FILE", help="file holding the MQTT password")
+    g.add_argument("--ca-file", metavar="FILE", help="CA bundle for TLS (implies TLS)")
+    g.add_argument("--mqtt", choices=("v5", "v3.1.1"), default="v5",
+                   help="MQTT protocol version (default v5)")
+    g.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
+                   help="give up connecting after S seconds (default 5)")
+
+
+def connect(args: argparse.Namespace) -> fleet.FleetConnection:
+    password = None
+    if args.password_file:
+        try:
+            with open(args.password_file) as f:
+                password = f.read().strip()
+        except OSError as exc:
+            raise AgentError("file_not_found", "cannot read --password-file {}: {}".format(
+                args.password_file, exc.strerror))
+    conn = fleet.FleetConnection(args.broker, args.prefix, username=args.username,
+                                 password=password, ca_file=args.ca_file,
+                                 protocol_version=args.mqtt,
+                                 connect_timeout=args.connect_timeout)
+    return conn.connect()
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("fleet", help="controller: devices, staged rollouts, jobs, telemetry",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    fsub = p.add_subparsers(dest="fleet_command", metavar="devices|rollout|jobs|cancel|telemetry")
+
+    d = fsub.add_parser("devices", help="devices that reported to the broker")
+    add_connection_args(d)
+    d.add_argument("--wait", type=float, default=1.0, metavar="S",
+                   help="listen S seconds for telemetry (default 1)")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=run_devices)
+
+    r = fsub.add_parser("rollout", help="deploy a model to devices in stages",
+                        description="Deploy a model to devices in stages; see docs/fleet.md.")
+    add_rollout_args(r)
+    add_connection_args(r)
+    r.set_defaults(func=run_rollout)
+
+    j = fsub.add_parser("jobs", help="job statuses retained on the broker")
+    add_connection_args(j)
+    j.add_argument("--device", action="append", metavar="ID", help="only this device "
+                   "(repeatable)")
+    j.add_argument("--json", action="store_true")
+    j.set_defaults(func=run_jobs)
+
+    c = fsub.add_parser("cancel", help="cancel a job (or a rollout) on devices")
+    add_connection_args(c)
+    c.add_argument("job_id", metavar="JOB", help="job id, or a rollout id (its search job too)")
+    c.add_argument("--devices", nargs="+", metavar="ID", help="only these devices")
+    c.add_argument("--wait", type=float, default=5.0, metavar="S",
+                   help="wait S seconds for the devices' replies (default 5)")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=run_cancel)
+
+    t = fsub.add_parser("telemetry", help="a device's health metrics")
+    add_connection_args(t)
+    t.add_argument("device", metavar="DEVICE")
+    t.add_argument("--follow", action="store_true", help="print every sample until Ctrl-C")
+    t.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                   help="without --follow: wait at most S seconds (default 10)")
+    t.add_argument("--json", action="store_true")
+    t.set_defaults(func=run_telemetry)
+    p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def add_rollout_args(r: argparse.ArgumentParser) -> None:
+    a = r.add_argument_group("what to deploy")
+    a.add_argument("--model", required=True, metavar="M.onnx")
+    a.add_argument("--precision", required=True, choices=("fp32", "fp16", "int8", "best"))
+    a.add_argument("--fallback", choices=("allow", "reject"), default="reject",
+                   help="where a device lacks --precision: fall back to a wider one (allow) or "
+                        "refuse the job (reject, default)")
+    a.add_argument("--calib", metavar="DIR|FILE",
+                   help="INT8 calibration data: a directory of .npz/.npy shards or one file")
+    a.add_argument("--calib-algorithm", choices=CALIB_ALGORITHMS,
+                   help="calibration algorithm (device default: entropy2)")
+    a.add_argument("--calib-batch-size", type=int, metavar="N")
+    a.add_argument("--layer-precisions", nargs="+", metavar="NAME:PREC", default=[],
+                   help="keep these layers in float32/float16")
+    a.add_argument("--rollout-id", metavar="ID", help="job id to use (default: from the model)")
+    g = r.add_argument_group("accuracy gate (Polygraphy semantics)")
+    g.add_argument("--inputs", metavar="F", help="inputs the goldens were computed from "
+                   "(Polygraphy --save-inputs JSON or .npz)")
+    g.add_argument("--golden", metavar="F", help="golden outputs (Polygraphy --save-outputs "
+                   "JSON or .npz)")
+    g.add_argument("--labels", metavar="F", help="true classes of the input rows (.npy)")
+    g.add_argument("--atol", type=float)
+    g.add_argument("--rtol", type=float)
+    g.add_argument("--check-error-stat", choices=GATE_STATS)
+    g.add_argument("--min-top1", type=float, metavar="R",
+                   help="classifiers: top-1 agreement with the goldens at least R (0..1)")
+    s = r.add_argument_group("precision search (a search job, then a deploy job with its answer)")
+    s.add_argument("--search", choices=SEARCH_MODES)
+    s.add_argument("--search-direction", choices=("forward", "reverse"))
+    s.add_argument("--max-evaluations", type=int, metavar="N")
+    b = r.add_argument_group("benchmark")
+    b.add_argument("--bench-iterations", type=int, metavar="N")
+    b.add_argument("--bench-warmup", type=int, metavar="N")
+    t = r.add_argument_group("targets and stages")
+    who = t.add_mutually_exclusive_group(required=True)
+    who.add_argument("--devices", nargs="+", metavar="ID")
+    who.add_argument("--all", action="store_true", help="every device that reported")
+    who.add_argument("--match", metavar="PATTERN", help="device ids matching a glob pattern")
+    size = t.add_mutually_exclusive_group()
+    size.add_argument("--batch", type=int, metavar="N", help="N devices per stage")
+    size.add_argument("--percent", type=float, metavar="P", help="P%% of the devices per stage")
+    t.add_argument("--success-threshold", type=float, default=1.0, metavar="R",
+                   help="fraction of a stage that must succeed before the next (default 1)")
+    t.add_argument("--abort-failure-rate", type=float, metavar="R",
+                   help="stop when more than R of the finished devices failed")
+    t.add_argument("--min-executed", type=int, default=1, metavar="K",
+                   help="judge the failure rate once K devices finished (default 1)")
+    t.add_argument("--timeout", type=float, default=3600.0, metavar="S",
+                   help="give up on devices not finished after S seconds (default 3600)")
+    t.add_argument("--job-timeout", type=float, metavar="S",
+                   help="in-progress timeout the devices apply to each job")
+    o = r.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    o.add_argument("-q", "--quiet", action="store_true", help="no live progress")
+
+
+def parse_layer_precisions(items: List[str]) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for item in items:
+        name, sep, prec = item.rpartition(":")
+        if not sep or not name or prec not in ("float32", "float16", "int8"):
+            raise AgentError("bad_argument", "--layer-precisions expects NAME:float32, "
+                             "NAME:float16 or NAME:int8, found {!r}".format(item))
+        out[name] = prec
+    return out
+
+
+# ---------------------------------------------------------------------------- rollout
+
+def _artifact_refs(files: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
+    from agent.transfer import sha256_file
+
+    return {role: {"sha256": sha256_file(path), "size": os.path.getsize(path),
+                   "name": os.path.basename(path)[:255]} for role, path in files.items()}
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    for name in ("atol", "rtol"):
+        value = getattr(args, name)
+        if value is not None and not value >= 0:
+            raise AgentError("bad_argument", "--{} must be >= 0, found {}".format(name, value))
+    if args.min_top1 is not None and not 0 <= args.min_top1 <= 1:
+        raise AgentError("bad_argument", "--min-top1 must be in [0, 1], found {}".format(
+            args.min_top1))
+    for name in ("calib_batch_size", "max_evaluations", "bench_iterations"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise AgentError("bad_argument", "--{} must be >= 1, found {}".format(
+                name.replace("_", "-"), value))
+    if args.bench_warmup is not None and args.bench_warmup < 0:
+        raise AgentError("bad_argument", "--bench-warmup must be >= 0, found {}".format(
+            args.bench_warmup))
+    for name in ("timeout", "job_timeout"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise AgentError("bad_argument", "--{} must be > 0, found {}".format(
+                name.replace("_", "-"), value))
+
+
+def make_doc_factory(args: argparse.Namespace, artifacts: Dict[str, Dict[str, Any]],
+                     user_layers: Dict[str, str]) -> fleet.DocFactory:
+    from agent.platform import FALLBACK_CHAINS
+
+    fallback = list(FALLBACK_CHAINS.get(args.precision, ())) if args.fallback == "allow" else []
+    gate = {k: v for k, v in (("atol", args.atol), ("rtol", args.rtol),
+                              ("check_error_stat", args.check_error_stat),
+                              ("min_top1", args.min_top1)) if v is not None}
+    calibration = {k: v for k, v in (("algorithm", args.calib_algorithm),
+                                     ("batch_size", args.calib_batch_size)) if v is not None}
+    search = {k: v for k, v in (("mode", args.search), ("direction", args.search_direction),
+                                ("max_iterations", args.max_evaluations)) if v is not None}
+    bench = {k: v for k, v in (("iterations", args.bench_iterations),
+                               ("warmup", args.bench_warmup)) if v is not None}
+
+    def docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
+             ) -> Dict[str, Any]:
+        plan: Dict[str, Any] = {"precision": args.precision}
+        merged = dict(user_layers)
+        merged.update(layers or {})
+        if merged:
+            plan["layer_precisions"] = merged
+            plan["precision_constraints"] = "obey"
+        if "calibration" in artifacts and calibration:
+            plan["calibration"] = dict(calibration)
+        return fleet.job_document(
+            job_id, kind, device, artifacts, plan, fallback=fallback, gate=gate,
+            search=search if kind == "search" else None,
+            bench=bench if kind == "deploy" else None, timeout_s=args.job_timeout)
+
+    return docs
+
+
+def run_rollout(args: argparse.Namespace) -> int:
+    _check_numbers(args)
+    policy = fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
+                                             args.min_executed))
+    user_layers = parse_layer_precisions(args.layer_precisions)
+    rollout_id = fleet.check_rollout_id(args.rollout_id or fleet.new_rollout_id(args.model))
+    with tempfile.TemporaryDirectory(prefix="jetson-agent-rollout-") as work:
+        files = fleet.prepare_rollout(
+            args.model, args.precision, work, calib=args.calib, inputs=args.inputs,
+            goldens=args.golden, labels=args.labels, layer_precisions=user_layers,
+            min_top1=args.min_top1, search=args.search)
+        artifacts = _artifact_refs(files)
+        docs = make_doc_factory(args, artifacts, user_layers)
+        # Every document shape is checked now, before the broker sees anything.
+        for kind in (["search"] if args.search else []) + ["deploy"]:
+            docs("check", rollout_id, kind, None)
+        conn = connect(args)
+        try:
+            fleet.discover(conn)
+            devices = fleet.select_devices(conn.directory.known(), args.devices, args.all,
+                                           args.match)
+            stages = fleet.plan_stages(devices, args.batch, args.percent)
+            rollout = fleet.Rollout(rollout_id, stages, docs, policy, bool(args.search))
+            view = fleet.ProgressView(enabled=not args.quiet)
+            if not args.quiet:
+                print("rollout {}: {} ({}) to {} device(s) in {} stage(s); jobs {}".format(
+                    rollout_id, os.path.basename(args.model), args.precision, len(devices),
+                    len(stages), ", ".join(rollout.job_ids)), file=sys.stderr)
+            interrupted = False
+            try:
+                fleet.run_rollout(conn, rollout, files, view, timeout=args.timeout)
+            except KeyboardInterrupt:
+                interrupted = True
+            report = fleet.rollout_report(rollout, conn.directory.status, {
+                "model": {"path": args.model, **artifacts["model"]},
+                "precision": args.precision,
+                "search": args.search,
+                "broker": args.broker,
+            })
+        finally:
+            conn.close()
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+    else:
+        print(fleet.results_table(report["devices"]))
+        print(fleet.summary_line(rollout))
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK if rollout.succeeded else EXIT_FAILED
+
+
+# ---------------------------------------------------------------------------- devices
+
+def _age(ts: Any) -> str:
+    if not isinstance(ts, (int, float)):
+        return "-"
+    seconds = max(0.0, time.time() - ts)
+    if seconds < 120:
+        return "{:.0f}s ago".format(seconds)
+    if seconds < 7200:
+        return "{:.0f}m ago".format(seconds / 60)
+    return "{:.0f}h ago".format(seconds / 3600)
+
+
+def telemetry_summary(metrics: Any) -> str:
+    if not isinstance(metrics, dict):
+        return "-"
+    parts = []
+    for key, fmt in (("power_mw", "{:.0f} mW"), ("gpu_load", "gpu {:.0%}"),
+                     ("cpu_percent", "cpu {:.0f}%"), ("ram_used_mb", "ram {:.0f} MB"),
+                     ("ram_fraction", "ram {:.0%}")):
+        value = metrics.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parts.append(fmt.format(value))
+    temps = metrics.get("temp_c")
+    if isinstance(temps, dict):
+        values = [v for v in temps.values() if isinstance(v, (int, float))]
+        if values:
+            parts.append("{:.0f}C".format(max(values)))
+    if metrics.get("nvpmodel"):
+        parts.append(str(metrics["nvpmodel"]))
+    return ", ".join(parts) or "-"
+
+
+def device_rows(directory: fleet.DeviceDirectory) -> List[Dict[str, Any]]:
+    rows = []
+    for dev in directory.known():
+        st = directory.status[dev]
+        plat = st.get("platform") or {}
+        tele = directory.telemetry.get(dev)
+        rows.append({
+            "device": dev, "online": st.get("online"), "boot": st.get("boot"),
+            "since": st.get("ts"), "reason": st.get("reason"),
+            "board": plat.get("board"), "jetpack": plat.get("jetpack"),
+            "tensorrt": plat.get("tensorrt"), "backend": plat.get("backend"),
+            "precisions": plat.get("precisions"), "agent_version": st.get("agent_version"),
+            "active_engines": st.get("active_engines") or [],
+            "telemetry": tele,
+        })
+    return rows
+
+
+def run_devices(args: argparse.Namespace) -> int:
+    conn = connect(args)
+    try:
+        directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
+    finally:
+        conn.close()
+    rows = device_rows(directory)
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+        return EXIT_OK
+    if not rows:
+        print("no device has reported to {} under {}/".format(args.broker, args.prefix))
+        return EXIT_OK
+    table = []
+    for r in rows:
+        online = "yes" if r["online"] else "no ({})".format(r["reason"] or "offline")
+        tele = r["telemetry"]
+        table.append([r["device"], online, str(r["board"] or "-"), str(r["jetpack"] or "-"),
+                      str(r["tensorrt"] or "-"), str(r["backend"] or "-"),
+                      ",".join(r["precisions"] or []) or "-", str(len(r["active_engines"])),
+                      "{} ({})".format(telemetry_summary(tele.get("metrics")), _age(tele.get(
+                          "ts"))) if tele else "-"])
+    print(fleet.format_table(["DEVICE", "ONLINE", "BOARD", "JETPACK", "TENSORRT", "BACKEND",
+                              "PRECISIONS", "ENGINES", "TELEMETRY"], table))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- jobs
+
+def _retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
+    """(device, job id) -> {"status": last status or None, "document": pending doc or None}"""
+    found: Dict[Any, Dict[str, Any]] = {}
+
+    def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+        if info.kind == "job_status":
+            entry = found.setdefault((info.device, info.job_id), {"status": None,
+                                                                  "document": None})
+            if entry["status"] is None or msg.get("version", 0) > entry["status"].get(
+                    "version", 0):
+                entry["status"] = msg
+        elif info.kind == "job" and msg.payload:
+            try:
+                doc = protocol.decode("job", msg.payload)
+            except AgentError:
+                return
+            entry = found.setdefault((info.device, info.job_id), {"status": None,
+                                                                  "document": None})
+            entry["document"] = doc
+
+    base = conn.topics.prefix + "/devices/+"
+    conn.subscribe([base + "/status", base + "/jobs/+", base + "/jobs/+/status"])
+    conn.settle(on_message)
+    return found
+
+
+def run_jobs(args: argparse.Namespace) -> int:
+    conn = connect(args)
+    try:
+        found = _retained_jobs(conn)
+    finally:
+        conn.close()
+    rows = []
+    for (dev, job_id), entry in sorted(found.items()):
+        if args.device and dev not in args.device:
+            continue
+        st = entry["status"] or {}
+        doc = entry["document"] or {}
+        rows.append({"device": dev, "job_id": job_id, "kind": st.get("kind") or doc.get("kind"),
+                     "state": st.get("state") or "SENT", "stage": st.get("stage"),
+                     "version": st.get("version"), "updated": st.get("ts"),
+                     "error": st.get("error"), "pending_document": bool(entry["document"])})
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+        return EXIT_OK
+    if not rows:
+        print("no retained jobs")
+        return EXIT_OK
+    table = [[r["device"], r["job_id"], str(r["kind"] or "?"), r["state"],
+              str(r["stage"] or "-"), _age(r["updated"]),
+              "{}: {}".format(r["error"].get("code"), r["error"].get("message", ""))[:70]
+              if r["error"] else "-"] for r in rows]
+    print(fleet.format_table(["DEVICE", "JOB", "KIND", "STATE", "STAGE", "UPDATED", "ERROR"],
+                             table))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- cancel
+
+def run_cancel(args: argparse.Namespace) -> int:
+    conn = connect(args)
+    try:
+        found = _retained_jobs(conn)
+        known = conn.directory.known()
+        if args.devices:
+            fleet.select_devices(known, args.devices)
+        ids = (args.job_id, args.job_id + fleet.SEARCH_SUFFIX)
+        targets: Dict[Any, Dict[str, Any]] = {}
+        for (dev, job_id), entry in found.items():
+            if job_id not in ids or (args.devices and dev not in args.devices):
+                continue
+            st = entry["status"]
+            if entry["document"] or st is None or not protocol.is_terminal(st.get("state", "")):
+                targets[(dev, job_id)] = entry
+        if args.devices:
+            for dev in args.devices:
+                if not any(d == dev for d, _ in targets):
+                    targets[(dev, args.job_id)] = {"status": None, "document": None}
+        if not targets:
+            raise AgentError("unknown_job", "no device has an unfinished job {!r} (nothing "
+                             "retained on the broker under {}/)".format(args.job_id,
+                                                                        args.prefix))
+        replies: Dict[str, Dict[str, Any]] = {}
+        requests: Dict[str, Any] = {}
+
+        def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+            if info.kind == "command_reply" and msg.get("request_id") in requests:
+                replies[msg["request_id"]] = msg
+
+        conn.subscribe([conn.topics.prefix + "/devices/+/commands/reply"])
+        conn.settle(on_message)
+        for (dev, job_id), entry in sorted(targets.items()):
+            if entry["document"]:
+                conn.publish(conn.topics.job(dev, job_id), b"", qos=1, retain=True)
+            rid = "c" + uuid.uuid4().hex[:10]
+            requests[rid] = (dev, job_id)
+            conn.publish(conn.topics.commands(dev), protocol.encode({
+                "protocol": protocol.PROTOCOL_VERSION, "command": "cancel", "request_id": rid,
+                "job_id": job_id}), qos=1)
+        conn.flush()
+        deadline = time.monotonic() + max(0.0, args.wait)
+        while len(replies) < len(requests) and time.monotonic() < deadline:
+            conn.pump(on_message, 0.2)
+    finally:
+        conn.close()
+    out = []
+    for rid, (dev, job_id) in sorted(requests.items(), key=lambda kv: kv[1]):
+        reply = replies.get(rid)
+        entry = targets[(dev, job_id)]
+        out.append({"device": dev, "job_id": job_id,
+                    "document_cleared": bool(entry["document"]),
+                    "reply": reply, "online": (conn.directory.status.get(dev) or {}).get(
+                        "online")})
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return EXIT_OK
+    for r in out:
+        reply = r["reply"]
+        if reply is None:
+            what = "no reply{}".format(" (device offline: the broker keeps the command for "
+                                       "its session)" if r["online"] is False else "")
+        elif reply.get("ok"):
+            what = "cancelled ({})".format((reply.get("result") or {}).get("state"))
+        else:
+            err = reply.get("error") or {}
+            what = "not cancelled: {} {}".format(err.get("code"), err.get("message", ""))
+        if r["document_cleared"]:
+            what += "; retained job document cleared"
+        print("{} {}: {}".format(r["device"], r["job_id"], what))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- telemetry
+
+def _print_telemetry(msg: Dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(msg, sort_keys=True), flush=True)
+        return
+    when = time.strftime("%H:%M:%S", time.localtime(msg.get("ts") or time.time()))
+    metrics = msg.get("metrics") or {}
+    flat = []
+    for key in sorted(metrics):
+        value = metrics[key]
+        if isinstance(value, dict):
+            value = ",".join("{}={}".format(k, v) for k, v in sorted(value.items()))
+        flat.append("{}={}".format(key, value))
+    print("{} {} [{}] {}".format(when, msg.get("device"), msg.get("source", "?"),
+                                 " ".join(flat)), flush=True)
+
+
+def run_telemetry(args: argparse.Namespace) -> int:
+    conn = connect(args)
+    samples: List[Dict[str, Any]] = []
+    try:
+        fleet.discover(conn)
+        fleet.select_devices(conn.directory.known(), [args.device])
+        status = conn.directory.status[args.device]
+        rid = "d" + uuid.uuid4().hex[:10]
+
+        def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+            if info.device != args.device:
+                return
+            if info.kind == "telemetry":
+                samples.append(msg)
+            elif info.kind == "command_reply" and msg.get("request_id") == rid and msg.get("ok"):
+                tele = (msg.get("result") or {}).get("telemetry")
+                if tele and not samples:
+                    samples.append({"protocol": 1, "device": args.device, "ts": time.time(),
+                                    "source": "diag", "metrics": tele})
+
+        conn.subscribe([conn.topics.telemetry(args.device)], 0)
+        conn.subscribe([conn.topics.command_reply(args.device)])
+        conn.settle(on_message)
+        if status.get("online") is not False:
+            # The diag reply carries the last sample: no wait for the next telemetry tick.
+            conn.publish(conn.topics.commands(args.device), protocol.encode({
+                "protocol": protocol.PROTOCOL_VERSION, "command": "diag", "request_id": rid}),
+                qos=1)
+        if args.follow:
+            try:
+                while True:
+                    conn.pump(on_message, 0.5)
+                    while samples:
+                        _print_telemetry(samples.pop(0), args.json)
+            except KeyboardInterrupt:
+                return EXIT_OK
+        deadline = time.monotonic() + args.timeout
+        while not samples and time.monotonic() < deadline:
+            conn.pump(on_message, 0.2)
+    finally:
+        conn.close()
+    if not samples:
+        why = "it is offline since {}".format(_age(status.get("ts"))) \
+            if status.get("online") is False else "nothing within {:.0f} s".format(args.timeout)
+        print("no telemetry from {}: {}".format(args.device, why), file=sys.stderr)
+        return EXIT_FAILED
+    _print_telemetry(samples[0], args.json)
+    return EXIT_OK

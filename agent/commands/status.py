@@ -1,0 +1,101 @@
+"""``jetson-agent status``: the device's local state, read from the daemon's journal.
+
+Jobs by state, the job in progress, active engines, the outbox (status messages not yet
+acknowledged by the broker) and artifact transfers. Works while the daemon runs.
+"""
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Dict, Tuple
+
+from agent import config
+from agent.errors import AgentError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("status", help="local state of the device daemon",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_state_args(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+def add_state_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="the daemon's YAML config (for state_dir)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="the daemon's state directory (systemd: /var/lib/jetson-agent)")
+
+
+def open_journal(args: argparse.Namespace) -> Any:
+    """The daemon's journal, located like the daemon locates it; never created here."""
+    from agent.daemon import journal_path
+    from agent.journal import Journal
+
+    over: Dict[Tuple[str, ...], Any] = {("state_dir",): args.state_dir} if args.state_dir else {}
+    cfg = config.load(args.config, overrides=over)
+    path = journal_path(cfg.state_dir or "")
+    if not os.path.isfile(path):
+        raise AgentError("file_not_found", "no journal at {}: expected the state directory of a "
+                         "daemon that has run (--state-dir or --config)".format(path))
+    return Journal(path)
+
+
+def summary(journal: Any) -> Dict[str, Any]:
+    jobs = journal.jobs()
+    counts: Dict[str, int] = {}
+    for row in jobs:
+        counts[row["state"]] = counts.get(row["state"], 0) + 1
+    running = [_brief(r) for r in jobs if r["state"] in ("QUEUED", "IN_PROGRESS")]
+    recent = [_brief(r) for r in sorted(jobs, key=lambda r: r["updated"])[-10:]]
+    return {
+        "path": journal.path,
+        "boot": journal.boot(),
+        "jobs": counts,
+        "unfinished": running,
+        "recent": recent,
+        "active_engines": journal.active_engines(),
+        "outbox": journal.outbox_count(),
+        "transfers": [{"sha256": t["sha256"], "size": t["size"], "block_size": t["block_size"],
+                       "updated": t["updated"]} for t in journal.transfers()],
+    }
+
+
+def _brief(row: Dict[str, Any]) -> Dict[str, Any]:
+    out = {k: row[k] for k in ("job_id", "kind", "state", "version", "stage", "progress",
+                               "updated", "attempts")}
+    if row.get("error"):
+        out["error"] = {"code": row["error"].get("code"), "message": row["error"].get("message")}
+    return out
+
+
+def when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+
+
+def run(args: argparse.Namespace) -> int:
+    with open_journal(args) as journal:
+        s = summary(journal)
+    if args.json:
+        print(json.dumps(s, indent=2, sort_keys=True))
+        return 0
+    print("journal {} (boot {})".format(s["path"], s["boot"]))
+    print("jobs: " + (", ".join("{} {}".format(n, st) for st, n in sorted(s["jobs"].items()))
+                      or "none"))
+    for row in s["unfinished"]:
+        prog = row["progress"]
+        print("  {:<24} {:<7} {:<11} {}{}".format(
+            row["job_id"], row["kind"], row["state"], row["stage"] or "",
+            " {}/{}".format(prog["done"], prog["of"]) if prog else ""))
+    print("active engines: {}".format(len(s["active_engines"])))
+    for e in s["active_engines"]:
+        print("  model {}  engine {}  {}  job {}  since {}".format(
+            e["model"][:12], e["engine_key"][:12], e["precision"], e["job_id"],
+            when(e["activated"])))
+    print("outbox: {} message(s) waiting for the broker".format(s["outbox"]))
+    if s["transfers"]:
+        print("transfers in progress: {}".format(len(s["transfers"])))
+        for t in s["transfers"]:
+            print("  {}  {} bytes".format(t["sha256"][:12], t["size"]))
+    return 0

@@ -1,0 +1,364 @@
+"""Run a precision search against a backend: every candidate goes through the engine cache.
+
+One evaluation = ``build_engine(plan.with_layers(keep))`` (a cache hit when that set was built
+before, by this search or an earlier one), run every input iteration, compare with the goldens
+(``agent.compare``). ``minimal`` and ``worst-first`` first build two instrumented engines (every
+float tensor marked as an output, ``"*"``): the plan with every candidate kept in higher
+precision, and the plan as asked; ``search.rank_layers`` turns their tensors into the ranking
+and the per-layer sensitivity table. INT8 builds share one calibration cache (``build_engine``
+defaults it), so calibration runs once per search.
+
+The search can be stopped (``should_stop()`` returns True, or KeyboardInterrupt): the result
+then holds what was found so far, flagged ``interrupted``; every engine it published is whole
+(the cache publishes atomically). The platform fingerprint is passed in: this module is worker
+side (Python 3.6) and never imports ``agent.platform``.
+"""
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from agent import golden
+from agent import search as strategies
+from agent.backends import graph
+from agent.backends.base import (
+    Backend,
+    BuildPlan,
+    Progress,
+    format_layer_precisions,
+    no_progress,
+)
+from agent.cache import EngineCache
+from agent.compare import Comparison, compare_outputs
+from agent.engine import EngineRecord, build_engine
+from agent.errors import AgentError
+
+log = logging.getLogger(__name__)
+
+Feed = Dict[str, np.ndarray]
+# Instrumented runs keep every float tensor of this many input iterations in memory.
+INSTRUMENT_ITERATIONS = 4
+# Iteration logs list the kept layers when there are at most this many (else only the size).
+LOG_KEEP_MAX = 64
+
+
+class SearchResult(object):
+    """What a search found (or had found when it was stopped)."""
+
+    def __init__(self) -> None:
+        self.model = ""
+        self.mode = ""
+        self.direction = ""
+        self.precision = ""
+        self.keep_precision = "float32"
+        self.candidates = 0
+        self.keep: List[str] = []
+        self.passed = False
+        self.complete = False
+        self.interrupted = False
+        self.exhausted = False
+        self.evaluations = 0
+        self.builds = 0
+        self.cache_hits = 0
+        self.iterations: List[Dict[str, Any]] = []
+        self.sensitivity: List[Dict[str, Any]] = []
+        self.ranking: List[str] = []
+        self.suspects = 0
+        self.engine_key: Optional[str] = None
+        self.engine_path: Optional[str] = None
+        self.comparison: Optional[Comparison] = None
+        self.seconds = 0.0
+        self.message = ""
+
+    @property
+    def layer_precisions(self) -> str:
+        """Ready to paste after ``--layer-precisions``."""
+        return format_layer_precisions({name: self.keep_precision for name in self.keep})
+
+    def to_dict(self) -> Dict[str, Any]:
+        return OrderedDict([
+            ("model", self.model),
+            ("mode", self.mode),
+            ("direction", self.direction),
+            ("precision", self.precision),
+            ("keep_precision", self.keep_precision),
+            ("candidates", self.candidates),
+            ("keep", list(self.keep)),
+            ("layer_precisions", self.layer_precisions),
+            ("passed", self.passed),
+            ("complete", self.complete),
+            ("interrupted", self.interrupted),
+            ("exhausted", self.exhausted),
+            ("partial", not self.complete),
+            ("evaluations", self.evaluations),
+            ("builds", self.builds),
+            ("cache_hits", self.cache_hits),
+            ("seconds", round(self.seconds, 3)),
+            ("engine_key", self.engine_key),
+            ("engine", self.engine_path),
+            ("message", self.message),
+            ("comparison", self.comparison.to_dict()["outputs"] if self.comparison else None),
+            ("suspects", self.suspects),
+            ("iterations", self.iterations),
+            ("sensitivity", self.sensitivity),
+        ])
+
+
+def _quiet_builds(progress: Progress) -> Progress:
+    """Pass calibration progress through (it is long); per-candidate build steps are not."""
+    def forward(stage: str, done: int, total: int) -> None:
+        if stage == "calibrating":
+            progress(stage, done, total)
+    return forward
+
+
+def _run(backend: Backend, record: EngineRecord, inputs: Sequence[Feed]) -> List[Feed]:
+    with backend.open(record.engine_path) as runner:
+        return [runner.infer(dict(feed)) for feed in inputs]
+
+
+def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
+    """Float nodes that the plan runs in something other than ``keep_precision`` (keeping the
+    others changes nothing), in topological order."""
+    assignment, _, _ = graph.resolve_precisions(model, plan.precision, plan.layer_precisions)
+    return [name for name in graph.float_nodes(model)
+            if assignment.get(name, keep_precision) != keep_precision
+            and name not in plan.layer_precisions]
+
+
+def _layer_io(model: Any, names: Sequence[str]) -> List[Tuple[str, List[str], List[str]]]:
+    wanted = set(names)
+    return [(n.name, [i for i in n.input if i], [o for o in n.output if o])
+            for n in model.graph.node if n.name in wanted]
+
+
+def _tensors(outputs: List[Feed], names: Sequence[str]) -> Dict[str, List[np.ndarray]]:
+    wanted = set(names)
+    out: Dict[str, List[np.ndarray]] = {}
+    for feed in outputs:
+        for name, value in feed.items():
+            if name in wanted:
+                out.setdefault(name, []).append(np.asarray(value))
+    return out
+
+
+def _stats(cmp: Comparison) -> Dict[str, Any]:
+    """Per output: pass, the minimum tolerances that would have passed, SQNR, cosine."""
+    out: Dict[str, Any] = OrderedDict()
+    for name, s in cmp.to_dict()["outputs"].items():
+        out[name] = OrderedDict((k, s.get(k)) for k in (
+            "passed", "required_atol", "required_rtol", "sqnr_db", "cosine"))
+    return out
+
+
+def run_search(
+    model_path: str,
+    plan: BuildPlan,
+    inputs: Sequence[Feed],
+    goldens: Sequence[Feed],
+    backend: Backend,
+    cache: EngineCache,
+    platform_fingerprint: Dict[str, str],
+    mode: str = "minimal",
+    direction: str = "forward",
+    compare_options: Optional[Dict[str, Any]] = None,
+    progress: Progress = no_progress,
+    should_stop: Optional[Callable[[], bool]] = None,
+    max_evaluations: Optional[int] = None,
+    keep_precision: str = "float32",
+    calibration_dir: Optional[str] = None,
+    instrument: bool = True,
+) -> SearchResult:
+    """Search which layers of ``model_path`` must run in ``keep_precision`` for ``plan`` (fp16,
+    int8, or best = int8 with fp16 fallback) to pass the goldens.
+
+    ``compare_options``: keyword arguments of ``compare.compare_outputs`` (atol, rtol,
+    check_error_stat, error_quantile, infinities_compare_equal). ``max_evaluations`` caps the
+    number of candidate builds (the result is then partial, ``exhausted``). ``instrument``
+    False skips the two instrumented builds: ``minimal`` then works from topological order
+    without suspects (``worst-first`` needs them). Raises
+    ``reference_mismatch`` when even every candidate kept fails, ``golden_mismatch`` when the
+    goldens do not fit the model's outputs."""
+    started = time.monotonic()
+    strategies.check_mode(mode, direction)
+    if plan.precision == "fp32":
+        raise AgentError("bad_argument", "a precision search needs a reduced precision "
+                         "(fp16, int8 or best), found fp32")
+    if len(inputs) != len(goldens):
+        raise AgentError("golden_mismatch", "expected one golden iteration per input iteration "
+                         "({}), found {}".format(len(inputs), len(goldens)))
+    opts = dict(compare_options or {})
+    model = graph.load_model(model_path)
+    # Fail fast on inputs, goldens and tolerances that do not fit, before any build.
+    golden.validate_inputs(inputs, graph.input_specs(model))
+    golden.validate_goldens(goldens, graph.output_specs(model), len(inputs))
+    compare_outputs(list(goldens), list(goldens), **opts)
+    stop = should_stop or (lambda: False)
+    result = SearchResult()
+    result.model = model_path
+    result.mode, result.direction = mode, direction
+    result.precision, result.keep_precision = plan.precision, keep_precision
+    layers = _candidates(model, plan, keep_precision)
+    result.candidates = len(layers)
+    build_progress = _quiet_builds(progress)
+
+    def build(p: BuildPlan) -> EngineRecord:
+        record = build_engine(model_path, p, backend, cache, platform_fingerprint,
+                              build_progress, calibration_dir=calibration_dir)
+        result.builds += 1
+        result.cache_hits += int(record.cache_hit)
+        return record
+
+    scores: List[strategies.LayerScore] = []
+    search: Optional[strategies.Search] = None
+    comparisons: Dict[frozenset, Comparison] = {}
+    try:
+        ranking: Optional[List[str]] = None
+        if (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
+            progress("instrumenting", 0, 2)
+            scores = _instrumented_ranking(model, layers, plan, inputs, build, backend,
+                                           keep_precision)
+            ranking = [s.name for s in scores]
+            result.suspects = strategies.count_suspects(scores)
+            progress("instrumenting", 2, 2)
+        result.ranking = ranking or []
+        search = strategies.Search(layers, mode=mode, direction=direction, ranking=ranking,
+                                   suspects=result.suspects, max_evaluations=max_evaluations)
+        progress("searching", 0, 0)
+        while not search.done:
+            if stop():
+                result.interrupted = True
+                break
+            keep = search.propose() or []
+            t0 = time.monotonic()
+            record = build(plan.with_layers(keep, keep_precision))
+            build_seconds = time.monotonic() - t0
+            outputs = _run(backend, record, inputs)
+            cmp = compare_outputs(outputs, list(goldens), **opts)
+            comparisons[frozenset(keep)] = cmp
+            entry: Dict[str, Any] = OrderedDict([
+                ("index", search.evaluations + 1),
+                ("size", len(keep)),
+                ("passed", cmp.passed),
+                ("seconds", round(time.monotonic() - t0, 3)),
+                ("build_seconds", round(build_seconds, 3)),
+                ("cache_hit", record.cache_hit),
+                ("engine_key", record.key),
+                ("stats", _stats(cmp)),
+            ])
+            if len(keep) <= LOG_KEEP_MAX:
+                entry["keep"] = list(keep)
+            result.iterations.append(entry)
+            log.info("search %s: %d layer(s) kept -> %s (%.2f s%s)", mode, len(keep),
+                     "pass" if cmp.passed else "fail", entry["seconds"],
+                     ", cached" if record.cache_hit else "")
+            try:
+                search.observe(cmp.passed, entry)
+            except AgentError as exc:
+                if exc.code == "reference_mismatch":
+                    raise AgentError("reference_mismatch", "{}; with all kept: {}".format(
+                        exc.message, _describe(cmp)), {"comparison": cmp.to_dict()["outputs"]})
+                raise
+            progress("searching", search.evaluations, 0)
+    except KeyboardInterrupt:
+        result.interrupted = True
+
+    if search is not None:
+        result.evaluations = search.evaluations
+        result.complete = search.complete and not result.interrupted
+        result.exhausted = search.exhausted
+        best = search.best()
+        result.keep = best if best is not None else []
+        result.passed = best is not None
+    result.sensitivity = _sensitivity(scores, layers, result.keep, comparisons, mode)
+    if result.passed:
+        # The found set was evaluated, so this is a cache hit; it pins the answer's engine.
+        try:
+            record = build(plan.with_layers(result.keep, keep_precision))
+            result.engine_key, result.engine_path = record.key, record.engine_path
+        except KeyboardInterrupt:
+            result.interrupted = True
+        result.comparison = comparisons.get(frozenset(result.keep))
+    result.message = _message(result)
+    result.seconds = time.monotonic() - started
+    progress("searching", result.evaluations, result.evaluations)
+    return result
+
+
+def _instrumented_ranking(model: Any, layers: List[str], plan: BuildPlan,
+                          inputs: Sequence[Feed], build: Callable[[BuildPlan], EngineRecord],
+                          backend: Backend, keep_precision: str
+                          ) -> List[strategies.LayerScore]:
+    """Rank candidates by the error each introduces, from two instrumented runs."""
+    io = _layer_io(model, layers)
+    tensors = sorted(set(t for _, ins, outs in io for t in list(ins) + list(outs)))
+    feeds = list(inputs[:INSTRUMENT_ITERATIONS])
+    ref_plan = plan.with_layers(layers, keep_precision)
+    ref_plan.mark_outputs = ["*"]
+    low_plan = BuildPlan.from_dict(plan.to_dict())
+    low_plan.mark_outputs = ["*"]
+    reference = _tensors(_run(backend, build(ref_plan), feeds), tensors)
+    # Graph inputs are not node outputs: add them so the first layers have inputs to compare.
+    for feed in feeds:
+        for name, value in feed.items():
+            reference.setdefault(name, []).append(np.asarray(value))
+    reduced = _tensors(_run(backend, build(low_plan), feeds), tensors)
+    for name in list(reference):
+        if name not in reduced:
+            reduced[name] = reference[name]  # inputs: identical in both runs
+    return strategies.rank_layers(io, reference, reduced, precision=plan.precision)
+
+
+def _describe(cmp: Comparison) -> str:
+    parts = []
+    for name, s in cmp.summary().items():
+        parts.append("{} needs atol {} or rtol {}".format(
+            name, _fmt(s.get("required_atol")), _fmt(s.get("required_rtol"))))
+    return "; ".join(parts)
+
+
+def _fmt(x: Any) -> str:
+    return "n/a" if x is None else "{:.4g}".format(x)
+
+
+def _sensitivity(scores: List[strategies.LayerScore], layers: List[str], keep: List[str],
+                 comparisons: Dict[frozenset, Comparison], mode: str) -> List[Dict[str, Any]]:
+    """One row per candidate, worst first: the error it introduced in the instrumented run,
+    whether it is kept, and for kept layers what dropping it alone did (when that was built)."""
+    kept = set(keep)
+    rows: List[Dict[str, Any]] = []
+    order = [s.name for s in scores] if scores else list(layers)
+    by_name = {s.name: s for s in scores}
+    for rank, name in enumerate(order, 1):
+        row: Dict[str, Any] = OrderedDict([("layer", name), ("rank", rank),
+                                           ("kept", name in kept)])
+        if name in by_name:
+            row.update((k, v) for k, v in by_name[name].to_dict().items() if k != "layer")
+        if name in kept:
+            without = comparisons.get(frozenset(kept - {name}))
+            if without is not None:
+                row["without_it"] = OrderedDict([("passed", without.passed),
+                                                 ("stats", _stats(without))])
+        rows.append(row)
+    if not scores:
+        # Without a ranking only the kept layers carry information.
+        rows = [r for r in rows if r["kept"]]
+    return rows
+
+
+def _message(result: SearchResult) -> str:
+    how = "stopped" if result.interrupted else (
+        "stopped after {} evaluations (limit)".format(result.evaluations)
+        if result.exhausted else "done")
+    if not result.passed:
+        return "{}: no passing set found yet after {} evaluations".format(
+            how, result.evaluations)
+    if not result.keep:
+        return "{}: the model passes with no layer kept in higher precision ({} " \
+               "evaluation(s))".format(how, result.evaluations)
+    return "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
+        how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
+        result.layer_precisions)

@@ -1,0 +1,290 @@
+"""Artifact transfer over MQTT in blocks, resumable (after AWS IoT MQTT file delivery).
+
+``BlockServer`` (controller side) answers a device's request with the blocks it asks for;
+``BlockFetcher`` (device side) asks for the blocks it misses, a window at a time, writes them
+through the artifact store and re-asks for what a timeout, a disconnect or a restart lost. Both
+are free of paho: they publish through a ``publish(topic, payload, qos, retain)`` callable and are
+fed the messages the MQTT layer receives.
+"""
+
+import hashlib
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from agent import protocol
+from agent.artifacts import ArtifactStore, Transfer
+from agent.errors import AgentError
+from agent.protocol import Topics
+
+Publish = Callable[..., Any]  # publish(topic: str, payload: bytes, qos: int, retain: bool)
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class BlockServer(object):
+    """Controller side: serves the blocks of local files, known by sha256.
+
+    Each request is answered with at most ``max_blocks_per_request`` blocks (the lowest indices
+    asked for), read one at a time with a seek, so memory is bounded by the block size times
+    what the MQTT client buffers; the device paces the stream with its request window."""
+
+    def __init__(self, publish: Publish, topics: Topics,
+                 max_blocks_per_request: int = 64) -> None:
+        self._publish = publish
+        self._topics = topics
+        self.max_blocks_per_request = max(1, int(max_blocks_per_request))
+        self._files: Dict[str, Tuple[str, int]] = {}
+        self._lock = threading.Lock()
+        self.blocks_sent = 0
+
+    def add_file(self, path: str, sha256: Optional[str] = None) -> str:
+        """Serve ``path``; its sha256 is computed when not given. Returns the sha256."""
+        try:
+            size = os.path.getsize(path)
+        except OSError as exc:
+            raise AgentError("file_not_found", "cannot read {}: {}".format(path, exc.strerror))
+        sha = protocol.check_sha256(sha256) if sha256 is not None else sha256_file(path)
+        with self._lock:
+            self._files[sha] = (os.path.abspath(path), size)
+        return sha
+
+    def remove(self, sha256: str) -> None:
+        with self._lock:
+            self._files.pop(sha256, None)
+
+    def files(self) -> Dict[str, Tuple[str, int]]:
+        """sha256 -> (path, size) of what is served."""
+        with self._lock:
+            return dict(self._files)
+
+    def handle_request(self, topic: str, payload: bytes) -> int:
+        """Answer one request message; returns the number of blocks published.
+        AgentError bad_message, message_too_large, unknown_artifact (not answered)."""
+        info = self._topics.parse(topic)
+        if info.kind != "artifact_request":
+            raise AgentError("bad_message", "expected an artifact request topic, found {}"
+                             .format(topic))
+        msg = protocol.decode("artifact_request", payload)
+        if msg["sha256"] != info.sha256:
+            raise AgentError("bad_message", "request on the topic of artifact {} names {}"
+                             .format(info.sha256, msg["sha256"]))
+        want = protocol.check_request(msg)
+        with self._lock:
+            entry = self._files.get(msg["sha256"])
+        if entry is None:
+            raise AgentError("unknown_artifact", "device {} asks for artifact {}, which this "
+                             "controller does not serve".format(info.device, msg["sha256"]))
+        path, size = entry
+        if msg["size"] != size:
+            raise AgentError("unknown_artifact", "device {} asks for {} bytes of artifact {}, "
+                             "found a file of {} bytes".format(info.device, msg["size"],
+                                                               msg["sha256"], size))
+        block_size = msg["block_size"]
+        indices = protocol.bitmap_indices(want, msg["blocks"], self.max_blocks_per_request)
+        try:
+            with open(path, "rb") as f:
+                for index in indices:
+                    length = protocol.block_length(size, block_size, index)
+                    f.seek(index * block_size)
+                    data = f.read(length)
+                    if len(data) != length:
+                        raise AgentError("unknown_artifact", "{} changed size while being "
+                                         "served (block {} is short)".format(path, index))
+                    self._publish(self._topics.block(info.device, msg["sha256"], index), data,
+                                  1, False)
+                    self.blocks_sent += 1
+        except OSError as exc:
+            raise AgentError("file_not_found", "cannot read {}: {}".format(path, exc.strerror))
+        return len(indices)
+
+
+class _Fetch(object):
+    def __init__(self, transfer: Transfer, job_id: Optional[str], now: float,
+                 timeout: float) -> None:
+        self.transfer = transfer
+        self.job_id = job_id
+        self.in_flight: Dict[int, float] = {}  # block index -> when it was requested
+        self.last_block = now
+        self.timeout = timeout
+        self.requests = 0
+
+
+class BlockFetcher(object):
+    """Device side: fetches artifacts block by block into an ArtifactStore.
+
+    At most ``window`` blocks are requested and unanswered at a time; when half of them have
+    arrived the next missing ones are requested. Blocks requested more than the current timeout
+    ago are requested again (only if still missing); while nothing arrives the timeout doubles
+    up to ``max_timeout_s``. Thread-safe: blocks may arrive on the MQTT thread while ``tick``
+    runs on another."""
+
+    def __init__(
+        self,
+        store: ArtifactStore,
+        publish: Publish,
+        topics: Topics,
+        device: str,
+        block_size: int = protocol.DEFAULT_BLOCK_SIZE,
+        window: int = 64,
+        timeout_s: float = 10.0,
+        max_timeout_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = store
+        self._publish = publish
+        self._topics = topics
+        self.device = protocol.check_id("device id", device)
+        self.block_size = block_size
+        self.window = max(1, int(window))
+        self.timeout_s = timeout_s
+        self.max_timeout_s = max(timeout_s, max_timeout_s)
+        self._clock = clock
+        self._fetches: Dict[str, _Fetch] = {}
+        self._lock = threading.RLock()
+
+    def want(self, sha256: str, size: int, job_id: Optional[str] = None) -> Optional[str]:
+        """The stored path when the artifact is already here (nothing is requested), else
+        start or resume fetching it and return None (``on_block`` returns the path later).
+        AgentError bad_message, bad_argument, disk_full, hash_mismatch."""
+        protocol.check_sha256(sha256)
+        with self._lock:
+            if sha256 not in self._fetches and self.store.has(sha256):
+                self.store.touch(sha256)
+                return self.store.path(sha256)
+            if sha256 in self._fetches:
+                return None
+            transfer = self.store.begin(sha256, size, self.block_size)
+            if transfer.complete():  # every block arrived before a restart
+                return transfer.finish()
+            fetch = _Fetch(transfer, job_id, self._clock(), self.timeout_s)
+            self._fetches[sha256] = fetch
+            self._request(sha256, fetch)
+            return None
+
+    def _request(self, sha256: str, fetch: _Fetch) -> None:
+        free = self.window - len(fetch.in_flight)
+        if free <= 0:
+            return
+        transfer = fetch.transfer
+        candidates = transfer.missing_indices(len(fetch.in_flight) + free)
+        indices = [i for i in candidates if i not in fetch.in_flight][:free]
+        if not indices:
+            return
+        now = self._clock()
+        for i in indices:
+            fetch.in_flight[i] = now
+        want = protocol.bitmap_from_indices(indices, transfer.blocks)
+        msg = protocol.request_message(sha256, transfer.size, transfer.block_size, want,
+                                       fetch.job_id)
+        fetch.requests += 1
+        self._publish(self._topics.artifact_request(self.device, sha256), protocol.encode(msg),
+                      1, False)
+
+    def on_block(self, sha256: str, index: int, data: bytes) -> Optional[str]:
+        """Accept one block; returns the stored path when it completed the artifact. A block
+        of an artifact already stored (a late duplicate) is ignored. AgentError
+        unknown_artifact (the block is dropped, the transfer goes on), hash_mismatch or
+        disk_full (the transfer is dropped; after a mismatch its partial file too)."""
+        with self._lock:
+            fetch = self._fetches.get(sha256)
+            if fetch is None:
+                if protocol.valid_sha256(sha256) and self.store.has(sha256):
+                    return None
+                raise AgentError("unknown_artifact", "block {} of artifact {}, which is not "
+                                 "being fetched".format(index, sha256))
+            transfer = fetch.transfer
+            try:
+                if not transfer.write_block(index, data):
+                    raise AgentError(
+                        "unknown_artifact",
+                        "block {} of artifact {} must have index 0..{} and {} bytes, found {} "
+                        "bytes".format(index, sha256, transfer.blocks - 1,
+                                       protocol.block_length(transfer.size, transfer.block_size,
+                                                             index), len(data)))
+                fetch.in_flight.pop(index, None)
+                fetch.last_block = self._clock()
+                fetch.timeout = self.timeout_s
+                if transfer.complete():
+                    del self._fetches[sha256]
+                    return transfer.finish()
+            except AgentError as exc:
+                if exc.code != "unknown_artifact":
+                    self._fetches.pop(sha256, None)
+                    transfer.close()
+                raise
+            if len(fetch.in_flight) <= self.window // 2:
+                self._request(sha256, fetch)
+            return None
+
+    def handle_block(self, topic: str, payload: bytes) -> Optional[Tuple[str, str]]:
+        """``on_block`` for a received message: (sha256, path) when an artifact completed.
+        AgentError bad_message (not a block topic of this device), message_too_large, and
+        those of ``on_block``."""
+        info = self._topics.parse(topic)
+        if info.kind != "block" or info.device != self.device:
+            raise AgentError("bad_message", "expected a block topic of device {}, found {}"
+                             .format(self.device, topic))
+        if len(payload) > protocol.MAX_BLOCK_SIZE:
+            raise AgentError("message_too_large", "a block may be at most {} bytes, found {}"
+                             .format(protocol.MAX_BLOCK_SIZE, len(payload)))
+        assert info.sha256 is not None and info.block is not None
+        path = self.on_block(info.sha256, info.block, bytes(payload))
+        return (info.sha256, path) if path is not None else None
+
+    def tick(self) -> None:
+        """Call about once a second: persists received-block bitmaps and re-requests blocks
+        whose request timed out (backing off while nothing arrives)."""
+        with self._lock:
+            now = self._clock()
+            for sha, fetch in list(self._fetches.items()):
+                fetch.transfer.flush()
+                expired = [i for i, t in fetch.in_flight.items() if now - t >= fetch.timeout]
+                if expired:
+                    if now - fetch.last_block >= fetch.timeout:
+                        fetch.timeout = min(fetch.timeout * 2, self.max_timeout_s)
+                    for i in expired:
+                        del fetch.in_flight[i]
+                if expired or not fetch.in_flight:
+                    self._request(sha, fetch)
+
+    def on_reconnect(self) -> None:
+        """After a (re)connection: whatever was in flight may be lost, ask again."""
+        with self._lock:
+            for sha, fetch in list(self._fetches.items()):
+                fetch.transfer.flush()
+                fetch.in_flight.clear()
+                fetch.timeout = self.timeout_s
+                self._request(sha, fetch)
+
+    def cancel(self, sha256: str) -> None:
+        """Stop fetching; what was received stays on disk and resumes with the next want()."""
+        with self._lock:
+            fetch = self._fetches.pop(sha256, None)
+            if fetch is not None:
+                fetch.transfer.close()
+
+    def close(self) -> None:
+        """Persist and release every transfer (at shutdown)."""
+        with self._lock:
+            for sha in list(self._fetches):
+                self.cancel(sha)
+
+    def progress(self, sha256: str) -> Optional[Tuple[int, int]]:
+        """(blocks received, blocks) of an artifact being fetched, else None."""
+        with self._lock:
+            fetch = self._fetches.get(sha256)
+            if fetch is None:
+                return None
+            return fetch.transfer.received(), fetch.transfer.blocks
+
+    def active(self) -> List[str]:
+        with self._lock:
+            return sorted(self._fetches)

@@ -1,0 +1,191 @@
+"""Activation ranges (amax per tensor) for each calibration algorithm: pure numpy, streaming.
+
+``RangeCollector.update(name, batch)`` is called once per tensor per calibration batch; memory
+is one histogram of ``num_bins`` counts per tensor, whatever the number of samples.
+
+- ``minmax``: amax = max |x| over every batch (TensorRT's MinMaxCalibration).
+- ``entropy2`` (and ``entropy``): TensorRT's KL-divergence threshold search on the |x|
+  histogram: for each candidate threshold bin i >= 128, P = the first i bins with the outliers
+  folded into the last one, Q = those i bins quantized to 128 levels and expanded back; amax is
+  the right edge of the candidate with the smallest KL(P || Q) (the last one on ties). Bin 0
+  takes the count of bin 1 so the zeros a ReLU produces do not dominate (as NVIDIA's
+  pytorch-quantization does), and empty bins get a little mass before the divergence (as MXNet
+  and ONNX Runtime do), so a candidate whose last bin is empty but collects the clipped
+  outliers is not ruled out by an infinite divergence.
+- ``percentile``: amax = the given percentile (default 99.99) of |x|, read off the histogram.
+- ``legacy``: a simplification of TensorRT's legacy calibrator (which fits a regression to
+  the histogram tail): amax = max(quantile of |x|, regression_cutoff * max |x|) with
+  quantile 0.9999 and cutoff 0.5 by default.
+
+Histogram range growth: the first batch fixes the range [0, max |x|]; when a later batch holds
+a larger value, the range doubles as often as needed and the old counts are merged into the
+wider bins exactly (2^k old bins -> 1 new bin), so the bin count never grows.
+
+Worker side: Python >= 3.6.
+"""
+
+import math
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from agent.errors import AgentError
+
+ALGORITHMS = ("entropy2", "entropy", "minmax", "percentile", "legacy")
+QUANT_LEVELS = 128  # int8: 127 positive levels plus zero
+SMOOTHING_EPS = 1e-4  # counts moved into empty bins before the divergence (as MXNet / ORT)
+
+
+class AbsHistogram(object):
+    """A histogram of |x| over [0, top] with a fixed number of bins, grown by exact merging."""
+
+    def __init__(self, num_bins: int) -> None:
+        self.num_bins = int(num_bins)
+        self.counts = np.zeros(self.num_bins, dtype=np.int64)
+        self.top = 0.0  # right edge of the last bin; 0 while every value seen was 0
+        self.zeros = 0  # values seen while top == 0
+        self.max = 0.0
+
+    def add(self, absx: np.ndarray) -> None:
+        if absx.size == 0:
+            return
+        batch_max = float(absx.max())
+        self.max = max(self.max, batch_max)
+        if batch_max == 0.0:
+            if self.top == 0.0:
+                self.zeros += int(absx.size)
+            else:
+                self.counts[0] += int(absx.size)
+            return
+        if self.top == 0.0:
+            self.top = batch_max
+            self.counts[0] += self.zeros
+            self.zeros = 0
+        elif batch_max > self.top:
+            factor = 2 ** int(math.ceil(math.log2(batch_max / self.top)))
+            while self.top * factor < batch_max:  # guard against rounding in log2
+                factor *= 2
+            merged = np.bincount(np.arange(self.num_bins) // factor, weights=self.counts,
+                                 minlength=self.num_bins)
+            self.counts = np.rint(merged[:self.num_bins]).astype(np.int64)
+            self.top *= factor
+        index = (absx * (self.num_bins / self.top)).astype(np.int64)
+        np.minimum(index, self.num_bins - 1, out=index)
+        self.counts += np.bincount(index.ravel(), minlength=self.num_bins)
+
+    @property
+    def bin_width(self) -> float:
+        return self.top / self.num_bins
+
+    def total(self) -> int:
+        return int(self.counts.sum()) + self.zeros
+
+    def quantile(self, q: float) -> float:
+        """The value below which a fraction ``q`` of |x| lies (right edge of its bin)."""
+        if self.top == 0.0:
+            return 0.0
+        cum = np.cumsum(self.counts)
+        index = int(np.searchsorted(cum, q * cum[-1], side="left"))
+        return min(index + 1, self.num_bins) * self.bin_width
+
+
+def _smooth(counts: np.ndarray, eps: float = SMOOTHING_EPS) -> np.ndarray:
+    """Move ``eps`` of mass into every empty bin, taken evenly from the others."""
+    zeros = counts == 0
+    n_zeros = int(zeros.sum())
+    if n_zeros == 0 or n_zeros == counts.size:
+        return counts
+    take = eps * n_zeros / (counts.size - n_zeros)
+    return np.where(zeros, eps, counts - take)
+
+
+def entropy_threshold(counts: np.ndarray, start_bin: int = QUANT_LEVELS) -> int:
+    """The number of bins to keep (the threshold bin index) that minimizes KL(P || Q)."""
+    hist = counts.astype(np.float64)
+    n = len(hist)
+    if n <= start_bin:
+        return n
+    hist[0] = hist[1]
+    suffix = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])  # suffix[i] = sum(hist[i:])
+    best_i, best_kl = n, np.inf
+    for i in range(start_bin, n + 1):
+        p = hist[:i].copy()
+        p[i - 1] += suffix[i]
+        group = (np.arange(i) * QUANT_LEVELS) // i
+        nonzero = hist[:i] != 0
+        sums = np.bincount(group, weights=hist[:i], minlength=QUANT_LEVELS)
+        used = np.bincount(group, weights=nonzero, minlength=QUANT_LEVELS)
+        q = np.where(nonzero, sums[group] / np.maximum(used[group], 1), 0.0)
+        if not q.any():
+            continue
+        p, q = _smooth(p), _smooth(q)
+        p /= p.sum()
+        q /= q.sum()
+        mask = p > 0
+        kl = float(np.sum(p[mask] * np.log(p[mask] / q[mask])))
+        if kl <= best_kl:
+            best_i, best_kl = i, kl
+    return best_i
+
+
+class RangeCollector(object):
+    """Collects amax per tensor over a stream of batches for one algorithm."""
+
+    def __init__(self, algorithm: str, num_bins: int = 2048, percentile: float = 99.99,
+                 quantile: float = 0.9999, regression_cutoff: float = 0.5) -> None:
+        if algorithm not in ALGORITHMS:
+            raise AgentError("bad_argument",
+                             "calibration algorithm must be one of {}, found {!r}".format(
+                                 ", ".join(ALGORITHMS), algorithm))
+        if num_bins < 2 * QUANT_LEVELS:
+            raise AgentError("bad_argument",
+                             "num_bins must be >= {}, found {}".format(2 * QUANT_LEVELS,
+                                                                       num_bins))
+        if not 0 < percentile <= 100:
+            raise AgentError("bad_argument",
+                             "percentile must be in (0, 100], found {}".format(percentile))
+        self.algorithm = algorithm
+        self.num_bins = int(num_bins)
+        self.percentile = float(percentile)
+        self.quantile = float(quantile)
+        self.regression_cutoff = float(regression_cutoff)
+        self._max: Dict[str, float] = {}
+        self._hist: Dict[str, AbsHistogram] = {}
+        self._order: List[str] = []
+
+    def update(self, name: str, array: np.ndarray) -> None:
+        """Add one batch of tensor ``name``; non-finite values are ignored."""
+        absx = np.abs(np.asarray(array, dtype=np.float32)).ravel()
+        if absx.size and not np.all(np.isfinite(absx)):
+            absx = absx[np.isfinite(absx)]
+        if name not in self._max:
+            self._order.append(name)
+            self._max[name] = 0.0
+        if absx.size:
+            self._max[name] = max(self._max[name], float(absx.max()))
+        if self.algorithm != "minmax":
+            hist = self._hist.get(name)
+            if hist is None:
+                hist = self._hist[name] = AbsHistogram(self.num_bins)
+            hist.add(absx)
+
+    def names(self) -> List[str]:
+        return list(self._order)
+
+    def amax_of(self, name: str) -> float:
+        if self.algorithm == "minmax":
+            return self._max[name]
+        hist = self._hist[name]
+        if hist.top == 0.0:
+            return 0.0
+        if self.algorithm in ("entropy2", "entropy"):
+            return min(entropy_threshold(hist.counts) * hist.bin_width, hist.max)
+        if self.algorithm == "percentile":
+            return min(hist.quantile(self.percentile / 100.0), hist.max)
+        # legacy (simplified): never clip below regression_cutoff * max
+        return min(max(hist.quantile(self.quantile), self.regression_cutoff * hist.max),
+                   hist.max)
+
+    def amax(self, names: Optional[List[str]] = None) -> Dict[str, float]:
+        """Tensor name -> amax (0.0 for a tensor that was always 0)."""
+        return {name: float(self.amax_of(name)) for name in (names or self._order)}

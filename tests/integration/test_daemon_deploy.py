@@ -1,0 +1,83 @@
+"""The daemon end to end: real Mosquitto, a real daemon subprocess, the onnxruntime backend.
+
+A deploy job for the int8 digits classifier: blocks downloaded, calibrated, built, verified
+against goldens, benchmarked, activated; SUCCEEDED with accuracy and throughput. A second
+identical job is an engine-cache hit and downloads nothing.
+"""
+
+import hashlib
+import os
+
+from agent import protocol
+
+GATE = {"atol": 0.5, "rtol": 0.5, "check_error_stat": "mean", "min_top1": 0.9}
+
+
+def deploy_doc(controller, files, job_id, precision="int8", **extra):
+    artifacts = {role: controller.add_artifact(path) for role, path in files.items()}
+    doc = {"job_id": job_id, "kind": "deploy", "artifacts": artifacts,
+           "plan": {"precision": precision,
+                    "calibration": {"algorithm": "minmax", "batch_size": 64}},
+           "gate": GATE, "bench": {"iterations": 50, "warmup": 5}}
+    doc.update(extra)
+    return doc
+
+
+def store_is_sound(state_dir):
+    root = os.path.join(state_dir, "artifacts")
+    for dirpath, _, names in os.walk(root):
+        if os.path.basename(dirpath) == "partial":
+            continue
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                assert hashlib.sha256(f.read()).hexdigest() == name, name
+
+
+def test_deploy_int8_then_cache_hit(controller, agent_factory, digits_files):
+    agent = agent_factory().start()
+    doc = controller.send_job(deploy_doc(controller, digits_files, "deploy-1"))
+    final = controller.wait_state("deploy-1", protocol.TERMINAL_STATES, timeout=120)
+    assert final["state"] == "SUCCEEDED", (final, agent.log_tail())
+    result = final["result"]
+    assert result["precision"] == "int8"
+    assert result["accuracy"]["passed"] is True
+    assert result["accuracy"]["top1_agreement"] >= 0.9
+    assert result["accuracy"]["label_accuracy"] > 0.8
+    assert result["throughput_qps"] > 0 and result["latency_ms"]["p99"] > 0
+    assert result["cache_hit"] is False and result["calibrated"] is True
+    assert result["activated"] is True
+    # Retained statuses are coalesced in the outbox, so intermediate stages may be skipped;
+    # versions only grow.
+    versions = [m["version"] for m in controller.job_status["deploy-1"]]
+    assert versions == sorted(set(versions))
+    for msg in controller.job_status["deploy-1"]:
+        protocol.validate("job_status", msg)
+    # every block was sent once
+    assert set(controller.blocks_sent.values()) == {1}
+    sent_before = dict(controller.blocks_sent)
+
+    # The retained device status lists the active engine.
+    controller.wait_for(lambda: any(s.get("active_engines") for s in controller.device_status),
+                        20, "status with the active engine")
+
+    doc2 = dict(doc, job_id="deploy-2")
+    controller.send_job(doc2)
+    final2 = controller.wait_state("deploy-2", protocol.TERMINAL_STATES, timeout=120)
+    assert final2["state"] == "SUCCEEDED", final2
+    assert final2["result"]["cache_hit"] is True
+    assert final2["result"]["engine_key"] == result["engine_key"]
+    assert controller.blocks_sent == sent_before  # nothing downloaded twice
+    assert not controller.errors
+    controller.wait_for(lambda: controller.telemetry, 20, "telemetry")
+    for msg in controller.telemetry:
+        protocol.validate("telemetry", msg)
+    diag = controller.diag()
+    assert diag["ok"] and diag["result"]["outbox"] == 0
+    assert agent.stop() == 0
+    store_is_sound(agent.state_dir)
+    with agent.journal() as journal:
+        assert journal.outbox_count() == 0
+        assert [e["job_id"] for e in journal.active_engines()] == ["deploy-2"]
+    offline = controller.wait_for(
+        lambda: [s for s in controller.device_status if s["online"] is False], 10, "offline")
+    assert offline[-1]["reason"] == "shutdown"

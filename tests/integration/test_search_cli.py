@@ -1,0 +1,125 @@
+"""``jetson-agent search`` and ``jetson-agent compare`` as a user runs them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from agent import golden
+from agent.cli import main
+from tests.models import fp16_max_model, save
+from tests.planted import fp16_chain
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture()
+def fp16_max(tmp_path):
+    return save(fp16_max_model(), str(tmp_path / "needs_constraints.onnx"))
+
+
+def cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_seed_workflow_goldens_then_compare_then_search(tmp_path, capsys, fp16_max):
+    inputs, outputs = str(tmp_path / "inputs.json"), str(tmp_path / "golden_outputs.json")
+    # polygraphy run needs_constraints.onnx --onnxrt --val-range x:[1,2]
+    #     --save-inputs inputs.json --save-outputs golden_outputs.json
+    code, out, _ = cli(capsys, "compare", fp16_max, "--val-range", "x:[1,2]", "--save-inputs",
+                       inputs, "--save-outputs", outputs, "-q")
+    assert code == 0 and "[I] PASSED" in out
+    assert len(golden.load_inputs(inputs)) == 1 and "y" in golden.load_outputs(outputs)[0]
+    # fp16 against those goldens fails the comparison: exit status 1, Polygraphy's report.
+    code, out, _ = cli(capsys, "compare", fp16_max, "--fp16", "--load-inputs", inputs,
+                       "--load-outputs", outputs, "--check-error-stat", "median", "-q")
+    assert code == 1
+    assert "FAILED | Output: 'y' | Difference exceeds tolerance" in out
+    assert "Minimum Required Tolerance: median error" in out
+    # The search finds the two layers; --json carries keep, evaluations, passed.
+    code, out, err = cli(capsys, "search", fp16_max, "--fp16", "--load-inputs", inputs,
+                         "--load-outputs", outputs, "--check-error-stat", "median", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["keep"] == ["Add", "Sub"] and doc["passed"] and doc["evaluations"] <= 6
+    assert doc["layer_precisions"] == "Add:float32 Sub:float32"
+    assert "searching" in err  # progress on stderr, never on stdout
+    # Pasting the answer makes the comparison pass.
+    code, out, _ = cli(capsys, "compare", fp16_max, "--fp16", "--layer-precisions",
+                       "Add:float32", "Sub:float32", "--load-inputs", inputs, "--load-outputs",
+                       outputs, "--check-error-stat", "median", "-q", "--json")
+    assert code == 0 and json.loads(out)["passed"]
+    assert json.loads(out)["engine"]["cache_hit"]  # the search built this engine already
+
+
+def test_search_text_report(capsys, fp16_max):
+    code, out, _ = cli(capsys, "search", fp16_max, "--fp16", "--mode", "bisect",
+                       "--val-range", "x:[1,2]", "--check-error-stat", "median", "-q")
+    assert code == 0
+    assert "--layer-precisions Add:float32 MatMul_0:float32 Sub:float32" in out
+    assert "[I] Iterations:" in out and "PASS" in out and "FAIL" in out
+
+
+def test_max_evaluations_gives_a_partial_result(capsys, fp16_max):
+    code, out, _ = cli(capsys, "search", fp16_max, "--fp16", "--val-range", "x:[1,2]",
+                       "--check-error-stat", "median", "--max-evaluations", "3", "--json",
+                       "-q")
+    doc = json.loads(out)
+    assert code == 1 and doc["partial"] and doc["exhausted"] and doc["evaluations"] == 3
+
+
+@pytest.mark.parametrize("argv,code_name", [
+    (["--fp16", "--atol", "-1"], "bad_argument"),
+    (["--fp16", "--rtol", "y:nan"], "bad_argument"),
+    (["--fp16", "--atol", "out9:1e-3"], "bad_argument"),
+    (["--fp16", "--val-range", "x:[2,1]"], "bad_argument"),
+    (["--int8"], "bad_argument"),
+    ([], "bad_argument"),
+])
+def test_bad_arguments_exit_2_with_a_code(capsys, fp16_max, argv, code_name):
+    code, out, err = cli(capsys, "search", fp16_max, "--json", "-q", *argv)
+    assert code == 2
+    assert json.loads(out)["error"]["code"] == code_name
+
+
+def test_goldens_that_do_not_fit_the_model(tmp_path, capsys, fp16_max):
+    inputs, outputs = str(tmp_path / "in.npz"), str(tmp_path / "out.json")
+    golden.save_inputs(inputs, [{"x": np.ones((1, 1, 4, 4), np.float32)}])
+    golden.save_outputs(outputs, [{"logits": np.ones((1, 10), np.float32)}])
+    code, out, err = cli(capsys, "compare", fp16_max, "--fp16", "--load-inputs", inputs,
+                         "--load-outputs", outputs, "-q")
+    assert code == 2 and "golden_mismatch" in err and "'logits'" in err
+    golden.save_outputs(outputs, [{"y": np.full((1, 1, 4, 4), 5.0, np.float32)}])
+    code, out, err = cli(capsys, "search", fp16_max, "--fp16", "--load-inputs", inputs,
+                         "--load-outputs", outputs, "-q")
+    assert code == 2 and "reference_mismatch" in err
+
+
+def test_ctrl_c_prints_the_partial_result(tmp_path):
+    path = save(fp16_chain()[0], str(tmp_path / "chain.onnx"))
+    env = dict(os.environ, JETSON_AGENT_STATE_DIR=str(tmp_path / "state"),
+               PYTHONPATH=ROOT)
+    # linear mode: one build per layer, long enough to interrupt midway.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent", "search", path, "--fp16", "--mode", "linear",
+         "--atol", "1e-2", "--rtol", "1e-2", "--json"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        universal_newlines=True)
+    try:
+        for line in proc.stderr:
+            if line.startswith("searching"):
+                proc.send_signal(signal.SIGINT)
+                break
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    doc = json.loads(out)
+    assert doc["interrupted"] and doc["partial"] and doc["evaluations"] < 40

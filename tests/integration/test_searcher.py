@@ -1,0 +1,228 @@
+"""Precision searches end to end: real ONNX models, the onnxruntime backend's fp16/int8
+emulation, the engine cache on disk."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from agent import golden
+from agent.backends import graph
+from agent.backends.base import BuildPlan, CalibrationSettings
+from agent.backends.onnxruntime import create
+from agent.cache import EngineCache
+from agent.errors import AgentError
+from agent.searcher import run_search
+from tests.models import fp16_max_model, save
+from tests.planted import fp16_chain, int8_outlier_chain
+
+HOST = {"kind": "host", "gpu": "cpu"}
+# The seeds' comparison: `--check-error-stat median` with the default tolerances.
+MEDIAN = {"check_error_stat": "median"}
+
+
+@pytest.fixture()
+def env(tmp_path):
+    class Env(object):
+        backend = create(threads=1)
+        cache = EngineCache(str(tmp_path / "engines"))
+        calibration_dir = str(tmp_path / "calibration")
+
+        def model(self, model, name="model.onnx"):
+            return save(model, str(tmp_path / name))
+
+        def goldens(self, path, val_range=None, iterations=1, shapes=None):
+            m = graph.load_model(path)
+            inputs = golden.generate_inputs(graph.input_specs(m), val_range,
+                                            iterations=iterations, shapes=shapes)
+            return inputs, golden.reference_outputs(path, inputs, self.backend)
+
+        def search(self, path, plan, inputs, goldens, **kwargs):
+            kwargs.setdefault("calibration_dir", self.calibration_dir)
+            return run_search(path, plan, inputs, goldens, self.backend, self.cache, HOST,
+                              **kwargs)
+
+    e = Env()
+    e.tmp = tmp_path
+    return e
+
+
+@pytest.fixture()
+def fp16_max(env):
+    path = env.model(fp16_max_model())
+    inputs, goldens = env.goldens(path, {"x": (1.0, 2.0)})
+    return path, inputs, goldens
+
+
+def test_fp16_max_minimal_keeps_exactly_add_and_sub(env, fp16_max):
+    path, inputs, goldens = fp16_max
+    r = env.search(path, BuildPlan("fp16"), inputs, goldens, compare_options=MEDIAN)
+    assert r.keep == ["Add", "Sub"] and r.passed and r.complete
+    assert r.layer_precisions == "Add:float32 Sub:float32"
+    assert r.evaluations <= 6
+    # Dropping either one fails, and the table says so.
+    rows = {row["layer"]: row for row in r.sensitivity}
+    assert rows["Add"]["without_it"]["passed"] is False
+    assert rows["Sub"]["without_it"]["passed"] is False
+    assert rows["Add"]["out_of_range"] > 0 and rows["Sub"]["out_of_range"] > 0
+    # The answer's engine is in the cache, and it passes.
+    assert r.engine_key and env.cache.get(r.engine_key) is not None
+    assert r.comparison is not None and r.comparison.passed
+    doc = r.to_dict()
+    assert doc["keep"] == ["Add", "Sub"] and doc["passed"] and doc["evaluations"] == r.evaluations
+    assert [it["size"] for it in doc["iterations"]][:2] == [0, 4]  # the sanity steps
+
+
+def test_fp16_max_with_elementwise_tolerances_also_needs_the_first_flip(env, fp16_max):
+    # Elementwise 1e-5: MatMul_0 in fp16 rounds x in [1, 2] by up to 2^-11 (x + 65504 in fp32
+    # keeps only 8 fraction bits, so this shows as 0.0039 at the output); the other flip
+    # reads values that fp16 represents exactly.
+    path, inputs, goldens = fp16_max
+    r = env.search(path, BuildPlan("fp16"), inputs, goldens)
+    assert r.keep == ["MatMul_0", "Add", "Sub"]
+
+
+@pytest.mark.parametrize("mode,direction,keep", [
+    ("bisect", "forward", ["MatMul_0", "Add", "Sub"]),
+    ("bisect", "reverse", ["Add", "Sub", "MatMul_1"]),
+    ("linear", "forward", ["MatMul_0", "Add", "Sub"]),
+    ("linear", "reverse", ["Add", "Sub", "MatMul_1"]),
+    ("worst-first", "forward", ["Add", "Sub"]),
+])
+def test_fp16_max_polygraphy_modes(env, fp16_max, mode, direction, keep):
+    path, inputs, goldens = fp16_max
+    r = env.search(path, BuildPlan("fp16"), inputs, goldens, mode=mode, direction=direction,
+                   compare_options=MEDIAN)
+    assert r.keep == keep
+
+
+def test_planted_fp16_pairs_at_several_depths(env):
+    model, culprits = fp16_chain()
+    path = env.model(model)
+    inputs, goldens = env.goldens(path, iterations=2)
+    opts = {"atol": 1e-2, "rtol": 1e-2}
+    found = {}
+    for mode in ("minimal", "bisect", "linear"):
+        found[mode] = env.search(path, BuildPlan("fp16"), inputs, goldens, mode=mode,
+                                 compare_options=opts)
+    minimal = found["minimal"]
+    n, k = minimal.candidates, len(culprits)
+    assert sorted(minimal.keep) == sorted(culprits)
+    assert minimal.evaluations <= k * math.log2(n) + 2 * k
+    # Polygraphy's answers are contiguous prefixes reaching the deepest culprit.
+    for mode in ("bisect", "linear"):
+        assert set(culprits) <= set(found[mode].keep)
+        assert len(found[mode].keep) > 4 * k
+    assert found["linear"].evaluations > minimal.evaluations
+    # Without the instrumented ranking: the same answer, within the group-testing bound.
+    unranked = env.search(path, BuildPlan("fp16"), inputs, goldens, compare_options=opts,
+                          instrument=False)
+    assert sorted(unranked.keep) == sorted(culprits)
+    assert unranked.evaluations <= k * math.log2(n) + 2 * k + 3
+    assert unranked.sensitivity and all(row["kept"] for row in unranked.sensitivity)
+
+
+def test_planted_int8_outlier_channels(env):
+    model, culprits = int8_outlier_chain()
+    path = env.model(model)
+    rng = np.random.RandomState(0)
+    data = str(env.tmp / "calib.npz")
+    np.savez(data, x=rng.random_sample((64, 16)).astype(np.float32))
+    plan = BuildPlan("int8", calibration=CalibrationSettings(data=data, algorithm="minmax"))
+    inputs, goldens = env.goldens(path, iterations=2, shapes={"x": (8, 16)})
+    calibrations = []
+
+    def progress(stage, done, total):
+        if stage == "calibrating" and done == 0:
+            calibrations.append(stage)
+
+    opts = {"atol": 0.05, "rtol": 0.05, "check_error_stat": "median"}
+    r = env.search(path, plan, inputs, goldens, compare_options=opts, progress=progress)
+    assert r.keep == culprits
+    assert r.candidates == 10  # the MatMuls: nothing else has an int8 kernel
+    assert len(calibrations) == 1  # one calibration for every candidate build
+    assert r.evaluations <= len(culprits) * math.log2(r.candidates) + 2 * len(culprits) + 3
+    # int8 with fp16 fallback ("best"): the same layers need fp32.
+    best = BuildPlan("best", calibration=plan.calibration)
+    r = env.search(path, best, inputs, goldens, compare_options=opts)
+    assert r.keep == culprits
+
+
+def test_reference_mismatch_when_even_fp32_fails(env, fp16_max):
+    path, inputs, goldens = fp16_max
+    shifted = [{"y": g["y"] + np.float32(1.0)} for g in goldens]
+    with pytest.raises(AgentError) as err:
+        env.search(path, BuildPlan("fp16"), inputs, shifted)
+    assert err.value.code == "reference_mismatch"
+    assert "y needs atol 1" in err.value.message
+
+
+@pytest.mark.parametrize("bad,code", [
+    ({"goldens": [{"out": np.zeros((1, 1, 4, 4), np.float32)}]}, "golden_mismatch"),
+    ({"goldens": [{"y": np.zeros((1, 1, 4, 5), np.float32)}]}, "golden_mismatch"),
+    ({"goldens": [{"y": np.full((1, 1, 4, 4), np.nan, np.float32)}]}, "golden_mismatch"),
+    ({"inputs": [{"x": np.zeros((1, 1, 4, 4), np.float64)}]}, "golden_mismatch"),
+    ({"inputs": [{"input": np.zeros((1, 1, 4, 4), np.float32)}]}, "golden_mismatch"),
+    ({"compare_options": {"atol": -1e-3}}, "bad_argument"),
+    ({"compare_options": {"check_error_stat": "worst"}}, "bad_argument"),
+    ({"mode": "greedy"}, "bad_argument"),
+    ({"plan": BuildPlan("fp32")}, "bad_argument"),
+])
+def test_bad_input_fails_before_any_build(env, fp16_max, bad, code):
+    path, inputs, goldens = fp16_max
+    kwargs = {"compare_options": bad.get("compare_options")}
+    if "mode" in bad:
+        kwargs["mode"] = bad["mode"]
+    with pytest.raises(AgentError) as err:
+        env.search(path, bad.get("plan", BuildPlan("fp16")), bad.get("inputs", inputs),
+                   bad.get("goldens", goldens), **kwargs)
+    assert err.value.code == code
+    assert env.cache.counters["misses"] == 0
+
+
+def test_stopped_search_reports_partial_results_and_resumes_from_the_cache(env):
+    model, culprits = fp16_chain()
+    path = env.model(model)
+    inputs, goldens = env.goldens(path)
+    opts = {"atol": 1e-2, "rtol": 1e-2}
+    evaluated = []
+
+    def progress(stage, done, total):
+        if stage == "searching":
+            evaluated.append(done)
+
+    r = env.search(path, BuildPlan("fp16"), inputs, goldens, compare_options=opts,
+                   progress=progress, should_stop=lambda: len(evaluated) > 5)
+    assert r.interrupted and not r.complete and r.to_dict()["partial"]
+    assert 0 < r.evaluations < 10
+    assert r.passed and set(culprits) <= set(r.keep)  # the smallest passing set so far
+    assert env.cache.verify()["corrupt"] == []
+    # A new search rebuilds nothing it already evaluated.
+    again = env.search(path, BuildPlan("fp16"), inputs, goldens, compare_options=opts)
+    assert sorted(again.keep) == sorted(culprits)
+    first = [it["cache_hit"] for it in again.iterations[:r.evaluations]]
+    assert all(first)
+
+
+def test_ctrl_c_during_calibration_leaves_caches_consistent(env):
+    model, culprits = int8_outlier_chain()
+    path = env.model(model)
+    data = str(env.tmp / "calib.npz")
+    np.savez(data, x=np.random.RandomState(0).random_sample((64, 16)).astype(np.float32))
+    plan = BuildPlan("int8", calibration=CalibrationSettings(data=data, algorithm="minmax"))
+    inputs, goldens = env.goldens(path, shapes={"x": (8, 16)})
+    opts = {"atol": 0.05, "rtol": 0.05, "check_error_stat": "median"}
+
+    def interrupt(stage, done, total):
+        if stage == "calibrating" and done == 1:
+            raise KeyboardInterrupt()
+
+    r = env.search(path, plan, inputs, goldens, compare_options=opts, progress=interrupt)
+    assert r.interrupted and not r.passed and r.keep == []
+    report = env.cache.verify()
+    assert report["corrupt"] == [] and report["ok"] == report["checked"]
+    assert os.listdir(os.path.join(env.cache.root, "tmp")) == []  # no half-built engine
+    assert not [f for f in os.listdir(env.calibration_dir) if f.endswith(".cache")]
+    r = env.search(path, plan, inputs, goldens, compare_options=opts)
+    assert r.keep == culprits and r.complete

@@ -1,0 +1,475 @@
+"""Engine cache: keys, atomic entries, verification, LRU budget, build locks, full disk."""
+
+import errno
+import json
+import multiprocessing
+import os
+import shutil
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from agent import cache as cache_mod
+from agent.backends.base import BuildPlan, CalibrationSettings, no_progress
+from agent.backends.onnxruntime import OnnxRuntimeBackend
+from agent.cache import EngineCache, cache_key
+from agent.engine import build_engine
+from agent.errors import AgentError
+from tests import models
+
+BACKEND = {"backend": "onnxruntime", "version": "1.0"}
+PLATFORM = {"soc": "host", "arch": "x86_64"}
+
+
+def _key(**overrides):
+    args = dict(model_digest="m" * 64, plan=BuildPlan("int8", calibration=CalibrationSettings(
+        data="/data/a", cache="/x/calib.cache")), calibration_digest="d1",
+        backend_fingerprint=BACKEND, platform_fingerprint=PLATFORM)
+    args.update(overrides)
+    return cache_key(**args)
+
+
+# --- keys ----------------------------------------------------------------------------------
+
+def test_key_is_stable_and_ignores_calibration_paths():
+    base = _key()
+    assert base == _key()
+    assert len(base) == 64
+    moved = BuildPlan("int8", calibration=CalibrationSettings(data="/elsewhere/a",
+                                                               cache="/y/other.cache"))
+    assert _key(plan=moved) == base
+    assert _key(plan=moved.to_dict()) == base  # a dict plan works the same
+
+
+@pytest.mark.parametrize("change", [
+    {"model_digest": "n" * 64},
+    {"plan": BuildPlan("int8", layer_precisions={"fc0": "float32"},
+                       calibration=CalibrationSettings(data="/data/a"))},
+    {"plan": BuildPlan("int8", calibration=CalibrationSettings(data="/data/a",
+                                                               algorithm="minmax"))},
+    {"plan": BuildPlan("int8", mark_outputs=["*"],
+                       calibration=CalibrationSettings(data="/data/a"))},
+    {"calibration_digest": "d2"},
+    {"backend_fingerprint": {"backend": "onnxruntime", "version": "1.1"}},
+    {"platform_fingerprint": {"soc": "tegra234", "arch": "aarch64"}},
+])
+def test_key_changes_with_what_the_engine_depends_on(change):
+    assert _key(**change) != _key()
+
+
+# --- entries -------------------------------------------------------------------------------
+
+def _put(cache, key, data=b"engine-bytes", **info):
+    src = os.path.join(cache.root, "src-" + key[:8])
+    with open(src, "wb") as f:
+        f.write(data)
+    try:
+        return cache.put(key, src, info)
+    finally:
+        os.unlink(src)
+
+
+def _hex(i):
+    return "{:064x}".format(i)
+
+
+def test_put_get_layout_and_meta(tmp_path):
+    cache = EngineCache(str(tmp_path / "engines"))
+    key = _hex(0xabc)
+    entry = _put(cache, key, b"x" * 100, plan={"precision": "fp16"})
+    assert entry.path == os.path.join(cache.root, key[:2], key)
+    assert open(entry.engine_path, "rb").read() == b"x" * 100
+    meta = json.load(open(os.path.join(entry.path, "meta.json")))
+    assert meta["key"] == key and meta["bytes"] == 100
+    assert meta["files"]["engine"]["bytes"] == 100
+    assert meta["plan"] == {"precision": "fp16"}
+    got = cache.get(key)
+    assert got is not None and got.engine_path == entry.engine_path
+    assert cache.get(_hex(0xabd)) is None
+    assert os.listdir(os.path.join(cache.root, "tmp")) == []  # staging cleaned
+    assert [e.key for e in cache.ls()] == [key]
+
+
+def test_default_root_is_under_state_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("JETSON_AGENT_STATE_DIR", str(tmp_path / "s"))
+    assert EngineCache().root == str(tmp_path / "s" / "engines")
+
+
+def test_bad_key_is_rejected(tmp_path):
+    with pytest.raises(AgentError) as err:
+        EngineCache(str(tmp_path)).get("../etc")
+    assert err.value.code == "bad_argument"
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "meta", "missing"])
+def test_corrupt_entry_is_detected_dropped_and_counted(tmp_path, damage):
+    cache = EngineCache(str(tmp_path))
+    key = _hex(1)
+    entry = _put(cache, key, b"a" * 64)
+    if damage == "flip":
+        with open(entry.engine_path, "r+b") as f:
+            f.seek(10)
+            f.write(b"b")
+    elif damage == "truncate":
+        with open(entry.engine_path, "r+b") as f:
+            f.truncate(20)
+    elif damage == "meta":
+        with open(os.path.join(entry.path, "meta.json"), "w") as f:
+            f.write("{not json")
+    else:
+        os.unlink(entry.engine_path)
+    assert cache.get(key) is None
+    assert not os.path.exists(entry.path)
+    assert cache.stats()["corrupt"] == 1
+    _put(cache, key, b"a" * 64)  # the rebuild publishes cleanly
+    assert cache.get(key) is not None
+
+
+def test_verify_reports_and_drops_corrupt_entries(tmp_path):
+    cache = EngineCache(str(tmp_path))
+    good, bad = _hex(2), _hex(3)
+    _put(cache, good)
+    entry = _put(cache, bad)
+    with open(entry.engine_path, "ab") as f:
+        f.write(b"!")
+    os.makedirs(os.path.join(cache.root, "tmp", _hex(9) + ".deadbeef"))  # a crashed build
+    report = cache.verify()
+    assert report["checked"] == 2 and report["ok"] == 1 and report["dropped"] == 1
+    assert report["corrupt"][0]["key"] == bad and "bytes" in report["corrupt"][0]["problem"]
+    assert report["stale_staging_removed"] == 1
+    assert [e.key for e in cache.ls()] == [good]
+
+
+class Clock(object):
+    def __init__(self):
+        self.now = 1000000.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+def test_lru_eviction_to_budget(tmp_path):
+    cache = EngineCache(str(tmp_path), budget_bytes=2500, clock=Clock())
+    keys = [_hex(10 + i) for i in range(3)]
+    for key in keys:
+        _put(cache, key, b"z" * 1000)
+    # the third publish went over budget: the least recently used (first) entry is gone
+    assert sorted(e.key for e in cache.ls()) == sorted(keys[1:])
+    cache.get(keys[1])  # use the older survivor: now keys[2] is least recently used
+    _put(cache, _hex(20), b"z" * 1000)
+    assert sorted(e.key for e in cache.ls()) == sorted([keys[1], _hex(20)])
+    assert cache.stats()["evicted"] == 2
+    assert cache.stats()["bytes"] <= 2500
+
+
+def test_eviction_never_drops_the_new_entry_or_one_in_use(tmp_path):
+    cache = EngineCache(str(tmp_path), budget_bytes=100, clock=Clock())
+    old = _hex(30)
+    _put(cache, old, b"o" * 80)
+    with cache.pin(old) as pinned:
+        assert pinned is not None
+        new = _put(cache, _hex(31), b"n" * 80)  # over budget, but old is in use
+        assert {e.key for e in cache.ls()} == {old, new.key}
+    huge = _put(cache, _hex(32), b"h" * 500)  # larger than the budget: still kept
+    assert [e.key for e in cache.ls()] == [huge.key]
+
+
+def test_purge_all_key_and_older_than(tmp_path):
+    clock = Clock()
+    cache = EngineCache(str(tmp_path), clock=clock)
+    a, b, c = _hex(40), _hex(41), _hex(42)
+    _put(cache, a)
+    clock.now += 10 * 86400
+    _put(cache, b)
+    _put(cache, c)
+    assert cache.purge(older_than_days=5)["removed"] == [a]
+    assert cache.purge(key=b)["removed"] == [b]
+    with pytest.raises(AgentError) as err:
+        cache.purge(key=b)
+    assert err.value.code == "bad_argument"
+    with cache.pin(c):
+        assert cache.purge(everything=True) == {"removed": [], "skipped_in_use": [c]}
+    assert cache.purge(everything=True)["removed"] == [c]
+    assert cache.ls() == []
+    with pytest.raises(AgentError):
+        cache.purge()
+
+
+# --- full disk -----------------------------------------------------------------------------
+
+def _fail_writes_after(monkeypatch, allowed_bytes):
+    """ENOSPC from os.write once ``allowed_bytes`` have been written (the disk boundary)."""
+    real_write = os.write
+    budget = [allowed_bytes]
+
+    def write(fd, data):
+        if len(data) > budget[0]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        budget[0] -= len(data)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+
+
+def test_full_disk_at_fsync_leaves_no_partial_entry(tmp_path, monkeypatch):
+    cache = EngineCache(str(tmp_path))
+    src = str(tmp_path / "engine.src")
+    with open(src, "wb") as f:
+        f.write(b"e" * 100)
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(AgentError) as err:
+        cache.put(_hex(51), src)
+    monkeypatch.undo()
+    assert err.value.code == "disk_full"
+    assert cache.ls() == [] and os.listdir(os.path.join(cache.root, "tmp")) == []
+
+
+@pytest.mark.parametrize("allowed", [0, 5000])  # fails in the engine copy / in meta.json
+def test_full_disk_leaves_no_partial_entry(tmp_path, monkeypatch, allowed):
+    cache = EngineCache(str(tmp_path))
+    key = _hex(50)
+    src = str(tmp_path / "engine.src")
+    with open(src, "wb") as f:
+        f.write(b"e" * 5000)
+    _fail_writes_after(monkeypatch, allowed)
+    with pytest.raises(AgentError) as err:
+        cache.put(key, src, {"plan": {}})
+    monkeypatch.undo()
+    assert err.value.code == "disk_full"
+    assert "no space" in err.value.message
+    assert cache.get(key) is None
+    assert not os.path.exists(cache.entry_dir(key))
+    assert os.listdir(os.path.join(cache.root, "tmp")) == []
+
+
+# --- two processes, one build --------------------------------------------------------------
+
+def _build_once(root, key, marker_dir, barrier):
+    """What engine.build_engine does: check, lock, re-check, build, publish."""
+    cache = EngineCache(root)
+    barrier.wait()
+    if cache.get(key) is not None:
+        return
+    with cache.lock(key):
+        if cache.get(key) is not None:
+            return
+        with open(os.path.join(marker_dir, "build-{}".format(os.getpid())), "w"):
+            pass
+        with cache.staging(key) as stage:
+            time.sleep(0.5)  # a slow build: the other process must wait, not build
+            with open(stage.engine_path, "wb") as f:
+                f.write(b"built")
+            cache.publish(stage, {})
+
+
+def test_two_processes_build_the_same_key_once(tmp_path):
+    root, markers = str(tmp_path / "engines"), tmp_path / "markers"
+    markers.mkdir()
+    key = _hex(60)
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_build_once, args=(root, key, str(markers), barrier))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert len(os.listdir(str(markers))) == 1
+    assert EngineCache(root).get(key) is not None
+
+
+def test_lock_timeout_gives_cache_locked(tmp_path):
+    root = str(tmp_path)
+    key = _hex(61)
+    ctx = multiprocessing.get_context("fork")
+    held, release = ctx.Event(), ctx.Event()
+
+    def hold():
+        with EngineCache(root).lock(key):
+            held.set()
+            release.wait(10)
+
+    p = ctx.Process(target=hold)
+    p.start()
+    try:
+        assert held.wait(10)
+        with pytest.raises(AgentError) as err:
+            with EngineCache(root, lock_timeout=0.1).lock(key):
+                pass
+        assert err.value.code == "cache_locked"
+    finally:
+        release.set()
+        p.join(10)
+    with EngineCache(root, lock_timeout=1).lock(key):
+        pass
+
+
+def test_lock_is_reentrant_in_one_process(tmp_path):
+    cache = EngineCache(str(tmp_path))
+    key = _hex(62)
+    with cache.lock(key):
+        with cache.lock(key, timeout=0):
+            pass
+    assert cache_mod._HELD == {}
+
+
+# --- build_engine with the real onnxruntime backend ----------------------------------------
+
+class CountingBackend(OnnxRuntimeBackend):
+    """The real backend, counting its builds (and optionally slowed down, so that two
+    processes overlap)."""
+
+    def __init__(self, delay=0.0, marker_dir=None):
+        super(CountingBackend, self).__init__()
+        self.builds = 0
+        self.delay = delay
+        self.marker_dir = marker_dir
+
+    def build(self, model_path, plan, engine_path, progress=no_progress):
+        self.builds += 1
+        if self.marker_dir:
+            open(os.path.join(self.marker_dir, "build-{}".format(os.getpid())), "w").close()
+        time.sleep(self.delay)
+        return super(CountingBackend, self).build(model_path, plan, engine_path, progress)
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    """The digits MLP and 256 real calibration samples in a directory of .npy shards."""
+    root = tmp_path_factory.mktemp("digits")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # sklearn's ConvergenceWarning: accuracy is enough
+        model, split = models.digits_classifier(hidden=(32,))
+    path = models.save(model, root / "digits.onnx")
+    calib = root / "calib"
+    calib.mkdir()
+    np.save(str(calib / "input_0.npy"), split[0][:128])
+    np.save(str(calib / "input_1.npy"), split[0][128:256])
+    return path, str(calib)
+
+
+@pytest.fixture
+def fp16_model(tmp_path):
+    return models.save(models.fp16_max_model(), tmp_path / "fp16max.onnx")
+
+
+def _int8(calib, **kw):
+    return BuildPlan("int8", calibration=CalibrationSettings(data=calib, batch_size=32), **kw)
+
+
+def test_second_identical_build_is_a_hit_without_building(tmp_path, fp16_model):
+    backend, cache = CountingBackend(), EngineCache(str(tmp_path / "engines"))
+    plan = BuildPlan("fp16", layer_precisions={"Add": "float32", "Sub": "float32"},
+                     precision_constraints="obey")
+    first = build_engine(fp16_model, plan, backend, cache, PLATFORM)
+    second = build_engine(fp16_model, plan, backend, cache, PLATFORM)
+    assert (first.cache_hit, second.cache_hit) == (False, True)
+    assert backend.builds == 1
+    assert second.key == first.key and second.engine_path == first.engine_path
+    assert second.result["layer_precisions"] == first.result["layer_precisions"]
+    assert cache.stats()["hits"] == 1 and cache.stats()["misses"] == 1
+    with backend.open(second.engine_path) as runner:
+        out = runner.infer({"x": np.ones((1, 1, 4, 4), np.float32)})["y"]
+    assert np.allclose(out, 1.0, atol=1e-3)
+    # another platform fingerprint is another engine
+    assert not build_engine(fp16_model, plan, backend, cache, {"soc": "other"}).cache_hit
+
+
+def test_int8_calibrates_once_then_hits_and_other_plans_skip_calibration(tmp_path, digits):
+    model, calib = digits
+    backend = CountingBackend()
+    cache = EngineCache(str(tmp_path / "engines"))
+    cal_dir = str(tmp_path / "calibration")
+    first = build_engine(model, _int8(calib), backend, cache, PLATFORM, calibration_dir=cal_dir)
+    assert not first.cache_hit and first.result["calibrated"]
+    cal_cache = first.result["calibration_cache"]
+    assert cal_cache.startswith(cal_dir) and open(cal_cache).readline().startswith("TRT-")
+    again = build_engine(model, _int8(calib), backend, cache, PLATFORM, calibration_dir=cal_dir)
+    assert again.cache_hit and not again.result["calibrated"] and backend.builds == 1
+    assert again.key == first.key
+    other = build_engine(model, _int8(calib).with_layers(["fc0"]), backend, cache, PLATFORM,
+                         calibration_dir=cal_dir)
+    assert not other.cache_hit and backend.builds == 2
+    assert not other.result["calibrated"]  # read the calibration cache instead
+    assert other.result["calibration_cache"] == cal_cache
+    assert other.result["layer_precisions"]["fc0"] == "float32"
+
+
+def test_moved_dataset_hits_changed_dataset_rebuilds(tmp_path, digits):
+    model, calib = digits
+    backend, cache = CountingBackend(), EngineCache(str(tmp_path / "engines"))
+    cal_dir = str(tmp_path / "calibration")
+    first = build_engine(model, _int8(calib), backend, cache, PLATFORM, calibration_dir=cal_dir)
+    moved = str(tmp_path / "moved")
+    shutil.copytree(calib, moved)
+    assert build_engine(model, _int8(moved), backend, cache, PLATFORM,
+                        calibration_dir=cal_dir).key == first.key
+    arr = np.load(os.path.join(moved, "input_1.npy"))
+    np.save(os.path.join(moved, "input_1.npy"), arr[:64])
+    changed = build_engine(model, _int8(moved), backend, cache, PLATFORM,
+                           calibration_dir=cal_dir)
+    assert not changed.cache_hit and changed.result["calibrated"]
+    assert changed.result["calibration_cache"] != first.result["calibration_cache"]
+    assert backend.builds == 2
+
+
+def test_corrupt_engine_is_rebuilt(tmp_path, fp16_model):
+    backend, cache = CountingBackend(), EngineCache(str(tmp_path / "engines"))
+    plan = BuildPlan("fp16")
+    first = build_engine(fp16_model, plan, backend, cache, PLATFORM)
+    with open(first.engine_path, "r+b") as f:
+        f.seek(20)
+        f.write(b"\xff\xff")
+    second = build_engine(fp16_model, plan, backend, cache, PLATFORM)
+    assert not second.cache_hit and backend.builds == 2
+    assert cache.stats()["corrupt"] == 1
+    assert cache.get(second.key) is not None
+
+
+def test_full_disk_while_publishing_a_build(tmp_path, fp16_model, monkeypatch):
+    backend, cache = CountingBackend(), EngineCache(str(tmp_path / "engines"))
+    _fail_writes_after(monkeypatch, 0)  # the engine (fsio) is written; meta.json is not
+    with pytest.raises(AgentError) as err:
+        build_engine(fp16_model, BuildPlan("fp16"), backend, cache, PLATFORM)
+    monkeypatch.undo()
+    assert err.value.code == "disk_full"
+    assert cache.ls() == [] and os.listdir(os.path.join(cache.root, "tmp")) == []
+    assert not build_engine(fp16_model, BuildPlan("fp16"), backend, cache, PLATFORM).cache_hit
+
+
+def test_missing_model_is_file_not_found(tmp_path):
+    with pytest.raises(AgentError) as err:
+        build_engine(str(tmp_path / "nope.onnx"), BuildPlan(), CountingBackend(),
+                     EngineCache(str(tmp_path)), PLATFORM)
+    assert err.value.code == "file_not_found"
+
+
+def _build_in_child(model, root, markers, barrier):
+    barrier.wait()
+    record = build_engine(model, BuildPlan("fp16"), CountingBackend(0.5, markers),
+                          EngineCache(root), PLATFORM)
+    return record.key
+
+
+def test_two_processes_build_engine_once(tmp_path, fp16_model):
+    root, markers = str(tmp_path / "engines"), tmp_path / "markers"
+    markers.mkdir()
+    ctx = multiprocessing.get_context("spawn")  # no fork after onnxruntime made threads
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=_build_in_child, args=(fp16_model, root, str(markers), barrier))
+             for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    assert len(os.listdir(str(markers))) == 1
+    assert len(EngineCache(root).ls()) == 1

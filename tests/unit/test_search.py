@@ -1,0 +1,228 @@
+import math
+import random
+
+import numpy as np
+import pytest
+
+from agent.errors import AgentError
+from agent.search import (
+    Search,
+    count_suspects,
+    rank_layers,
+    tensor_error,
+)
+
+LAYERS = ["L{}".format(i) for i in range(40)]
+
+
+def run(search, passes):
+    """Drive a search with an oracle; returns the sets it evaluated, in order."""
+    seen = []
+    while not search.done:
+        keep = search.propose()
+        seen.append(frozenset(keep))
+        search.observe(passes(frozenset(keep)))
+    return seen
+
+
+def needs(*names):
+    required = frozenset(names)
+    return lambda keep: required <= keep
+
+
+# -- Polygraphy's markers (tools/Polygraphy debug precision), step for step -------------------
+
+def polygraphy_bisect(n, direction, passes):
+    good, bad, num = n + 1, 0, n
+    tried = []
+    while True:
+        sel = LAYERS[:num] if direction == "forward" else LAYERS[n - num:n]
+        tried.append(frozenset(sel))
+        if passes(frozenset(sel)):
+            good = num
+            new = int(math.floor((good + bad) / 2.0))
+        else:
+            bad = num
+            new = int(math.ceil((good + bad) / 2.0))
+        old, num = num, new
+        if old == num or abs(good - bad) <= 1 or num > n:
+            break
+    keep = LAYERS[:good] if direction == "forward" else LAYERS[n - good:n]
+    return keep, tried
+
+
+def polygraphy_linear(n, direction, passes):
+    tried = []
+    for num in range(n + 1):
+        sel = LAYERS[:num] if direction == "forward" else LAYERS[n - num:n]
+        tried.append(frozenset(sel))
+        if passes(frozenset(sel)):
+            return sel, tried
+    return None, tried
+
+
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+@pytest.mark.parametrize("mode", ["bisect", "linear"])
+def test_bisect_and_linear_match_polygraphy(mode, direction):
+    rng = random.Random(7)
+    reference = polygraphy_bisect if mode == "bisect" else polygraphy_linear
+    for _trial in range(60):
+        n = rng.randint(1, len(LAYERS))
+        culprits = rng.sample(LAYERS[:n], rng.randint(1, min(4, n)))
+        passes = needs(*culprits)
+        s = Search(LAYERS[:n], mode=mode, direction=direction)
+        ours = run(s, passes)
+        expected_keep, expected_tried = reference(n, direction, passes)
+        assert s.keep == expected_keep, (n, culprits)
+        # The same builds, plus the sanity steps (nothing kept, everything kept) first; a set
+        # Polygraphy builds twice is built once here.
+        assert ours[:2] == [frozenset(), frozenset(LAYERS[:n])]
+        assert [t for t in ours[2:]] == [t for t in dict.fromkeys(expected_tried)
+                                         if t not in ours[:2]]
+        if mode == "bisect":
+            assert s.evaluations <= math.ceil(math.log2(n)) + 3
+
+
+def test_fp16_max_like_prefixes():
+    layers = ["MatMul_0", "Add", "Sub", "MatMul_1"]
+    passes = needs("Add", "Sub")
+    for mode, direction, keep in [("bisect", "forward", layers[:3]),
+                                  ("bisect", "reverse", layers[1:]),
+                                  ("linear", "forward", layers[:3]),
+                                  ("linear", "reverse", layers[1:])]:
+        s = Search(layers, mode=mode, direction=direction)
+        run(s, passes)
+        assert s.keep == keep, (mode, direction)
+
+
+def _ranking(culprits, rng, good):
+    rest = [x for x in LAYERS if x not in culprits]
+    rng.shuffle(rest)
+    if good:
+        return list(culprits) + rest
+    order = list(LAYERS)
+    rng.shuffle(order)
+    return order
+
+
+@pytest.mark.parametrize("good", [True, False])
+def test_minimal_finds_exactly_the_needed_layers(good):
+    rng = random.Random(3)
+    n = len(LAYERS)
+    for _trial in range(40):
+        k = rng.randint(1, 5)
+        culprits = rng.sample(LAYERS, k)
+        ranking = _ranking(culprits, rng, good)
+        suspects = k + rng.randint(0, k) if good else 0
+        s = Search(LAYERS, mode="minimal", ranking=ranking, suspects=suspects)
+        seen = run(s, needs(*culprits))
+        assert set(s.keep) == set(culprits)
+        assert s.keep == [x for x in LAYERS if x in culprits]  # topological order
+        assert len(seen) == len(set(seen))  # memoized: no set built twice
+        budget = k * math.log2(n) + 2 * k
+        if good:
+            assert s.evaluations <= 2 * k + 2 * math.log2(2 * k) + 3
+        else:
+            assert s.evaluations <= budget + 3, (k, s.evaluations)
+
+
+def test_minimal_answer_is_one_minimal_even_when_accuracy_is_not_monotonic():
+    # L1 and L2 are needed together, or L3 alone -- unless L4 is kept too (more fp32 making
+    # things worse, which bisect silently assumes never happens).
+    def passes(keep):
+        return ({"L1", "L2"} <= keep) or ("L3" in keep and "L4" not in keep)
+
+    for seed in range(10):
+        ranking = list(LAYERS)
+        random.Random(seed).shuffle(ranking)
+        s = Search(LAYERS, mode="minimal", ranking=ranking)
+        run(s, lambda keep: passes(set(keep)))
+        keep = set(s.keep)
+        assert passes(keep)
+        for name in keep:
+            assert not passes(keep - {name})
+
+
+def test_sanity_steps():
+    s = Search(LAYERS, mode="minimal")
+    run(s, lambda keep: True)
+    assert s.keep == [] and s.evaluations == 1 and s.complete
+    for mode in ("minimal", "bisect", "linear", "worst-first"):
+        s = Search(LAYERS, mode=mode)
+        with pytest.raises(AgentError) as err:
+            run(s, lambda keep: False)
+        assert err.value.code == "reference_mismatch"
+        assert s.evaluations == 2
+
+
+def test_worst_first_is_the_smallest_passing_prefix_of_the_ranking():
+    ranking = ["L5", "L9", "L1", "L30", "L2"] + [x for x in LAYERS
+                                               if x not in ("L5", "L9", "L1", "L30", "L2")]
+    s = Search(LAYERS, mode="worst-first", ranking=ranking)
+    run(s, needs("L5", "L30"))
+    assert set(s.keep) == {"L5", "L9", "L1", "L30"}
+
+
+def test_stopping_midway_gives_the_smallest_passing_set_so_far():
+    s = Search(LAYERS, mode="minimal", max_evaluations=4)
+    run(s, needs("L3", "L20"))
+    assert s.exhausted and not s.complete and s.evaluations == 4
+    best = s.best()
+    assert best is not None and {"L3", "L20"} <= set(best)
+    s = Search(LAYERS, mode="bisect")
+    s.observe(False)  # nothing kept fails; stop before anything passed
+    assert s.best() is None
+
+
+def test_bad_arguments():
+    for kwargs in ({"mode": "greedy"}, {"direction": "sideways"},
+                   {"ranking": ["L1", "nope"]}):
+        with pytest.raises(AgentError) as err:
+            Search(["L1", "L2"], **kwargs)
+        assert err.value.code == "bad_argument"
+    with pytest.raises(AgentError):
+        Search(["L1", "L1"])
+
+
+def test_no_candidates():
+    s = Search([], mode="minimal")
+    run(s, lambda keep: True)
+    assert s.keep == []
+    s = Search([], mode="bisect")
+    with pytest.raises(AgentError) as err:
+        run(s, lambda keep: False)
+    assert err.value.code == "reference_mismatch"
+
+
+# -- ranking ---------------------------------------------------------------------------------
+
+def test_tensor_error_is_scale_free_and_counts_nonfinite_apart():
+    ref = np.linspace(1, 2, 100)
+    q, m, nf = tensor_error(ref, ref * 1.01)
+    q2, m2, _ = tensor_error(ref * 1e4, ref * 1e4 * 1.01)
+    assert q == pytest.approx(q2) and m == pytest.approx(m2)
+    assert q == pytest.approx(0.01, rel=0.05) and nf == 0.0
+    bad = ref.copy()
+    bad[:10] = np.inf
+    q, m, nf = tensor_error(ref, bad)
+    assert nf == pytest.approx(0.1) and q == 0.0
+
+
+def test_rank_layers_puts_the_layers_that_introduce_error_first():
+    rng = np.random.RandomState(0)
+    x = rng.random_sample(1000) + 1.0
+    ref = {"x": x, "a": x * 2, "b": x * 2e5, "c": x * 2, "d": x * 2 + 1}
+    low = {"x": x, "a": ref["a"] * (1 + 1e-4), "b": np.full(1000, np.inf),
+           "c": np.full(1000, np.inf), "d": ref["d"] * (1 + 0.2)}
+    layers = [("A", ["x"], ["a"]), ("B", ["a"], ["b"]), ("C", ["b"], ["c"]),
+              ("D", ["c"], ["d"])]
+    scores = rank_layers(layers, ref, low, precision="fp16")
+    order = [s.name for s in scores]
+    # B and C touch values past the fp16 range; D's error grew 1000x; A only rounds.
+    assert order[:2] == ["B", "C"] and order[2] == "D" and order[3] == "A"
+    assert scores[0].out_of_range == 1.0 and scores[0].nonfinite == 1.0
+    assert count_suspects(scores) == 3
+    row = scores[0].to_dict()
+    assert row["layer"] == "B" and row["nonfinite_introduced"] == 1.0
+    # int8 has no fixed range: only growth counts.
+    assert [s.name for s in rank_layers(layers, ref, low, precision="int8")][0] == "B"
