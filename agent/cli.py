@@ -70,6 +70,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # `jetson-agent ... --json | head`: the reader left; not an error of ours.
+        sys.stderr.close()
+        return EXIT_OK
     except Exception:  # noqa: BLE001 - last resort: report, do not hide
         logging.getLogger("agent").exception("internal error")
         return EXIT_INTERNAL

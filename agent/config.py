@@ -77,7 +77,7 @@ class LimitsConfig:
 @dataclasses.dataclass
 class TransferConfig:
     block_size: int = _f(128 * 1024, size=True, min=1024, max=1024 * 1024)
-    window: int = _f(32, min=1, max=1024)  # blocks requested and not yet received
+    window: int = _f(64, min=1, max=1024)  # blocks requested and not yet received
     timeout_s: float = _f(10.0, min=0.1)  # re-request blocks that did not come (doubles to 60 s)
 
 

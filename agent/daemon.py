@@ -57,6 +57,7 @@ MAX_ATTEMPTS = 2  # a job interrupted in its worker by an agent restart runs onc
 OUTBOX_BATCH = 200
 MAX_PUBLISH_REFUSALS = 3
 STDERR_TAIL = 2000
+MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 WORKER_STAGES = ("calibrating", "building", "verifying", "searching", "benchmarking",
                  "activating")
 # Worker errors that mean "this job can never work here" (AWS IoT: REJECTED, not retryable).
@@ -65,6 +66,7 @@ REJECT_CODES = frozenset(("bad_argument", "bad_model", "unsupported_model", "dyn
                           "golden_mismatch", "bad_golden_file", "unsupported_precision",
                           "backend_unavailable", "unknown_job_kind", "bad_message"))
 AGENT_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER_PACKAGES = ("agent", "calib")  # what the worker imports from this installation
 
 
 def journal_path(state_dir: str) -> str:
@@ -487,6 +489,7 @@ class Daemon:
             self._end(run, "CANCELED", error=error)
             return "CANCELED"
         self._set_state(job_id, "CANCELED", error=error)
+        log.info("job %s CANCELED while %s", job_id, row["state"])
         return "CANCELED"
 
     # ------------------------------------------------------------------------- scheduling
@@ -518,10 +521,10 @@ class Daemon:
         self.run_ = run
         try:
             if row["state"] == "IN_PROGRESS" and run.details.get("worker") == "started":
+                _kill_orphan(run.details.get("worker_pid"), run.job_id)
                 if row["attempts"] >= MAX_ATTEMPTS:
                     raise AgentError("worker_crashed", "the agent stopped while this job's worker "
                                      "ran, {} times; not retrying".format(row["attempts"]))
-                _kill_orphan(run.details.get("worker_pid"), run.job_id)
                 attempt = self.journal.bump_attempts(run.job_id)
                 log.warning("job %s was running when the agent stopped: running it again "
                             "(attempt %d)", run.job_id, attempt)
@@ -651,7 +654,8 @@ class Daemon:
         atomic_write(spec_path, json.dumps(spec, sort_keys=True).encode("utf-8"))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
-            [AGENT_PARENT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+            [self._worker_path()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                     if p])
         env["JETSON_AGENT_STATE_DIR"] = self.state_dir
         env["PYTHONUNBUFFERED"] = "1"
         run.stderr_path = os.path.join(run.work_dir, "worker.log")
@@ -672,6 +676,26 @@ class Daemon:
                          name="worker-reader", daemon=True).start()
         log.info("job %s: worker %d started (%s, %s)", run.job_id, run.proc.pid, run.kind,
                  run.plan.get("precision"))
+
+    def _worker_path(self) -> str:
+        """A directory holding only our packages (symlinks), for the worker's PYTHONPATH: the
+        worker may be another interpreter (JetPack 4.6's Python 3.6), which must not pick up
+        the daemon's site-packages (numpy built for another Python)."""
+        path = os.path.join(self.state_dir, "pythonpath")
+        os.makedirs(path, exist_ok=True)
+        for package in WORKER_PACKAGES:
+            src = os.path.join(AGENT_PARENT, package)
+            link = os.path.join(path, package)
+            if not os.path.isdir(src):
+                continue
+            if os.path.islink(link) and os.readlink(link) == src:
+                continue
+            tmp = link + ".tmp"
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+            os.symlink(src, tmp)
+            os.replace(tmp, link)
+        return path
 
     def _read_worker(self, proc: "subprocess.Popen[bytes]", token: int) -> None:
         assert proc.stdout is not None
@@ -766,7 +790,7 @@ class Daemon:
                       "throughput_qps": result.get("throughput_qps")})
             result["activated"] = True
             result["previous_engine"] = previous["engine_key"] if previous else None
-        self._end(run, "SUCCEEDED", result=result)
+        self._end(run, "SUCCEEDED", result=fit_result(result))
         if activate:
             self._publish_birth()  # the retained status lists the active engines
 
@@ -787,9 +811,11 @@ class Daemon:
         run.details.pop("worker_pid", None)
         if error is not None:
             run.details["error_code"] = str(error.get("code"))
+            if isinstance(error.get("details"), dict):
+                error = dict(error, details=fit_result(error["details"]))
         self._set_state(run, state, error=error, result=result)
         log.log(logging.INFO if state == "SUCCEEDED" else logging.WARNING, "job %s %s%s",
-                run.job_id, state, "" if error is None else ": {} {}".format(
+                run.job_id, state, "" if error is None else " [{}]: {}".format(
                     error.get("code"), error.get("message")))
         if run.work_dir:
             shutil.rmtree(run.work_dir, ignore_errors=True)
@@ -940,6 +966,22 @@ class Daemon:
         if journal is not None:
             journal.close()
         self.notifier.close()
+
+
+def fit_result(result: Dict[str, Any], limit: int = MAX_RESULT_BYTES) -> Dict[str, Any]:
+    """Drop the largest entries of a result until its JSON fits ``limit`` bytes; the names of
+    the dropped entries are listed under ``truncated`` (the worker's log has everything)."""
+    result = dict(result)
+    dropped = []
+    while len(protocol.encode(result)) > limit and result:
+        sizes = {k: len(protocol.encode({k: v})) for k, v in result.items() if k != "truncated"}
+        if not sizes:
+            break
+        biggest = max(sizes, key=lambda k: sizes[k])
+        del result[biggest]
+        dropped.append(biggest)
+        result["truncated"] = sorted(dropped)
+    return result
 
 
 def _kind_of(payload: bytes) -> str:

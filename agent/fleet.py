@@ -1,6 +1,6 @@
 """Controller side of a fleet: device directory, staged rollouts, block serving, results.
 
-Speaks only the protocol of docs/protocol.md. The pure parts come first and carry the policy:
+Speaks only the protocol of docs/protocol.md. The policy is pure and comes first:
 
 - target selection (``select_devices``) and staging (``plan_stages``: ``--batch N`` or
   ``--percent P`` devices per stage, in the order given);
@@ -8,6 +8,9 @@ Speaks only the protocol of docs/protocol.md. The pure parts come first and carr
   finished, stop when more than ``abort_failure_rate`` of them FAILED / REJECTED / TIMED_OUT)
   and ``stage_verdict`` (hawkBit-style success threshold: the next stage starts once enough
   devices of the current one SUCCEEDED; a stage that can no longer reach it halts the rollout);
+- ``prepare_rollout``: what devices would refuse, checked on the controller before anything
+  is published (model, goldens and inputs against the model, labels, calibration set, which
+  a directory of shards is packed into one .npz for);
 - ``Rollout``: the state machine, fed job statuses, answering with ``Action``s (publish a
   retained job document, clear one, send a cancel command); with a precision search each device
   runs a ``search`` job, then a ``deploy`` job that keeps the layers the search found;
@@ -367,11 +370,6 @@ class DeviceRun(object):
     def terminal(self) -> bool:
         return protocol.is_terminal(self.state)
 
-    def snapshot(self) -> Dict[str, Any]:
-        return {"device": self.device, "stage": self.stage + 1, "state": self.state,
-                "phase": self.phase, "job_id": self.job_id, "job_stage": self.job_stage,
-                "progress": self.progress, "note": self.note}
-
 
 def check_rollout_id(rollout_id: str) -> str:
     if len(rollout_id) > MAX_ROLLOUT_ID or not protocol.valid_id(rollout_id):
@@ -698,7 +696,7 @@ def results_table(rows: Sequence[Mapping[str, Any]]) -> str:
         if row.get("fallback_reason"):
             notes.append("{}: fell back: {}".format(row["device"], row["fallback_reason"]))
             precision += " (fallback [{}])".format(len(notes))
-        error = row.get("error_code") or "-"
+        error = row.get("error_code") or ("see" if row.get("note") else "-")
         if row.get("error_message"):
             notes.append("{}: {} {}: {}".format(row["device"], row["state"], row["error_code"],
                                                 row["error_message"]))
@@ -951,7 +949,7 @@ class FleetConnection(object):
                 log.warning("lost the broker connection (%s); reconnecting", ev.reason)
             elif ev.kind == mqtt.MESSAGE:
                 self._dispatch(ev, on_message)
-            if time.monotonic() >= deadline and self.client.events.empty():
+            if time.monotonic() >= deadline:
                 return subscribed
 
     def _dispatch(self, ev: Any, on_message: Callable[[protocol.TopicInfo, Any], None]) -> None:
@@ -1014,11 +1012,13 @@ def discover(conn: FleetConnection, telemetry_wait: float = 0.0) -> DeviceDirect
 
 def run_rollout(conn: FleetConnection, rollout: Rollout, files: Mapping[str, str],
                 view: Optional[ProgressView] = None, timeout: float = 3600.0,
-                server: Any = None) -> Rollout:
+                server: Any = None, share_group: Optional[str] = None) -> Rollout:
     """Carry ``rollout`` out over ``conn`` (connected, directory filled): serve the artifact
     blocks, publish the job documents stage by stage, follow the job statuses until every
     device has finished, the timeout passes or the user interrupts (KeyboardInterrupt is
-    re-raised after the queued devices were cancelled)."""
+    re-raised after the queued devices were cancelled). ``share_group``: take block requests
+    through an MQTT v5 shared subscription, so that controllers serving the same files split
+    them."""
     from agent.transfer import BlockServer
 
     topics = conn.topics
@@ -1029,7 +1029,11 @@ def run_rollout(conn: FleetConnection, rollout: Rollout, files: Mapping[str, str
     view = view or ProgressView(enabled=False)
     base = topics.prefix + "/devices/+"
     conn.subscribe([base + "/jobs/{}/status".format(j) for j in rollout.job_ids])
-    conn.subscribe([base + "/artifacts/+/request"])
+    requests = base + "/artifacts/+/request"
+    if share_group is not None:
+        requests = "$share/{}/{}".format(protocol.check_id("share group", share_group),
+                                         requests)
+    conn.subscribe([requests])
     statuses = conn.directory.status
 
     def on_message(info: protocol.TopicInfo, msg: Any) -> None:
@@ -1054,9 +1058,9 @@ def run_rollout(conn: FleetConnection, rollout: Rollout, files: Mapping[str, str
                            "request_id": "c" + uuid.uuid4().hex[:10], "job_id": action.job_id}
                 conn.publish(topics.commands(action.device), protocol.encode(command), qos=1)
 
-    conn.settle(on_message)  # subscriptions in place before the first job goes out
     deadline = time.monotonic() + timeout
     try:
+        conn.settle(on_message)  # subscriptions in place before the first job goes out
         execute(rollout.start())
         view.update(rollout, statuses, force=True)
         while not rollout.done:

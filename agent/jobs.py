@@ -28,6 +28,11 @@ Emit = Callable[[Dict[str, Any]], None]
 ShouldStop = Callable[[], bool]
 
 DEFAULT_BENCH = {"iterations": 200, "warmup": 20}
+MAX_LISTED = 20  # list entries kept in a job result (evaluations, layers)
+SEARCH_SUMMARY_KEYS = ("mode", "direction", "precision", "keep_precision", "candidates", "keep",
+                       "layer_precisions", "passed", "complete", "interrupted", "exhausted",
+                       "evaluations", "builds", "cache_hits", "seconds", "engine_key", "message",
+                       "comparison", "suspects")
 # Progress lines are rate-limited per stage; stage changes and completions always go out.
 PROGRESS_INTERVAL_S = 0.25
 
@@ -313,8 +318,16 @@ class _Job(object):
             "build_seconds": round(record.seconds, 3),
             "backend": self.backend.name,
             "emulated": self.backend.name != "tensorrt",
-            "layer_precisions": build.get("layer_precisions", {}),
+            "layer_precision_counts": _counts(build.get("layer_precisions") or {}),
+            "precision_mismatches": (build.get("mismatches") or [])[:MAX_LISTED],
         }
+
+
+def _counts(layers: Dict[str, str]) -> Dict[str, int]:
+    out = {}  # type: Dict[str, int]
+    for precision in layers.values():
+        out[precision] = out.get(precision, 0) + 1
+    return out
 
 
 def run_deploy(job: _Job) -> Dict[str, Any]:
@@ -386,11 +399,20 @@ def run_search(job: _Job) -> Dict[str, Any]:
                    should_stop=job.should_stop,
                    max_evaluations=int(max_evaluations) if max_evaluations else None,
                    calibration_dir=job.spec["calibration_dir"])
-    result = found.to_dict()
-    result.setdefault("precision", job.plan.precision)
-    result.setdefault("fallback_reason", job.spec.get("fallback_reason"))
-    result.setdefault("backend", job.backend.name)
-    result["partial"] = bool(job.should_stop()) or bool(result.get("partial"))
+    full = found.to_dict()
+    # The job status stays small (controllers cap it at 64 KiB): a summary of the search,
+    # the last evaluations, and the layers kept in higher precision.
+    result = {k: full.get(k) for k in SEARCH_SUMMARY_KEYS if k in full}
+    result["iterations"] = [{k: it.get(k) for k in ("index", "size", "passed", "seconds",
+                                                    "cache_hit")}
+                            for it in (full.get("iterations") or [])[-MAX_LISTED:]]
+    result["sensitivity"] = (full.get("sensitivity") or [])[:MAX_LISTED]
+    result["layers_kept"] = {name: full.get("keep_precision", "float32")
+                             for name in (full.get("keep") or [])}
+    result["fallback_reason"] = job.spec.get("fallback_reason")
+    result["backend"] = job.backend.name
+    result["emulated"] = job.backend.name != "tensorrt"
+    result["partial"] = bool(job.should_stop()) or bool(full.get("partial"))
     return result
 
 

@@ -10,8 +10,9 @@ The calibrator classes themselves must subclass TensorRT's base classes (and cal
 ``__init__``), so ``make_calibrator`` builds them when called, importing TensorRT then:
 importing this module needs neither TensorRT nor pycuda.
 
-``percentile`` has no TensorRT calibrator: the backend computes its ranges on the host
-(``calib.ranges``) and hands them to TensorRT directly. Worker side: Python >= 3.6.
+``percentile`` has no TensorRT calibrator: the backend runs the data through an fp32 engine,
+computes the ranges with ``calib.ranges`` and hands them to TensorRT directly. Worker side:
+Python >= 3.6.
 """
 
 import os

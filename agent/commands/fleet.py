@@ -161,6 +161,9 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
                    help="give up on devices not finished after S seconds (default 3600)")
     t.add_argument("--job-timeout", type=float, metavar="S",
                    help="in-progress timeout the devices apply to each job")
+    t.add_argument("--share-group", metavar="NAME",
+                   help="take block requests through the MQTT v5 shared subscription "
+                        "$share/NAME/... (several controllers serving the same files)")
     o = r.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     o.add_argument("-q", "--quiet", action="store_true", help="no live progress")
@@ -247,6 +250,9 @@ def run_rollout(args: argparse.Namespace) -> int:
     policy = fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
                                              args.min_executed))
     user_layers = parse_layer_precisions(args.layer_precisions)
+    if args.share_group is not None and not protocol.valid_id(args.share_group):
+        raise AgentError("bad_argument", "--share-group must be 1-64 characters of "
+                         "[A-Za-z0-9._-], found {!r}".format(args.share_group))
     rollout_id = fleet.check_rollout_id(args.rollout_id or fleet.new_rollout_id(args.model))
     with tempfile.TemporaryDirectory(prefix="jetson-agent-rollout-") as work:
         files = fleet.prepare_rollout(
@@ -272,9 +278,12 @@ def run_rollout(args: argparse.Namespace) -> int:
                     len(stages), ", ".join(rollout.job_ids)), file=sys.stderr)
             interrupted = False
             try:
-                fleet.run_rollout(conn, rollout, files, view, timeout=args.timeout)
+                fleet.run_rollout(conn, rollout, files, view, timeout=args.timeout,
+                                  share_group=args.share_group)
             except KeyboardInterrupt:
                 interrupted = True
+                if not rollout.halted:  # before anything went out
+                    rollout.expire("interrupted by the user", "CANCELED", "interrupted")
             report = fleet.rollout_report(rollout, conn.directory.status, {
                 "model": {"path": args.model, **artifacts["model"]},
                 "precision": args.precision,

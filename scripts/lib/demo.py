@@ -192,11 +192,14 @@ def run_cli(argv: List[str], env: Dict[str, str]) -> int:
     shown = ["jetson-agent"] + [os.path.relpath(a, ROOT) if a.startswith(ROOT) else a
                                 for a in argv]
     print("\n$ " + " ".join(shlex.quote(a) for a in shown), flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", "agent"] + argv, env=env, cwd=ROOT)
+    # Its own session: a Ctrl-C reaches the demo only, which passes exactly one on.
+    proc = subprocess.Popen([sys.executable, "-m", "agent"] + argv, env=env, cwd=ROOT,
+                            start_new_session=True)
     try:
         return proc.wait()
     except KeyboardInterrupt:
-        # The fleet command got the same Ctrl-C: let it cancel what it queued and print.
+        # Let the fleet command cancel what it queued and print its table.
+        proc.send_signal(signal.SIGINT)
         try:
             proc.wait(30)
         except (subprocess.TimeoutExpired, KeyboardInterrupt):
@@ -225,6 +228,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Also when started in the background with SIGINT ignored (children inherit SIG_IGN).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.pop("JETSON_AGENT_STATE_DIR", None)
@@ -289,9 +294,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     failed = [c for c in codes if c != 0]
-    print("\ndemo: {} in {:.0f} s".format("OK: every device SUCCEEDED in both rollouts"
-                                          if not failed else "FAILED",
-                                          time.monotonic() - started))
+    verdict = ("OK: every device SUCCEEDED in both rollouts" if not failed else
+               "interrupted" if 130 in failed else "FAILED")
+    print("\ndemo: {} in {:.0f} s".format(verdict, time.monotonic() - started))
     if 130 in failed:
         return 130
     return 1 if failed else 0

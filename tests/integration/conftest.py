@@ -127,10 +127,11 @@ class AgentProcess:
             f.write(extra_config)
         self.proc = None
 
-    def start(self, *args):
+    def start(self, *args, env_extra=None):
         import sys
 
         env = dict(os.environ)
+        env.update(env_extra or {})
         env["PYTHONPATH"] = ROOT
         env.pop("JETSON_AGENT_STATE_DIR", None)
         logf = open(self.log, "ab")
@@ -296,6 +297,14 @@ class Controller:
                     raise AssertionError("timed out after {} s waiting for {}".format(
                         timeout, what))
                 self.cond.wait(min(left, 0.5))
+
+    def wait_online(self, device=None, timeout=30):
+        """Until the device's birth message (online) has arrived: it is subscribed by then."""
+        device = device or self.device
+        return self.wait_for(
+            lambda: next((s for s in reversed(self.device_status)
+                          if s["device"] == device and s["online"]), None),
+            timeout, "device {} online".format(device))
 
     def last_status(self, job_id):
         with self.lock:

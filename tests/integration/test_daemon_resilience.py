@@ -59,7 +59,7 @@ def wait_journal(agent, predicate, timeout, what):
 def test_broker_killed_mid_transfer_and_with_statuses_pending(mosquitto, controller,
                                                               agent_factory, digits_files):
     agent = agent_factory(extra_config=SMALL_BLOCKS).start()
-    doc = deploy_doc(controller, digits_files, "cut-broker", bench_iterations=20000)
+    doc = deploy_doc(controller, digits_files, "cut-broker", bench_iterations=3000)
     blocks = total_blocks(doc)
     controller.served_limit = blocks // 3  # stop answering a third of the way in
     controller.send_job(doc)
@@ -99,7 +99,7 @@ def test_broker_killed_mid_transfer_and_with_statuses_pending(mosquitto, control
 
 def test_agent_sigkilled_mid_download_and_mid_job(controller, agent_factory, digits_files):
     agent = agent_factory(extra_config=SMALL_BLOCKS).start()
-    doc = deploy_doc(controller, digits_files, "cut-agent", bench_iterations=100000)
+    doc = deploy_doc(controller, digits_files, "cut-agent", bench_iterations=5000)
     blocks = total_blocks(doc)
     controller.served_limit = blocks // 2
     controller.send_job(doc)
@@ -109,7 +109,7 @@ def test_agent_sigkilled_mid_download_and_mid_job(controller, agent_factory, dig
     controller.serve = True
     controller.served_limit = None
     agent.start()
-    # mid-job: the worker is benchmarking (100000 iterations take seconds)
+    # mid-job: the worker is benchmarking (5000 iterations over 540 rows take seconds)
     wait_journal(agent, lambda j: j.job("cut-agent")["stage"] == "benchmarking", 90,
                  "benchmarking")
     agent.kill()
@@ -125,7 +125,6 @@ def test_agent_sigkilled_mid_download_and_mid_job(controller, agent_factory, dig
     duplicates = sum(n - 1 for n in controller.blocks_sent.values())
     assert len(controller.blocks_sent) == blocks
     assert duplicates <= 8, duplicates
-    assert "killing worker" in agent.log_tail(20000) or True  # orphan may have ended itself
     wait_journal(agent, lambda j: j.outbox_count() == 0, 30, "the outbox to drain")
     assert agent.stop() == 0
     assert_sound(agent)
@@ -136,7 +135,7 @@ def test_job_interrupted_twice_fails_with_a_reason(controller, agent_factory, di
     doc = deploy_doc(controller, digits_files, "cut-twice", bench_iterations=200000)
     controller.send_job(doc)
     for attempt in (1, 2):
-        wait_journal(agent, lambda j: j.job("cut-twice") is not None
+        wait_journal(agent, lambda j, attempt=attempt: j.job("cut-twice") is not None
                      and j.job("cut-twice")["stage"] == "benchmarking"
                      and j.job("cut-twice")["attempts"] == attempt, 90,
                      "benchmarking, attempt {}".format(attempt))

@@ -7,8 +7,6 @@ import subprocess
 import sys
 import threading
 
-import pytest
-
 from agent import fleet, protocol
 from agent.cli import main
 from tests.integration.conftest import free_port
@@ -66,7 +64,7 @@ def test_unreachable_broker_is_a_clear_error_without_traceback():
         assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("argv,code,words", [
+BAD_INPUT = [
     (fp16_args("--devices", "ghost"), "unknown_device", ["ghost", "never reported"]),
     (["fleet", "rollout", "--model", "/nonexistent/model.onnx", "--precision", "fp16",
       "--devices", "d1"], "file_not_found", ["/nonexistent/model.onnx"]),
@@ -93,19 +91,21 @@ def test_unreachable_broker_is_a_clear_error_without_traceback():
     (fp16_args("--abort-failure-rate", "1.5", "--devices", "d1"), "bad_argument",
      ["--abort-failure-rate"]),
     (fp16_args("--devices", "d1", "--batch", "0"), "bad_argument", ["--batch"]),
-])
-def test_bad_input_is_caught_before_anything_is_published(mosquitto, agent_factory, capsys,
-                                                          argv, code, words):
+]
+
+
+def test_bad_input_is_caught_before_anything_is_published(mosquitto, capsys):
     sniffer = JobSniffer(mosquitto)
     try:
         status = protocol.encode(protocol.status_message("d1", True, 1))
         sniffer.conn.publish(sniffer.conn.topics.status("d1"), status, retain=True, wait=5)
-        rc, out, err = run_cli(capsys, *(argv + ["--broker", mosquitto.url, "--json"]))
-        assert rc == 2, (out, err)
-        assert json.loads(out)["error"]["code"] == code, out
-        for word in words:
-            assert word in err, err
-        sniffer.conn.pump(sniffer._on, 0.3)
+        for argv, code, words in BAD_INPUT:
+            rc, out, err = run_cli(capsys, *(argv + ["--broker", mosquitto.url, "--json"]))
+            assert rc == 2, (argv, out, err)
+            assert json.loads(out)["error"]["code"] == code, (argv, out)
+            for word in words:
+                assert word in err, (argv, err)
+        sniffer.conn.pump(sniffer._on, 0.5)
     finally:
         sniffer.close()
     assert sniffer.seen == []

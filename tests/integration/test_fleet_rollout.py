@@ -4,7 +4,8 @@
   answers REJECTED unsupported_precision, the abort threshold stops the rollout, and the
   devices still queued (one published but offline, one in a later stage) are cancelled; the
   offline one never runs the job when it comes back.
-- A device that is offline when the rollout starts picks its job up when it comes online.
+- A device that is offline when the rollout starts picks its job up when it comes online
+  (the controller takes block requests through an MQTT v5 shared subscription).
 """
 
 import json
@@ -133,6 +134,7 @@ def test_offline_device_picks_up_its_job_when_it_comes_online(mosquitto, agent_f
          "--golden", os.path.join(FP16, "golden.json"), "--precision", "fp16",
          "--layer-precisions", "Add:float32", "Sub:float32", "--check-error-stat", "median",
          "--devices", "dev-late", "--timeout", "90", "--rollout-id", "ro-late",
+         "--share-group", "controllers",
          "--broker", mosquitto.url, "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT, text=True)
     try:

@@ -7,7 +7,8 @@ import re
 import numpy as np
 import pytest
 
-from agent import protocol
+from agent import compare, protocol
+from agent import search as agent_search
 from agent.backends import base
 from agent.errors import AgentError
 
@@ -300,6 +301,11 @@ def test_schema_files_agree_with_the_code():
     assert tuple(plan["precision_constraints"]["enum"]) == base.CONSTRAINTS
     assert tuple(plan["calibration"]["properties"]["algorithm"]["enum"]) == \
         base.CALIB_ALGORITHMS
+    assert tuple(job["properties"]["gate"]["properties"]["check_error_stat"]["enum"]) == \
+        compare.ERROR_STATS
+    search = job["properties"]["search"]["properties"]
+    assert tuple(search["mode"]["enum"]) == agent_search.MODES
+    assert tuple(search["direction"]["enum"]) == agent_search.DIRECTIONS
     status = protocol.schema("job_status")["properties"]
     assert tuple(status["state"]["enum"]) == protocol.STATES
     assert tuple(status["stage"]["enum"]) == protocol.STAGES
