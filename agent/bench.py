@@ -8,6 +8,7 @@ and samples/s multiplies by the batch. Pure measurement: nothing is printed here
 Worker side: Python >= 3.6.
 """
 
+import functools
 import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -141,21 +142,22 @@ def benchmark(
     """Run ``runner.infer(feeds)`` ``warmup`` times untimed, then at least ``iterations`` times
     and (like trtexec's --duration) for at least ``duration`` seconds, timing each call."""
     check_settings(iterations, warmup, duration)
-    infer = runner.infer
+    bind = getattr(runner, "bind", None)
+    infer = bind(feeds) if bind else functools.partial(runner.infer, feeds)
     for _ in range(warmup):
-        infer(feeds)
+        infer()
     # Only completion times are recorded in the loop (one clock read per call); latencies are
     # the differences, taken afterwards.
     stamps: List[float] = []
     append = stamps.append
     start = clock()
     for _ in range(iterations):
-        infer(feeds)
+        infer()
         append(clock())
     if duration:
         end_by = start + duration
         while stamps[-1] < end_by:
-            infer(feeds)
+            infer()
             append(clock())
     latencies = [b - a for a, b in zip([start] + stamps[:-1], stamps)]
     wall = stamps[-1] - start

@@ -250,6 +250,13 @@ class Runner(abc.ABC):
     def infer(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         """Run once; returns every output by name, as host numpy arrays."""
 
+    def bind(self, feeds: Dict[str, np.ndarray]) -> Callable[[], Any]:
+        """Validate ``feeds`` once and return a call that runs one inference on them: what a
+        benchmark loop times (trtexec likewise binds its buffers once). Backends override it to
+        drop per-call checks."""
+        self.infer(feeds)
+        return lambda: self.infer(feeds)
+
     def close(self) -> None:
         pass
 

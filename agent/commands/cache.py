@@ -60,7 +60,6 @@ def _resolve_key(keys: List[str], prefix: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    args.cache_budget = None
     cache, _state = build_cmd.open_cache(args)
     if args.action != "purge" and (args.all or args.key or args.older_than is not None):
         raise AgentError("bad_argument", "--all, --key and --older-than go with 'purge'")

@@ -3,28 +3,35 @@ WATCHDOG, STATUS, STOPPING) over a real socket, retrying an unreachable broker, 
 ``status`` / ``jobs`` views of the journal."""
 
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 
+import pytest
+
 from agent import protocol
+from agent.cli import main
 
 from .conftest import Broker, free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+class Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
 
 
-def cli(*args, env=None):
-    full = dict(os.environ, PYTHONPATH=ROOT)
-    full.update(env or {})
-    return subprocess.run([sys.executable, "-m", "agent"] + list(args), capture_output=True,
-                          text=True, env=full, timeout=60)
+@pytest.fixture
+def cli(capsys):
+    """Run the CLI in this process (the daemon is the subprocess; these commands read files)."""
+    def run(*args):
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return Result(code, out, err)
+    return run
 
 
-def test_check_config(tmp_path):
+def test_check_config(tmp_path, cli):
     good = tmp_path / "good.yaml"
     good.write_text("device_id: nano-7\nbroker:\n  host: 10.0.0.2\n  port: 1884\n")
     proc = cli("run", "--config", str(good), "--check-config", "--json")
@@ -66,7 +73,7 @@ def test_sd_notify_and_an_unreachable_broker(tmp_path, agent_factory, mosquitto)
             except socket.timeout:
                 pass
 
-    read_for(3)
+    read_for(2)
     assert agent.alive()
     assert "WATCHDOG=1" in received  # the loop runs while the broker is unreachable
     assert "READY=1" not in received
@@ -90,7 +97,7 @@ def test_sd_notify_and_an_unreachable_broker(tmp_path, agent_factory, mosquitto)
         broker.stop()
 
 
-def test_status_and_jobs_views(controller, agent_factory, digits_files):
+def test_status_and_jobs_views(controller, agent_factory, digits_files, cli):
     agent = agent_factory().start()
     model = controller.add_artifact(digits_files["model"])
     controller.send_job({"job_id": "fp32-1", "kind": "deploy", "artifacts": {"model": model},
