@@ -16,24 +16,30 @@ from agent import __version__
 from agent.errors import AgentError
 from agent.log import setup_logging
 
-# Subcommand name -> module in agent.commands exposing add_parser(subparsers) and run(args).
+# Subcommand -> one-line help. Each lives in agent.commands.<name> with add_parser(subparsers).
+# Only the chosen one is imported, so `run` (the daemon) and `diag` stay small.
 COMMANDS = {
-    "diag": "diag",
-    "build": "build",
-    "bench": "bench",
-    "cache": "cache",
-    "compare": "compare",
-    "search": "search",
-    "run": "run",
-    "status": "status",
-    "jobs": "jobs",
-    "fleet": "fleet",
+    "diag": "show the board, versions, supported precisions and problems to fix",
+    "build": "build an engine (through the engine cache)",
+    "bench": "measure latency and throughput of a model or engine",
+    "cache": "list, verify or purge the engine cache",
+    "compare": "build, run and compare an engine with golden outputs (Polygraphy-style)",
+    "search": "find the layers that must stay in higher precision (precision search)",
+    "run": "run the device daemon (MQTT jobs, worker, telemetry)",
+    "status": "local state of the device daemon",
+    "jobs": "jobs the device daemon received",
+    "fleet": "controller: devices, staged rollouts, jobs, telemetry",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _chosen_command(argv: List[str]) -> Optional[str]:
+    # Top-level options take no values, so the first bare word is the subcommand.
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(argv: Optional[List[str]] = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jetson-agent",
         description="Edge deployment agent for NVIDIA Jetson fleets.",
@@ -42,19 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more log output (repeat for debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in COMMANDS.values():
-        try:
-            module = importlib.import_module("agent.commands." + module_name)
-        except ImportError as exc:
-            if exc.name != "agent.commands." + module_name:
-                raise
-            continue  # not built yet
-        module.add_parser(sub)
+    chosen = _chosen_command(sys.argv[1:] if argv is None else argv)
+    for name, text in COMMANDS.items():
+        if name == chosen:
+            importlib.import_module("agent.commands." + name).add_parser(sub)
+        else:
+            sub.add_parser(name, help=text)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

@@ -62,7 +62,7 @@ class BrokerConfig:
 
 @dataclasses.dataclass
 class CacheConfig:
-    dir: Optional[str] = None  # engine cache; None: $CACHE_DIRECTORY, else <state_dir>/cache
+    dir: Optional[str] = None  # engines/ + calibration/; None: $CACHE_DIRECTORY, else <state_dir>
     engine_budget_bytes: int = _f(4 << 30, size=True, min=0)
 
 
@@ -72,6 +72,8 @@ class LimitsConfig:
     max_artifact_bytes: int = _f(2 << 30, size=True, min=1)
     max_store_bytes: int = _f(8 << 30, size=True, min=1)
     job_timeout_s: float = _f(3600.0, min=1)
+    jobs_per_minute: float = _f(60.0, min=0)  # new jobs accepted (token bucket); 0: no limit
+    job_burst: int = _f(30, min=1)
 
 
 @dataclasses.dataclass
@@ -79,6 +81,14 @@ class TransferConfig:
     block_size: int = _f(128 * 1024, size=True, min=1024, max=1024 * 1024)
     window: int = _f(64, min=1, max=1024)  # blocks requested and not yet received
     timeout_s: float = _f(10.0, min=0.1)  # re-request blocks that did not come (doubles to 60 s)
+
+
+@dataclasses.dataclass
+class SecurityConfig:
+    # Ed25519 public keys job signatures may come from (files, or ed25519:BASE64 inline)
+    trusted_keys: List[str] = dataclasses.field(default_factory=list)
+    allow_unsigned: bool = False  # lab devices only: run unsigned job documents (diag warns)
+    max_clock_skew_s: float = _f(300.0, min=0)  # tolerance on a signed job's validity window
 
 
 @dataclasses.dataclass
@@ -94,11 +104,13 @@ class Config:
     cache: CacheConfig = dataclasses.field(default_factory=CacheConfig)
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
+    security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     source: Optional[str] = _f(None, internal=True)  # the file it came from
 
     @property
     def cache_dir(self) -> str:
-        return self.cache.dir or os.path.join(self.state_dir or default_state_dir(), "cache")
+        # engines/ and calibration/ live here; the default matches the CLI so both share a cache
+        return self.cache.dir or self.state_dir or default_state_dir()
 
     def to_dict(self, show_secrets: bool = False) -> Dict[str, Any]:
         return _as_dict(self, show_secrets)
@@ -211,6 +223,12 @@ def _unwrap_optional(tp: Any) -> Tuple[Any, bool]:
 def _check_value(field: "dataclasses.Field[Any]", tp: Any, value: Any, where: str) -> Any:
     base, optional = _unwrap_optional(tp)
     meta = field.metadata
+    if typing.get_origin(base) is list:  # a list of strings; one string is a list of one
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise AgentError("bad_config", "{} expects a list of strings, found {} {!r}".format(
+                where, _type_name(value), value))
+        return list(items)
     if value is None:
         if optional:
             return None
@@ -380,6 +398,7 @@ def _finish(cfg: Config, base_dir: Optional[str], env: Mapping[str, str]) -> Con
     if cfg.cache.dir:
         cfg.cache.dir = os.path.abspath(os.path.expanduser(cfg.cache.dir))
     cfg.worker_python = cfg.worker_python or sys.executable
+    cfg.security.trusted_keys = [_trusted_key(k, base_dir) for k in cfg.security.trusted_keys]
     broker = cfg.broker
     broker.password_file = _resolve_secret_path(broker.password_file, base_dir, env)
     if broker.password_file:
@@ -400,6 +419,18 @@ def _finish(cfg: Config, base_dir: Optional[str], env: Mapping[str, str]) -> Con
     if tls.ca_file or tls.cert_file:
         tls.enabled = True
     return cfg
+
+
+def _trusted_key(entry: str, base_dir: Optional[str]) -> str:
+    """A security.trusted_keys entry, checked now (bad_config naming it); a relative file
+    name is resolved against the config file's directory."""
+    from agent.signing import load_trusted_key
+
+    load_trusted_key(entry, base_dir)
+    path = os.path.expanduser(entry.strip())
+    if base_dir and not os.path.isabs(path) and os.path.isfile(os.path.join(base_dir, path)):
+        return os.path.join(base_dir, path)
+    return os.path.abspath(path) if os.path.isfile(path) else entry.strip()
 
 
 def example_yaml() -> str:

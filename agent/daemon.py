@@ -15,6 +15,7 @@ a job whose worker was running is run once more, and fails on the next interrupt
 
 import json
 import logging
+import math
 import os
 import queue
 import shutil
@@ -25,12 +26,13 @@ import threading
 import time
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
-from agent import __version__, jobs, protocol
+from agent import __version__, jobs, protocol, signing
 from agent.artifacts import ArtifactStore
 from agent.config import Config
 from agent.errors import CODES, AgentError
 from agent.fsio import atomic_write
 from agent.journal import Journal
+from agent.limits import TokenBucket
 from agent.mqtt import (
     CONNECT_FAILED,
     CONNECTED,
@@ -195,9 +197,15 @@ class Daemon:
             self.mqtt.subscribe(topic, qos)
         self._clean_work_dirs()
         self._open_telemetry()
+        sec = self.cfg.security
+        self.trust = signing.TrustStore.from_entries(sec.trusted_keys)
+        self.job_bucket = TokenBucket(self.cfg.limits.jobs_per_minute / 60.0,
+                                      self.cfg.limits.job_burst)
         log.info("jetson-agent %s: device %s, boot %d, backend %s, platform %s, state %s",
                  __version__, self.device, self.boot, self.backend, self.platform.describe(),
                  self.state_dir)
+        for problem in signing.posture(self.cfg)["problems"]:
+            log.warning("security: %s (%s)", problem["problem"], problem["fix"])
 
     def _open_telemetry(self) -> None:
         try:
@@ -431,9 +439,20 @@ class Daemon:
             return  # the controller cleared a finished job's retained document
         existing = self.journal.job(job_id)
         limit = min(protocol.MAX_BYTES["job"], self.cfg.limits.max_message_bytes)
+        accepted = None
         try:
             doc = protocol.decode("job", payload, max_bytes=limit)
+            if existing is None:  # a known id never runs again: no need to verify it
+                accepted = signing.check_job(
+                    doc, self.device, self.trust, allow_unsigned=self.cfg.security.allow_unsigned,
+                    last_seq=self.journal.last_sequence,
+                    max_skew_s=self.cfg.security.max_clock_skew_s)
             protocol.check_job_topic(doc, self.device, job_id)
+            if existing is None and not self.job_bucket.take():
+                raise AgentError("rate_limited", "more than {:g} new jobs per minute (bursts of "
+                                 "{}); retry in {:.0f} s under a new job id".format(
+                                     self.cfg.limits.jobs_per_minute, self.cfg.limits.job_burst,
+                                     math.ceil(self.job_bucket.retry_after())))
         except AgentError as exc:
             self.counters["rejected_messages"] += 1
             if existing is not None:
@@ -452,6 +471,8 @@ class Daemon:
             if row is not None:
                 self._republish(row)
             return
+        if accepted is not None:
+            self.journal.record_sequence(accepted.key_id, accepted.seq)
         self.outbox_dirty = True
         self.counters["jobs"] += 1
         log.info("job %s (%s) QUEUED", job_id, doc["kind"])
@@ -462,6 +483,8 @@ class Daemon:
         job_id = doc["job_id"]
         target = doc["cancel"]["job_id"]
         try:
+            if target == job_id:
+                raise AgentError("bad_message", "cancel job {!r} names itself".format(job_id))
             state = self._cancel(target)
         except AgentError as exc:
             self._set_state(job_id, "REJECTED", error=exc.to_dict())
@@ -539,6 +562,10 @@ class Daemon:
             self._start_downloads(run)
         except AgentError as exc:
             self._fail(run, exc)
+        except Exception as exc:  # noqa: BLE001 - the job ends with the reason, we carry on
+            log.exception("job %s: unexpected error", run.job_id)
+            self._fail(run, AgentError("internal_error", "{}: {}".format(
+                type(exc).__name__, exc)))
         self._notify_status("connected to {}; {}".format(self.mqtt.address, self._activity()))
 
     def _check(self, run: Run) -> None:
@@ -620,7 +647,10 @@ class Daemon:
                     run.paths[role] = path
             if not run.downloading:
                 self._report_download(run, force=True)
-                self._launch(run)
+                try:
+                    self._launch(run)
+                except AgentError as exc:
+                    self._fail(run, exc)
                 return
         if run.downloading:
             self._report_download(run)
@@ -661,12 +691,17 @@ class Daemon:
         run.stderr_path = os.path.join(run.work_dir, "worker.log")
         self.token += 1
         run.token = self.token
-        with open(run.stderr_path, "ab") as stderr:
-            run.proc = subprocess.Popen(
-                [self.cfg.worker_python or sys.executable, "-m", "agent.worker", "--job",
-                 spec_path, "--state-dir", self.state_dir],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=env,
-                cwd=run.work_dir, start_new_session=True)
+        python = self.cfg.worker_python or sys.executable
+        try:
+            with open(run.stderr_path, "ab") as stderr:
+                run.proc = subprocess.Popen(
+                    [python, "-m", "agent.worker", "--job", spec_path, "--state-dir",
+                     self.state_dir],
+                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=stderr, env=env,
+                    cwd=run.work_dir, start_new_session=True)
+        except OSError as exc:
+            raise AgentError("worker_crashed", "cannot start the worker with {} (worker_python):"
+                             " {}".format(python, exc.strerror or exc))
         # Recorded with the stage change: a restarted agent knows the worker ran (and its pid).
         run.details["worker"] = "started"
         run.details["worker_pid"] = str(run.proc.pid)
@@ -760,7 +795,13 @@ class Daemon:
                 "job_timed_out", "the job ran longer than its timeout of {:g} s".format(
                     run.timeout_s)).to_dict())
         elif returncode == 0 and run.result is not None:
-            self._succeed(run, run.result)
+            try:
+                self._succeed(run, run.result)
+            except Exception as exc:  # noqa: BLE001 - the job fails with the reason, we go on
+                log.exception("job %s: cannot record its result", run.job_id)
+                if self.run_ is run:
+                    self._end(run, "FAILED", error=AgentError("internal_error", "{}: {}".format(
+                        type(exc).__name__, exc)).to_dict())
         elif run.error is not None and returncode in (2, 3):
             code = run.error.get("code")
             if not isinstance(code, str) or code not in CODES:
@@ -813,14 +854,16 @@ class Daemon:
             run.details["error_code"] = str(error.get("code"))
             if isinstance(error.get("details"), dict):
                 error = dict(error, details=fit_result(error["details"]))
-        self._set_state(run, state, error=error, result=result)
-        log.log(logging.INFO if state == "SUCCEEDED" else logging.WARNING, "job %s %s%s",
-                run.job_id, state, "" if error is None else " [{}]: {}".format(
-                    error.get("code"), error.get("message")))
-        if run.work_dir:
-            shutil.rmtree(run.work_dir, ignore_errors=True)
-        if self.run_ is run:
-            self.run_ = None
+        try:
+            self._set_state(run, state, error=error, result=result)
+            log.log(logging.INFO if state == "SUCCEEDED" else logging.WARNING, "job %s %s%s",
+                    run.job_id, state, "" if error is None else " [{}]: {}".format(
+                        error.get("code"), error.get("message")))
+        finally:  # whatever happens, the daemon moves on to the next job
+            if run.work_dir:
+                shutil.rmtree(run.work_dir, ignore_errors=True)
+            if self.run_ is run:
+                self.run_ = None
         self._notify_status("connected to {}; {}".format(self.mqtt.address, self._activity()))
 
     def _stop_worker(self, run: Run) -> None:
@@ -903,6 +946,7 @@ class Daemon:
             "active_engines": self.journal.active_engines(),
             "telemetry": self.last_telemetry,
             "counters": dict(self.counters),
+            "security": signing.posture(self.cfg),
         }
 
     # ------------------------------------------------------------------------- telemetry

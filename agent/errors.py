@@ -57,6 +57,13 @@ CODES = {
     "worker_crashed": "The worker process exited abnormally.",
     "broker_unreachable": "The MQTT broker cannot be reached.",
     "unknown_device": "The controller names a device that has never reported.",
+    "unsigned_job": "The job document carries no signature and the device requires one.",
+    "bad_signature": "The job signature does not verify, or its key is not trusted.",
+    "wrong_target": "A correctly signed job names another device.",
+    "job_not_yet_valid": "The signed job's not-before time is in the future (check the clock).",
+    "job_expired": "The signed job's expiry time has passed.",
+    "job_replayed": "The signed job's sequence is not above the last one accepted from its key.",
+    "rate_limited": "Too many new jobs in a short time; send it again later under a new id.",
     "internal_error": "An unexpected error; the message carries the details.",
 }
 

@@ -851,16 +851,19 @@ class FleetConnection(object):
     def __init__(self, broker: str = "mqtt://localhost:1883", prefix: str = protocol.DEFAULT_PREFIX,
                  username: Optional[str] = None, password: Optional[str] = None,
                  ca_file: Optional[str] = None, protocol_version: str = "v5",
-                 connect_timeout: float = 5.0) -> None:
+                 connect_timeout: float = 5.0, cert_file: Optional[str] = None,
+                 key_file: Optional[str] = None) -> None:
         from agent.config import parse_broker_url
 
         parsed = parse_broker_url(broker)
         self.host = parsed[("broker", "host")]
         self.port = int(parsed[("broker", "port")])
-        self.tls = bool(parsed.get(("broker", "tls", "enabled"))) or ca_file is not None
+        self.tls = bool(parsed.get(("broker", "tls", "enabled"))) or ca_file is not None \
+            or cert_file is not None
         self.url = broker
         self.topics = protocol.Topics(prefix)
         self.username, self.password, self.ca_file = username, password, ca_file
+        self.cert_file, self.key_file = cert_file, key_file  # mutual TLS
         self.protocol_version = protocol_version
         self.connect_timeout = connect_timeout
         self.directory = DeviceDirectory()
@@ -870,7 +873,8 @@ class FleetConnection(object):
     def connect(self) -> "FleetConnection":
         from agent import mqtt
 
-        tls = mqtt.TlsOptions(ca_file=self.ca_file) if self.tls else None
+        tls = mqtt.TlsOptions(ca_file=self.ca_file, cert_file=self.cert_file,
+                              key_file=self.key_file) if self.tls else None
         self.client = mqtt.MqttClient(
             "fleet-" + uuid.uuid4().hex[:12], self.host, self.port,
             protocol=self.protocol_version, username=self.username, password=self.password,

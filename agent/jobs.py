@@ -300,10 +300,12 @@ class _Job(object):
                            warmup=int(opts["warmup"]))
         self.progress("benchmarking", int(opts["iterations"]), int(opts["iterations"]))
         d = result.to_dict()
+        latency = dict(d["latency_ms"])
+        latency.setdefault("p50", latency.get("median"))
         return {
             "throughput_qps": d["throughput"]["inferences_per_second"],
             "throughput_samples_per_s": d["throughput"]["samples_per_second"],
-            "latency_ms": d["latency_ms"],
+            "latency_ms": latency,
             "bench": d,
         }
 
@@ -359,6 +361,8 @@ def run_deploy(job: _Job) -> Dict[str, Any]:
             result.update(job.bench(runner, feeds))
     result["activate"] = True
     result["engine"] = record.engine_path
+    # What the controller's results table shows: layers pinned away from the plan's precision.
+    result["layers_kept"] = dict(job.plan.layer_precisions)
     return result
 
 
@@ -394,7 +398,7 @@ def run_search(job: _Job) -> Dict[str, Any]:
     job.progress("searching", 0, 0)
     found = search(job.files["model"], job.plan, data["inputs"], data["outputs"], job.backend,
                    job.cache, job.spec["platform_fingerprint"],
-                   mode=opts.get("mode", "bisect"), direction=opts.get("direction", "forward"),
+                   mode=opts.get("mode", "minimal"), direction=opts.get("direction", "forward"),
                    compare_options=compare_options, progress=job.progress,
                    should_stop=job.should_stop,
                    max_evaluations=int(max_evaluations) if max_evaluations else None,

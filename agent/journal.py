@@ -461,6 +461,21 @@ class Journal(object):
         rows = self._read("SELECT value FROM meta WHERE key = 'boot'")
         return int(rows[0][0]) if rows else 0
 
+    # ------------------------------------------------------------------------------- signing
+
+    def last_sequence(self, key_id: str) -> int:
+        """The highest job-signature sequence accepted from ``key_id`` (0: none yet)."""
+        rows = self._read("SELECT value FROM meta WHERE key = ?", ("seq:" + key_id,))
+        return int(rows[0][0]) if rows else 0
+
+    def record_sequence(self, key_id: str, seq: int) -> None:
+        """Remember an accepted sequence; never lowers the stored one (replay protection)."""
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = ?", ("seq:" + key_id,)).fetchone()
+            if row is None or int(row[0]) < seq:
+                db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                           ("seq:" + key_id, str(int(seq))))
+
 
 def _progress(progress: Progress) -> Tuple[Optional[int], Optional[int]]:
     if progress is None:

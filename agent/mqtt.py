@@ -330,6 +330,9 @@ class MqttClient:
         # paho calls this from inside its ``except OSError`` block: the error is current.
         exc = sys.exc_info()[1]
         self.last_error = "{}: {}".format(type(exc).__name__, exc) if exc else "connect failed"
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            self.last_error += (" (check the CA file: broker.tls.ca_file or --ca-file must hold "
+                                "the CA that signed the broker's certificate)")
         self._attempted.set()
         self._put(Event(CONNECT_FAILED, reason=self.last_error))
 
@@ -346,7 +349,9 @@ class MqttClient:
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, *args: Any) -> None:
         codes = args[0] if args else []
-        refused = [c for c in (codes or []) if _is_failure(c) or c == 128]
+        # v5 / VERSION2: ReasonCode objects; paho 1.6 with 3.1.1: granted QoS ints (128: refused)
+        refused = [c for c in (codes or []) if (c.is_failure if hasattr(c, "is_failure")
+                                                 else int(c) >= 0x80)]
         if refused:
             log.warning("broker refused a subscription: %s", refused)
         with self._lock:

@@ -28,6 +28,7 @@ FIX_TENSORRT = ("on a Jetson run scripts/install-jetson (its venv uses --system-
                 "JetPack's python3-libnvinfer is visible); on a dGPU host: pip install tensorrt")
 FIX_PYCUDA = "pip install pycuda (needs the CUDA toolkit: export PATH=/usr/local/cuda/bin:$PATH)"
 FIX_ONNXRUNTIME = "pip install onnxruntime"
+DEFAULT_CONFIG = "/etc/jetson-agent/config.yaml"  # what the systemd unit runs with
 
 
 def add_parser(sub: Any) -> None:
@@ -40,6 +41,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--no-jtop", action="store_true", help="do not ask the jtop service")
     p.add_argument("--matrix", metavar="YAML",
                    help="support matrix to use (default: the packaged support_matrix.yaml)")
+    p.add_argument("--config", metavar="FILE",
+                   help="the daemon's config: report its security posture (TLS, signing); "
+                        "default {} when it exists".format(DEFAULT_CONFIG))
     p.set_defaults(func=run)
 
 
@@ -87,8 +91,8 @@ def default_backend(info: plat.PlatformInfo, backends: Dict[str, Dict[str, Any]]
     return "onnxruntime" if backends["onnxruntime"]["usable"] else None
 
 
-def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] = None
-            ) -> Dict[str, Any]:
+def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] = None,
+            config_path: Optional[str] = None) -> Dict[str, Any]:
     """The diag report (see docs/platform.md). Raises AgentError only for unreadable inputs."""
     if not os.path.isdir(root):
         raise AgentError("file_not_found",
@@ -115,7 +119,13 @@ def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] =
     add(source.problems, "telemetry")
     if live:  # backends are this machine's: only meaningful for the live system
         add(_backend_problems(info, backends), "backends")
-    return {
+    security = None
+    if config_path is not None:
+        from agent import config, signing
+
+        security = signing.posture(config.load(config_path))
+        add(security["problems"], "security")
+    report = {
         "schema": SCHEMA,
         "agent_version": __version__,
         "root": info.root,
@@ -127,6 +137,9 @@ def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] =
         "problems": problems,
         "ok": not problems,
     }
+    if security is not None:
+        report["security"] = security
+    return report
 
 
 # --------------------------------------------------------------------------- human output
@@ -183,6 +196,13 @@ def render(report: Dict[str, Any]) -> str:
                       if k != "source" and v is not None)
     rows.append(("telemetry", "{}{}".format(report["telemetry"]["source"],
                                             ": " + shown if shown else "")))
+    sec = report.get("security")
+    if sec is not None:
+        rows.append(("broker TLS", "on ({}verified server{})".format(
+            "" if sec["verify_server"] else "UN", ", client certificate"
+            if sec["client_certificate"] else "") if sec["tls"] else "OFF"))
+        rows.append(("job signing", "{}{}".format(sec["signing"], " (keys {})".format(
+            ", ".join(sec["trusted_keys"])) if sec["trusted_keys"] else " (no trusted key)")))
     width = max(len(k) for k, _ in rows)
     lines = ["jetson-agent {} diag{}".format(report["agent_version"],
                                              "  (root " + report["root"] + ")"
@@ -200,7 +220,11 @@ def render(report: Dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    report = collect(args.root, use_jtop=not args.no_jtop, matrix_path=args.matrix)
+    config_path = args.config
+    if config_path is None and os.path.isfile(DEFAULT_CONFIG):
+        config_path = DEFAULT_CONFIG
+    report = collect(args.root, use_jtop=not args.no_jtop, matrix_path=args.matrix,
+                     config_path=config_path)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False, default=str))
     else:

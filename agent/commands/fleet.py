@@ -10,6 +10,8 @@
 - ``fleet jobs``: job statuses and pending job documents retained on the broker.
 - ``fleet cancel JOB``: clear a job's retained documents and send cancel commands.
 - ``fleet telemetry DEVICE [--follow]``: a device's health metrics.
+- ``fleet keygen --out DIR``: an Ed25519 key pair for signing job documents
+  (docs/security.md); ``fleet rollout --signing-key KEY`` signs with it.
 """
 
 import argparse
@@ -21,7 +23,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional
 
-from agent import fleet, protocol
+from agent import fleet, protocol, signing
 from agent.errors import AgentError
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -43,6 +45,9 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--username", help="MQTT user name")
     g.add_argument("--password-file", metavar="FILE", help="file holding the MQTT password")
     g.add_argument("--ca-file", metavar="FILE", help="CA bundle for TLS (implies TLS)")
+    g.add_argument("--cert-file", metavar="FILE",
+                   help="client certificate for mutual TLS (with --key-file; implies TLS)")
+    g.add_argument("--key-file", metavar="FILE", help="the client certificate's private key")
     g.add_argument("--mqtt", choices=("v5", "v3.1.1"), default="v5",
                    help="MQTT protocol version (default v5)")
     g.add_argument("--connect-timeout", type=float, default=5.0, metavar="S",
@@ -58,17 +63,28 @@ def connect(args: argparse.Namespace) -> fleet.FleetConnection:
         except OSError as exc:
             raise AgentError("file_not_found", "cannot read --password-file {}: {}".format(
                 args.password_file, exc.strerror))
+    if (args.cert_file is None) != (args.key_file is None):
+        raise AgentError("bad_argument", "--cert-file and --key-file go together (mutual TLS); "
+                         "found only {}".format("--cert-file" if args.cert_file else
+                                                "--key-file"))
+    for name in ("ca_file", "cert_file", "key_file"):
+        path = getattr(args, name)
+        if path is not None and not os.access(path, os.R_OK):
+            raise AgentError("file_not_found", "--{} {} cannot be read".format(
+                name.replace("_", "-"), path))
     conn = fleet.FleetConnection(args.broker, args.prefix, username=args.username,
                                  password=password, ca_file=args.ca_file,
                                  protocol_version=args.mqtt,
-                                 connect_timeout=args.connect_timeout)
+                                 connect_timeout=args.connect_timeout,
+                                 cert_file=args.cert_file, key_file=args.key_file)
     return conn.connect()
 
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("fleet", help="controller: devices, staged rollouts, jobs, telemetry",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    fsub = p.add_subparsers(dest="fleet_command", metavar="devices|rollout|jobs|cancel|telemetry")
+    fsub = p.add_subparsers(dest="fleet_command",
+                            metavar="devices|rollout|jobs|cancel|telemetry|keygen")
 
     d = fsub.add_parser("devices", help="devices that reported to the broker")
     add_connection_args(d)
@@ -107,6 +123,16 @@ def add_parser(sub: Any) -> None:
                    help="without --follow: wait at most S seconds (default 10)")
     t.add_argument("--json", action="store_true")
     t.set_defaults(func=run_telemetry)
+
+    k = fsub.add_parser("keygen", help="create an Ed25519 key pair for signing job documents",
+                        description="Write NAME.key (private, mode 0600: keep it on the "
+                        "controller) and NAME.pub (list it in the devices' "
+                        "security.trusted_keys). See docs/security.md.")
+    k.add_argument("--out", required=True, metavar="DIR", help="directory for the two files")
+    k.add_argument("--name", default="jetson-agent-signing",
+                   help="file name stem (default %(default)s)")
+    k.add_argument("--json", action="store_true")
+    k.set_defaults(func=run_keygen)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
@@ -164,6 +190,18 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     t.add_argument("--share-group", metavar="NAME",
                    help="take block requests through the MQTT v5 shared subscription "
                         "$share/NAME/... (several controllers serving the same files)")
+    sg = r.add_argument_group("signing (docs/security.md)")
+    sg.add_argument("--signing-key", metavar="KEY",
+                    default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"),
+                    help="sign the job documents with this Ed25519 private key (from 'fleet "
+                         "keygen'; default $JETSON_AGENT_FLEET_SIGNING_KEY); devices refuse "
+                         "unsigned jobs unless they allow_unsigned")
+    sg.add_argument("--sequence-file", metavar="F",
+                    help="the signer's sequence numbers (default "
+                         "$XDG_STATE_HOME/jetson-agent/fleet-sequence.json)")
+    sg.add_argument("--valid-for", type=float, default=signing.DEFAULT_VALIDITY_S,
+                    metavar="S", help="devices refuse the jobs after S seconds (default "
+                    "86400); devices offline longer never run them")
     o = r.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     o.add_argument("-q", "--quiet", action="store_true", help="no live progress")
@@ -245,6 +283,21 @@ def make_doc_factory(args: argparse.Namespace, artifacts: Dict[str, Dict[str, An
     return docs
 
 
+def _signed(docs: fleet.DocFactory, signer: signing.Signer) -> fleet.DocFactory:
+    """The same documents, signed; the dry run of the checks allocates no sequence."""
+
+    def signed(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
+               ) -> Dict[str, Any]:
+        doc = signer.sign(docs(device, job_id, kind, layers), dry_run=device == "check")
+        size = len(protocol.encode(doc))
+        if size > protocol.MAX_BYTES["job"]:
+            raise AgentError("bad_argument", "the signed job document is {} bytes; devices "
+                             "accept at most {}".format(size, protocol.MAX_BYTES["job"]))
+        return doc
+
+    return signed
+
+
 def run_rollout(args: argparse.Namespace) -> int:
     _check_numbers(args)
     policy = fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
@@ -261,6 +314,10 @@ def run_rollout(args: argparse.Namespace) -> int:
             min_top1=args.min_top1, search=args.search)
         artifacts = _artifact_refs(files)
         docs = make_doc_factory(args, artifacts, user_layers)
+        signer = None
+        if args.signing_key:
+            signer = signing.Signer(args.signing_key, args.sequence_file, args.valid_for)
+            docs = _signed(docs, signer)
         # Every document shape is checked now, before the broker sees anything.
         for kind in (["search"] if args.search else []) + ["deploy"]:
             docs("check", rollout_id, kind, None)
@@ -289,6 +346,7 @@ def run_rollout(args: argparse.Namespace) -> int:
                 "precision": args.precision,
                 "search": args.search,
                 "broker": args.broker,
+                "signing_key": signer.key_id if signer is not None else None,
             })
         finally:
             conn.close()
@@ -579,4 +637,19 @@ def run_telemetry(args: argparse.Namespace) -> int:
         print("no telemetry from {}: {}".format(args.device, why), file=sys.stderr)
         return EXIT_FAILED
     _print_telemetry(samples[0], args.json)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- keygen
+
+def run_keygen(args: argparse.Namespace) -> int:
+    made = signing.generate_keypair(args.out, args.name)
+    if args.json:
+        print(json.dumps(made, indent=2, sort_keys=True))
+        return EXIT_OK
+    print("private key: {}  (mode 0600: keep it on the controller; fleet rollout "
+          "--signing-key)".format(made["private_key"]))
+    print("public key:  {}  (key id {})".format(made["public_key"], made["key_id"]))
+    print("device config:\n  security:\n    trusted_keys:\n      - {}\n"
+          "      # or inline: ed25519:{}".format(made["public_key"], made["public_base64"]))
     return EXIT_OK

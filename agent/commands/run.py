@@ -6,6 +6,7 @@ flags. With no config file the defaults serve a broker on localhost:1883.
 
 import argparse
 import json
+import logging
 from typing import Any, Dict, Tuple
 
 from agent import config
@@ -52,6 +53,9 @@ def run(args: argparse.Namespace) -> int:
             print("state {}, engine cache {}, backend {}, worker {}".format(
                 cfg.state_dir, cfg.cache_dir, cfg.backend, cfg.worker_python))
         return 0
+    if not getattr(args, "verbose", 0):
+        # A service logs its job transitions (journald keeps them); -v adds debug output.
+        logging.getLogger("agent").setLevel(logging.INFO)
     from agent.daemon import run_daemon
 
     return run_daemon(cfg)

@@ -246,14 +246,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             broker, " and ".join(DEVICES), workdir), flush=True)
         wait_accepting(port, children.start("mosquitto", [mosquitto_binary(), "-c", conf]))
         recorder = WireRecorder(port)
+        # A throw-away signing key: the agents run only jobs signed with it (docs/security.md).
+        from agent import signing
+
+        key = signing.generate_keypair(os.path.join(workdir, "keys"), "demo")
+        agent_conf = os.path.join(workdir, "agent.yaml")
+        with open(agent_conf, "w") as f:
+            f.write("security:\n  trusted_keys: [{}]\n".format(key["public_key"]))
         for dev in DEVICES:
-            children.start(dev, [sys.executable, "-m", "agent", "run", "--broker", broker,
-                                 "--device-id", dev, "--state-dir",
+            children.start(dev, [sys.executable, "-m", "agent", "run", "--config", agent_conf,
+                                 "--broker", broker, "--device-id", dev, "--state-dir",
                                  os.path.join(workdir, dev), "--backend", "onnxruntime"],
                            env=env)
         wait_online(port, DEVICES, children)
         common = ["--broker", broker, "--devices"] + list(DEVICES) + [
-            "--batch", "1", "--abort-failure-rate", "0.5", "--timeout", str(args.timeout)]
+            "--batch", "1", "--abort-failure-rate", "0.5", "--timeout", str(args.timeout),
+            "--signing-key", key["private_key"],
+            "--sequence-file", os.path.join(workdir, "keys", "sequence.json")]
         codes.append(run_cli(["fleet", "devices", "--broker", broker, "--wait", "2.5"], env))
         digits = os.path.join(EXAMPLES, "digits")
         codes.append(run_cli([

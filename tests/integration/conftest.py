@@ -106,9 +106,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class AgentProcess:
-    """``jetson-agent run`` as a real subprocess (SIGKILL-able, restartable on its state)."""
+    """``jetson-agent run`` as a real subprocess (SIGKILL-able, restartable on its state).
+    ``security``: the body of its security section (default: a lab device taking unsigned
+    jobs); ``broker_extra``: more lines of its broker section (TLS, credentials)."""
 
-    def __init__(self, broker, workdir, device="dev1", extra_config=""):
+    def __init__(self, broker, workdir, device="dev1", extra_config="", security=None,
+                 broker_extra=""):
         self.broker = broker
         self.device = device
         self.workdir = str(workdir)
@@ -124,6 +127,9 @@ class AgentProcess:
                 "broker:\n  host: {host}\n  port: {port}\n  reconnect_min: 0.2\n"
                 "  reconnect_max: 1.0\n  keepalive: 10\n".format(
                     dev=device, state=self.state_dir, host=broker.host, port=broker.port))
+            f.write(broker_extra)
+            f.write("security:\n" + ("  allow_unsigned: true\n" if security is None
+                                       else security))
             f.write(extra_config)
         self.proc = None
 
@@ -178,7 +184,7 @@ class Controller:
     """What a fleet controller does, minimally: serve artifact blocks, send jobs and commands,
     record device, job and telemetry messages. Uses agent.mqtt and agent.transfer."""
 
-    def __init__(self, broker, device="dev1"):
+    def __init__(self, broker, device="dev1", signer=None, **client_kwargs):
         import queue
         import threading
         import uuid
@@ -188,9 +194,11 @@ class Controller:
         from agent.transfer import BlockServer
 
         self.device = device
+        self.signer = signer  # agent.signing.Signer: send_job signs the documents
         self.topics = Topics()
         self.client = MqttClient("ctl-" + uuid.uuid4().hex[:8], broker.host, broker.port,
-                                 reconnect_min=0.2, reconnect_max=1.0, events=queue.Queue())
+                                 reconnect_min=0.2, reconnect_max=1.0, events=queue.Queue(),
+                                 **client_kwargs)
         self.server = BlockServer(self._publish_block, self.topics)
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
@@ -269,6 +277,8 @@ class Controller:
         doc = dict(doc)
         doc.setdefault("protocol", 1)
         doc.setdefault("device", self.device)
+        if self.signer is not None:
+            doc = self.signer.sign(doc)
         h = self.client.publish(self.topics.job(self.device, doc["job_id"]),
                                 protocol.encode(doc), qos=1, retain=retain)
         assert h.wait(10), "job document not acknowledged by the broker"
@@ -359,10 +369,10 @@ def agent_factory(mosquitto, tmp_path):
     """agent_factory(device="dev1", extra_config="") -> AgentProcess (not started)."""
     made = []
 
-    def make(device="dev1", extra_config="", workdir=None):
+    def make(device="dev1", extra_config="", workdir=None, **kwargs):
         wd = workdir or tmp_path / ("agent-" + device)
         os.makedirs(str(wd), exist_ok=True)
-        agent = AgentProcess(mosquitto, wd, device, extra_config)
+        agent = AgentProcess(mosquitto, wd, device, extra_config, **kwargs)
         made.append(agent)
         return agent
 

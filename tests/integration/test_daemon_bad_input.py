@@ -10,6 +10,7 @@ import os
 import stat
 
 from agent import protocol
+from agent.daemon import describe_exit, fit_result
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NANO = os.path.join(ROOT, "tests", "fixtures", "platforms", "nano")
@@ -148,3 +149,22 @@ def test_worker_crash_fails_the_job_and_the_daemon_carries_on(controller, agent_
     controller.send_job(dict(doc, job_id="crash-2"))
     assert final(controller, "crash-2")["error"]["code"] == "worker_crashed"
     assert controller.diag()["ok"] and agent.alive()
+    # A worker interpreter that does not exist: the job says so.
+    agent_factory("dev2", extra_config="worker_python: /nonexistent/python3\n").start()
+    controller.device = "dev2"
+    controller.send_job(dict(doc, job_id="no-python"))
+    msg = final(controller, "no-python")
+    assert msg["state"] == "FAILED" and msg["error"]["code"] == "worker_crashed", msg
+    assert "/nonexistent/python3" in msg["error"]["message"]
+
+
+def test_results_are_kept_small_and_exits_described():
+    big = {"precision": "int8", "engine_key": "k", "iterations": [{"i": i} for i in range(9000)],
+           "sensitivity": ["x" * 100] * 100}
+    fitted = fit_result(big)
+    assert len(protocol.encode(fitted)) <= 48 * 1024
+    assert fitted["precision"] == "int8" and fitted["truncated"] == ["iterations"]
+    assert fit_result({"a": 1}) == {"a": 1}
+    assert describe_exit(-11) == "killed by SIGSEGV (11)"
+    assert describe_exit(-9) == "killed by SIGKILL (9)"
+    assert describe_exit(7) == "exited with status 7"

@@ -67,6 +67,15 @@ def test_deploy_int8_then_cache_hit(controller, agent_factory, digits_files):
     assert final2["result"]["cache_hit"] is True
     assert final2["result"]["engine_key"] == result["engine_key"]
     assert controller.blocks_sent == sent_before  # nothing downloaded twice
+
+    # A bench job on the same model and inputs: fp32, its own engine, nothing activated.
+    controller.send_job({"job_id": "bench-1", "kind": "bench",
+                         "artifacts": {r: doc["artifacts"][r] for r in ("model", "inputs")},
+                         "plan": {"precision": "fp32"}, "bench": {"iterations": 30}})
+    bench = controller.wait_state("bench-1", protocol.TERMINAL_STATES, timeout=90)
+    assert bench["state"] == "SUCCEEDED", bench
+    assert bench["result"]["precision"] == "fp32" and bench["result"]["throughput_qps"] > 0
+    assert bench["result"]["latency_ms"]["p50"] > 0 and "activated" not in bench["result"]
     assert not controller.errors
     controller.wait_for(lambda: controller.telemetry, 20, "telemetry")
     for msg in controller.telemetry:
@@ -78,6 +87,8 @@ def test_deploy_int8_then_cache_hit(controller, agent_factory, digits_files):
     with agent.journal() as journal:
         assert journal.outbox_count() == 0
         assert [e["job_id"] for e in journal.active_engines()] == ["deploy-2"]
+        model_sha = doc["artifacts"]["model"]["sha256"]
+        assert journal.previous_engine(model_sha) is None  # same engine, refreshed
     offline = controller.wait_for(
         lambda: [s for s in controller.device_status if s["online"] is False], 10, "offline")
     assert offline[-1]["reason"] == "shutdown"

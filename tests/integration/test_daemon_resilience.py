@@ -41,7 +41,7 @@ def assert_sound(agent):
         for name in names:
             with open(os.path.join(dirpath, name), "rb") as f:
                 assert hashlib.sha256(f.read()).hexdigest() == name, name
-    report = EngineCache(os.path.join(agent.state_dir, "cache", "engines")).verify()
+    report = EngineCache(os.path.join(agent.state_dir, "engines")).verify()
     assert report["checked"] >= 1 and not report["corrupt"], report
 
 

@@ -1,0 +1,506 @@
+"""Signed job documents: Ed25519 over a canonical JSON manifest (docs/security.md).
+
+The controller signs every job document it publishes; a device runs a job only when the
+signature verifies against one of its trusted public keys, the job names this device, the
+current time is inside the job's validity window and its sequence number is above the last
+one accepted from that key (persisted in the journal, so a replay is refused after a restart
+too).
+
+What is signed (the *manifest*) is the whole job document with ``signature.sig`` left out:
+job id, kind, target device, the sha256 and size of every artifact, the full plan, gate,
+search, bench, fallback and timeout, and the signature's own ``key_id``, ``seq``,
+``not_before`` and ``expires``. It is serialised canonically (RFC 8785 JSON
+Canonicalization: keys sorted by UTF-16 code units, no white space, ECMAScript number
+formatting, UTF-8) after a fixed domain prefix, so a controller in any language can produce
+the same bytes.
+
+Key files: the private key is PKCS#8 PEM (mode 0600), the public key SubjectPublicKeyInfo
+PEM. A device also accepts a public key as the base64 of its 32 raw bytes, inline in its
+config or in a file. ``key_id`` is the first 16 hex digits of sha256(raw public key).
+
+Only verification runs on a device, and ``cryptography`` is imported when the first signed
+job arrives (the idle daemon stays small): public keys are parsed here without it.
+"""
+
+import base64
+import binascii
+import copy
+import decimal
+import hashlib
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+
+from agent.errors import AgentError
+from agent.fsio import atomic_write
+
+ALG = "ed25519"
+DOMAIN = b"jetson-agent job v1\n"  # signatures over job manifests only, never other bytes
+MAX_SEQ = (1 << 53) - 1  # JSON-safe integer in every language
+DEFAULT_VALIDITY_S = 24 * 3600.0
+DEFAULT_MAX_SKEW_S = 300.0
+# DER prefix of an Ed25519 SubjectPublicKeyInfo (RFC 8410): SEQUENCE { SEQUENCE { OID
+# 1.3.101.112 }, BIT STRING (32 bytes) }.
+_SPKI_PREFIX = bytes.fromhex("302a300506032b6570032100")
+_PEM_PUBLIC = "PUBLIC KEY"
+
+
+# ============================================================================ canonical JSON
+
+def canonical_json(value: Any) -> bytes:
+    """RFC 8785 serialisation of a JSON value (dict, list, str, int, float, bool, None)."""
+    return _canon(value).encode("utf-8", "backslashreplace")
+
+
+def _canon(value: Any) -> str:
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _number(value)
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_canon(v) for v in value) + "]"
+    if isinstance(value, Mapping):
+        keys = sorted(value, key=lambda k: str(k).encode("utf-16-be", "surrogatepass"))
+        return "{" + ",".join(json.dumps(str(k), ensure_ascii=False) + ":" + _canon(value[k])
+                              for k in keys) + "}"
+    raise AgentError("bad_argument", "a job document holds JSON values only, found {}".format(
+        type(value).__name__))
+
+
+def _number(value: float) -> str:
+    """ECMAScript Number::toString: the shortest digits that round-trip, fixed notation for
+    1e-6 <= |x| < 1e21, else d.ddde+N."""
+    if not math.isfinite(value):
+        raise AgentError("bad_argument", "a signed job cannot hold NaN or infinity")
+    if value == 0:
+        return "0"
+    if value < 0:
+        return "-" + _number(-value)
+    _sign, digits_t, exponent = decimal.Decimal(repr(value)).as_tuple()
+    digits = "".join(str(d) for d in digits_t).lstrip("0") or "0"
+    exp = int(exponent)
+    while len(digits) > 1 and digits.endswith("0"):
+        digits = digits[:-1]
+        exp += 1
+    k = len(digits)
+    n = exp + k  # value = 0.digits * 10**n
+    if k <= n <= 21:
+        return digits + "0" * (n - k)
+    if 0 < n <= 21:
+        return digits[:n] + "." + digits[n:]
+    if -6 < n <= 0:
+        return "0." + "0" * (-n) + digits
+    e = n - 1
+    mantissa = digits if k == 1 else digits[0] + "." + digits[1:]
+    return "{}e{}{}".format(mantissa, "+" if e > 0 else "-", abs(e))
+
+
+def manifest(doc: Mapping[str, Any]) -> bytes:
+    """The bytes a signature covers: the domain prefix and the canonical document without
+    ``signature.sig``."""
+    body = dict(doc)
+    sig = body.get("signature")
+    if isinstance(sig, Mapping):
+        body["signature"] = {k: v for k, v in sig.items() if k != "sig"}
+    return DOMAIN + canonical_json(body)
+
+
+# ============================================================================ keys
+
+def key_id(raw_public: bytes) -> str:
+    return hashlib.sha256(raw_public).hexdigest()[:16]
+
+
+def _pem_body(text: str, label: str) -> Optional[bytes]:
+    begin, end = "-----BEGIN {}-----".format(label), "-----END {}-----".format(label)
+    if begin not in text or end not in text:
+        return None
+    inner = text.split(begin, 1)[1].split(end, 1)[0]
+    try:
+        return base64.b64decode("".join(inner.split()), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def parse_public_key(text: str) -> bytes:
+    """The 32 raw bytes of an Ed25519 public key given as SubjectPublicKeyInfo PEM, as an
+    OpenSSH ``ssh-ed25519 AAAA...`` line, or as base64 of the raw bytes. ValueError else."""
+    text = text.strip()
+    der = _pem_body(text, _PEM_PUBLIC)
+    if der is not None:
+        if len(der) != 44 or not der.startswith(_SPKI_PREFIX):
+            raise ValueError("a PEM public key, but not an Ed25519 one")
+        return der[len(_SPKI_PREFIX):]
+    if text.startswith("ssh-ed25519 "):
+        blob = base64.b64decode(text.split()[1], validate=True)
+        # string "ssh-ed25519", string key: 4-byte lengths
+        if len(blob) != 51 or blob[4:15] != b"ssh-ed25519":
+            raise ValueError("a malformed ssh-ed25519 key")
+        return blob[19:]
+    if text.startswith(ALG + ":"):
+        text = text[len(ALG) + 1:]
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("neither a PEM public key nor base64")
+    if len(raw) != 32:
+        raise ValueError("base64 of {} bytes; an Ed25519 public key has 32".format(len(raw)))
+    return raw
+
+
+def public_key_pem(raw: bytes) -> str:
+    b64 = base64.b64encode(_SPKI_PREFIX + raw).decode("ascii")
+    return "-----BEGIN PUBLIC KEY-----\n{}\n-----END PUBLIC KEY-----\n".format(b64)
+
+
+def load_trusted_key(entry: str, base_dir: Optional[str] = None) -> Tuple[str, bytes]:
+    """One ``security.trusted_keys`` entry -> (key_id, raw). An entry is a file (PEM,
+    ssh-ed25519 line or base64; relative names against ``base_dir``) or the key inline
+    (``ed25519:BASE64`` or plain base64). AgentError bad_config naming what was wrong."""
+    entry = entry.strip()
+    path = os.path.expanduser(entry)
+    if base_dir and not os.path.isabs(path):
+        path = os.path.join(base_dir, path)
+    looks_inline = entry.startswith(ALG + ":") or (len(entry) == 44 and entry.endswith("="))
+    if not looks_inline or os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read(64 * 1024)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise AgentError("bad_config", "security.trusted_keys: {} is neither a readable "
+                             "public key file nor an inline key (ed25519:BASE64): {}".format(
+                                 entry, getattr(exc, "strerror", None) or exc))
+        where = path
+    else:
+        text, where = entry, "inline key {}".format(entry[:20] + "...")
+    try:
+        raw = parse_public_key(text)
+    except (ValueError, binascii.Error) as exc:
+        raise AgentError("bad_config", "security.trusted_keys: {}: expected an Ed25519 public "
+                         "key (PEM from 'jetson-agent fleet keygen', ssh-ed25519, or base64 of "
+                         "32 bytes), found {}".format(where, exc))
+    return key_id(raw), raw
+
+
+class TrustStore(object):
+    """The public keys a device accepts job signatures from (several: key rotation)."""
+
+    def __init__(self, keys: Optional[Mapping[str, bytes]] = None) -> None:
+        self.keys: Dict[str, bytes] = dict(keys or {})
+        self._loaded: Dict[str, Any] = {}
+
+    @classmethod
+    def from_entries(cls, entries: Iterable[str], base_dir: Optional[str] = None
+                     ) -> "TrustStore":
+        keys: Dict[str, bytes] = {}
+        for entry in entries:
+            kid, raw = load_trusted_key(entry, base_dir)
+            keys[kid] = raw
+        return cls(keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def key_ids(self) -> List[str]:
+        return sorted(self.keys)
+
+    def verify(self, kid: str, message: bytes, signature: bytes) -> bool:
+        raw = self.keys.get(kid)
+        if raw is None:
+            return False
+        key = self._loaded.get(kid)
+        if key is None:
+            from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+            key = self._loaded[kid] = Ed25519PublicKey.from_public_bytes(raw)
+        from cryptography.exceptions import InvalidSignature
+
+        try:
+            key.verify(signature, message)
+        except InvalidSignature:
+            return False
+        return True
+
+
+# ============================================================================ device side
+
+class Accepted(NamedTuple):
+    key_id: str
+    seq: int
+
+
+def check_job(doc: Mapping[str, Any], device: str, trust: TrustStore, *,
+              allow_unsigned: bool, last_seq: Callable[[str], int],
+              now: Optional[float] = None, max_skew_s: float = DEFAULT_MAX_SKEW_S
+              ) -> Optional[Accepted]:
+    """Decide whether a decoded job document may run on ``device``. Returns the (key id,
+    sequence) to record once the job is in the journal, None for an unsigned job accepted
+    under ``allow_unsigned``. AgentError ``unsigned_job``, ``bad_signature``,
+    ``wrong_target``, ``job_not_yet_valid``, ``job_expired`` or ``job_replayed``."""
+    sig = doc.get("signature")
+    if sig is None:
+        if allow_unsigned:
+            return None
+        raise AgentError("unsigned_job", "job {} is not signed; this device runs only jobs "
+                         "signed by a trusted key (sign with 'jetson-agent fleet rollout "
+                         "--signing-key', or set security.allow_unsigned: true on a lab "
+                         "device)".format(doc.get("job_id")))
+    if not isinstance(sig, Mapping) or sig.get("alg") != ALG:
+        raise AgentError("bad_signature", "job {}: expected a signature object with alg "
+                         "{!r}, found {!r}".format(doc.get("job_id"), ALG, sig))
+    kid = str(sig.get("key_id"))
+    if kid not in trust.keys:
+        raise AgentError("bad_signature", "job {} is signed with key {}, which this device "
+                         "does not trust (security.trusted_keys: {})".format(
+                             doc.get("job_id"), kid, ", ".join(trust.key_ids()) or "none"),
+                         {"key_id": kid})
+    try:
+        raw_sig = base64.b64decode(str(sig.get("sig")), validate=True)
+    except (binascii.Error, ValueError):
+        raw_sig = b""
+    if len(raw_sig) != 64 or not trust.verify(kid, manifest(doc), raw_sig):
+        raise AgentError("bad_signature", "job {}: the signature does not match the document "
+                         "(altered after signing, or signed by another key than {})".format(
+                             doc.get("job_id"), kid), {"key_id": kid})
+    if doc.get("device") != device:
+        raise AgentError("wrong_target", "job {} is signed for device {!r}, not for this "
+                         "device {!r}".format(doc.get("job_id"), doc.get("device"), device))
+    now = time.time() if now is None else now
+    not_before, expires = float(sig["not_before"]), float(sig["expires"])
+    if now + max_skew_s < not_before:
+        raise AgentError("job_not_yet_valid", "job {} is valid from {} and the device clock "
+                         "says {} (off by more than the {:g} s allowed? check NTP)".format(
+                             doc.get("job_id"), _iso(not_before), _iso(now), max_skew_s),
+                         {"not_before": not_before, "now": now})
+    if now - max_skew_s > expires:
+        raise AgentError("job_expired", "job {} expired at {} (device clock {})".format(
+            doc.get("job_id"), _iso(expires), _iso(now)), {"expires": expires, "now": now})
+    seq = int(sig["seq"])
+    last = last_seq(kid)
+    if seq <= last:
+        raise AgentError("job_replayed", "job {} carries sequence {} of key {}, not above the "
+                         "last one this device accepted ({}): a replayed or out-of-order "
+                         "document".format(doc.get("job_id"), seq, kid, last),
+                         {"seq": seq, "last_seq": last, "key_id": kid})
+    return Accepted(kid, seq)
+
+
+def _iso(ts: float) -> str:
+    try:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    except (OverflowError, ValueError, OSError):
+        return repr(ts)
+
+
+# ============================================================================ controller side
+
+def generate_keypair(out_dir: str, name: str = "jetson-agent-signing") -> Dict[str, str]:
+    """Write ``<name>.key`` (PKCS#8 PEM, mode 0600) and ``<name>.pub`` (PEM) into
+    ``out_dir``; refuses to overwrite. Returns paths, key_id and the raw key in base64."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    if not name or "/" in name or name.startswith("."):
+        raise AgentError("bad_argument", "--name must be a plain file name, found {!r}".format(
+            name))
+    os.makedirs(out_dir, exist_ok=True)
+    private_path = os.path.join(out_dir, name + ".key")
+    public_path = os.path.join(out_dir, name + ".pub")
+    for path in (private_path, public_path):
+        if os.path.exists(path):
+            raise AgentError("bad_argument", "{} already exists; not overwriting a key (choose "
+                             "another --out or --name)".format(path))
+    private = Ed25519PrivateKey.generate()
+    pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    raw = private.public_key().public_bytes(serialization.Encoding.Raw,
+                                            serialization.PublicFormat.Raw)
+    fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.write(fd, pem)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    atomic_write(public_path, public_key_pem(raw).encode("ascii"))
+    return {"private_key": private_path, "public_key": public_path, "key_id": key_id(raw),
+            "public_base64": base64.b64encode(raw).decode("ascii")}
+
+
+def load_private_key(path: str) -> Any:
+    """An Ed25519 private key from a PKCS#8 PEM file; AgentError naming what is wrong."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(64 * 1024)
+    except OSError as exc:
+        raise AgentError("file_not_found", "cannot read the signing key {}: {}".format(
+            path, exc.strerror or exc))
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise AgentError("bad_argument", "{}: expected an unencrypted PKCS#8 PEM private key "
+                         "(from 'jetson-agent fleet keygen'): {}".format(path, exc))
+    if not isinstance(key, Ed25519PrivateKey):
+        raise AgentError("bad_argument", "{}: expected an Ed25519 private key, found {}".format(
+            path, type(key).__name__))
+    return key
+
+
+def raw_public(private_key: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return bytes(private_key.public_key().public_bytes(serialization.Encoding.Raw,
+                                                       serialization.PublicFormat.Raw))
+
+
+def sign_document(doc: Mapping[str, Any], private_key: Any, seq: int, not_before: float,
+                  expires: float) -> Dict[str, Any]:
+    """A copy of ``doc`` with its ``signature`` (pure but for the key)."""
+    if not 1 <= int(seq) <= MAX_SEQ:
+        raise AgentError("bad_argument", "sequence must be 1..2**53-1, found {}".format(seq))
+    out = copy.deepcopy(dict(doc))
+    out["signature"] = {"alg": ALG, "key_id": key_id(raw_public(private_key)), "seq": int(seq),
+                        "not_before": int(math.floor(not_before)),
+                        "expires": int(math.ceil(expires))}
+    sig = private_key.sign(manifest(out))
+    out["signature"]["sig"] = base64.b64encode(sig).decode("ascii")
+    return out
+
+
+def default_sequence_file() -> str:
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
+                                                            "state")
+    return os.path.join(base, "jetson-agent", "fleet-sequence.json")
+
+
+class SequenceFile(object):
+    """The controller's last sequence number per signing key: JSON {key_id: seq}, replaced
+    atomically under an advisory lock (two rollouts on one host never reuse a number)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _read(self) -> Dict[str, int]:
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise AgentError("bad_argument", "sequence file {} cannot be read ({}); fix or "
+                             "remove it (sequences restart from the clock)".format(
+                                 self.path, exc))
+        if not isinstance(data, dict):
+            return {}
+        return {str(k): int(v) for k, v in data.items() if isinstance(v, int)}
+
+    def last(self, kid: str) -> int:
+        return self._read().get(kid, 0)
+
+    def next(self, kid: str, floor: int = 0) -> int:
+        """Allocate and persist the next sequence for ``kid``: above the stored one and at
+        least ``floor`` (the clock in milliseconds, so a lost state file cannot send a
+        controller back below what its devices accepted)."""
+        import fcntl
+
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        with open(self.path + ".lock", "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                data = self._read()
+                seq = max(data.get(kid, 0) + 1, int(floor))
+                if seq > MAX_SEQ:
+                    raise AgentError("bad_argument", "sequence of key {} is exhausted".format(
+                        kid))
+                data[kid] = seq
+                atomic_write(self.path, json.dumps(data, sort_keys=True).encode("utf-8"))
+                return seq
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+class Signer(object):
+    """Controller side: signs job documents with one key, numbering them from a sequence
+    file. ``sign(doc)`` allocates a sequence; ``sign(doc, dry_run=True)`` does not (for
+    checking a document's size before a rollout starts)."""
+
+    def __init__(self, key_path: str, sequence_path: Optional[str] = None,
+                 validity_s: float = DEFAULT_VALIDITY_S,
+                 clock: Callable[[], float] = time.time) -> None:
+        if not validity_s > 0:
+            raise AgentError("bad_argument", "job validity must be > 0 s, found {}".format(
+                validity_s))
+        self.private_key = load_private_key(key_path)
+        self.key_id = key_id(raw_public(self.private_key))
+        self.sequence = SequenceFile(sequence_path or default_sequence_file())
+        self.validity_s = float(validity_s)
+        self.clock = clock
+
+    def sign(self, doc: Mapping[str, Any], dry_run: bool = False) -> Dict[str, Any]:
+        now = self.clock()
+        floor = int(now * 1000)
+        seq = max(self.sequence.last(self.key_id) + 1, floor) if dry_run else \
+            self.sequence.next(self.key_id, floor)
+        return sign_document(doc, self.private_key, seq, now, now + self.validity_s)
+
+
+# ============================================================================ posture
+
+def posture(cfg: Any) -> Dict[str, Any]:
+    """The device's security posture for ``diag`` (docs/security.md): TLS, broker
+    authentication, signing, limits, and warnings ``[{problem, fix}]``."""
+    broker, sec, limits = cfg.broker, cfg.security, cfg.limits
+    tls = bool(broker.tls.enabled)
+    client_cert = tls and bool(broker.tls.cert_file)
+    auth = "certificate" if client_cert else "password" if broker.password else (
+        "username" if broker.username else "none")
+    kids: List[str] = []
+    problems: List[Dict[str, str]] = []
+    try:
+        kids = TrustStore.from_entries(sec.trusted_keys).key_ids()
+    except AgentError as exc:
+        problems.append({"problem": exc.message, "fix": "fix security.trusted_keys"})
+    signing_mode = "required" if not sec.allow_unsigned else ("optional" if kids else "off")
+    if sec.allow_unsigned:
+        problems.append({
+            "problem": "security.allow_unsigned is true: any client that can publish to this "
+                       "device's job topics can make it download, build and activate models",
+            "fix": "create a key with 'jetson-agent fleet keygen', add its .pub to "
+                   "security.trusted_keys, sign rollouts with --signing-key, and remove "
+                   "allow_unsigned"})
+    elif not kids:
+        problems.append({
+            "problem": "no trusted signing key (security.trusted_keys is empty) and unsigned "
+                       "jobs are refused: every job will be REJECTED",
+            "fix": "add the controller's public key (from 'jetson-agent fleet keygen') to "
+                   "security.trusted_keys"})
+    if not tls:
+        problems.append({
+            "problem": "the broker connection is not encrypted (broker.tls is off): job "
+                       "documents, artifacts and credentials cross the network in clear",
+            "fix": "serve MQTT over TLS (systemd/mosquitto/jetson-fleet.conf) and set "
+                   "broker.tls.ca_file"})
+    elif broker.tls.insecure:
+        problems.append({
+            "problem": "broker.tls.insecure is true: the broker's host name is not checked",
+            "fix": "give the broker a certificate for the name the devices use and remove "
+                   "broker.tls.insecure"})
+    return {"tls": tls, "verify_server": tls and not broker.tls.insecure,
+            "client_certificate": client_cert, "broker_auth": auth, "signing": signing_mode,
+            "trusted_keys": kids, "allow_unsigned": bool(sec.allow_unsigned),
+            "max_clock_skew_s": sec.max_clock_skew_s,
+            "jobs_per_minute": limits.jobs_per_minute, "job_burst": limits.job_burst,
+            "problems": problems}

@@ -1,0 +1,258 @@
+"""Per-device access with the shipped Mosquitto configuration (systemd/mosquitto/): each device
+reads only its own job, block and command topics and writes only its own status topics.
+
+A real Mosquitto runs jetson-fleet.conf (TLS listener) in its documented password variant
+(users made with ``mosquitto_passwd -b``) with jetson-fleet.acl unchanged. Denied publishes are
+dropped by the broker (MQTT 3.1.1 has no way to say so; MQTT 5 answers "not authorized"): the
+controller, allowed to read everything, checks that none of them got through. Denied reads:
+device A subscribes to device B's topics and receives nothing while B does.
+"""
+
+import os
+import queue
+import threading
+import time
+import uuid
+
+import pytest
+
+from agent import protocol
+from agent.errors import AgentError
+from agent.mqtt import CONNECT_FAILED, MESSAGE, MqttClient, TlsOptions, Will
+from tests.integration.conftest import MOSQUITTO
+from tests.integration.pki import FleetBroker, Pki, write_passwords
+
+USERS = {"dev-a": "pw-a", "dev-b": "pw-b", "controller": "pw-ctl"}
+T = protocol.Topics()
+DEV = T.prefix + "/devices/"
+
+
+class Client(object):
+    """An agent.mqtt client that records every message it receives."""
+
+    def __init__(self, broker, user, password=None, mqtt="v5", will=None, subscribe=()):
+        self.user = user
+        self.client = MqttClient("{}-{}".format(user, uuid.uuid4().hex[:6]), broker.host,
+                                 broker.port, protocol=mqtt, username=user,
+                                 password=USERS.get(user) if password is None else password,
+                                 tls=TlsOptions(ca_file=broker.pki.ca_file), will=will,
+                                 clean_start=True, session_expiry=0, reconnect_min=0.2,
+                                 reconnect_max=1.0, events=queue.Queue())
+        self.messages = []
+        self.lock = threading.Lock()
+        for topic in subscribe:
+            self.client.subscribe(topic, 1)
+        self.client.start()
+        self._stop = False
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+        self.thread.start()
+
+    def _pump(self):
+        while not self._stop:
+            try:
+                ev = self.client.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if ev.kind == MESSAGE:
+                with self.lock:
+                    self.messages.append((ev.topic, ev.payload))
+
+    def topics(self):
+        with self.lock:
+            return [t for t, _ in self.messages]
+
+    def publish(self, topic, payload, retain=False):
+        return self.client.publish(topic, payload, qos=1, retain=retain)
+
+    def close(self):
+        self._stop = True
+        self.client.stop()
+        self.thread.join(2)
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting for " + what)
+
+
+@pytest.fixture
+def fleet_broker(tmp_path):
+    if not os.path.exists(MOSQUITTO):
+        pytest.skip("mosquitto is not installed")
+    pki = Pki(tmp_path / "pki")
+    passwords = write_passwords(tmp_path / "passwd", USERS)
+    broker = FleetBroker(tmp_path / "broker", pki, passwords=passwords).start()
+    yield broker
+    broker.stop(kill=False)
+
+
+def test_a_device_reads_and_writes_only_its_own_topics(fleet_broker):
+    clients = []
+    try:
+        ctl = Client(fleet_broker, "controller", subscribe=[T.prefix + "/#"])
+        a = Client(fleet_broker, "dev-a", subscribe=[
+            DEV + "dev-b/jobs/+", T.prefix + "/devices/dev-b/artifacts/+/block/+",
+            T.commands("dev-b"), T.status("dev-b"), DEV + "dev-b/jobs/+/status",
+            T.prefix + "/#", DEV + "dev-a/jobs/+"])
+        b = Client(fleet_broker, "dev-b", mqtt="v3.1.1",
+                   subscribe=[DEV + "dev-b/jobs/+", T.prefix + "/devices/dev-b/artifacts/+/block/+",
+                              T.commands("dev-b")])
+        clients += [ctl, a, b]
+        for c in clients:
+            c.client.wait_connected(10)
+        time.sleep(0.5)  # subscriptions acknowledged
+
+        sha = "ab" * 32
+        # The controller writes B's job, a block and a command, and A's job.
+        for topic, payload in ((T.job("dev-b", "job-b"), b"job for b"),
+                               (T.block("dev-b", sha, 0), b"block for b"),
+                               (T.commands("dev-b"), b"command for b"),
+                               (T.job("dev-a", "job-a"), b"job for a")):
+            assert ctl.publish(topic, payload).wait(5)
+        wait_until(lambda: len(b.messages) == 3 and len(a.messages) >= 1, 10,
+                   "B's three messages and A's job")
+        # A forges what B would send, and what the controller would send to B.
+        forged = [T.status("dev-b"), T.job_status("dev-b", "job-b"),
+                  T.artifact_request("dev-b", sha), T.telemetry("dev-b"),
+                  T.command_reply("dev-b"), T.job("dev-b", "forged"), T.block("dev-b", sha, 1),
+                  T.commands("dev-b"), T.job("dev-a", "self-made")]
+        handles = [a.publish(topic, b"forged by a") for topic in forged]
+        # ...and writes its own status, which is allowed.
+        own = a.publish(T.status("dev-a"), b"a is online", retain=True)
+        assert own.wait(5) and own.ok
+        for h in handles:
+            assert h.wait(5)
+            assert not h.ok and "authori" in h.reason.lower(), (h.topic, h.reason)
+        wait_until(lambda: T.status("dev-a") in ctl.topics(), 10, "A's own status")
+        time.sleep(0.5)
+
+        got_a = set(a.topics())  # (overlapping subscriptions: one copy per matching filter)
+        assert got_a == {T.job("dev-a", "job-a")}, got_a  # nothing of B's, no forgery
+        assert sorted(b.topics()) == sorted([T.job("dev-b", "job-b"), T.block("dev-b", sha, 0),
+                                             T.commands("dev-b")])
+        assert all(p != b"forged by a" for _, p in ctl.messages + b.messages)
+        assert T.status("dev-a") in ctl.topics()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_device_cannot_write_with_mqtt311_either(fleet_broker):
+    """MQTT 3.1.1 publishes look acknowledged, but the broker drops them."""
+    ctl = Client(fleet_broker, "controller", subscribe=[T.prefix + "/#"])
+    a = Client(fleet_broker, "dev-a", mqtt="v3.1.1")
+    try:
+        ctl.client.wait_connected(10)
+        a.client.wait_connected(10)
+        time.sleep(0.3)
+        forged = a.publish(T.status("dev-b"), b"b is offline (says a)", retain=True)
+        assert forged.wait(5) and forged.ok  # PUBACK, no way to say "denied" in 3.1.1
+        assert a.publish(T.status("dev-a"), b"own", retain=True).wait(5)
+        wait_until(lambda: T.status("dev-a") in ctl.topics(), 10, "A's own status")
+        time.sleep(0.3)
+        assert T.status("dev-b") not in ctl.topics()
+    finally:
+        a.close()
+        ctl.close()
+    # Nothing was retained on B's status either: a new subscriber sees nothing there.
+    late = Client(fleet_broker, "controller", subscribe=[T.status("dev-b"), T.status("dev-a")])
+    try:
+        late.client.wait_connected(10)
+        wait_until(lambda: T.status("dev-a") in late.topics(), 10, "A's retained status")
+        time.sleep(0.3)
+        assert T.status("dev-b") not in late.topics()
+    finally:
+        late.close()
+
+
+def test_a_will_on_another_devices_status_is_not_published(fleet_broker):
+    """Mosquitto accepts the connection and drops the Will when it would send it; the same
+    abrupt disconnect with a Will on the device's own status delivers that one."""
+    ctl = Client(fleet_broker, "controller", subscribe=[T.prefix + "/devices/+/status"])
+    ctl.client.wait_connected(10)
+    time.sleep(0.3)
+    honest = Client(fleet_broker, "dev-a", will=Will(T.status("dev-a"), b"a died"))
+    sneaky = Client(fleet_broker, "dev-a", will=Will(T.status("dev-b"), b"b died (says a)"))
+    try:
+        for c in (honest, sneaky):
+            c.client.wait_connected(10)
+            c._stop = True
+            c.client.drop_connection()  # no DISCONNECT: the broker sends the Will
+        wait_until(lambda: T.status("dev-a") in ctl.topics(), 10, "A's own Will")
+        time.sleep(0.5)
+        assert T.status("dev-b") not in ctl.topics()
+    finally:
+        honest.close()
+        sneaky.close()
+        ctl.close()
+
+
+@pytest.mark.parametrize("user, password", [("dev-a", "wrong"), ("nobody", "x"), (None, None)])
+def test_unknown_users_and_anonymous_clients_are_refused(fleet_broker, user, password):
+    c = MqttClient("x-" + uuid.uuid4().hex[:6], fleet_broker.host, fleet_broker.port,
+                   username=user, password=password,
+                   tls=TlsOptions(ca_file=fleet_broker.pki.ca_file), reconnect_min=0.2,
+                   reconnect_max=0.5, events=queue.Queue())
+    c.start()
+    try:
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and c.events.get(timeout=5).kind != CONNECT_FAILED:
+            pass
+        with pytest.raises(AgentError) as exc:
+            c.wait_connected(0.1)
+        assert exc.value.code == "broker_unreachable"
+        assert "authori" in exc.value.message.lower() or "password" in exc.value.message.lower()
+    finally:
+        c.stop()
+
+
+def test_a_real_agent_works_under_the_acl(fleet_broker, tmp_path, digits_files):
+    """Everything the protocol needs is granted: birth and Will, job documents, block
+    requests and blocks, job statuses, telemetry, commands and replies. The password comes
+    from a credentials file ($CREDENTIALS_DIRECTORY, as systemd's LoadCredential= gives it)."""
+    from agent import signing
+    from tests.integration.conftest import AgentProcess, Controller
+
+    keys = signing.generate_keypair(str(tmp_path / "keys"), "fleet")
+    creds = tmp_path / "credentials"
+    creds.mkdir()
+    (creds / "mqtt-password").write_text(USERS["dev-a"] + "\n")
+    workdir = tmp_path / "agent"
+    workdir.mkdir()
+    agent = AgentProcess(
+        fleet_broker, workdir, "dev-a",
+        security="  trusted_keys: [{}]\n".format(keys["public_key"]),
+        broker_extra="  username: dev-a\n  password_file: mqtt-password\n  tls:\n"
+                     "    ca_file: {}\n".format(fleet_broker.pki.ca_file),
+        extra_config="telemetry_interval: 0.5\n")
+    agent.start(env_extra={"CREDENTIALS_DIRECTORY": str(creds)})
+    signer = signing.Signer(keys["private_key"], str(tmp_path / "seq.json"))
+    ctl = Controller(fleet_broker, device="dev-a", signer=signer, username="controller",
+                     password=USERS["controller"],
+                     tls=TlsOptions(ca_file=fleet_broker.pki.ca_file))
+    try:
+        ctl.wait_online("dev-a", timeout=30)
+        files = {role: ctl.add_artifact(digits_files[role])
+                 for role in ("model", "inputs", "goldens")}
+        ctl.send_job({"job_id": "under-acl", "kind": "deploy", "artifacts": files,
+                      "plan": {"precision": "fp32"}, "gate": {"atol": 1e-4, "rtol": 1e-4},
+                      "bench": {"iterations": 5, "warmup": 0}})
+        final = ctl.wait_state("under-acl", protocol.TERMINAL_STATES, 60)
+        assert final["state"] == "SUCCEEDED", (final, agent.log_tail())
+        assert ctl.requests and ctl.blocks_sent  # block requests went through
+        assert ctl.diag()["ok"]
+        ctl.wait_for(lambda: ctl.telemetry, 10, "telemetry")
+        assert not ctl.errors
+        # An abrupt end: the broker publishes the device's Will on its own status.
+        agent.kill()
+        ctl.wait_for(lambda: ctl.device_status and ctl.device_status[-1]["online"] is False,
+                     60, "the Will")
+        assert ctl.device_status[-1]["reason"] == "connection_lost"
+    finally:
+        ctl.close()
+        agent.kill()
+    assert "not authori" not in agent.log_tail(100000).lower()
