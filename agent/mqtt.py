@@ -41,6 +41,21 @@ MESSAGE = "message"  # .topic, .payload, .retain, .qos
 PUBLISHED = "published"  # .token, .ok, .reason
 
 
+class _PahoLog(object):
+    """Stands in for paho's logger: keeps its last warning (the only place the reason for a
+    connection closed during the handshake appears); debug messages are not even formatted."""
+
+    def __init__(self, owner: "MqttClient") -> None:
+        self.owner = owner
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        if level >= logging.WARNING:
+            try:
+                self.owner._socket_error = (fmt % args)[:300]
+            except (TypeError, ValueError):
+                self.owner._socket_error = str(fmt)[:300]
+
+
 class Event:
     __slots__ = ("kind", "topic", "payload", "retain", "qos", "token", "ok", "reason",
                  "session_present", "response_topic", "correlation")
@@ -182,6 +197,8 @@ class MqttClient:
         self._client.on_message = self._on_message
         self._client.on_publish = self._on_publish
         self._client.on_subscribe = self._on_subscribe
+        self._socket_error = ""  # paho's last socket-level warning (a TLS alert, a reset)
+        self._client.enable_logger(_PahoLog(self))  # type: ignore[arg-type]
 
     # --- owner's API --------------------------------------------------------------------------
 
@@ -315,6 +332,7 @@ class MqttClient:
         else:
             session_present = bool(getattr(flags, "session_present", False))
         self.last_error = ""
+        self._socket_error = ""
         self._connected.set()
         self._attempted.set()
         with self._lock:
@@ -346,6 +364,20 @@ class MqttClient:
             if _is_failure(rc):
                 self.last_error = "connection lost: " + reason
             self._put(Event(DISCONNECTED, reason=reason))
+        elif not self._closing and self._socket_error:
+            # Closed before CONNACK: with TLS 1.3 a refused client certificate shows up here.
+            self.last_error = "the broker closed the connection before accepting it: {}".format(
+                self._socket_error)
+            upper = self._socket_error.upper()
+            if "CERTIFICATE_REQUIRED" in upper:
+                self.last_error += (" (the broker requires a client certificate: "
+                                    "broker.tls.cert_file / --cert-file)")
+            elif "UNKNOWN_CA" in upper or "CERTIFICATE" in upper:
+                self.last_error += (" (the broker refused the client certificate: is it signed "
+                                    "by the CA the broker trusts, and still valid?)")
+            self._socket_error = ""
+            self._attempted.set()
+            self._put(Event(CONNECT_FAILED, reason=self.last_error))
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, *args: Any) -> None:
         codes = args[0] if args else []

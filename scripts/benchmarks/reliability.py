@@ -28,6 +28,7 @@ GOALS = {
     "jobs_refused": ("jobs REJECTED with a reason", "-"),
     "data_lost": ("data lost (statuses, outbox)", "0"),
     "corrupt_cache_entries": ("corrupt store/cache entries", "0"),
+    "cache_entries_checked": ("store/cache entries verified", "-"),
     "daemon_crashes": ("daemon crashes", "0"),
     "unexpected_errors": ("unexpected errors (tracebacks)", "0"),
 }

@@ -46,7 +46,8 @@ FAULTS = collections.Counter()
 REPORT = collections.OrderedDict([
     ("runs", 0), ("faults_injected", 0), ("jobs_submitted", 0), ("jobs_completed", 0),
     ("jobs_failed_with_reason", 0), ("jobs_refused", 0), ("data_lost", 0),
-    ("corrupt_cache_entries", 0), ("daemon_crashes", 0), ("unexpected_errors", 0)])
+    ("corrupt_cache_entries", 0), ("cache_entries_checked", 0), ("daemon_crashes", 0),
+    ("unexpected_errors", 0)])
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -197,9 +198,12 @@ def audit(agent, controller, job_ids, cache_dir=None):
             REPORT["jobs_refused"] += 1
         elif protocol.is_terminal(row["state"]) and row["state"] != "CANCELED":
             REPORT["data_lost"] += 1  # ended without saying why
-    corrupt = corrupt_entries(agent.state_dir, cache_dir)
+    checked = []
+    corrupt = corrupt_entries(agent.state_dir, cache_dir, checked)
     REPORT["corrupt_cache_entries"] += corrupt
-    return {"lost": lost, "pending": pending, "corrupt": corrupt, "rows": rows}
+    REPORT["cache_entries_checked"] += checked[0]
+    return {"lost": lost, "pending": pending, "corrupt": corrupt, "rows": rows,
+            "checked": checked[0]}
 
 
 def _status_arrived(controller, row):
@@ -208,19 +212,26 @@ def _status_arrived(controller, row):
         last["state"] == row["state"]
 
 
-def corrupt_entries(state_dir, cache_dir=None):
-    bad = 0
+def corrupt_entries(state_dir, cache_dir=None, checked=None):
+    """Stored artifacts whose bytes do not match their name, plus engine-cache entries that
+    fail verification. ``checked`` (a list) gets the number of entries looked at."""
+    bad = seen = 0
     root = os.path.join(state_dir, "artifacts")
     for dirpath, _, names in os.walk(root):
         if os.path.basename(dirpath) == "partial":
             continue
         for name in names:
+            seen += 1
             with open(os.path.join(dirpath, name), "rb") as f:
                 if hashlib.sha256(f.read()).hexdigest() != name:
                     bad += 1
-    engines = os.path.join(cache_dir or os.path.join(state_dir, "cache"), "engines")
+    engines = os.path.join(cache_dir or state_dir, "engines")  # config.Config.cache_dir
     if os.path.isdir(engines):
-        bad += len(EngineCache(engines).verify()["corrupt"])
+        report = EngineCache(engines).verify()
+        bad += len(report["corrupt"])
+        seen += report["checked"]
+    if checked is not None:
+        checked.append(seen)
     return bad
 
 
@@ -267,6 +278,7 @@ def test_kill9_at_random_points(fleet, digits_files, tmp_path):
     print("\nkill -9 points: {}; jobs: {}".format(dict(points), {
         i: (r["state"], (r["error"] or {}).get("code")) for i, r in result["rows"].items()}))
     assert not result["lost"] and not result["pending"] and not result["corrupt"], result
+    assert result["checked"] >= 4  # the artifacts and at least one engine were verified
     # Each job completed, or ended FAILED with its reason (killed twice while its worker ran).
     assert all(r["state"] == "SUCCEEDED" or (r["state"] == "FAILED" and r["error"]["code"])
                for r in result["rows"].values())
@@ -515,6 +527,25 @@ def _payloads(rng, bases, n):
             yield json.dumps(rng.choice(WEIRD)).encode()
 
 
+def _altered(rng, signed, job_id):
+    """A schema-valid copy of a signed document with its signature kept and something the
+    signature covers changed (a forgery only the signature check can catch)."""
+    doc = json.loads(json.dumps(signed))
+    doc["job_id"] = job_id
+    change = rng.randrange(6)
+    if change == 0:
+        doc["plan"]["precision"] = rng.choice(["fp32", "fp16", "best"])
+    elif change == 1:
+        doc["artifacts"]["model"]["size"] = rng.randint(1, 1 << 30)
+    elif change == 2:
+        doc["gate"]["atol"] = rng.random()
+    elif change == 3:
+        doc["bench"] = {"iterations": rng.randint(1, 1000000)}
+    elif change == 4:
+        doc["signature"]["seq"] = rng.randint(1, 1 << 50)
+    return doc  # change 5: only the job id (and the topic) differ
+
+
 def test_fuzz_every_subscribed_topic(fleet, digits_files):
     controller, make_agent = fleet
     agent = make_agent()
@@ -542,6 +573,8 @@ def test_fuzz_every_subscribed_topic(fleet, digits_files):
                                      "fz-{}".format(i % 40)])
                 job_ids.add(job_id)
                 topic = t.job("dev1", job_id)
+                if rng.random() < 0.25:
+                    payload = protocol.encode(_altered(rng, signed, job_id))
             elif topic_kind == "block":
                 topic = t.block("dev1", rng.choice(shas), rng.choice([0, 1, 2, 9999, 1048575]))
             else:
@@ -561,7 +594,8 @@ def test_fuzz_every_subscribed_topic(fleet, digits_files):
                                 if r is not None and r["state"] == "REJECTED")
     print("\nfuzz: {} payloads; job documents refused by code: {}".format(
         3 * FUZZ_PER_TOPIC, dict(codes)))
-    assert codes["unsigned_job"] and codes["bad_signature"] and codes["bad_message"]
+    assert codes["unsigned_job"] and codes["bad_message"]
+    assert codes["bad_signature"] >= FUZZ_PER_TOPIC // 20, codes
     assert (after["state"], after["version"], after["result"]) == \
         (before["state"], before["version"], before["result"])
     submit(controller, deploy_doc(controller, digits_files, "after-fuzz"))

@@ -67,13 +67,12 @@ def client(broker, ca_file, cert=None, protocol_version="v5"):
 def refused(c, timeout=5.0):
     """The AgentError wait_connected raises once the first attempt has failed."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not c.last_error:
         try:
-            ev = c.events.get(timeout=max(0.05, deadline - time.monotonic()))
+            if c.events.get(timeout=0.05).kind == CONNECT_FAILED:
+                break
         except queue.Empty:
-            break
-        if ev.kind == CONNECT_FAILED:
-            break
+            pass
     with pytest.raises(AgentError) as exc:
         c.wait_connected(0.1)
     return exc.value
@@ -96,10 +95,12 @@ def test_mutual_tls_identities(mtls, tmp_path):
     other_pki = Pki(tmp_path / "other", name="other-ca")
     foreign = client(mtls, pki.ca_file, other_pki.client("dev-a"))
     try:
-        for c in (no_cert, foreign):
+        for c, says in ((no_cert, "requires a client certificate"),
+                        (foreign, "refused the client certificate")):
             err = refused(c)
             assert err.code == "broker_unreachable"
             assert "{}:{}".format(mtls.host, mtls.port) in err.message
+            assert says in err.message, err.message
     finally:
         no_cert.stop()
         foreign.stop()
@@ -192,3 +193,88 @@ def test_the_daemon_reports_a_wrong_ca_in_its_log(mtls, tmp_path, tls_agents):
     assert "broker_unreachable" in log and "certificate verify failed" in log, log
     assert agent.alive()  # it keeps retrying (a CA rotation may be under way)
     assert agent.stop() == 0
+
+
+def test_diag_reports_the_security_posture(tmp_path):
+    keys = signing.generate_keypair(str(tmp_path), "fleet")
+    pki = Pki(tmp_path / "pki")
+    lab = tmp_path / "lab.yaml"
+    lab.write_text("security:\n  allow_unsigned: true\n")
+    secure = tmp_path / "secure.yaml"
+    secure.write_text("broker:\n  port: 8883\n  tls:\n    ca_file: {}\nsecurity:\n"
+                      "  trusted_keys: [fleet.pub]\n".format(pki.ca_file))
+
+    def diag(path):
+        proc = subprocess.run([sys.executable, "-m", "agent", "diag", "--json", "--no-jtop",
+                               "--config", str(path)], capture_output=True, text=True,
+                              cwd=ROOT, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    report = diag(lab)
+    sec = report["security"]
+    assert (sec["tls"], sec["signing"], sec["allow_unsigned"]) == (False, "off", True)
+    flagged = [p["problem"] for p in report["problems"] if p["source"] == "security"]
+    assert any("allow_unsigned" in p for p in flagged) and any("not encrypted" in p
+                                                               for p in flagged)
+    assert report["ok"] is False
+    report = diag(secure)
+    sec = report["security"]
+    assert (sec["tls"], sec["verify_server"], sec["signing"]) == (True, True, "required")
+    assert sec["trusted_keys"] == [keys["key_id"]] and sec["problems"] == []
+    assert not [p for p in report["problems"] if p["source"] == "security"]
+
+
+def test_fleet_keygen_and_a_signed_rollout_over_mutual_tls(mtls, tmp_path, tls_agents):
+    """``fleet keygen``, then ``fleet rollout --signing-key`` over mutual TLS to a device that
+    trusts the key and one that trusts another key only."""
+    env = dict(os.environ, PYTHONPATH=ROOT, XDG_STATE_HOME=str(tmp_path / "xdg"))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "agent"] + list(args), capture_output=True,
+                              text=True, cwd=ROOT, timeout=120, env=env)
+
+    made = json.loads(cli("fleet", "keygen", "--out", str(tmp_path / "keys"), "--name", "fleet",
+                          "--json").stdout)
+    assert oct(os.stat(made["private_key"]).st_mode & 0o777) == "0o600"
+    again = cli("fleet", "keygen", "--out", str(tmp_path / "keys"), "--name", "fleet")
+    assert again.returncode == 2 and "already exists" in again.stderr
+    other = signing.generate_keypair(str(tmp_path / "keys"), "other")
+    pki = mtls.pki
+    agents = []
+    for device, key in (("dev-a", made["public_key"]), ("dev-b", other["public_key"])):
+        cert, key_file = pki.client(device)
+        agents.append(tls_agents(device, security="  trusted_keys: [{}]\n".format(key),
+                                 broker_extra="  tls:\n    ca_file: {}\n    cert_file: {}\n"
+                                              "    key_file: {}\n".format(pki.ca_file, cert,
+                                                                          key_file)).start())
+    cert, key_file = pki.client("controller")
+    conn = ["--broker", mtls.url, "--ca-file", pki.ca_file, "--cert-file", cert,
+            "--key-file", key_file]
+    deadline = time.monotonic() + 30
+    while True:
+        listed = cli("fleet", "devices", "--json", "--wait", "0", *conn)
+        rows = json.loads(listed.stdout or "[]")
+        if sum(1 for r in rows if r["online"]) == 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    digits = os.path.join(ROOT, "examples", "digits")
+    proc = cli("fleet", "rollout", "--model", os.path.join(digits, "model.onnx"),
+               "--precision", "fp32", "--inputs", os.path.join(digits, "inputs.json"),
+               "--golden", os.path.join(digits, "golden.json"), "--atol", "0.001",
+               "--devices", "dev-a", "dev-b", "--success-threshold", "0.5", "--timeout", "60",
+               "--rollout-id", "signed-1",
+               "--signing-key", made["private_key"], "--json", "-q", *conn)
+    assert proc.returncode == 1, proc.stderr  # one device refused it
+    report = json.loads(proc.stdout)
+    assert report["signing_key"] == made["key_id"]
+    rows = {r["device"]: r for r in report["devices"]}
+    assert rows["dev-a"]["state"] == "SUCCEEDED", rows["dev-a"]
+    assert rows["dev-b"]["state"] == "REJECTED" and rows["dev-b"]["error_code"] == \
+        "bad_signature", rows["dev-b"]
+    assert made["key_id"] in rows["dev-b"]["error_message"]
+    # The sequence file (under $XDG_STATE_HOME) numbered the signatures.
+    with open(os.path.join(str(tmp_path / "xdg"), "jetson-agent", "fleet-sequence.json")) as f:
+        assert json.load(f)[made["key_id"]] > 0
+    for agent in agents:
+        assert agent.stop() == 0

@@ -330,3 +330,17 @@ def test_foreign_signer_interoperates():
     d["signature"]["sig"] = base64.b64encode(key.sign(signing.manifest(d))).decode()
     trust = signing.TrustStore({signing.key_id(raw): raw})
     assert check(d, trust).seq == 3
+
+
+def test_the_journal_keeps_the_last_sequence_per_key(tmp_path):
+    from agent.journal import Journal
+
+    path = str(tmp_path / "j.sqlite3")
+    with Journal(path) as journal:
+        assert journal.last_sequence("k1") == 0
+        journal.record_sequence("k1", 10)
+        journal.record_sequence("k1", 7)  # never lowered
+        journal.record_sequence("k2", 3)
+    with Journal(path) as journal:  # persisted: a replay is refused after a restart too
+        assert (journal.last_sequence("k1"), journal.last_sequence("k2")) == (10, 3)
+        assert journal.boot() == 0  # the boot counter (same table) is untouched
