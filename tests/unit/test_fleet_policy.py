@@ -1,5 +1,5 @@
-"""The rollout policy and state machine of agent/fleet.py: targets, stages, abort and success
-thresholds, the search -> deploy sequence, cancellation, and the results table."""
+"""The rollout policy and state machine (agent/fleet/policy.py, rollout.py): targets, stages,
+abort and success thresholds, the search -> deploy sequence, cancellation, the results table."""
 
 import io
 

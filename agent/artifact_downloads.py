@@ -1,0 +1,87 @@
+"""A job's artifacts: ask the block fetcher for them, report download progress, and launch the
+worker once every artifact is in the store."""
+
+import logging
+import time
+from typing import Tuple
+
+from agent import protocol
+from agent.errors import AgentError
+from agent.job_run import PROGRESS_EVERY_S, Run
+from agent.worker_supervisor import WorkerSupervisor
+
+log = logging.getLogger("agent.daemon")  # one logger name for the whole daemon
+
+
+class ArtifactDownloads(WorkerSupervisor):
+    """Daemon layer: artifact blocks in, download progress out."""
+
+    def _start_downloads(self, run: Run) -> None:
+        for role, (sha, size) in sorted(run.needed.items()):
+            path = self.fetcher.want(sha, size, run.job_id)
+            if path is not None:
+                run.paths[role] = path
+        if run.downloading:
+            run.stage = "downloading"
+            self._report_download(run, force=True)
+        else:
+            self._launch(run)
+
+    def _download_progress(self, run: Run) -> Tuple[int, int]:
+        done = total = 0
+        for role, (sha, size) in run.needed.items():
+            got = None if role in run.paths else self.fetcher.progress(sha)
+            if got is None:
+                blocks = protocol.block_count(size, self.fetcher.block_size)
+                got = (blocks, blocks) if role in run.paths else (0, blocks)
+            done += got[0]
+            total += got[1]
+        return done, total
+
+    def _report_download(self, run: Run, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - run.last_progress < PROGRESS_EVERY_S:
+            return
+        run.last_progress = now
+        done, total = self._download_progress(run)
+        self._set_state(run, "IN_PROGRESS", stage="downloading",
+                        progress={"done": done, "of": total})
+
+    def _on_block(self, topic: str, payload: bytes) -> None:
+        self.counters["blocks"] += 1
+        try:
+            completed = self.fetcher.handle_block(topic, payload)
+        except AgentError as exc:
+            if exc.code == "hash_mismatch":
+                self._on_bad_artifact(topic, exc)
+            else:
+                log.debug("dropped block %s: %s", topic, exc)
+            return
+        run = self.run_
+        if run is None or run.proc is not None:
+            return
+        if completed is not None:
+            sha, path = completed
+            for role, (need_sha, _) in run.needed.items():
+                if need_sha == sha:
+                    run.paths[role] = path
+            if not run.downloading:
+                self._report_download(run, force=True)
+                try:
+                    self._launch(run)
+                except AgentError as exc:
+                    self._fail(run, exc)
+                return
+        if run.downloading:
+            self._report_download(run)
+
+    def _on_bad_artifact(self, topic: str, exc: AgentError) -> None:
+        run = self.run_
+        try:
+            sha = self.topics.parse(topic).sha256
+        except AgentError:
+            sha = None
+        log.error("%s", exc)
+        if run is not None and run.proc is None and any(
+                s == sha for s, _ in run.needed.values()):
+            self._fail(run, exc)

@@ -1,0 +1,70 @@
+"""What the daemon knows: its configuration, connections, counters and the current job, shared by
+the layers that do the work (status_publisher, worker_supervisor, artifact_downloads, job_intake,
+device_commands, daemon), and the one-line status it shows systemd."""
+
+import queue
+import time
+from typing import TYPE_CHECKING, Any, Dict, Optional
+
+from agent import protocol
+from agent.config import Config
+from agent.job_run import Run
+from agent.sdnotify import Notifier
+
+if TYPE_CHECKING:  # types only: the daemon opens these in Daemon.setup()
+    from agent.artifacts import ArtifactStore
+    from agent.journal import Journal
+    from agent.limits import TokenBucket
+    from agent.mqtt import MqttClient
+    from agent.platform.info import PlatformInfo
+    from agent.signing import TrustStore
+    from agent.transfer import BlockFetcher
+
+
+class DaemonState:
+    """The daemon's state; the connections below are opened by ``Daemon.setup()``."""
+
+    journal: "Journal"
+    boot: int
+    store: "ArtifactStore"
+    platform: "PlatformInfo"
+    backend: str
+    fetcher: "BlockFetcher"
+    mqtt: "MqttClient"
+    trust: "TrustStore"
+    job_bucket: "TokenBucket"
+
+    def __init__(self, cfg: Config, notifier: Optional[Notifier] = None) -> None:
+        self.cfg = cfg
+        self.device: str = cfg.device_id or ""
+        self.state_dir: str = cfg.state_dir or ""
+        self.notifier = notifier or Notifier()
+        self.topics = protocol.Topics(cfg.topic_prefix)
+        self.events: "queue.Queue[Any]" = queue.Queue(4000)
+        self.stop_requested = False
+        self.run_: Optional[Run] = None
+        self.inflight: Dict[int, Any] = {}
+        self.refusals: Dict[int, int] = {}
+        self.outbox_dirty = True
+        self.ready = False
+        self.counters = {"messages": 0, "rejected_messages": 0, "jobs": 0, "blocks": 0}
+        self.started = time.monotonic()
+        self.token = 0
+        self.telemetry: Any = None
+        self.last_telemetry: Dict[str, Any] = {}
+        self.next_telemetry = 0.0
+        self.last_watchdog = 0.0
+        self.last_outbox_scan = 0.0
+        self.last_connect_log = 0.0
+        self.status_text = ""
+
+    def _notify_status(self, text: str) -> None:
+        if text != self.status_text:
+            self.status_text = text
+            self.notifier.status(text)
+
+    def _activity(self) -> str:
+        run = self.run_
+        if run is None:
+            return "idle"
+        return "job {} {}".format(run.job_id, run.stage or "starting")

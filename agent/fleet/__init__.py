@@ -1,0 +1,62 @@
+"""Controller side of a fleet: device directory, staged rollouts, block serving, results.
+
+Speaks only the protocol of docs/protocol.md. The pure policy comes first, the I/O edge last:
+
+- ``policy``: target selection (``select_devices``), staging (``plan_stages``), the abort
+  criteria (``abort_reason``) and the stage success threshold (``stage_verdict``);
+- ``documents``: job documents (``job_document``) and ``prepare_rollout``, what devices would
+  refuse, checked on the controller before anything is published;
+- ``rollout``: the ``Rollout`` state machine, fed job statuses, answering with ``Action``s;
+- ``report``: the results (``result_row``, ``results_table``, ``rollout_report``) and the live
+  progress view (``ProgressView``);
+- ``mqtt_edge``: ``FleetConnection``, ``discover`` and ``run_rollout``, the MQTT I/O edge.
+
+Callers import every name from ``agent.fleet``; the submodules are how it is organised.
+"""
+
+from agent.fleet.documents import (
+    LAYER_RANK,
+    job_document,
+    layers_above,
+    new_rollout_id,
+    prepare_rollout,
+)
+from agent.fleet.mqtt_edge import DeviceDirectory, FleetConnection, discover, run_rollout
+from agent.fleet.policy import (
+    EXECUTED_STATES,
+    FAILURE_STATES,
+    Policy,
+    abort_reason,
+    check_policy,
+    plan_stages,
+    select_devices,
+    stage_verdict,
+)
+from agent.fleet.report import (
+    ProgressView,
+    accuracy_summary,
+    format_table,
+    result_row,
+    results_table,
+    rollout_report,
+    summary_line,
+)
+from agent.fleet.rollout import (
+    MAX_ROLLOUT_ID,
+    PENDING,
+    SEARCH_SUFFIX,
+    Action,
+    DeviceRun,
+    DocFactory,
+    Rollout,
+    check_rollout_id,
+)
+
+__all__ = [
+    "EXECUTED_STATES", "FAILURE_STATES", "LAYER_RANK", "MAX_ROLLOUT_ID", "PENDING",
+    "SEARCH_SUFFIX", "Action", "DeviceDirectory", "DeviceRun", "DocFactory", "FleetConnection",
+    "Policy", "ProgressView", "Rollout", "abort_reason", "accuracy_summary", "check_policy",
+    "check_rollout_id", "discover", "format_table", "job_document", "layers_above",
+    "new_rollout_id", "plan_stages", "prepare_rollout", "result_row", "results_table",
+    "rollout_report", "run_rollout", "select_devices", "stage_verdict", "summary_line",
+]

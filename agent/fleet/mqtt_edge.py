@@ -1,0 +1,288 @@
+"""The I/O edge of the controller: one MQTT connection (agent.mqtt) per command
+(``FleetConnection``), the device directory it fills (``discover``), and ``run_rollout``, which
+carries a ``Rollout`` out with ``agent.transfer.BlockServer`` answering every device's block
+requests while it runs.
+"""
+
+import logging
+import queue
+import time
+import uuid
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+
+from agent import protocol
+from agent.errors import AgentError
+from agent.fleet.report import ProgressView
+from agent.fleet.rollout import Action, Rollout
+
+log = logging.getLogger("agent.fleet")
+
+
+# ============================================================================ MQTT edge
+
+class DeviceDirectory(object):
+    """Devices as their retained status shows them (a late Will of an older boot is dropped),
+    plus the last telemetry seen."""
+
+    def __init__(self) -> None:
+        self.status: Dict[str, Dict[str, Any]] = {}
+        self.telemetry: Dict[str, Dict[str, Any]] = {}
+
+    def on_status(self, device: str, msg: Dict[str, Any]) -> bool:
+        last = self.status.get(device)
+        if last is not None and protocol.status_is_stale(last.get("boot"), msg):
+            return False
+        self.status[device] = msg
+        return True
+
+    def on_telemetry(self, device: str, msg: Dict[str, Any]) -> None:
+        self.telemetry[device] = msg
+
+    def known(self) -> List[str]:
+        return sorted(self.status)
+
+
+class FleetConnection(object):
+    """One MQTT connection for a controller command: connect (failing fast with
+    ``broker_unreachable``), subscribe, publish, and hand messages to ``on_message``."""
+
+    def __init__(self, broker: str = "mqtt://localhost:1883", prefix: str = protocol.DEFAULT_PREFIX,
+                 username: Optional[str] = None, password: Optional[str] = None,
+                 ca_file: Optional[str] = None, protocol_version: str = "v5",
+                 connect_timeout: float = 5.0, cert_file: Optional[str] = None,
+                 key_file: Optional[str] = None) -> None:
+        from agent.config import parse_broker_url
+
+        parsed = parse_broker_url(broker)
+        self.host = parsed[("broker", "host")]
+        self.port = int(parsed[("broker", "port")])
+        self.tls = bool(parsed.get(("broker", "tls", "enabled"))) or ca_file is not None \
+            or cert_file is not None
+        self.url = broker
+        self.topics = protocol.Topics(prefix)
+        self.username, self.password, self.ca_file = username, password, ca_file
+        self.cert_file, self.key_file = cert_file, key_file  # mutual TLS
+        self.protocol_version = protocol_version
+        self.connect_timeout = connect_timeout
+        self.directory = DeviceDirectory()
+        self.client: Any = None
+        self._unacked: List[Any] = []
+
+    def connect(self) -> "FleetConnection":
+        from agent import mqtt
+
+        tls = mqtt.TlsOptions(ca_file=self.ca_file, cert_file=self.cert_file,
+                              key_file=self.key_file) if self.tls else None
+        self.client = mqtt.MqttClient(
+            "fleet-" + uuid.uuid4().hex[:12], self.host, self.port,
+            protocol=self.protocol_version, username=self.username, password=self.password,
+            tls=tls, session_expiry=0, clean_start=True, reconnect_min=0.5, reconnect_max=5.0,
+            max_packet_bytes=None, events=queue.Queue(10000))
+        self.client.start()
+        deadline = time.monotonic() + self.connect_timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close()
+                raise AgentError("broker_unreachable", "cannot connect to the MQTT broker at "
+                                 "{}:{}: no answer within {:.0f} s (is it running? check "
+                                 "--broker)".format(self.host, self.port, self.connect_timeout),
+                                 {"host": self.host, "port": self.port})
+            try:
+                ev = self.client.events.get(timeout=min(left, 0.2))
+            except queue.Empty:
+                continue
+            if ev.kind == mqtt.CONNECTED:
+                return self
+            if ev.kind == mqtt.CONNECT_FAILED:
+                self.close()
+                raise AgentError("broker_unreachable", "cannot connect to the MQTT broker at "
+                                 "{}:{}: {} (is it running? check --broker)".format(
+                                     self.host, self.port, ev.reason),
+                                 {"host": self.host, "port": self.port})
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.stop()
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until the broker acknowledged every QoS 1 message published so far."""
+        deadline = time.monotonic() + timeout
+        for handle in self._unacked:
+            if not handle.wait(max(0.0, deadline - time.monotonic())):
+                return False
+        self._unacked = []
+        return True
+
+    def subscribe(self, filters: Iterable[str], qos: int = 1) -> None:
+        for f in filters:
+            self.client.subscribe(f, qos)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                wait: Optional[float] = None) -> Any:
+        handle = self.client.publish(topic, payload, qos=qos, retain=retain)
+        if qos:
+            self._unacked = [h for h in self._unacked if not h.acked] + [handle]
+        if wait is not None and not handle.wait(wait):
+            raise AgentError("broker_unreachable", "the broker at {}:{} did not acknowledge a "
+                             "message on {} within {:.0f} s".format(self.host, self.port, topic,
+                                                                    wait))
+        return handle
+
+    def pump(self, on_message: Callable[[protocol.TopicInfo, Any], None], timeout: float
+             ) -> bool:
+        """Handle events for up to ``timeout`` s; True if a SUBSCRIBED event was among them.
+        Status and telemetry messages update ``directory`` before ``on_message`` sees them."""
+        from agent import mqtt
+
+        subscribed = False
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ev = self.client.events.get(timeout=max(0.0, min(left, 0.1)))
+            except queue.Empty:
+                if left <= 0:
+                    return subscribed
+                continue
+            if ev.kind == mqtt.SUBSCRIBED:
+                subscribed = True
+            elif ev.kind == mqtt.DISCONNECTED:
+                log.warning("lost the broker connection (%s); reconnecting", ev.reason)
+            elif ev.kind == mqtt.MESSAGE:
+                self._dispatch(ev, on_message)
+            if time.monotonic() >= deadline:
+                return subscribed
+
+    def _dispatch(self, ev: Any, on_message: Callable[[protocol.TopicInfo, Any], None]) -> None:
+        try:
+            info = self.topics.parse(ev.topic)
+        except AgentError:
+            return
+        if info.kind in ("artifact_request", "block", "job"):
+            on_message(info, ev)
+            return
+        if not ev.payload:
+            return
+        try:
+            msg = protocol.decode(info.kind, ev.payload)
+        except AgentError as exc:
+            log.warning("dropping a message on %s: %s", ev.topic, exc)
+            return
+        if info.kind == "status":
+            if not self.directory.on_status(info.device, msg):
+                return
+        elif info.kind == "telemetry":
+            self.directory.on_telemetry(info.device, msg)
+        on_message(info, msg)
+
+    def settle(self, on_message: Callable[[protocol.TopicInfo, Any], None],
+               quiet: float = 0.3, limit: float = 5.0) -> None:
+        """Wait for the subscriptions to be acknowledged and the retained messages that follow
+        them to arrive (until ``quiet`` s pass without one, at most ``limit`` s)."""
+        deadline = time.monotonic() + limit
+        got_suback = False
+        while time.monotonic() < deadline and not got_suback:
+            got_suback = self.pump(on_message, 0.1)
+        seen = [0]
+
+        def counting(info: protocol.TopicInfo, msg: Any) -> None:
+            seen[0] += 1
+            on_message(info, msg)
+
+        while time.monotonic() < deadline:
+            seen[0] = 0
+            self.pump(counting, quiet)
+            if not seen[0]:
+                return
+
+
+def _ignore(info: protocol.TopicInfo, msg: Any) -> None:
+    return None
+
+
+def discover(conn: FleetConnection, telemetry_wait: float = 0.0) -> DeviceDirectory:
+    """Retained device statuses (and telemetry heard within ``telemetry_wait`` s)."""
+    conn.subscribe([conn.topics.prefix + "/devices/+/status"])
+    if telemetry_wait > 0:
+        conn.subscribe([conn.topics.prefix + "/devices/+/telemetry"], 0)
+    conn.settle(_ignore)
+    if telemetry_wait > 0:
+        conn.pump(_ignore, telemetry_wait)
+    return conn.directory
+
+
+def run_rollout(conn: FleetConnection, rollout: Rollout, files: Mapping[str, str],
+                view: Optional[ProgressView] = None, timeout: float = 3600.0,
+                server: Any = None, share_group: Optional[str] = None) -> Rollout:
+    """Carry ``rollout`` out over ``conn`` (connected, directory filled): serve the artifact
+    blocks, publish the job documents stage by stage, follow the job statuses until every
+    device has finished, the timeout passes or the user interrupts (KeyboardInterrupt is
+    re-raised after the queued devices were cancelled). ``share_group``: take block requests
+    through an MQTT v5 shared subscription, so that controllers serving the same files split
+    them."""
+    from agent.transfer import BlockServer
+
+    topics = conn.topics
+    if server is None:
+        server = BlockServer(lambda t, p, q=1, r=False: conn.publish(t, p, q, r), topics)
+        for path in files.values():
+            server.add_file(path)
+    view = view or ProgressView(enabled=False)
+    base = topics.prefix + "/devices/+"
+    conn.subscribe([base + "/jobs/{}/status".format(j) for j in rollout.job_ids])
+    requests = base + "/artifacts/+/request"
+    if share_group is not None:
+        requests = "$share/{}/{}".format(protocol.check_id("share group", share_group),
+                                         requests)
+    conn.subscribe([requests])
+    statuses = conn.directory.status
+
+    def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+        if info.kind == "artifact_request":
+            try:
+                server.handle_request(msg.topic, msg.payload)
+            except AgentError as exc:
+                log.info("block request from %s not answered: %s", info.device, exc)
+        elif info.kind == "job_status" and info.device in rollout.runs:
+            execute(rollout.on_job_status(info.device, msg))
+
+    def execute(actions: List[Action]) -> None:
+        for action in actions:
+            if action.kind == "publish":
+                conn.publish(topics.job(action.device, action.job_id),
+                             protocol.encode(action.doc or {}), qos=1, retain=True, wait=10.0)
+            elif action.kind == "clear":
+                conn.publish(topics.job(action.device, action.job_id), b"", qos=1, retain=True)
+                rollout.mark_cleared(action.device, action.job_id)
+            elif action.kind == "cancel":
+                command = {"protocol": protocol.PROTOCOL_VERSION, "command": "cancel",
+                           "request_id": "c" + uuid.uuid4().hex[:10], "job_id": action.job_id}
+                conn.publish(topics.commands(action.device), protocol.encode(command), qos=1)
+
+    deadline = time.monotonic() + timeout
+    try:
+        conn.settle(on_message)  # subscriptions in place before the first job goes out
+        execute(rollout.start())
+        view.update(rollout, statuses, force=True)
+        while not rollout.done:
+            if time.monotonic() >= deadline:
+                execute(rollout.expire("the rollout did not finish within {:.0f} s (--timeout)"
+                                       .format(timeout)))
+                break
+            conn.pump(on_message, 0.2)
+            view.update(rollout, statuses)
+    except KeyboardInterrupt:
+        execute(rollout.expire("interrupted by the user", state="CANCELED",
+                               outcome="interrupted"))
+        view.update(rollout, statuses, force=True)
+        _flush(conn)
+        raise
+    view.update(rollout, statuses, force=True)
+    _flush(conn)
+    return rollout
+
+
+def _flush(conn: FleetConnection, timeout: float = 5.0) -> None:
+    """Let queued publishes (cleared documents, cancels) reach the broker before we leave."""
+    conn.flush(timeout)

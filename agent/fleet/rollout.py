@@ -1,0 +1,269 @@
+"""``Rollout``: the staged rollout state machine, fed job statuses, answering with
+``Action``s (publish a retained job document, clear one, send a cancel command); with a
+precision search each device runs a ``search`` job, then a ``deploy`` job that keeps the layers
+the search found. Pure: no I/O, the clock is injected.
+"""
+
+import time
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+from agent import protocol
+from agent.errors import AgentError
+from agent.fleet.documents import layers_above
+from agent.fleet.policy import Policy, abort_reason, check_policy, stage_verdict
+
+PENDING = "PENDING"  # controller side: the device's stage has not started yet
+SEARCH_SUFFIX = ".search"
+MAX_ROLLOUT_ID = 64 - len(SEARCH_SUFFIX)
+
+
+# ============================================================================ the rollout
+
+class Action(NamedTuple):
+    kind: str  # "publish" (retained job document) | "clear" (empty retained) | "cancel"
+    device: str
+    job_id: str
+    doc: Optional[Dict[str, Any]] = None
+
+
+DocFactory = Callable[[str, str, str, Optional[Dict[str, str]]], Dict[str, Any]]
+# doc_factory(device, job_id, kind, layer_precisions or None) -> job document
+
+
+class DeviceRun(object):
+    """One targeted device as the controller sees it."""
+
+    def __init__(self, device: str, stage: int) -> None:
+        self.device = device
+        self.stage = stage
+        self.state = PENDING
+        self.phase = ""  # the kind of the job now running: "search" or "deploy"
+        self.job_id = ""
+        self.job_stage = ""  # the device's stage (downloading, building, ...)
+        self.progress: Optional[Dict[str, int]] = None
+        self.result: Optional[Dict[str, Any]] = None
+        self.error: Optional[Dict[str, Any]] = None
+        self.search: Optional[Dict[str, Any]] = None  # the search job's result
+        self.sent_layers: Dict[str, str] = {}  # layers the deploy job keeps above its precision
+        self.versions: Dict[str, int] = {}
+        self.published: List[str] = []  # retained job documents not cleared yet
+        self.note = ""  # what the controller did to this device, and why
+        self.local = False  # the state was set by the controller, not reported
+        self.started: Optional[float] = None
+        self.finished: Optional[float] = None
+
+    @property
+    def terminal(self) -> bool:
+        return protocol.is_terminal(self.state)
+
+
+def check_rollout_id(rollout_id: str) -> str:
+    if len(rollout_id) > MAX_ROLLOUT_ID or not protocol.valid_id(rollout_id):
+        raise AgentError("bad_argument", "rollout id must be 1-{} characters of "
+                         "[A-Za-z0-9._-] starting with a letter or digit, found {!r}"
+                         .format(MAX_ROLLOUT_ID, rollout_id))
+    return rollout_id
+
+
+class Rollout(object):
+    """The staged rollout of one model. Feed it job statuses (``on_job_status``); it returns
+    the actions to carry out. Pure: no clock reads beyond the injected one, no I/O."""
+
+    def __init__(self, rollout_id: str, stages: Sequence[Sequence[str]], docs: DocFactory,
+                 policy: Optional[Policy] = None, search: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.rollout_id = check_rollout_id(rollout_id)
+        self.deploy_id = rollout_id
+        self.search_id = rollout_id + SEARCH_SUFFIX if search else None
+        self.stages = [list(s) for s in stages]
+        self.docs = docs
+        self.policy = check_policy(policy or Policy())
+        self.clock = clock
+        self.runs: Dict[str, DeviceRun] = {}
+        for i, stage in enumerate(self.stages):
+            for dev in stage:
+                if dev in self.runs:
+                    raise AgentError("bad_argument", "device {} is in two stages".format(dev))
+                self.runs[dev] = DeviceRun(dev, i)
+        self.current = -1  # index of the last stage started
+        self.halted = False
+        self.outcome = ""  # "" while running; then succeeded | aborted | halted | ...
+        self.reason = ""
+        self.started = clock()
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def job_ids(self) -> List[str]:
+        return [j for j in (self.search_id, self.deploy_id) if j]
+
+    @property
+    def done(self) -> bool:
+        return all(r.terminal for r in self.runs.values())
+
+    @property
+    def succeeded(self) -> bool:
+        return self.done and all(r.state == "SUCCEEDED" for r in self.runs.values())
+
+    def ordered(self) -> List[DeviceRun]:
+        return [self.runs[d] for stage in self.stages for d in stage]
+
+    def counts(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for r in self.runs.values():
+            out[r.state] = out.get(r.state, 0) + 1
+        return out
+
+    def final_outcome(self) -> str:
+        if self.outcome:
+            return self.outcome
+        if not self.done:
+            return "running"
+        return "succeeded" if self.succeeded else "failed"
+
+    # -- events -------------------------------------------------------------------------------
+
+    def start(self) -> List[Action]:
+        return self._start_stage(0)
+
+    def on_job_status(self, device: str, msg: Mapping[str, Any]) -> List[Action]:
+        """A decoded job status message from ``device``. Stale versions are dropped."""
+        run = self.runs.get(device)
+        job_id = msg.get("job_id")
+        if run is None or job_id not in self.job_ids:
+            return []
+        version = int(msg.get("version") or 0)
+        if version <= run.versions.get(job_id, 0):
+            return []  # a resend after a reconnect, or an older retained copy
+        run.versions[job_id] = version
+        if run.state == PENDING:
+            return []  # a status for a job we never sent (an earlier run of this id)
+        state = str(msg.get("state"))
+        actions: List[Action] = []
+        is_search = job_id == self.search_id
+        if is_search and run.phase == "deploy":
+            return []  # the search is over for this device
+        if run.local and not protocol.is_terminal(state):
+            # The device had picked the job up before the controller cancelled it.
+            run.local = False
+        run.job_stage = str(msg.get("stage") or "")
+        progress = msg.get("progress")
+        run.progress = dict(progress) if isinstance(progress, dict) else None
+        if run.started is None and state != "QUEUED":
+            run.started = self.clock()
+        if is_search and state == "SUCCEEDED":
+            run.search = dict(msg.get("result") or {})
+            actions.append(Action("clear", device, job_id))
+            if self.halted:
+                run.state, run.local = "CANCELED", True
+                run.note = "search done; deploy not sent: " + self.reason
+                run.finished = self.clock()
+                return actions
+            keep = run.search.get("keep") or []
+            keep_precision = str(run.search.get("keep_precision") or "float32")
+            actions += self._send(run, "deploy", {str(name): keep_precision for name in keep})
+            run.state = "IN_PROGRESS"
+            return actions
+        run.state = state
+        if protocol.is_terminal(state):
+            run.finished = self.clock()
+            run.local = False
+            if state == "SUCCEEDED":
+                run.result = dict(msg.get("result") or {})
+            else:
+                run.error = dict(msg.get("error") or {"code": "internal_error",
+                                                      "message": "no error in the status"})
+                if msg.get("result"):
+                    run.result = dict(msg["result"])
+            if job_id in run.published:
+                actions.append(Action("clear", device, job_id))
+            actions += self._evaluate()
+        return actions
+
+    def halt(self, reason: str, outcome: str = "halted") -> List[Action]:
+        """Stop the rollout: devices not started are cancelled; running ones finish."""
+        if self.halted:
+            return []
+        self.halted, self.outcome, self.reason = True, outcome, reason
+        actions: List[Action] = []
+        for run in self.ordered():
+            if run.state == PENDING:
+                run.state, run.local = "CANCELED", True
+                run.note = "not started: " + reason
+                run.finished = self.clock()
+            elif run.state == "QUEUED":
+                actions += self._cancel(run, "CANCELED", "cancelled while queued: " + reason)
+        return actions
+
+    def expire(self, reason: str, state: str = "TIMED_OUT", outcome: str = "timed_out"
+               ) -> List[Action]:
+        """Give up on every unfinished device (controller timeout, interrupt): cancel what
+        was sent, and mark it ``state``."""
+        self.halted, self.outcome, self.reason = True, outcome, reason
+        actions: List[Action] = []
+        for run in self.ordered():
+            if run.state == PENDING:
+                run.state, run.local = "CANCELED", True
+                run.note = "not started: " + reason
+                run.finished = self.clock()
+            elif not run.terminal:
+                actions += self._cancel(run, state, reason)
+        return actions
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _start_stage(self, index: int) -> List[Action]:
+        self.current = index
+        actions: List[Action] = []
+        for dev in self.stages[index]:
+            run = self.runs[dev]
+            if self.search_id:
+                actions += self._send(run, "search", None)
+            else:
+                actions += self._send(run, "deploy", None)
+            run.state = "QUEUED"
+        return actions
+
+    def _send(self, run: DeviceRun, kind: str, layers: Optional[Dict[str, str]]
+              ) -> List[Action]:
+        job_id = self.search_id if kind == "search" else self.deploy_id
+        assert job_id is not None
+        doc = self.docs(run.device, job_id, kind, layers)
+        if kind == "deploy":
+            plan = doc.get("plan") or {}
+            run.sent_layers = layers_above(plan.get("layer_precisions") or {},
+                                           str(plan.get("precision")))
+        run.phase, run.job_id = kind, job_id
+        run.job_stage, run.progress = "", None
+        run.published.append(job_id)
+        return [Action("publish", run.device, job_id, doc)]
+
+    def _cancel(self, run: DeviceRun, state: str, note: str) -> List[Action]:
+        actions = [Action("cancel", run.device, run.job_id)]
+        actions += [Action("clear", run.device, j) for j in run.published]
+        run.state, run.local, run.note = state, True, note
+        run.finished = self.clock()
+        return actions
+
+    def _evaluate(self) -> List[Action]:
+        if self.halted:
+            return []
+        reason = abort_reason((r.state for r in self.runs.values() if not r.local),
+                              self.policy)
+        if reason:
+            return self.halt(reason, "aborted")
+        stage = [self.runs[d] for d in self.stages[self.current]]
+        verdict = stage_verdict([r.state for r in stage], self.policy)
+        if verdict == "failed":
+            ok = sum(1 for r in stage if r.state == "SUCCEEDED")
+            return self.halt("stage {}: {} of {} device(s) succeeded, below the success "
+                             "threshold {:.0%}".format(self.current + 1, ok, len(stage),
+                                                       self.policy.success_threshold))
+        if verdict == "passed" and self.current + 1 < len(self.stages):
+            return self._start_stage(self.current + 1)
+        return []
+
+    def mark_cleared(self, device: str, job_id: str) -> None:
+        run = self.runs.get(device)
+        if run is not None and job_id in run.published:
+            run.published.remove(job_id)

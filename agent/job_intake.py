@@ -1,0 +1,194 @@
+"""Jobs in: decode, validate and verify incoming job documents (signature, sequence, topic, rate
+limit), drop duplicates (idempotency by job id), reject bad ones, run cancel jobs, and pick and
+check (platform decision, limits) the next job to run."""
+
+import json
+import logging
+import math
+from typing import Any, Dict
+
+from agent import protocol, signing
+from agent.artifact_downloads import ArtifactDownloads
+from agent.errors import AgentError
+from agent.job_run import Run
+from agent.worker_supervisor import kill_orphan
+
+log = logging.getLogger("agent.daemon")  # one logger name for the whole daemon
+
+MAX_ATTEMPTS = 2  # a job interrupted in its worker by an agent restart runs once more
+
+
+class JobIntake(ArtifactDownloads):
+    """Daemon layer: incoming job documents, cancels and scheduling."""
+
+    def _on_job_doc(self, job_id: str, payload: bytes) -> None:
+        if not payload:
+            return  # the controller cleared a finished job's retained document
+        existing = self.journal.job(job_id)
+        limit = min(protocol.MAX_BYTES["job"], self.cfg.limits.max_message_bytes)
+        accepted = None
+        try:
+            doc = protocol.decode("job", payload, max_bytes=limit)
+            if existing is None:  # a known id never runs again: no need to verify it
+                accepted = signing.check_job(
+                    doc, self.device, self.trust, allow_unsigned=self.cfg.security.allow_unsigned,
+                    last_seq=self.journal.last_sequence,
+                    max_skew_s=self.cfg.security.max_clock_skew_s)
+            protocol.check_job_topic(doc, self.device, job_id)
+            if existing is None and not self.job_bucket.take():
+                raise AgentError("rate_limited", "more than {:g} new jobs per minute (bursts of "
+                                 "{}); retry in {:.0f} s under a new job id".format(
+                                     self.cfg.limits.jobs_per_minute, self.cfg.limits.job_burst,
+                                     math.ceil(self.job_bucket.retry_after())))
+        except AgentError as exc:
+            self.counters["rejected_messages"] += 1
+            if existing is not None:
+                log.warning("job %s: ignored a bad document for a known job: %s", job_id, exc)
+                self._republish(existing)
+                return
+            log.warning("job %s REJECTED: %s", job_id, exc)
+            self.journal.add_job({"job_id": job_id, "kind": kind_of(payload)}, "REJECTED",
+                                 error=exc.to_dict(), emit=self._emit)
+            self.outbox_dirty = True
+            return
+        if not self.journal.add_job(doc, emit=self._emit):
+            row = existing or self.journal.job(job_id)
+            log.info("job %s: duplicate document ignored (state %s)", job_id,
+                     row["state"] if row else "?")
+            if row is not None:
+                self._republish(row)
+            return
+        if accepted is not None:
+            self.journal.record_sequence(accepted.key_id, accepted.seq)
+        self.outbox_dirty = True
+        self.counters["jobs"] += 1
+        log.info("job %s (%s) QUEUED", job_id, doc["kind"])
+        if doc["kind"] == "cancel":
+            self._run_cancel_job(doc)
+
+    def _run_cancel_job(self, doc: Dict[str, Any]) -> None:
+        job_id = doc["job_id"]
+        target = doc["cancel"]["job_id"]
+        try:
+            if target == job_id:
+                raise AgentError("bad_message", "cancel job {!r} names itself".format(job_id))
+            state = self._cancel(target)
+        except AgentError as exc:
+            self._set_state(job_id, "REJECTED", error=exc.to_dict())
+            return
+        self._set_state(job_id, "IN_PROGRESS")
+        self._set_state(job_id, "SUCCEEDED", result={"job_id": target, "state": state})
+
+    def _cancel(self, job_id: str) -> str:
+        """Cancel a job; returns the state it ends in. AgentError unknown_job or
+        bad_state_transition."""
+        row = self.journal.job(job_id)
+        if row is None:
+            raise AgentError("unknown_job", "no job {!r} on device {}".format(job_id, self.device))
+        if protocol.is_terminal(row["state"]):
+            raise AgentError("bad_state_transition", "job {!r} has already ended {}".format(
+                job_id, row["state"]))
+        run = self.run_
+        error = AgentError("cancelled", "cancelled by the controller").to_dict()
+        if run is not None and run.job_id == job_id:
+            if run.proc is not None:
+                run.cancel_requested = True
+                self._stop_worker(run)
+                log.info("job %s: cancelling, stopping its worker", job_id)
+                return "CANCELED"
+            self._end(run, "CANCELED", error=error)
+            return "CANCELED"
+        self._set_state(job_id, "CANCELED", error=error)
+        log.info("job %s CANCELED while %s", job_id, row["state"])
+        return "CANCELED"
+
+    # ------------------------------------------------------------------------- scheduling
+
+    def _schedule(self) -> None:
+        if self.run_ is not None or self.stop_requested:
+            return
+        for row in self.journal.unfinished_jobs():
+            if row["kind"] == "cancel":
+                # A cancel job interrupted before it finished: do it now.
+                self._run_cancel_job_row(row)
+                continue
+            self._begin(row)
+            return
+
+    def _run_cancel_job_row(self, row: Dict[str, Any]) -> None:
+        if row["state"] == "IN_PROGRESS":
+            self._set_state(row["job_id"], "FAILED", error=AgentError(
+                "internal_error", "the agent restarted during the cancel").to_dict())
+        else:
+            self._run_cancel_job(row["doc"])
+
+    def _timeout_for(self, doc: Dict[str, Any]) -> float:
+        value = doc.get("timeout_s")
+        return float(value) if isinstance(value, (int, float)) else self.cfg.limits.job_timeout_s
+
+    def _begin(self, row: Dict[str, Any]) -> None:
+        run = Run(row, self._timeout_for(row["doc"] or {}))
+        self.run_ = run
+        try:
+            if row["state"] == "IN_PROGRESS" and run.details.get("worker") == "started":
+                kill_orphan(run.details.get("worker_pid"), run.job_id)
+                if row["attempts"] >= MAX_ATTEMPTS:
+                    raise AgentError("worker_crashed", "the agent stopped while this job's worker "
+                                     "ran, {} times; not retrying".format(row["attempts"]))
+                attempt = self.journal.bump_attempts(run.job_id)
+                log.warning("job %s was running when the agent stopped: running it again "
+                            "(attempt %d)", run.job_id, attempt)
+                run.details["attempt"] = str(attempt)
+                run.details.pop("worker", None)
+                run.details.pop("worker_pid", None)
+            else:
+                run.details["attempt"] = str(max(1, row["attempts"] + (row["state"] == "QUEUED")))
+            run.stage = "checking"
+            self._set_state(run, "IN_PROGRESS", stage="checking", progress=None)
+            self._check(run)
+            self._start_downloads(run)
+        except AgentError as exc:
+            self._fail(run, exc)
+        except Exception as exc:  # noqa: BLE001 - the job ends with the reason, we carry on
+            log.exception("job %s: unexpected error", run.job_id)
+            self._fail(run, AgentError("internal_error", "{}: {}".format(
+                type(exc).__name__, exc)))
+        self._notify_status("connected to {}; {}".format(self.mqtt.address, self._activity()))
+
+    def _check(self, run: Run) -> None:
+        """Platform decision (before any download) and limits."""
+        from agent import platform
+
+        doc = run.doc
+        run.plan = protocol.plan_dict(doc)
+        request = [run.plan["precision"]] + list(doc.get("fallback") or [])
+        decision = platform.decide(request, self.platform, "reject", backend=self.backend)
+        decision.raise_if_rejected()
+        run.plan["precision"] = decision.plan_precision
+        run.details["precision"] = str(decision.precision)
+        run.details["backend"] = self.backend
+        if decision.emulated:
+            run.details["emulated"] = "true"
+        if decision.status == "fell_back":
+            run.fallback_reason = decision.reason
+            run.details["fallback"] = decision.reason[:200]
+            log.info("job %s: %s", run.job_id, decision.reason)
+        run.backend = self.backend
+        run.fingerprint = self.platform.fingerprint(self.backend)
+        limit = self.cfg.limits.max_artifact_bytes
+        for role, ref in sorted((doc.get("artifacts") or {}).items()):
+            if ref["size"] > limit:
+                raise AgentError("bad_argument", "artifact {} is {} bytes; this device accepts "
+                                 "at most {} (limits.max_artifact_bytes)".format(
+                                     role, ref["size"], limit))
+            run.needed[role] = (ref["sha256"], ref["size"])
+
+
+def kind_of(payload: bytes) -> str:
+    """The ``kind`` of a document that failed validation, when it has a plausible one."""
+    try:
+        doc = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return ""
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    return kind if isinstance(kind, str) and kind in protocol.JOB_KINDS else ""
