@@ -36,14 +36,24 @@ from agent.progress import ProgressBar
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("build", help="build an engine (through the engine cache)",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
-    p.add_argument("model", metavar="MODEL", help="ONNX model file")
-    add_build_arguments(p)
+    add_build_arguments(p, model_help="ONNX model file")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(func=run)
 
 
-def add_build_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags that make a BuildPlan (shared with ``bench``)."""
+def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = None,
+                        engine_options: bool = True, precision_default: Optional[str] = "fp32",
+                        constraints_default: Optional[str] = None) -> None:
+    """The flags that make a BuildPlan: the one definition behind ``build``, ``bench``,
+    ``compare`` and ``search``.
+
+    ``model_help`` adds the positional MODEL. ``engine_options`` adds what only ``build`` and
+    ``bench`` act on (calibration sampling, shapes, workspace, DLA, fallback, threads, cache
+    budget). ``precision_default`` is what no precision flag means (``search`` wants None to
+    ask for one); ``constraints_default`` None means obey when --layer-precisions is given.
+    """
+    if model_help is not None:
+        p.add_argument("model", metavar="MODEL", help=model_help)
     prec = p.add_mutually_exclusive_group()
     prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
                       help="allow fp16 kernels")
@@ -51,7 +61,7 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
                       help="allow int8 kernels (needs --calib or --calibration-cache)")
     prec.add_argument("--best", dest="precision", action="store_const", const="best",
                       help="the fastest precision the platform runs (int8 + fp16 where both)")
-    p.set_defaults(precision="fp32")
+    p.set_defaults(precision=precision_default)
     g = p.add_argument_group("calibration (int8)")
     g.add_argument("--calib", metavar="PATH",
                    help="calibration data: a directory of .npy/.npz shards, an .npz, or a "
@@ -64,38 +74,47 @@ def add_build_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibration algorithm (default entropy2)")
     g.add_argument("--calib-batch-size", type=int, default=8, metavar="N",
                    help="calibration batch size (default 8)")
-    g.add_argument("--calib-shuffle-seed", type=int, metavar="SEED",
-                   help="shuffle calibration shards and samples with this seed")
-    g.add_argument("--calib-max-samples", type=int, metavar="N",
-                   help="calibrate on at most N samples")
-    g = p.add_argument_group("layers and shapes")
+    if engine_options:
+        g.add_argument("--calib-shuffle-seed", type=int, metavar="SEED",
+                       help="shuffle calibration shards and samples with this seed")
+        g.add_argument("--calib-max-samples", type=int, metavar="N",
+                       help="calibrate on at most N samples")
+    g = p.add_argument_group("layers and shapes" if engine_options else "layers")
     g.add_argument("--layer-precisions", nargs="+", default=[], metavar="NAME:PRECISION",
                    help="per-layer precisions in Polygraphy's syntax, e.g. Add:float32 "
                         "Sub:float32 (names are ONNX node names)")
-    g.add_argument("--precision-constraints", choices=CONSTRAINTS,
+    g.add_argument("--precision-constraints", choices=CONSTRAINTS, default=constraints_default,
                    help="how layer precisions bind: obey (fail if impossible), prefer, none "
-                        "(default: obey when --layer-precisions is given, else none)")
-    g.add_argument("--shapes", nargs="+", default=[], metavar="NAME:MIN[,OPT,MAX]",
-                   help="shape profile for dynamic inputs, e.g. input:1x64,8x64,32x64 "
-                        "(one shape means min = opt = max)")
-    g.add_argument("--workspace", type=float, metavar="MIB",
-                   help="builder workspace limit in MiB (tensorrt)")
-    g.add_argument("--dla-core", type=int, metavar="N", help="build for DLA core N (tensorrt)")
+                        "(default: {})".format(
+                            constraints_default or "obey when --layer-precisions is given, "
+                                                   "else none"))
+    if engine_options:
+        g.add_argument("--shapes", nargs="+", default=[], metavar="NAME:MIN[,OPT,MAX]",
+                       help="shape profile for dynamic inputs, e.g. input:1x64,8x64,32x64 "
+                            "(one shape means min = opt = max)")
+        g.add_argument("--workspace", type=float, metavar="MIB",
+                       help="builder workspace limit in MiB (tensorrt)")
+        g.add_argument("--dla-core", type=int, metavar="N",
+                       help="build for DLA core N (tensorrt)")
     g = p.add_argument_group("where and how")
+    # compare and search take the detected platform's backend without an import check.
     g.add_argument("--backend", choices=BACKENDS,
-                   help="default: tensorrt on a GPU platform where it is importable, else "
-                        "onnxruntime")
-    g.add_argument("--fallback", choices=plat.FALLBACK_POLICIES, default="allow",
-                   help="when the platform lacks the precision: fall back (allow, default) or "
-                        "fail (reject)")
-    g.add_argument("--threads", type=int, metavar="N",
-                   help="intra-op threads of the onnxruntime backend (default: its own)")
+                   help="default: tensorrt on a {}, else onnxruntime".format(
+                       "GPU platform where it is importable" if engine_options
+                       else "Jetson or GPU platform"))
+    if engine_options:
+        g.add_argument("--fallback", choices=plat.FALLBACK_POLICIES, default="allow",
+                       help="when the platform lacks the precision: fall back (allow, default) "
+                            "or fail (reject)")
+        g.add_argument("--threads", type=int, metavar="N",
+                       help="intra-op threads of the onnxruntime backend (default: its own)")
     g.add_argument("--state-dir", metavar="DIR",
                    help="state and caches (default $JETSON_AGENT_STATE_DIR, systemd's "
                         "StateDirectory, else ~/.cache/jetson-agent)")
-    g.add_argument("--cache-budget", metavar="SIZE",
-                   help="engine cache size budget, e.g. 2GiB (default: the config's "
-                        "cache.engine_budget_bytes)")
+    if engine_options:
+        g.add_argument("--cache-budget", metavar="SIZE",
+                       help="engine cache size budget, e.g. 2GiB (default: the config's "
+                            "cache.engine_budget_bytes)")
 
 
 def parse_shapes(items: List[str]) -> Dict[str, Tuple[Shape, Shape, Shape]]:
@@ -119,9 +138,11 @@ def parse_shapes(items: List[str]) -> Dict[str, Tuple[Shape, Shape, Shape]]:
 
 
 def plan_from_args(args: argparse.Namespace, precision: Optional[str] = None) -> BuildPlan:
+    """The BuildPlan of ``add_build_arguments``' flags (checked), for every command that has
+    them; flags a command does not offer (``engine_options=False``) take their defaults."""
     layers = parse_layer_precisions(args.layer_precisions)
     constraints = args.precision_constraints or ("obey" if layers else "none")
-    precision = precision or args.precision
+    precision = precision or args.precision or "fp32"
     calibration = None
     if args.calib or args.calibration_cache:
         calibration = CalibrationSettings(
@@ -129,17 +150,18 @@ def plan_from_args(args: argparse.Namespace, precision: Optional[str] = None) ->
             algorithm=args.calib_algo,
             batch_size=args.calib_batch_size,
             cache=os.path.abspath(args.calibration_cache) if args.calibration_cache else None,
-            shuffle_seed=args.calib_shuffle_seed,
-            max_samples=args.calib_max_samples,
+            shuffle_seed=getattr(args, "calib_shuffle_seed", None),
+            max_samples=getattr(args, "calib_max_samples", None),
         )
     plan = BuildPlan(
         precision=precision,
         layer_precisions=layers,
         precision_constraints=constraints,
         calibration=calibration,
-        shapes=parse_shapes(args.shapes),
-        workspace_bytes=int(args.workspace * (1 << 20)) if args.workspace else None,
-        dla_core=args.dla_core,
+        shapes=parse_shapes(getattr(args, "shapes", [])),
+        workspace_bytes=int(args.workspace * (1 << 20)) if getattr(args, "workspace", None)
+        else None,
+        dla_core=getattr(args, "dla_core", None),
     )
     if plan.needs_calibration:
         if calibration is None:

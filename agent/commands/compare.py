@@ -7,28 +7,20 @@ computed in fp32 on the host; inputs from ``--load-inputs`` or generated like Po
 data loader (``--val-range``, ``--seed``, ``--iterations``). Exit status 0 only when every
 output of every iteration passes, 1 when the comparison fails.
 
-The argument groups shared with ``search`` (model build, goldens, tolerances) live here.
+The argument groups shared with ``search`` (goldens, tolerances) live here; the build flags
+and the plan come from ``agent.commands.build``.
 """
 
 import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from agent import fsio, golden
-from agent.backends.base import (
-    BACKENDS,
-    CALIB_ALGORITHMS,
-    CONSTRAINTS,
-    Backend,
-    BuildPlan,
-    CalibrationSettings,
-    get_backend,
-    parse_layer_precisions,
-)
+from agent.backends.base import Backend, get_backend
+from agent.commands.build import add_build_arguments, plan_from_args
 from agent.compare import ERROR_STATS, Comparison, compare_outputs, parse_per_output
-from agent.errors import AgentError
 from agent.progress import ProgressBar
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -38,32 +30,12 @@ EXIT_OK, EXIT_FAILED = 0, 1
 # shared argument groups
 
 
-def add_build_args(p: argparse.ArgumentParser, layer_precisions: bool = True) -> None:
-    p.add_argument("model", metavar="MODEL", help="ONNX model")
-    prec = p.add_mutually_exclusive_group()
-    prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
-                      help="build with fp16 enabled")
-    prec.add_argument("--int8", dest="precision", action="store_const", const="int8",
-                      help="build with int8 enabled (needs --calib or --calibration-cache)")
-    prec.add_argument("--best", dest="precision", action="store_const", const="best",
-                      help="int8 with fp16 fallback")
-    if layer_precisions:
-        p.add_argument("--layer-precisions", nargs="+", default=[], metavar="NAME:PRECISION",
-                       help="per-layer precisions, e.g. Add:float16 Sub:float32")
-    p.add_argument("--precision-constraints", choices=CONSTRAINTS, default="none",
-                   help="how strictly the backend must follow --layer-precisions")
-    p.add_argument("--calib", metavar="PATH",
-                   help="calibration data: a directory of .npy/.npz shards, an .npz, or a "
-                   "Polygraphy inputs JSON")
-    p.add_argument("--calibration-cache", metavar="FILE",
-                   help="TensorRT calibration cache: read when it exists, else written")
-    p.add_argument("--calib-algo", choices=CALIB_ALGORITHMS, default="entropy2",
-                   help="calibration algorithm (default entropy2)")
-    p.add_argument("--calib-batch-size", type=int, default=8, metavar="N")
-    p.add_argument("--backend", choices=BACKENDS,
-                   help="default: this platform's (tensorrt on a device, onnxruntime on a host)")
-    p.add_argument("--state-dir", metavar="DIR",
-                   help="where the engine and calibration caches live")
+def add_build_args(p: argparse.ArgumentParser) -> None:
+    """MODEL and the build flags ``compare`` and ``search`` act on (see ``add_build_arguments``):
+    no precision flag means none was asked for, and layer precisions bind only when
+    ``--precision-constraints`` says so."""
+    add_build_arguments(p, model_help="ONNX model", engine_options=False,
+                        precision_default=None, constraints_default="none")
 
 
 def add_golden_args(p: argparse.ArgumentParser) -> None:
@@ -106,24 +78,6 @@ def compare_options(args: argparse.Namespace) -> Dict[str, Any]:
         "infinities_compare_equal": bool(args.infinities_compare_equal),
     }
     return {k: v for k, v in opts.items() if v not in ({}, None)}
-
-
-def build_plan(args: argparse.Namespace, precision: Optional[str] = None) -> BuildPlan:
-    precision = precision or args.precision or "fp32"
-    calibration = None
-    if args.calib or args.calibration_cache:
-        calibration = CalibrationSettings(data=args.calib, algorithm=args.calib_algo,
-                                          batch_size=args.calib_batch_size,
-                                          cache=args.calibration_cache)
-    if precision in ("int8", "best") and calibration is None:
-        raise AgentError("bad_argument", "--{} needs calibration: expected --calib DATA or "
-                         "--calibration-cache FILE, found neither".format(precision))
-    return BuildPlan(
-        precision=precision,
-        layer_precisions=parse_layer_precisions(getattr(args, "layer_precisions", []) or []),
-        precision_constraints=args.precision_constraints,
-        calibration=calibration,
-    )
 
 
 class Setup(object):
@@ -187,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from agent.engine import build_engine
 
     opts = compare_options(args)
-    plan = build_plan(args)
+    plan = plan_from_args(args)
     setup = Setup(args)
     inputs, goldens, source = load_goldens(args, args.model, setup)
     progress = progress_bar(args)

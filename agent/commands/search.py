@@ -14,12 +14,12 @@ import argparse
 import json
 from typing import Any, Dict, List
 
+from agent.commands.build import plan_from_args
 from agent.commands.compare import (
     Setup,
     add_build_args,
     add_golden_args,
     add_tolerance_args,
-    build_plan,
     compare_options,
     load_goldens,
     progress_bar,
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         raise AgentError("bad_argument", "--max-evaluations must be >= 1, found {}".format(
             args.max_evaluations))
     opts = compare_options(args)
-    plan = build_plan(args)
+    plan = plan_from_args(args)
     setup = Setup(args)
     inputs, goldens, _source = load_goldens(args, args.model, setup)
     result = run_search(

@@ -9,50 +9,10 @@ import time
 
 from agent import protocol
 from agent.daemon import journal_path
+from tests.integration.fuzzing import WEIRD_VALUES, mutate_bytes, mutate_doc
 
 N_PAYLOADS = 2500
 GATE = {"atol": 0.5, "rtol": 0.5, "check_error_stat": "mean", "min_top1": 0.9}
-
-
-def mutate_bytes(rng, data):
-    data = bytearray(data)
-    for _ in range(rng.randint(1, 8)):
-        op = rng.random()
-        if not data or op < 0.3:
-            data.insert(rng.randint(0, len(data)), rng.randint(0, 255))
-        elif op < 0.6:
-            del data[rng.randint(0, len(data) - 1)]
-        else:
-            data[rng.randint(0, len(data) - 1)] = rng.randint(0, 255)
-    return bytes(data)
-
-
-WEIRD_VALUES = [None, True, 0, -1, 1.5, 1e308, -1e308, 2 ** 70, "", "x" * 300, [], {}, [1, 2],
-                {"a": {"b": {"c": []}}}, "int8", "deploy", "../../etc/passwd", "\u0000",
-                "0" * 64]
-
-
-def mutate_doc(rng, doc):
-    """A structurally mutated copy: keys dropped/added, values swapped for odd ones."""
-    doc = json.loads(json.dumps(doc))
-
-    def walk(node, depth=0):
-        if isinstance(node, dict):
-            for key in list(node):
-                r = rng.random()
-                if r < 0.1:
-                    del node[key]
-                elif r < 0.25:
-                    node[key] = rng.choice(WEIRD_VALUES)
-                else:
-                    walk(node[key], depth + 1)
-            if rng.random() < 0.1:
-                node[rng.choice(["extra", "kind", "cancel", "protocol", "x" * 10])] = \
-                    rng.choice(WEIRD_VALUES)
-        elif isinstance(node, list) and node and rng.random() < 0.3:
-            node[rng.randrange(len(node))] = rng.choice(WEIRD_VALUES)
-    walk(doc)
-    return doc
 
 
 def special_payloads():
