@@ -27,7 +27,7 @@ import os
 import shutil
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from agent import fsio
 from agent.errors import AgentError
@@ -100,13 +100,14 @@ def _write_fd(fd: int, data: bytes) -> None:
         view = view[written:]
 
 
-def write_file(path: str, data: bytes) -> None:
-    """Write and fsync a new file (inside a staging directory: the rename of the directory is
-    what makes it atomic). ENOSPC becomes ``disk_full``."""
+def _write_new(path: str, chunks: Iterable[bytes]) -> None:
+    """Create ``path`` from ``chunks`` and fsync it (inside a staging directory: the rename of
+    the directory is what makes it atomic). ENOSPC becomes ``disk_full``."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_fd(fd, data)
+            for chunk in chunks:
+                _write_fd(fd, chunk)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -116,24 +117,14 @@ def write_file(path: str, data: bytes) -> None:
         raise
 
 
+def write_file(path: str, data: bytes) -> None:
+    _write_new(path, [data])
+
+
 def copy_file(src: str, dst: str) -> None:
-    """Stream ``src`` into a new file ``dst`` and fsync it; ENOSPC becomes ``disk_full``."""
-    try:
-        with open(src, "rb") as f:
-            fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                while True:
-                    block = f.read(_CHUNK)
-                    if not block:
-                        break
-                    _write_fd(fd, block)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    except OSError as exc:
-        if exc.errno in _DISK_FULL:
-            raise _disk_full(dst, exc)
-        raise
+    """Stream ``src`` into a new file ``dst``, a block at a time."""
+    with open(src, "rb") as f:
+        _write_new(dst, iter(lambda: f.read(_CHUNK), b""))
 
 
 # --- locks ---------------------------------------------------------------------------------

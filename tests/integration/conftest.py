@@ -179,6 +179,17 @@ class AgentProcess:
 
         return Journal(journal_path(self.state_dir))
 
+    def wait_journal(self, predicate, timeout, what):
+        """Poll this agent's journal until ``predicate(journal)`` is truthy; return its value."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.journal() as journal:
+                value = predicate(journal)
+            if value:
+                return value
+            time.sleep(0.2)
+        raise AssertionError("timed out waiting for " + what + "\n" + self.log_tail())
+
 
 class Controller:
     """What a fleet controller does, minimally: serve artifact blocks, send jobs and commands,

@@ -45,17 +45,6 @@ def assert_sound(agent):
     assert report["checked"] >= 1 and not report["corrupt"], report
 
 
-def wait_journal(agent, predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with agent.journal() as journal:
-            value = predicate(journal)
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("timed out waiting for " + what + "\n" + agent.log_tail())
-
-
 def test_broker_killed_mid_transfer_and_with_statuses_pending(mosquitto, controller,
                                                               agent_factory, digits_files):
     agent = agent_factory(extra_config=SMALL_BLOCKS).start()
@@ -74,12 +63,12 @@ def test_broker_killed_mid_transfer_and_with_statuses_pending(mosquitto, control
     controller.send_job(doc)  # the broker lost the retained document: a duplicate, ignored
     # Once the worker runs, cut the broker again and keep it down until the job has ended:
     # its final statuses must wait in the outbox and arrive after the restart.
-    wait_journal(agent, lambda j: (j.job("cut-broker") or {}).get("stage") in (
+    agent.wait_journal(lambda j: (j.job("cut-broker") or {}).get("stage") in (
         "checking", "calibrating", "building", "verifying", "benchmarking", "activating")
         or protocol.is_terminal((j.job("cut-broker") or {}).get("state", "QUEUED")),
         60, "the worker stages")
     mosquitto.stop()
-    row = wait_journal(agent, lambda j: protocol.is_terminal(j.job("cut-broker")["state"])
+    row = agent.wait_journal(lambda j: protocol.is_terminal(j.job("cut-broker")["state"])
                        and j.job("cut-broker"), 90, "the job to end")
     with agent.journal() as journal:
         pending = journal.outbox_count()
@@ -88,7 +77,7 @@ def test_broker_killed_mid_transfer_and_with_statuses_pending(mosquitto, control
     final = controller.wait_state("cut-broker", protocol.TERMINAL_STATES, timeout=60)
     assert final["state"] == "SUCCEEDED", (final, agent.log_tail())
     assert final["version"] == row["version"]
-    wait_journal(agent, lambda j: j.outbox_count() == 0, 30, "the outbox to drain")
+    agent.wait_journal(lambda j: j.outbox_count() == 0, 30, "the outbox to drain")
     # Blocks re-sent: only those in flight when the broker died (at most a window or two).
     duplicates = sum(n - 1 for n in controller.blocks_sent.values())
     assert len(controller.blocks_sent) == blocks
@@ -110,7 +99,7 @@ def test_agent_sigkilled_mid_download_and_mid_job(controller, agent_factory, dig
     controller.served_limit = None
     agent.start()
     # mid-job: the worker is benchmarking (5000 iterations over 540 rows take seconds)
-    wait_journal(agent, lambda j: j.job("cut-agent")["stage"] == "benchmarking", 90,
+    agent.wait_journal(lambda j: j.job("cut-agent")["stage"] == "benchmarking", 90,
                  "benchmarking")
     agent.kill()
     with agent.journal() as journal:
@@ -125,7 +114,7 @@ def test_agent_sigkilled_mid_download_and_mid_job(controller, agent_factory, dig
     duplicates = sum(n - 1 for n in controller.blocks_sent.values())
     assert len(controller.blocks_sent) == blocks
     assert duplicates <= 8, duplicates
-    wait_journal(agent, lambda j: j.outbox_count() == 0, 30, "the outbox to drain")
+    agent.wait_journal(lambda j: j.outbox_count() == 0, 30, "the outbox to drain")
     assert agent.stop() == 0
     assert_sound(agent)
 
@@ -135,7 +124,7 @@ def test_job_interrupted_twice_fails_with_a_reason(controller, agent_factory, di
     doc = deploy_doc(controller, digits_files, "cut-twice", bench_iterations=200000)
     controller.send_job(doc)
     for attempt in (1, 2):
-        wait_journal(agent, lambda j, attempt=attempt: j.job("cut-twice") is not None
+        agent.wait_journal(lambda j, attempt=attempt: j.job("cut-twice") is not None
                      and j.job("cut-twice")["stage"] == "benchmarking"
                      and j.job("cut-twice")["attempts"] == attempt, 90,
                      "benchmarking, attempt {}".format(attempt))

@@ -155,23 +155,12 @@ def submit(controller, doc):
     return controller.send_job(doc)
 
 
-def wait_journal(agent, predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with agent.journal() as journal:
-            value = predicate(journal)
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError("timed out waiting for " + what + "\n" + agent.log_tail())
-
-
 def audit(agent, controller, job_ids, cache_dir=None):
     """Fold one agent's end state into the report: every job ended, its last status reached
     the controller, the outbox drained, the store and the cache are sound."""
     ids = list(job_ids)
     try:
-        wait_journal(agent, lambda j: all(j.job(i) and protocol.is_terminal(j.job(i)["state"])
+        agent.wait_journal(lambda j: all(j.job(i) and protocol.is_terminal(j.job(i)["state"])
                                           for i in ids) and j.outbox_count() == 0, 90,
                      "every job to end and the outbox to drain")
     except AssertionError:
