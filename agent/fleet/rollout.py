@@ -180,6 +180,12 @@ class Rollout(object):
             actions += self._evaluate()
         return actions
 
+    def _cancel_unstarted(self, run: "DeviceRun", reason: str) -> None:
+        # Nothing was sent to this device: cancel it locally.
+        run.state, run.local = "CANCELED", True
+        run.note = "not started: " + reason
+        run.finished = self.clock()
+
     def halt(self, reason: str, outcome: str = "halted") -> List[Action]:
         """Stop the rollout: devices not started are cancelled; running ones finish."""
         if self.halted:
@@ -188,9 +194,7 @@ class Rollout(object):
         actions: List[Action] = []
         for run in self.ordered():
             if run.state == PENDING:
-                run.state, run.local = "CANCELED", True
-                run.note = "not started: " + reason
-                run.finished = self.clock()
+                self._cancel_unstarted(run, reason)
             elif run.state == "QUEUED":
                 actions += self._cancel(run, "CANCELED", "cancelled while queued: " + reason)
         return actions
@@ -203,9 +207,7 @@ class Rollout(object):
         actions: List[Action] = []
         for run in self.ordered():
             if run.state == PENDING:
-                run.state, run.local = "CANCELED", True
-                run.note = "not started: " + reason
-                run.finished = self.clock()
+                self._cancel_unstarted(run, reason)
             elif not run.terminal:
                 actions += self._cancel(run, state, reason)
         return actions

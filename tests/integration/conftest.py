@@ -179,6 +179,18 @@ class AgentProcess:
 
         return Journal(journal_path(self.state_dir))
 
+    def assert_store_sound(self):
+        """Every artifact in this agent's store hashes to its name (partials aside)."""
+        import hashlib
+
+        root = os.path.join(self.state_dir, "artifacts")
+        for dirpath, _, names in os.walk(root):
+            if os.path.basename(dirpath) == "partial":
+                continue
+            for name in names:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    assert hashlib.sha256(f.read()).hexdigest() == name, name
+
     def wait_journal(self, predicate, timeout, what):
         """Poll this agent's journal until ``predicate(journal)`` is truthy; return its value."""
         deadline = time.monotonic() + timeout

@@ -5,8 +5,6 @@ against goldens, benchmarked, activated; SUCCEEDED with accuracy and throughput.
 identical job is an engine-cache hit and downloads nothing.
 """
 
-import hashlib
-import os
 
 from agent import protocol
 
@@ -21,16 +19,6 @@ def deploy_doc(controller, files, job_id, precision="int8", **extra):
            "gate": GATE, "bench": {"iterations": 50, "warmup": 5}}
     doc.update(extra)
     return doc
-
-
-def store_is_sound(state_dir):
-    root = os.path.join(state_dir, "artifacts")
-    for dirpath, _, names in os.walk(root):
-        if os.path.basename(dirpath) == "partial":
-            continue
-        for name in names:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                assert hashlib.sha256(f.read()).hexdigest() == name, name
 
 
 def test_deploy_int8_then_cache_hit(controller, agent_factory, digits_files):
@@ -83,7 +71,7 @@ def test_deploy_int8_then_cache_hit(controller, agent_factory, digits_files):
     diag = controller.diag()
     assert diag["ok"] and diag["result"]["outbox"] == 0
     assert agent.stop() == 0
-    store_is_sound(agent.state_dir)
+    agent.assert_store_sound()
     with agent.journal() as journal:
         assert journal.outbox_count() == 0
         assert [e["job_id"] for e in journal.active_engines()] == ["deploy-2"]

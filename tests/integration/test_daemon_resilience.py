@@ -3,7 +3,6 @@ SIGKILLed mid-download and mid-job, the same job id sent twice. Jobs complete (o
 with a reason), no block is downloaded twice beyond what was in flight, no corrupt file enters
 the store or the cache, and no status is lost (the outbox drains to zero)."""
 
-import hashlib
 import os
 import time
 
@@ -34,13 +33,7 @@ def sent(controller):
 
 def assert_sound(agent):
     """Every stored artifact matches its hash; every cache entry verifies; outbox empty."""
-    root = os.path.join(agent.state_dir, "artifacts")
-    for dirpath, _, names in os.walk(root):
-        if os.path.basename(dirpath) == "partial":
-            continue
-        for name in names:
-            with open(os.path.join(dirpath, name), "rb") as f:
-                assert hashlib.sha256(f.read()).hexdigest() == name, name
+    agent.assert_store_sound()
     report = EngineCache(os.path.join(agent.state_dir, "engines")).verify()
     assert report["checked"] >= 1 and not report["corrupt"], report
 
