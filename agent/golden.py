@@ -15,7 +15,9 @@
 - Goldens from inputs alone are computed with the fp32 host backend (ONNX Runtime).
 
 Everything the model disagrees with raises ``golden_mismatch`` saying what was expected and
-what was found; files that cannot be parsed raise ``bad_golden_file``. Worker side:
+what was found; files that cannot be parsed raise ``bad_golden_file``. Arrays are read with
+``agent.safe_npz``: headers and declared sizes first, no pickles, inflated bytes capped per file
+(``limits.inflate_ratio`` / ``inflate_min_bytes`` / ``max_data_bytes``). Worker side:
 Python 3.6.
 """
 
@@ -27,12 +29,14 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from agent import safe_npz
 from agent.backends.base import Backend, BuildPlan, TensorSpec
 from agent.errors import AgentError
 from agent.fsio import atomic_write
@@ -57,7 +61,10 @@ def encode_array(array: np.ndarray) -> Dict[str, Any]:
                         (TYPE_MARKER, "ndarray")])
 
 
-def decode_array(dct: Dict[str, Any], source: str = "file") -> np.ndarray:
+def decode_array(dct: Dict[str, Any], source: str = "file",
+                 budget_size: Optional[int] = None) -> np.ndarray:
+    """The array of a Polygraphy-encoded dict; ``budget_size`` is the size of the file it came
+    from (what an embedded .npz may inflate to is a multiple of it)."""
     data = dct.get("array")
     if not isinstance(data, str):
         raise AgentError("bad_golden_file", "{}: expected an encoded array ({{\"array\": "
@@ -66,14 +73,10 @@ def decode_array(dct: Dict[str, Any], source: str = "file") -> np.ndarray:
         raw = base64.b64decode(data.encode("ascii"), validate=True)
     except (binascii.Error, ValueError, UnicodeEncodeError):
         raw = data.encode("latin-1", errors="replace")  # very old Polygraphy files
-    try:
-        arr = np.load(io.BytesIO(raw), allow_pickle=False)
-    except (ValueError, OSError, EOFError) as exc:
-        raise AgentError("bad_golden_file", "{}: expected np.save bytes in an encoded array, "
-                         "found data that does not load ({})".format(source, exc))
-    if isinstance(arr, np.ndarray):
-        return arr
-    values = list(arr.values())  # an .npz inside (old Polygraphy)
+    if not raw.startswith(b"PK"):
+        return safe_npz.read_npy_bytes(raw, "bad_golden_file", source, budget_size)
+    values = list(safe_npz.read_npz_bytes(raw, "bad_golden_file", source,  # old Polygraphy
+                                          budget_size).values())
     if not values:
         raise AgentError("bad_golden_file", "{}: an encoded array holds nothing".format(source))
     return np.asarray(values[0])
@@ -90,11 +93,21 @@ def _type_of(dct: Dict[str, Any]) -> Optional[str]:
 
 
 def _decoder(source: str) -> Any:
+    size = os.path.getsize(source) if os.path.isfile(source) else None
+    used = [0]  # bytes decoded so far: capped per file like an .npz
+
     def hook(pairs: List[Tuple[str, Any]]) -> Any:
         dct = OrderedDict(pairs)
         kind = _type_of(dct)
         if kind == "ndarray":
-            return decode_array(dct, source)
+            arr = decode_array(dct, source, size)
+            used[0] += arr.nbytes
+            limit = safe_npz.limit_for(size or arr.nbytes)
+            if used[0] > limit:
+                raise AgentError("bad_golden_file", "{}: arrays decode to more than {:,} bytes "
+                                 "(limits.inflate_ratio x the file's {:,} bytes, at most "
+                                 "limits.max_data_bytes)".format(source, limit, size or 0))
+            return arr
         if kind in ("LazyArray", "LazyNumpyArray"):
             return dct.get("values")
         return dct
@@ -112,6 +125,10 @@ def _read_json(path: str) -> Any:
     except UnicodeDecodeError:
         raise AgentError("bad_golden_file", "{}: expected Polygraphy JSON, found binary "
                          "data".format(path))
+    except RecursionError:
+        raise AgentError("bad_golden_file", "{}: expected Polygraphy JSON, found lists or "
+                         "objects nested deeper than the parser allows (~{} levels)".format(
+                             path, sys.getrecursionlimit()))
 
 
 def _must_exist(path: str) -> None:
@@ -132,12 +149,7 @@ def _is_npz(path: str) -> bool:
 
 
 def _load_npz(path: str) -> List[Feed]:
-    try:
-        with np.load(path, allow_pickle=False) as data:
-            items = [(k, np.asarray(data[k])) for k in data.files]
-    except (ValueError, OSError) as exc:
-        raise AgentError("bad_golden_file", "{}: expected an .npz archive, found one that does "
-                         "not load ({})".format(path, exc))
+    items = list(safe_npz.read_npz(path, "bad_golden_file").items())
     iterations: Dict[int, Feed] = {}
     plain: Feed = OrderedDict()
     for key, arr in items:
@@ -287,6 +299,21 @@ def parse_val_range(items: Optional[Sequence[str]]) -> Dict[str, Tuple[float, fl
     return out
 
 
+def check_tensor_size(name: str, shape: Sequence[Any], dtype: Any, code: str) -> None:
+    """Refuse (``code``) a tensor the worker would have to allocate above
+    ``limits.max_data_bytes`` before numpy tries (2^31-1 squared is not a MemoryError)."""
+    count = 1
+    for d in shape:
+        count *= max(int(d), 0)
+    nbytes = count * np.dtype(dtype).itemsize
+    if nbytes > safe_npz.max_data_bytes():
+        raise AgentError(code, "input {!r}: shape {} of {} is {:,} bytes; expected at most "
+                         "{:,} (limits.max_data_bytes)".format(
+                             name, [int(d) for d in shape], np.dtype(dtype), nbytes,
+                             safe_npz.max_data_bytes()),
+                         {"input": name, "bytes": nbytes, "limit_bytes": safe_npz.max_data_bytes()})
+
+
 def _static(dim: Any) -> int:
     """Polygraphy generates data for dynamic dimensions with size 1."""
     return 1 if _is_dynamic(dim) else int(dim)
@@ -310,6 +337,9 @@ def generate_inputs(
         raise AgentError("bad_argument", "--iterations must be >= 1, found {}".format(
             iterations))
     default = val_range.get("", DEFAULT_RANGE)
+    for spec in input_specs:
+        shape = (shapes or {}).get(spec.name) or [_static(d) for d in spec.shape]
+        check_tensor_size(spec.name, shape, spec.dtype, "bad_argument")
     feeds: List[Feed] = []
     for index in range(int(iterations)):
         rng = np.random.RandomState(int(seed) + index)

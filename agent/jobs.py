@@ -52,9 +52,12 @@ def make_spec(
     bench: Optional[Dict[str, Any]] = None,
     search: Optional[Dict[str, Any]] = None,
     fallback_reason: Optional[str] = None,
+    limits: Optional[Dict[str, Any]] = None,
 ) -> Dict[str, Any]:
     """The worker's instructions (JSON-serialisable). ``plan`` has ``precision`` already set to
-    what the platform check decided; ``artifacts`` maps roles to files in the store."""
+    what the platform check decided; ``artifacts`` maps roles to files in the store;
+    ``limits`` the caps on what artifacts may inflate to (``agent.safe_npz.configure``) and
+    the worker's memory limit (named in an ``out_of_memory`` error)."""
     return {
         "spec_version": SPEC_VERSION,
         "job_id": job_id,
@@ -71,6 +74,7 @@ def make_spec(
         "bench": dict(bench or {}),
         "search": dict(search or {}),
         "fallback_reason": fallback_reason,
+        "limits": dict(limits or {}),
     }
 
 
@@ -224,6 +228,7 @@ class _Job(object):
     """Shared set-up: staged artifacts, backend, engine cache, plan."""
 
     def __init__(self, spec: Dict[str, Any], emit: Emit, should_stop: ShouldStop) -> None:
+        from agent import model_check, safe_npz
         from agent.backends.base import BuildPlan, get_backend
         from agent.cache import EngineCache
 
@@ -234,7 +239,10 @@ class _Job(object):
         self.emit = emit
         self.should_stop = should_stop
         self.progress = Progress(emit)
+        safe_npz.configure(**(spec.get("limits") or {}))
         self.files = stage_artifacts(spec["artifacts"], spec["work_dir"])
+        # External tensors of the model may only come from this job's own artifacts.
+        model_check.confine_to(self.files.values())
         if "model" not in self.files:
             raise AgentError("bad_message", "a {} job needs a 'model' artifact".format(
                 spec["kind"]))
@@ -278,13 +286,7 @@ class _Job(object):
                              "feed ({}), found {}".format(len(inputs), len(outputs)))
         labels = None
         if "labels" in self.files:
-            import numpy as np
-
-            loaded = np.load(self.files["labels"], allow_pickle=False)
-            if hasattr(loaded, "files"):
-                labels = loaded[loaded.files[0]]
-            else:
-                labels = loaded
+            labels = load_labels(self.files["labels"])
         return {"inputs": inputs, "outputs": outputs, "labels": labels}
 
     def bench(self, runner: Any, feeds: Optional[Dict[str, Any]]) -> Dict[str, Any]:
@@ -293,8 +295,8 @@ class _Job(object):
         opts = dict(DEFAULT_BENCH)
         opts.update({k: v for k, v in self.spec.get("bench", {}).items() if v is not None})
         if feeds is None:
-            feeds = random_feeds(runner.inputs, batch=int(opts.get("batch", 1)),
-                                 seed=int(opts.get("seed", 0)))
+            feeds = self.random_feeds(runner.inputs, int(opts.get("batch", 1)),
+                                      int(opts.get("seed", 0)), random_feeds)
         self.progress("benchmarking", 0, int(opts["iterations"]))
         result = benchmark(runner, feeds, iterations=int(opts["iterations"]),
                            warmup=int(opts["warmup"]))
@@ -308,6 +310,24 @@ class _Job(object):
             "latency_ms": latency,
             "bench": d,
         }
+
+    def random_feeds(self, specs: List[Any], batch: int, seed: int, make: Any) -> Any:
+        """Random inputs shaped by the plan's profile (its opt shapes) where the job gave one,
+        else by the model with ``batch`` for a dynamic leading dimension; sizes are checked
+        before anything is allocated."""
+        from agent.golden import check_tensor_size
+
+        shapes = {name: list(opt) for name, (_lo, opt, _hi) in self.plan.shapes.items()}
+        for spec in specs:
+            if spec.name in shapes:
+                check_tensor_size(spec.name, shapes[spec.name], spec.dtype, "bad_argument")
+            else:
+                dims = [d if isinstance(d, int) and d >= 0 else (batch if i == 0 else 1)
+                        for i, d in enumerate(spec.shape)]
+                static = all(isinstance(d, int) and d >= 0 for d in spec.shape)
+                check_tensor_size(spec.name, dims, spec.dtype,
+                                  "bad_model" if static else "bad_argument")
+        return make(specs, batch=batch, seed=seed, shapes=shapes or None)
 
     def common(self, record: Any) -> Dict[str, Any]:
         build = record.result or {}
@@ -323,6 +343,38 @@ class _Job(object):
             "layer_precision_counts": _counts(build.get("layer_precisions") or {}),
             "precision_mismatches": (build.get("mismatches") or [])[:MAX_LISTED],
         }
+
+
+def load_labels(path: str) -> Any:
+    """The true class per golden row: a .npy, or the first array of an .npz, of integers
+    (no pickles; sizes checked before reading)."""
+    from agent import safe_npz
+
+    arrays = safe_npz.read_arrays(path, "bad_golden_file", "labels")
+    if not arrays or arrays[0].dtype.kind not in "iub":
+        raise AgentError("bad_golden_file", "labels: expected an integer array (.npy or .npz), "
+                         "found {}".format(arrays[0].dtype if arrays else "no array"))
+    return arrays[0]
+
+
+def out_of_memory(exc: BaseException) -> AgentError:
+    """The error of a worker that hit its memory ceiling (RLIMIT_DATA set by the daemon)."""
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    named = ("its limit of {:,} bytes (limits.worker_memory_bytes)".format(limit)
+             if limit != resource.RLIM_INFINITY else "the memory of this device")
+    return AgentError("out_of_memory", "the worker ran out of memory: the job needs more than "
+                      "{} ({}: {})".format(named, type(exc).__name__, str(exc)[:200]),
+                      {"limit_bytes": None if limit == resource.RLIM_INFINITY else limit})
+
+
+def is_memory_failure(exc: BaseException) -> bool:
+    """A native library's allocation failure (onnxruntime, TensorRT) seen as an exception."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or any(
+        marker in text for marker in ("bad_alloc", "bad allocation", "failed to allocate",
+                                      "out of memory", "cannot allocate memory"))
 
 
 def _counts(layers: Dict[str, str]) -> Dict[str, int]:

@@ -35,7 +35,7 @@ MAGIC = b"\x93NUMPY"
 MAX_HEADER = 10000  # numpy's own default max_header_size
 MAX_DIMS = 64
 MAX_MEMBERS = 4096
-CHUNK = 1 << 20
+CHUNK = 256 << 10  # bytes inflated (and read) per step
 DEFAULTS = {"inflate_ratio": 32, "inflate_min_bytes": 64 << 20, "max_data_bytes": 1 << 30}
 _limits = dict(DEFAULTS)
 
@@ -236,7 +236,6 @@ class _Member(object):
         self.compressed_left = info.compress_size
         self.left = info.file_size  # inflated bytes still allowed
         self.crc = 0
-        self.pending = b""
         if info.compress_type == zipfile.ZIP_STORED:
             self.dec = None  # type: Any
         elif info.compress_type == zipfile.ZIP_DEFLATED:
@@ -279,8 +278,8 @@ class _Member(object):
 
     def read(self, n: int) -> bytes:
         """Up to ``n`` bytes; more than the declared size is an error, never a big buffer."""
-        parts = [self.pending]
-        have = len(self.pending)
+        parts = []
+        have = 0
         while have < n:
             # One byte past what is allowed shows a member inflating beyond its declared size.
             try:
@@ -298,9 +297,7 @@ class _Member(object):
             self.crc = zlib.crc32(piece, self.crc)
             parts.append(piece)
             have += len(piece)
-        data = b"".join(parts)
-        self.pending = data[n:]
-        return data[:n]
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     def finish(self) -> None:
         """The member holds nothing after the data, and its CRC matches."""

@@ -23,6 +23,10 @@ Dtypes: data of the same kind as the model input (float64 or float16 for float32
 widening (int or bool for float) is accepted and cast batch by batch; anything else (float for
 an int input, complex, objects) is refused.
 
+Hostile files: headers are read with ``agent.safe_npz`` (no pickles or object arrays; a header
+must declare what the file holds; what an .npz inflates to is capped per file before anything
+is inflated, and members are inflated in bounded chunks), refused as ``bad_calibration_data``.
+
 Worker side: Python >= 3.6.
 """
 
@@ -31,30 +35,20 @@ import hashlib
 import io
 import json
 import os
-import zipfile
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from agent import safe_npz
 from agent.backends.base import TensorSpec
 from agent.errors import AgentError
 
 NPY_SEPARATORS = "_.-"
+CODE = "bad_calibration_data"
+B64_HEADER_CHARS = 13360  # base64 of the longest .npy header safe_npz accepts (a multiple of 4)
 
 # name -> (shape, dtype) as read from a header
 Header = Dict[str, Tuple[Tuple[int, ...], np.dtype]]
-
-
-def _npy_header(f: Any) -> Tuple[Tuple[int, ...], np.dtype]:
-    """Shape and dtype from an open .npy stream, reading only the header."""
-    version = np.lib.format.read_magic(f)
-    if version == (1, 0):
-        shape, _fortran, dtype = np.lib.format.read_array_header_1_0(f)
-    elif version == (2, 0):
-        shape, _fortran, dtype = np.lib.format.read_array_header_2_0(f)
-    else:
-        raise ValueError("unsupported .npy format version {}".format(version))
-    return tuple(int(d) for d in shape), np.dtype(dtype)
 
 
 def _is_dynamic(dim: Any) -> bool:
@@ -81,23 +75,12 @@ class _Shard(object):
 
 class _NpzShard(_Shard):
     def __init__(self, path: str) -> None:
-        header: Header = {}
-        try:
-            with zipfile.ZipFile(path) as zf:
-                for member in zf.namelist():
-                    if not member.endswith(".npy"):
-                        continue
-                    with zf.open(member) as f:
-                        header[member[:-4]] = _npy_header(f)
-        except (OSError, ValueError, zipfile.BadZipFile) as exc:
-            raise AgentError("bad_calibration_data",
-                             "{}: expected a NumPy .npz archive, found unreadable data "
-                             "({})".format(path, exc))
+        self.npz = safe_npz.NpzHeaders(path, CODE, skip_other=True)
+        header: Header = {name: (h.shape, h.dtype) for name, (_i, h) in self.npz.headers.items()}
         super(_NpzShard, self).__init__(path, [path], header)
 
     def load(self) -> Dict[str, np.ndarray]:
-        with np.load(self.label, allow_pickle=False) as npz:
-            return {name: npz[name] for name in self.header}
+        return dict(self.npz.arrays(list(self.header)))
 
 
 class _NpyGroupShard(_Shard):
@@ -105,28 +88,28 @@ class _NpyGroupShard(_Shard):
         header: Header = {}
         for name, path in paths.items():
             try:
-                with open(path, "rb") as f:
-                    header[name] = _npy_header(f)
-            except (OSError, ValueError) as exc:
-                raise AgentError("bad_calibration_data",
-                                 "{}: expected a NumPy .npy array for input {!r}, found "
+                found = safe_npz.npy_file_header(path, CODE, "{} (input {!r})".format(path, name))
+            except OSError as exc:
+                raise AgentError(CODE, "{}: expected a NumPy .npy array for input {!r}, found "
                                  "unreadable data ({})".format(path, name, exc))
+            header[name] = (found.shape, found.dtype)
         label = ", ".join(paths[n] for n in sorted(paths))
         super(_NpyGroupShard, self).__init__(label, sorted(paths.values()), header)
         self.paths = paths
 
     def load(self) -> Dict[str, np.ndarray]:
-        return {name: np.load(path, mmap_mode="r", allow_pickle=False)
+        return {name: safe_npz.read_npy(path, CODE, mmap=True)
                 for name, path in self.paths.items()}
 
 
 def _polygraphy_array(obj: Any) -> Optional[str]:
     """The base64 text of a Polygraphy-encoded array ({"array": ...} or a LazyArray)."""
-    if isinstance(obj, dict):
+    for _ in range(8):  # a loop, not recursion: the JSON may nest "values" deeply
+        if not isinstance(obj, dict):
+            return None
         if isinstance(obj.get("array"), str):
             return str(obj["array"])
-        if "values" in obj:
-            return _polygraphy_array(obj["values"])
+        obj = obj.get("values")
     return None
 
 
@@ -142,22 +125,27 @@ class _JsonFeedShard(_Shard):
                                  "{}: input {!r}: expected a Polygraphy array "
                                  "({{\"array\": base64, \"polygraphy_class\": \"ndarray\"}}), "
                                  "found {}".format(label, name, type(value).__name__))
+            what = "{} input {!r}".format(label, name)
             try:
                 # The .npy header sits in the first bytes: decode a prefix only.
-                prefix = base64.b64decode(text[:4096])
-                try:
-                    header[name] = _npy_header(io.BytesIO(prefix))
-                except ValueError:
-                    header[name] = _npy_header(io.BytesIO(base64.b64decode(text)))
+                prefix = base64.b64decode(text[:B64_HEADER_CHARS])
             except (ValueError, TypeError) as exc:
-                raise AgentError("bad_calibration_data",
-                                 "{}: input {!r}: expected base64 np.save bytes, found "
-                                 "undecodable data ({})".format(label, name, exc))
+                raise AgentError(CODE, "{}: expected base64 np.save bytes, found undecodable "
+                                 "data ({})".format(what, exc))
+            found = safe_npz.read_header(io.BytesIO(prefix).read, CODE, what)
+            holds = len(text) * 3 // 4 - found.header_len
+            if found.nbytes > holds:
+                raise AgentError(CODE, "{}: header declares shape {} of {} = {:,} bytes; the "
+                                 "text holds at most {:,}".format(
+                                     what, list(found.shape), found.dtype, found.nbytes, holds),
+                                 {"declared_bytes": found.nbytes, "file_bytes": holds})
+            header[name] = (found.shape, found.dtype)
             self.encoded[name] = text
         super(_JsonFeedShard, self).__init__(label, [path], header)
 
     def load(self) -> Dict[str, np.ndarray]:
-        return {name: np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+        return {name: safe_npz.read_npy_bytes(base64.b64decode(text), CODE,
+                                              "{} input {!r}".format(self.label, name))
                 for name, text in self.encoded.items()}
 
 
@@ -169,6 +157,10 @@ def _read_json_feeds(path: str) -> List[Dict[str, Any]]:
         raise AgentError("bad_calibration_data",
                          "{}: expected Polygraphy --save-inputs JSON, found unparsable text "
                          "({})".format(path, exc))
+    except RecursionError:
+        raise AgentError("bad_calibration_data",
+                         "{}: expected Polygraphy --save-inputs JSON, found lists or objects "
+                         "nested deeper than the parser allows".format(path))
     if isinstance(feeds, dict) and "lst" in feeds:
         raise AgentError("bad_calibration_data",
                          "{}: expected Polygraphy --save-inputs JSON (a list of feeds), found "
