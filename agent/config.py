@@ -74,6 +74,13 @@ class LimitsConfig:
     job_timeout_s: float = _f(3600.0, min=1)
     jobs_per_minute: float = _f(60.0, min=0)  # new jobs accepted (token bucket); 0: no limit
     job_burst: int = _f(30, min=1)
+    # What one .npz/.npy/JSON artifact may inflate to: inflate_ratio x its size, at least
+    # inflate_min_bytes, at most max_data_bytes (also the most one generated input may take).
+    inflate_ratio: int = _f(32, min=1)
+    inflate_min_bytes: int = _f(64 << 20, size=True, min=0)
+    max_data_bytes: int = _f(1 << 30, size=True, min=1)
+    # The worker's memory ceiling (RLIMIT_DATA); 0: three quarters of the device's memory.
+    worker_memory_bytes: int = _f(0, size=True, min=0)
 
 
 @dataclasses.dataclass

@@ -55,6 +55,8 @@ CODES = {
     "(e.g. cancelling a finished job).",
     "job_timed_out": "The job ran longer than its timeout.",
     "worker_crashed": "The worker process exited abnormally.",
+    "out_of_memory": "The worker hit its memory ceiling (limits.worker_memory_bytes or the "
+    "unit's MemoryMax=); the daemon carries on.",
     "broker_unreachable": "The MQTT broker cannot be reached.",
     "unknown_device": "The controller names a device that has never reported.",
     "unsigned_job": "The job document carries no signature and the device requires one.",

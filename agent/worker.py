@@ -101,12 +101,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     except AgentError as exc:
         channel.emit({"type": "error", "error": exc.to_dict()})
         return EXIT_ERROR
-    except MemoryError:
-        channel.emit({"type": "error", "error": {"code": "internal_error",
-                                                 "message": "the worker ran out of memory"}})
-        return EXIT_INTERNAL
+    except MemoryError as exc:
+        from agent.jobs import out_of_memory
+
+        channel.emit({"type": "error", "error": out_of_memory(exc).to_dict()})
+        return EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - reported to the daemon, never hidden
         traceback.print_exc()
+        from agent.jobs import is_memory_failure, out_of_memory
+
+        if is_memory_failure(exc):  # a native library's allocation failure
+            channel.emit({"type": "error", "error": out_of_memory(exc).to_dict()})
+            return EXIT_ERROR
         channel.emit({"type": "error", "error": {
             "code": "internal_error",
             "message": "{}: {}".format(type(exc).__name__, exc)}})

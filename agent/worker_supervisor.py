@@ -1,10 +1,18 @@
 """The worker subprocess: launch it, read its JSON lines (progress, result, error), stop it on
 cancel, timeout or shutdown (SIGTERM, then SIGKILL), and end the job with the reason it gives or
-the way it died."""
+the way it died.
+
+Memory: the worker gets an RLIMIT_DATA ceiling (``limits.worker_memory_bytes``, default three
+quarters of the device's memory) right after it starts, so a blow-up the artifact checks missed
+ends in the worker (MemoryError -> FAILED ``out_of_memory`` naming the limit), never in the
+daemon. RLIMIT_DATA and not RLIMIT_AS: CUDA reserves large address ranges it never backs, which
+an address-space limit would count. The unit's ``MemoryMax=`` is the outer bound; a kernel OOM
+kill of the worker (SIGKILL with the cgroup's oom_kill count raised) is ``out_of_memory`` too."""
 
 import json
 import logging
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -22,6 +30,9 @@ from agent.status_publisher import StatusPublisher, fit_result
 log = logging.getLogger("agent.daemon")  # one logger name for the whole daemon
 
 KILL_GRACE_S = 5.0  # SIGTERM to SIGKILL for a worker being stopped
+# What a native allocation failure leaves in the worker's stderr before it dies.
+MEMORY_MARKERS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "Failed to allocate",
+                  "out of memory")
 STDERR_TAIL = 2000
 WORKER_STAGES = ("calibrating", "building", "verifying", "searching", "benchmarking",
                  "activating")
@@ -65,6 +76,8 @@ def stderr_tail(path: str, limit: int = STDERR_TAIL) -> str:
 class WorkerSupervisor(StatusPublisher):
     """Daemon layer: the worker subprocess of the current job, and how the job ends."""
 
+    _oom_kills_at_launch = 0  # the cgroup's OOM kill count when the current worker started
+
     def _launch(self, run: Run) -> None:
         for sha, _ in run.needed.values():
             self.store.touch(sha)
@@ -76,7 +89,7 @@ class WorkerSupervisor(StatusPublisher):
             os.path.join(self.cfg.cache_dir, "calibration"),
             run.fingerprint, self.cfg.cache.engine_budget_bytes, gate=run.doc.get("gate"),
             bench=run.doc.get("bench"), search=run.doc.get("search"),
-            fallback_reason=run.fallback_reason)
+            fallback_reason=run.fallback_reason, limits=self._worker_limits())
         spec_path = os.path.join(run.work_dir, "job.json")
         atomic_write(spec_path, json.dumps(spec, sort_keys=True).encode("utf-8"))
         env = dict(os.environ)
@@ -99,6 +112,8 @@ class WorkerSupervisor(StatusPublisher):
         except OSError as exc:
             raise AgentError("worker_crashed", "cannot start the worker with {} (worker_python):"
                              " {}".format(python, exc.strerror or exc))
+        limit_memory(run.proc.pid, self.worker_memory_bytes())
+        self._oom_kills_at_launch = oom_kills()
         # Recorded with the stage change: a restarted agent knows the worker ran (and its pid).
         run.details["worker"] = "started"
         run.details["worker_pid"] = str(run.proc.pid)
@@ -108,6 +123,24 @@ class WorkerSupervisor(StatusPublisher):
                          name="worker-reader", daemon=True).start()
         log.info("job %s: worker %d started (%s, %s)", run.job_id, run.proc.pid, run.kind,
                  run.plan.get("precision"))
+
+    def worker_memory_bytes(self) -> int:
+        """The worker's RLIMIT_DATA: the configured size, or 3/4 of the device's memory."""
+        configured = self.cfg.limits.worker_memory_bytes
+        if configured:
+            return int(configured)
+        try:
+            total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return 0
+        return int(total * 3 // 4)
+
+    def _worker_limits(self) -> Dict[str, Any]:
+        limits = self.cfg.limits
+        return {"inflate_ratio": limits.inflate_ratio,
+                "inflate_min_bytes": limits.inflate_min_bytes,
+                "max_data_bytes": limits.max_data_bytes,
+                "memory_bytes": self.worker_memory_bytes()}
 
     def _worker_path(self) -> str:
         """A directory holding only our packages (symlinks), for the worker's PYTHONPATH: the
@@ -206,12 +239,30 @@ class WorkerSupervisor(StatusPublisher):
                 code = "internal_error"
             state = "REJECTED" if code in REJECT_CODES else "FAILED"
             self._end(run, state, error=run.error)
+        elif self._ran_out_of_memory(run, returncode):
+            limit = self.worker_memory_bytes()
+            self._end(run, "FAILED", error=AgentError(
+                "out_of_memory", "the worker {} after running out of memory: the job needs more "
+                "than its limit of {:,} bytes (limits.worker_memory_bytes) or the service's "
+                "MemoryMax=".format(describe_exit(returncode), limit),
+                {"returncode": returncode, "limit_bytes": limit,
+                 "stderr_tail": stderr_tail(run.stderr_path, 500)}).to_dict())
         else:
             tail = stderr_tail(run.stderr_path)
             self._end(run, "FAILED", error=AgentError(
                 "worker_crashed", "the worker {} while running the job".format(
                     describe_exit(returncode)),
                 {"returncode": returncode, "stderr_tail": tail}).to_dict())
+
+    def _ran_out_of_memory(self, run: Run, returncode: int) -> bool:
+        """A worker death that was an allocation failure: the kernel's OOM killer (the cgroup
+        counted a kill) or a native abort whose last words say so."""
+        if returncode == -signal.SIGKILL and oom_kills() > self._oom_kills_at_launch:
+            return True
+        if returncode >= 0 and run.error is not None:
+            return False
+        tail = stderr_tail(run.stderr_path, 800)
+        return any(marker in tail for marker in MEMORY_MARKERS)
 
     def _succeed(self, run: Run, result: Dict[str, Any]) -> None:
         result = dict(result)
@@ -290,6 +341,32 @@ class WorkerSupervisor(StatusPublisher):
                         KILL_GRACE_S)
             signal_group(run.proc, signal.SIGKILL)
             run.kill_at = now + 3600  # one SIGKILL is enough
+
+
+def limit_memory(pid: int, limit: int) -> None:
+    """Set the worker's RLIMIT_DATA from here (no preexec_fn: unsafe with the daemon's threads);
+    the worker is still importing when it applies."""
+    if limit <= 0:
+        return
+    try:
+        resource.prlimit(pid, resource.RLIMIT_DATA, (limit, limit))
+    except (OSError, ValueError) as exc:
+        log.warning("cannot limit worker %d to %d bytes: %s", pid, limit, exc)
+
+
+def oom_kills() -> int:
+    """The kernel's OOM kills in this service's cgroup (v2 memory.events; 0 when unknown)."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = [line.split(":", 2)[2].strip() for line in f if line.startswith("0::")][0]
+        with open("/sys/fs/cgroup{}/memory.events".format(path.rstrip("/"))) as f:
+            for line in f:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
 
 
 def signal_group(proc: "subprocess.Popen[bytes]", sig: int) -> None:

@@ -93,6 +93,8 @@ def test_unit_settings():
     # GPU access: /dev/nvhost-* and /dev/nvmap must stay visible.
     assert "PrivateDevices" not in service
     assert "MemoryDenyWriteExecute" not in service
+    # A memory ceiling for the service; an OOM kill of the worker must not stop the daemon.
+    assert service["MemoryMax"][0].endswith("%") and service["OOMPolicy"] == ["continue"]
     assert s["Install"]["WantedBy"] == ["multi-user.target"]
 
 
