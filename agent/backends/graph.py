@@ -84,8 +84,10 @@ def _describe(data: bytes) -> str:
     return "{} bytes starting with {}".format(len(data), data[:8].hex())
 
 
-def parse_model(data: bytes, source: str = "model") -> onnx.ModelProto:
-    """Parse and check ONNX bytes; ``source`` names the file in error messages."""
+def parse_model(data: bytes, source: str = "model",
+                external_dir: Optional[str] = None) -> onnx.ModelProto:
+    """Parse and check ONNX bytes; ``source`` names the file in error messages. External
+    tensor data is inlined from ``external_dir`` (else refused), before the checker runs."""
     from google.protobuf.message import DecodeError  # type: ignore  # onnx's own dependency
 
     model = onnx.ModelProto()
@@ -101,6 +103,9 @@ def parse_model(data: bytes, source: str = "model") -> onnx.ModelProto:
         raise AgentError("bad_model",
                          "{}: expected an ONNX model with an IR version, opsets and a graph of "
                          "nodes, found {} ({} bytes)".format(source, _describe(data), len(data)))
+    from agent.model_check import inline_external_data  # every tensor, subgraphs included
+
+    inline_external_data(model, source, external_dir)
     _check(model, source)
     ensure_node_names(model)
     return model
@@ -129,15 +134,7 @@ def load_model(path: str) -> onnx.ModelProto:
         raise AgentError("file_not_found", "model {} does not exist".format(path))
     with open(path, "rb") as f:
         data = f.read()
-    model = parse_model(data, path)
-    if any(init.data_location == TensorProto.EXTERNAL for init in model.graph.initializer):
-        try:
-            onnx.load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
-        except (OSError, ValueError) as exc:
-            raise AgentError("file_not_found",
-                             "{}: expected its external weight files beside it, found: "
-                             "{}".format(path, exc))
-    return model
+    return parse_model(data, path, os.path.dirname(os.path.abspath(path)))
 
 
 def ensure_node_names(model: onnx.ModelProto) -> onnx.ModelProto:
