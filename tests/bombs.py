@@ -104,18 +104,21 @@ def _external(name, values, location, offsets):
     return tensor, values.tobytes()
 
 
-def external_data_model(folder, locations=None):
+def external_data_model(folder, locations=None, inline_others=False):
     """model.onnx in ``folder``: y = x + 1 + [0, 2, 0, 2] + 10 + 100 + 10000 with every constant
     kept outside: a top-level initializer, a sparse initializer, a Constant attribute, a
     Constant in an If's then-branch, an initializer of its else-branch and one in a Loop body.
-    ``locations`` maps those (w, s, c, t, e, b) to file names (default weights.bin); the
-    bytes go to the files named. Returns (model path, {location: bytes})."""
-    from onnx import TensorProto, helper
+    ``locations`` maps those (w, s, c, t, e, b) to file names (default weights.bin, or inside
+    the model with ``inline_others``); the bytes go to the files named (where the folder
+    allows). Returns (model path, {location: bytes})."""
+    from onnx import TensorProto, helper, numpy_helper
 
     where = dict({k: "weights.bin" for k in "wsctbe"}, **(locations or {}))
     offsets, blobs = {}, {}
 
     def ext(key, name, values):
+        if inline_others and key not in (locations or {}):
+            return numpy_helper.from_array(np.asarray(values), name)
         tensor, data = _external(name, np.asarray(values), where[key], offsets)
         blobs[where[key]] = blobs.get(where[key], b"") + data
         return tensor
