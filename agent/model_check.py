@@ -23,7 +23,7 @@ from onnx import ModelProto, TensorProto, helper
 from agent.errors import AgentError
 
 MAX_INLINE_BYTES = (2 << 30) - 1  # protobuf's limit on one serialized model
-_allowed = None  # type: Optional[List[str]]
+_allowed: Optional[List[str]] = None
 
 
 def confine_to(paths: Iterable[str]) -> None:
@@ -46,8 +46,8 @@ def _itemsize(elem_type: int) -> Optional[int]:
 def iter_tensors(model: ModelProto) -> Iterator[Tuple[TensorProto, str]]:
     """Every tensor in the model with where it sits, subgraphs and functions included
     (a stack, not recursion: bodies may nest)."""
-    stack = [(model.graph, "graph")]  # type: List[Tuple[Any, str]]
-    for fn in model.functions:
+    stack: List[Tuple[Any, str]] = [(model.graph, "graph")]
+    for fn in getattr(model, "functions", []):
         stack.append((fn, "function {}".format(fn.name)))
     for i, info in enumerate(getattr(model, "training_info", [])):
         stack.append((info.initialization, "training_info {} initialization".format(i)))

@@ -147,7 +147,7 @@ def _fill(read: Callable[[int], bytes], header: NpyHeader, code: str,
           source: str) -> np.ndarray:
     """The array after ``header``, read in chunks into one buffer of the declared size."""
     buf = np.empty(header.nbytes, dtype=np.uint8)
-    view = memoryview(buf)
+    view = memoryview(buf)  # type: ignore[arg-type]
     done = 0
     while done < header.nbytes:
         piece = read(min(CHUNK, header.nbytes - done))
@@ -237,7 +237,7 @@ class _Member(object):
         self.left = info.file_size  # inflated bytes still allowed
         self.crc = 0
         if info.compress_type == zipfile.ZIP_STORED:
-            self.dec = None  # type: Any
+            self.dec: Any = None
         elif info.compress_type == zipfile.ZIP_DEFLATED:
             self.dec = zlib.decompressobj(-15)
         elif info.compress_type == zipfile.ZIP_BZIP2:
@@ -317,10 +317,10 @@ def _members(f: BinaryIO, code: str, source: str, size: int) -> List[zipfile.Zip
         if record is None:
             raise AgentError(code, "{}: expected a .npz (zip) archive, found no zip "
                              "directory".format(source))
-        if record[zipfile._ECD_ENTRIES_TOTAL] > MAX_MEMBERS:  # type: ignore[attr-defined]
+        entries = record[getattr(zipfile, "_ECD_ENTRIES_TOTAL", 4)]
+        if entries > MAX_MEMBERS:
             raise AgentError(code, "{}: expected at most {} arrays, found an archive "
-                             "declaring {:,}".format(source, MAX_MEMBERS,
-                                                     record[zipfile._ECD_ENTRIES_TOTAL]))
+                             "declaring {:,}".format(source, MAX_MEMBERS, entries))
     f.seek(0)
     try:
         infos = zipfile.ZipFile(f).infolist()
@@ -347,7 +347,7 @@ class NpzHeaders(object):
             f.seek(0, os.SEEK_END)
             self.size = f.tell()
             budget = limit_for(budget_size or self.size)
-            self.headers = OrderedDict()  # type: Dict[str, Tuple[zipfile.ZipInfo, NpyHeader]]
+            self.headers: Dict[str, Tuple[zipfile.ZipInfo, NpyHeader]] = OrderedDict()
             total = 0
             for info in _members(f, code, self.source, self.size):
                 if info.is_dir():
@@ -384,7 +384,7 @@ class NpzHeaders(object):
         return open(self.path, "rb")
 
     def arrays(self, names: Optional[List[str]] = None) -> "OrderedDict[str, np.ndarray]":
-        out = OrderedDict()  # type: OrderedDict[str, np.ndarray]
+        out: "OrderedDict[str, np.ndarray]" = OrderedDict()
         with self._open() as f:
             for name, (info, header) in self.headers.items():
                 if names is not None and name not in names:

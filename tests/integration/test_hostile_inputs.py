@@ -18,7 +18,6 @@ import os
 import pickle
 import time
 
-import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper

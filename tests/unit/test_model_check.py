@@ -69,7 +69,7 @@ def test_paths_out_of_the_folder_are_refused(tmp_path):
         folder.mkdir()
         os.symlink(str(outside), str(folder / "link.bin"))
         path, _ = bombs.external_data_model(folder, {"c": location})
-        err = code_of(lambda: graph.load_model(path))
+        err = code_of(lambda p=path: graph.load_model(p))
         assert err.code == "bad_model" and why in err.message, err.message
 
 
