@@ -16,6 +16,7 @@ docs/reliability.md.
 
 import os
 import pickle
+import stat
 import time
 
 import onnx
@@ -54,6 +55,16 @@ def attack(controller, job_id, doc, state, code, *needles):
         assert needle in msg["error"]["message"], msg["error"]["message"]
     protocol.validate("job_status", msg)
     return msg
+
+
+def assert_clean(controller, agent):
+    """Nothing lost or broken: the daemon lives, its outbox is empty (every status reached the
+    controller), its store is sound and its log holds no traceback."""
+    assert agent.alive()
+    diag = controller.diag()
+    assert diag["ok"] and diag["result"]["outbox"] == 0, diag
+    agent.assert_store_sound()
+    assert "Traceback" not in agent.log_tail(10 ** 7)
 
 
 def rss_kb(pid):
@@ -102,8 +113,7 @@ def test_bombs_lying_headers_pickles_and_deep_json(controller, agent_factory, di
     for job_id, doc, code, needles in cases:
         attack(controller, job_id, doc, "REJECTED", code, *needles)
         genuine(controller, model, job_id)
-    assert agent.alive()
-    agent.assert_store_sound()
+    assert_clean(controller, agent)
     print("\nhostile inputs: seconds to a genuine job after each attack:",
           {k: round(v, 2) for k, v in sorted(TIMES.items())},
           "daemon RSS {} kB".format(rss_kb(agent.proc.pid)))
@@ -129,7 +139,8 @@ def test_memory_ceiling_ends_a_blow_up_as_out_of_memory(controller, agent_factor
                          "plan": {"precision": "fp32"}, "bench": BENCH})
     assert final(controller, "deploy-ok", GENUINE_S)["state"] == "SUCCEEDED"
     genuine(controller, files["model"], "out-of-memory")
-    assert agent.alive() and rss_kb(agent.proc.pid) < before + 50 * 1024
+    assert rss_kb(agent.proc.pid) < before + 50 * 1024
+    assert_clean(controller, agent)
     print("\nout_of_memory: daemon RSS {} -> {} kB; genuine job {:.2f} s after".format(
         before, rss_kb(agent.proc.pid), TIMES["out-of-memory"]))
 
@@ -165,7 +176,7 @@ def test_external_data_naming_the_workers_files_is_refused(controller, agent_fac
     assert engines
     for engine in engines:
         assert model_check.is_self_contained(onnx.load(engine, load_external_data=False))
-    assert agent.alive()
+    assert_clean(controller, agent)
 
 
 def _model(path, dims):
@@ -203,7 +214,24 @@ def test_huge_shapes_are_refused_and_job_shapes_are_benchmarked(controller, agen
     msg = final(controller, "dynamic-shapes")
     assert msg["state"] == "SUCCEEDED", msg
     assert msg["result"]["bench"]["batch"] == 3
-    assert agent.alive()
+    assert_clean(controller, agent)
+
+
+def test_a_native_allocation_failure_is_out_of_memory(controller, agent_factory, digits_files,
+                                                      tmp_path):
+    # What onnxruntime or TensorRT leave when an allocation fails in C++: std::bad_alloc, abort.
+    worker = tmp_path / "bad-alloc-python"
+    worker.write_text("#!/bin/sh\necho \"terminate called after throwing an instance of "
+                      "'std::bad_alloc'\" >&2\nkill -ABRT $$\n")
+    worker.chmod(worker.stat().st_mode | stat.S_IXUSR)
+    agent = agent_factory(extra_config="worker_python: {}\nlimits:\n  worker_memory_bytes: "
+                                       "1GiB\n".format(worker)).start()
+    controller.wait_online()
+    model = controller.add_artifact(digits_files["model"])
+    attack(controller, "bad-alloc", {"kind": "bench", "artifacts": {"model": model},
+                                     "plan": {"precision": "fp32"}, "bench": BENCH},
+           "FAILED", "out_of_memory", "SIGABRT", "1,073,741,824 bytes")
+    assert_clean(controller, agent)
 
 
 @pytest.fixture(autouse=True, scope="module")
