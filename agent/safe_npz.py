@@ -25,7 +25,7 @@ import struct
 import zipfile
 import zlib
 from collections import OrderedDict
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -428,7 +428,3 @@ def read_arrays(path: str, code: str, source: Optional[str] = None) -> List[np.n
         return list(read_npz(path, code, source).values())
     return [read_npy(path, code, source)]
 
-
-def iter_headers(path: str, code: str) -> Iterator[Tuple[str, NpyHeader]]:
-    for name, (_info, header) in NpzHeaders(path, code, skip_other=True).headers.items():
-        yield name, header
