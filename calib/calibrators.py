@@ -35,6 +35,18 @@ LEGACY_QUANTILE = 0.9999
 LEGACY_REGRESSION_CUTOFF = 0.5
 
 
+def calibration_dtypes(inputs: Sequence[Any]) -> Dict[str, Any]:
+    """The dtype each network input is fed in during calibration: float32 for every float
+    input (TensorRT calibrates the float network and reads non-index inputs as float32 whatever
+    the input's type, as Polygraphy's data loader does), the input's own type for index
+    (integer / bool) inputs. ``inputs`` are ``TensorSpec``s."""
+    out: Dict[str, Any] = {}
+    for spec in inputs:
+        dtype = np.dtype(spec.dtype)
+        out[spec.name] = np.float32 if dtype.kind == "f" else dtype.type
+    return out
+
+
 def read_cache_bytes(path: Optional[str]) -> Optional[bytes]:
     """The calibration cache's bytes when the file exists (TensorRT then skips calibration),
     else None."""

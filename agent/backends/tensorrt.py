@@ -1,4 +1,4 @@
-"""The device backend: TensorRT 8.2 / 8.5 / 8.6 / 10.x through the ONNX parser.
+"""The device backend: TensorRT 8.0.1 / 8.2 / 8.5 / 8.6 / 10.x / 11.x through the ONNX parser.
 
 Two ways to get reduced precision, chosen by the TensorRT version (``tensorrt_plan`` decides
 what to ask; this module carries it out):
@@ -44,6 +44,7 @@ from agent.backends.base import (
     no_progress,
 )
 from agent.backends.tensorrt_plan import (
+    NUMPY_DTYPES,
     TRT_DTYPES,
     EngineLayer,
     Features,
@@ -57,6 +58,7 @@ from agent.backends.tensorrt_plan import (
     parse_engine_information,
     parse_version,
     parser_error,
+    plan_floor,
     precision_mismatches,
     profile_shapes,
     shape_text,
@@ -173,13 +175,24 @@ def import_tensorrt() -> Any:
     return tensorrt
 
 
+_LOGGER: Any = None
+
+
 def _make_logger() -> Any:
-    """A TensorRT logger that keeps errors and warnings for error messages."""
+    """The process-wide TensorRT logger. TensorRT keeps the first logger it was given while any
+    builder or runtime lives, so a nested builder (the range engine of the percentile path) or
+    a runner inside a build would log into the outer one: there is one logger, it routes to
+    ``logging`` and keeps the last errors and warnings for the current job's messages."""
+    global _LOGGER
     import tensorrt as trt
 
-    class Logger(trt.ILogger):
+    if _LOGGER is not None and _LOGGER.module is trt:
+        return _LOGGER
+
+    class Logger(trt.ILogger):  # type: ignore[misc]
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
+            self.module = trt
             self.messages: List[str] = []
 
         def log(self, severity: "trt.ILogger.Severity", msg: str) -> None:
@@ -194,7 +207,31 @@ def _make_logger() -> Any:
                 log.debug("TensorRT: %s", msg)
             del self.messages[:-50]
 
-    return Logger()
+        def mark(self) -> int:
+            """Where the current job's messages start (``since``)."""
+            return len(self.messages)
+
+        def since(self, mark: int) -> List[str]:
+            return list(self.messages[mark:]) if mark <= len(self.messages) else \
+                list(self.messages)
+
+    _LOGGER = Logger()
+    return _LOGGER
+
+
+def numpy_dtype(trt: Any, dtype: Any, what: str) -> Any:
+    """The numpy type of a TensorRT data type, from our table (``NUMPY_DTYPES``), not
+    ``trt.nptype`` (broken on NumPy >= 1.24 up to TensorRT 8.5, raising for bf16/fp8)."""
+    for alias, name in NUMPY_DTYPES:
+        if hasattr(trt, alias) and dtype == getattr(trt, alias):
+            if name is None:
+                raise AgentError(
+                    "unsupported_model",
+                    "{} has TensorRT type {}, which has no numpy equivalent (expected float32, "
+                    "float16, int8, int32, int64, bool or uint8 I/O)".format(what, alias))
+            return np.dtype(name).type
+    raise AgentError("unsupported_model",
+                     "{} has an unknown TensorRT type {}".format(what, dtype))
 
 
 def _ints(dims: "tensorrt.Dims") -> Tuple[int, ...]:
@@ -219,24 +256,29 @@ def _network_inputs(network: "tensorrt.INetworkDefinition") -> List[TensorSpec]:
     specs = []
     for i in range(network.num_inputs):
         tensor = network.get_input(i)
-        specs.append(TensorSpec(tensor.name, trt.nptype(tensor.dtype), _dims(tensor.shape)))
+        specs.append(TensorSpec(tensor.name,
+                                numpy_dtype(trt, tensor.dtype, "input {!r}".format(tensor.name)),
+                                _dims(tensor.shape)))
     return specs
 
 
 _INTEGER_DTYPES = ("int32", "int64", "bool", "uint8", "int8", "int4", "fp8")
+# IDENTITY: the 8.x parser imports Cast as an identity layer with setOutputType (onnx-tensorrt
+# builtin_op_importers.cpp); pinning it to float32 would delete the cast. CAST: the same on 10.
 _UNCONSTRAINABLE_LAYERS = ("CONSTANT", "SHAPE", "ASSERTION", "CONDITION", "CONDITIONAL_INPUT",
                            "CONDITIONAL_OUTPUT", "TRIP_LIMIT", "ITERATOR", "LOOP_OUTPUT",
-                           "RECURRENCE")
+                           "RECURRENCE", "IDENTITY", "CAST")
 
 
 def apply_layer_precisions(
     trt: Any, network: "tensorrt.INetworkDefinition", asked: Dict[str, str],
-    node_order: Sequence[str],
+    node_order: Sequence[str], others: Optional[str] = None,
 ) -> Tuple[Dict[str, List[str]], List[Tuple[str, str]]]:
     """Set ``layer.precision`` (and, for float precisions, every output type) on the network
-    layers of each asked ONNX node. Returns (node -> constrained layer names,
-    [(layer, why skipped)]): layers with integer/bool outputs, shape-tensor outputs, constant
-    and shape layers cannot be constrained."""
+    layers of each asked ONNX node, and with ``others`` on every other layer that can be
+    constrained. Returns (node -> constrained layer names, [(layer, why skipped)]): layers
+    with integer/bool outputs, shape-tensor outputs, constant and shape layers, casts and
+    identities cannot be constrained (only asked layers are listed as skipped)."""
     applied: Dict[str, List[str]] = {}
     skipped: List[Tuple[str, str]] = []
     fixed_types = [getattr(trt.LayerType, n) for n in _UNCONSTRAINABLE_LAYERS
@@ -248,6 +290,8 @@ def apply_layer_precisions(
                                              getattr(layer, "metadata", "") or "")
                  if n in asked]
         if not nodes:
+            if others is not None:
+                _pin_quietly(trt, layer, others, fixed_types, int_types)
             continue
         precision = asked[nodes[0]]
         if layer.type in fixed_types:
@@ -271,6 +315,23 @@ def apply_layer_precisions(
         for node in nodes:
             applied.setdefault(node, []).append(layer.name)
     return applied, skipped
+
+
+def _pin_quietly(trt: Any, layer: "tensorrt.ILayer", precision: str, fixed_types: List[Any],
+                 int_types: List[Any]) -> bool:
+    """Pin a layer nobody named to the plan's precision when it can be constrained."""
+    if layer.type in fixed_types:
+        return False
+    for j in range(layer.num_outputs):
+        tensor = layer.get_output(j)
+        if tensor.dtype in int_types or getattr(tensor, "is_shape_tensor", False):
+            return False
+    dtype = getattr(trt, TRT_DTYPES[precision])
+    layer.precision = dtype
+    if precision != "int8":
+        for j in range(layer.num_outputs):
+            layer.set_output_type(j, dtype)
+    return True
 
 
 def _set_dynamic_ranges(network: "tensorrt.INetworkDefinition", amax: Dict[str, float]) -> int:
@@ -348,12 +409,16 @@ class TensorRTBackend(Backend):
         result.seconds = time.monotonic() - started
         return result
 
-    def open(self, engine_path: str) -> "TensorRTRunner":
+    def open(self, engine_path: str, dla_core: Optional[int] = None) -> "TensorRTRunner":
+        """A runner for ``engine_path``; a DLA engine runs on the core it was built for (or
+        ``dla_core``): TensorRT's runtime would otherwise use its default core."""
         if not os.path.isfile(engine_path):
             raise AgentError("file_not_found", "engine {} does not exist".format(engine_path))
         with open(engine_path, "rb") as f:
             data = f.read()
-        return TensorRTRunner(data, self.device, source=engine_path)
+        if dla_core is None:
+            dla_core = read_dla_core(engine_path)
+        return TensorRTRunner(data, self.device, source=engine_path, dla_core=dla_core)
 
 
 class _Build(object):
@@ -371,6 +436,7 @@ class _Build(object):
         self.version = parse_version(self.version_text)
         self.settings = builder_settings(plan, self.version)
         self.logger = _make_logger()
+        self.log_mark = self.logger.mark()  # this build's messages start here
         self.details: Dict[str, Any] = {"trt_version": self.version_text,
                                         "strongly_typed": self.settings.strongly_typed,
                                         "flags": list(self.settings.set_flags),
@@ -417,9 +483,24 @@ class _Build(object):
 
     # build ------------------------------------------------------------------------------
 
+    def _check_dla_core(self, builder: "tensorrt.Builder") -> None:
+        """The DLA core asked for exists on this device (TensorRT says how many)."""
+        core = self.settings.dla_core
+        if core is None:
+            return
+        count = int(getattr(builder, "num_DLA_cores", 0) or 0)
+        if core >= count:
+            raise AgentError(
+                "unsupported_precision",
+                "--dla-core {}: TensorRT {} reports {} DLA core(s) on this device (expected a "
+                "core index below that, or no --dla-core)".format(core, self.version_text,
+                                                                  count),
+                {"dla_cores": count})
+
     def _config(self, net: _Network, profile: ProfileShapes) -> "tensorrt.IBuilderConfig":
         import tensorrt as trt
 
+        self._check_dla_core(net.builder)
         config = net.builder.create_builder_config()
         apply_builder_settings(trt, config, self.settings)
         if profile:
@@ -433,12 +514,13 @@ class _Build(object):
         self.progress("building", 0, 1)
         serialized = net.builder.build_serialized_network(net.network, config)
         if serialized is None:
+            messages = self.logger.since(self.log_mark)
             raise AgentError(
                 "build_failed",
                 "TensorRT {} could not build {}: {}".format(
                     self.version_text, self.model_path,
-                    " | ".join(self.logger.messages[-5:]) or "no message"),
-                {"messages": list(self.logger.messages)})
+                    " | ".join(messages[-5:]) or "no message"),
+                {"messages": messages})
         self.progress("building", 1, 1)
         return serialized
 
@@ -463,7 +545,8 @@ class _Build(object):
         config = self._config(net, profile)
         if self.settings.layer_constraints:
             applied, skipped = apply_layer_precisions(trt, net.network,
-                                                      plan.layer_precisions, order)
+                                                      plan.layer_precisions, order,
+                                                      self.settings.pin_others)
             self.details["constrained_layers"] = applied
             self.details["skipped_layers"] = [list(s) for s in skipped]
         feeder = None
@@ -486,6 +569,9 @@ class _Build(object):
         self.details["timing_cache"] = {"path": timing.path, "loaded_bytes": timing.loaded_bytes,
                                         "saved_bytes": timing.save(config)}
         atomic_write(self.engine_path, bytes(serialized))
+        _write_dla_core(self.engine_path, self.settings.dla_core)
+        if self.settings.dla_core is not None:
+            self.details["dla_core"] = self.settings.dla_core
         got, mismatches = self._read_back(serialized, order)
         return BuildResult(
             self.engine_path, plan.precision, layer_precisions=got, mismatches=mismatches,
@@ -521,7 +607,8 @@ class _Build(object):
         missing = sorted(set(self.plan.layer_precisions) - set(seen))
         if missing:
             self.details["not_in_engine"] = missing
-        return seen, precision_mismatches(self.plan.layer_precisions, seen)
+        floor = plan_floor(self.plan.precision) if not self.settings.strongly_typed else None
+        return seen, precision_mismatches(self.plan.layer_precisions, seen, floor)
 
     # INT8 -------------------------------------------------------------------------------
 
@@ -557,7 +644,7 @@ class _Build(object):
     def _implicit_int8(self, net: _Network, config: "tensorrt.IBuilderConfig",
                        profile: ProfileShapes,
                        order: Sequence[str]) -> Any:
-        from calib.calibrators import BatchFeeder, make_calibrator
+        from calib.calibrators import BatchFeeder, calibration_dtypes, make_calibrator
 
         settings = self._calibration()
         algorithm = settings.algorithm
@@ -579,7 +666,7 @@ class _Build(object):
             self.details["calibration"] = "cache"
         else:
             dataset = self._dataset(settings, net.inputs, batch)
-            feeder = BatchFeeder(dataset, batch, {s.name: s.dtype for s in net.inputs},
+            feeder = BatchFeeder(dataset, batch, calibration_dtypes(net.inputs),
                                  progress=self.progress, total=dataset.num_batches(),
                                  shapes=shapes)
             self.details["calibration"] = algorithm
@@ -659,6 +746,30 @@ class _Build(object):
         return graph.apply_precisions(model, assignment, amax=amax, emulate=False)
 
 
+def dla_core_path(engine_path: str) -> str:
+    """The file beside an engine that names the DLA core it was built for."""
+    return engine_path + ".dla-core"
+
+
+def _write_dla_core(engine_path: str, core: Optional[int]) -> None:
+    path = dla_core_path(engine_path)
+    if core is not None:
+        atomic_write(path, "{}\n".format(int(core)).encode())
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def read_dla_core(engine_path: str) -> Optional[int]:
+    """The DLA core an engine was built for (``--dla-core``), None for a GPU engine."""
+    text = _read_bytes(dla_core_path(engine_path)).decode("ascii", "replace").strip()
+    if not text:
+        return None
+    if not text.isdigit() or len(text) > 3:
+        raise AgentError("bad_engine", "{}: expected a DLA core number, found {!r}".format(
+            dla_core_path(engine_path), text[:20]))
+    return int(text)
+
+
 def _range_profile(shapes: Dict[str, Shape], profile: ProfileShapes) -> ProfileShapes:
     """The range engine's profile: batch 1 .. calibration batch on dynamic batch dimensions
     (a dataset's last, smaller batch must fit), the calibration shape elsewhere."""
@@ -681,7 +792,7 @@ class TensorRTRunner(Runner):
     ``execute_async_v2``). One optimization profile (the first) is used."""
 
     def __init__(self, data: bytes, device: int = 0, source: str = "engine",
-                 ctx: Any = None) -> None:
+                 ctx: Any = None, dla_core: Optional[int] = None) -> None:
         import tensorrt as trt
 
         from agent.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
@@ -691,18 +802,22 @@ class TensorRTRunner(Runner):
         self._own_ctx = ctx is None
         self.ctx = ctx if ctx is not None else CudaContext(device)
         self.buffers: Optional[IOBuffers] = None
+        self.timer: Optional[EventTimer] = None
         self._binding_index: Dict[str, int] = {}
         self._last_feeds: Optional[Dict[str, np.ndarray]] = None
         try:
             self.logger = _make_logger()
+            mark = self.logger.mark()
             self.runtime = trt.Runtime(self.logger)
+            if dla_core is not None:
+                self.runtime.DLA_core = int(dla_core)  # before deserializing: it is read then
             engine = self.runtime.deserialize_cuda_engine(data)
             if engine is None:
                 raise AgentError(
                     "bad_engine",
                     "{} is not a TensorRT {} engine for this device: {}".format(
                         source, trt.__version__,
-                        " | ".join(self.logger.messages[-3:]) or "deserialization failed"))
+                        " | ".join(self.logger.since(mark)[-3:]) or "deserialization failed"))
             self.engine = engine
             self.context = engine.create_execution_context()
             self.buffers = IOBuffers()
@@ -721,7 +836,8 @@ class TensorRTRunner(Runner):
         if self.features.tensor_io_api:
             for i in range(engine.num_io_tensors):
                 name = engine.get_tensor_name(i)
-                spec = TensorSpec(name, trt.nptype(engine.get_tensor_dtype(name)),
+                spec = TensorSpec(name, numpy_dtype(trt, engine.get_tensor_dtype(name),
+                                                     "tensor {!r}".format(name)),
                                   _dims(engine.get_tensor_shape(name)))
                 is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
                 (inputs if is_input else outputs).append(spec)
@@ -730,7 +846,8 @@ class TensorRTRunner(Runner):
         for i in range(engine.num_bindings):  # type: ignore[attr-defined]
             name = engine.get_binding_name(i)  # type: ignore[attr-defined]
             self._binding_index[name] = i
-            spec = TensorSpec(name, trt.nptype(engine.get_binding_dtype(i)),  # type: ignore[attr-defined]
+            dtype = engine.get_binding_dtype(i)  # type: ignore[attr-defined]
+            spec = TensorSpec(name, numpy_dtype(trt, dtype, "binding {!r}".format(name)),
                               _dims(engine.get_binding_shape(i)))  # type: ignore[attr-defined]
             (inputs if engine.binding_is_input(i) else outputs).append(spec)  # type: ignore[attr-defined]
         return inputs, outputs
@@ -826,13 +943,20 @@ class TensorRTRunner(Runner):
         elif self._last_feeds is None:
             raise AgentError("bad_argument",
                              "time_inference needs feeds (or a previous infer call)")
+        if self.timer is None:
+            raise AgentError("bad_argument", "{} is closed".format(self.source))
         return list(self.timer.time(self._enqueue, iterations, warmup))
 
     def close(self) -> None:
+        """Free in order while the CUDA context is still current: pycuda skips destroying a
+        stream or event whose context is gone (a leak per runner), so the events, then the
+        buffers and the stream, then TensorRT's objects, and only then the context."""
+        if self.timer is not None:
+            self.timer.close()
+            self.timer = None
         if self.buffers is not None:
-            self.buffers.free()
+            self.buffers.close()
             self.buffers = None
-        # Release TensorRT objects before the context they live in.
         for attr in ("context", "engine", "runtime"):
             if hasattr(self, attr):
                 delattr(self, attr)
