@@ -279,7 +279,10 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
                 by_name.update({t.name: t for t in outs})
             for vi in model.graph.output:
                 if vi.name in by_name:
-                    net.outputs.append(by_name[vi.name])
+                    tensor = by_name[vi.name]
+                    tensor.shape = Dims(d.dim_value if d.HasField("dim_value") else -1
+                                        for d in vi.type.tensor_type.shape.dim)
+                    net.outputs.append(tensor)
             return True
 
     class Config(object):

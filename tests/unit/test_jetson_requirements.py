@@ -1,0 +1,76 @@
+"""The per-JetPack requirement sets: what each pins, and that pip can resolve them for the
+Python each JetPack ships (``pip install --dry-run --python-version ...``; skipped with the
+reason when PyPI cannot be reached)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Built on the device from its sdist (no wheels on PyPI): not part of the wheel-only check.
+SOURCE_ONLY = ("pycuda",)
+
+
+def requirement_lines(name):
+    """The requirements a file names itself (no comments, no ``-r`` includes)."""
+    out = []
+    with open(os.path.join(ROOT, name)) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip().replace(" ", "")
+            if line and not line.startswith("-"):
+                out.append(line)
+    return out
+
+
+def test_jetpack_4_worker_set_fits_python_3_6():
+    lines = requirement_lines("requirements-jetson4.txt")
+    assert "onnx>=1.10,<1.12" in lines  # 1.11 is the last onnx with cp36 wheels
+    assert "numpy>=1.19,<1.20" in lines
+    assert "polygraphy>=0.33,<=0.53.4" in lines
+
+
+def test_jetpack_5_set_keeps_numpy_below_1_24():
+    with open(os.path.join(ROOT, "requirements-jetson5.txt")) as f:
+        assert "-r requirements.txt" in f.read()
+    assert "numpy>=1.19,<1.24" in requirement_lines("requirements-jetson5.txt")
+
+
+def _pypi_reachable():
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("name,python,abi", [
+    ("requirements-jetson4.txt", "3.6", "cp36m"),
+    ("requirements-jetson5.txt", "3.8", "cp38"),
+])
+def test_pip_resolves_the_set_for_the_jetpack_python(tmp_path, name, python, abi):
+    if not _pypi_reachable():
+        pytest.skip("PyPI (pypi.org:443) is not reachable: cannot check {} with pip".format(name))
+    wanted = [r for r in requirement_lines(name) if r.split("<")[0].split(">")[0].split("=")[0]
+              not in SOURCE_ONLY]
+    report = str(tmp_path / "report.json")
+    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+           "--disable-pip-version-check", "--report", report, "--python-version", python,
+           "--implementation", "cp", "--abi", abi, "--platform", "manylinux2014_aarch64",
+           "--only-binary=:all:"] + wanted
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True, timeout=300)
+    if proc.returncode != 0 and any(w in proc.stdout for w in (
+            "NewConnectionError", "Max retries exceeded", "Temporary failure in name",
+            "Could not fetch URL")):
+        pytest.skip("PyPI did not answer: {}".format(proc.stdout.strip().splitlines()[-1]))
+    assert proc.returncode == 0, proc.stdout
+    with open(report) as f:
+        got = {i["metadata"]["name"].lower(): i["metadata"]["version"]
+               for i in json.load(f)["install"]}
+    assert got["numpy"] < "1.24" if python == "3.8" else got["numpy"].startswith("1.19")
+    if python == "3.6":
+        assert got["onnx"].startswith("1.1") and int(got["onnx"].split(".")[1]) < 12
