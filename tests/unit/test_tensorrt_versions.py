@@ -13,12 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from agent.backends import tensorrt as trt_backend
 from agent.backends.base import BuildPlan, CalibrationSettings
-from agent.backends.tensorrt_plan import (
-    builder_settings,
-    engine_io_names,
-    parse_engine_information,
-    precision_mismatches,
-)
+from agent.backends import tensorrt_plan
+from agent.backends.tensorrt_plan import builder_settings, parse_engine_information
 from agent.errors import AgentError
 from tests import fake_trt
 from tests.models import fp16_max_model
@@ -28,7 +24,7 @@ NODES = ["MatMul_0", "Add", "Sub", "MatMul_1"]
 
 @pytest.fixture(autouse=True)
 def _fresh_logger(monkeypatch):
-    monkeypatch.setattr(trt_backend, "_LOGGER", None)
+    monkeypatch.setattr(trt_backend, "_LOGGER", None, raising=False)
 
 
 def _save(model, tmp_path, name="m.onnx"):
@@ -123,9 +119,9 @@ def test_fp32_plan_with_one_fp16_layer_keeps_the_others_fp32(monkeypatch, tmp_pa
 
 def test_mismatches_cover_layers_not_asked():
     got = {"MatMul_0": "float16", "Add": "float16", "Sub": "float32"}
-    assert precision_mismatches({"Add": "float16"}, got, "float32") == [
-        ("MatMul_0", "float32", "float16")]
-    assert precision_mismatches({"Add": "float16"}, got) == []  # int8 / best: any precision
+    mismatches = tensorrt_plan.precision_mismatches
+    assert mismatches({"Add": "float16"}, got, "float32") == [("MatMul_0", "float32", "float16")]
+    assert mismatches({"Add": "float16"}, got) == []  # int8 / best: any precision
 
 
 def test_int8_with_fp16_layers_is_refused_when_weakly_typed():
@@ -215,7 +211,7 @@ def test_both_inspector_formats_parse():
     for doc in (old, new):
         assert [(layer.name, layer.precision)
                 for layer in parse_engine_information(json.dumps(doc))] == [("Add", "float16")]
-        assert engine_io_names(json.dumps(doc)) == ["x", "y"]
+        assert tensorrt_plan.engine_io_names(json.dumps(doc)) == ["x", "y"]
 
 
 # -- 6: one logger ------------------------------------------------------------------------------
