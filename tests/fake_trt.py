@@ -167,6 +167,7 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
             self.name, self.dtype, self.shape = name, dtype, Dims(shape)
             self.is_shape_tensor = False
             self.dynamic_range = None
+            self.is_network_output = False
 
     if api["set_dynamic_range"]:
         def set_dynamic_range(self, lo, hi):
@@ -216,6 +217,10 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
 
         def get_output(self, i):
             return self.outputs[i]
+
+        def mark_output(self, tensor):
+            tensor.is_network_output = True
+            self.outputs.append(tensor)
 
     class ParserError(object):
         def __init__(self, desc):
@@ -282,7 +287,7 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
                     tensor = by_name[vi.name]
                     tensor.shape = Dims(d.dim_value if d.HasField("dim_value") else -1
                                         for d in vi.type.tensor_type.shape.dim)
-                    net.outputs.append(tensor)
+                    net.mark_output(tensor)
             return True
 
     class Config(object):

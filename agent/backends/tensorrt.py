@@ -334,6 +334,43 @@ def _pin_quietly(trt: Any, layer: "tensorrt.ILayer", precision: str, fixed_types
     return True
 
 
+_LOOP_START = ("TRIP_LIMIT", "ITERATOR", "RECURRENCE")
+_NOT_MARKED = ("SHAPE", "CONSTANT")
+
+
+def mark_layerwise(trt: Any, network: "tensorrt.INetworkDefinition") -> List[str]:
+    """Mark every layer output the range engine may expose; returns the network's outputs.
+
+    Polygraphy's ``backend.trt.util.mark_layerwise`` when Polygraphy is installed (it tracks
+    TensorRT's layer types across versions); otherwise the same rule: no shape or constant
+    layers, nothing inside a loop body (between a loop's first layer and its LOOP_OUTPUT), as
+    TensorRT cannot expose those."""
+    try:
+        from polygraphy.backend.trt import util as polygraphy_trt
+    except ImportError:  # optional: the rule below is Polygraphy's
+        polygraphy_trt = None
+    if polygraphy_trt is not None and hasattr(polygraphy_trt, "mark_layerwise"):
+        polygraphy_trt.mark_layerwise(network)
+    else:
+        starts = [getattr(trt.LayerType, n) for n in _LOOP_START if hasattr(trt.LayerType, n)]
+        skip = [getattr(trt.LayerType, n) for n in _NOT_MARKED if hasattr(trt.LayerType, n)]
+        end = getattr(trt.LayerType, "LOOP_OUTPUT", None)
+        in_loop = False
+        for i in range(network.num_layers):
+            layer = network.get_layer(i)
+            if layer.type in starts:
+                in_loop = True
+            elif end is not None and layer.type == end:
+                in_loop = False
+            if in_loop or layer.type in skip:
+                continue
+            for j in range(layer.num_outputs):
+                tensor = layer.get_output(j)
+                if tensor is not None and not tensor.is_network_output:
+                    network.mark_output(tensor)
+    return [network.get_output(i).name for i in range(network.num_outputs)]
+
+
 def _set_dynamic_ranges(network: "tensorrt.INetworkDefinition", amax: Dict[str, float]) -> int:
     """Implicit INT8 without a calibrator (percentile): each known tensor gets its range."""
     count = 0
@@ -684,6 +721,8 @@ class _Build(object):
         """amax per tensor: from a compatible cache, else measured on this device by running
         an fp32 engine with every float tensor marked as an output through ``calib.ranges``
         (the cache is then written for the next build)."""
+        import tensorrt as trt
+
         from agent.backends import graph
         from calib import cache as calib_cache
         from calib.ranges import RangeCollector
@@ -696,12 +735,13 @@ class _Build(object):
         batch, shapes, notes = calibration_shapes(inputs, profile, settings.batch_size)
         self.details["notes"].extend(notes)
         dataset = self._dataset(settings, inputs, batch)
-        model = graph.mark_outputs(graph.load_model(self.model_path), ["*"])
+        model = graph.load_model(self.model_path)
         fp32 = BuildPlan(precision="fp32", workspace_bytes=self.plan.workspace_bytes,
                          shapes=_range_profile(shapes, profile))
         sub = _Build(self.backend, self.ctx, self.model_path, fp32, self.engine_path,
                      no_progress)
         net = sub._parse(model)
+        self.details["range_outputs"] = len(mark_layerwise(trt, net.network))
         serialized = sub._serialize(net, sub._config(net, profile_shapes(net.inputs,
                                                                          fp32.shapes)))
         collector = RangeCollector(settings.algorithm)

@@ -315,3 +315,37 @@ def test_detection_drops_dla_cores_tensorrt_cannot_drive():
     info.dla_cores, info.tensorrt = 2, "10.3.0.30"
     _check_dla(info)
     assert info.dla_cores == 2
+
+
+# -- the range engine marks outputs as Polygraphy's mark_layerwise does ----------------------
+
+def _shape_model():
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="Relu_0"),
+             helper.make_node("Shape", ["r"], ["s"], name="Shape_1"),
+             helper.make_node("Reshape", ["r", "s"], ["y"], name="Reshape_2")]
+    graph = helper.make_graph(nodes, "shape",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_mark_layerwise_skips_shape_and_constant_layers(monkeypatch):
+    trt, _ = fake_trt.install(monkeypatch, "8.6")
+    monkeypatch.setitem(__import__("sys").modules, "polygraphy", None)  # our own copy
+    builder = trt.Builder(object())
+    network = builder.create_network(1)
+    trt.OnnxParser(network, None).parse(_shape_model().SerializeToString())
+    assert trt_backend.mark_layerwise(trt, network) == ["y", "r"]
+
+
+@pytest.mark.parametrize("profile", ["8.5", "10.3"])
+def test_percentile_int8_through_the_range_engine(monkeypatch, tmp_path, profile):
+    data = str(tmp_path / "calib.npz")
+    np.savez(data, x=np.random.RandomState(0).rand(4, 1, 4, 4).astype(np.float32))
+    plan = BuildPlan(precision="int8", calibration=CalibrationSettings(data, "percentile",
+                                                                       batch_size=1))
+    model = fp16_max_model()
+    _, result, trt, _ = _build(monkeypatch, tmp_path, profile, plan, model)
+    assert result.calibrated and result.details["calibration"] == "percentile"
+    assert result.details["range_outputs"] == 4  # every layer's output, y included once
+    assert [b["detailed"] for b in trt._driver.builds] == [True, True]
