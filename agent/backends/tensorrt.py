@@ -24,6 +24,7 @@ TensorRT and pycuda are imported lazily. Worker side: Python >= 3.6.
 
 import contextlib
 import fcntl
+import importlib
 import logging
 import os
 import re
@@ -345,9 +346,9 @@ def mark_layerwise(trt: Any, network: "tensorrt.INetworkDefinition") -> List[str
     TensorRT's layer types across versions); otherwise the same rule: no shape or constant
     layers, nothing inside a loop body (between a loop's first layer and its LOOP_OUTPUT), as
     TensorRT cannot expose those."""
-    try:
-        from polygraphy.backend.trt import util as polygraphy_trt
-    except ImportError:  # optional: the rule below is Polygraphy's
+    try:  # optional (requirements-jetson*.txt): the rule below is Polygraphy's
+        polygraphy_trt: Any = importlib.import_module("polygraphy.backend.trt.util")
+    except ImportError:
         polygraphy_trt = None
     if polygraphy_trt is not None and hasattr(polygraphy_trt, "mark_layerwise"):
         polygraphy_trt.mark_layerwise(network)

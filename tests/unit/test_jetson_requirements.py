@@ -62,7 +62,7 @@ def test_pip_resolves_the_set_for_the_jetpack_python(tmp_path, name, python, abi
            "--implementation", "cp", "--abi", abi, "--platform", "manylinux2014_aarch64",
            "--only-binary=:all:"] + wanted
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          universal_newlines=True, timeout=300)
+                          text=True, timeout=300)
     if proc.returncode != 0 and any(w in proc.stdout for w in (
             "NewConnectionError", "Max retries exceeded", "Temporary failure in name",
             "Could not fetch URL")):
