@@ -169,12 +169,17 @@ def make_calibrator(
     batch_size: int,
     cache_path: Optional[str],
     cache_bytes: Optional[bytes] = None,
+    explicit_batch: bool = True,
 ) -> Any:
     """A TensorRT calibrator for ``algorithm`` (entropy2 / minmax / legacy).
 
     ``cache_bytes`` (a compatible cache read beforehand) is what ``read_calibration_cache``
     returns, so TensorRT skips calibration; ``feeder`` may then be None. The cache TensorRT
-    produces is written atomically to ``cache_path``."""
+    produces is written atomically to ``cache_path``.
+
+    ``get_batch_size`` answers 1 for explicit-batch networks (every ONNX network): the batch is
+    the calibration profile's leading dimension, as in Polygraphy's calibrator (whose
+    ``batch_size`` defaults to 1 and is deprecated); TensorRT deprecates the call in 10.1."""
     base = _calibrator_base(algorithm)
     if feeder is None and cache_bytes is None:
         raise AgentError("bad_argument",
@@ -191,7 +196,7 @@ def make_calibrator(
             self.error: Optional[BaseException] = None
 
         def get_batch_size(self) -> int:
-            return int(batch_size)
+            return 1 if explicit_batch else int(batch_size)
 
         def get_batch(self, names: List[str], *unused: Any) -> Optional[List[int]]:
             if self.feeder is None or self.error is not None:

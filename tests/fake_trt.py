@@ -89,6 +89,8 @@ class Driver(object):
         self.live = 0
         self.builds = []
         self.runtimes = []
+        self.builders_alive = 0
+        self.builders_at_deserialize = []  # builders alive at each deserialization
 
 
 def make_trt(profile, numpy_version=None, num_dla_cores=0):
@@ -371,6 +373,7 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
     class Builder(object):
         def __init__(self, logger):
             attach(logger)
+            drv.builders_alive += 1
             self.logger = logger
             self.fail_with = None  # tests set this: the build fails with that message
             if api["num_dla_cores"]:
@@ -378,6 +381,7 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
 
         def __del__(self):
             drv.live -= 1
+            drv.builders_alive -= 1
 
         def create_network(self, flags=0):
             if not (flags >> int(getattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH",
@@ -527,6 +531,7 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
             drv.live -= 1
 
         def deserialize_cuda_engine(self, data):
+            drv.builders_at_deserialize.append(drv.builders_alive)
             try:
                 plan = json.loads(bytes(data).decode())
             except ValueError:

@@ -194,27 +194,30 @@ def _make_logger() -> Any:
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
             self.module = trt
-            self.messages: List[str] = []
+            self.messages: List[str] = []  # the last 50 errors and warnings
+            self.count = 0  # how many were ever kept: marks stay valid after trimming
 
         def log(self, severity: "trt.ILogger.Severity", msg: str) -> None:
             level = int(severity)
             if level <= int(trt.ILogger.Severity.ERROR):
                 log.error("TensorRT: %s", msg)
-                self.messages.append(msg)
             elif level <= int(trt.ILogger.Severity.WARNING):
                 log.warning("TensorRT: %s", msg)
-                self.messages.append(msg)
             else:
                 log.debug("TensorRT: %s", msg)
+                return
+            self.messages.append(msg)
+            self.count += 1
             del self.messages[:-50]
 
         def mark(self) -> int:
-            """Where the current job's messages start (``since``)."""
-            return len(self.messages)
+            """Where the current job's messages start (for ``since``)."""
+            return self.count
 
         def since(self, mark: int) -> List[str]:
-            return list(self.messages[mark:]) if mark <= len(self.messages) else \
-                list(self.messages)
+            """The errors and warnings kept since ``mark`` (at most the last 50)."""
+            new = self.count - mark
+            return list(self.messages[-new:]) if new > 0 else []
 
     _LOGGER = Logger()
     return _LOGGER
@@ -607,6 +610,9 @@ class _Build(object):
         self.details["timing_cache"] = {"path": timing.path, "loaded_bytes": timing.loaded_bytes,
                                         "saved_bytes": timing.save(config)}
         atomic_write(self.engine_path, bytes(serialized))
+        # The inspector deserializes the engine once more: let the builder, network and parsed
+        # weights go first, so a 2-4 GB board does not hold both at once.
+        del net, config, feeder
         _write_dla_core(self.engine_path, self.settings.dla_core)
         if self.settings.dla_core is not None:
             self.details["dla_core"] = self.settings.dla_core

@@ -349,3 +349,34 @@ def test_percentile_int8_through_the_range_engine(monkeypatch, tmp_path, profile
     assert result.calibrated and result.details["calibration"] == "percentile"
     assert result.details["range_outputs"] == 4  # every layer's output, y included once
     assert [b["detailed"] for b in trt._driver.builds] == [True, True]
+
+
+# -- settled by reading sources (docs/tensorrt.md) -------------------------------------------
+
+def test_inspector_deserializes_after_the_builder_is_gone(monkeypatch, tmp_path):
+    """2-4 GB boards: the builder, network and parsed weights are released before the engine
+    is deserialized again for the inspector."""
+    _, _, trt, _ = _build(monkeypatch, tmp_path, "8.6", BuildPlan(precision="fp16"))
+    assert trt._driver.builders_at_deserialize == [0]
+
+
+def test_calibrator_batch_size_is_one_for_explicit_batch(monkeypatch):
+    from calib.calibrators import make_calibrator
+
+    fake_trt.install(monkeypatch, "8.6")
+    calibrator = make_calibrator("entropy2", None, 8, None, b"cache")
+    assert calibrator.get_batch_size() == 1
+    assert make_calibrator("minmax", None, 8, None, b"c", explicit_batch=False
+                           ).get_batch_size() == 8
+
+
+def test_one_logger_per_process_and_per_job_messages(monkeypatch):
+    trt, _ = fake_trt.install(monkeypatch, "10.3")
+    logger = trt_backend._make_logger()
+    assert trt_backend._make_logger() is logger
+    mark = logger.mark()
+    for i in range(60):
+        logger.log(trt.ILogger.Severity.WARNING, "w{}".format(i))
+    logger.log(trt.ILogger.Severity.VERBOSE, "not kept")
+    assert logger.since(mark) == ["w{}".format(i) for i in range(10, 60)]
+    assert logger.since(logger.mark()) == []
