@@ -59,8 +59,11 @@ class _Member(int):
         return eq if eq is NotImplemented else not eq
 
 
-def _enum(kind, names):
-    return types.SimpleNamespace(**{n: _Member(kind, n, i) for i, n in enumerate(names)})
+def _enum(kind, members):
+    """An enum from ``{name: value}`` (a profile, read from the headers) or a list of names."""
+    if not isinstance(members, dict):
+        members = {n: i for i, n in enumerate(members)}
+    return types.SimpleNamespace(**{n: _Member(kind, n, v) for n, v in members.items()})
 
 
 # TensorRT DataType member name -> module alias (trt.float16 is DataType.HALF).
@@ -105,9 +108,10 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
     trt.BuilderFlag = _enum("BuilderFlag", p["builder_flags"])
     trt.NetworkDefinitionCreationFlag = _enum("NetworkDefinitionCreationFlag", p["network_flags"])
     trt.LayerType = _enum("LayerType", p["layer_types"])
-    trt.DataType = _enum("DataType", [_DTYPE_MEMBERS[d] for d in p["dtypes"]])
-    for alias in p["dtypes"]:
-        setattr(trt, alias, getattr(trt.DataType, _DTYPE_MEMBERS[alias]))
+    trt.DataType = _enum("DataType", p["data_types"])
+    for alias, member in _DTYPE_MEMBERS.items():
+        if member in p["data_types"]:
+            setattr(trt, alias, getattr(trt.DataType, member))
     trt.DeviceType = _enum("DeviceType", ["GPU", "DLA"])
     trt.TensorIOMode = _enum("TensorIOMode", ["NONE", "INPUT", "OUTPUT"])
     if api["memory_pool"]:
@@ -183,7 +187,8 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
             self.precision = trt.float32
             self.precision_is_set = False
             self.output_types = {}
-            self.metadata = "[ONNX Layer: {}]".format(name) if version_tuple(p) >= (10,) else ""
+            self.metadata = ("[ONNX Layer: {}]".format(name) if version_tuple(p) >= (8, 6)
+                             else "")
 
         def __setattr__(self, key, value):
             if key == "precision" and hasattr(self, "precision_is_set"):

@@ -79,8 +79,9 @@ class Features(object):
         self.tensor_io_api = version >= (8, 5, 0)
         # IEngineInspector and ProfilingVerbosity.DETAILED arrived in 8.2.
         self.engine_inspector = version >= (8, 2, 0)
-        # Per-layer metadata naming the ONNX node ("[ONNX Layer: name]") from 10.0.
-        self.layer_metadata = version >= (10, 0, 0)
+        # Per-layer metadata naming the ONNX node ("[ONNX Layer: name...]"): the 8.6 parser
+        # sets it (onnx-tensorrt release/8.6-GA onnx2trt_utils.cpp), as does every 10.x.
+        self.layer_metadata = version >= (8, 6, 0)
         self.strongly_typed = version >= STRONGLY_TYPED_FROM
         # Calibrators and set_dynamic_range exist up to 10.x.
         self.implicit_int8 = version < (11, 0, 0)
@@ -280,6 +281,15 @@ _SUFFIXES = (
 )
 
 
+def _metadata_node(text: str) -> str:
+    """The node name in one ``[ONNX Layer: ...]`` entry. The parser appends more after the
+    name: the node's filtered doc string on its own lines (8.6), `` | Local Function: f``
+    (10.x)."""
+    for sep in ("\n", " | "):
+        text = text.split(sep, 1)[0]
+    return text.strip()
+
+
 def _resolve_part(part: str, known: Dict[str, int], depth: int = 0) -> List[str]:
     part = part.strip()
     if not part:
@@ -341,7 +351,8 @@ def layer_onnx_nodes(layer_name: str, node_order: Sequence[str], metadata: str =
                 out.append(n)
 
     if metadata:
-        add([n for n in _METADATA_NODE.findall(metadata) if n in known])
+        add([n for n in (_metadata_node(m) for m in _METADATA_NODE.findall(metadata))
+             if n in known])
         if out:
             return out
     if layer_name in known:
