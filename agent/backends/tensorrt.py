@@ -45,6 +45,7 @@ from agent.backends.base import (
     no_progress,
 )
 from agent.backends.tensorrt_plan import (
+    DLA_VERSIONS_NOTE,
     NUMPY_DTYPES,
     TRT_DTYPES,
     EngineLayer,
@@ -531,11 +532,13 @@ class _Build(object):
             return
         count = int(getattr(builder, "num_DLA_cores", 0) or 0)
         if core >= count:
+            why = "" if self.backend.features.dla else "; " + DLA_VERSIONS_NOTE.format(
+                self.version_text)
             raise AgentError(
                 "unsupported_precision",
                 "--dla-core {}: TensorRT {} reports {} DLA core(s) on this device (expected a "
-                "core index below that, or no --dla-core)".format(core, self.version_text,
-                                                                  count),
+                "core index below that, or no --dla-core){}".format(
+                    core, self.version_text, count, why),
                 {"dla_cores": count})
 
     def _config(self, net: _Network, profile: ProfileShapes) -> "tensorrt.IBuilderConfig":

@@ -121,6 +121,8 @@ class BuilderSettings(object):
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(self).items())}
 
 
+DLA_VERSIONS_NOTE = ("TensorRT {} is not listed with DLA on Jetson (DLA: TensorRT <= 10.7, or "
+                     ">= 11.4.1 on AGX Orin, strongly typed)")
 # The precision a weakly typed plan allows every layer it does not name (None: any).
 _PLAN_FLOOR = {"fp32": "float32", "fp16": "float16", "int8": None, "best": None}
 
@@ -140,14 +142,10 @@ def check_supported(version: Version) -> None:
 
 
 def _check_dla(plan: BuildPlan, features: Features) -> None:
+    """What can be refused before TensorRT is asked; the device's own count
+    (``builder.num_DLA_cores``) is checked by the backend before the build."""
     if plan.dla_core is None:
         return
-    if not features.dla:
-        raise AgentError(
-            "unsupported_precision",
-            "--dla-core {} asked, but TensorRT {} has no DLA on Jetson (DLA: TensorRT <= 10.7, "
-            "or >= 11.4.1 on AGX Orin); build for the GPU".format(
-                plan.dla_core, version_text(features.version)))
     if int(plan.dla_core) < 0:
         raise AgentError("bad_argument",
                          "--dla-core must be >= 0, found {}".format(plan.dla_core))
@@ -230,6 +228,8 @@ def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
     if plan.dla_core is not None:
         s.dla_core = int(plan.dla_core)
         s.set_flags.append("GPU_FALLBACK")
+        if not features.dla:
+            s.notes.append(DLA_VERSIONS_NOTE.format(version_text(version)))
     if features.engine_inspector:
         s.detailed_profiling = True
     else:

@@ -159,7 +159,8 @@ def test_dla_refused_where_tensorrt_has_none(monkeypatch, tmp_path, profile):
     with pytest.raises(AgentError) as err:
         _build(monkeypatch, tmp_path, profile, BuildPlan(precision="fp16", dla_core=0),
                num_dla_cores=2)
-    assert err.value.code == "unsupported_precision" and "DLA" in err.value.message
+    assert err.value.code == "unsupported_precision"
+    assert "reports 0 DLA core" in err.value.message and "<= 10.7" in err.value.message
 
 
 def test_dla_core_checked_against_the_device(monkeypatch, tmp_path):
