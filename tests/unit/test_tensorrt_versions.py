@@ -62,6 +62,20 @@ def test_build_open_infer_on_every_profile(monkeypatch, tmp_path, profile):
     assert result.mismatches == []
 
 
+@pytest.mark.parametrize("profile", fake_trt.PROFILES)
+def test_fp16_with_a_pinned_layer_on_every_profile(monkeypatch, tmp_path, profile):
+    """The precision search's build: fp16 with Add and Sub kept in float32."""
+    plan = BuildPlan(precision="fp16", layer_precisions={"Add": "float32", "Sub": "float32"},
+                     precision_constraints="obey")
+    _, result, trt, _ = _build(monkeypatch, tmp_path, profile, plan)
+    if fake_trt.load_profile(profile)["inspector"]:
+        assert result.layer_precisions["Add"] == result.layer_precisions["Sub"] == "float32"
+        assert result.mismatches == []
+    if not result.details["strongly_typed"]:  # weakly typed: the engine shows the pins
+        precisions = _engine_precisions(trt)
+        assert (precisions["Add"], precisions["MatMul_0"]) == ("FLOAT", "HALF")
+
+
 def test_profiles_cite_their_sources():
     for name in fake_trt.PROFILES:
         profile = fake_trt.load_profile(name)
@@ -339,7 +353,7 @@ def test_mark_layerwise_skips_shape_and_constant_layers(monkeypatch):
     assert trt_backend.mark_layerwise(trt, network) == ["y", "r"]
 
 
-@pytest.mark.parametrize("profile", ["8.5", "10.3"])
+@pytest.mark.parametrize("profile", ["8.5", "10.3", "10.13", "11.x"])
 def test_percentile_int8_through_the_range_engine(monkeypatch, tmp_path, profile):
     data = str(tmp_path / "calib.npz")
     np.savez(data, x=np.random.RandomState(0).rand(4, 1, 4, 4).astype(np.float32))
