@@ -205,6 +205,7 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
     if api["set_output_type"]:
         def set_output_type(self, i, dtype):
             self.output_types[i] = dtype
+            self._outputs[i].dtype = dtype  # a network output takes this type too
         Layer.set_output_type = set_output_type
 
     class Network(object):

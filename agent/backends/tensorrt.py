@@ -335,7 +335,9 @@ def _pin_quietly(trt: Any, layer: "tensorrt.ILayer", precision: str, fixed_types
     layer.precision = dtype
     if precision != "int8":
         for j in range(layer.num_outputs):
-            layer.set_output_type(j, dtype)
+            # A network output keeps its type: pinning must not change the engine's I/O.
+            if not getattr(layer.get_output(j), "is_network_output", False):
+                layer.set_output_type(j, dtype)
     return True
 
 

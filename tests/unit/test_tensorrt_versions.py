@@ -395,3 +395,17 @@ def test_one_logger_per_process_and_per_job_messages(monkeypatch):
     logger.log(trt.ILogger.Severity.VERBOSE, "not kept")
     assert logger.since(mark) == ["w{}".format(i) for i in range(10, 60)]
     assert logger.since(logger.mark()) == []
+
+
+def test_pinning_others_keeps_the_network_outputs_type(monkeypatch, tmp_path):
+    """An fp16 plan with one int8 layer pins the rest to float16, but not the engine's I/O."""
+    data = str(tmp_path / "calib.npz")
+    np.savez(data, x=np.random.RandomState(0).rand(2, 1, 4, 4).astype(np.float32))
+    plan = BuildPlan(precision="fp16", layer_precisions={"MatMul_0": "int8"},
+                     precision_constraints="obey",
+                     calibration=CalibrationSettings(data, "entropy2", batch_size=1))
+    backend, result, trt, _ = _build(monkeypatch, tmp_path, "8.6", plan)
+    precisions = _engine_precisions(trt)
+    assert precisions == {"MatMul_0": "INT8", "Add": "HALF", "Sub": "HALF", "MatMul_1": "HALF"}
+    with backend.open(result.engine_path) as runner:
+        assert runner.outputs[0].dtype == np.float32
