@@ -24,14 +24,11 @@ TensorRT and pycuda are imported lazily. Worker side: Python >= 3.6.
 
 import contextlib
 import fcntl
-import importlib
 import logging
 import os
 import re
 import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
-
-import numpy as np
 
 from agent.backends.base import (
     Backend,
@@ -39,22 +36,30 @@ from agent.backends.base import (
     BuildResult,
     CalibrationSettings,
     Progress,
-    Runner,
     Shape,
     TensorSpec,
     no_progress,
 )
+from agent.backends.tensorrt_network import (  # noqa: F401 (re-exported: tests, callers)
+    _make_logger,
+    _network_inputs,
+    _set_dynamic_ranges,
+    _set_profile_shape,
+    _write_dla_core,
+    apply_layer_precisions,
+    dla_core_path,
+    mark_layerwise,
+    numpy_dtype,
+    read_dla_core,
+)
 from agent.backends.tensorrt_plan import (
     DLA_VERSIONS_NOTE,
-    NUMPY_DTYPES,
-    TRT_DTYPES,
     EngineLayer,
     Features,
     ProfileShapes,
     apply_builder_settings,
     builder_settings,
     calibration_shapes,
-    layer_onnx_nodes,
     network_creation_flags,
     node_precisions,
     parse_engine_information,
@@ -63,8 +68,8 @@ from agent.backends.tensorrt_plan import (
     plan_floor,
     precision_mismatches,
     profile_shapes,
-    shape_text,
 )
+from agent.backends.tensorrt_runner import TensorRTRunner
 from agent.errors import AgentError
 from agent.fsio import atomic_write, state_dir
 
@@ -162,7 +167,7 @@ def existing_calibration_cache(path: Optional[str], algorithm: str,
     return parsed
 
 
-# -- TensorRT glue ---------------------------------------------------------------------------
+# -- TensorRT glue (the rest is in tensorrt_network) ------------------------------------------
 
 def import_tensorrt() -> Any:
     """The tensorrt module, or ``backend_unavailable`` saying how to get it."""
@@ -175,222 +180,6 @@ def import_tensorrt() -> Any:
             "python3-libnvinfer); importing tensorrt failed: {}. On a host use --backend "
             "onnxruntime".format(exc))
     return tensorrt
-
-
-_LOGGER: Any = None
-
-
-def _make_logger() -> Any:
-    """The process-wide TensorRT logger. TensorRT keeps the first logger it was given while any
-    builder or runtime lives, so a nested builder (the range engine of the percentile path) or
-    a runner inside a build would log into the outer one: there is one logger, it routes to
-    ``logging`` and keeps the last errors and warnings for the current job's messages."""
-    global _LOGGER
-    import tensorrt as trt
-
-    if _LOGGER is not None and _LOGGER.module is trt:
-        return _LOGGER
-
-    class Logger(trt.ILogger):  # type: ignore[misc]
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.module = trt
-            self.messages: List[str] = []  # the last 50 errors and warnings
-            self.count = 0  # how many were ever kept: marks stay valid after trimming
-
-        def log(self, severity: "trt.ILogger.Severity", msg: str) -> None:
-            level = int(severity)
-            if level <= int(trt.ILogger.Severity.ERROR):
-                log.error("TensorRT: %s", msg)
-            elif level <= int(trt.ILogger.Severity.WARNING):
-                log.warning("TensorRT: %s", msg)
-            else:
-                log.debug("TensorRT: %s", msg)
-                return
-            self.messages.append(msg)
-            self.count += 1
-            del self.messages[:-50]
-
-        def mark(self) -> int:
-            """Where the current job's messages start (for ``since``)."""
-            return self.count
-
-        def since(self, mark: int) -> List[str]:
-            """The errors and warnings kept since ``mark`` (at most the last 50)."""
-            new = self.count - mark
-            return list(self.messages[-new:]) if new > 0 else []
-
-    _LOGGER = Logger()
-    return _LOGGER
-
-
-def numpy_dtype(trt: Any, dtype: Any, what: str) -> Any:
-    """The numpy type of a TensorRT data type, from our table (``NUMPY_DTYPES``), not
-    ``trt.nptype`` (broken on NumPy >= 1.24 up to TensorRT 8.5, raising for bf16/fp8)."""
-    for alias, name in NUMPY_DTYPES:
-        if hasattr(trt, alias) and dtype == getattr(trt, alias):
-            if name is None:
-                raise AgentError(
-                    "unsupported_model",
-                    "{} has TensorRT type {}, which has no numpy equivalent (expected float32, "
-                    "float16, int8, int32, int64, bool or uint8 I/O)".format(what, alias))
-            return np.dtype(name).type
-    raise AgentError("unsupported_model",
-                     "{} has an unknown TensorRT type {}".format(what, dtype))
-
-
-def _ints(dims: "tensorrt.Dims") -> Tuple[int, ...]:
-    return tuple(int(dims[i]) for i in range(len(dims)))
-
-
-def _dims(dims: "tensorrt.Dims") -> Tuple[Optional[int], ...]:
-    """A TensorRT shape as a TensorSpec shape (None for dynamic dimensions)."""
-    return tuple(None if d < 0 else d for d in _ints(dims))
-
-
-def _set_profile_shape(profile: "tensorrt.IOptimizationProfile", name: str, lo: Shape,
-                       opt: Shape, hi: Shape) -> None:
-    import tensorrt as trt
-
-    profile.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
-
-
-def _network_inputs(network: "tensorrt.INetworkDefinition") -> List[TensorSpec]:
-    import tensorrt as trt
-
-    specs = []
-    for i in range(network.num_inputs):
-        tensor = network.get_input(i)
-        specs.append(TensorSpec(tensor.name,
-                                numpy_dtype(trt, tensor.dtype, "input {!r}".format(tensor.name)),
-                                _dims(tensor.shape)))
-    return specs
-
-
-_INTEGER_DTYPES = ("int32", "int64", "bool", "uint8", "int8", "int4", "fp8")
-# IDENTITY: the 8.x parser imports Cast as an identity layer with setOutputType (onnx-tensorrt
-# builtin_op_importers.cpp); pinning it to float32 would delete the cast. CAST: the same on 10.
-_UNCONSTRAINABLE_LAYERS = ("CONSTANT", "SHAPE", "ASSERTION", "CONDITION", "CONDITIONAL_INPUT",
-                           "CONDITIONAL_OUTPUT", "TRIP_LIMIT", "ITERATOR", "LOOP_OUTPUT",
-                           "RECURRENCE", "IDENTITY", "CAST")
-
-
-def apply_layer_precisions(
-    trt: Any, network: "tensorrt.INetworkDefinition", asked: Dict[str, str],
-    node_order: Sequence[str], others: Optional[str] = None,
-) -> Tuple[Dict[str, List[str]], List[Tuple[str, str]]]:
-    """Set ``layer.precision`` (and, for float precisions, every output type) on the network
-    layers of each asked ONNX node, and with ``others`` on every other layer that can be
-    constrained. Returns (node -> constrained layer names, [(layer, why skipped)]): layers
-    with integer/bool outputs, shape-tensor outputs, constant and shape layers, casts and
-    identities cannot be constrained (only asked layers are listed as skipped)."""
-    applied: Dict[str, List[str]] = {}
-    skipped: List[Tuple[str, str]] = []
-    fixed_types = [getattr(trt.LayerType, n) for n in _UNCONSTRAINABLE_LAYERS
-                   if hasattr(trt.LayerType, n)]
-    int_types = [getattr(trt, n) for n in _INTEGER_DTYPES if hasattr(trt, n)]
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        nodes = [n for n in layer_onnx_nodes(layer.name, node_order,
-                                             getattr(layer, "metadata", "") or "")
-                 if n in asked]
-        if not nodes:
-            if others is not None:
-                _pin_quietly(trt, layer, others, fixed_types, int_types)
-            continue
-        precision = asked[nodes[0]]
-        if layer.type in fixed_types:
-            skipped.append((layer.name, "{} layer".format(layer.type)))
-            continue
-        why = ""
-        for j in range(layer.num_outputs):
-            tensor = layer.get_output(j)
-            if tensor.dtype in int_types and not (precision == "int8" and tensor.dtype == trt.int8):
-                why = "{} output".format(tensor.dtype)
-            elif getattr(tensor, "is_shape_tensor", False):
-                why = "shape tensor output"
-        if why:
-            skipped.append((layer.name, why))
-            continue
-        dtype = getattr(trt, TRT_DTYPES[precision])
-        layer.precision = dtype
-        if precision != "int8":  # an int8 layer may still hand float to its consumers
-            for j in range(layer.num_outputs):
-                layer.set_output_type(j, dtype)
-        for node in nodes:
-            applied.setdefault(node, []).append(layer.name)
-    return applied, skipped
-
-
-def _pin_quietly(trt: Any, layer: "tensorrt.ILayer", precision: str, fixed_types: List[Any],
-                 int_types: List[Any]) -> bool:
-    """Pin a layer nobody named to the plan's precision when it can be constrained."""
-    if layer.type in fixed_types:
-        return False
-    for j in range(layer.num_outputs):
-        tensor = layer.get_output(j)
-        if tensor.dtype in int_types or getattr(tensor, "is_shape_tensor", False):
-            return False
-    dtype = getattr(trt, TRT_DTYPES[precision])
-    layer.precision = dtype
-    if precision != "int8":
-        for j in range(layer.num_outputs):
-            # A network output keeps its type: pinning must not change the engine's I/O.
-            if not getattr(layer.get_output(j), "is_network_output", False):
-                layer.set_output_type(j, dtype)
-    return True
-
-
-_LOOP_START = ("TRIP_LIMIT", "ITERATOR", "RECURRENCE")
-_NOT_MARKED = ("SHAPE", "CONSTANT")
-
-
-def mark_layerwise(trt: Any, network: "tensorrt.INetworkDefinition") -> List[str]:
-    """Mark every layer output the range engine may expose; returns the network's outputs.
-
-    Polygraphy's ``backend.trt.util.mark_layerwise`` when Polygraphy is installed (it tracks
-    TensorRT's layer types across versions); otherwise the same rule: no shape or constant
-    layers, nothing inside a loop body (between a loop's first layer and its LOOP_OUTPUT), as
-    TensorRT cannot expose those."""
-    try:  # optional (requirements-jetson*.txt): the rule below is Polygraphy's
-        polygraphy_trt: Any = importlib.import_module("polygraphy.backend.trt.util")
-    except ImportError:
-        polygraphy_trt = None
-    if polygraphy_trt is not None and hasattr(polygraphy_trt, "mark_layerwise"):
-        polygraphy_trt.mark_layerwise(network)
-    else:
-        starts = [getattr(trt.LayerType, n) for n in _LOOP_START if hasattr(trt.LayerType, n)]
-        skip = [getattr(trt.LayerType, n) for n in _NOT_MARKED if hasattr(trt.LayerType, n)]
-        end = getattr(trt.LayerType, "LOOP_OUTPUT", None)
-        in_loop = False
-        for i in range(network.num_layers):
-            layer = network.get_layer(i)
-            if layer.type in starts:
-                in_loop = True
-            elif end is not None and layer.type == end:
-                in_loop = False
-            if in_loop or layer.type in skip:
-                continue
-            for j in range(layer.num_outputs):
-                tensor = layer.get_output(j)
-                if tensor is not None and not tensor.is_network_output:
-                    network.mark_output(tensor)
-    return [network.get_output(i).name for i in range(network.num_outputs)]
-
-
-def _set_dynamic_ranges(network: "tensorrt.INetworkDefinition", amax: Dict[str, float]) -> int:
-    """Implicit INT8 without a calibrator (percentile): each known tensor gets its range."""
-    count = 0
-    tensors = [network.get_input(i) for i in range(network.num_inputs)]
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        tensors.extend(layer.get_output(j) for j in range(layer.num_outputs))
-    for tensor in tensors:
-        value = amax.get(tensor.name)
-        if value is not None and value > 0:
-            tensor.set_dynamic_range(-float(value), float(value))
-            count += 1
-    return count
 
 
 def _inspect(runtime: "tensorrt.Runtime", serialized: Any) -> Optional[List[EngineLayer]]:
@@ -798,30 +587,6 @@ class _Build(object):
         return graph.apply_precisions(model, assignment, amax=amax, emulate=False)
 
 
-def dla_core_path(engine_path: str) -> str:
-    """The file beside an engine that names the DLA core it was built for."""
-    return engine_path + ".dla-core"
-
-
-def _write_dla_core(engine_path: str, core: Optional[int]) -> None:
-    path = dla_core_path(engine_path)
-    if core is not None:
-        atomic_write(path, "{}\n".format(int(core)).encode())
-    elif os.path.exists(path):
-        os.remove(path)
-
-
-def read_dla_core(engine_path: str) -> Optional[int]:
-    """The DLA core an engine was built for (``--dla-core``), None for a GPU engine."""
-    text = _read_bytes(dla_core_path(engine_path)).decode("ascii", "replace").strip()
-    if not text:
-        return None
-    if not text.isdigit() or len(text) > 3:
-        raise AgentError("bad_engine", "{}: expected a DLA core number, found {!r}".format(
-            dla_core_path(engine_path), text[:20]))
-    return int(text)
-
-
 def _range_profile(shapes: Dict[str, Shape], profile: ProfileShapes) -> ProfileShapes:
     """The range engine's profile: batch 1 .. calibration batch on dynamic batch dimensions
     (a dataset's last, smaller batch must fit), the calibration shape elsewhere."""
@@ -832,189 +597,6 @@ def _range_profile(shapes: Dict[str, Shape], profile: ProfileShapes) -> ProfileS
         lo = tuple([1] + list(shape[1:])) if shape else shape
         out[name] = (lo, shape, shape)
     return out
-
-
-# -- runner ----------------------------------------------------------------------------------
-
-class TensorRTRunner(Runner):
-    """Runs a serialized engine: pinned host buffers, device buffers, one stream.
-
-    TensorRT >= 8.5 uses the tensor-name API (``set_input_shape``, ``set_tensor_address``,
-    ``execute_async_v3``), older versions the bindings API (``set_binding_shape``,
-    ``execute_async_v2``). One optimization profile (the first) is used."""
-
-    def __init__(self, data: bytes, device: int = 0, source: str = "engine",
-                 ctx: Any = None, dla_core: Optional[int] = None) -> None:
-        import tensorrt as trt
-
-        from agent.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
-
-        self.source = source
-        self.features = Features(parse_version(trt.__version__))
-        self._own_ctx = ctx is None
-        self.ctx = ctx if ctx is not None else CudaContext(device)
-        self.buffers: Optional[IOBuffers] = None
-        self.timer: Optional[EventTimer] = None
-        self._binding_index: Dict[str, int] = {}
-        self._last_feeds: Optional[Dict[str, np.ndarray]] = None
-        try:
-            self.logger = _make_logger()
-            mark = self.logger.mark()
-            self.runtime = trt.Runtime(self.logger)
-            if dla_core is not None:
-                self.runtime.DLA_core = int(dla_core)  # before deserializing: it is read then
-            engine = self.runtime.deserialize_cuda_engine(data)
-            if engine is None:
-                raise AgentError(
-                    "bad_engine",
-                    "{} is not a TensorRT {} engine for this device: {}".format(
-                        source, trt.__version__,
-                        " | ".join(self.logger.since(mark)[-3:]) or "deserialization failed"))
-            self.engine = engine
-            self.context = engine.create_execution_context()
-            self.buffers = IOBuffers()
-            self.timer = EventTimer(self.buffers.stream)
-            self._inputs, self._outputs = self._io_specs()
-        except BaseException:
-            self.close()
-            raise
-
-    def _io_specs(self) -> Tuple[List[TensorSpec], List[TensorSpec]]:
-        import tensorrt as trt
-
-        engine = self.engine
-        inputs: List[TensorSpec] = []
-        outputs: List[TensorSpec] = []
-        if self.features.tensor_io_api:
-            for i in range(engine.num_io_tensors):
-                name = engine.get_tensor_name(i)
-                spec = TensorSpec(name, numpy_dtype(trt, engine.get_tensor_dtype(name),
-                                                     "tensor {!r}".format(name)),
-                                  _dims(engine.get_tensor_shape(name)))
-                is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
-                (inputs if is_input else outputs).append(spec)
-            return inputs, outputs
-        # TensorRT < 8.5: the bindings API (gone in 10, so absent from the stubs).
-        for i in range(engine.num_bindings):  # type: ignore[attr-defined]
-            name = engine.get_binding_name(i)  # type: ignore[attr-defined]
-            self._binding_index[name] = i
-            dtype = engine.get_binding_dtype(i)  # type: ignore[attr-defined]
-            spec = TensorSpec(name, numpy_dtype(trt, dtype, "binding {!r}".format(name)),
-                              _dims(engine.get_binding_shape(i)))  # type: ignore[attr-defined]
-            (inputs if engine.binding_is_input(i) else outputs).append(spec)  # type: ignore[attr-defined]
-        return inputs, outputs
-
-    @property
-    def inputs(self) -> List[TensorSpec]:
-        return list(self._inputs)
-
-    @property
-    def outputs(self) -> List[TensorSpec]:
-        return list(self._outputs)
-
-    def _io(self) -> Any:
-        if self.buffers is None:
-            raise AgentError("bad_argument", "{} is closed".format(self.source))
-        return self.buffers
-
-    def _prepare(self, feeds: Dict[str, np.ndarray]) -> None:
-        """Check the feeds, fill the pinned inputs, set dynamic shapes, size the outputs."""
-        buffers = self._io()
-        names = {s.name for s in self._inputs}
-        if set(feeds) != names:
-            raise AgentError("bad_argument",
-                             "{}: expected inputs {}, found {}".format(
-                                 self.source, ", ".join(sorted(names)),
-                                 ", ".join(sorted(feeds)) or "none"))
-        context = self.context
-        for spec in self._inputs:
-            array = np.asarray(feeds[spec.name])
-            ok = array.ndim == len(spec.shape) and all(
-                want is None or want == got for want, got in zip(spec.shape, array.shape))
-            if not ok:
-                raise AgentError("bad_argument",
-                                 "{}: input {!r}: expected shape {}, found {}".format(
-                                     self.source, spec.name, shape_text(spec.shape),
-                                     list(array.shape)))
-            buffers.set_input(spec.name, array, spec.dtype)
-            if any(d is None for d in spec.shape):
-                if self.features.tensor_io_api:
-                    context.set_input_shape(spec.name, tuple(array.shape))
-                else:
-                    context.set_binding_shape(  # type: ignore[attr-defined]
-                        self._binding_index[spec.name], tuple(array.shape))
-        for spec in self._outputs:
-            if self.features.tensor_io_api:
-                shape = _ints(context.get_tensor_shape(spec.name))
-            else:
-                shape = _ints(context.get_binding_shape(  # type: ignore[attr-defined]
-                    self._binding_index[spec.name]))
-            if any(d < 0 for d in shape):
-                raise AgentError("unsupported_model",
-                                 "{}: output {!r} has a data-dependent shape {}, which this "
-                                 "runner does not support".format(self.source, spec.name,
-                                                                  list(shape)))
-            buffers.ensure(spec.name, shape, spec.dtype)
-        if self.features.tensor_io_api:
-            for spec in self._inputs + self._outputs:
-                context.set_tensor_address(spec.name, buffers.device_ptr(spec.name))
-        self._last_feeds = feeds
-
-    def _enqueue(self) -> None:
-        """Queue input copies, the inference and output copies on the stream."""
-        buffers = self._io()
-        in_names = [s.name for s in self._inputs]
-        out_names = [s.name for s in self._outputs]
-        buffers.to_device(in_names)
-        handle = buffers.stream.handle
-        if self.features.tensor_io_api:
-            ok = self.context.execute_async_v3(handle)
-        else:
-            bindings = [0] * len(self._binding_index)
-            for name in in_names + out_names:
-                bindings[self._binding_index[name]] = buffers.device_ptr(name)
-            ok = self.context.execute_async_v2(bindings, handle)  # type: ignore[attr-defined]
-        if not ok:
-            raise AgentError("internal_error",
-                             "{}: TensorRT failed to enqueue inference".format(self.source))
-        buffers.to_host(out_names)
-
-    def infer(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        self._prepare(feeds)
-        self._enqueue()
-        buffers = self._io()
-        buffers.synchronize()
-        return {s.name: np.array(buffers.host(s.name)) for s in self._outputs}
-
-    def time_inference(self, iterations: int, warmup: int = 0,
-                       feeds: Optional[Dict[str, np.ndarray]] = None) -> List[float]:
-        """Milliseconds per inference (host->device copies, execution, device->host copies)
-        measured with CUDA events, on ``feeds`` or the last ones given to ``infer``."""
-        if feeds is not None:
-            self._prepare(feeds)
-        elif self._last_feeds is None:
-            raise AgentError("bad_argument",
-                             "time_inference needs feeds (or a previous infer call)")
-        if self.timer is None:
-            raise AgentError("bad_argument", "{} is closed".format(self.source))
-        return list(self.timer.time(self._enqueue, iterations, warmup))
-
-    def close(self) -> None:
-        """Free in order while the CUDA context is still current: pycuda skips destroying a
-        stream or event whose context is gone (a leak per runner), so the events, then the
-        buffers and the stream, then TensorRT's objects, and only then the context."""
-        if self.timer is not None:
-            self.timer.close()
-            self.timer = None
-        if self.buffers is not None:
-            self.buffers.close()
-            self.buffers = None
-        for attr in ("context", "engine", "runtime"):
-            if hasattr(self, attr):
-                delattr(self, attr)
-        if self._own_ctx and self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
 
 
 def create() -> TensorRTBackend:

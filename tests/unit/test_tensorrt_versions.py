@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from agent.backends import tensorrt as trt_backend
+from agent.backends import tensorrt_network
 from agent.backends import tensorrt_plan
 from agent.backends.base import BuildPlan, CalibrationSettings
 from agent.backends.tensorrt_plan import builder_settings, parse_engine_information
@@ -24,7 +25,7 @@ NODES = ["MatMul_0", "Add", "Sub", "MatMul_1"]
 
 @pytest.fixture(autouse=True)
 def _fresh_logger(monkeypatch):
-    monkeypatch.setattr(trt_backend, "_LOGGER", None, raising=False)
+    monkeypatch.setattr(tensorrt_network, "_LOGGER", None)
 
 
 def _save(model, tmp_path, name="m.onnx"):
