@@ -520,8 +520,8 @@ class _Build(object):
     def _amax(self, inputs: Sequence[TensorSpec], profile: ProfileShapes,
               settings: CalibrationSettings, path: str) -> Dict[str, float]:
         """amax per tensor: from a compatible cache, else measured on this device by running
-        an fp32 engine with every float tensor marked as an output through ``calib.ranges``
-        (the cache is then written for the next build)."""
+        an fp32 engine with every layer output marked (``mark_layerwise``) through
+        ``calib.ranges``, float outputs only (the cache is then written for the next build)."""
         import tensorrt as trt
 
         from agent.backends import graph
