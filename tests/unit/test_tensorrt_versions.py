@@ -12,8 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from agent.backends import tensorrt as trt_backend
-from agent.backends import tensorrt_network
-from agent.backends import tensorrt_plan
+from agent.backends import tensorrt_network, tensorrt_plan
 from agent.backends.base import BuildPlan, CalibrationSettings
 from agent.backends.tensorrt_plan import builder_settings, parse_engine_information
 from agent.errors import AgentError
