@@ -18,6 +18,8 @@ CODES = {
     "bad_platform_data": "A device-tree, release file or support-matrix entry cannot be parsed.",
     "unsupported_precision": "The requested precision is not supported on this platform.",
     "backend_unavailable": "The requested backend (tensorrt, onnxruntime) cannot be used here.",
+    "unsupported_tensorrt": "The installed TensorRT is older than the oldest this agent builds "
+    "with (8.0.1).",
     # models and builds
     "bad_model": "The model bytes are not a valid ONNX model.",
     "unsupported_model": "The model uses an operator, type or shape the backend cannot build.",

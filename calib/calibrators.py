@@ -35,6 +35,18 @@ LEGACY_QUANTILE = 0.9999
 LEGACY_REGRESSION_CUTOFF = 0.5
 
 
+def calibration_dtypes(inputs: Sequence[Any]) -> Dict[str, Any]:
+    """The dtype each network input is fed in during calibration: float32 for every float
+    input (TensorRT calibrates the float network and reads non-index inputs as float32 whatever
+    the input's type, as Polygraphy's data loader does), the input's own type for index
+    (integer / bool) inputs. ``inputs`` are ``TensorSpec``s."""
+    out: Dict[str, Any] = {}
+    for spec in inputs:
+        dtype = np.dtype(spec.dtype)
+        out[spec.name] = np.float32 if dtype.kind == "f" else dtype.type
+    return out
+
+
 def read_cache_bytes(path: Optional[str]) -> Optional[bytes]:
     """The calibration cache's bytes when the file exists (TensorRT then skips calibration),
     else None."""
@@ -157,12 +169,17 @@ def make_calibrator(
     batch_size: int,
     cache_path: Optional[str],
     cache_bytes: Optional[bytes] = None,
+    explicit_batch: bool = True,
 ) -> Any:
     """A TensorRT calibrator for ``algorithm`` (entropy2 / minmax / legacy).
 
     ``cache_bytes`` (a compatible cache read beforehand) is what ``read_calibration_cache``
     returns, so TensorRT skips calibration; ``feeder`` may then be None. The cache TensorRT
-    produces is written atomically to ``cache_path``."""
+    produces is written atomically to ``cache_path``.
+
+    ``get_batch_size`` answers 1 for explicit-batch networks (every ONNX network): the batch is
+    the calibration profile's leading dimension, as in Polygraphy's calibrator (whose
+    ``batch_size`` defaults to 1 and is deprecated); TensorRT deprecates the call in 10.1."""
     base = _calibrator_base(algorithm)
     if feeder is None and cache_bytes is None:
         raise AgentError("bad_argument",
@@ -179,7 +196,7 @@ def make_calibrator(
             self.error: Optional[BaseException] = None
 
         def get_batch_size(self) -> int:
-            return int(batch_size)
+            return 1 if explicit_batch else int(batch_size)
 
         def get_batch(self, names: List[str], *unused: Any) -> Optional[List[int]]:
             if self.feeder is None or self.error is not None:

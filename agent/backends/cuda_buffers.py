@@ -214,6 +214,15 @@ class IOBuffers(object):
         self._dev.clear()
         self._host.clear()
 
+    def close(self) -> None:
+        """Free the memory and drop the stream now, while its context is current: pycuda
+        destroys a stream when its last reference goes, and skips it (a leak) once the
+        context is detached. Call ``EventTimer.close`` first: it holds the stream too."""
+        if self.stream is not None:
+            self.stream.synchronize()
+        self.free()
+        self.stream = None
+
 
 class EventTimer(object):
     """Times work queued on a stream with CUDA events (device time, not host time)."""
@@ -221,8 +230,14 @@ class EventTimer(object):
     def __init__(self, stream: Any) -> None:
         cuda = _cuda()
         self.stream = stream
-        self._start = cuda.Event()
-        self._end = cuda.Event()
+        self._start: Any = cuda.Event()
+        self._end: Any = cuda.Event()
+
+    def close(self) -> None:
+        """Drop the events and the stream reference while the context is current (see
+        ``IOBuffers.close``)."""
+        self._start = self._end = None
+        self.stream = None
 
     def time(self, enqueue: Callable[[], None], iterations: int,
              warmup: int = 0) -> List[float]:

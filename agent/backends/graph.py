@@ -239,11 +239,19 @@ def _is_float_node(node: onnx.NodeProto, types: Dict[str, int]) -> bool:
     return any(types.get(o) in FLOAT_TYPES for o in node.output if o)
 
 
+def type_only_node(node: onnx.NodeProto) -> bool:
+    """Cast / CastLike / Identity compute nothing: their output type is what they mean (the
+    TensorRT 8.x parser makes a Cast an identity layer with an output type), so they are never
+    candidates and never constrained."""
+    return node.op_type in ("Cast", "CastLike", "Identity")
+
+
 def float_nodes(model: onnx.ModelProto) -> List[str]:
     """Names of the nodes carrying float computation, in topological (graph) order: the
     candidate layers for precision searches and ``--layer-precisions``."""
     types = tensor_types(model)
-    return [n.name for n in model.graph.node if _is_float_node(n, types)]
+    return [n.name for n in model.graph.node
+            if _is_float_node(n, types) and not type_only_node(n)]
 
 
 def _subgraph_reads(model: onnx.ModelProto) -> Set[str]:

@@ -1,4 +1,4 @@
-"""The device backend: TensorRT 8.2 / 8.5 / 8.6 / 10.x through the ONNX parser.
+"""The device backend: TensorRT 8.0.1 / 8.2 / 8.5 / 8.6 / 10.x / 11.x through the ONNX parser.
 
 Two ways to get reduced precision, chosen by the TensorRT version (``tensorrt_plan`` decides
 what to ask; this module carries it out):
@@ -30,37 +30,46 @@ import re
 import time
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import numpy as np
-
 from agent.backends.base import (
     Backend,
     BuildPlan,
     BuildResult,
     CalibrationSettings,
     Progress,
-    Runner,
     Shape,
     TensorSpec,
     no_progress,
 )
+from agent.backends.tensorrt_network import (  # noqa: F401 (re-exported: tests, callers)
+    _make_logger,
+    _network_inputs,
+    _set_dynamic_ranges,
+    _set_profile_shape,
+    _write_dla_core,
+    apply_layer_precisions,
+    dla_core_path,
+    mark_layerwise,
+    numpy_dtype,
+    read_dla_core,
+)
 from agent.backends.tensorrt_plan import (
-    TRT_DTYPES,
+    DLA_VERSIONS_NOTE,
     EngineLayer,
     Features,
     ProfileShapes,
     apply_builder_settings,
     builder_settings,
     calibration_shapes,
-    layer_onnx_nodes,
     network_creation_flags,
     node_precisions,
     parse_engine_information,
     parse_version,
     parser_error,
+    plan_floor,
     precision_mismatches,
     profile_shapes,
-    shape_text,
 )
+from agent.backends.tensorrt_runner import TensorRTRunner
 from agent.errors import AgentError
 from agent.fsio import atomic_write, state_dir
 
@@ -158,7 +167,7 @@ def existing_calibration_cache(path: Optional[str], algorithm: str,
     return parsed
 
 
-# -- TensorRT glue ---------------------------------------------------------------------------
+# -- TensorRT glue (the rest is in tensorrt_network) ------------------------------------------
 
 def import_tensorrt() -> Any:
     """The tensorrt module, or ``backend_unavailable`` saying how to get it."""
@@ -171,121 +180,6 @@ def import_tensorrt() -> Any:
             "python3-libnvinfer); importing tensorrt failed: {}. On a host use --backend "
             "onnxruntime".format(exc))
     return tensorrt
-
-
-def _make_logger() -> Any:
-    """A TensorRT logger that keeps errors and warnings for error messages."""
-    import tensorrt as trt
-
-    class Logger(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.messages: List[str] = []
-
-        def log(self, severity: "trt.ILogger.Severity", msg: str) -> None:
-            level = int(severity)
-            if level <= int(trt.ILogger.Severity.ERROR):
-                log.error("TensorRT: %s", msg)
-                self.messages.append(msg)
-            elif level <= int(trt.ILogger.Severity.WARNING):
-                log.warning("TensorRT: %s", msg)
-                self.messages.append(msg)
-            else:
-                log.debug("TensorRT: %s", msg)
-            del self.messages[:-50]
-
-    return Logger()
-
-
-def _ints(dims: "tensorrt.Dims") -> Tuple[int, ...]:
-    return tuple(int(dims[i]) for i in range(len(dims)))
-
-
-def _dims(dims: "tensorrt.Dims") -> Tuple[Optional[int], ...]:
-    """A TensorRT shape as a TensorSpec shape (None for dynamic dimensions)."""
-    return tuple(None if d < 0 else d for d in _ints(dims))
-
-
-def _set_profile_shape(profile: "tensorrt.IOptimizationProfile", name: str, lo: Shape,
-                       opt: Shape, hi: Shape) -> None:
-    import tensorrt as trt
-
-    profile.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
-
-
-def _network_inputs(network: "tensorrt.INetworkDefinition") -> List[TensorSpec]:
-    import tensorrt as trt
-
-    specs = []
-    for i in range(network.num_inputs):
-        tensor = network.get_input(i)
-        specs.append(TensorSpec(tensor.name, trt.nptype(tensor.dtype), _dims(tensor.shape)))
-    return specs
-
-
-_INTEGER_DTYPES = ("int32", "int64", "bool", "uint8", "int8", "int4", "fp8")
-_UNCONSTRAINABLE_LAYERS = ("CONSTANT", "SHAPE", "ASSERTION", "CONDITION", "CONDITIONAL_INPUT",
-                           "CONDITIONAL_OUTPUT", "TRIP_LIMIT", "ITERATOR", "LOOP_OUTPUT",
-                           "RECURRENCE")
-
-
-def apply_layer_precisions(
-    trt: Any, network: "tensorrt.INetworkDefinition", asked: Dict[str, str],
-    node_order: Sequence[str],
-) -> Tuple[Dict[str, List[str]], List[Tuple[str, str]]]:
-    """Set ``layer.precision`` (and, for float precisions, every output type) on the network
-    layers of each asked ONNX node. Returns (node -> constrained layer names,
-    [(layer, why skipped)]): layers with integer/bool outputs, shape-tensor outputs, constant
-    and shape layers cannot be constrained."""
-    applied: Dict[str, List[str]] = {}
-    skipped: List[Tuple[str, str]] = []
-    fixed_types = [getattr(trt.LayerType, n) for n in _UNCONSTRAINABLE_LAYERS
-                   if hasattr(trt.LayerType, n)]
-    int_types = [getattr(trt, n) for n in _INTEGER_DTYPES if hasattr(trt, n)]
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        nodes = [n for n in layer_onnx_nodes(layer.name, node_order,
-                                             getattr(layer, "metadata", "") or "")
-                 if n in asked]
-        if not nodes:
-            continue
-        precision = asked[nodes[0]]
-        if layer.type in fixed_types:
-            skipped.append((layer.name, "{} layer".format(layer.type)))
-            continue
-        why = ""
-        for j in range(layer.num_outputs):
-            tensor = layer.get_output(j)
-            if tensor.dtype in int_types and not (precision == "int8" and tensor.dtype == trt.int8):
-                why = "{} output".format(tensor.dtype)
-            elif getattr(tensor, "is_shape_tensor", False):
-                why = "shape tensor output"
-        if why:
-            skipped.append((layer.name, why))
-            continue
-        dtype = getattr(trt, TRT_DTYPES[precision])
-        layer.precision = dtype
-        if precision != "int8":  # an int8 layer may still hand float to its consumers
-            for j in range(layer.num_outputs):
-                layer.set_output_type(j, dtype)
-        for node in nodes:
-            applied.setdefault(node, []).append(layer.name)
-    return applied, skipped
-
-
-def _set_dynamic_ranges(network: "tensorrt.INetworkDefinition", amax: Dict[str, float]) -> int:
-    """Implicit INT8 without a calibrator (percentile): each known tensor gets its range."""
-    count = 0
-    tensors = [network.get_input(i) for i in range(network.num_inputs)]
-    for i in range(network.num_layers):
-        layer = network.get_layer(i)
-        tensors.extend(layer.get_output(j) for j in range(layer.num_outputs))
-    for tensor in tensors:
-        value = amax.get(tensor.name)
-        if value is not None and value > 0:
-            tensor.set_dynamic_range(-float(value), float(value))
-            count += 1
-    return count
 
 
 def _inspect(runtime: "tensorrt.Runtime", serialized: Any) -> Optional[List[EngineLayer]]:
@@ -348,12 +242,16 @@ class TensorRTBackend(Backend):
         result.seconds = time.monotonic() - started
         return result
 
-    def open(self, engine_path: str) -> "TensorRTRunner":
+    def open(self, engine_path: str, dla_core: Optional[int] = None) -> "TensorRTRunner":
+        """A runner for ``engine_path``; a DLA engine runs on the core it was built for (or
+        ``dla_core``): TensorRT's runtime would otherwise use its default core."""
         if not os.path.isfile(engine_path):
             raise AgentError("file_not_found", "engine {} does not exist".format(engine_path))
         with open(engine_path, "rb") as f:
             data = f.read()
-        return TensorRTRunner(data, self.device, source=engine_path)
+        if dla_core is None:
+            dla_core = read_dla_core(engine_path)
+        return TensorRTRunner(data, self.device, source=engine_path, dla_core=dla_core)
 
 
 class _Build(object):
@@ -371,6 +269,7 @@ class _Build(object):
         self.version = parse_version(self.version_text)
         self.settings = builder_settings(plan, self.version)
         self.logger = _make_logger()
+        self.log_mark = self.logger.mark()  # this build's messages start here
         self.details: Dict[str, Any] = {"trt_version": self.version_text,
                                         "strongly_typed": self.settings.strongly_typed,
                                         "flags": list(self.settings.set_flags),
@@ -417,9 +316,26 @@ class _Build(object):
 
     # build ------------------------------------------------------------------------------
 
+    def _check_dla_core(self, builder: "tensorrt.Builder") -> None:
+        """The DLA core asked for exists on this device (TensorRT says how many)."""
+        core = self.settings.dla_core
+        if core is None:
+            return
+        count = int(getattr(builder, "num_DLA_cores", 0) or 0)
+        if core >= count:
+            why = "" if self.backend.features.dla else "; " + DLA_VERSIONS_NOTE.format(
+                self.version_text)
+            raise AgentError(
+                "unsupported_precision",
+                "--dla-core {}: TensorRT {} reports {} DLA core(s) on this device (expected a "
+                "core index below that, or no --dla-core){}".format(
+                    core, self.version_text, count, why),
+                {"dla_cores": count})
+
     def _config(self, net: _Network, profile: ProfileShapes) -> "tensorrt.IBuilderConfig":
         import tensorrt as trt
 
+        self._check_dla_core(net.builder)
         config = net.builder.create_builder_config()
         apply_builder_settings(trt, config, self.settings)
         if profile:
@@ -433,12 +349,13 @@ class _Build(object):
         self.progress("building", 0, 1)
         serialized = net.builder.build_serialized_network(net.network, config)
         if serialized is None:
+            messages = self.logger.since(self.log_mark)
             raise AgentError(
                 "build_failed",
                 "TensorRT {} could not build {}: {}".format(
                     self.version_text, self.model_path,
-                    " | ".join(self.logger.messages[-5:]) or "no message"),
-                {"messages": list(self.logger.messages)})
+                    " | ".join(messages[-5:]) or "no message"),
+                {"messages": messages})
         self.progress("building", 1, 1)
         return serialized
 
@@ -463,7 +380,8 @@ class _Build(object):
         config = self._config(net, profile)
         if self.settings.layer_constraints:
             applied, skipped = apply_layer_precisions(trt, net.network,
-                                                      plan.layer_precisions, order)
+                                                      plan.layer_precisions, order,
+                                                      self.settings.pin_others)
             self.details["constrained_layers"] = applied
             self.details["skipped_layers"] = [list(s) for s in skipped]
         feeder = None
@@ -486,6 +404,12 @@ class _Build(object):
         self.details["timing_cache"] = {"path": timing.path, "loaded_bytes": timing.loaded_bytes,
                                         "saved_bytes": timing.save(config)}
         atomic_write(self.engine_path, bytes(serialized))
+        # The inspector deserializes the engine once more: let the builder, network and parsed
+        # weights go first, so a 2-4 GB board does not hold both at once.
+        del net, config, feeder
+        _write_dla_core(self.engine_path, self.settings.dla_core)
+        if self.settings.dla_core is not None:
+            self.details["dla_core"] = self.settings.dla_core
         got, mismatches = self._read_back(serialized, order)
         return BuildResult(
             self.engine_path, plan.precision, layer_precisions=got, mismatches=mismatches,
@@ -521,7 +445,8 @@ class _Build(object):
         missing = sorted(set(self.plan.layer_precisions) - set(seen))
         if missing:
             self.details["not_in_engine"] = missing
-        return seen, precision_mismatches(self.plan.layer_precisions, seen)
+        floor = plan_floor(self.plan.precision) if not self.settings.strongly_typed else None
+        return seen, precision_mismatches(self.plan.layer_precisions, seen, floor)
 
     # INT8 -------------------------------------------------------------------------------
 
@@ -557,7 +482,7 @@ class _Build(object):
     def _implicit_int8(self, net: _Network, config: "tensorrt.IBuilderConfig",
                        profile: ProfileShapes,
                        order: Sequence[str]) -> Any:
-        from calib.calibrators import BatchFeeder, make_calibrator
+        from calib.calibrators import BatchFeeder, calibration_dtypes, make_calibrator
 
         settings = self._calibration()
         algorithm = settings.algorithm
@@ -579,7 +504,7 @@ class _Build(object):
             self.details["calibration"] = "cache"
         else:
             dataset = self._dataset(settings, net.inputs, batch)
-            feeder = BatchFeeder(dataset, batch, {s.name: s.dtype for s in net.inputs},
+            feeder = BatchFeeder(dataset, batch, calibration_dtypes(net.inputs),
                                  progress=self.progress, total=dataset.num_batches(),
                                  shapes=shapes)
             self.details["calibration"] = algorithm
@@ -595,8 +520,10 @@ class _Build(object):
     def _amax(self, inputs: Sequence[TensorSpec], profile: ProfileShapes,
               settings: CalibrationSettings, path: str) -> Dict[str, float]:
         """amax per tensor: from a compatible cache, else measured on this device by running
-        an fp32 engine with every float tensor marked as an output through ``calib.ranges``
-        (the cache is then written for the next build)."""
+        an fp32 engine with every layer output marked (``mark_layerwise``) through
+        ``calib.ranges``, float outputs only (the cache is then written for the next build)."""
+        import tensorrt as trt
+
         from agent.backends import graph
         from calib import cache as calib_cache
         from calib.ranges import RangeCollector
@@ -609,12 +536,13 @@ class _Build(object):
         batch, shapes, notes = calibration_shapes(inputs, profile, settings.batch_size)
         self.details["notes"].extend(notes)
         dataset = self._dataset(settings, inputs, batch)
-        model = graph.mark_outputs(graph.load_model(self.model_path), ["*"])
+        model = graph.load_model(self.model_path)
         fp32 = BuildPlan(precision="fp32", workspace_bytes=self.plan.workspace_bytes,
                          shapes=_range_profile(shapes, profile))
         sub = _Build(self.backend, self.ctx, self.model_path, fp32, self.engine_path,
                      no_progress)
         net = sub._parse(model)
+        self.details["range_outputs"] = len(mark_layerwise(trt, net.network))
         serialized = sub._serialize(net, sub._config(net, profile_shapes(net.inputs,
                                                                          fp32.shapes)))
         collector = RangeCollector(settings.algorithm)
@@ -669,176 +597,6 @@ def _range_profile(shapes: Dict[str, Shape], profile: ProfileShapes) -> ProfileS
         lo = tuple([1] + list(shape[1:])) if shape else shape
         out[name] = (lo, shape, shape)
     return out
-
-
-# -- runner ----------------------------------------------------------------------------------
-
-class TensorRTRunner(Runner):
-    """Runs a serialized engine: pinned host buffers, device buffers, one stream.
-
-    TensorRT >= 8.5 uses the tensor-name API (``set_input_shape``, ``set_tensor_address``,
-    ``execute_async_v3``), older versions the bindings API (``set_binding_shape``,
-    ``execute_async_v2``). One optimization profile (the first) is used."""
-
-    def __init__(self, data: bytes, device: int = 0, source: str = "engine",
-                 ctx: Any = None) -> None:
-        import tensorrt as trt
-
-        from agent.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
-
-        self.source = source
-        self.features = Features(parse_version(trt.__version__))
-        self._own_ctx = ctx is None
-        self.ctx = ctx if ctx is not None else CudaContext(device)
-        self.buffers: Optional[IOBuffers] = None
-        self._binding_index: Dict[str, int] = {}
-        self._last_feeds: Optional[Dict[str, np.ndarray]] = None
-        try:
-            self.logger = _make_logger()
-            self.runtime = trt.Runtime(self.logger)
-            engine = self.runtime.deserialize_cuda_engine(data)
-            if engine is None:
-                raise AgentError(
-                    "bad_engine",
-                    "{} is not a TensorRT {} engine for this device: {}".format(
-                        source, trt.__version__,
-                        " | ".join(self.logger.messages[-3:]) or "deserialization failed"))
-            self.engine = engine
-            self.context = engine.create_execution_context()
-            self.buffers = IOBuffers()
-            self.timer = EventTimer(self.buffers.stream)
-            self._inputs, self._outputs = self._io_specs()
-        except BaseException:
-            self.close()
-            raise
-
-    def _io_specs(self) -> Tuple[List[TensorSpec], List[TensorSpec]]:
-        import tensorrt as trt
-
-        engine = self.engine
-        inputs: List[TensorSpec] = []
-        outputs: List[TensorSpec] = []
-        if self.features.tensor_io_api:
-            for i in range(engine.num_io_tensors):
-                name = engine.get_tensor_name(i)
-                spec = TensorSpec(name, trt.nptype(engine.get_tensor_dtype(name)),
-                                  _dims(engine.get_tensor_shape(name)))
-                is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
-                (inputs if is_input else outputs).append(spec)
-            return inputs, outputs
-        # TensorRT < 8.5: the bindings API (gone in 10, so absent from the stubs).
-        for i in range(engine.num_bindings):  # type: ignore[attr-defined]
-            name = engine.get_binding_name(i)  # type: ignore[attr-defined]
-            self._binding_index[name] = i
-            spec = TensorSpec(name, trt.nptype(engine.get_binding_dtype(i)),  # type: ignore[attr-defined]
-                              _dims(engine.get_binding_shape(i)))  # type: ignore[attr-defined]
-            (inputs if engine.binding_is_input(i) else outputs).append(spec)  # type: ignore[attr-defined]
-        return inputs, outputs
-
-    @property
-    def inputs(self) -> List[TensorSpec]:
-        return list(self._inputs)
-
-    @property
-    def outputs(self) -> List[TensorSpec]:
-        return list(self._outputs)
-
-    def _io(self) -> Any:
-        if self.buffers is None:
-            raise AgentError("bad_argument", "{} is closed".format(self.source))
-        return self.buffers
-
-    def _prepare(self, feeds: Dict[str, np.ndarray]) -> None:
-        """Check the feeds, fill the pinned inputs, set dynamic shapes, size the outputs."""
-        buffers = self._io()
-        names = {s.name for s in self._inputs}
-        if set(feeds) != names:
-            raise AgentError("bad_argument",
-                             "{}: expected inputs {}, found {}".format(
-                                 self.source, ", ".join(sorted(names)),
-                                 ", ".join(sorted(feeds)) or "none"))
-        context = self.context
-        for spec in self._inputs:
-            array = np.asarray(feeds[spec.name])
-            ok = array.ndim == len(spec.shape) and all(
-                want is None or want == got for want, got in zip(spec.shape, array.shape))
-            if not ok:
-                raise AgentError("bad_argument",
-                                 "{}: input {!r}: expected shape {}, found {}".format(
-                                     self.source, spec.name, shape_text(spec.shape),
-                                     list(array.shape)))
-            buffers.set_input(spec.name, array, spec.dtype)
-            if any(d is None for d in spec.shape):
-                if self.features.tensor_io_api:
-                    context.set_input_shape(spec.name, tuple(array.shape))
-                else:
-                    context.set_binding_shape(  # type: ignore[attr-defined]
-                        self._binding_index[spec.name], tuple(array.shape))
-        for spec in self._outputs:
-            if self.features.tensor_io_api:
-                shape = _ints(context.get_tensor_shape(spec.name))
-            else:
-                shape = _ints(context.get_binding_shape(  # type: ignore[attr-defined]
-                    self._binding_index[spec.name]))
-            if any(d < 0 for d in shape):
-                raise AgentError("unsupported_model",
-                                 "{}: output {!r} has a data-dependent shape {}, which this "
-                                 "runner does not support".format(self.source, spec.name,
-                                                                  list(shape)))
-            buffers.ensure(spec.name, shape, spec.dtype)
-        if self.features.tensor_io_api:
-            for spec in self._inputs + self._outputs:
-                context.set_tensor_address(spec.name, buffers.device_ptr(spec.name))
-        self._last_feeds = feeds
-
-    def _enqueue(self) -> None:
-        """Queue input copies, the inference and output copies on the stream."""
-        buffers = self._io()
-        in_names = [s.name for s in self._inputs]
-        out_names = [s.name for s in self._outputs]
-        buffers.to_device(in_names)
-        handle = buffers.stream.handle
-        if self.features.tensor_io_api:
-            ok = self.context.execute_async_v3(handle)
-        else:
-            bindings = [0] * len(self._binding_index)
-            for name in in_names + out_names:
-                bindings[self._binding_index[name]] = buffers.device_ptr(name)
-            ok = self.context.execute_async_v2(bindings, handle)  # type: ignore[attr-defined]
-        if not ok:
-            raise AgentError("internal_error",
-                             "{}: TensorRT failed to enqueue inference".format(self.source))
-        buffers.to_host(out_names)
-
-    def infer(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        self._prepare(feeds)
-        self._enqueue()
-        buffers = self._io()
-        buffers.synchronize()
-        return {s.name: np.array(buffers.host(s.name)) for s in self._outputs}
-
-    def time_inference(self, iterations: int, warmup: int = 0,
-                       feeds: Optional[Dict[str, np.ndarray]] = None) -> List[float]:
-        """Milliseconds per inference (host->device copies, execution, device->host copies)
-        measured with CUDA events, on ``feeds`` or the last ones given to ``infer``."""
-        if feeds is not None:
-            self._prepare(feeds)
-        elif self._last_feeds is None:
-            raise AgentError("bad_argument",
-                             "time_inference needs feeds (or a previous infer call)")
-        return list(self.timer.time(self._enqueue, iterations, warmup))
-
-    def close(self) -> None:
-        if self.buffers is not None:
-            self.buffers.free()
-            self.buffers = None
-        # Release TensorRT objects before the context they live in.
-        for attr in ("context", "engine", "runtime"):
-            if hasattr(self, attr):
-                delattr(self, attr)
-        if self._own_ctx and self.ctx is not None:
-            self.ctx.close()
-            self.ctx = None
 
 
 def create() -> TensorRTBackend:

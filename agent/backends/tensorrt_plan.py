@@ -3,8 +3,9 @@
 JSON, parser errors). No TensorRT needed: ``tests/unit/test_tensorrt_backend.py`` checks them,
 and ``agent.backends.tensorrt`` carries them out on a device.
 
-TensorRT versions that matter: 8.2 (JetPack 4.6), 8.5 (JetPack 5.1), 8.6, 10.3 (JetPack 6),
-10.x (JetPack 7) and >= 10.12 / 11 (explicitly typed only). Worker side: Python >= 3.6.
+TensorRT versions that matter (docs/tensorrt.md has the table): 8.0.1 (JetPack 4.6), 8.2
+(JetPack 4.6.1+), 8.4 / 8.5 (JetPack 5), 8.6, 10.3 (JetPack 6), 10.x (JetPack 7) and >= 10.12 /
+11 (explicitly typed only). Older than 8.0 is refused. Worker side: Python >= 3.6.
 """
 
 import json
@@ -38,6 +39,15 @@ ProfileShapes = Dict[str, Tuple[Shape, Shape, Shape]]
 # From this version on, precision is expressed in the graph (implicit INT8 is deprecated from
 # 10.1 and gone in 11).
 STRONGLY_TYPED_FROM = (10, 12, 0)
+# 7.x has no build_serialized_network and no timing cache; 8.0.1 is JetPack 4.6's.
+MIN_TENSORRT = (8, 0, 1)
+# TensorRT DataType (module alias) -> numpy dtype name. Ours, not ``trt.nptype``: up to 8.5 that
+# builds its table with ``np.bool`` (gone in NumPy 1.24), and on 10/11 it raises for bf16/fp8.
+# Types without a numpy equivalent map to None (refused with a clear error where met).
+NUMPY_DTYPES = (("float32", "float32"), ("float16", "float16"), ("int8", "int8"),
+                ("int32", "int32"), ("int64", "int64"), ("bool", "bool"), ("uint8", "uint8"),
+                ("bfloat16", None), ("fp8", None), ("int4", None), ("fp4", None),
+                ("e8m0", None))
 # Layer precision names (Polygraphy's) -> attribute of the tensorrt module.
 TRT_DTYPES = {"float32": "float32", "float16": "float16", "int8": "int8"}
 # Ranks used to tell which of two precisions is the lower one.
@@ -69,11 +79,18 @@ class Features(object):
         self.tensor_io_api = version >= (8, 5, 0)
         # IEngineInspector and ProfilingVerbosity.DETAILED arrived in 8.2.
         self.engine_inspector = version >= (8, 2, 0)
-        # Per-layer metadata naming the ONNX node ("[ONNX Layer: name]") from 10.0.
-        self.layer_metadata = version >= (10, 0, 0)
+        # Per-layer metadata naming the ONNX node ("[ONNX Layer: name...]"): the 8.6 parser
+        # sets it (onnx-tensorrt release/8.6-GA onnx2trt_utils.cpp), as does every 10.x.
+        self.layer_metadata = version >= (8, 6, 0)
         self.strongly_typed = version >= STRONGLY_TYPED_FROM
         # Calibrators and set_dynamic_range exist up to 10.x.
         self.implicit_int8 = version < (11, 0, 0)
+        # OBEY / PREFER_PRECISION_CONSTRAINTS arrived in 8.2; 8.0 has only STRICT_TYPES.
+        self.constraint_flags = version >= (8, 2, 0)
+        self.supported = version >= MIN_TENSORRT
+        # DLA on Jetson: up to 10.7, none in 11.0 - 11.4.0, back in 11.4.1 (AGX Orin, strongly
+        # typed only). 10.8 - 10.x: the DLA libraries are no longer shipped for Jetson.
+        self.dla = version < (10, 8, 0) or version >= (11, 4, 1)
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: v for k, v in sorted(vars(self).items()) if k != "version"}
@@ -95,15 +112,58 @@ class BuilderSettings(object):
         self.layer_constraints = False  # apply layer.precision / set_output_type
         self.strongly_typed = False
         self.int8_source: Optional[str] = None  # "calibrator" | "ranges" | "qdq" | None
+        # Weakly typed: the precision every constrainable layer not named gets (see defect
+        # "weak typing lowers every layer" in docs/tensorrt.md), None to leave them free.
+        self.pin_others: Optional[str] = None
         self.notes: List[str] = []
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(self).items())}
 
 
+DLA_VERSIONS_NOTE = ("TensorRT {} is not listed with DLA on Jetson (DLA: TensorRT <= 10.7, or "
+                     ">= 11.4.1 on AGX Orin, strongly typed)")
+# The precision a weakly typed plan allows every layer it does not name (None: any).
+_PLAN_FLOOR = {"fp32": "float32", "fp16": "float16", "int8": None, "best": None}
+
+
+def version_text(version: Version) -> str:
+    return ".".join(str(v) for v in version)
+
+
+def check_supported(version: Version) -> None:
+    """``unsupported_tensorrt`` for TensorRT older than ``MIN_TENSORRT``."""
+    if not Features(version).supported:
+        raise AgentError(
+            "unsupported_tensorrt",
+            "TensorRT {} is too old: this agent needs TensorRT >= {} (JetPack >= 4.6); 7.x has "
+            "no build_serialized_network and no timing cache".format(
+                version_text(version), version_text(MIN_TENSORRT)))
+
+
+def _check_dla(plan: BuildPlan, features: Features) -> None:
+    """What can be refused before TensorRT is asked; the device's own count
+    (``builder.num_DLA_cores``) is checked by the backend before the build."""
+    if plan.dla_core is None:
+        return
+    if int(plan.dla_core) < 0:
+        raise AgentError("bad_argument",
+                         "--dla-core must be >= 0, found {}".format(plan.dla_core))
+    if plan.precision == "fp32" and "float16" not in plan.layer_precisions.values() \
+            and "int8" not in plan.layer_precisions.values():
+        # DLA runs fp16 and int8 only: an fp32 plan would silently run on the GPU.
+        raise AgentError(
+            "unsupported_precision",
+            "--dla-core {} with precision fp32: DLA runs fp16 or int8 only, so every layer "
+            "would fall back to the GPU; expected --precision fp16 or int8".format(
+                plan.dla_core))
+
+
 def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
     """What to ask TensorRT for ``plan`` on TensorRT ``version``."""
+    check_supported(version)
     features = Features(version)
+    _check_dla(plan, features)
     s = BuilderSettings()
     s.strongly_typed = features.strongly_typed
     asked = set(plan.layer_precisions.values())
@@ -115,6 +175,16 @@ def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
     else:
         if features.explicit_batch_flag:
             s.network_flags.append("EXPLICIT_BATCH")
+        if plan.precision == "int8" and "float16" in asked:
+            # The FP16 flag would let every layer go fp16 (NvInfer.h: unconstrained layers are
+            # chosen "based on global performance considerations and the flags"), and an int8
+            # engine cannot pin "int8 where possible, else fp32" per layer.
+            raise AgentError(
+                "unsupported_precision",
+                "int8 with float16 layers on TensorRT {} (weakly typed) would let every layer "
+                "run in fp16; expected float32 layers (--keep-precision float32), precision "
+                "best, or TensorRT >= {} (strongly typed)".format(
+                    version_text(version), version_text(STRONGLY_TYPED_FROM)))
         if plan.precision in ("fp16", "best") or "float16" in asked:
             s.set_flags.append("FP16")
         if plan.needs_calibration:
@@ -127,11 +197,26 @@ def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
             # and ignores them); a precision search relies on them, so prefer is implied.
             constraints = "prefer"
             s.notes.append("layer precisions need precision constraints: using prefer")
-        if constraints == "obey":
+        if constraints != "none" and not features.constraint_flags:
+            # TensorRT 8.0: STRICT_TYPES (constraints that may fall back, like prefer).
+            s.set_flags.append("STRICT_TYPES")
+            if constraints == "obey":
+                s.notes.append("TensorRT 8.0 has no OBEY_PRECISION_CONSTRAINTS: STRICT_TYPES "
+                               "used (may fall back; mismatches are reported)")
+        elif constraints == "obey":
             s.set_flags.append("OBEY_PRECISION_CONSTRAINTS")
         elif constraints == "prefer":
             s.set_flags.append("PREFER_PRECISION_CONSTRAINTS")
         s.layer_constraints = bool(plan.layer_precisions)
+        floor = _PLAN_FLOOR[plan.precision]
+        lower = [p for p in asked if p != floor and floor is not None
+                 and _PRECISION_RANK[p] < _PRECISION_RANK[floor]]
+        if lower:
+            # A flag set for a few layers must not lower the others: pin them to the plan's own
+            # precision, as the strongly typed and host paths compute them.
+            s.pin_others = floor
+            s.notes.append("layers not named are pinned to {} ({} asked for some)".format(
+                floor, "/".join(sorted(set(lower)))))
     # TF32 would silently reduce every float32 layer (pinned ones too): only "best" allows it.
     if plan.precision == "best":
         s.set_flags.append("TF32")
@@ -143,6 +228,8 @@ def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
     if plan.dla_core is not None:
         s.dla_core = int(plan.dla_core)
         s.set_flags.append("GPU_FALLBACK")
+        if not features.dla:
+            s.notes.append(DLA_VERSIONS_NOTE.format(version_text(version)))
     if features.engine_inspector:
         s.detailed_profiling = True
     else:
@@ -173,6 +260,7 @@ def apply_builder_settings(trt: Any, config: "tensorrt.IBuilderConfig",
         else:
             config.max_workspace_size = size  # type: ignore[attr-defined]  # TensorRT < 8.4
     if settings.dla_core is not None:
+        # Checked against builder.num_DLA_cores by the backend before the build.
         config.default_device_type = trt.DeviceType.DLA
         config.DLA_core = settings.dla_core
     if settings.detailed_profiling:
@@ -191,6 +279,15 @@ _SUFFIXES = (
     re.compile(r"^(.*) (?:input|output) reformatter \d+$", re.S),
     re.compile(r"^(.*)\s*\[.*\]$", re.S),
 )
+
+
+def _metadata_node(text: str) -> str:
+    """The node name in one ``[ONNX Layer: ...]`` entry. The parser appends more after the
+    name: the node's filtered doc string on its own lines (8.6), `` | Local Function: f``
+    (10.x)."""
+    for sep in ("\n", " | "):
+        text = text.split(sep, 1)[0]
+    return text.strip()
 
 
 def _resolve_part(part: str, known: Dict[str, int], depth: int = 0) -> List[str]:
@@ -254,7 +351,8 @@ def layer_onnx_nodes(layer_name: str, node_order: Sequence[str], metadata: str =
                 out.append(n)
 
     if metadata:
-        add([n for n in _METADATA_NODE.findall(metadata) if n in known])
+        add([n for n in (_metadata_node(m) for m in _METADATA_NODE.findall(metadata))
+             if n in known])
         if out:
             return out
     if layer_name in known:
@@ -313,10 +411,36 @@ class EngineLayer(object):
         return "EngineLayer({!r}, {}, {})".format(self.name, self.layer_type, self.precision)
 
 
+def tensor_precision(tensor: Dict[str, Any]) -> Optional[str]:
+    """One inspector tensor's data type: ``Format/Datatype`` (8.2 - 10.x) or the separate
+    ``Datatype`` (and ``Format``) keys of TensorRT 11."""
+    for key in ("Datatype", "Format/Datatype", "Format"):
+        if key in tensor:
+            found = format_precision(str(tensor.get(key, "")))
+            if found:
+                return found
+    return None
+
+
+def engine_io_names(info: str) -> List[str]:
+    """The engine's I/O tensor names: ``Bindings`` (8.x - 10.x) or ``I/O Tensors`` (11)."""
+    try:
+        doc = json.loads(info)
+    except ValueError:
+        return []
+    if not isinstance(doc, dict):
+        return []
+    names = doc.get("Bindings", doc.get("I/O Tensors")) or []
+    return [n if isinstance(n, str) else str(n.get("Name", "")) for n in names
+            if isinstance(n, (str, dict))]
+
+
 def parse_engine_information(info: str) -> List[EngineLayer]:
-    """Layers of ``get_engine_information(LayerInformationFormat.JSON)``. A layer's precision
-    is its first output's data type (the input's for layers without outputs); None when the
-    engine was built without detailed profiling (the entries are then bare names)."""
+    """Layers of ``get_engine_information(LayerInformationFormat.JSON)``, in the JSON of 8.2 -
+    10.x or 11. A layer's precision is its first output's data type (the input's for layers
+    without outputs: what a layer computes in is what it produces, inputs may still be in the
+    producer's type); None when the engine was built without detailed profiling (the entries
+    are then bare names)."""
     try:
         doc = json.loads(info)
     except ValueError:
@@ -332,7 +456,7 @@ def parse_engine_information(info: str) -> List[EngineLayer]:
         for key in ("Outputs", "Inputs"):
             for tensor in entry.get(key) or []:
                 if isinstance(tensor, dict):
-                    precision = format_precision(str(tensor.get("Format/Datatype", "")))
+                    precision = tensor_precision(tensor)
                     if precision:
                         break
             if precision:
@@ -359,16 +483,28 @@ def node_precisions(layers: Sequence[EngineLayer], node_order: Sequence[str]) ->
     return out
 
 
-def precision_mismatches(asked: Dict[str, str],
-                         got: Dict[str, str]) -> List[Tuple[str, str, str]]:
+def plan_floor(precision: str) -> Optional[str]:
+    """The lowest precision a plan allows the layers it does not name (None: any)."""
+    return _PLAN_FLOOR.get(precision)
+
+
+def precision_mismatches(asked: Dict[str, str], got: Dict[str, str],
+                         floor: Optional[str] = None) -> List[Tuple[str, str, str]]:
     """(node, asked, got) for each node asked a float/int8 precision that the engine runs in
-    another float/int8 precision. Nodes the engine does not show, or whose layers output
-    integers or booleans, are not mismatches (they cannot be constrained)."""
+    another float/int8 precision, and, with ``floor`` (``plan_floor``), for every other node the
+    engine runs below it (an fp32 plan's layers in fp16). Nodes the engine does not show, or
+    whose layers output integers or booleans, are not mismatches (they cannot be
+    constrained)."""
     out = []
-    for node in sorted(asked):
+    for node in sorted(set(asked) | (set(got) if floor else set())):
         have = got.get(node)
-        if have in _PRECISION_RANK and have != asked[node]:
-            out.append((node, asked[node], str(have)))
+        if have not in _PRECISION_RANK:
+            continue
+        if node in asked:
+            if have != asked[node]:
+                out.append((node, asked[node], str(have)))
+        elif floor is not None and _PRECISION_RANK[have] < _PRECISION_RANK[floor]:
+            out.append((node, floor, str(have)))
     return out
 
 

@@ -69,13 +69,13 @@ from agent.platform.parsers import (
     upstream_version,
     version_key,
 )
-from agent.platform.versions import dist_version
+from agent.platform.versions import dist_version, dla_available
 
 # The public names of the former single-module agent/platform.py, unchanged.
 __all__ = [
     # matrix
     "BEST_ORDER", "DEFAULT_MATRIX", "FALLBACK_CHAINS", "FALLBACK_POLICIES", "LEVELS",
-    "PRECISIONS", "Matrix", "load_matrix",
+    "PRECISIONS", "Matrix", "load_matrix", "dla_available",
     # parsers
     "COMPATIBLE_FILE", "CPUINFO_FILE", "CUDA_VERSION_FILES", "CUDNN_HEADERS", "DEVFREQ_DIR",
     "DLA_GLOBS", "DPKG_STATUS_FILE", "MEMINFO_FILE", "MODEL_FILE", "NVIDIA_GPUS_GLOB",

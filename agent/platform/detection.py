@@ -39,7 +39,12 @@ from agent.platform.tree import (
     _soc_from_compatible,
     _soc_from_devfreq,
 )
-from agent.platform.versions import _apply_release_table, _check_tensorrt_cc, _detect_versions
+from agent.platform.versions import (
+    _apply_release_table,
+    _check_dla,
+    _check_tensorrt_cc,
+    _detect_versions,
+)
 
 
 def looks_like_jetson(root: str = "/") -> bool:
@@ -94,6 +99,7 @@ def detect(root: str = "/", use_jtop: bool = True, matrix: Optional[Matrix] = No
     _detect_versions(info, root, live)
     _apply_release_table(info)
     _check_tensorrt_cc(info)
+    _check_dla(info)
     return info
 
 

@@ -49,6 +49,20 @@ class Matrix(object):
         self.tensorrt_min_cc: Dict[str, str] = data["tensorrt_min_cc"]
         self.host: Dict[str, Any] = data["host"]
         self.releases: List[Dict[str, str]] = data["jetpack_releases"]
+        self.dla_tensorrt: List[Dict[str, Any]] = list(data.get("dla_tensorrt") or [])
+
+    def dla_available(self, tensorrt: str, family: Optional[str]) -> bool:
+        """Whether TensorRT ``tensorrt`` can use the DLA cores of ``family`` (a matrix without
+        ``dla_tensorrt`` says yes: the board's count decides)."""
+        if not self.dla_tensorrt:
+            return True
+        have = version_key(tensorrt)
+        for span in self.dla_tensorrt:
+            if family not in span["families"] or have < version_key(span["first"]):
+                continue
+            if "last" not in span or have <= version_key(span["last"]):
+                return True
+        return False
 
     def family_row(self, family_id: str) -> Dict[str, Any]:
         fam = self.families[family_id]
@@ -140,7 +154,8 @@ _FAMILY_KEYS = {"name", "soc", "match", "modules", "precisions", "precision_note
                 "jetpack", "tensorrt", "python", "notes"}
 _FAMILY_REQUIRED = _FAMILY_KEYS - {"precision_notes", "notes"}
 _TOP_KEYS = {"schema", "socs", "families", "cc_rules", "tensorrt_min_cc", "host",
-             "jetpack_releases"}
+             "jetpack_releases", "dla_tensorrt"}
+_TOP_OPTIONAL = {"dla_tensorrt"}
 
 
 class _Checker(object):
@@ -202,7 +217,7 @@ class _Checker(object):
 
 def _validate(path: str, data: Any) -> Dict[str, Any]:
     c = _Checker(path)
-    c.mapping("top level", data, required=sorted(_TOP_KEYS), allowed=_TOP_KEYS)
+    c.mapping("top level", data, required=sorted(_TOP_KEYS - _TOP_OPTIONAL), allowed=_TOP_KEYS)
     if data["schema"] != 1:
         c.fail("schema", "1", data["schema"])
     for soc, info in c.mapping("socs", data["socs"]).items():
@@ -261,6 +276,16 @@ def _validate(path: str, data: Any) -> Dict[str, Any]:
     if host["backend"] != "onnxruntime":
         c.fail("host.backend", "'onnxruntime'", host["backend"])
     c.levels("host.precisions", host["precisions"])
+    for i, span in enumerate(data.get("dla_tensorrt") or []):
+        where = "dla_tensorrt[{}]".format(i)
+        c.mapping(where, span, required=("first", "families"),
+                  allowed=("first", "last", "families", "strongly_typed_only"))
+        for key in ("first", "last"):
+            if key in span:
+                c.version("{}.{}".format(where, key), span[key])
+        for fam in span["families"]:
+            if fam not in data["families"]:
+                c.fail(where + ".families", "a family of this file", fam)
     if not isinstance(data["jetpack_releases"], list):
         c.fail("jetpack_releases", "a list", data["jetpack_releases"])
     rel_keys = ("l4t", "jetpack", "cuda", "tensorrt", "cudnn", "python")

@@ -2,7 +2,7 @@
 distributions and the matrix's JetPack release table; and whether TensorRT still supports the
 GPU's compute capability."""
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from agent.platform.info import PlatformInfo
 from agent.platform.parsers import (
@@ -98,6 +98,29 @@ def _apply_release_table(info: PlatformInfo) -> None:
         if not getattr(info, what) and rel.get(what):
             setattr(info, what, rel[what])
             info.versions_source[what] = "table:JetPack " + rel["jetpack"]
+
+
+def _check_dla(info: PlatformInfo) -> None:
+    """DLA cores count only with a TensorRT that drives them on this board (the matrix's
+    ``dla_tensorrt``): none from 10.8 to 11.4.0, and only AGX Orin from 11.4.1."""
+    if not info.dla_cores or not info.tensorrt:
+        return
+    if info.matrix.dla_available(info.tensorrt, info.family):
+        return
+    info.add_problem(
+        "{} DLA core(s) found, but TensorRT {} has no DLA for this board: builds use the "
+        "GPU".format(info.dla_cores, info.tensorrt),
+        "DLA needs TensorRT <= 10.7 (JetPack 5 / 6) or >= 11.4.1 on AGX Orin (JetPack >= "
+        "7.2.2); see docs/tensorrt.md")
+    info.dla_cores = 0
+    info.dla_source = "tensorrt {}".format(info.tensorrt)
+
+
+def dla_available(tensorrt: str, family: Optional[str], matrix: Optional[Any] = None) -> bool:
+    """Whether TensorRT ``tensorrt`` drives the DLA of board family ``family``."""
+    from agent.platform.matrix import load_matrix
+
+    return (matrix or load_matrix()).dla_available(tensorrt, family)
 
 
 def _check_tensorrt_cc(info: PlatformInfo) -> None:

@@ -249,6 +249,9 @@ NODES = ["Conv_0", "Relu_1", "Add_2", "Sub_3", "Gemm_4", "MatMul_5", "Softmax_6"
     # TensorRT 10 metadata names the nodes of a fused layer, whatever the layer is called.
     ("myelin_region_3", "[ONNX Layer: Gemm_4]\x1e[ONNX Layer: /blocks.0/attn/MatMul]",
      ["Gemm_4", "/blocks.0/attn/MatMul"]),
+    # What follows the name (onnx-tensorrt): a doc string's lines (8.6), a local function (10).
+    ("fused_1", "[ONNX Layer: Gemm_4\n  model.py(12): forward]\x1e"
+     "[ONNX Layer: Mul_7 | Local Function: gelu]", ["Gemm_4", "Mul_7"]),
 ])
 def test_layer_onnx_nodes(layer, metadata, want):
     assert layer_onnx_nodes(layer, NODES, metadata) == want
