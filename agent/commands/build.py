@@ -10,6 +10,7 @@ keeps the ranges in a calibration cache, so later builds of the same model and d
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -32,6 +33,10 @@ from agent.engine import EngineRecord, build_engine
 from agent.errors import AgentError
 from agent.progress import ProgressBar
 
+log = logging.getLogger("agent.build")
+# One default for build, bench, compare and search: Polygraphy's (--precision-constraints none).
+DEFAULT_CONSTRAINTS = "none"
+
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("build", help="build an engine (through the engine cache)",
@@ -43,14 +48,15 @@ def add_parser(sub: Any) -> None:
 
 def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = None,
                         engine_options: bool = True, precision_default: Optional[str] = "fp32",
-                        constraints_default: Optional[str] = None) -> None:
+                        constraints_default: str = DEFAULT_CONSTRAINTS) -> None:
     """The flags that make a BuildPlan: the one definition behind ``build``, ``bench``,
     ``compare`` and ``search``.
 
     ``model_help`` adds the positional MODEL. ``engine_options`` adds what only ``build`` and
     ``bench`` act on (calibration sampling, shapes, workspace, DLA, fallback, threads, cache
     budget). ``precision_default`` is what no precision flag means (``search`` wants None to
-    ask for one); ``constraints_default`` None means obey when --layer-precisions is given.
+    ask for one). ``--precision-constraints`` defaults to ``none`` for every command
+    (Polygraphy's default), so the same flags build the same engine everywhere.
     """
     if model_help is not None:
         p.add_argument("model", metavar="MODEL", help=model_help)
@@ -84,10 +90,9 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
                    help="per-layer precisions in Polygraphy's syntax, e.g. Add:float32 "
                         "Sub:float32 (names are ONNX node names)")
     g.add_argument("--precision-constraints", choices=CONSTRAINTS, default=constraints_default,
-                   help="how layer precisions bind: obey (fail if impossible), prefer, none "
-                        "(default: {})".format(
-                            constraints_default or "obey when --layer-precisions is given, "
-                                                   "else none"))
+                   help="how --layer-precisions bind: obey (fail if impossible), prefer, or "
+                        "none: TensorRT may override them (default: none, as in Polygraphy; "
+                        "the same for build, bench, compare and search)")
     if engine_options:
         g.add_argument("--shapes", nargs="+", default=[], metavar="NAME:MIN[,OPT,MAX]",
                        help="shape profile for dynamic inputs, e.g. input:1x64,8x64,32x64 "
@@ -141,7 +146,11 @@ def plan_from_args(args: argparse.Namespace, precision: Optional[str] = None) ->
     """The BuildPlan of ``add_build_arguments``' flags (checked), for every command that has
     them; flags a command does not offer (``engine_options=False``) take their defaults."""
     layers = parse_layer_precisions(args.layer_precisions)
-    constraints = args.precision_constraints or ("obey" if layers else "none")
+    constraints = args.precision_constraints or DEFAULT_CONSTRAINTS
+    if layers and constraints == "none":
+        log.warning("--layer-precisions with --precision-constraints none (the default, as in "
+                    "Polygraphy): TensorRT may override them; add --precision-constraints obey "
+                    "to enforce them")
     precision = precision or args.precision or "fp32"
     calibration = None
     if args.calib or args.calibration_cache:
