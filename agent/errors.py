@@ -56,6 +56,8 @@ CODES = {
     "job_timed_out": "The job ran longer than its timeout.",
     "worker_crashed": "The worker process exited abnormally.",
     "broker_unreachable": "The MQTT broker cannot be reached.",
+    "state_dir_in_use": "Another jetson-agent daemon holds this state directory (its PID is "
+    "named).",
     "unknown_device": "The controller names a device that has never reported.",
     "unsigned_job": "The job document carries no signature and the device requires one.",
     "bad_signature": "The job signature does not verify, or its key is not trusted.",

@@ -160,6 +160,8 @@ class JobIntake(ArtifactDownloads):
         from agent import platform
 
         doc = run.doc
+        if self.backend_problem and self.backend == "tensorrt":  # found at start-up
+            raise AgentError("backend_unavailable", self.backend_problem)
         run.plan = protocol.plan_dict(doc)
         request = [run.plan["precision"]] + list(doc.get("fallback") or [])
         decision = platform.decide(request, self.platform, "reject", backend=self.backend)

@@ -77,6 +77,8 @@ class WorkerSupervisor(StatusPublisher):
             run.fingerprint, self.cfg.cache.engine_budget_bytes, gate=run.doc.get("gate"),
             bench=run.doc.get("bench"), search=run.doc.get("search"),
             fallback_reason=run.fallback_reason)
+        # The artifact's own name, for `cache ls` (the worker stages it as model.onnx).
+        spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
         spec_path = os.path.join(run.work_dir, "job.json")
         atomic_write(spec_path, json.dumps(spec, sort_keys=True).encode("utf-8"))
         env = dict(os.environ)

@@ -32,10 +32,12 @@ from agent.cache import EngineCache
 from agent.engine import EngineRecord, build_engine
 from agent.errors import AgentError
 from agent.progress import ProgressBar
+from agent.state_lock import check_state_dir
 
 log = logging.getLogger("agent.build")
 # One default for build, bench, compare and search: Polygraphy's (--precision-constraints none).
 DEFAULT_CONSTRAINTS = "none"
+GENERIC_NAMES = ("model.onnx", "model.plan", "engine", "model")
 
 
 def add_parser(sub: Any) -> None:
@@ -209,7 +211,7 @@ def make_backend(name: str, threads: Optional[int] = None) -> Backend:
 def open_cache(args: argparse.Namespace) -> Tuple[EngineCache, str]:
     """The engine cache and the state directory named by the flags, the environment and the
     config's defaults."""
-    state = fsio.state_dir(getattr(args, "state_dir", None))
+    state = check_state_dir(fsio.state_dir(getattr(args, "state_dir", None)))
     budget_text = getattr(args, "cache_budget", None)
     if budget_text is not None:
         try:
@@ -224,6 +226,15 @@ def open_cache(args: argparse.Namespace) -> Tuple[EngineCache, str]:
 def progress_for(args: argparse.Namespace) -> ProgressBar:
     """A bar on a terminal, plain lines otherwise, nothing with --json (stderr either way)."""
     return ProgressBar(sys.stderr, enabled=not getattr(args, "json", False))
+
+
+def model_label(path: str) -> str:
+    """What ``cache ls`` shows: the file name, with its directory when the name alone says
+    little (examples/digits/model.onnx -> digits/model.onnx)."""
+    path = os.path.abspath(path)
+    parent = os.path.basename(os.path.dirname(path))
+    name = os.path.basename(path)
+    return "{}/{}".format(parent, name) if parent and name in GENERIC_NAMES else name
 
 
 def build_from_args(args: argparse.Namespace, model: str
@@ -241,7 +252,8 @@ def build_from_args(args: argparse.Namespace, model: str
     cache, state = open_cache(args)
     record = build_engine(os.path.abspath(model), plan, backend, cache,
                           info.fingerprint(backend_name), progress=progress_for(args),
-                          calibration_dir=os.path.join(state, "calibration"))
+                          calibration_dir=os.path.join(state, "calibration"),
+                          model_name=model_label(model))
     return record, backend, decision
 
 

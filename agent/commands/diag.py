@@ -15,6 +15,9 @@ from typing import Any, Dict, List, Optional
 
 from agent import __version__, telemetry
 from agent import platform as plat
+
+# The daemon warns at start-up with the same fixes.
+from agent.backend_check import FIX_ONNXRUNTIME, FIX_PYCUDA, FIX_TENSORRT
 from agent.errors import AgentError
 
 SCHEMA = "jetson-agent/diag/1"
@@ -24,10 +27,6 @@ BACKEND_MODULES = (
     ("pycuda", "device buffers for TensorRT INT8 calibration"),
     ("onnxruntime", "host backend: fp32 and emulated fp16/int8"),
 )
-FIX_TENSORRT = ("on a Jetson run scripts/install-jetson (its venv uses --system-site-packages so "
-                "JetPack's python3-libnvinfer is visible); on a dGPU host: pip install tensorrt")
-FIX_PYCUDA = "pip install pycuda (needs the CUDA toolkit: export PATH=/usr/local/cuda/bin:$PATH)"
-FIX_ONNXRUNTIME = "pip install onnxruntime"
 DEFAULT_CONFIG = "/etc/jetson-agent/config.yaml"  # what the systemd unit runs with
 
 
