@@ -254,7 +254,10 @@ class WorkerSupervisor(StatusPublisher):
             if isinstance(error.get("details"), dict):
                 error = dict(error, details=fit_result(error["details"]))
         try:
-            self._set_state(run, state, error=error, result=result)
+            # A finished job is in no stage (a failed one keeps where it failed).
+            done: Dict[str, Any] = {"stage": None, "progress": None} if state == "SUCCEEDED" \
+                else {}
+            self._set_state(run, state, error=error, result=result, **done)
             log.log(logging.INFO if state == "SUCCEEDED" else logging.WARNING, "job %s %s%s",
                     run.job_id, state, "" if error is None else " [{}]: {}".format(
                         error.get("code"), error.get("message")))

@@ -25,7 +25,6 @@ from agent.bench import (
     random_feeds,
 )
 from agent.commands import build as build_cmd
-from agent.errors import AgentError
 
 TENSORRT_SUFFIXES = (".engine", ".plan", ".trt")
 
@@ -77,9 +76,7 @@ def _cached_engine_meta(path: str) -> Dict[str, Any]:
 def open_target(args: argparse.Namespace) -> Tuple[Any, Dict[str, Any]]:
     """(runner, what was benchmarked) for the target: an engine, or a model built first."""
     target = args.target
-    if not os.path.isfile(target):
-        raise AgentError("file_not_found", "{} does not exist (expected an ONNX model or an "
-                         "engine file)".format(target))
+    build_cmd.require_file(target, "MODEL_OR_ENGINE", "an ONNX model or an engine file")
     cached = _cached_engine_meta(target)
     if cached or target.lower().endswith(TENSORRT_SUFFIXES):
         name = args.backend or cached.get("backend") or "tensorrt"

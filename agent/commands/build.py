@@ -228,6 +228,14 @@ def progress_for(args: argparse.Namespace) -> ProgressBar:
     return ProgressBar(sys.stderr, enabled=not getattr(args, "json", False))
 
 
+def require_file(path: str, what: str, expected: str) -> None:
+    """``file_not_found`` saying whether ``path`` is missing or a directory."""
+    if not os.path.isfile(path):
+        raise AgentError("file_not_found", "{} {} {} (expected {})".format(
+            what, path, "is a directory" if os.path.isdir(path) else "does not exist",
+            expected))
+
+
 def model_label(path: str) -> str:
     """What ``cache ls`` shows: the file name, with its directory when the name alone says
     little (examples/digits/model.onnx -> digits/model.onnx)."""
@@ -240,9 +248,7 @@ def model_label(path: str) -> str:
 def build_from_args(args: argparse.Namespace, model: str
                     ) -> Tuple[EngineRecord, Backend, plat.Decision]:
     """Platform decision, plan, backend, then ``build_engine``."""
-    if not os.path.isfile(model):
-        raise AgentError("file_not_found",
-                         "model {} does not exist (expected an ONNX file)".format(model))
+    require_file(model, "model", "an ONNX file")
     info = plat.detect()
     backend_name = args.backend or default_backend(info)
     decision = plat.decide(args.precision, info, fallback=args.fallback, backend=backend_name)

@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     setup = Setup(args)
     inputs, goldens, source = load_goldens(args, args.model, setup)
-    progress = progress_bar(args)
+    # --json: a program reads the result; no bar (as build and bench).
+    progress = ProgressBar(enabled=False) if args.json else progress_bar(args)
     record = build_engine(args.model, plan, setup.backend, setup.cache, setup.fingerprint,
                           progress, calibration_dir=setup.calibration_dir)
     runner_name = "jetson-agent[{} {}]".format(setup.backend.name, plan.precision)

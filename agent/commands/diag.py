@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from agent import __version__, telemetry
+from agent import __version__, telemetry, telemetry_view
 from agent import platform as plat
 
 # The daemon warns at start-up with the same fixes.
@@ -190,11 +190,7 @@ def render(report: Dict[str, Any]) -> str:
         rows.append(("python: " + name, "{}{}".format(
             "importable" if b["importable"] else "not importable",
             " " + b["version"] if b["version"] else "")))
-    sample = report["telemetry"]["sample"]
-    shown = ", ".join("{}={}".format(k, v) for k, v in sample.items()
-                      if k != "source" and v is not None)
-    rows.append(("telemetry", "{}{}".format(report["telemetry"]["source"],
-                                            ": " + shown if shown else "")))
+    rows.append(("telemetry", "{} (sample below)".format(report["telemetry"]["source"])))
     sec = report.get("security")
     if sec is not None:
         rows.append(("broker TLS", "on ({}verified server{})".format(
@@ -207,6 +203,10 @@ def render(report: Dict[str, Any]) -> str:
                                              "  (root " + report["root"] + ")"
                                              if report["root"] != "/" else "")]
     lines += ["  {}  {}".format(k.ljust(width), v) for k, v in rows]
+    sample = telemetry_view.table(report["telemetry"]["sample"], indent="    ")
+    if sample:
+        lines.append("  telemetry sample ({}):".format(report["telemetry"]["source"]))
+        lines += sample
     if report["backends_checked_on"] != "this machine":
         lines.append("  (python modules are this machine's, not the recorded tree's)")
     if report["problems"]:

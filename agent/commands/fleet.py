@@ -579,15 +579,11 @@ def _print_telemetry(msg: Dict[str, Any], as_json: bool) -> None:
         print(json.dumps(msg, sort_keys=True), flush=True)
         return
     when = time.strftime("%H:%M:%S", time.localtime(msg.get("ts") or time.time()))
-    metrics = msg.get("metrics") or {}
-    flat = []
-    for key in sorted(metrics):
-        value = metrics[key]
-        if isinstance(value, dict):
-            value = ",".join("{}={}".format(k, v) for k, v in sorted(value.items()))
-        flat.append("{}={}".format(key, value))
-    print("{} {} [{}] {}".format(when, msg.get("device"), msg.get("source", "?"),
-                                 " ".join(flat)), flush=True)
+    from agent import telemetry_view
+
+    lines = telemetry_view.table(msg.get("metrics") or {})
+    print("{} {} ({})".format(when, msg.get("device"), msg.get("source", "?")), flush=True)
+    print("\n".join(lines or ["  (no metrics)"]), flush=True)
 
 
 def run_telemetry(args: argparse.Namespace) -> int:

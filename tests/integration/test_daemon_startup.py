@@ -91,3 +91,23 @@ def test_explicit_tensorrt_that_does_not_import_rejects_jobs_with_the_fix(
     final = controller.wait_state("trt-1", ("REJECTED", "FAILED"), timeout=60)
     assert final["error"]["code"] == "backend_unavailable", final
     assert "scripts/install-jetson" in final["error"]["message"]
+
+
+def test_a_succeeded_job_is_in_no_stage_and_its_model_keeps_its_name(
+        agent_factory, controller, digits_files):
+    agent = agent_factory().start()
+    controller.wait_online()
+    model = controller.add_artifact(digits_files["model"], name="digits-mlp.onnx")
+    controller.send_job({"job_id": "fp32-1", "kind": "deploy", "artifacts": {
+        "model": model, "inputs": controller.add_artifact(digits_files["inputs"]),
+        "goldens": controller.add_artifact(digits_files["goldens"])},
+        "plan": {"precision": "fp32"}, "gate": {"atol": 1e-3, "rtol": 1e-3},
+        "bench": {"iterations": 5, "warmup": 1}})
+    final = controller.wait_state("fp32-1", ("SUCCEEDED", "FAILED", "REJECTED"), timeout=120)
+    assert final["state"] == "SUCCEEDED", (final, agent.log_tail())
+    assert "stage" not in final and "progress" not in final
+    jobs = json.loads(agent_cli("jobs", "ls", "--config", agent.config, "--json").stdout)
+    row = next(j for j in jobs if j["job_id"] == "fp32-1")
+    assert row["state"] == "SUCCEEDED" and not row.get("stage")
+    listing = agent_cli("cache", "ls", "--config", agent.config).stdout
+    assert "digits-mlp.onnx" in listing and "model.onnx" not in listing
