@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 
 from agent import __version__
 from agent.errors import AgentError
-from agent.log import setup_logging
+from agent.log import setup_logging, stderr_is_journal
 
 # Subcommand -> one-line help. Each lives in agent.commands.<name> with add_parser(subparsers).
 # Only the chosen one is imported, so `run` (the daemon) and `diag` stay small.
@@ -99,7 +99,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except AgentError as exc:
         if getattr(args, "json", False):
             print(json.dumps({"error": exc.to_dict()}, indent=2))
-        print("error [{}]: {}".format(exc.code, exc.message), file=sys.stderr)
+        # Under systemd the line carries the error priority (journalctl -p err shows it).
+        print("{}error [{}]: {}".format("<3>" if stderr_is_journal() else "", exc.code,
+                                         exc.message), file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
