@@ -153,3 +153,27 @@ def test_journal_lines_carry_syslog_priorities(tmp_path):
         subprocess.run(args, stdout=subprocess.DEVNULL, stderr=f, env=env, cwd=ROOT,
                        timeout=120, check=True)
     assert "<4>" not in (tmp_path / "other").read_text()
+
+
+def _recipe_block(path, after):
+    with open(os.path.join(ROOT, path)) as f:
+        text = f.read()
+    block = text[text.index(after):].split("```bash\n", 1)[1].split("```", 1)[0]
+    return block.strip().splitlines()
+
+
+def test_readme_first_screen_and_the_docs_give_one_recipe():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        head = f.read().splitlines()
+    assert head[2:6] == ["```bash", head[3], head[4], "```"]
+    assert head[3].startswith("./scripts/demo ") and head[4].startswith("./scripts/test ")
+    readme = _recipe_block("README.md", "On a Jetson")
+    assert len(readme) == 5
+    assert _recipe_block("docs/platform.md", "## Installing on a Jetson") == readme
+    assert readme[1].startswith("./scripts/install-jetson --dry-run")
+    assert readme[2].startswith("./scripts/install-jetson ")
+    assert readme[4].startswith("jetson-agent diag")  # on PATH: install-jetson links it
+    with open(os.path.join(ROOT, "docs", "daemon.md")) as f:
+        daemon = f.read()
+    assert "pip install jetson-agent" not in daemon and "python3 -m venv" not in daemon
+    assert "platform.md#installing-on-a-jetson" in daemon
