@@ -3,11 +3,14 @@
 The worker (``worker_python``: on JetPack 4.6 the system Python 3.6, else the daemon's own)
 does the imports, so that interpreter is asked, with ``find_spec`` (cheap: nothing is loaded;
 a library that is present but fails to load still shows at the first job). The daemon warns
-once with ``diag``'s fix, and advertises the backend it can really run: ``auto`` falls back to
-onnxruntime (marked emulated everywhere, as on a host), an explicit ``tensorrt`` stays and its
-jobs are rejected with the fix rather than a host's hint.
+once with ``diag``'s fix and advertises no backend (``platform.backend`` null, the reason in
+``platform.backend_problem``). Jobs still get the platform decision first (an unsupported
+precision says so), then ``backend_unavailable`` with the fix rather than a host's hint. It
+does not quietly run the onnxruntime emulation on a device meant for TensorRT: a rollout would
+"succeed" there with CPU numbers.
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -22,13 +25,15 @@ NEEDS = {
     "tensorrt": (("tensorrt", FIX_TENSORRT), ("pycuda", FIX_PYCUDA)),
     "onnxruntime": (("onnxruntime", FIX_ONNXRUNTIME),),
 }
+log = logging.getLogger("agent.daemon")
 PROBE = ("import importlib.util, sys\n"
          "sys.stdout.write(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) "
          "is None))")
 
 
-def missing_modules(modules: List[str], python: Optional[str] = None) -> List[str]:
-    """The modules ``python`` (default: this interpreter) cannot find."""
+def missing_modules(modules: List[str], python: Optional[str] = None) -> Optional[List[str]]:
+    """The modules ``python`` (default: this interpreter) cannot find; None when that
+    interpreter does not run (the worker's own failure will say why, job by job)."""
     if not python or os.path.realpath(python) == os.path.realpath(sys.executable):
         import importlib.util
 
@@ -42,12 +47,15 @@ def missing_modules(modules: List[str], python: Optional[str] = None) -> List[st
                 out.append(name)
         return out
     try:
-        proc = subprocess.run([python, "-c", PROBE] + list(modules), stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, timeout=60, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return list(modules)
+        proc = subprocess.run([python, "-c", PROBE] + list(modules), capture_output=True,
+                              timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("worker_python %s cannot be run to check the backend: %s", python, exc)
+        return None
     if proc.returncode != 0:
-        return list(modules)
+        log.warning("worker_python %s failed checking the backend (exit %s): %s", python,
+                    proc.returncode, proc.stderr.decode("utf-8", "replace").strip()[-300:])
+        return None
     return proc.stdout.decode("utf-8", "replace").split()
 
 
@@ -55,7 +63,7 @@ def problem(backend: str, python: Optional[str] = None) -> Optional[str]:
     """One line naming what ``backend`` lacks in ``python`` and how to fix it, or None."""
     needs = NEEDS.get(backend, ())
     missing = missing_modules([m for m, _ in needs], python)
-    if not missing:
+    if not missing:  # all there, or unknown (warned)
         return None
     fixes = "; ".join(fix for m, fix in needs if m in missing)
     return "backend {} is not usable: {} cannot import {} (fix: {})".format(
@@ -64,12 +72,7 @@ def problem(backend: str, python: Optional[str] = None) -> Optional[str]:
 
 def choose(configured: str, platform_backend: str, python: Optional[str] = None
            ) -> Tuple[str, Optional[str]]:
-    """(the backend to run and advertise, the problem to warn about once or None).
-    ``configured`` "auto" means the platform's backend, else onnxruntime when that one cannot
-    be imported (the CLI's rule too)."""
+    """(the backend jobs are built with, the problem to warn about once, or None).
+    ``configured`` "auto" means the platform's backend."""
     backend = platform_backend if configured == "auto" else configured
-    issue = problem(backend, python)
-    if issue and configured == "auto" and backend != "onnxruntime" and not problem(
-            "onnxruntime", python):
-        return "onnxruntime", issue + "; running the onnxruntime backend (emulated) meanwhile"
-    return backend, issue
+    return backend, problem(backend, python)

@@ -160,8 +160,6 @@ class JobIntake(ArtifactDownloads):
         from agent import platform
 
         doc = run.doc
-        if self.backend_problem and self.backend == "tensorrt":  # found at start-up
-            raise AgentError("backend_unavailable", self.backend_problem)
         run.plan = protocol.plan_dict(doc)
         request = [run.plan["precision"]] + list(doc.get("fallback") or [])
         decision = platform.decide(request, self.platform, "reject", backend=self.backend)
@@ -184,6 +182,8 @@ class JobIntake(ArtifactDownloads):
                                  "at most {} (limits.max_artifact_bytes)".format(
                                      role, ref["size"], limit))
             run.needed[role] = (ref["sha256"], ref["size"])
+        if self.backend_problem:  # found at start-up; the other checks said their piece first
+            raise AgentError("backend_unavailable", self.backend_problem)
 
 
 def kind_of(payload: bytes) -> str:

@@ -29,7 +29,8 @@ class StatusPublisher(DaemonState):
         out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
                "backend": self.backend, "precisions": p.supported_precisions, "kind": p.kind,
                "l4t": p.l4t, "soc": p.soc}
-        if self.backend_problem:
+        if self.backend_problem:  # the truth: no backend that runs here
+            out["backend"] = None
             out["backend_problem"] = self.backend_problem[:512]
         return out
 

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from .conftest import ROOT
 
 ORIN_NANO = os.path.join(ROOT, "tests", "fixtures", "platforms", "orin-nano")
@@ -63,34 +65,26 @@ def _on_a_jetson_without_tensorrt(agent, backend):
             backend, ORIN_NANO)))
 
 
+@pytest.mark.parametrize("backend", ["auto", "tensorrt"])
 def test_backend_that_does_not_import_is_warned_once_and_not_advertised(
-        agent_factory, controller):
+        agent_factory, controller, digits_files, backend):
     agent = agent_factory()
-    _on_a_jetson_without_tensorrt(agent, "auto")
+    _on_a_jetson_without_tensorrt(agent, backend)
     agent.start()
     birth = controller.wait_online()
     platform = birth["platform"]
-    assert platform["kind"] == "jetson" and platform["backend"] == "onnxruntime"
+    assert platform["kind"] == "jetson" and platform["backend"] is None
     assert "cannot import tensorrt" in platform["backend_problem"]
     assert "scripts/install-jetson" in platform["backend_problem"]  # diag's fix
-    assert agent.stop() == 0
-    assert agent.log_tail(100000).count("backend tensorrt is not usable") == 1
-
-
-def test_explicit_tensorrt_that_does_not_import_rejects_jobs_with_the_fix(
-        agent_factory, controller, digits_files):
-    agent = agent_factory()
-    _on_a_jetson_without_tensorrt(agent, "tensorrt")
-    agent.start()
-    birth = controller.wait_online()
-    assert birth["platform"]["backend"] == "tensorrt"
-    assert "cannot import tensorrt" in birth["platform"]["backend_problem"]
     model = controller.add_artifact(digits_files["model"])
     controller.send_job({"job_id": "trt-1", "kind": "deploy", "artifacts": {"model": model},
                          "plan": {"precision": "fp16"}})
     final = controller.wait_state("trt-1", ("REJECTED", "FAILED"), timeout=60)
     assert final["error"]["code"] == "backend_unavailable", final
-    assert "scripts/install-jetson" in final["error"]["message"]
+    assert "scripts/install-jetson" in final["error"]["message"]  # not a host's hint
+    assert not controller.requests  # rejected before any download
+    assert agent.stop() == 0
+    assert agent.log_tail(100000).count("agent.daemon: backend tensorrt is not usable") == 1
 
 
 def test_a_succeeded_job_is_in_no_stage_and_its_model_keeps_its_name(
