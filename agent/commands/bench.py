@@ -13,8 +13,9 @@ import argparse
 import json
 import os
 import sys
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, List, Tuple
 
+from agent import platform as plat
 from agent.bench import (
     DEFAULT_DURATION_S,
     DEFAULT_ITERATIONS,
@@ -73,6 +74,22 @@ def _cached_engine_meta(path: str) -> Dict[str, Any]:
     return out
 
 
+def batch_shapes(model: str, batch: int, given: List[str]) -> List[str]:
+    """``--shapes`` entries for inputs whose only dynamic dimension is the leading one and that
+    ``given`` leaves out: min = opt = max = ``batch`` (as trtexec's ``--shapes``), so a
+    TensorRT engine is built for the batch that is measured."""
+    from agent.backends import graph
+
+    named = {item.rpartition(":")[0] for item in given}
+    out = []
+    for spec in graph.input_specs(graph.load_model(model)):
+        dims = list(spec.shape)
+        if spec.name in named or not dims or dims[0] is not None or None in dims[1:]:
+            continue
+        out.append("{}:{}".format(spec.name, "x".join(str(d) for d in [batch] + dims[1:])))
+    return out
+
+
 def open_target(args: argparse.Namespace) -> Tuple[Any, Dict[str, Any]]:
     """(runner, what was benchmarked) for the target: an engine, or a model built first."""
     target = args.target
@@ -85,6 +102,8 @@ def open_target(args: argparse.Namespace) -> Tuple[Any, Dict[str, Any]]:
         if cached.get("precision"):
             info["precision"] = cached["precision"]
         return backend.open(target), info
+    if (args.backend or build_cmd.default_backend(plat.detect())) == "tensorrt":
+        args.shapes = list(args.shapes) + batch_shapes(target, args.batch, args.shapes)
     record, backend, decision = build_cmd.build_from_args(args, target)
     info = build_cmd.report(record, backend, decision)
     info["built"] = True

@@ -90,7 +90,9 @@ class Setup(object):
         info = plat.detect(use_jtop=False)
         self.backend: Backend = get_backend(args.backend or info.backend)
         self.fingerprint = info.fingerprint(self.backend.name)
-        root = fsio.state_dir(args.state_dir)
+        from agent.state_lock import check_state_dir
+
+        root = check_state_dir(fsio.state_dir(args.state_dir))  # a file: a clear error
         self.cache = EngineCache(root=os.path.join(root, "engines"))
         self.calibration_dir = os.path.join(root, "calibration")
 

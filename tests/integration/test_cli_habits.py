@@ -86,3 +86,12 @@ def test_bench_batch_is_honoured_or_refused(tmp_path):
     proc = cli(["bench", FP16_MAX, "--batch", "8", "--duration", "0"], tmp_path, expect=2)
     assert ("--batch 8 cannot apply: no input has a dynamic leading dimension "
             "(x [1, 1, 4, 4])") in proc.stderr
+
+
+def test_bench_builds_a_tensorrt_engine_for_the_batch_it_measures():
+    # trtexec's --shapes=input:8x64: a profile of exactly the measured batch, unless given.
+    from agent.commands.bench import batch_shapes
+
+    assert batch_shapes(DIGITS, 8, []) == ["input:8x64"]
+    assert batch_shapes(DIGITS, 8, ["input:1x64,8x64,32x64"]) == []
+    assert batch_shapes(FP16_MAX, 8, []) == []  # static: nothing to choose

@@ -51,7 +51,10 @@ def test_a_file_as_state_dir_is_a_clear_error(tmp_path):
                  ["status", "--state-dir", str(afile)],
                  ["cache", "ls", "--state-dir", str(afile)],
                  ["build", os.path.join(ROOT, "examples", "fp16_max", "model.onnx"),
-                  "--state-dir", str(afile)]):
+                  "--state-dir", str(afile)],
+                 ["compare", os.path.join(ROOT, "examples", "fp16_max", "model.onnx"),
+                  "--state-dir", str(afile)],
+                 ["jobs", "ls", "--state-dir", str(afile)]):
         proc = agent_cli(*args, expect=2)
         assert "error [bad_argument]: state directory {} is a file".format(afile) in proc.stderr
         assert "Traceback" not in proc.stderr
