@@ -10,8 +10,9 @@ iterations), then at least ``iterations`` and at least ``duration`` seconds. A r
 time the phases of one inference (the TensorRT runner, with CUDA events) offers
 ``time_phases(iterations, feeds) -> [{"enqueue": ms, "h2d": ms, "compute": ms, "d2h": ms}]``;
 ``phase_split`` turns that into trtexec's Enqueue Time / H2D Latency / GPU Compute Time / D2H
-Latency statistics. A high coefficient of variation (stddev / mean) becomes a warning, as
-trtexec warns about unstable GPU compute time.
+Latency statistics. A runner with only ``time_inference(iterations, warmup, feeds)`` (CUDA
+events around copies and execution together) gives one "GPU Time" row. A high coefficient of
+variation (stddev / mean) becomes a warning, as trtexec warns about unstable GPU compute time.
 
 Worker side: Python >= 3.6.
 """
@@ -32,7 +33,8 @@ DEFAULT_DURATION_S = 3.0
 DEFAULT_ITERATIONS = 10
 # (key in time_phases' dicts, trtexec's name), in trtexec's order.
 PHASES = (("enqueue", "Enqueue Time"), ("h2d", "H2D Latency"),
-          ("compute", "GPU Compute Time"), ("d2h", "D2H Latency"))
+          ("compute", "GPU Compute Time"), ("d2h", "D2H Latency"),
+          ("gpu", "GPU Time (H2D + compute + D2H)"))
 # Coefficient of variation above which a timing is called unstable: trtexec's 1 % for GPU
 # compute time (device time of one kernel sequence); host latency includes Python and the OS
 # scheduler, so it gets 10 %.
@@ -113,7 +115,7 @@ class BenchResult(object):
     def warnings(self) -> List[str]:
         """Unstable timings, in trtexec's words where it has them."""
         out = []
-        gpu = self.phases.get("compute")
+        gpu = self.phases.get("compute") or self.phases.get("gpu")
         if gpu is not None and gpu.cov > UNSTABLE_COV_GPU:
             out.append("GPU compute time is unstable, with coefficient of variance = {:.3g}%; "
                        "lock the clocks (sudo jetson_clocks) and stop other GPU work".format(
@@ -249,9 +251,12 @@ def phase_split(runner: Any, feeds: Dict[str, np.ndarray], iterations: int
                 ) -> Optional[List[Dict[str, float]]]:
     """The runner's per-phase times (see the module docstring), or None when it has none."""
     fn = getattr(runner, "time_phases", None)
-    if fn is None:
-        return None
-    return list(fn(iterations, feeds))
+    if fn is not None:
+        return list(fn(iterations, feeds))
+    whole = getattr(runner, "time_inference", None)
+    if whole is not None:
+        return [{"gpu": float(ms)} for ms in whole(iterations, 0, feeds)]
+    return None
 
 
 def _concrete_shape(name: str, shape: Sequence[Any], batch: int) -> List[int]:

@@ -169,3 +169,17 @@ def test_batch_that_changes_nothing_is_refused():
         bench.random_feeds(specs, batch=8)
     assert err.value.code == "bad_argument" and "x [1, 4]" in err.value.message
     assert bench.random_feeds(specs, batch=1)["x"].shape == (1, 4)
+
+
+def test_a_runner_with_only_whole_gpu_timings_gives_one_gpu_row():
+    class EventTimed(CountingRunner):  # today's TensorRT runner: time_inference only
+        def time_inference(self, iterations, warmup=0, feeds=None):
+            return [0.5] * iterations
+
+    clock = FakeClock()
+    runner = EventTimed(clock, [0.001])
+    result = bench.benchmark(runner, {"x": np.zeros(1)}, iterations=3, warmup=0, clock=clock)
+    result.add_phases(bench.phase_split(runner, {"x": np.zeros(1)}, result.iterations))
+    assert list(result.phases) == ["gpu"]
+    assert any(line.startswith("GPU Time (H2D + compute + D2H): min = 0.5 ms")
+               for line in result.summary())
