@@ -101,12 +101,15 @@ def acquire(state_dir: str, device: str = "") -> StateLock:
 
 def holder(state_dir: str) -> Optional[Dict[str, Any]]:
     """The running daemon's ``{"pid", "device", "started"}`` when one holds the lock, else
-    None. Creates nothing."""
+    None; ``{"unknown": reason}`` when the lock file cannot be read (another user's state
+    directory: try sudo). Creates nothing."""
     path = lock_path(os.path.abspath(state_dir))
     try:
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except OSError as exc:
+        return {"unknown": "cannot read {}: {}".format(path, exc.strerror)}
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)

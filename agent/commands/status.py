@@ -89,6 +89,9 @@ def daemon_line(state_dir: str) -> Tuple[Dict[str, Any], str]:
     if held is None:
         return {"running": False}, "daemon: not running (no process holds {})".format(
             lock_path(state_dir))
+    if "unknown" in held:  # another user's state directory
+        return {"running": None, "why": held["unknown"]}, "daemon: unknown ({}; try sudo)".format(
+            held["unknown"])
     info = {"running": True, "pid": held.get("pid"), "device": held.get("device"),
             "since": held.get("started")}
     return info, "daemon: running, PID {}{}{}".format(
@@ -132,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
     daemon, line = daemon_line(state_dir_of(args))
     try:
         journal = open_journal(args)
-    except AgentError:
+    except AgentError as exc:
+        if daemon["running"] is None:  # the journal is as unreadable as the lock
+            raise AgentError("file_not_found", "{}: {}; run it as the daemon's user, a member "
+                             "of its group, or with sudo".format(exc.message, daemon["why"]))
         if not daemon["running"]:
             raise
         journal = None  # started, journal not written yet

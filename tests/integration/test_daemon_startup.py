@@ -108,3 +108,20 @@ def test_a_succeeded_job_is_in_no_stage_and_its_model_keeps_its_name(
     assert row["state"] == "SUCCEEDED" and not row.get("stage")
     listing = agent_cli("cache", "ls", "--config", agent.config).stdout
     assert "digits-mlp.onnx" in listing and "model.onnx" not in listing
+
+
+def test_status_of_a_state_dir_it_may_not_read_says_so(tmp_path, monkeypatch, capsys):
+    # Another user's /var/lib/jetson-agent: neither "running" nor "not running".
+    from agent.cli import main
+
+    real_open = os.open
+
+    def denied(path, *args, **kwargs):
+        if str(path).startswith(str(tmp_path)):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", denied)
+    assert main(["status", "--state-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Permission denied" in err and "with sudo" in err
