@@ -114,3 +114,12 @@ def test_fleet_telemetry_prints_a_table(capsys, metrics):
     assert "nano-1 (jtop)" in out[0]
     assert out[1:] == (["  (no metrics)"] if not metrics else
                        ["  CPU          1.0 %", "  odd_new_key  3"])
+
+
+def test_fleet_devices_column_uses_the_keys_the_daemon_sends():
+    from agent.commands.fleet import telemetry_summary
+
+    metrics = {"cpu_percent": 3.0, "gpu_percent": 50.0, "ram_fraction": 0.5,
+               "temp_gpu_c": 40.0, "power_total_mw": 5000, "jetson_clocks": None}
+    assert telemetry_summary(metrics) == "CPU 3.0 %, GPU 50.0 %, RAM used 50.0 %, temp gpu 40.0 °C"
+    assert telemetry_summary(None) == "-"
