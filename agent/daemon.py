@@ -90,7 +90,7 @@ class Daemon(DeviceCommands):
         from agent import platform
 
         self.platform = platform.detect(self.cfg.platform_root)
-        # The backend the worker can import, not just the configured one; warned once.
+        # Can the worker's Python import it? Warned once; the birth message says so.
         self.backend, self.backend_problem = backend_check.choose(
             self.cfg.backend, self.platform.backend, self.cfg.worker_python)
         if self.backend_problem:
