@@ -291,6 +291,11 @@ def random_feeds(
     for spec in input_specs:
         if shapes and spec.name in shapes:
             dims = [int(d) for d in shapes[spec.name]]
+            if batch != 1 and dims and dims[0] != batch:
+                raise AgentError("bad_argument", "--batch {} contradicts --shapes for input {!r} "
+                                 "(leading dimension {}): give one or the other".format(
+                                     batch, spec.name, dims[0]))
+            batch_used = batch_used or (batch != 1 and bool(dims))
         else:
             dims = _concrete_shape(spec.name, spec.shape, batch)
             batch_used = batch_used or not _is_static(spec.shape[:1])

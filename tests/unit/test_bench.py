@@ -183,3 +183,11 @@ def test_a_runner_with_only_whole_gpu_timings_gives_one_gpu_row():
     assert list(result.phases) == ["gpu"]
     assert any(line.startswith("GPU Time (H2D + compute + D2H): min = 0.5 ms")
                for line in result.summary())
+
+
+def test_batch_and_shapes_must_agree():
+    specs = [TensorSpec("x", np.float32, (None, 4))]
+    assert bench.random_feeds(specs, batch=8, shapes={"x": (8, 4)})["x"].shape == (8, 4)
+    with pytest.raises(AgentError) as err:
+        bench.random_feeds(specs, batch=8, shapes={"x": (2, 4)})
+    assert "--batch 8 contradicts --shapes for input 'x'" in err.value.message
