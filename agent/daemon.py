@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from agent import __version__, protocol, signing
+from agent import __version__, backend_check, protocol, signing, state_lock
 from agent.artifacts import ArtifactStore
 from agent.config import Config
 from agent.device_commands import DeviceCommands
@@ -80,7 +80,8 @@ class Daemon(DeviceCommands):
     # ------------------------------------------------------------------------- set-up
 
     def setup(self) -> None:
-        os.makedirs(self.state_dir, exist_ok=True)
+        # One daemon per state directory (agent/state_lock.py); the error names the other PID.
+        self.state_lock = state_lock.acquire(self.state_dir, self.device)
         self.journal = Journal(journal_path(self.state_dir))
         self.boot = self.journal.next_boot()
         self.journal.prune()
@@ -89,8 +90,11 @@ class Daemon(DeviceCommands):
         from agent import platform
 
         self.platform = platform.detect(self.cfg.platform_root)
-        self.backend = (self.platform.backend if self.cfg.backend == "auto"
-                        else self.cfg.backend)
+        # Can the worker's Python import it? Warned once; the birth message says so.
+        self.backend, self.backend_problem = backend_check.choose(
+            self.cfg.backend, self.platform.backend, self.cfg.worker_python)
+        if self.backend_problem:
+            log.warning("%s", self.backend_problem)
         t = self.cfg.transfer
         self.fetcher = BlockFetcher(self.store, self._publish_request, self.topics, self.device,
                                     block_size=t.block_size, window=t.window,
@@ -303,6 +307,8 @@ class Daemon(DeviceCommands):
         journal = getattr(self, "journal", None)
         if journal is not None:
             journal.close()
+        if getattr(self, "state_lock", None) is not None:
+            self.state_lock.close()
         self.notifier.close()
 
 

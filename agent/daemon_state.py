@@ -29,6 +29,7 @@ class DaemonState:
     store: "ArtifactStore"
     platform: "PlatformInfo"
     backend: str
+    backend_problem: Optional[str] = None  # why the configured backend cannot run (start-up)
     fetcher: "BlockFetcher"
     mqtt: "MqttClient"
     trust: "TrustStore"

@@ -156,6 +156,11 @@ def _hit(key: str, entry: Any, started: float) -> EngineRecord:
     return EngineRecord(key, entry.engine_path, True, result, time.monotonic() - started)
 
 
+def _display_name(name: str) -> str:
+    """A model name fit for a terminal (it may come from a job document): only shown."""
+    return "".join(c if c.isprintable() else "?" for c in name)[-128:]
+
+
 def build_engine(
     model_path: str,
     plan: BuildPlan,
@@ -164,10 +169,12 @@ def build_engine(
     platform_fingerprint: Dict[str, str],
     progress: Progress = no_progress,
     calibration_dir: Optional[str] = None,
+    model_name: Optional[str] = None,
 ) -> EngineRecord:
     """Return the engine for (model, plan, backend, platform) from the cache, building and
     publishing it first on a miss. ``calibration_dir`` holds default calibration caches
-    (default ``<state_dir>/calibration``)."""
+    (default ``<state_dir>/calibration``); ``model_name`` is what ``cache ls`` shows (default:
+    the file's name; a job's model is staged as model.onnx, so the daemon passes its own)."""
     started = time.monotonic()
     if not os.path.isfile(model_path):
         raise AgentError("file_not_found", "model {} does not exist or is not a file "
@@ -208,7 +215,7 @@ def build_engine(
             result_dict = result.to_dict()
             info = {
                 "model": model_digest,
-                "model_name": os.path.basename(model_path),
+                "model_name": _display_name(model_name or os.path.basename(model_path)),
                 "plan": plan.to_dict(),
                 "calibration_digest": calibration_digest(plan),
                 "result": result_dict,

@@ -60,6 +60,8 @@ CODES = {
     "out_of_memory": "The worker hit its memory ceiling (limits.worker_memory_bytes or the "
     "unit's MemoryMax=); the daemon carries on.",
     "broker_unreachable": "The MQTT broker cannot be reached.",
+    "state_dir_in_use": "Another jetson-agent daemon holds this state directory (its PID is "
+    "named).",
     "unknown_device": "The controller names a device that has never reported.",
     "unsigned_job": "The job document carries no signature and the device requires one.",
     "bad_signature": "The job signature does not verify, or its key is not trusted.",

@@ -114,8 +114,8 @@ def _decoder(source: str) -> Any:
     return hook
 
 
-def _read_json(path: str) -> Any:
-    _must_exist(path)
+def _read_json(path: str, what: str = "golden file") -> Any:
+    _must_exist(path, what)
     try:
         with open(path, "r") as f:
             return json.load(f, object_pairs_hook=_decoder(path))
@@ -131,9 +131,12 @@ def _read_json(path: str) -> Any:
                              path, sys.getrecursionlimit()))
 
 
-def _must_exist(path: str) -> None:
+def _must_exist(path: str, what: str = "golden file") -> None:
+    """``what`` names the file as the user named it (--load-inputs is an inputs file)."""
     if not os.path.isfile(path):
-        raise AgentError("file_not_found", "golden file {} does not exist".format(path))
+        raise AgentError("file_not_found", "{} {} {}".format(
+            what, path, "is a directory, expected a file" if os.path.isdir(path)
+            else "does not exist"))
 
 
 def _feed(obj: Any, what: str) -> Feed:
@@ -185,10 +188,10 @@ def _save_npz(path: str, feeds: Sequence[Feed]) -> None:
 
 def load_inputs(path: str) -> List[Feed]:
     """Inputs per iteration from a Polygraphy ``--save-inputs`` JSON or an .npz."""
-    _must_exist(path)
+    _must_exist(path, "inputs file")
     if _is_npz(path):
         return _load_npz(path)
-    data = _read_json(path)
+    data = _read_json(path, "inputs file")
     if isinstance(data, dict) and _type_of(data) is None and all(
             isinstance(v, np.ndarray) for v in data.values()):
         data = [data]  # a single feed dict

@@ -182,6 +182,8 @@ class JobIntake(ArtifactDownloads):
                                  "at most {} (limits.max_artifact_bytes)".format(
                                      role, ref["size"], limit))
             run.needed[role] = (ref["sha256"], ref["size"])
+        if self.backend_problem:  # found at start-up; the other checks said their piece first
+            raise AgentError("backend_unavailable", self.backend_problem)
 
 
 def kind_of(payload: bytes) -> str:

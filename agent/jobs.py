@@ -268,7 +268,8 @@ class _Job(object):
         self.progress("building", 0, 0)
         return build_engine(self.files["model"], self.plan, self.backend, self.cache,
                             self.spec["platform_fingerprint"], self.progress,
-                            calibration_dir=self.spec["calibration_dir"])
+                            calibration_dir=self.spec["calibration_dir"],
+                            model_name=self.spec.get("model_name"))
 
     def load_goldens(self) -> Optional[Dict[str, Any]]:
         """inputs + goldens (+ labels) when the job has them."""

@@ -185,6 +185,7 @@ class MqttClient:
         self._client.max_inflight_messages_set(100)
         if username is not None:
             self._client.username_pw_set(username, password)
+        self.tls_enabled = tls is not None
         if tls is not None:
             self._client.tls_set(ca_certs=tls.ca_file, certfile=tls.cert_file,
                                  keyfile=tls.key_file, cert_reqs=ssl.CERT_REQUIRED)
@@ -351,6 +352,12 @@ class MqttClient:
         if isinstance(exc, ssl.SSLCertVerificationError):
             self.last_error += (" (check the CA file: broker.tls.ca_file or --ca-file must hold "
                                 "the CA that signed the broker's certificate)")
+        elif self.tls_enabled and isinstance(exc, (ConnectionResetError, ssl.SSLError,
+                                                   BrokenPipeError)):
+            # A plain MQTT listener drops a TLS ClientHello: a reset, EOF or "wrong version".
+            self.last_error += (" (TLS handshake failed: is port {} a TLS listener? mqtts:// "
+                                "needs one, 8883 by convention; use mqtt:// for a plain "
+                                "port)".format(self.port))
         self._attempted.set()
         self._put(Event(CONNECT_FAILED, reason=self.last_error))
 

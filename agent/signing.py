@@ -332,6 +332,7 @@ def generate_keypair(out_dir: str, name: str = "jetson-agent-signing") -> Dict[s
     finally:
         os.close(fd)
     atomic_write(public_path, public_key_pem(raw).encode("ascii"))
+    os.chmod(public_path, 0o644)  # a public key is for sharing (the temp file was 0600)
     return {"private_key": private_path, "public_key": public_path, "key_id": key_id(raw),
             "public_base64": base64.b64encode(raw).decode("ascii")}
 

@@ -26,9 +26,13 @@ class StatusPublisher(DaemonState):
 
     def _status_platform(self) -> Dict[str, Any]:
         p = self.platform
-        return {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
-                "backend": self.backend, "precisions": p.supported_precisions, "kind": p.kind,
-                "l4t": p.l4t, "soc": p.soc}
+        out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
+               "backend": self.backend, "precisions": p.supported_precisions, "kind": p.kind,
+               "l4t": p.l4t, "soc": p.soc}
+        if self.backend_problem:  # the truth: no backend that runs here
+            out["backend"] = None
+            out["backend_problem"] = self.backend_problem[:512]
+        return out
 
     def _birth(self) -> Dict[str, Any]:
         return protocol.status_message(

@@ -90,6 +90,8 @@ class WorkerSupervisor(StatusPublisher):
             run.fingerprint, self.cfg.cache.engine_budget_bytes, gate=run.doc.get("gate"),
             bench=run.doc.get("bench"), search=run.doc.get("search"),
             fallback_reason=run.fallback_reason, limits=self._worker_limits())
+        # The artifact's own name, for `cache ls` (the worker stages it as model.onnx).
+        spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
         spec_path = os.path.join(run.work_dir, "job.json")
         atomic_write(spec_path, json.dumps(spec, sort_keys=True).encode("utf-8"))
         env = dict(os.environ)
@@ -303,7 +305,10 @@ class WorkerSupervisor(StatusPublisher):
             if isinstance(error.get("details"), dict):
                 error = dict(error, details=fit_result(error["details"]))
         try:
-            self._set_state(run, state, error=error, result=result)
+            # A finished job is in no stage (a failed one keeps where it failed).
+            done: Dict[str, Any] = {"stage": None, "progress": None} if state == "SUCCEEDED" \
+                else {}
+            self._set_state(run, state, error=error, result=result, **done)
             log.log(logging.INFO if state == "SUCCEEDED" else logging.WARNING, "job %s %s%s",
                     run.job_id, state, "" if error is None else " [{}]: {}".format(
                         error.get("code"), error.get("message")))

@@ -16,6 +16,8 @@ from agent.errors import AgentError
 PRECISIONS = ("fp32", "fp16", "int8", "best")
 # Polygraphy's names for per-layer precisions (``--layer-precisions Add:float16``).
 LAYER_PRECISIONS = ("float32", "float16", "int8")
+# Short names people type from --fp16/--int8 habits (and trtexec's --layerPrecisions fp16).
+LAYER_PRECISION_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16"}
 CONSTRAINTS = ("obey", "prefer", "none")
 CALIB_ALGORITHMS = ("entropy2", "minmax", "percentile", "legacy")
 BACKENDS = ("onnxruntime", "tensorrt")
@@ -53,6 +55,7 @@ def parse_layer_precisions(items: Iterable[str]) -> Dict[str, str]:
                     "bad_argument",
                     "--layer-precisions expects NAME:PRECISION items, found {!r}".format(token),
                 )
+            precision = LAYER_PRECISION_ALIASES.get(precision.lower(), precision)
             out[name] = _choice("layer precision of {!r}".format(name), precision,
                                 LAYER_PRECISIONS)
     return out

@@ -131,7 +131,8 @@ def _check(model: onnx.ModelProto, source: str) -> None:
 def load_model(path: str) -> onnx.ModelProto:
     """Read, parse, check and name an ONNX model (external data is loaded from its folder)."""
     if not os.path.isfile(path):
-        raise AgentError("file_not_found", "model {} does not exist".format(path))
+        raise AgentError("file_not_found", "model {} {} (expected an ONNX file)".format(
+            path, "is a directory" if os.path.isdir(path) else "does not exist"))
     with open(path, "rb") as f:
         data = f.read()
     return parse_model(data, path, os.path.dirname(os.path.abspath(path)))

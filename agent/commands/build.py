@@ -10,6 +10,7 @@ keeps the ranges in a calibration cache, so later builds of the same model and d
 import argparse
 import importlib.util
 import json
+import logging
 import os
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -31,6 +32,12 @@ from agent.cache import EngineCache
 from agent.engine import EngineRecord, build_engine
 from agent.errors import AgentError
 from agent.progress import ProgressBar
+from agent.state_lock import check_state_dir
+
+log = logging.getLogger("agent.build")
+# One default for build, bench, compare and search: Polygraphy's (--precision-constraints none).
+DEFAULT_CONSTRAINTS = "none"
+GENERIC_NAMES = ("model.onnx", "model.plan", "engine", "model")
 
 
 def add_parser(sub: Any) -> None:
@@ -43,14 +50,15 @@ def add_parser(sub: Any) -> None:
 
 def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = None,
                         engine_options: bool = True, precision_default: Optional[str] = "fp32",
-                        constraints_default: Optional[str] = None) -> None:
+                        constraints_default: str = DEFAULT_CONSTRAINTS) -> None:
     """The flags that make a BuildPlan: the one definition behind ``build``, ``bench``,
     ``compare`` and ``search``.
 
     ``model_help`` adds the positional MODEL. ``engine_options`` adds what only ``build`` and
     ``bench`` act on (calibration sampling, shapes, workspace, DLA, fallback, threads, cache
     budget). ``precision_default`` is what no precision flag means (``search`` wants None to
-    ask for one); ``constraints_default`` None means obey when --layer-precisions is given.
+    ask for one). ``--precision-constraints`` defaults to ``none`` for every command
+    (Polygraphy's default), so the same flags build the same engine everywhere.
     """
     if model_help is not None:
         p.add_argument("model", metavar="MODEL", help=model_help)
@@ -84,10 +92,9 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
                    help="per-layer precisions in Polygraphy's syntax, e.g. Add:float32 "
                         "Sub:float32 (names are ONNX node names)")
     g.add_argument("--precision-constraints", choices=CONSTRAINTS, default=constraints_default,
-                   help="how layer precisions bind: obey (fail if impossible), prefer, none "
-                        "(default: {})".format(
-                            constraints_default or "obey when --layer-precisions is given, "
-                                                   "else none"))
+                   help="how --layer-precisions bind: obey (fail if impossible), prefer, or "
+                        "none: TensorRT may override them (default: none, as in Polygraphy; "
+                        "the same for build, bench, compare and search)")
     if engine_options:
         g.add_argument("--shapes", nargs="+", default=[], metavar="NAME:MIN[,OPT,MAX]",
                        help="shape profile for dynamic inputs, e.g. input:1x64,8x64,32x64 "
@@ -141,7 +148,11 @@ def plan_from_args(args: argparse.Namespace, precision: Optional[str] = None) ->
     """The BuildPlan of ``add_build_arguments``' flags (checked), for every command that has
     them; flags a command does not offer (``engine_options=False``) take their defaults."""
     layers = parse_layer_precisions(args.layer_precisions)
-    constraints = args.precision_constraints or ("obey" if layers else "none")
+    constraints = args.precision_constraints or DEFAULT_CONSTRAINTS
+    if layers and constraints == "none":
+        log.warning("--layer-precisions with --precision-constraints none (the default, as in "
+                    "Polygraphy): TensorRT may override them; add --precision-constraints obey "
+                    "to enforce them")
     precision = precision or args.precision or "fp32"
     calibration = None
     if args.calib or args.calibration_cache:
@@ -200,7 +211,7 @@ def make_backend(name: str, threads: Optional[int] = None) -> Backend:
 def open_cache(args: argparse.Namespace) -> Tuple[EngineCache, str]:
     """The engine cache and the state directory named by the flags, the environment and the
     config's defaults."""
-    state = fsio.state_dir(getattr(args, "state_dir", None))
+    state = check_state_dir(fsio.state_dir(getattr(args, "state_dir", None)))
     budget_text = getattr(args, "cache_budget", None)
     if budget_text is not None:
         try:
@@ -217,12 +228,27 @@ def progress_for(args: argparse.Namespace) -> ProgressBar:
     return ProgressBar(sys.stderr, enabled=not getattr(args, "json", False))
 
 
+def require_file(path: str, what: str, expected: str) -> None:
+    """``file_not_found`` saying whether ``path`` is missing or a directory."""
+    if not os.path.isfile(path):
+        raise AgentError("file_not_found", "{} {} {} (expected {})".format(
+            what, path, "is a directory" if os.path.isdir(path) else "does not exist",
+            expected))
+
+
+def model_label(path: str) -> str:
+    """What ``cache ls`` shows: the file name, with its directory when the name alone says
+    little (examples/digits/model.onnx -> digits/model.onnx)."""
+    path = os.path.abspath(path)
+    parent = os.path.basename(os.path.dirname(path))
+    name = os.path.basename(path)
+    return "{}/{}".format(parent, name) if parent and name in GENERIC_NAMES else name
+
+
 def build_from_args(args: argparse.Namespace, model: str
                     ) -> Tuple[EngineRecord, Backend, plat.Decision]:
     """Platform decision, plan, backend, then ``build_engine``."""
-    if not os.path.isfile(model):
-        raise AgentError("file_not_found",
-                         "model {} does not exist (expected an ONNX file)".format(model))
+    require_file(model, "model", "an ONNX file")
     info = plat.detect()
     backend_name = args.backend or default_backend(info)
     decision = plat.decide(args.precision, info, fallback=args.fallback, backend=backend_name)
@@ -232,7 +258,8 @@ def build_from_args(args: argparse.Namespace, model: str
     cache, state = open_cache(args)
     record = build_engine(os.path.abspath(model), plan, backend, cache,
                           info.fingerprint(backend_name), progress=progress_for(args),
-                          calibration_dir=os.path.join(state, "calibration"))
+                          calibration_dir=os.path.join(state, "calibration"),
+                          model_name=model_label(model))
     return record, backend, decision
 
 

@@ -2,16 +2,21 @@
 
 ``ls`` lists entries by last use; ``verify`` re-checks every engine's size and sha256 against
 its meta.json and drops the corrupt ones; ``purge`` removes all entries, one key (a unique
-prefix is enough), or those unused for DAYS (entries in use by a build are skipped).
+prefix is enough), or those unused for DAYS (entries in use by a build are skipped); ``stats``
+shows the size against the budget. ``--config`` finds the daemon's cache (its cache.dir, or
+the unit's /var/cache/jetson-agent); looking creates nothing.
 """
 
 import argparse
 import json
+import os
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional, Tuple
 
-from agent.commands import build as build_cmd
+from agent import config, fsio
+from agent.cache import EngineCache
 from agent.errors import AgentError
+from agent.state_lock import check_state_dir
 
 
 def add_parser(sub: Any) -> None:
@@ -23,9 +28,13 @@ def add_parser(sub: Any) -> None:
     which.add_argument("--key", metavar="KEY", help="purge: the entry with this key (or prefix)")
     which.add_argument("--older-than", type=float, metavar="DAYS",
                        help="purge: entries not used for DAYS days")
-    p.add_argument("--state-dir", metavar="DIR",
-                   help="state and caches (default $JETSON_AGENT_STATE_DIR, systemd's "
-                        "StateDirectory, else ~/.cache/jetson-agent)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--state-dir", metavar="DIR",
+                       help="state and caches (default $JETSON_AGENT_STATE_DIR, systemd's "
+                            "StateDirectory, else ~/.cache/jetson-agent)")
+    where.add_argument("--config", metavar="FILE",
+                       help="the daemon's YAML config: its engine cache and budget, e.g. "
+                            "/etc/jetson-agent/config.yaml")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(func=run)
 
@@ -48,6 +57,40 @@ def _age(seconds: float) -> str:
     return "{:.1f} d ago".format(seconds / 86400)
 
 
+def _budget(budget: Optional[int]) -> str:
+    return "no budget" if not budget else "budget {}".format(_size(budget))
+
+
+def _stats_line(out: Dict[str, Any]) -> str:
+    budget = out.get("budget_bytes")
+    used = " ({:.0f} % of {})".format(100.0 * out["bytes"] / budget, _budget(budget)) \
+        if budget else " ({})".format(_budget(budget))
+    return "{} entries, {}{} in {}".format(out["entries"], _size(out["bytes"]), used,
+                                           out["root"])
+
+
+def _empty(args: argparse.Namespace, root: str, budget: Optional[int]) -> int:
+    out: Dict[str, Any]
+    if args.action == "ls":
+        out = {"root": root, "entries": [], "exists": False}
+    elif args.action == "verify":
+        out = {"checked": 0, "ok": 0, "dropped": 0, "corrupt": [], "stale_staging_removed": 0,
+               "exists": False}
+    elif args.action == "purge":
+        if not (args.all or args.key or args.older_than is not None):
+            raise AgentError("bad_argument", "purge needs --all, --key KEY or --older-than "
+                             "DAYS")
+        out = {"removed": [], "skipped_in_use": [], "exists": False}
+    else:
+        out = {"root": root, "entries": 0, "bytes": 0, "budget_bytes": budget, "exists": False}
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        print("no engine cache at {} (nothing built there yet; the daemon's: --config "
+              "FILE)".format(root))
+    return 0
+
+
 def _resolve_key(keys: List[str], prefix: str) -> str:
     matches = [k for k in keys if k.startswith(prefix.lower())]
     if len(matches) == 1:
@@ -59,10 +102,25 @@ def _resolve_key(keys: List[str], prefix: str) -> str:
                      "characters".format(prefix, len(matches)))
 
 
+def _locate(args: argparse.Namespace) -> Tuple[str, Optional[int]]:
+    """(the engines directory, its budget) from --config or --state-dir; nothing is created."""
+    if args.config:
+        from agent.commands.status import daemon_dirs
+
+        cfg, _state, cache_dir = daemon_dirs(args.config)
+        return os.path.join(cache_dir, "engines"), cfg.cache.engine_budget_bytes
+    state = check_state_dir(fsio.state_dir(args.state_dir), create=False)
+    return os.path.join(state, "engines"), config.CacheConfig().engine_budget_bytes
+
+
 def run(args: argparse.Namespace) -> int:
-    cache, _state = build_cmd.open_cache(args)
     if args.action != "purge" and (args.all or args.key or args.older_than is not None):
         raise AgentError("bad_argument", "--all, --key and --older-than go with 'purge'")
+    root, budget = _locate(args)
+    if not os.path.isdir(root):
+        # Nothing to show, and `ls --state-dir /typo` must not leave a directory behind.
+        return _empty(args, root, budget)
+    cache = EngineCache(root, budget_bytes=budget)
     out: Dict[str, Any]
     if args.action == "ls":
         entries = [e.to_dict() for e in cache.ls()]
@@ -74,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
             for e in entries:
                 print("{}  {:>10}  {:<5} {:<12} {:<14} {}".format(
                     e["key"][:16], _size(e["bytes"]), e["precision"] or "?",
-                    e["backend"] or "?", _age(now - e["last_used"]), e["model_name"] or ""))
+                    e["backend"] or "?", _age(now - e["last_used"]),
+                    e["model_name"] or (e["model"] or "")[:12]))
     elif args.action == "verify":
         out = cache.verify()
         if not args.json:
@@ -92,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         out = cache.stats()
         if not args.json:
-            print("{entries} entries, {bytes} bytes in {root}".format(**out))
+            print(_stats_line(out))
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     if args.action == "verify" and out["corrupt"]:

@@ -90,7 +90,9 @@ class Setup(object):
         info = plat.detect(use_jtop=False)
         self.backend: Backend = get_backend(args.backend or info.backend)
         self.fingerprint = info.fingerprint(self.backend.name)
-        root = fsio.state_dir(args.state_dir)
+        from agent.state_lock import check_state_dir
+
+        root = check_state_dir(fsio.state_dir(args.state_dir))  # a file: a clear error
         self.cache = EngineCache(root=os.path.join(root, "engines"))
         self.calibration_dir = os.path.join(root, "calibration")
 
@@ -144,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     setup = Setup(args)
     inputs, goldens, source = load_goldens(args, args.model, setup)
-    progress = progress_bar(args)
+    # --json: a program reads the result; no bar (as build and bench).
+    progress = ProgressBar(enabled=False) if args.json else progress_bar(args)
     record = build_engine(args.model, plan, setup.backend, setup.cache, setup.fingerprint,
                           progress, calibration_dir=setup.calibration_dir)
     runner_name = "jetson-agent[{} {}]".format(setup.backend.name, plan.precision)

@@ -13,8 +13,11 @@ import json
 import os
 from typing import Any, Dict, List, Optional
 
-from agent import __version__, telemetry
+from agent import __version__, telemetry, telemetry_view
 from agent import platform as plat
+
+# The daemon warns at start-up with the same fixes.
+from agent.backend_check import FIX_ONNXRUNTIME, FIX_PYCUDA, FIX_TENSORRT
 from agent.errors import AgentError
 
 SCHEMA = "jetson-agent/diag/1"
@@ -24,10 +27,6 @@ BACKEND_MODULES = (
     ("pycuda", "device buffers for TensorRT INT8 calibration"),
     ("onnxruntime", "host backend: fp32 and emulated fp16/int8"),
 )
-FIX_TENSORRT = ("on a Jetson run scripts/install-jetson (its venv uses --system-site-packages so "
-                "JetPack's python3-libnvinfer is visible); on a dGPU host: pip install tensorrt")
-FIX_PYCUDA = "pip install pycuda (needs the CUDA toolkit: export PATH=/usr/local/cuda/bin:$PATH)"
-FIX_ONNXRUNTIME = "pip install onnxruntime"
 DEFAULT_CONFIG = "/etc/jetson-agent/config.yaml"  # what the systemd unit runs with
 
 
@@ -191,11 +190,7 @@ def render(report: Dict[str, Any]) -> str:
         rows.append(("python: " + name, "{}{}".format(
             "importable" if b["importable"] else "not importable",
             " " + b["version"] if b["version"] else "")))
-    sample = report["telemetry"]["sample"]
-    shown = ", ".join("{}={}".format(k, v) for k, v in sample.items()
-                      if k != "source" and v is not None)
-    rows.append(("telemetry", "{}{}".format(report["telemetry"]["source"],
-                                            ": " + shown if shown else "")))
+    rows.append(("telemetry", "{} (sample below)".format(report["telemetry"]["source"])))
     sec = report.get("security")
     if sec is not None:
         rows.append(("broker TLS", "on ({}verified server{})".format(
@@ -208,6 +203,10 @@ def render(report: Dict[str, Any]) -> str:
                                              "  (root " + report["root"] + ")"
                                              if report["root"] != "/" else "")]
     lines += ["  {}  {}".format(k.ljust(width), v) for k, v in rows]
+    sample = telemetry_view.table(report["telemetry"]["sample"], indent="    ")
+    if sample:
+        lines.append("  telemetry sample ({}):".format(report["telemetry"]["source"]))
+        lines += sample
     if report["backends_checked_on"] != "this machine":
         lines.append("  (python modules are this machine's, not the recorded tree's)")
     if report["problems"]:

@@ -374,23 +374,10 @@ def _age(ts: Any) -> str:
 
 
 def telemetry_summary(metrics: Any) -> str:
-    if not isinstance(metrics, dict):
-        return "-"
-    parts = []
-    for key, fmt in (("power_mw", "{:.0f} mW"), ("gpu_load", "gpu {:.0%}"),
-                     ("cpu_percent", "cpu {:.0f}%"), ("ram_used_mb", "ram {:.0f} MB"),
-                     ("ram_fraction", "ram {:.0%}")):
-        value = metrics.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            parts.append(fmt.format(value))
-    temps = metrics.get("temp_c")
-    if isinstance(temps, dict):
-        values = [v for v in temps.values() if isinstance(v, (int, float))]
-        if values:
-            parts.append("{:.0f}C".format(max(values)))
-    if metrics.get("nvpmodel"):
-        parts.append(str(metrics["nvpmodel"]))
-    return ", ".join(parts) or "-"
+    """The first telemetry rows with their units (agent/telemetry_view.py)."""
+    from agent import telemetry_view
+
+    return telemetry_view.summary(metrics if isinstance(metrics, dict) else {}, limit=4)
 
 
 def device_rows(directory: fleet.DeviceDirectory) -> List[Dict[str, Any]]:
@@ -579,15 +566,11 @@ def _print_telemetry(msg: Dict[str, Any], as_json: bool) -> None:
         print(json.dumps(msg, sort_keys=True), flush=True)
         return
     when = time.strftime("%H:%M:%S", time.localtime(msg.get("ts") or time.time()))
-    metrics = msg.get("metrics") or {}
-    flat = []
-    for key in sorted(metrics):
-        value = metrics[key]
-        if isinstance(value, dict):
-            value = ",".join("{}={}".format(k, v) for k, v in sorted(value.items()))
-        flat.append("{}={}".format(key, value))
-    print("{} {} [{}] {}".format(when, msg.get("device"), msg.get("source", "?"),
-                                 " ".join(flat)), flush=True)
+    from agent import telemetry_view
+
+    lines = telemetry_view.table(msg.get("metrics") or {})
+    print("{} {} ({})".format(when, msg.get("device"), msg.get("source", "?")), flush=True)
+    print("\n".join(lines or ["  (no metrics)"]), flush=True)
 
 
 def run_telemetry(args: argparse.Namespace) -> int:

@@ -132,7 +132,10 @@ def format_result(doc: Dict[str, Any], sensitivity_rows: int = 20) -> str:
         if len(rows) > sensitivity_rows:
             add("    ... {} more (see --json)".format(len(rows) - sensitivity_rows))
     tag = "[I]" if doc["passed"] else "[E]"
-    add("{} {}".format(tag, doc["message"]))
+    message = doc["message"]
+    if doc["passed"] and doc["keep"]:  # the list follows, ready to paste: print it once
+        message = message.split(": --layer-precisions")[0]
+    add("{} {}".format(tag, message))
     if doc["passed"] and doc["keep"]:
         add("[I] Keep these {} layer(s) in {}:".format(len(doc["keep"]), doc["keep_precision"]))
         add("    --layer-precisions {}".format(doc["layer_precisions"]))

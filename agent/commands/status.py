@@ -8,10 +8,11 @@ import argparse
 import json
 import os
 import time
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from agent import config
 from agent.errors import AgentError
+from agent.state_lock import check_state_dir, holder, lock_path
 
 
 def add_parser(sub: Any) -> None:
@@ -28,18 +29,74 @@ def add_state_args(p: argparse.ArgumentParser) -> None:
                    help="the daemon's state directory (systemd: /var/lib/jetson-agent)")
 
 
+# What the unit's StateDirectory= / CacheDirectory= give the daemon ($STATE_DIRECTORY and
+# $CACHE_DIRECTORY are set for the service only, not in an operator's shell).
+UNIT_STATE_DIR = "/var/lib/jetson-agent"
+UNIT_CACHE_DIR = "/var/cache/jetson-agent"
+
+
+def _yaml_sets(path: str, *keys: str) -> bool:
+    try:
+        import yaml
+
+        with open(path) as f:
+            node: Any = yaml.safe_load(f)
+    except Exception:  # noqa: BLE001 - config.load reports a bad file properly
+        return False
+    for key in keys:
+        if not isinstance(node, dict) or node.get(key) is None:
+            return False
+        node = node[key]
+    return True
+
+
+def daemon_dirs(config_path: Optional[str], state_dir: Optional[str] = None
+                ) -> Tuple[config.Config, str, str]:
+    """(config, state dir, cache dir) of the daemon that runs with ``config_path``: what the
+    config and the environment say, with the unit's directories where the config leaves them
+    to systemd and they exist."""
+    over: Dict[Tuple[str, ...], Any] = {("state_dir",): state_dir} if state_dir else {}
+    cfg = config.load(config_path, overrides=over)
+    state, cache = cfg.state_dir or "", cfg.cache_dir
+    if config_path and not state_dir and not os.environ.get("JETSON_AGENT_STATE_DIR"):
+        if not _yaml_sets(config_path, "state_dir") and os.path.isdir(UNIT_STATE_DIR):
+            state = UNIT_STATE_DIR
+        if not _yaml_sets(config_path, "cache", "dir") and os.path.isdir(UNIT_CACHE_DIR):
+            cache = UNIT_CACHE_DIR
+    return cfg, check_state_dir(state, create=False), cache
+
+
+def state_dir_of(args: argparse.Namespace) -> str:
+    """The daemon's state directory, located like the daemon locates it."""
+    return daemon_dirs(args.config, args.state_dir)[1]
+
+
 def open_journal(args: argparse.Namespace) -> Any:
     """The daemon's journal, located like the daemon locates it; never created here."""
     from agent.daemon import journal_path
     from agent.journal import Journal
 
-    over: Dict[Tuple[str, ...], Any] = {("state_dir",): args.state_dir} if args.state_dir else {}
-    cfg = config.load(args.config, overrides=over)
-    path = journal_path(cfg.state_dir or "")
+    path = journal_path(state_dir_of(args))
     if not os.path.isfile(path):
         raise AgentError("file_not_found", "no journal at {}: expected the state directory of a "
                          "daemon that has run (--state-dir or --config)".format(path))
     return Journal(path)
+
+
+def daemon_line(state_dir: str) -> Tuple[Dict[str, Any], str]:
+    """Whether a daemon holds the state directory's lock, as JSON and as one line."""
+    held = holder(state_dir)
+    if held is None:
+        return {"running": False}, "daemon: not running (no process holds {})".format(
+            lock_path(state_dir))
+    if "unknown" in held:  # another user's state directory
+        return {"running": None, "why": held["unknown"]}, "daemon: unknown ({}; try sudo)".format(
+            held["unknown"])
+    info = {"running": True, "pid": held.get("pid"), "device": held.get("device"),
+            "since": held.get("started")}
+    return info, "daemon: running, PID {}{}{}".format(
+        info["pid"] or "unknown", ", device {}".format(info["device"]) if info["device"] else "",
+        ", since {}".format(when(info["since"])) if info["since"] else "")
 
 
 def summary(journal: Any) -> Dict[str, Any]:
@@ -75,10 +132,27 @@ def when(ts: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    with open_journal(args) as journal:
-        s = summary(journal)
+    daemon, line = daemon_line(state_dir_of(args))
+    try:
+        journal = open_journal(args)
+    except AgentError as exc:
+        if daemon["running"] is None:  # the journal is as unreadable as the lock
+            raise AgentError("file_not_found", "{}: {}; run it as the daemon's user, a member "
+                             "of its group, or with sudo".format(exc.message, daemon["why"]))
+        if not daemon["running"]:
+            raise
+        journal = None  # started, journal not written yet
+    if journal is None:
+        s: Dict[str, Any] = {"daemon": daemon}
+    else:
+        with journal:
+            s = summary(journal)
+        s["daemon"] = daemon
     if args.json:
         print(json.dumps(s, indent=2, sort_keys=True))
+        return 0
+    print(line)
+    if journal is None:
         return 0
     print("journal {} (boot {})".format(s["path"], s["boot"]))
     print("jobs: " + (", ".join("{} {}".format(n, st) for st, n in sorted(s["jobs"].items()))

@@ -111,7 +111,7 @@ def test_human_output_and_progress_lines(work, tmp_path):
 
 def test_bench_model_and_cached_engine(work, tmp_path):
     out = cli_json(["bench", work["digits"], "--batch", "16", "--iterations", "30",
-                    "--warmup", "3"], tmp_path)
+                    "--warm-up", "0.01", "--duration", "0"], tmp_path)
     bench = out["benchmark"]
     assert bench["iterations"] == 30 and bench["batch"] == 16
     lat = bench["latency_ms"]
@@ -119,7 +119,7 @@ def test_bench_model_and_cached_engine(work, tmp_path):
     assert bench["throughput"]["samples_per_second"] == pytest.approx(
         16 * bench["throughput"]["inferences_per_second"], rel=1e-3)
     engine = out["target"]["engine"]
-    text = cli(["bench", engine, "--iterations", "20"], tmp_path).stdout
+    text = cli(["bench", engine, "--iterations", "20", "--duration", "0"], tmp_path).stdout
     assert "=== Performance summary ===" in text and "percentile(99%)" in text
     assert "Throughput:" in text
 
