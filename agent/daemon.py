@@ -233,6 +233,7 @@ class Daemon(DeviceCommands):
                 self._notify_status(text)
         elif ev.kind == DISCONNECTED:
             log.warning("disconnected from %s: %s", self.mqtt.address, ev.reason)
+            self._connection_lost(ev)
             self._notify_status("disconnected from {}: {}; reconnecting".format(
                 self.mqtt.address, ev.reason))
         elif ev.kind == CONNECT_FAILED:

@@ -17,7 +17,7 @@ import queue
 import ssl
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import paho.mqtt.client as paho
 
@@ -40,6 +40,8 @@ SUBSCRIBED = "subscribed"  # every subscription of this connection was acknowled
 MESSAGE = "message"  # .topic, .payload, .retain, .qos
 PUBLISHED = "published"  # .token, .ok, .reason
 
+SESSION_TAKEN_OVER = 0x8E  # MQTT v5 DISCONNECT: another client connected with our client id
+
 
 class _PahoLog(object):
     """Stands in for paho's logger: keeps its last warning (the only place the reason for a
@@ -58,12 +60,12 @@ class _PahoLog(object):
 
 class Event:
     __slots__ = ("kind", "topic", "payload", "retain", "qos", "token", "ok", "reason",
-                 "session_present", "response_topic", "correlation")
+                 "session_present", "response_topic", "correlation", "code")
 
     def __init__(self, kind: str, topic: str = "", payload: bytes = b"", retain: bool = False,
                  qos: int = 0, token: Any = None, ok: bool = True, reason: str = "",
                  session_present: bool = False, response_topic: Optional[str] = None,
-                 correlation: Optional[bytes] = None) -> None:
+                 correlation: Optional[bytes] = None, code: Optional[int] = None) -> None:
         self.kind = kind
         self.topic = topic
         self.payload = payload
@@ -75,6 +77,11 @@ class Event:
         self.session_present = session_present
         self.response_topic = response_topic  # MQTT v5 request/response properties
         self.correlation = correlation
+        self.code = code  # a disconnect's MQTT v5 reason code (SESSION_TAKEN_OVER, ...)
+
+    def nbytes(self) -> int:
+        """Memory this event holds, roughly (the daemon bounds its queue by it)."""
+        return len(self.payload) + len(self.topic) + 200
 
     def __repr__(self) -> str:
         return "Event({}, topic={!r}, {} bytes, token={!r}, reason={!r})".format(
@@ -163,10 +170,12 @@ class MqttClient:
         self.events: "queue.Queue[Event]" = events if events is not None else queue.Queue(
             max_events)
         self.last_error = ""
+        self.server_max_packet: Optional[int] = None  # the broker's CONNACK Maximum Packet Size
         self._subscriptions: Dict[str, int] = {}
         self._sub_mids: Dict[int, bool] = {}
         self._pending: Dict[int, PublishHandle] = {}
         self._early: Dict[int, Tuple[bool, str]] = {}
+        self._abandoned: Set[int] = set()
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._attempted = threading.Event()
@@ -281,6 +290,34 @@ class MqttClient:
             self._ack(handle, *early)
         return handle
 
+    def abandon(self, handle: PublishHandle) -> None:
+        """Never resend ``handle``'s message (the owner replaced it: the broker kept refusing
+        it). paho resends unacknowledged messages after a reconnect; they are dropped from its
+        queue before that, at the next connection."""
+        with self._lock:
+            self._pending.pop(handle.mid, None)
+            self._abandoned.add(handle.mid)
+        if not self.connected:
+            return
+        self._forget({handle.mid})
+
+    def _forget(self, mids: Set[int]) -> None:
+        out = getattr(self._client, "_out_messages", None)
+        mutex = getattr(self._client, "_out_message_mutex", None)
+        if out is None or mutex is None:  # another paho: it resends, the broker refuses again
+            return
+        with mutex:
+            for mid in mids:
+                out.pop(mid, None)
+
+    def fits(self, topic: str, payload: bytes) -> bool:
+        """Whether the broker's advertised Maximum Packet Size (MQTT v5 CONNACK) allows this
+        message; True when it advertised none."""
+        from agent.message_caps import packet_bytes
+
+        limit = self.server_max_packet
+        return limit is None or packet_bytes(topic, payload) <= limit
+
     def stop(self) -> None:
         """Disconnect cleanly (the broker does not publish the Will) and stop the thread."""
         self._closing = True
@@ -333,6 +370,12 @@ class MqttClient:
             session_present = bool(getattr(flags, "session_present", False))
         self.last_error = ""
         self._socket_error = ""
+        limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
+        self.server_max_packet = int(limit) if isinstance(limit, int) and limit > 0 else None
+        with self._lock:
+            abandoned, self._abandoned = self._abandoned, set()
+        if abandoned:
+            self._forget(abandoned)
         self._connected.set()
         self._attempted.set()
         with self._lock:
@@ -360,10 +403,12 @@ class MqttClient:
         was_connected = self._connected.is_set()
         self._connected.clear()
         reason = _reason_text(rc) if _is_failure(rc) else "disconnected"
+        code = getattr(rc, "value", None)
         if was_connected:
             if _is_failure(rc):
                 self.last_error = "connection lost: " + reason
-            self._put(Event(DISCONNECTED, reason=reason))
+            self._put(Event(DISCONNECTED, reason=reason,
+                            code=code if isinstance(code, int) else None))
         elif not self._closing and self._socket_error:
             # Closed before CONNACK: with TLS 1.3 a refused client certificate shows up here.
             self.last_error = "the broker closed the connection before accepting it: {}".format(

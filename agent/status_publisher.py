@@ -2,18 +2,25 @@
 nothing is lost on a disconnect or a crash), the retained birth status, and telemetry."""
 
 import logging
+import os
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
-from agent import __version__, protocol
+from agent import __version__, message_caps, protocol
 from agent.daemon_state import DaemonState
 from agent.job_run import Run
-from agent.mqtt import Event
+from agent.mqtt import SESSION_TAKEN_OVER, Event
 
 log = logging.getLogger("agent.daemon")  # one logger name for the whole daemon
 
 OUTBOX_BATCH = 200
+# An outbox message the broker refused this many times (PUBACK reason codes), or that was in
+# flight when the connection dropped this many times (a broker closes the connection on a
+# packet over its max_packet_size), is replaced by its short form; a short form refused as
+# often is dropped (logged): one message must never wedge the connection.
 MAX_PUBLISH_REFUSALS = 3
+MAX_DROPS_IN_FLIGHT = 3
+MAX_ERROR_BYTES = 64 * 1024  # a job error as the journal keeps it
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
@@ -50,8 +57,16 @@ class StatusPublisher(DaemonState):
         job_id = run_or_id.job_id if isinstance(run_or_id, Run) else run_or_id
         if isinstance(run_or_id, Run) and "details" not in kwargs:
             kwargs["details"] = run_or_id.details
+        for key in ("error", "result", "details"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = message_caps.relative_paths(kwargs[key], self._state_root())
+        if kwargs.get("error") is not None:
+            kwargs["error"] = message_caps.fit_error(kwargs["error"], MAX_ERROR_BYTES)
         self.journal.set_state(job_id, state, emit=self._emit, **kwargs)
         self.outbox_dirty = True
+
+    def _state_root(self) -> str:
+        return os.path.abspath(self.state_dir) if self.state_dir else ""
 
     def _republish(self, row: Dict[str, Any]) -> None:
         pub = self._emit(row)
@@ -72,9 +87,46 @@ class StatusPublisher(DaemonState):
             if len(self.inflight) >= OUTBOX_BATCH:
                 self.outbox_dirty = True
                 break
-            self.inflight[item.seq] = self.mqtt.publish(item.topic, item.payload, qos=item.qos,
+            payload = item.payload
+            if not self.mqtt.fits(item.topic, payload):
+                payload = self._shorten(item.seq, item.topic, payload,
+                                        "over the broker's maximum packet size of {} bytes"
+                                        .format(self.mqtt.server_max_packet))
+                if payload is None or not self.mqtt.fits(item.topic, payload):
+                    log.error("outbox message %d on %s does not fit the broker's maximum packet "
+                              "size even shortened; dropping it", item.seq, item.topic)
+                    self.journal.outbox_ack(item.seq)
+                    continue
+            self.inflight[item.seq] = self.mqtt.publish(item.topic, payload, qos=item.qos,
                                                         retain=item.retain,
                                                         token=("outbox", item.seq))
+
+    def _shorten(self, seq: int, topic: str, payload: bytes, why: str) -> Optional[bytes]:
+        """Replace outbox message ``seq`` by its short form; the short payload, or None when
+        there is none shorter (not a job status, or already short)."""
+        short = message_caps.short_job_status_payload(payload)
+        if short is None or len(short) >= len(payload):
+            return None
+        if not self.journal.outbox_replace(seq, short):
+            return None
+        log.error("outbox message %d on %s (%d bytes) %s: replaced by its short form (%d bytes)",
+                  seq, topic, len(payload), why, len(short))
+        return short
+
+    def _retry_short(self, seq: int, why: str) -> bool:
+        """Swap a refused in-flight message for its short form (sent at the next flush); False
+        when it has none."""
+        handle = self.inflight.get(seq)
+        item = next((i for i in self.journal.outbox_pending(limit=OUTBOX_BATCH * 2)
+                     if i.seq == seq), None)
+        if item is None or self._shorten(seq, item.topic, item.payload, why) is None:
+            return False
+        if handle is not None:
+            self.mqtt.abandon(handle)
+        self.inflight.pop(seq, None)
+        self.refusals.pop(seq, None)
+        self.outbox_dirty = True
+        return True
 
     def _on_published(self, ev: Event) -> None:
         token = ev.token
@@ -82,6 +134,7 @@ class StatusPublisher(DaemonState):
             return
         seq = int(token[1])
         self.inflight.pop(seq, None)
+        self.drops_in_flight.pop(seq, None)
         if ev.ok:
             self.journal.outbox_ack(seq)
             self.refusals.pop(seq, None)
@@ -89,12 +142,53 @@ class StatusPublisher(DaemonState):
         count = self.refusals.get(seq, 0) + 1
         self.refusals[seq] = count
         if count >= MAX_PUBLISH_REFUSALS:
+            if self._retry_short(seq, "refused by the broker {} times ({})".format(
+                    count, ev.reason)):
+                return
             log.error("broker refused outbox message %d %d times (%s); dropping it", seq, count,
                       ev.reason)
             self.journal.outbox_ack(seq)
             self.refusals.pop(seq, None)
         else:
             self.outbox_dirty = True
+
+    def _outbox_connection_lost(self) -> None:
+        """The connection dropped: each message then in flight counts one try; one in flight
+        at MAX_DROPS_IN_FLIGHT drops in a row goes out in its short form (a broker closes the
+        connection on a packet it refuses). A short message is never dropped for this: a
+        flapping network must not lose a status."""
+        for seq in list(self.inflight):
+            count = self.drops_in_flight.get(seq, 0) + 1
+            self.drops_in_flight[seq] = count
+            if count >= MAX_DROPS_IN_FLIGHT and self._retry_short(
+                    seq, "was in flight at {} dropped connections".format(count)):
+                self.drops_in_flight.pop(seq, None)
+        if len(self.drops_in_flight) > 4 * OUTBOX_BATCH:  # acked entries leave; bound the rest
+            for seq in list(self.drops_in_flight)[:-OUTBOX_BATCH]:
+                del self.drops_in_flight[seq]
+
+    # ------------------------------------------------------------------------- connection
+
+    def _connection_lost(self, ev: Event) -> None:
+        """The connection dropped (``ev`` is the DISCONNECTED event): count the outbox's
+        tries, and surface a session takeover (MQTT v5 reason 0x8E: another client connected
+        with this device's client id) in the log and in ``jetson-agent status``."""
+        self._outbox_connection_lost()
+        if ev.code != SESSION_TAKEN_OVER:
+            return
+        self.counters["session_taken_over"] += 1
+        previous = self.journal.note("connection") or {}
+        count = int(previous.get("taken_over", 0) or 0) + 1
+        now = time.time()
+        self.journal.note_put("connection", {"taken_over": count, "last_taken_over": now,
+                                             "client_id": self.device, "reason": ev.reason})
+        if now - self.last_takeover_log >= 60.0:
+            self.last_takeover_log = now
+            log.error("session_taken_over: the broker at %s closed this device's connection "
+                      "because another client connected with its client id %r (%d time(s) "
+                      "so far); another device uses this device id, or its key leaked. The "
+                      "broker should bind client ids to identities (docs/security.md)",
+                      self.mqtt.address, self.device, count)
 
     # ------------------------------------------------------------------------- telemetry
 
