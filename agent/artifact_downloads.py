@@ -3,7 +3,7 @@ worker once every artifact is in the store."""
 
 import logging
 import time
-from typing import Tuple
+from typing import Any, Optional, Tuple
 
 from agent import protocol
 from agent.errors import AgentError
@@ -14,7 +14,26 @@ log = logging.getLogger("agent.daemon")  # one logger name for the whole daemon
 
 
 class ArtifactDownloads(WorkerSupervisor):
-    """Daemon layer: artifact blocks in, download progress out."""
+    """Daemon layer: artifact blocks in, download progress out, partial downloads reclaimed."""
+
+    def _set_state(self, run_or_id: Any, state: str, **kwargs: Any) -> None:
+        super()._set_state(run_or_id, state, **kwargs)
+        if protocol.is_terminal(state):
+            self._reclaim_partials("job end")
+
+    def _reclaim_partials(self, why: str, need_bytes: Optional[int] = None) -> None:
+        """Drop the partial downloads no unfinished job names (and those idle past
+        limits.max_partial_age_s): a job naming artifacts nobody serves must not leave
+        pre-allocated files that make every later job fail disk_full."""
+        self.store.max_partial_age_s = self.cfg.limits.max_partial_age_s
+        try:
+            removed = self.store.reclaim_partials(need_bytes=need_bytes)
+        except OSError as exc:
+            log.warning("cannot reclaim partial downloads (%s): %s", why, exc)
+            return
+        if removed:
+            log.info("reclaimed %d partial download(s) at %s: %s", len(removed), why,
+                     ", ".join(sha[:12] for sha in removed))
 
     def _start_downloads(self, run: Run) -> None:
         for role, (sha, size) in sorted(run.needed.items()):

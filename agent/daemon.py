@@ -86,6 +86,7 @@ class Daemon(DeviceCommands):
         self.journal.prune()
         self.store = ArtifactStore(self.state_dir, self.journal,
                                    max_bytes=self.cfg.limits.max_store_bytes)
+        self._reclaim_partials("start-up")
         from agent import platform
 
         self.platform = platform.detect(self.cfg.platform_root)

@@ -89,14 +89,15 @@ class StatusPublisher(DaemonState):
                 break
             payload = item.payload
             if not self.mqtt.fits(item.topic, payload):
-                payload = self._shorten(item.seq, item.topic, payload,
-                                        "over the broker's maximum packet size of {} bytes"
-                                        .format(self.mqtt.server_max_packet))
-                if payload is None or not self.mqtt.fits(item.topic, payload):
+                short = self._shorten(item.seq, item.topic, payload,
+                                      "over the broker's maximum packet size of {} bytes"
+                                      .format(self.mqtt.server_max_packet))
+                if short is None or not self.mqtt.fits(item.topic, short):
                     log.error("outbox message %d on %s does not fit the broker's maximum packet "
                               "size even shortened; dropping it", item.seq, item.topic)
                     self.journal.outbox_ack(item.seq)
                     continue
+                payload = short
             self.inflight[item.seq] = self.mqtt.publish(item.topic, payload, qos=item.qos,
                                                         retain=item.retain,
                                                         token=("outbox", item.seq))
