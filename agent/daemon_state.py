@@ -4,7 +4,7 @@ device_commands, daemon), and the one-line status it shows systemd."""
 
 import queue
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from agent import protocol
 from agent.config import Config
@@ -46,11 +46,13 @@ class DaemonState:
         self.inflight: Dict[int, Any] = {}
         self.refusals: Dict[int, int] = {}
         self.drops_in_flight: Dict[int, int] = {}  # outbox seq -> connections lost in flight
+        self.refused_bytes: Optional[int] = None  # outbox messages this large: refused
         self.outbox_dirty = True
         self.ready = False
         self.counters = {"messages": 0, "rejected_messages": 0, "jobs": 0, "blocks": 0,
                          "unauthenticated_jobs": 0, "session_taken_over": 0}
         self.last_takeover_log = 0.0
+        self.quick_drops: List[float] = []  # when connections closed right after accepted
         # Job intake: REJECTED jobs recorded per minute (60, bursts of 20), when a known job's
         # status was last sent again, rate-limited log lines (key -> (last, not logged)).
         self.reject_bucket = TokenBucket(1.0, 20)

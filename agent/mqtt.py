@@ -17,6 +17,7 @@ import queue
 import ssl
 import sys
 import threading
+import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import paho.mqtt.client as paho
@@ -60,12 +61,13 @@ class _PahoLog(object):
 
 class Event:
     __slots__ = ("kind", "topic", "payload", "retain", "qos", "token", "ok", "reason",
-                 "session_present", "response_topic", "correlation", "code")
+                 "session_present", "response_topic", "correlation", "code", "held_s")
 
     def __init__(self, kind: str, topic: str = "", payload: bytes = b"", retain: bool = False,
                  qos: int = 0, token: Any = None, ok: bool = True, reason: str = "",
                  session_present: bool = False, response_topic: Optional[str] = None,
-                 correlation: Optional[bytes] = None, code: Optional[int] = None) -> None:
+                 correlation: Optional[bytes] = None, code: Optional[int] = None,
+                 held_s: Optional[float] = None) -> None:
         self.kind = kind
         self.topic = topic
         self.payload = payload
@@ -77,7 +79,8 @@ class Event:
         self.session_present = session_present
         self.response_topic = response_topic  # MQTT v5 request/response properties
         self.correlation = correlation
-        self.code = code  # a disconnect's MQTT v5 reason code (SESSION_TAKEN_OVER, ...)
+        self.code = code  # the reason code of a DISCONNECT the broker sent (v5), else None
+        self.held_s = held_s  # how long the connection a DISCONNECTED event ends had lasted
 
     def nbytes(self) -> int:
         """Memory this event holds, roughly (the daemon bounds its queue by it)."""
@@ -108,6 +111,7 @@ class PublishHandle:
         self.topic = topic
         self.token = token
         self.mid = 0
+        self.size = 0  # payload bytes
         self.ok = False
         self.reason = ""
         self._done = threading.Event()
@@ -176,6 +180,7 @@ class MqttClient:
         self._pending: Dict[int, PublishHandle] = {}
         self._early: Dict[int, Tuple[bool, str]] = {}
         self._abandoned: Set[int] = set()
+        self._connected_at = 0.0
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._attempted = threading.Event()
@@ -267,6 +272,7 @@ class MqttClient:
         With a ``token``, a PUBLISHED event carrying it follows the broker's acknowledgement.
         ``correlation`` / ``response_topic`` are MQTT v5 properties (ignored on 3.1.1)."""
         handle = PublishHandle(topic, token)
+        handle.size = len(payload)
         props = None
         if self.protocol == "v5" and (correlation is not None or response_topic is not None):
             from paho.mqtt.packettypes import PacketTypes
@@ -376,6 +382,7 @@ class MqttClient:
             abandoned, self._abandoned = self._abandoned, set()
         if abandoned:
             self._forget(abandoned)
+        self._connected_at = time.monotonic()
         self._connected.set()
         self._attempted.set()
         with self._lock:
@@ -403,12 +410,19 @@ class MqttClient:
         was_connected = self._connected.is_set()
         self._connected.clear()
         reason = _reason_text(rc) if _is_failure(rc) else "disconnected"
-        code = getattr(rc, "value", None)
+        flags = args[0] if self._v2 else None
+        from_server = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        code = getattr(rc, "value", None) if from_server else None
+        if from_server:
+            reason = "the broker disconnected us: " + _reason_text(rc)
+        elif _is_failure(rc):
+            reason = "connection closed without a DISCONNECT from the broker"
         if was_connected:
             if _is_failure(rc):
                 self.last_error = "connection lost: " + reason
             self._put(Event(DISCONNECTED, reason=reason,
-                            code=code if isinstance(code, int) else None))
+                            code=code if isinstance(code, int) else None,
+                            held_s=time.monotonic() - self._connected_at))
         elif not self._closing and self._socket_error:
             # Closed before CONNACK: with TLS 1.3 a refused client certificate shows up here.
             self.last_error = "the broker closed the connection before accepting it: {}".format(

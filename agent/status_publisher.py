@@ -20,7 +20,12 @@ OUTBOX_BATCH = 200
 # often is dropped (logged): one message must never wedge the connection.
 MAX_PUBLISH_REFUSALS = 3
 MAX_DROPS_IN_FLIGHT = 3
+SMALL_STATUS_BYTES = 4096  # never shortened for dropped connections: any broker takes these
 MAX_ERROR_BYTES = 64 * 1024  # a job error as the journal keeps it
+# Connections closed by the broker within QUICK_DROP_S of being accepted, QUICK_DROPS times in
+# a minute, without a DISCONNECT saying why: a suspected session takeover.
+QUICK_DROP_S = 5.0
+QUICK_DROPS = 3
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
@@ -88,10 +93,12 @@ class StatusPublisher(DaemonState):
                 self.outbox_dirty = True
                 break
             payload = item.payload
-            if not self.mqtt.fits(item.topic, payload):
+            refused = self.refused_bytes is not None and len(payload) >= self.refused_bytes
+            if refused or not self.mqtt.fits(item.topic, payload):
                 short = self._shorten(item.seq, item.topic, payload,
-                                      "over the broker's maximum packet size of {} bytes"
-                                      .format(self.mqtt.server_max_packet))
+                                      "over the broker's maximum packet size ({} bytes)".format(
+                                          self.mqtt.server_max_packet or "a {}-byte message was "
+                                          "refused".format(self.refused_bytes)))
                 if short is None or not self.mqtt.fits(item.topic, short):
                     log.error("outbox message %d on %s does not fit the broker's maximum packet "
                               "size even shortened; dropping it", item.seq, item.topic)
@@ -120,7 +127,9 @@ class StatusPublisher(DaemonState):
         handle = self.inflight.get(seq)
         item = next((i for i in self.journal.outbox_pending(limit=OUTBOX_BATCH * 2)
                      if i.seq == seq), None)
-        if item is None or self._shorten(seq, item.topic, item.payload, why) is None:
+        if item is None:  # superseded (a newer status of the job took its place): forget it
+            log.warning("outbox message %d, no longer pending, %s: not sent again", seq, why)
+        elif self._shorten(seq, item.topic, item.payload, why) is None:
             return False
         if handle is not None:
             self.mqtt.abandon(handle)
@@ -158,12 +167,18 @@ class StatusPublisher(DaemonState):
         at MAX_DROPS_IN_FLIGHT drops in a row goes out in its short form (a broker closes the
         connection on a packet it refuses). A short message is never dropped for this: a
         flapping network must not lose a status."""
-        for seq in list(self.inflight):
+        for seq, handle in list(self.inflight.items()):
+            if getattr(handle, "size", SMALL_STATUS_BYTES + 1) <= SMALL_STATUS_BYTES:
+                continue
             count = self.drops_in_flight.get(seq, 0) + 1
             self.drops_in_flight[seq] = count
             if count >= MAX_DROPS_IN_FLIGHT and self._retry_short(
                     seq, "was in flight at {} dropped connections".format(count)):
                 self.drops_in_flight.pop(seq, None)
+                # A message this large is taken for refused from now on (the broker did not
+                # say its limit): later ones, a status sent again included, go out short.
+                size = int(getattr(handle, "size", 0))
+                self.refused_bytes = min(self.refused_bytes or size, size)
         if len(self.drops_in_flight) > 4 * OUTBOX_BATCH:  # acked entries leave; bound the rest
             for seq in list(self.drops_in_flight)[:-OUTBOX_BATCH]:
                 del self.drops_in_flight[seq]
@@ -172,24 +187,38 @@ class StatusPublisher(DaemonState):
 
     def _connection_lost(self, ev: Event) -> None:
         """The connection dropped (``ev`` is the DISCONNECTED event): count the outbox's
-        tries, and surface a session takeover (MQTT v5 reason 0x8E: another client connected
-        with this device's client id) in the log and in ``jetson-agent status``."""
+        tries, and surface a session takeover (another client connected with this device's
+        client id) in the log and in ``jetson-agent status``. A broker that says so sends
+        DISCONNECT "Session taken over" (MQTT v5, 0x8E); one that only closes the socket
+        (Mosquitto 2.0.11 does) shows the same as connections closed right after being
+        accepted, again and again: reported as a suspected takeover."""
         self._outbox_connection_lost()
-        if ev.code != SESSION_TAKEN_OVER:
-            return
+        now = time.monotonic()
+        confirmed = ev.code == SESSION_TAKEN_OVER
+        if not confirmed:
+            if ev.code is not None or ev.held_s is None or ev.held_s > QUICK_DROP_S:
+                self.quick_drops.clear()
+                return
+            self.quick_drops = [t for t in self.quick_drops if now - t < 60.0] + [now]
+            if len(self.quick_drops) < QUICK_DROPS:
+                return
+            self.quick_drops.clear()
         self.counters["session_taken_over"] += 1
         previous = self.journal.note("connection") or {}
         count = int(previous.get("taken_over", 0) or 0) + 1
-        now = time.time()
-        self.journal.note_put("connection", {"taken_over": count, "last_taken_over": now,
-                                             "client_id": self.device, "reason": ev.reason})
-        if now - self.last_takeover_log >= 60.0:
+        self.journal.note_put("connection", {
+            "taken_over": count, "last_taken_over": time.time(), "client_id": self.device,
+            "confirmed": confirmed, "reason": ev.reason})
+        if now - self.last_takeover_log >= 60.0 or count == 1:
             self.last_takeover_log = now
-            log.error("session_taken_over: the broker at %s closed this device's connection "
-                      "because another client connected with its client id %r (%d time(s) "
-                      "so far); another device uses this device id, or its key leaked. The "
-                      "broker should bind client ids to identities (docs/security.md)",
-                      self.mqtt.address, self.device, count)
+            log.error("session_taken_over: the broker at %s %s (%d time(s) so far): another "
+                      "client connects with this device's client id %r (another device with "
+                      "this id, or its key leaked); the broker should bind client ids to "
+                      "identities (use_username_as_clientid, docs/security.md)%s",
+                      self.mqtt.address, "closed this connection: session taken over (MQTT "
+                      "reason 0x8E)" if confirmed else "keeps closing this connection right "
+                      "after accepting it", count, self.device,
+                      "" if confirmed else "; or it refuses a packet we send (see its log)")
 
     # ------------------------------------------------------------------------- telemetry
 
