@@ -11,7 +11,7 @@ error and result, and the worker's log everything else.
 """
 
 import json
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 from agent import protocol
 
@@ -49,11 +49,12 @@ def shrink(value: Any, max_str: int, max_items: int, depth: int = 0) -> Any:
         return items
     if isinstance(value, Mapping):
         keys = sorted(value, key=str)
+        kept = keys if len(keys) <= max_items else keys[:max(0, max_items - 1)]
         out = {cut_text(str(k), max(16, max_str)): shrink(value[k], max_str, max_items,
                                                            depth + 1)
-               for k in keys[:max_items]}
-        if len(keys) > max_items:
-            out[KEYS_MARKER] = "{} more keys".format(len(keys) - max_items)
+               for k in kept}
+        if len(kept) < len(keys):  # the marker takes the last place: at most max_items keys
+            out[KEYS_MARKER] = "{} more keys".format(len(keys) - len(kept))
         return out
     return value
 
@@ -168,6 +169,9 @@ def packet_bytes(topic: str, payload: bytes) -> int:
     return len(payload) + len(topic.encode("utf-8")) + ENVELOPE
 
 
-def summarise(items: List[Any], limit: int) -> List[Any]:
-    """The first ``limit`` items of a list, then (for strings) a marker with the count cut."""
-    return shrink(list(items), 1 << 30, limit)  # type: ignore[no-any-return]
+def encode_fitted(kind: str, msg: Mapping[str, Any], keep: Tuple[str, ...] = ()) -> bytes:
+    """``protocol.encode`` of ``fit_message(kind, msg)``, keeping the top-level scalars whole:
+    what the daemon publishes outside the outbox (birth status, telemetry, command replies)."""
+    keep = tuple(k for k, v in msg.items() if not isinstance(v, (dict, list))) + keep
+    return protocol.encode(fit_message(kind, msg, protocol.MAX_BYTES[kind] - ENVELOPE,
+                                       keep=keep))

@@ -50,8 +50,9 @@ class StatusPublisher(DaemonState):
             ts=time.time())
 
     def _publish_birth(self) -> None:
-        self.mqtt.publish(self.topics.status(self.device), protocol.encode(self._birth()),
-                          qos=1, retain=True)
+        self.mqtt.publish(self.topics.status(self.device),
+                          message_caps.encode_fitted("status", self._birth()), qos=1,
+                          retain=True)
 
     # ------------------------------------------------------------------------- outbox
 
@@ -234,7 +235,8 @@ class StatusPublisher(DaemonState):
             return
         msg = {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,
                "ts": time.time(), "source": source, "metrics": sample}
-        self.mqtt.publish(self.topics.telemetry(self.device), protocol.encode(msg), qos=0)
+        self.mqtt.publish(self.topics.telemetry(self.device),
+                          message_caps.encode_fitted("telemetry", msg), qos=0)
 
 
 def fit_result(result: Dict[str, Any], limit: int = MAX_RESULT_BYTES) -> Dict[str, Any]:

@@ -87,3 +87,22 @@ def test_reply_topics_are_the_controllers_only():
     for topic in (T.job_status("dev1", "j1"), T.status("dev2"), "ctl/replies"):
         with pytest.raises(AgentError):
             protocol.reply_topic(T, "dev1", {"command": "diag", "reply_to": topic})
+
+
+def test_every_other_message_the_daemon_publishes_fits_too():
+    engines = [{"model": "{:064x}".format(i), "engine_key": "k" * 200, "precision": "int8",
+                "activated": 1.0, "job_id": "j{}".format(i)} for i in range(3000)]
+    birth = protocol.status_message("dev1", True, 3, agent_version="1", active_engines=engines)
+    reply = protocol.command_reply("dev1", {"command": "diag", "request_id": "r1"}, True,
+                                   result={"transfers": [{"sha256": "a" * 64, "size": i}
+                                                         for i in range(50000)],
+                                           "log": "y" * 500000})
+    telemetry = {"protocol": 1, "device": "dev1", "ts": 1.0, "source": "host",
+                 "metrics": {"m{}".format(i): float(i) for i in range(5000)}}
+    for kind, msg in (("status", birth), ("command_reply", reply), ("telemetry", telemetry)):
+        payload = caps.encode_fitted(kind, msg)
+        assert len(payload) <= protocol.MAX_BYTES[kind], kind
+        decoded = protocol.decode(kind, payload)
+        assert decoded["device"] == "dev1"
+    small = protocol.command_reply("dev1", {"command": "diag"}, True, result={"a": 1})
+    assert caps.encode_fitted("command_reply", small) == protocol.encode(small)
