@@ -50,7 +50,8 @@ class DaemonState:
         self.outbox_dirty = True
         self.ready = False
         self.counters = {"messages": 0, "rejected_messages": 0, "jobs": 0, "blocks": 0,
-                         "unauthenticated_jobs": 0, "session_taken_over": 0}
+                         "unauthenticated_jobs": 0, "rejections_dropped": 0,
+                         "session_taken_over": 0}
         self.last_takeover_log = 0.0
         self.quick_drops: List[float] = []  # when connections closed right after accepted
         # Job intake: REJECTED jobs recorded per minute (60, bursts of 20), when a known job's

@@ -90,7 +90,7 @@ class JobIntake(ArtifactDownloads):
                               "no trusted origin for this device and job id: %s", job_id, exc)
             return
         if not self.reject_bucket.take():
-            self.counters["rejections_dropped"] = self.counters.get("rejections_dropped", 0) + 1
+            self.counters["rejections_dropped"] += 1
             self._log_limited("rejections", "job %s: not recorded (more than %d rejections a "
                               "minute): %s", job_id, REJECTIONS_PER_MINUTE, exc)
             return

@@ -116,7 +116,7 @@ def fit_error(error: Optional[Mapping[str, Any]],
         return out
     message = out.get("message")
     if isinstance(message, str):
-        out["message"] = cut_text(message, min(len(message), limit // 4))
+        out["message"] = cut_text(message, min(len(message), limit // 2))
     for max_str, max_items in STEPS:
         if _size(out) <= limit:
             break
