@@ -3,18 +3,47 @@ worker once every artifact is in the store."""
 
 import logging
 import time
-from typing import Tuple
+from typing import Any, Dict, Optional, Tuple
 
-from agent import protocol
+from agent import message_caps, protocol
 from agent.errors import AgentError
 from agent.job_run import PROGRESS_EVERY_S, Run
 from agent.worker_supervisor import WorkerSupervisor
 
 log = logging.getLogger("agent.daemon")  # one logger name for the whole daemon
 
+MAX_LOGGED_ERROR_BYTES = 16 * 1024  # a job error as the log line and the journal keep it
+
 
 class ArtifactDownloads(WorkerSupervisor):
-    """Daemon layer: artifact blocks in, download progress out."""
+    """Daemon layer: artifact blocks in, download progress out, partial downloads reclaimed."""
+
+    def _set_state(self, run_or_id: Any, state: str, **kwargs: Any) -> None:
+        super()._set_state(run_or_id, state, **kwargs)
+        if protocol.is_terminal(state):
+            self._reclaim_partials("job end")
+
+    def _end(self, run: Run, state: str, error: Optional[Dict[str, Any]] = None,
+             result: Optional[Dict[str, Any]] = None) -> None:
+        # A worker's error may be megabytes (an output name, 30,000 output names): it is cut
+        # here, before the log line and the journal, as it is in the status.
+        if error is not None:
+            error = message_caps.fit_error(error, MAX_LOGGED_ERROR_BYTES)
+        super()._end(run, state, error=error, result=result)
+
+    def _reclaim_partials(self, why: str, need_bytes: Optional[int] = None) -> None:
+        """Drop the partial downloads no unfinished job names (and those idle past
+        limits.max_partial_age_s): a job naming artifacts nobody serves must not leave
+        pre-allocated files that make every later job fail disk_full."""
+        self.store.max_partial_age_s = self.cfg.limits.max_partial_age_s
+        try:
+            removed = self.store.reclaim_partials(need_bytes=need_bytes)
+        except OSError as exc:
+            log.warning("cannot reclaim partial downloads (%s): %s", why, exc)
+            return
+        if removed:
+            log.info("reclaimed %d partial download(s) at %s: %s", len(removed), why,
+                     ", ".join(sha[:12] for sha in removed))
 
     def _start_downloads(self, run: Run) -> None:
         for role, (sha, size) in sorted(run.needed.items()):

@@ -11,6 +11,7 @@ import errno
 import hashlib
 import os
 import stat
+import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set
 
 from agent import protocol
@@ -20,6 +21,9 @@ from agent.journal import Journal
 
 HASH_CHUNK = 1 << 20
 DEFAULT_RESERVE = 64 << 20  # keep this much disk free for the journal, logs and engines
+# A partial download idle this long is reclaimed under store pressure and at start-up even
+# when an unfinished job still names it (it downloads again from scratch if that job runs).
+DEFAULT_PARTIAL_AGE_S = 24 * 3600.0
 
 
 def _disk_full(what: str, needed: int, free: int) -> AgentError:
@@ -167,10 +171,14 @@ class ArtifactStore(object):
         reserve_bytes: int = DEFAULT_RESERVE,
         flush_every: int = 16,
         statvfs: Callable[[str], Any] = os.statvfs,
+        max_partial_age_s: float = DEFAULT_PARTIAL_AGE_S,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.root = os.path.join(state_dir, "artifacts")
         self.journal = journal
         self.max_bytes = max_bytes
+        self.max_partial_age_s = max_partial_age_s
+        self._clock = clock
         self.reserve_bytes = reserve_bytes
         self.flush_every = max(1, int(flush_every))
         self._statvfs = statvfs
@@ -321,6 +329,48 @@ class ArtifactStore(object):
             if self.has(sha) or not os.path.isfile(self.partial_path(sha)):
                 self.journal.transfer_delete(sha)
 
+    # ------------------------------------------------------------------------------ partials
+
+    def partials(self) -> List[Dict[str, Any]]:
+        """Downloads in progress or left behind: sha256, size (what they count against the
+        budget), on_disk (bytes allocated), blocks, received (blocks), updated (last
+        progress, epoch seconds), open (being fetched by this process)."""
+        out = []
+        for t in self.journal.transfers():
+            try:
+                on_disk = os.stat(self.partial_path(t["sha256"])).st_blocks * 512
+            except OSError:
+                on_disk = 0
+            blocks = protocol.block_count(t["size"], t["block_size"])
+            out.append({"sha256": t["sha256"], "size": t["size"], "on_disk": on_disk,
+                        "blocks": blocks, "received": protocol.bitmap_count(t["bitmap"], blocks),
+                        "updated": t["updated"], "open": t["sha256"] in self._open})
+        return out
+
+    def reclaim_partials(self, keep: Iterable[str] = (), need_bytes: Optional[int] = None,
+                         max_age_s: Optional[float] = None) -> List[str]:
+        """Discard partial downloads nothing needs, oldest progress first: every one not being
+        fetched here (``open``) that no unfinished job names and is not in ``keep``, and those
+        idle longer than ``max_age_s`` (default ``max_partial_age_s``) even if a job names
+        them. With ``need_bytes``, stop once that many bytes are freed. Returns the hashes."""
+        age = self.max_partial_age_s if max_age_s is None else max_age_s
+        keep = set(keep)
+        wanted = keep | self.journal.referenced_artifacts()
+        now = self._clock()
+        removed: List[str] = []
+        freed = 0
+        for p in sorted(self.partials(), key=lambda p: p["updated"]):
+            if need_bytes is not None and freed >= need_bytes:
+                break
+            if p["open"] or p["sha256"] in keep:
+                continue
+            if p["sha256"] in wanted and now - p["updated"] <= age:
+                continue
+            self.discard_partial(p["sha256"])
+            removed.append(p["sha256"])
+            freed += p["size"]
+        return removed
+
     # ------------------------------------------------------------------------------ import
 
     def put_file(self, src: str, sha256: Optional[str] = None) -> str:
@@ -426,12 +476,19 @@ class ArtifactStore(object):
         keep = [sha256] if sha256 else []
         if self.max_bytes is not None:
             in_progress = self.journal.transfer_get(sha256) if sha256 else None
-            over = self.usage() - (in_progress["size"] if in_progress else 0) + size \
-                - self.max_bytes
+
+            def over_budget() -> int:
+                assert self.max_bytes is not None
+                return self.usage() - (in_progress["size"] if in_progress else 0) + size \
+                    - self.max_bytes
+
+            over = over_budget()
+            if over > 0:  # partial downloads nothing needs first, then unreferenced artifacts
+                self.reclaim_partials(keep, need_bytes=over)
+                over = over_budget()
             if over > 0:
                 self.evict(over, keep)
-                over = self.usage() - (in_progress["size"] if in_progress else 0) + size \
-                    - self.max_bytes
+                over = over_budget()
             if over > 0:
                 raise AgentError(
                     "disk_full",
@@ -440,6 +497,9 @@ class ArtifactStore(object):
                     {"needed": size, "free": size - over},
                 )
         free = self.free_bytes()
+        if needed + self.reserve_bytes > free:
+            self.reclaim_partials(keep, need_bytes=needed + self.reserve_bytes - free)
+            free = self.free_bytes()
         if needed + self.reserve_bytes > free:
             self.evict(needed + self.reserve_bytes - free, keep)
             free = self.free_bytes()

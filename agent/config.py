@@ -71,6 +71,7 @@ class LimitsConfig:
     max_message_bytes: int = _f(1 << 20, size=True, min=1024)
     max_artifact_bytes: int = _f(2 << 30, size=True, min=1)
     max_store_bytes: int = _f(8 << 30, size=True, min=1)
+    max_partial_age_s: float = _f(24 * 3600.0, min=0)  # idle partial downloads: reclaimed
     job_timeout_s: float = _f(3600.0, min=1)
     jobs_per_minute: float = _f(60.0, min=0)  # new jobs accepted (token bucket); 0: no limit
     job_burst: int = _f(30, min=1)

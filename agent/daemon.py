@@ -87,6 +87,7 @@ class Daemon(DeviceCommands):
         self.journal.prune()
         self.store = ArtifactStore(self.state_dir, self.journal,
                                    max_bytes=self.cfg.limits.max_store_bytes)
+        self._reclaim_partials("start-up")
         from agent import platform
 
         self.platform = platform.detect(self.cfg.platform_root)
@@ -237,6 +238,7 @@ class Daemon(DeviceCommands):
                 self._notify_status(text)
         elif ev.kind == DISCONNECTED:
             log.warning("disconnected from %s: %s", self.mqtt.address, ev.reason)
+            self._connection_lost(ev)
             self._notify_status("disconnected from {}: {}; reconnecting".format(
                 self.mqtt.address, ev.reason))
         elif ev.kind == CONNECT_FAILED:

@@ -4,17 +4,17 @@ device_commands, daemon), and the one-line status it shows systemd."""
 
 import queue
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from agent import protocol
 from agent.config import Config
 from agent.job_run import Run
+from agent.limits import ByteQueue, TokenBucket
 from agent.sdnotify import Notifier
 
 if TYPE_CHECKING:  # types only: the daemon opens these in Daemon.setup()
     from agent.artifacts import ArtifactStore
     from agent.journal import Journal
-    from agent.limits import TokenBucket
     from agent.mqtt import MqttClient
     from agent.platform.info import PlatformInfo
     from agent.signing import TrustStore
@@ -41,14 +41,25 @@ class DaemonState:
         self.state_dir: str = cfg.state_dir or ""
         self.notifier = notifier or Notifier()
         self.topics = protocol.Topics(cfg.topic_prefix)
-        self.events: "queue.Queue[Any]" = queue.Queue(4000)
+        self.events: "queue.Queue[Any]" = ByteQueue()  # bounded by bytes, not count
         self.stop_requested = False
         self.run_: Optional[Run] = None
         self.inflight: Dict[int, Any] = {}
         self.refusals: Dict[int, int] = {}
+        self.drops_in_flight: Dict[int, int] = {}  # outbox seq -> connections lost in flight
+        self.refused_bytes: Optional[int] = None  # outbox messages this large: refused
         self.outbox_dirty = True
         self.ready = False
-        self.counters = {"messages": 0, "rejected_messages": 0, "jobs": 0, "blocks": 0}
+        self.counters = {"messages": 0, "rejected_messages": 0, "jobs": 0, "blocks": 0,
+                         "unauthenticated_jobs": 0, "rejections_dropped": 0,
+                         "session_taken_over": 0}
+        self.last_takeover_log = 0.0
+        self.quick_drops: List[float] = []  # when connections closed right after accepted
+        # Job intake: REJECTED jobs recorded per minute (60, bursts of 20), when a known job's
+        # status was last sent again, rate-limited log lines (key -> (last, not logged)).
+        self.reject_bucket = TokenBucket(1.0, 20)
+        self.republished: Dict[str, float] = {}
+        self.log_limits: Dict[str, Tuple[float, int]] = {}
         self.started = time.monotonic()
         self.token = 0
         self.telemetry: Any = None

@@ -4,7 +4,7 @@ import logging
 import time
 from typing import Any, Dict, Optional
 
-from agent import __version__, protocol, signing
+from agent import __version__, message_caps, protocol, signing
 from agent.errors import AgentError
 from agent.job_intake import JobIntake
 from agent.mqtt import Event
@@ -44,7 +44,8 @@ class DeviceCommands(JobIntake):
             log.warning("command reply goes to the default topic: %s", exc)
             topic = self.topics.command_reply(self.device)
         msg = protocol.command_reply(self.device, cmd, ok, result=result, error=error)
-        self.mqtt.publish(topic, protocol.encode(msg), qos=1, correlation=ev.correlation)
+        self.mqtt.publish(topic, message_caps.encode_fitted("command_reply", msg), qos=1,
+                          correlation=ev.correlation)
 
     def diag(self) -> Dict[str, Any]:
         counts: Dict[str, int] = {}

@@ -62,10 +62,14 @@ CODES = {
     "broker_unreachable": "The MQTT broker cannot be reached.",
     "state_dir_in_use": "Another jetson-agent daemon holds this state directory (its PID is "
     "named).",
+    "session_taken_over": "Another client connected with this device's client id and the broker "
+    "closed this device's connection (log and `status`; bind client ids to identities).",
     "unknown_device": "The controller names a device that has never reported.",
-    "unsigned_job": "The job document carries no signature and the device requires one.",
-    "bad_signature": "The job signature does not verify, or its key is not trusted.",
-    "wrong_target": "A correctly signed job names another device.",
+    "unsigned_job": "The job document carries no signature and the device requires one "
+    "(ignored: logged and counted, no job is recorded).",
+    "bad_signature": "The job signature does not verify, or its key is not trusted "
+    "(ignored: logged and counted, no job is recorded).",
+    "wrong_target": "A correctly signed job names another device (ignored: logged and counted).",
     "job_not_yet_valid": "The signed job's not-before time is in the future (check the clock).",
     "job_expired": "The signed job's expiry time has passed.",
     "job_replayed": "The signed job's sequence is not above the last one accepted from its key.",

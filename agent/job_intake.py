@@ -5,6 +5,7 @@ check (platform decision, limits) the next job to run."""
 import json
 import logging
 import math
+import time
 from typing import Any, Dict
 
 from agent import protocol, signing
@@ -16,6 +17,13 @@ from agent.worker_supervisor import kill_orphan
 log = logging.getLogger("agent.daemon")  # one logger name for the whole daemon
 
 MAX_ATTEMPTS = 2  # a job interrupted in its worker by an agent restart runs once more
+REPUBLISH_EVERY_S = 10.0  # a known job's status, sent again for a document naming it
+REJECTIONS_PER_MINUTE = 60  # REJECTED jobs recorded (a burst of 20), beyond: counted only
+LOG_EVERY_S = 10.0
+# Signed, but not for this device: the job id it names on this device's topic is not proven.
+NOT_ADDRESSED = ("wrong_target",)
+# Raised by signing.check_job after the signature and the target device verified.
+SIGNED_FOR_THIS_DEVICE = ("job_not_yet_valid", "job_expired", "job_replayed")
 
 
 class JobIntake(ArtifactDownloads):
@@ -25,38 +33,40 @@ class JobIntake(ArtifactDownloads):
         if not payload:
             return  # the controller cleared a finished job's retained document
         existing = self.journal.job(job_id)
+        if existing is not None:
+            # A known id never runs again: whatever came, answer with its status (at most
+            # every REPUBLISH_EVERY_S per job: a replay flood costs no disk write).
+            self._answer_known(existing)
+            return
         limit = min(protocol.MAX_BYTES["job"], self.cfg.limits.max_message_bytes)
-        accepted = None
+        authenticated = self.cfg.security.allow_unsigned  # unsigned jobs are allowed: no proof
         try:
             doc = protocol.decode("job", payload, max_bytes=limit)
-            if existing is None:  # a known id never runs again: no need to verify it
+            try:
                 accepted = signing.check_job(
-                    doc, self.device, self.trust, allow_unsigned=self.cfg.security.allow_unsigned,
+                    doc, self.device, self.trust,
+                    allow_unsigned=self.cfg.security.allow_unsigned,
                     last_seq=self.journal.last_sequence,
                     max_skew_s=self.cfg.security.max_clock_skew_s)
+            except AgentError as exc:
+                if exc.code in SIGNED_FOR_THIS_DEVICE:  # verified: refused for its time or seq
+                    protocol.check_job_topic(doc, self.device, job_id)
+                    authenticated = True
+                raise
             protocol.check_job_topic(doc, self.device, job_id)
-            if existing is None and not self.job_bucket.take():
+            authenticated = True  # a trusted key signed it for this device and job id
+            if not self.job_bucket.take():
                 raise AgentError("rate_limited", "more than {:g} new jobs per minute (bursts of "
                                  "{}); retry in {:.0f} s under a new job id".format(
                                      self.cfg.limits.jobs_per_minute, self.cfg.limits.job_burst,
                                      math.ceil(self.job_bucket.retry_after())))
         except AgentError as exc:
-            self.counters["rejected_messages"] += 1
-            if existing is not None:
-                log.warning("job %s: ignored a bad document for a known job: %s", job_id, exc)
-                self._republish(existing)
-                return
-            log.warning("job %s REJECTED: %s", job_id, exc)
-            self.journal.add_job({"job_id": job_id, "kind": kind_of(payload)}, "REJECTED",
-                                 error=exc.to_dict(), emit=self._emit)
-            self.outbox_dirty = True
+            self._refuse(job_id, payload, exc, authenticated)
             return
         if not self.journal.add_job(doc, emit=self._emit):
-            row = existing or self.journal.job(job_id)
+            row = self.journal.job(job_id)
             log.info("job %s: duplicate document ignored (state %s)", job_id,
                      row["state"] if row else "?")
-            if row is not None:
-                self._republish(row)
             return
         if accepted is not None:
             self.journal.record_sequence(accepted.key_id, accepted.seq)
@@ -65,6 +75,52 @@ class JobIntake(ArtifactDownloads):
         log.info("job %s (%s) QUEUED", job_id, doc["kind"])
         if doc["kind"] == "cancel":
             self._run_cancel_job(doc)
+
+    def _refuse(self, job_id: str, payload: bytes, exc: AgentError,
+                authenticated: bool) -> None:
+        """A document that will not run. Only one a trusted key signed for this device and
+        this job id (or any, where unsigned jobs are allowed) becomes a REJECTED job, and at
+        most REJECTIONS_PER_MINUTE of those: anything else never claims the job id (the
+        genuine document may still come), costs no disk write, and is counted and logged
+        (at most every LOG_EVERY_S)."""
+        self.counters["rejected_messages"] += 1
+        if not authenticated or exc.code in NOT_ADDRESSED:
+            self.counters["unauthenticated_jobs"] += 1
+            self._log_limited("unauthenticated", "job %s: ignored a document that proves "
+                              "no trusted origin for this device and job id: %s", job_id, exc)
+            return
+        if not self.reject_bucket.take():
+            self.counters["rejections_dropped"] += 1
+            self._log_limited("rejections", "job %s: not recorded (more than %d rejections a "
+                              "minute): %s", job_id, REJECTIONS_PER_MINUTE, exc)
+            return
+        log.warning("job %s REJECTED: %s", job_id, exc)
+        self.journal.add_job({"job_id": job_id, "kind": kind_of(payload)}, "REJECTED",
+                             error=exc.to_dict(), emit=self._emit)
+        self.outbox_dirty = True
+
+    def _answer_known(self, row: Dict[str, Any]) -> None:
+        now = time.monotonic()
+        last = self.republished.get(row["job_id"])
+        if last is not None and now - last < REPUBLISH_EVERY_S:
+            return
+        self.republished[row["job_id"]] = now
+        if len(self.republished) > 1024:  # forget the oldest: the map stays small
+            del self.republished[next(iter(self.republished))]
+        log.info("job %s: document for a known job ignored (state %s)", row["job_id"],
+                 row["state"])
+        self._republish(row)
+
+    def _log_limited(self, key: str, fmt: str, *args: Any) -> None:
+        """Log at most once every LOG_EVERY_S per ``key``, saying how many were not logged."""
+        now = time.monotonic()
+        last, skipped = self.log_limits.get(key, (0.0, 0))
+        if now - last < LOG_EVERY_S:
+            self.log_limits[key] = (last, skipped + 1)
+            return
+        self.log_limits[key] = (now, 0)
+        log.warning(fmt + ("" if not skipped else " (and {} more like it)".format(skipped)),
+                    *args)
 
     def _run_cancel_job(self, doc: Dict[str, Any]) -> None:
         job_id = doc["job_id"]

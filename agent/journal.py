@@ -7,6 +7,7 @@ one. One connection guarded by a lock serves every thread of the daemon; other p
 """
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -27,10 +28,14 @@ from typing import (
     Union,
 )
 
-from agent import protocol
+from agent import message_caps, protocol
 from agent.errors import AgentError
 
+log = logging.getLogger("agent.journal")
+
 SCHEMA_VERSION = 1
+# The largest outbox message: a job status (agent.message_caps keeps them under it).
+OUTBOX_MAX_BYTES = protocol.MAX_BYTES["job_status"]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -339,12 +344,39 @@ class Journal(object):
 
     def _outbox_insert(self, db: sqlite3.Connection, topic: str, payload: bytes, qos: int,
                        retain: bool, coalesce: bool) -> int:
+        payload = self._fits_outbox(topic, payload)
         if coalesce:
             db.execute("DELETE FROM outbox WHERE topic = ?", (topic,))
         cur = db.execute(
             "INSERT INTO outbox (topic, payload, qos, retain, created) VALUES (?, ?, ?, ?, ?)",
             (topic, bytes(payload), int(qos), 1 if retain else 0, self._clock()))
         return int(cur.lastrowid or 0)
+
+    def _fits_outbox(self, topic: str, payload: bytes) -> bytes:
+        """Checked before anything is stored: the outbox never holds a message over its
+        topic's limit (a broker would refuse it and drop the connection on every resend). An
+        oversized job status becomes its short form; anything else is refused."""
+        limit = OUTBOX_MAX_BYTES
+        if len(payload) <= limit:
+            return payload
+        short = message_caps.short_job_status_payload(payload)
+        if short is not None and len(short) <= limit:
+            log.warning("outbox: a %d-byte status on %s stored in its short form (%d bytes)",
+                        len(payload), topic[:200], len(short))
+            return short
+        raise AgentError("message_too_large", "an outbox message may be at most {} bytes, "
+                         "found {}".format(limit, len(payload)))
+
+    def outbox_replace(self, seq: int, payload: bytes) -> bool:
+        """Put ``payload`` in place of message ``seq`` (a short form the broker accepts); False
+        when ``seq`` is no longer pending."""
+        with self._tx() as db:
+            row = db.execute("SELECT topic FROM outbox WHERE seq = ?", (int(seq),)).fetchone()
+            if row is None:
+                return False
+            payload = self._fits_outbox(row[0], payload)
+            return db.execute("UPDATE outbox SET payload = ? WHERE seq = ?",
+                              (bytes(payload), int(seq))).rowcount > 0
 
     def outbox_pending(self, limit: Optional[int] = None) -> List[OutboxItem]:
         """Unacknowledged messages in the order they were queued."""
@@ -460,6 +492,17 @@ class Journal(object):
     def boot(self) -> int:
         rows = self._read("SELECT value FROM meta WHERE key = 'boot'")
         return int(rows[0][0]) if rows else 0
+
+    def note_put(self, key: str, value: Mapping[str, Any]) -> None:
+        """Keep a small JSON note (``connection``: the last session takeover) for ``status``."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                       ("note:" + key, _dumps(value)))
+
+    def note(self, key: str) -> Optional[Dict[str, Any]]:
+        rows = self._read("SELECT value FROM meta WHERE key = ?", ("note:" + key,))
+        value = _loads(rows[0][0]) if rows else None
+        return value if isinstance(value, dict) else None
 
     # ------------------------------------------------------------------------------- signing
 

@@ -17,7 +17,8 @@ import queue
 import ssl
 import sys
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import paho.mqtt.client as paho
 
@@ -40,6 +41,8 @@ SUBSCRIBED = "subscribed"  # every subscription of this connection was acknowled
 MESSAGE = "message"  # .topic, .payload, .retain, .qos
 PUBLISHED = "published"  # .token, .ok, .reason
 
+SESSION_TAKEN_OVER = 0x8E  # MQTT v5 DISCONNECT: another client connected with our client id
+
 
 class _PahoLog(object):
     """Stands in for paho's logger: keeps its last warning (the only place the reason for a
@@ -58,12 +61,13 @@ class _PahoLog(object):
 
 class Event:
     __slots__ = ("kind", "topic", "payload", "retain", "qos", "token", "ok", "reason",
-                 "session_present", "response_topic", "correlation")
+                 "session_present", "response_topic", "correlation", "code", "held_s")
 
     def __init__(self, kind: str, topic: str = "", payload: bytes = b"", retain: bool = False,
                  qos: int = 0, token: Any = None, ok: bool = True, reason: str = "",
                  session_present: bool = False, response_topic: Optional[str] = None,
-                 correlation: Optional[bytes] = None) -> None:
+                 correlation: Optional[bytes] = None, code: Optional[int] = None,
+                 held_s: Optional[float] = None) -> None:
         self.kind = kind
         self.topic = topic
         self.payload = payload
@@ -75,6 +79,12 @@ class Event:
         self.session_present = session_present
         self.response_topic = response_topic  # MQTT v5 request/response properties
         self.correlation = correlation
+        self.code = code  # the reason code of a DISCONNECT the broker sent (v5), else None
+        self.held_s = held_s  # how long the connection a DISCONNECTED event ends had lasted
+
+    def nbytes(self) -> int:
+        """Memory this event holds, roughly (the daemon bounds its queue by it)."""
+        return len(self.payload) + len(self.topic) + 200
 
     def __repr__(self) -> str:
         return "Event({}, topic={!r}, {} bytes, token={!r}, reason={!r})".format(
@@ -101,6 +111,7 @@ class PublishHandle:
         self.topic = topic
         self.token = token
         self.mid = 0
+        self.size = 0  # payload bytes
         self.ok = False
         self.reason = ""
         self._done = threading.Event()
@@ -163,10 +174,13 @@ class MqttClient:
         self.events: "queue.Queue[Event]" = events if events is not None else queue.Queue(
             max_events)
         self.last_error = ""
+        self.server_max_packet: Optional[int] = None  # the broker's CONNACK Maximum Packet Size
         self._subscriptions: Dict[str, int] = {}
         self._sub_mids: Dict[int, bool] = {}
         self._pending: Dict[int, PublishHandle] = {}
         self._early: Dict[int, Tuple[bool, str]] = {}
+        self._abandoned: Set[int] = set()
+        self._connected_at = 0.0
         self._lock = threading.Lock()
         self._connected = threading.Event()
         self._attempted = threading.Event()
@@ -259,6 +273,7 @@ class MqttClient:
         With a ``token``, a PUBLISHED event carrying it follows the broker's acknowledgement.
         ``correlation`` / ``response_topic`` are MQTT v5 properties (ignored on 3.1.1)."""
         handle = PublishHandle(topic, token)
+        handle.size = len(payload)
         props = None
         if self.protocol == "v5" and (correlation is not None or response_topic is not None):
             from paho.mqtt.packettypes import PacketTypes
@@ -281,6 +296,34 @@ class MqttClient:
         if early is not None:
             self._ack(handle, *early)
         return handle
+
+    def abandon(self, handle: PublishHandle) -> None:
+        """Never resend ``handle``'s message (the owner replaced it: the broker kept refusing
+        it). paho resends unacknowledged messages after a reconnect; they are dropped from its
+        queue before that, at the next connection."""
+        with self._lock:
+            self._pending.pop(handle.mid, None)
+            self._abandoned.add(handle.mid)
+        if not self.connected:
+            return
+        self._forget({handle.mid})
+
+    def _forget(self, mids: Set[int]) -> None:
+        out = getattr(self._client, "_out_messages", None)
+        mutex = getattr(self._client, "_out_message_mutex", None)
+        if out is None or mutex is None:  # another paho: it resends, the broker refuses again
+            return
+        with mutex:
+            for mid in mids:
+                out.pop(mid, None)
+
+    def fits(self, topic: str, payload: bytes) -> bool:
+        """Whether the broker's advertised Maximum Packet Size (MQTT v5 CONNACK) allows this
+        message; True when it advertised none."""
+        from agent.message_caps import packet_bytes
+
+        limit = self.server_max_packet
+        return limit is None or packet_bytes(topic, payload) <= limit
 
     def stop(self) -> None:
         """Disconnect cleanly (the broker does not publish the Will) and stop the thread."""
@@ -334,6 +377,13 @@ class MqttClient:
             session_present = bool(getattr(flags, "session_present", False))
         self.last_error = ""
         self._socket_error = ""
+        limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
+        self.server_max_packet = int(limit) if isinstance(limit, int) and limit > 0 else None
+        with self._lock:
+            abandoned, self._abandoned = self._abandoned, set()
+        if abandoned:
+            self._forget(abandoned)
+        self._connected_at = time.monotonic()
         self._connected.set()
         self._attempted.set()
         with self._lock:
@@ -367,10 +417,19 @@ class MqttClient:
         was_connected = self._connected.is_set()
         self._connected.clear()
         reason = _reason_text(rc) if _is_failure(rc) else "disconnected"
+        flags = args[0] if self._v2 else None
+        from_server = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        code = getattr(rc, "value", None) if from_server else None
+        if from_server:
+            reason = "the broker disconnected us: " + _reason_text(rc)
+        elif _is_failure(rc):
+            reason = "connection closed without a DISCONNECT from the broker"
         if was_connected:
             if _is_failure(rc):
                 self.last_error = "connection lost: " + reason
-            self._put(Event(DISCONNECTED, reason=reason))
+            self._put(Event(DISCONNECTED, reason=reason,
+                            code=code if isinstance(code, int) else None,
+                            held_s=time.monotonic() - self._connected_at))
         elif not self._closing and self._socket_error:
             # Closed before CONNACK: with TLS 1.3 a refused client certificate shows up here.
             self.last_error = "the broker closed the connection before accepting it: {}".format(

@@ -188,7 +188,7 @@ class Topics(object):
         topics are never shared (brokers send no retained messages to shared subscriptions)."""
         base = self.prefix + "/devices/+"
         subs = [(base + "/status", 1), (base + "/jobs/+/status", 1), (base + "/telemetry", 0),
-                (base + "/commands/reply", 1)]
+                (base + "/commands/reply", 1), (base + "/commands/reply/+", 1)]
         if serve_blocks:
             requests = base + "/artifacts/+/request"
             if share_group is not None:
@@ -211,7 +211,8 @@ class Topics(object):
             return TopicInfo("telemetry", device)
         if rest == ["commands"]:
             return TopicInfo("command", device)
-        if rest == ["commands", "reply"]:
+        if rest == ["commands", "reply"] or (rest[:2] == ["commands", "reply"] and len(rest) == 3
+                                            and valid_id(rest[2])):
             return TopicInfo("command_reply", device)
         if len(rest) == 2 and rest[0] == "jobs":
             return TopicInfo("job", device, job_id=check_id("job id", rest[1]))
@@ -639,7 +640,10 @@ def will_message(device: str, boot: int) -> Dict[str, Any]:
 
 def job_status_message(device: str, row: Mapping[str, Any],
                        ts: Optional[float] = None) -> Dict[str, Any]:
-    """The job status message for a ``Journal.job()`` row."""
+    """The job status message for a ``Journal.job()`` row, within ``MAX_BYTES["job_status"]``
+    by construction (``agent.message_caps``: long texts cut, long lists summarised)."""
+    from agent import message_caps as caps
+
     details = {str(k): str(v) for k, v in (row.get("details") or {}).items()}
     msg: Dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
@@ -656,14 +660,20 @@ def job_status_message(device: str, row: Mapping[str, Any],
     if row.get("progress"):
         msg["progress"] = {"done": row["progress"]["done"], "of": row["progress"]["of"]}
     if row.get("error"):
-        msg["error"] = dict(row["error"])
+        msg["error"] = caps.fit_error(row["error"])
         details.setdefault("error_code", str(row["error"].get("code")))
     if row.get("result") is not None:
         msg["result"] = row["result"]
-    msg["statusDetails"] = details
+    msg["statusDetails"] = caps.fit_details(details)
     if msg["ts"] is None:
         del msg["ts"]
-    return msg
+    limit = MAX_BYTES["job_status"] - caps.ENVELOPE
+    try:
+        return caps.fit_message("job_status", msg, limit, keep=(
+            "protocol", "job_id", "device", "kind", "state", "version", "ts", "stage",
+            "progress", "statusDetails"))
+    except ValueError:
+        return caps.short_job_status(msg)
 
 
 def job_status_publication(topics: Topics, device: str, row: Mapping[str, Any]) -> Publication:
@@ -724,12 +734,22 @@ def command_reply(
 def reply_topic(topics: Topics, device: str, command: Mapping[str, Any],
                 response_topic: Optional[str] = None) -> str:
     """Where a command reply goes: the MQTT v5 response topic, else the command's ``reply_to``
-    (MQTT 3.1.1), else ``{prefix}/devices/{id}/commands/reply``. AgentError bad_message."""
-    if response_topic is not None:
-        return _check_publish_topic("response topic", response_topic)
-    if command.get("reply_to") is not None:
-        return _check_publish_topic("reply_to", command["reply_to"])
-    return topics.command_reply(device)
+    (MQTT 3.1.1), else ``{prefix}/devices/{id}/commands/reply``. Only the controller's reply
+    topics are allowed: that topic or one level below it (``.../commands/reply/REQUEST``), so a
+    command cannot make the device publish on another device's topics or a job's status.
+    AgentError bad_message."""
+    default = topics.command_reply(device)
+    for what, topic in (("response topic", response_topic), ("reply_to",
+                                                             command.get("reply_to"))):
+        if topic is None:
+            continue
+        _check_publish_topic(what, topic)
+        rest = topic[len(default) + 1:] if topic.startswith(default + "/") else None
+        if topic != default and not valid_id(rest):
+            raise AgentError("bad_message", "{} must be {} or {}/ID (the controller's reply "
+                             "topics), found {}".format(what, default, default, _short(topic)))
+        return topic
+    return default
 
 
 # ---------------------------------------------------------------------------- blocks and bitmaps

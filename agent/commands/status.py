@@ -1,14 +1,15 @@
 """``jetson-agent status``: the device's local state, read from the daemon's journal.
 
 Jobs by state, the job in progress, active engines, the outbox (status messages not yet
-acknowledged by the broker) and artifact transfers. Works while the daemon runs.
+acknowledged by the broker), partial downloads, and session takeovers (another client that
+connected with this device's client id). Works while the daemon runs.
 """
 
 import argparse
 import json
 import os
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from agent import config
 from agent.errors import AgentError
@@ -114,9 +115,30 @@ def summary(journal: Any) -> Dict[str, Any]:
         "recent": recent,
         "active_engines": journal.active_engines(),
         "outbox": journal.outbox_count(),
-        "transfers": [{"sha256": t["sha256"], "size": t["size"], "block_size": t["block_size"],
-                       "updated": t["updated"]} for t in journal.transfers()],
+        "transfers": partials(journal),
+        "connection": journal.note("connection") or {},
     }
+
+
+def partials(journal: Any) -> List[Dict[str, Any]]:
+    """Partial downloads: what each holds on disk, how far it got, since when it is idle, and
+    whether an unfinished job still names it (if not, the daemon reclaims it)."""
+    from agent import protocol
+
+    wanted = journal.referenced_artifacts()
+    root = os.path.join(os.path.dirname(os.path.abspath(journal.path)), "artifacts", "partial")
+    out = []
+    for t in journal.transfers():
+        try:
+            on_disk = os.stat(os.path.join(root, t["sha256"] + ".part")).st_blocks * 512
+        except OSError:
+            on_disk = 0
+        blocks = protocol.block_count(t["size"], t["block_size"])
+        out.append({"sha256": t["sha256"], "size": t["size"], "block_size": t["block_size"],
+                    "updated": t["updated"], "blocks": blocks,
+                    "received": protocol.bitmap_count(t["bitmap"], blocks),
+                    "on_disk": on_disk, "referenced": t["sha256"] in wanted})
+    return out
 
 
 def _brief(row: Dict[str, Any]) -> Dict[str, Any]:
@@ -169,7 +191,15 @@ def run(args: argparse.Namespace) -> int:
             when(e["activated"])))
     print("outbox: {} message(s) waiting for the broker".format(s["outbox"]))
     if s["transfers"]:
-        print("transfers in progress: {}".format(len(s["transfers"])))
+        print("partial downloads: {} ({} bytes of the store budget)".format(
+            len(s["transfers"]), sum(t["size"] for t in s["transfers"])))
         for t in s["transfers"]:
-            print("  {}  {} bytes".format(t["sha256"][:12], t["size"]))
+            print("  {}  {} bytes, {}/{} blocks, {} bytes on disk, idle since {}{}".format(
+                t["sha256"][:12], t["size"], t["received"], t["blocks"], t["on_disk"],
+                when(t["updated"]), "" if t["referenced"] else " (no job needs it: reclaimed)"))
+    taken = s["connection"].get("taken_over")
+    if taken:
+        print("connection: session taken over {} time(s), last at {}: another client used this "
+              "device's client id {!r}".format(taken, when(s["connection"]["last_taken_over"]),
+                                               s["connection"].get("client_id")))
     return 0

@@ -31,6 +31,8 @@ GOALS = {
     "cache_entries_checked": ("store/cache entries verified", "-"),
     "daemon_crashes": ("daemon crashes", "0"),
     "unexpected_errors": ("unexpected errors (tracebacks)", "0"),
+    "devices_out_of_service": ("devices out of service (no genuine job within 30 s of an "
+                               "attack)", "0"),
 }
 
 

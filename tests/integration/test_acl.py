@@ -256,3 +256,92 @@ def test_a_real_agent_works_under_the_acl(fleet_broker, tmp_path, digits_files):
         ctl.close()
         agent.kill()
     assert "not authori" not in agent.log_tail(100000).lower()
+
+
+@pytest.fixture
+def cert_broker(tmp_path):
+    """The shipped config in its certificate variant: the CN is the user name."""
+    if not os.path.exists(MOSQUITTO):
+        pytest.skip("mosquitto is not installed")
+    pki = Pki(tmp_path / "pki")
+    broker = FleetBroker(tmp_path / "cert-broker", pki).start()
+    yield broker
+    broker.stop(kill=False)
+
+
+def _persistent(broker, client_id, cn, subscribe=()):
+    """A client with a persistent session, as the daemon connects, under certificate ``cn``."""
+    cert, key = broker.pki.client(cn)
+    c = MqttClient(client_id, broker.host, broker.port, clean_start=False, session_expiry=300,
+                   tls=TlsOptions(ca_file=broker.pki.ca_file, cert_file=cert, key_file=key),
+                   reconnect_min=0.2, reconnect_max=0.5, events=queue.Queue())
+    for topic in subscribe:
+        c.subscribe(topic, 1)
+    c.start()
+    return c
+
+
+def _events(c, kind, timeout, first=False):
+    """The events of ``kind`` seen within ``timeout`` s (``first``: return at the first)."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            ev = c.events.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if ev.kind == kind:
+            seen.append(ev)
+            if first:
+                break
+    return seen
+
+
+def test_a_device_can_take_neither_another_devices_client_id_nor_its_session(cert_broker):
+    """The shipped config binds the client id to the certificate (use_username_as_clientid):
+    device B connecting with device A's client id gets a session of its own, so it neither
+    knocks A off nor resumes A's session and the jobs queued in it."""
+    from agent.mqtt import CONNECTED, DISCONNECTED, SUBSCRIBED
+
+    job_topic = T.job("dev-a", "queued-for-a")
+    a = _persistent(cert_broker, "dev-a", "dev-a", subscribe=[DEV + "dev-a/jobs/+"])
+    clients = [a]
+    try:
+        assert _events(a, SUBSCRIBED, 10, first=True)
+        a.stop()  # A is away; its session keeps its subscription and queues its jobs
+        cert, key = cert_broker.pki.client("controller")
+        ctl = MqttClient("ctl-" + uuid.uuid4().hex[:6], cert_broker.host, cert_broker.port,
+                         tls=TlsOptions(ca_file=cert_broker.pki.ca_file, cert_file=cert,
+                                        key_file=key), events=queue.Queue())
+        ctl.start()
+        clients.append(ctl)
+        ctl.wait_connected(10)
+        assert ctl.publish(job_topic, b"job for a", qos=1).wait(5)
+        # B, with A's client id: a fresh session, nothing of A's.
+        b = _persistent(cert_broker, "dev-a", "dev-b")
+        clients.append(b)
+        b.wait_connected(10)
+        connected = _events(b, CONNECTED, 5, first=True)
+        assert connected and not connected[0].session_present
+        assert not _events(b, MESSAGE, 1.0)
+        # A comes back: its session (and the queued job) is intact; B is still connected.
+        a2 = _persistent(cert_broker, "dev-a", "dev-a", subscribe=[DEV + "dev-a/jobs/+"])
+        clients.append(a2)
+        a2.wait_connected(10)
+        got = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            ev = a2.events.get(timeout=10)
+            if ev.kind == CONNECTED:
+                assert ev.session_present
+            elif ev.kind == MESSAGE:
+                got.append(ev)
+        assert [(e.topic, e.payload) for e in got] == [(job_topic, b"job for a")]
+        # B connects again with A's id while A is connected: A stays connected.
+        b2 = _persistent(cert_broker, "dev-a", "dev-b")
+        clients.append(b2)
+        b2.wait_connected(10)
+        assert not _events(a2, DISCONNECTED, 1.5) and a2.connected and b.connected
+    finally:
+        for c in clients:
+            c.stop()

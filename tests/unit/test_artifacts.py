@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -255,3 +256,41 @@ def test_resume_in_a_new_process_from_the_persisted_bitmap(state, journal, tmp_p
         assert t.write_block(i, blocks_of(data)[i])
     with open(t.finish(), "rb") as f:
         assert f.read() == data
+
+
+def test_partials_no_job_needs_are_reclaimed_and_count_against_the_budget(state, journal):
+    """A job naming large artifacts nobody serves must not leave pre-allocated partials that
+    make every later job fail disk_full (at job end, start-up, and under store pressure)."""
+    clock = [time.time()]  # the journal stamps transfers with the real time
+    store = make_store(state, journal, max_bytes=10 * BS, clock=lambda: clock[0])
+    t = store.begin("a" * 64, 8 * BS, BS)
+    t.close()  # the job ended (fetcher.cancel): the partial stays, unreferenced
+    assert [p["sha256"] for p in store.partials()] == ["a" * 64]
+    assert store.usage() == 8 * BS  # counted at full size against the budget
+    # Under pressure: the next artifact gets room by reclaiming it, not disk_full.
+    store.begin("b" * 64, 8 * BS, BS).close()
+    assert [p["sha256"] for p in store.partials()] == ["b" * 64]
+    assert not os.path.exists(store.partial_path("a" * 64))
+    # One an unfinished job names is kept ... until it is idle past the age limit.
+    journal.add_job({"job_id": "j1", "kind": "deploy", "artifacts": {
+        "model": {"sha256": "b" * 64, "size": 8 * BS}}})
+    assert store.reclaim_partials() == []
+    clock[0] += store.max_partial_age_s + 1
+    assert store.reclaim_partials() == ["b" * 64]
+    assert store.partials() == [] and journal.transfers() == []
+    # A transfer being fetched here is never reclaimed.
+    open_one = store.begin("c" * 64, 2 * BS, BS)
+    assert store.reclaim_partials() == [] and store.partials()[0]["open"]
+    open_one.close()
+    assert store.reclaim_partials() == ["c" * 64]
+
+
+def test_the_budget_is_never_exceeded_by_pre_allocation(state, journal):
+    store = make_store(state, journal, max_bytes=4 * BS)
+    journal.add_job({"job_id": "j1", "kind": "deploy", "artifacts": {
+        "model": {"sha256": "a" * 64, "size": 3 * BS}}})
+    store.begin("a" * 64, 3 * BS, BS).close()  # named by an unfinished job: kept
+    with pytest.raises(AgentError) as exc:
+        store.begin("b" * 64, 2 * BS, BS)
+    assert exc.value.code == "disk_full" and "budget" in exc.value.message
+    assert not os.path.exists(store.partial_path("b" * 64))  # nothing allocated

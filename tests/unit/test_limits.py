@@ -78,3 +78,30 @@ def test_topics_with_path_like_levels_are_refused():
         with pytest.raises(AgentError) as exc:
             topics.parse(topic)
         assert exc.value.code == "bad_message"
+
+
+def test_the_event_queue_is_bounded_by_bytes():
+    import queue
+    import threading
+
+    from agent.limits import ByteQueue
+
+    class Ev(object):
+        def __init__(self, n):
+            self.payload = b"x" * n
+
+    q = ByteQueue(max_bytes=10000, max_items=100)
+    q.put(Ev(6000))
+    with pytest.raises(queue.Full):
+        q.put(Ev(6000), timeout=0.05)  # over the bytes, not the count
+    q.put(Ev(100))  # small ones still fit
+    got = []
+    t = threading.Thread(target=lambda: got.append(q.put(Ev(6000))))
+    t.start()  # blocks (back-pressure) until the consumer drains
+    assert q.get().payload == b"x" * 6000
+    t.join(5)
+    assert not t.is_alive() and q.qsize() == 2
+    q.get(), q.get()
+    assert q.bytes == 0
+    q.put(Ev(50000))  # larger than the bound: still accepted into an empty queue
+    assert q.get_nowait().payload and q.empty()

@@ -391,9 +391,14 @@ def test_commands_and_replies():
     assert code_of("command", b'{"command":"cancel"}').code == "bad_message"
     assert code_of("command", b'{"command":"reboot"}').code == "bad_message"
     assert protocol.reply_topic(T, "d", cmd) == T.command_reply("d")
-    assert protocol.reply_topic(T, "d", {"reply_to": "ctl/r"}) == "ctl/r"
-    assert protocol.reply_topic(T, "d", {"reply_to": "ctl/r"}, "v5/resp") == "v5/resp"
-    for topic in ("ctl/#", "$SYS/x", "a/+/b", "x" * 300, ""):
+    mine = T.command_reply("d") + "/r-18"
+    assert protocol.reply_topic(T, "d", {"reply_to": mine}) == mine
+    assert protocol.reply_topic(T, "d", {"reply_to": "ctl/r"}, mine) == mine
+    assert T.parse(mine).kind == "command_reply"
+    # Only the controller's reply topics: not another device's, not a job status, not elsewhere.
+    for topic in ("ctl/#", "$SYS/x", "a/+/b", "x" * 300, "", "ctl/r", T.status("d"),
+                  T.command_reply("e"), T.job_status("d", "j1"), mine + "/x",
+                  T.command_reply("d") + "/"):
         with pytest.raises(AgentError):
             protocol.reply_topic(T, "d", {"reply_to": topic})
 
