@@ -94,6 +94,12 @@ class Driver(object):
         self.runtimes = []
         self.builders_alive = 0
         self.builders_at_deserialize = []  # builders alive at each deserialization
+        self.on_execute = None  # install() points it at the fake GPU's clock
+
+    def execute(self):
+        if self.on_execute is not None:
+            self.on_execute()
+        return True
 
 
 def make_trt(profile, numpy_version=None, num_dla_cores=0):
@@ -480,7 +486,7 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
             return True
 
         def execute_async_v3(self, handle):
-            return True
+            return drv.execute()
 
         def set_binding_shape(self, index, shape):
             return True
@@ -489,7 +495,7 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
             return Dims(self.engine.order[index]["shape"])
 
         def execute_async_v2(self, bindings, handle):
-            return True
+            return drv.execute()
 
     class Engine(object):
         def __init__(self, plan, dla_core):
@@ -561,11 +567,20 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
 def make_pycuda(devices=("Orin (nvgpu)",), cc=(8, 7)):
     """``(pycuda package, pycuda.driver)``. ``driver.leaked`` lists the streams and events that
     were destroyed when their context was no longer current (pycuda then skips
-    cuStreamDestroy / cuEventDestroy: a leak)."""
+    cuStreamDestroy / cuEventDestroy: a leak). Device time is a clock that each queued copy
+    (and, through ``install``, each execution) advances by ``driver.cost_ms[kind]``; an event
+    records it, so event timings are exact: one input, one output gives 1.0 ms per inference."""
     cuda = types.ModuleType("pycuda.driver")
     cuda.leaked = []
     cuda.stack = []
     cuda.live_objects = 0
+    cuda.cost_ms = {"htod": 0.25, "execute": 0.5, "dtoh": 0.25}
+    cuda.clock_ms = [0.0]
+
+    def advance(kind):
+        cuda.clock_ms[0] += cuda.cost_ms[kind]
+
+    cuda.advance = advance
 
     class Error(Exception):
         pass
@@ -624,14 +639,19 @@ def make_pycuda(devices=("Orin (nvgpu)",), cc=(8, 7)):
     class Event(_ContextDependent):
         kind = "event"
 
+        at = None
+
         def record(self, stream=None):
-            pass
+            self.at = cuda.clock_ms[0]
 
         def synchronize(self):
-            pass
+            if self.at is None:
+                raise Error("cuEventSynchronize failed: event never recorded")
 
         def time_since(self, other):
-            return 1.0
+            if self.at is None or other.at is None:
+                raise Error("cuEventElapsedTime failed: invalid resource handle")
+            return self.at - other.at
 
     class Allocation(object):
         count = [0]
@@ -654,8 +674,8 @@ def make_pycuda(devices=("Orin (nvgpu)",), cc=(8, 7)):
     cuda.pagelocked_empty = lambda shape, dtype: np.zeros(shape, dtype)
     cuda.memcpy_htod = lambda ptr, host: None
     cuda.memcpy_dtoh = lambda host, ptr: None
-    cuda.memcpy_htod_async = lambda ptr, host, stream: None
-    cuda.memcpy_dtoh_async = lambda host, ptr, stream: None
+    cuda.memcpy_htod_async = lambda ptr, host, stream: advance("htod")
+    cuda.memcpy_dtoh_async = lambda host, ptr, stream: advance("dtoh")
     pkg = types.ModuleType("pycuda")
     pkg.driver = cuda
     return pkg, cuda
@@ -666,6 +686,7 @@ def install(monkeypatch, name, numpy_version=None, num_dla_cores=0):
     (trt, cuda)."""
     trt = make_trt(load_profile(name), numpy_version, num_dla_cores)
     pkg, cuda = make_pycuda()
+    trt._driver.on_execute = lambda: cuda.advance("execute")
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
     monkeypatch.setitem(sys.modules, "pycuda", pkg)
     monkeypatch.setitem(sys.modules, "pycuda.driver", cuda)

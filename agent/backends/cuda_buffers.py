@@ -9,6 +9,7 @@ pycuda is imported lazily so that importing this module never needs a GPU. Worke
 Python >= 3.6.
 """
 
+from time import perf_counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -232,11 +233,14 @@ class EventTimer(object):
         self.stream = stream
         self._start: Any = cuda.Event()
         self._end: Any = cuda.Event()
+        # Between the inputs' copies and the execution, and between it and the outputs'.
+        self._inputs_done: Any = cuda.Event()
+        self._compute_done: Any = cuda.Event()
 
     def close(self) -> None:
         """Drop the events and the stream reference while the context is current (see
         ``IOBuffers.close``)."""
-        self._start = self._end = None
+        self._start = self._end = self._inputs_done = self._compute_done = None
         self.stream = None
 
     def time(self, enqueue: Callable[[], None], iterations: int,
@@ -257,3 +261,36 @@ class EventTimer(object):
             self._end.synchronize()
             times.append(float(self._end.time_since(self._start)))
         return times
+
+    def time_phases(self, h2d: Callable[[], None], execute: Callable[[], None],
+                    d2h: Callable[[], None], iterations: int,
+                    clock: Callable[[], float] = perf_counter) -> List[Dict[str, float]]:
+        """trtexec's split of each of ``iterations`` inferences, in milliseconds: ``h2d`` (the
+        input copies), ``compute`` (what ``execute`` queued) and ``d2h`` (the output copies)
+        between CUDA events on the stream, and ``enqueue``: the host's time in ``execute``
+        (trtexec's Enqueue Time: when it exceeds compute, the host cannot keep the GPU busy).
+        One stream, so each phase starts when the one before ends, as trtexec's events wait
+        on each other."""
+        if iterations < 1:
+            raise AgentError("bad_argument",
+                             "iterations must be >= 1, found {}".format(iterations))
+        marks = (self._start, self._inputs_done, self._compute_done, self._end)
+        stream = self.stream
+        stream.synchronize()
+        rows: List[Dict[str, float]] = []
+        for _ in range(iterations):
+            marks[0].record(stream)
+            h2d()
+            marks[1].record(stream)
+            began = clock()
+            execute()
+            enqueue_s = clock() - began
+            marks[2].record(stream)
+            d2h()
+            marks[3].record(stream)
+            marks[3].synchronize()
+            rows.append({"enqueue": enqueue_s * 1000.0,
+                         "h2d": float(marks[1].time_since(marks[0])),
+                         "compute": float(marks[2].time_since(marks[1])),
+                         "d2h": float(marks[3].time_since(marks[2]))})
+        return rows

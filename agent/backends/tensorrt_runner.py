@@ -1,6 +1,7 @@
 """Runs a serialized TensorRT engine (the tensorrt backend's ``Runner``): pinned host and
-device buffers, one stream, CUDA-event timing; the bindings API before TensorRT 8.5, the
-tensor-name API from 8.5. Worker side: Python >= 3.6.
+device buffers, one stream, CUDA-event timing (whole inferences, or trtexec's H2D / compute /
+D2H / enqueue split); the bindings API before TensorRT 8.5, the tensor-name API from 8.5.
+Worker side: Python >= 3.6.
 """
 
 from typing import Any, Dict, List, Optional, Tuple
@@ -137,24 +138,32 @@ class TensorRTRunner(Runner):
                 context.set_tensor_address(spec.name, buffers.device_ptr(spec.name))
         self._last_feeds = feeds
 
-    def _enqueue(self) -> None:
-        """Queue input copies, the inference and output copies on the stream."""
+    def _to_device(self) -> None:
+        self._io().to_device([s.name for s in self._inputs])
+
+    def _execute(self) -> None:
+        """Queue the inference on the stream (the call trtexec's Enqueue Time measures)."""
         buffers = self._io()
-        in_names = [s.name for s in self._inputs]
-        out_names = [s.name for s in self._outputs]
-        buffers.to_device(in_names)
         handle = buffers.stream.handle
         if self.features.tensor_io_api:
             ok = self.context.execute_async_v3(handle)
         else:
             bindings = [0] * len(self._binding_index)
-            for name in in_names + out_names:
-                bindings[self._binding_index[name]] = buffers.device_ptr(name)
+            for spec in self._inputs + self._outputs:
+                bindings[self._binding_index[spec.name]] = buffers.device_ptr(spec.name)
             ok = self.context.execute_async_v2(bindings, handle)  # type: ignore[attr-defined]
         if not ok:
             raise AgentError("internal_error",
                              "{}: TensorRT failed to enqueue inference".format(self.source))
-        buffers.to_host(out_names)
+
+    def _to_host(self) -> None:
+        self._io().to_host([s.name for s in self._outputs])
+
+    def _enqueue(self) -> None:
+        """Queue input copies, the inference and output copies on the stream."""
+        self._to_device()
+        self._execute()
+        self._to_host()
 
     def infer(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         self._prepare(feeds)
@@ -163,18 +172,31 @@ class TensorRTRunner(Runner):
         buffers.synchronize()
         return {s.name: np.array(buffers.host(s.name)) for s in self._outputs}
 
-    def time_inference(self, iterations: int, warmup: int = 0,
-                       feeds: Optional[Dict[str, np.ndarray]] = None) -> List[float]:
-        """Milliseconds per inference (host->device copies, execution, device->host copies)
-        measured with CUDA events, on ``feeds`` or the last ones given to ``infer``."""
+    def _timer_for(self, feeds: Optional[Dict[str, np.ndarray]], what: str) -> Any:
+        """The event timer, after preparing ``feeds`` (or checking a previous ``infer``)."""
         if feeds is not None:
             self._prepare(feeds)
         elif self._last_feeds is None:
             raise AgentError("bad_argument",
-                             "time_inference needs feeds (or a previous infer call)")
+                             "{} needs feeds (or a previous infer call)".format(what))
         if self.timer is None:
             raise AgentError("bad_argument", "{} is closed".format(self.source))
-        return list(self.timer.time(self._enqueue, iterations, warmup))
+        return self.timer
+
+    def time_inference(self, iterations: int, warmup: int = 0,
+                       feeds: Optional[Dict[str, np.ndarray]] = None) -> List[float]:
+        """Milliseconds per inference (host->device copies, execution, device->host copies)
+        measured with CUDA events, on ``feeds`` or the last ones given to ``infer``."""
+        timer = self._timer_for(feeds, "time_inference")
+        return list(timer.time(self._enqueue, iterations, warmup))
+
+    def time_phases(self, iterations: int, feeds: Optional[Dict[str, np.ndarray]] = None
+                    ) -> List[Dict[str, float]]:
+        """trtexec's split of each inference, in ms: ``h2d``, ``compute`` and ``d2h`` from CUDA
+        events, ``enqueue`` the host time of the execute call (see ``agent.bench``)."""
+        timer = self._timer_for(feeds, "time_phases")
+        return list(timer.time_phases(self._to_device, self._execute, self._to_host,
+                                      iterations))
 
     def close(self) -> None:
         """Free in order while the CUDA context is still current: pycuda skips destroying a
