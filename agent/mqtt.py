@@ -200,6 +200,7 @@ class MqttClient:
         if username is not None:
             self._client.username_pw_set(username, password)
         self.tls_enabled = tls is not None
+        self._has_client_cert = tls is not None and bool(tls.cert_file)
         if tls is not None:
             self._client.tls_set(ca_certs=tls.ca_file, certfile=tls.cert_file,
                                  keyfile=tls.key_file, cert_reqs=ssl.CERT_REQUIRED)
@@ -435,7 +436,11 @@ class MqttClient:
             self.last_error = "the broker closed the connection before accepting it: {}".format(
                 self._socket_error)
             upper = self._socket_error.upper()
-            if "CERTIFICATE_REQUIRED" in upper:
+            # TLS 1.3 sends the refusal after the handshake: the client may read the alert or,
+            # if the broker closed first, only an EOF. Without a certificate, say what's missing.
+            if "CERTIFICATE_REQUIRED" in upper or (
+                    self.tls_enabled and not self._has_client_cert
+                    and ("EOF" in upper or "RESET" in upper)):
                 self.last_error += (" (the broker requires a client certificate: "
                                     "broker.tls.cert_file / --cert-file)")
             elif "UNKNOWN_CA" in upper or "CERTIFICATE" in upper:
