@@ -53,8 +53,10 @@ def missing_modules(modules: List[str], python: Optional[str] = None) -> Optiona
         log.warning("worker_python %s cannot be run to check the backend: %s", python, exc)
         return None
     if proc.returncode != 0:
+        # The last line says why (a traceback's own lines would read as a daemon crash).
+        lines = proc.stderr.decode("utf-8", "replace").strip().splitlines() or [""]
         log.warning("worker_python %s failed checking the backend (exit %s): %s", python,
-                    proc.returncode, proc.stderr.decode("utf-8", "replace").strip()[-300:])
+                    proc.returncode, lines[-1][-300:])
         return None
     return proc.stdout.decode("utf-8", "replace").split()
 
