@@ -57,6 +57,7 @@ CODES = {
     "worker_crashed": "The worker process exited abnormally.",
     "broker_unreachable": "The MQTT broker cannot be reached.",
     "unknown_device": "The controller names a device that has never reported.",
+    "device_busy": "A targeted device is already in another unfinished rollout.",
     "unsigned_job": "The job document carries no signature and the device requires one.",
     "bad_signature": "The job signature does not verify, or its key is not trusted.",
     "wrong_target": "A correctly signed job names another device.",

@@ -84,7 +84,7 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("fleet", help="controller: devices, staged rollouts, jobs, telemetry",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fsub = p.add_subparsers(dest="fleet_command",
-                            metavar="devices|rollout|jobs|cancel|telemetry|keygen")
+                            metavar="devices|rollout|rollouts|serve|jobs|cancel|telemetry|keygen")
 
     d = fsub.add_parser("devices", help="devices that reported to the broker")
     add_connection_args(d)
@@ -98,6 +98,10 @@ def add_parser(sub: Any) -> None:
     add_rollout_args(r)
     add_connection_args(r)
     r.set_defaults(func=run_rollout)
+    from agent.commands import fleet_serve
+
+    fleet_serve.add_rollout_mode_args(r)
+    fleet_serve.add_parsers(fsub, add_connection_args, connect)
 
     j = fsub.add_parser("jobs", help="job statuses retained on the broker")
     add_connection_args(j)
@@ -252,35 +256,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def make_doc_factory(args: argparse.Namespace, artifacts: Dict[str, Dict[str, Any]],
                      user_layers: Dict[str, str]) -> fleet.DocFactory:
-    from agent.platform import FALLBACK_CHAINS
+    from agent.fleet.spec import spec_from_args
 
-    fallback = list(FALLBACK_CHAINS.get(args.precision, ())) if args.fallback == "allow" else []
-    gate = {k: v for k, v in (("atol", args.atol), ("rtol", args.rtol),
-                              ("check_error_stat", args.check_error_stat),
-                              ("min_top1", args.min_top1)) if v is not None}
-    calibration = {k: v for k, v in (("algorithm", args.calib_algorithm),
-                                     ("batch_size", args.calib_batch_size)) if v is not None}
-    search = {k: v for k, v in (("mode", args.search), ("direction", args.search_direction),
-                                ("max_iterations", args.max_evaluations)) if v is not None}
-    bench = {k: v for k, v in (("iterations", args.bench_iterations),
-                               ("warmup", args.bench_warmup)) if v is not None}
-
-    def docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
-             ) -> Dict[str, Any]:
-        plan: Dict[str, Any] = {"precision": args.precision}
-        merged = dict(user_layers)
-        merged.update(layers or {})
-        if merged:
-            plan["layer_precisions"] = merged
-            plan["precision_constraints"] = "obey"
-        if "calibration" in artifacts and calibration:
-            plan["calibration"] = dict(calibration)
-        return fleet.job_document(
-            job_id, kind, device, artifacts, plan, fallback=fallback, gate=gate,
-            search=search if kind == "search" else None,
-            bench=bench if kind == "deploy" else None, timeout_s=args.job_timeout)
-
-    return docs
+    return fleet.doc_factory(spec_from_args(args, artifacts, user_layers, args.timeout))
 
 
 def _signed(docs: fleet.DocFactory, signer: signing.Signer) -> fleet.DocFactory:
@@ -299,9 +277,12 @@ def _signed(docs: fleet.DocFactory, signer: signing.Signer) -> fleet.DocFactory:
 
 
 def run_rollout(args: argparse.Namespace) -> int:
+    from agent.commands import fleet_serve
+    from agent.fleet.spec import spec_from_args
+
     _check_numbers(args)
-    policy = fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
-                                             args.min_executed))
+    fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
+                                    args.min_executed))
     user_layers = parse_layer_precisions(args.layer_precisions)
     if args.share_group is not None and not protocol.valid_id(args.share_group):
         raise AgentError("bad_argument", "--share-group must be 1-64 characters of "
@@ -313,7 +294,8 @@ def run_rollout(args: argparse.Namespace) -> int:
             goldens=args.golden, labels=args.labels, layer_precisions=user_layers,
             min_top1=args.min_top1, search=args.search)
         artifacts = _artifact_refs(files)
-        docs = make_doc_factory(args, artifacts, user_layers)
+        spec = spec_from_args(args, artifacts, user_layers, args.timeout)
+        docs = fleet.doc_factory(spec)
         signer = None
         if args.signing_key:
             signer = signing.Signer(args.signing_key, args.sequence_file, args.valid_for)
@@ -321,43 +303,8 @@ def run_rollout(args: argparse.Namespace) -> int:
         # Every document shape is checked now, before the broker sees anything.
         for kind in (["search"] if args.search else []) + ["deploy"]:
             docs("check", rollout_id, kind, None)
-        conn = connect(args)
-        try:
-            fleet.discover(conn)
-            devices = fleet.select_devices(conn.directory.known(), args.devices, args.all,
-                                           args.match)
-            stages = fleet.plan_stages(devices, args.batch, args.percent)
-            rollout = fleet.Rollout(rollout_id, stages, docs, policy, bool(args.search))
-            view = fleet.ProgressView(enabled=not args.quiet)
-            if not args.quiet:
-                print("rollout {}: {} ({}) to {} device(s) in {} stage(s); jobs {}".format(
-                    rollout_id, os.path.basename(args.model), args.precision, len(devices),
-                    len(stages), ", ".join(rollout.job_ids)), file=sys.stderr)
-            interrupted = False
-            try:
-                fleet.run_rollout(conn, rollout, files, view, timeout=args.timeout,
-                                  share_group=args.share_group)
-            except KeyboardInterrupt:
-                interrupted = True
-                if not rollout.halted:  # before anything went out
-                    rollout.expire("interrupted by the user", "CANCELED", "interrupted")
-            report = fleet.rollout_report(rollout, conn.directory.status, {
-                "model": {"path": args.model, **artifacts["model"]},
-                "precision": args.precision,
-                "search": args.search,
-                "broker": args.broker,
-                "signing_key": signer.key_id if signer is not None else None,
-            })
-        finally:
-            conn.close()
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True, default=str))
-    else:
-        print(fleet.results_table(report["devices"]))
-        print(fleet.summary_line(rollout))
-    if interrupted:
-        return EXIT_INTERRUPTED
-    return EXIT_OK if rollout.succeeded else EXIT_FAILED
+        return fleet_serve.submit_or_embed(args, rollout_id, spec, files, artifacts, work,
+                                           signer, connect)
 
 
 # ---------------------------------------------------------------------------- devices
