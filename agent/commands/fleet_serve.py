@@ -222,7 +222,8 @@ def attach(store: Store, rollout_id: str, as_json: bool, quiet: bool,
 def run_serve(args: argparse.Namespace, connect: Any) -> int:
     from agent.sdnotify import Notifier
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)  # a service says what it does with its rollouts
     signer = None
     if args.signing_key:
         signer = signing.Signer(args.signing_key, args.sequence_file, args.valid_for)

@@ -39,7 +39,9 @@ def load(store: Store, rollout_id: str, docs: Optional[DocFactory] = None
     ro.started = row["created"] or ro.started
     ro.current = int(row["current_stage"] if row["current_stage"] is not None else -1)
     ro.halted, ro.paused = bool(row["halted"]), bool(row["paused"])
-    ro.outcome, ro.reason = row["outcome"] or "", row["reason"] or ""
+    ro.outcome = row["outcome"] if row["outcome"] not in (None, "running", "succeeded",
+                                                          "failed") else ""
+    ro.reason = row["reason"] or ""
     for job in store.rollout_jobs(rollout_id):
         run = ro.runs.get(job["device"])
         if run is not None:
