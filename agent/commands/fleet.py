@@ -91,6 +91,9 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--wait", type=float, default=1.0, metavar="S",
                    help="listen S seconds for telemetry (default 1)")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
+                   help="read the registry of 'fleet serve' from this database (every "
+                        "device ever heard of, last known board) instead of the broker")
     d.set_defaults(func=run_devices)
 
     r = fsub.add_parser("rollout", help="deploy a model to devices in stages",
@@ -108,6 +111,9 @@ def add_parser(sub: Any) -> None:
     j.add_argument("--device", action="append", metavar="ID", help="only this device "
                    "(repeatable)")
     j.add_argument("--json", action="store_true")
+    j.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
+                   help="every per-device job of every rollout in the database of 'fleet "
+                        "serve' (the broker keeps nothing for finished jobs)")
     j.set_defaults(func=run_jobs)
 
     c = fsub.add_parser("cancel", help="cancel a job (or a rollout) on devices")
@@ -358,12 +364,30 @@ def device_rows(directory: fleet.DeviceDirectory) -> List[Dict[str, Any]]:
     return rows
 
 
-def run_devices(args: argparse.Namespace) -> int:
-    conn = connect(args)
+def _db_directory(url: str) -> fleet.DeviceDirectory:
+    from agent.fleet.store import Store
+
+    store = Store(url)
     try:
-        directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
+        directory = fleet.DeviceDirectory()
+        for dev in store.devices():
+            directory.status[dev["device"]] = dev["status"]
+            if dev["telemetry"]:
+                directory.telemetry[dev["device"]] = dev["telemetry"]
+        return directory
     finally:
-        conn.close()
+        store.close()
+
+
+def run_devices(args: argparse.Namespace) -> int:
+    if args.db:
+        directory = _db_directory(args.db)
+    else:
+        conn = connect(args)
+        try:
+            directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
+        finally:
+            conn.close()
     rows = device_rows(directory)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
@@ -413,12 +437,30 @@ def _retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
     return found
 
 
-def run_jobs(args: argparse.Namespace) -> int:
-    conn = connect(args)
+def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
+    from agent.fleet.store import Store
+
+    store = Store(url)
     try:
-        found = _retained_jobs(conn)
+        found: Dict[Any, Dict[str, Any]] = {}
+        for j in store.device_jobs():
+            found[(j["device"], j["job_id"])] = {"status": {
+                "kind": j["phase"], "state": j["state"], "stage": j["job_stage"],
+                "ts": j["updated"], "error": j["error"]}, "document": None}
+        return found
     finally:
-        conn.close()
+        store.close()
+
+
+def run_jobs(args: argparse.Namespace) -> int:
+    if args.db:
+        found = _db_jobs(args.db)
+    else:
+        conn = connect(args)
+        try:
+            found = _retained_jobs(conn)
+        finally:
+            conn.close()
     rows = []
     for (dev, job_id), entry in sorted(found.items()):
         if args.device and dev not in args.device:

@@ -183,3 +183,79 @@ def retained_job_statuses(broker):
     finally:
         conn.close()
     return found
+
+
+def show(db, rid):
+    out = fleet_cli(["rollouts", "show", rid, "--db", db, "--json"])
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_rollout(db, rid, predicate, service, timeout=90):
+    deadline = time.monotonic() + timeout
+    while True:
+        report = show(db, rid)
+        if predicate(report):
+            return report
+        assert service.proc.poll() is None, service.tail()
+        assert time.monotonic() < deadline, "rollout {}: {}\n{}".format(rid, report,
+                                                                        service.tail())
+        time.sleep(0.3)
+
+
+def test_pause_resume_cancel_busy_devices_and_attach_to_an_existing_id(
+        mosquitto, agent_factory, tmp_path):
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    first, second = agent_factory("pr-a").start(), agent_factory("pr-b").start()
+    wait_status(mosquitto, ["pr-a", "pr-b"], agents=[first, second])
+    assert first.stop() == 0
+    wait_status(mosquitto, ["pr-a"], online=False)
+    service = Service(mosquitto, db, tmp_path).start()
+    try:
+        wait_registered(db, ["pr-a", "pr-b"], service)
+        submit = ["rollout"] + fp16_args() + ["--devices", "pr-a", "pr-b", "--batch", "1",
+                                              "--rollout-id", "ro-p", "--db", db, "--submit"]
+        out = fleet_cli(submit + ["--detach"])
+        assert out.returncode == 0 and out.stdout.strip() == "ro-p", out.stderr
+        assert fleet_cli(["rollouts", "pause", "ro-p", "--db", db]).returncode == 0
+        wait_rollout(db, "ro-p", lambda r: r["state"] == "paused", service)
+        # A device in an unfinished rollout is refused to another one, with a message.
+        busy = fleet_cli(["rollout"] + fp16_args() + ["--devices", "pr-b", "--db", db,
+                                                      "--submit", "--detach"])
+        assert busy.returncode == 2 and "device_busy" in busy.stderr, busy.stderr
+        assert "pr-b (ro-p)" in busy.stderr
+        first.start()  # stage 1 ends while paused: stage 2 does not start
+        report = wait_rollout(db, "ro-p", lambda r: r["devices"][0]["state"] == "SUCCEEDED",
+                              service)
+        time.sleep(1.5)
+        report = show(db, "ro-p")
+        assert report["state"] == "paused" and report["devices"][1]["state"] == "PENDING"
+        assert fleet_cli(["rollouts", "resume", "ro-p", "--db", db]).returncode == 0
+        wait_rollout(db, "ro-p", lambda r: r["state"] == "succeeded", service)
+        # The same rollout id again: attached to, reported as it is (nothing re-sent).
+        again = fleet_cli(submit + ["--json"])
+        assert again.returncode == 0, again.stderr
+        assert [r["state"] for r in json.loads(again.stdout)["devices"]] == ["SUCCEEDED"] * 2
+        listed = fleet_cli(["rollouts", "ls", "--db", db])
+        assert "ro-p" in listed.stdout and "succeeded" in listed.stdout
+        devices = json.loads(fleet_cli(["devices", "--db", db, "--json"]).stdout)
+        assert [d["device"] for d in devices] == ["pr-a", "pr-b"]
+        assert devices[0]["board"]
+        jobs = json.loads(fleet_cli(["jobs", "--db", db, "--json"]).stdout)
+        assert {(j["device"], j["state"]) for j in jobs} == {("pr-a", "SUCCEEDED"),
+                                                             ("pr-b", "SUCCEEDED")}
+        # Cancel a rollout whose device is offline: its document leaves the broker.
+        assert second.stop() == 0
+        wait_status(mosquitto, ["pr-b"], online=False)
+        out = fleet_cli(["rollout"] + fp16_args() + ["--devices", "pr-b", "--rollout-id",
+                                                     "ro-c", "--db", db, "--submit",
+                                                     "--detach"])
+        assert out.returncode == 0, out.stderr
+        wait_rollout(db, "ro-c", lambda r: r["devices"][0]["state"] == "QUEUED", service)
+        assert fleet_cli(["rollouts", "cancel", "ro-c", "--db", db]).returncode == 0
+        report = wait_rollout(db, "ro-c", lambda r: r["state"] == "cancelled", service)
+        assert report["devices"][0]["state"] == "CANCELED"
+        time.sleep(1.0)
+        assert retained_jobs(mosquitto) == {}
+    finally:
+        service.kill()
