@@ -18,7 +18,8 @@ class ArtifactDownloads(WorkerSupervisor):
 
     def _start_downloads(self, run: Run) -> None:
         for role, (sha, size) in sorted(run.needed.items()):
-            path = self.fetcher.want(sha, size, run.job_id)
+            ref = (run.doc.get("artifacts") or {}).get(role) or {}
+            path = self.fetcher.want(sha, size, run.job_id, blocks=ref.get("blocks"))
             if path is not None:
                 run.paths[role] = path
         if run.downloading:

@@ -734,6 +734,13 @@ def reply_topic(topics: Topics, device: str, command: Mapping[str, Any],
 
 # ---------------------------------------------------------------------------- blocks and bitmaps
 
+def manifest_block_size(size: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The block size an artifact of ``size`` bytes is hashed and fetched in: ``block_size``,
+    or larger (whole KiB) when it would need more than MAX_BLOCKS blocks."""
+    needed = -(-size // MAX_BLOCKS)
+    return max(block_size, -(-needed // 1024) * 1024)
+
+
 def block_count(size: int, block_size: int) -> int:
     return (size + block_size - 1) // block_size
 

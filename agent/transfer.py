@@ -11,7 +11,7 @@ import hashlib
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from agent import protocol
 from agent.artifacts import ArtifactStore, Transfer
@@ -19,6 +19,19 @@ from agent.errors import AgentError
 from agent.protocol import Topics
 
 Publish = Callable[..., Any]  # publish(topic: str, payload: bytes, qos: int, retain: bool)
+
+
+MAX_LIST_TRIES = 5  # a hash list that keeps failing its sha256 ends the transfer
+
+
+def block_digests(path: str, block_size: int) -> bytes:
+    """The per-block hash list of a file: each block's 32-byte sha256 digest, in order (what
+    a job document's ``artifacts.ROLE.blocks.sha256`` is the sha256 of)."""
+    out = []
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(block_size), b""):
+            out.append(hashlib.sha256(block).digest())
+    return b"".join(out)
 
 
 def sha256_file(path: str, chunk: int = 1 << 20) -> str:
@@ -108,13 +121,25 @@ class BlockServer(object):
 
 class _Fetch(object):
     def __init__(self, transfer: Transfer, job_id: Optional[str], now: float,
-                 timeout: float) -> None:
+                 timeout: float, digests: Optional[bytes] = None) -> None:
         self.transfer = transfer
         self.job_id = job_id
         self.in_flight: Dict[int, float] = {}  # block index -> when it was requested
         self.last_block = now
         self.timeout = timeout
         self.requests = 0
+        self.digests = digests  # per-block sha256 digests from the signed hash list
+        self.bad_blocks = 0
+
+
+class _ListFor(NamedTuple):
+    """A hash list being fetched, and the artifact it is for."""
+
+    sha256: str
+    size: int
+    block_size: int
+    job_id: Optional[str]
+    tries: int
 
 
 class BlockFetcher(object):
@@ -148,26 +173,84 @@ class BlockFetcher(object):
         self.max_timeout_s = max(timeout_s, max_timeout_s)
         self._clock = clock
         self._fetches: Dict[str, _Fetch] = {}
+        self._lists: Dict[str, _ListFor] = {}  # hash list sha256 -> the artifact it is for
         self._lock = threading.RLock()
+        self.bad_blocks = 0  # blocks dropped because they did not match their hash
 
-    def want(self, sha256: str, size: int, job_id: Optional[str] = None) -> Optional[str]:
+    def want(self, sha256: str, size: int, job_id: Optional[str] = None,
+             blocks: Optional[Mapping[str, Any]] = None) -> Optional[str]:
         """The stored path when the artifact is already here (nothing is requested), else
         start or resume fetching it and return None (``on_block`` returns the path later).
+        ``blocks``: the job document's per-block hash reference (``{"block_size", "sha256"}``):
+        its hash list is fetched first, then every block is checked against it as it arrives.
         AgentError bad_message, bad_argument, disk_full, hash_mismatch."""
         protocol.check_sha256(sha256)
         with self._lock:
             if sha256 not in self._fetches and self.store.has(sha256):
                 self.store.touch(sha256)
                 return self.store.path(sha256)
-            if sha256 in self._fetches:
+            if sha256 in self._fetches or any(w.sha256 == sha256
+                                               for w in self._lists.values()):
                 return None
-            transfer = self.store.begin(sha256, size, self.block_size)
-            if transfer.complete():  # every block arrived before a restart
-                return transfer.finish()
-            fetch = _Fetch(transfer, job_id, self._clock(), self.timeout_s)
-            self._fetches[sha256] = fetch
-            self._request(sha256, fetch)
+            if blocks is not None:
+                list_sha = protocol.check_sha256(blocks.get("sha256"))
+                block_size = int(blocks.get("block_size") or 0)
+                count = protocol.block_count(size, block_size) if block_size > 0 else 0
+                if not protocol.MIN_BLOCK_SIZE <= block_size <= protocol.MAX_BLOCK_SIZE or \
+                        count > protocol.MAX_BLOCKS:
+                    raise AgentError("bad_message", "artifact {}: per-block hashes need a block "
+                                     "size of {}..{} bytes and at most {} blocks, found {}"
+                                     .format(sha256, protocol.MIN_BLOCK_SIZE,
+                                             protocol.MAX_BLOCK_SIZE, protocol.MAX_BLOCKS,
+                                             block_size))
+                digests = self._stored_list(list_sha, count)
+                if digests is None:
+                    self._lists[list_sha] = _ListFor(sha256, size, block_size, job_id, 1)
+                    self._start(list_sha, 32 * count, job_id, None, None)
+                    return None
+                return self._start(sha256, size, job_id, digests, block_size)
+            return self._start(sha256, size, job_id, None, None)
+
+    def _stored_list(self, list_sha: str, count: int) -> Optional[bytes]:
+        if not self.store.has(list_sha):
             return None
+        with open(self.store.path(list_sha), "rb") as f:
+            data = f.read(32 * count + 1)
+        if len(data) != 32 * count:
+            raise AgentError("hash_mismatch", "the per-block hash list {} holds {} bytes; {} "
+                             "blocks need {}".format(list_sha, len(data), count, 32 * count))
+        return data
+
+    def _start(self, sha256: str, size: int, job_id: Optional[str],
+               digests: Optional[bytes], block_size: Optional[int]) -> Optional[str]:
+        transfer = self.store.begin(sha256, size, block_size or self.block_size)
+        if block_size and transfer.block_size != block_size:
+            transfer.abort()  # a partial in other blocks cannot be checked block by block
+            transfer = self.store.begin(sha256, size, block_size)
+        if transfer.complete():  # every block arrived before a restart
+            return transfer.finish()
+        fetch = _Fetch(transfer, job_id, self._clock(), self.timeout_s, digests)
+        self._fetches[sha256] = fetch
+        self._request(sha256, fetch)
+        return None
+
+    def _list_done(self, list_sha: str, path: Optional[str]) -> Optional[str]:
+        """A hash list completed (``path``) or failed its sha256 (None): start the artifact,
+        or fetch the list again (a poisoned first answer must not end the job)."""
+        wanted = self._lists.pop(list_sha)
+        if path is None:
+            if wanted.tries >= MAX_LIST_TRIES:
+                raise AgentError("hash_mismatch", "the per-block hash list {} of artifact {} "
+                                 "failed its sha256 {} times".format(list_sha, wanted.sha256,
+                                                                     wanted.tries))
+            self._lists[list_sha] = wanted._replace(tries=wanted.tries + 1)
+            self._start(list_sha, 32 * protocol.block_count(wanted.size, wanted.block_size),
+                        wanted.job_id, None, None)
+            return None
+        digests = self._stored_list(list_sha, protocol.block_count(wanted.size,
+                                                                    wanted.block_size))
+        return self._start(wanted.sha256, wanted.size, wanted.job_id, digests,
+                           wanted.block_size)
 
     def _request(self, sha256: str, fetch: _Fetch) -> None:
         free = self.window - len(fetch.in_flight)
@@ -201,6 +284,17 @@ class BlockFetcher(object):
                 raise AgentError("unknown_artifact", "block {} of artifact {}, which is not "
                                  "being fetched".format(index, sha256))
             transfer = fetch.transfer
+            digests = fetch.digests
+            if digests is not None and not transfer.has_block(index) and 0 <= index < \
+                    transfer.blocks and hashlib.sha256(data).digest() != \
+                    digests[32 * index:32 * index + 32]:
+                # Junk (or a forged answer): dropped and asked again, the file stays clean.
+                fetch.in_flight.pop(index, None)
+                fetch.bad_blocks += 1
+                self.bad_blocks += 1
+                raise AgentError("unknown_artifact", "block {} of artifact {} does not match its "
+                                 "sha256 in the signed hash list; dropped, asked again".format(
+                                     index, sha256))
             try:
                 if not transfer.write_block(index, data):
                     raise AgentError(
@@ -214,7 +308,15 @@ class BlockFetcher(object):
                 fetch.timeout = self.timeout_s
                 if transfer.complete():
                     del self._fetches[sha256]
-                    return transfer.finish()
+                    try:
+                        path = transfer.finish()
+                    except AgentError as exc:
+                        if sha256 in self._lists and exc.code == "hash_mismatch":
+                            return self._list_done(sha256, None)
+                        raise
+                    if sha256 in self._lists:
+                        return self._list_done(sha256, path)
+                    return path
             except AgentError as exc:
                 if exc.code != "unknown_artifact":
                     self._fetches.pop(sha256, None)
@@ -237,7 +339,11 @@ class BlockFetcher(object):
                              .format(protocol.MAX_BLOCK_SIZE, len(payload)))
         assert info.sha256 is not None and info.block is not None
         path = self.on_block(info.sha256, info.block, bytes(payload))
-        return (info.sha256, path) if path is not None else None
+        if path is None:
+            return None
+        # A hash list's last block may complete the artifact it is for (resumed): name that.
+        name = os.path.basename(path)
+        return (name if protocol.valid_sha256(name) else info.sha256, path)
 
     def tick(self) -> None:
         """Call about once a second: persists received-block bitmaps and re-requests blocks
@@ -267,6 +373,10 @@ class BlockFetcher(object):
     def cancel(self, sha256: str) -> None:
         """Stop fetching; what was received stays on disk and resumes with the next want()."""
         with self._lock:
+            for list_sha, wanted in list(self._lists.items()):
+                if wanted.sha256 == sha256:
+                    del self._lists[list_sha]
+                    self.cancel(list_sha)
             fetch = self._fetches.pop(sha256, None)
             if fetch is not None:
                 fetch.transfer.close()
@@ -274,6 +384,7 @@ class BlockFetcher(object):
     def close(self) -> None:
         """Persist and release every transfer (at shutdown)."""
         with self._lock:
+            self._lists.clear()
             for sha in list(self._fetches):
                 self.cancel(sha)
 

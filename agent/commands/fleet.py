@@ -15,6 +15,7 @@
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -230,11 +231,29 @@ def parse_layer_precisions(items: List[str]) -> Dict[str, str]:
 
 # ---------------------------------------------------------------------------- rollout
 
-def _artifact_refs(files: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
-    from agent.transfer import sha256_file
+def _artifact_refs(files: Dict[str, str], work: Optional[str] = None
+                   ) -> Dict[str, Dict[str, Any]]:
+    """role -> job document reference. With ``work``: each carries its per-block hash list
+    (written there and added to ``files`` as ``ROLE.blocks``, served like any artifact)."""
+    from agent.transfer import block_digests, sha256_file
 
-    return {role: {"sha256": sha256_file(path), "size": os.path.getsize(path),
-                   "name": os.path.basename(path)[:255]} for role, path in files.items()}
+    refs: Dict[str, Dict[str, Any]] = {}
+    for role, path in sorted(files.items()):
+        size = os.path.getsize(path)
+        refs[role] = {"sha256": sha256_file(path), "size": size,
+                      "name": os.path.basename(path)[:255]}
+        if work is not None:
+            block_size = protocol.manifest_block_size(size)
+            digests = block_digests(path, block_size)
+            list_path = os.path.join(work, role + ".blocks")
+            with open(list_path, "wb") as f:
+                f.write(digests)
+            refs[role]["blocks"] = {"block_size": block_size,
+                                    "sha256": hashlib.sha256(digests).hexdigest()}
+    if work is not None:
+        for role in list(refs):
+            files[role + ".blocks"] = os.path.join(work, role + ".blocks")
+    return refs
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -299,7 +318,7 @@ def run_rollout(args: argparse.Namespace) -> int:
             args.model, args.precision, work, calib=args.calib, inputs=args.inputs,
             goldens=args.golden, labels=args.labels, layer_precisions=user_layers,
             min_top1=args.min_top1, search=args.search)
-        artifacts = _artifact_refs(files)
+        artifacts = _artifact_refs(files, work)
         spec = spec_from_args(args, artifacts, user_layers, args.timeout)
         docs = fleet.doc_factory(spec)
         signer = None

@@ -53,7 +53,12 @@ def add_to_store(store: Store, directory: str, artifacts: Dict[str, Dict[str, An
                  files: Dict[str, str], copy: bool) -> None:
     """Register the artifacts; ``copy``: into the content-addressed directory first (the
     service outlives this command and its temporary files)."""
-    for role, ref in artifacts.items():
+    every = dict(artifacts)
+    for role, ref in artifacts.items():  # the per-block hash lists are artifacts too
+        if ref.get("blocks"):
+            every[role + ".blocks"] = {"sha256": ref["blocks"]["sha256"], "name": role +
+                                       ".blocks", "size": os.path.getsize(files[role + ".blocks"])}
+    for role, ref in every.items():
         src = files[role]
         path = os.path.abspath(src)
         if copy:

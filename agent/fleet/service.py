@@ -98,13 +98,17 @@ class FleetService(object):
         if ro is None:
             return
         row = self.store.rollout(rollout_id) or {}
-        for sha, ref in ((r["sha256"], r) for r in (row.get("spec") or {}).get(
-                "artifacts", {}).values()):
-            stored = self.store.artifacts().get(sha)
-            try:
-                self.server.add_file(stored["path"] if stored else ref.get("path", ""), sha)
-            except AgentError as exc:
-                log.error("rollout %s: artifact %s cannot be served: %s", rollout_id, sha, exc)
+        stored = self.store.artifacts()
+        for ref in (row.get("spec") or {}).get("artifacts", {}).values():
+            for sha in [ref["sha256"]] + ([ref["blocks"]["sha256"]] if ref.get("blocks")
+                                          else []):
+                try:
+                    if sha not in stored:
+                        raise AgentError("unknown_artifact", "not in the artifacts table")
+                    self.server.add_file(stored[sha]["path"], sha)
+                except AgentError as exc:
+                    log.error("rollout %s: artifact %s cannot be served: %s", rollout_id, sha,
+                              exc.message)
         self.rollouts[rollout_id] = ro
         for job_id in ro.job_ids:
             self.by_job[job_id] = rollout_id
