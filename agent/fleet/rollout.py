@@ -167,9 +167,11 @@ class Rollout(object):
         if version <= last:
             return []  # a resend after a reconnect, or an older retained copy
         if run.state == PENDING or job_id not in run.kinds:
-            # Not sent yet: a status retained from an earlier run of this id. Remember it:
-            # the device will take our document as a duplicate and keep that state.
-            if version > int((run.seen.get(job_id) or {}).get("version") or 0):
+            # Not sent yet. Before the rollout sent anything, this is a status retained from
+            # an earlier run of the id: remember it (the device will take our document as a
+            # duplicate and keep that state). Later, nothing can be an answer yet.
+            if self.current < 0 and version > int(
+                    (run.seen.get(job_id) or {}).get("version") or 0):
                 run.seen[job_id] = dict(msg)
                 self.dirty.add(device)
             return []

@@ -115,6 +115,15 @@ class FleetService(object):
         # What a killed predecessor still owed the broker, then every unfinished document.
         for oid, topic, payload, retain in self.store.outbox([rollout_id]):
             self._send([oid], [(topic, payload, retain)])
+        if ro.current < 0:
+            # Statuses retained from an earlier run of this id (the devices would ignore the
+            # documents as duplicates): seen before anything is sent, so they are adopted.
+            filters = [self.topics.prefix + "/devices/+/jobs/{}/status".format(j)
+                       for j in ro.job_ids]
+            self.conn.subscribe(filters)
+            self.conn.settle(self.on_message, quiet=0.3, limit=3.0)
+            for f in filters:
+                self.conn.client.unsubscribe(f)
         actions = ro.start() if ro.current < 0 else []
         self.commit(ro, actions, more=durable.republish(self.topics, ro) if not actions else ())
         log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,

@@ -259,3 +259,20 @@ def test_pause_resume_cancel_busy_devices_and_attach_to_an_existing_id(
         assert retained_jobs(mosquitto) == {}
     finally:
         service.kill()
+
+
+def test_an_embedded_rerun_of_the_same_id_reports_what_the_devices_did(
+        mosquitto, agent_factory):
+    agent = agent_factory("rr-a").start()
+    wait_status(mosquitto, ["rr-a"], agents=[agent])
+    args = ["rollout"] + fp16_args() + ["--devices", "rr-a", "--rollout-id", "ro-rerun",
+                                        "--broker", mosquitto.url, "--json", "--timeout"]
+    first = fleet_cli(args + ["60"], timeout=90)
+    assert first.returncode == 0, first.stderr
+    # A new embedded run (a throw-away database) with the same id: the device ignores the
+    # document as a duplicate and answers with its state again (a status still retained from
+    # the earlier run would be adopted): SUCCEEDED, not TIMED_OUT.
+    again = fleet_cli(args + ["20"], timeout=60)
+    assert again.returncode == 0, again.stderr
+    row = json.loads(again.stdout)["devices"][0]
+    assert row["state"] == "SUCCEEDED" and row["precision"] == "fp16"
