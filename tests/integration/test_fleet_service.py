@@ -66,8 +66,7 @@ class Service:
 def fleet_cli(args, timeout=60):
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-m", "agent", "fleet"] + args, env=env, cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def wait_registered(db, devices, service, timeout=30):

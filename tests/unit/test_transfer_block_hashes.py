@@ -8,7 +8,10 @@ import hashlib
 from agent import protocol
 from agent.errors import AgentError
 from agent.transfer import block_digests
-from tests.unit.test_transfer import BS, T, blob, env, serve  # noqa: F401 - fixture
+from tests.unit import test_transfer
+from tests.unit.test_transfer import BS, T, blob, serve
+
+env = test_transfer.env  # the in-memory broker fixture
 
 
 def attack_then_serve(net, junk_for):
