@@ -112,6 +112,7 @@ class Rollout(object):
         self.dirty: set = set()  # devices changed since the last save (agent.fleet.durable)
         self.history: List[Tuple[str, str, int, str, str, Any]] = []  # accepted statuses
         self.refused = 0  # statuses dropped as no answer to a job we sent
+        self.pending_eval = False
         self.outcome = ""  # "" while running; then succeeded | aborted | halted | ...
         self.reason = ""
         self.started = clock()
@@ -151,7 +152,8 @@ class Rollout(object):
     def start(self) -> List[Action]:
         return self._start_stage(0)
 
-    def on_job_status(self, device: str, msg: Mapping[str, Any]) -> List[Action]:
+    def on_job_status(self, device: str, msg: Mapping[str, Any], evaluate: bool = True
+                      ) -> List[Action]:
         """A decoded job status message from ``device`` (the topic's device). Only an answer
         to a job this rollout sent is accepted: the right device, job id and kind, a version
         above the last one and not absurdly far above it, nothing after a terminal state."""
@@ -225,8 +227,18 @@ class Rollout(object):
                     run.result = dict(msg["result"])
             if job_id in run.published:
                 actions.append(Action("clear", device, job_id))
-            actions += self._evaluate()
+            if evaluate:
+                actions += self._evaluate()
+            else:  # the caller batches statuses and calls evaluate() once (large stages)
+                self.pending_eval = True
         return actions
+
+    def evaluate(self) -> List[Action]:
+        """The stage and abort decisions owed since ``on_job_status(..., evaluate=False)``."""
+        if not self.pending_eval:
+            return []
+        self.pending_eval = False
+        return self._evaluate()
 
     def _cancel_unstarted(self, run: "DeviceRun", reason: str) -> None:
         # Nothing was sent to this device: cancel it locally.

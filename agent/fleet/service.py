@@ -56,6 +56,8 @@ class FleetService(object):
         self.started = time.time()
         self.last_tick = 0.0
         self.on_change: Optional[Callable[[Rollout], None]] = None  # progress views
+        # rollout id -> (actions, messages) from statuses not yet committed
+        self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
         self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0}
 
     # -- publishing ---------------------------------------------------------------------------
@@ -115,15 +117,20 @@ class FleetService(object):
         # What a killed predecessor still owed the broker, then every unfinished document.
         for oid, topic, payload, retain in self.store.outbox([rollout_id]):
             self._send([oid], [(topic, payload, retain)])
+        # The devices' retained statuses of this rollout's jobs, now that it is known here:
+        # answers that came while no service was running. Before anything was sent, statuses
+        # retained from an earlier run of this id (the devices would ignore the documents as
+        # duplicates), which are adopted.
+        filters = [self.topics.prefix + "/devices/+/jobs/{}/status".format(j)
+                   for j in ro.job_ids]
+        self.conn.subscribe(filters)
+        self.conn.settle(self.on_message, quiet=0.3, limit=5.0)
+        for f in filters:
+            self.conn.client.unsubscribe(f)
         if ro.current < 0:
-            # Statuses retained from an earlier run of this id (the devices would ignore the
-            # documents as duplicates): seen before anything is sent, so they are adopted.
-            filters = [self.topics.prefix + "/devices/+/jobs/{}/status".format(j)
-                       for j in ro.job_ids]
-            self.conn.subscribe(filters)
-            self.conn.settle(self.on_message, quiet=0.3, limit=3.0)
-            for f in filters:
-                self.conn.client.unsubscribe(f)
+            self.pending.pop(rollout_id, None)  # nothing was sent: seen statuses only
+        else:
+            self._commit_pending()
         actions = ro.start() if ro.current < 0 else []
         self.commit(ro, actions, more=durable.republish(self.topics, ro) if not actions else ())
         log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,
@@ -208,20 +215,30 @@ class FleetService(object):
             return
         run = ro.runs[device]
         refused = ro.refused
-        actions = ro.on_job_status(device, msg)
+        actions, more = self.pending.setdefault(ro.rollout_id, ([], []))
+        actions += ro.on_job_status(device, msg, evaluate=False)
         self.stats["refused"] += ro.refused - refused
-        more: List[durable.Message] = []
         if protocol.is_terminal(str(msg.get("state"))) and msg.get("job_id") in run.kinds:
             # The database has it now: the broker need not keep the device's last word.
             more.append((self.topics.job_status(device, str(msg["job_id"])), b"", True))
-        if actions or more or ro.dirty:
-            self.commit(ro, actions, more=more)
+
+    def _commit_pending(self) -> None:
+        """One transaction per rollout for everything a batch of statuses changed."""
+        pending, self.pending = self.pending, {}
+        for rid, (actions, more) in pending.items():
+            ro = self.rollouts.get(rid)
+            if ro is None:
+                continue
+            actions += ro.evaluate()
+            if actions or more or ro.dirty or ro.history:
+                self.commit(ro, actions, more=more)
 
     # -- the loop -----------------------------------------------------------------------------
 
     def step(self, timeout: float = 0.2) -> None:
         """Handle what arrived for up to ``timeout`` s, then the periodic work."""
         self.conn.pump(self.on_message, timeout)
+        self._commit_pending()
         self._collect_acks()
         if time.monotonic() - self.last_tick >= TICK_S:
             self.last_tick = time.monotonic()
@@ -230,6 +247,7 @@ class FleetService(object):
     def start(self) -> None:
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
+        self._commit_pending()
         self._flush_devices()
         self.last_tick = time.monotonic()
         self._tick()
@@ -239,6 +257,7 @@ class FleetService(object):
         deadline = time.monotonic() + timeout
         while self.unacked and time.monotonic() < deadline:
             self.conn.pump(self.on_message, 0.05)
+            self._commit_pending()
             self._collect_acks()
         self._flush_devices()
         return not self.unacked
