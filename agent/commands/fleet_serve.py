@@ -245,7 +245,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     conn = connect(args)
     try:
         service = FleetService(store, conn, signer, instance=args.instance,
-                               share_group=args.share_group)
+                               share_group=args.share_group, lease_s=args.lease)
         service.start()
         notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
         log.info("fleet service %s on %s, database %s", service.instance, conn.url,
@@ -325,7 +325,11 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
     s.add_argument("--instance", metavar="NAME", help="this instance's name for rollout "
                    "leases (default HOST-PID; keep it stable across restarts)")
     s.add_argument("--share-group", metavar="NAME", help="take block requests through "
-                   "$share/NAME/... (several instances)")
+                   "$share/NAME/... (several instances; each serves every artifact in the "
+                   "database, so --store must be shared)")
+    s.add_argument("--lease", type=float, default=30.0, metavar="S",
+                   help="another instance takes over a rollout S seconds after this one "
+                        "stopped renewing its lease (default 30)")
     s.add_argument("--signing-key", metavar="KEY",
                    default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"))
     s.add_argument("--sequence-file", metavar="F")

@@ -142,10 +142,23 @@ class FleetService(object):
             for job_id in ro.job_ids:
                 self.by_job.pop(job_id, None)
 
+    def _serve_all(self) -> None:
+        """Serve every artifact in the database, not only those of our own rollouts: with a
+        shared subscription a request may reach any instance (the store is shared)."""
+        served = self.server.files()
+        for sha, art in self.store.artifacts().items():
+            if sha not in served and os.path.isfile(art["path"]):
+                try:
+                    self.server.add_file(art["path"], sha)
+                except AgentError as exc:
+                    log.warning("artifact %s cannot be served: %s", sha, exc.message)
+
     def _tick(self) -> None:
         now = time.time()
         self.store.heartbeat(self.instance, os.getpid(), socket.gethostname(), self.started)
         self._flush_devices()
+        if self.share_group is not None:
+            self._serve_all()
         mine = self.store.claim(self.instance, self.lease_s, now, self.only)
         for rid in list(self.rollouts):
             if rid not in mine:
