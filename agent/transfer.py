@@ -130,6 +130,7 @@ class _Fetch(object):
         self.requests = 0
         self.digests = digests  # per-block sha256 digests from the signed hash list
         self.bad_blocks = 0
+        self.http = False  # an HTTP thread fetches it (agent.http_fetch); MQTT waits
 
 
 class _ListFor(NamedTuple):
@@ -140,6 +141,7 @@ class _ListFor(NamedTuple):
     block_size: int
     job_id: Optional[str]
     tries: int
+    url: Optional[str]
 
 
 class BlockFetcher(object):
@@ -174,16 +176,23 @@ class BlockFetcher(object):
         self._clock = clock
         self._fetches: Dict[str, _Fetch] = {}
         self._lists: Dict[str, _ListFor] = {}  # hash list sha256 -> the artifact it is for
+        # The daemon's way to receive a block as if from MQTT (HTTP completions), and what
+        # completed over HTTP without it (tests).
+        self.inject: Optional[Callable[[str, bytes], None]] = None
+        self.http_completed: List[Tuple[str, str]] = []
         self._lock = threading.RLock()
         self.bad_blocks = 0  # blocks dropped because they did not match their hash
 
     def want(self, sha256: str, size: int, job_id: Optional[str] = None,
-             blocks: Optional[Mapping[str, Any]] = None) -> Optional[str]:
+             blocks: Optional[Mapping[str, Any]] = None, url: Optional[str] = None
+             ) -> Optional[str]:
         """The stored path when the artifact is already here (nothing is requested), else
         start or resume fetching it and return None (``on_block`` returns the path later).
         ``blocks``: the job document's per-block hash reference (``{"block_size", "sha256"}``):
         its hash list is fetched first, then every block is checked against it as it arrives.
-        AgentError bad_message, bad_argument, disk_full, hash_mismatch."""
+        ``url``: fetch the artifact over HTTP(S) with Range requests (agent.http_fetch), MQTT
+        blocks when that fails. AgentError bad_message, bad_argument, disk_full,
+        hash_mismatch."""
         protocol.check_sha256(sha256)
         with self._lock:
             if sha256 not in self._fetches and self.store.has(sha256):
@@ -205,11 +214,11 @@ class BlockFetcher(object):
                                              block_size))
                 digests = self._stored_list(list_sha, count)
                 if digests is None:
-                    self._lists[list_sha] = _ListFor(sha256, size, block_size, job_id, 1)
+                    self._lists[list_sha] = _ListFor(sha256, size, block_size, job_id, 1, url)
                     self._start(list_sha, 32 * count, job_id, None, None)
                     return None
-                return self._start(sha256, size, job_id, digests, block_size)
-            return self._start(sha256, size, job_id, None, None)
+                return self._start(sha256, size, job_id, digests, block_size, url)
+            return self._start(sha256, size, job_id, None, None, url)
 
     def _stored_list(self, list_sha: str, count: int) -> Optional[bytes]:
         if not self.store.has(list_sha):
@@ -222,7 +231,8 @@ class BlockFetcher(object):
         return data
 
     def _start(self, sha256: str, size: int, job_id: Optional[str],
-               digests: Optional[bytes], block_size: Optional[int]) -> Optional[str]:
+               digests: Optional[bytes], block_size: Optional[int],
+               url: Optional[str] = None) -> Optional[str]:
         transfer = self.store.begin(sha256, size, block_size or self.block_size)
         if block_size and transfer.block_size != block_size:
             transfer.abort()  # a partial in other blocks cannot be checked block by block
@@ -231,8 +241,21 @@ class BlockFetcher(object):
             return transfer.finish()
         fetch = _Fetch(transfer, job_id, self._clock(), self.timeout_s, digests)
         self._fetches[sha256] = fetch
-        self._request(sha256, fetch)
+        if url and url.startswith(("http://", "https://")):
+            from agent import http_fetch
+
+            fetch.http = True
+            threading.Thread(target=http_fetch.run, args=(self, sha256, fetch, url),
+                             name="http-fetch", daemon=True).start()
+        else:
+            self._request(sha256, fetch)
         return None
+
+    def _http_failed(self, sha256: str, fetch: _Fetch) -> None:
+        with self._lock:
+            if self._fetches.get(sha256) is fetch and fetch.http:
+                fetch.http = False
+                self._request(sha256, fetch)
 
     def _list_done(self, list_sha: str, path: Optional[str]) -> Optional[str]:
         """A hash list completed (``path``) or failed its sha256 (None): start the artifact,
@@ -250,9 +273,11 @@ class BlockFetcher(object):
         digests = self._stored_list(list_sha, protocol.block_count(wanted.size,
                                                                     wanted.block_size))
         return self._start(wanted.sha256, wanted.size, wanted.job_id, digests,
-                           wanted.block_size)
+                           wanted.block_size, wanted.url)
 
     def _request(self, sha256: str, fetch: _Fetch) -> None:
+        if fetch.http:
+            return
         free = self.window - len(fetch.in_flight)
         if free <= 0:
             return

@@ -244,8 +244,24 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     notifier = Notifier()
     conn = connect(args)
     try:
+        http = None
+        base = None
+        if args.http:
+            from agent.fleet.http_source import HttpSource
+
+            host, _, port = args.http.rpartition(":")
+            if not host or not port.isdigit():
+                raise AgentError("bad_argument", "--http expects HOST:PORT, found {!r}".format(
+                    args.http))
+            base = args.http_url
         service = FleetService(store, conn, signer, instance=args.instance,
-                               share_group=args.share_group, lease_s=args.lease)
+                               share_group=args.share_group, lease_s=args.lease,
+                               http_base=None, http_min_bytes=args.http_min_bytes)
+        if args.http:
+            http = HttpSource(host, int(port), service.server.files).start()
+            service.http_base = (base or "http://{}:{}".format(host, http.port)).rstrip("/")
+            log.info("artifacts of %d bytes or more also at %s/artifacts/SHA256",
+                     args.http_min_bytes, service.http_base)
         service.start()
         notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
         log.info("fleet service %s on %s, database %s", service.instance, conn.url,
@@ -260,6 +276,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         notifier.notify("STOPPING=1")
         service.drain()
         store.release(service.instance)
+        if http is not None:
+            http.stop()
     finally:
         conn.close()
         store.close()
@@ -327,6 +345,13 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
     s.add_argument("--share-group", metavar="NAME", help="take block requests through "
                    "$share/NAME/... (several instances; each serves every artifact in the "
                    "database, so --store must be shared)")
+    s.add_argument("--http", metavar="HOST:PORT", help="also serve the artifact store over "
+                   "HTTP (Range requests) on this address")
+    s.add_argument("--http-url", metavar="URL", help="the base URL devices use to reach --http "
+                   "(default http://HOST:PORT; a reverse proxy with TLS, a CDN)")
+    s.add_argument("--http-min-bytes", type=int, default=1 << 20, metavar="N",
+                   help="with --http: artifacts of at least N bytes carry the URL in their job "
+                        "documents (default 1 MiB); smaller ones go over MQTT blocks only")
     s.add_argument("--lease", type=float, default=30.0, metavar="S",
                    help="another instance takes over a rollout S seconds after this one "
                         "stopped renewing its lease (default 30)")

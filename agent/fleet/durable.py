@@ -107,10 +107,11 @@ def republish(topics: protocol.Topics, ro: Rollout) -> List[Message]:
     return out
 
 
-def factory_for(store: Store, rollout_id: str, signer: Any = None) -> DocFactory:
+def factory_for(store: Store, rollout_id: str, signer: Any = None,
+                url_for: Any = None) -> DocFactory:
     row = store.rollout(rollout_id)
     assert row is not None
-    docs = doc_factory(row["spec"] or {})
+    docs = doc_factory(row["spec"] or {}, url_for)
     if signer is None:
         return docs
 

@@ -34,7 +34,8 @@ TICK_S = 0.5  # how often leases, controls, deadlines and the registry are looke
 class FleetService(object):
     def __init__(self, store: Store, conn: FleetConnection, signer: Any = None,
                  instance: Optional[str] = None, only: Optional[Sequence[str]] = None,
-                 share_group: Optional[str] = None, lease_s: float = LEASE_S) -> None:
+                 share_group: Optional[str] = None, lease_s: float = LEASE_S,
+                 http_base: Optional[str] = None, http_min_bytes: int = 0) -> None:
         from agent.transfer import BlockServer
 
         self.store = store
@@ -55,6 +56,9 @@ class FleetService(object):
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
         self.started = time.time()
         self.last_tick = 0.0
+        # Artifacts of at least http_min_bytes are also offered at http_base/artifacts/SHA.
+        self.http_base = http_base.rstrip("/") if http_base else None
+        self.http_min_bytes = int(http_min_bytes)
         self.on_change: Optional[Callable[[Rollout], None]] = None  # progress views
         # rollout id -> (actions, messages) from statuses not yet committed
         self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
@@ -95,8 +99,8 @@ class FleetService(object):
     # -- rollouts -----------------------------------------------------------------------------
 
     def _adopt(self, rollout_id: str) -> None:
-        ro = durable.load(self.store, rollout_id, durable.factory_for(self.store, rollout_id,
-                                                                      self.signer))
+        ro = durable.load(self.store, rollout_id, durable.factory_for(
+            self.store, rollout_id, self.signer, self._url_for))
         if ro is None:
             return
         row = self.store.rollout(rollout_id) or {}
@@ -135,6 +139,11 @@ class FleetService(object):
         self.commit(ro, actions, more=durable.republish(self.topics, ro) if not actions else ())
         log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,
                  ro.current + 1, len(ro.stages))
+
+    def _url_for(self, ref: Dict[str, Any]) -> Optional[str]:
+        if self.http_base is None or int(ref.get("size") or 0) < self.http_min_bytes:
+            return None
+        return "{}/artifacts/{}".format(self.http_base, ref["sha256"])
 
     def _drop(self, rollout_id: str) -> None:
         ro = self.rollouts.pop(rollout_id, None)

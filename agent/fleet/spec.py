@@ -2,7 +2,7 @@
 how, enough to rebuild the job documents after a restart (``doc_factory``) and the policy.
 ``fleet rollout`` builds it from its arguments (``spec_from_args``)."""
 
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 from agent.fleet.documents import job_document
 from agent.fleet.policy import Policy
@@ -32,12 +32,19 @@ def policy_of(spec: Mapping[str, Any]) -> Policy:
                   int(p.get("min_executed", 1)))
 
 
-def doc_factory(spec: Mapping[str, Any]) -> DocFactory:
-    """device, job id, kind, layers -> an unsigned job document for ``spec``."""
+def doc_factory(spec: Mapping[str, Any],
+                url_for: Optional[Callable[[Mapping[str, Any]], Optional[str]]] = None
+                ) -> DocFactory:
+    """device, job id, kind, layers -> an unsigned job document for ``spec``. ``url_for``:
+    an artifact reference -> the HTTP(S) URL devices may fetch it from, or None."""
     from agent.platform import FALLBACK_CHAINS
 
     precision = str(spec["precision"])
-    artifacts = dict(spec["artifacts"])
+    artifacts = {role: dict(ref) for role, ref in dict(spec["artifacts"]).items()}
+    for ref in artifacts.values():
+        url = url_for(ref) if url_for is not None else None
+        if url:
+            ref["url"] = url
     user_layers = dict(spec.get("layer_precisions") or {})
     fallback = list(FALLBACK_CHAINS.get(precision, ())) if spec.get("fallback") == "allow" \
         else []

@@ -275,3 +275,23 @@ def test_an_embedded_rerun_of_the_same_id_reports_what_the_devices_did(
     assert again.returncode == 0, again.stderr
     row = json.loads(again.stdout)["devices"][0]
     assert row["state"] == "SUCCEEDED" and row["precision"] == "fp16"
+
+
+def test_artifacts_over_http_from_the_service(mosquitto, agent_factory, tmp_path):
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    agent = agent_factory("http-a").start()
+    wait_status(mosquitto, ["http-a"], agents=[agent])
+    service = Service(mosquitto, db, tmp_path)
+    service.args += ["--http", "127.0.0.1:0", "--http-min-bytes", "1"]
+    service.start()
+    try:
+        wait_registered(db, ["http-a"], service)
+        out = fleet_cli(["rollout"] + fp16_args() + ["--devices", "http-a", "--rollout-id",
+                                                     "ro-http", "--db", db, "--submit",
+                                                     "--json"], timeout=120)
+        assert out.returncode == 0, out.stderr + service.tail() + agent.log_tail()
+        assert json.loads(out.stdout)["devices"][0]["state"] == "SUCCEEDED"
+    finally:
+        service.kill()
+    assert "over HTTP from http://127.0.0.1:" in agent.log_tail(20000)
+    agent.assert_store_sound()
