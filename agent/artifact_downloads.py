@@ -18,6 +18,8 @@ class ArtifactDownloads(WorkerSupervisor):
 
     def _start_downloads(self, run: Run) -> None:
         self.fetcher.inject = self._inject_block
+        self.fetcher.subscribe, self.fetcher.unsubscribe = self.mqtt.subscribe, \
+            self.mqtt.unsubscribe  # shared (fan-out) block topics while fetching
         for role, (sha, size) in sorted(run.needed.items()):
             ref = (run.doc.get("artifacts") or {}).get(role) or {}
             path = self.fetcher.want(sha, size, run.job_id, blocks=ref.get("blocks"),

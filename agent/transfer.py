@@ -50,13 +50,20 @@ class BlockServer(object):
     what the MQTT client buffers; the device paces the stream with its request window."""
 
     def __init__(self, publish: Publish, topics: Topics,
-                 max_blocks_per_request: int = 64) -> None:
+                 max_blocks_per_request: int = 64, fanout_window_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._publish = publish
         self._topics = topics
         self.max_blocks_per_request = max(1, int(max_blocks_per_request))
         self._files: Dict[str, Tuple[str, int]] = {}
         self._lock = threading.Lock()
         self.blocks_sent = 0
+        # Fan-out: a block asked for by a device that listens on the artifact's shared topic
+        # is published there at most once per window, whatever the number of devices asking.
+        self.fanout_window_s = float(fanout_window_s)
+        self._clock = clock
+        self._fanned: Dict[Tuple[str, int], float] = {}  # (sha:block size, index) -> when
+        self.blocks_deduped = 0
 
     def add_file(self, path: str, sha256: Optional[str] = None) -> str:
         """Serve ``path``; its sha256 is computed when not given. Returns the sha256."""
@@ -68,6 +75,24 @@ class BlockServer(object):
         with self._lock:
             self._files[sha] = (os.path.abspath(path), size)
         return sha
+
+    def _not_fanned(self, sha256: str, block_size: int, indices: List[int]) -> List[int]:
+        """The blocks not published on the shared topic within the window (recorded now:
+        the caller publishes them)."""
+        now = self._clock()
+        out = []
+        with self._lock:
+            if len(self._fanned) > 200000:  # old entries go: memory stays bounded
+                self._fanned = {k: t for k, t in self._fanned.items()
+                                if now - t < self.fanout_window_s}
+            for index in indices:
+                key = (sha256 + ":" + str(block_size), index)
+                if now - self._fanned.get(key, -1e18) < self.fanout_window_s:
+                    self.blocks_deduped += 1
+                    continue
+                self._fanned[key] = now
+                out.append(index)
+        return out
 
     def remove(self, sha256: str) -> None:
         with self._lock:
@@ -102,6 +127,9 @@ class BlockServer(object):
                                                                msg["sha256"], size))
         block_size = msg["block_size"]
         indices = protocol.bitmap_indices(want, msg["blocks"], self.max_blocks_per_request)
+        fanout = msg.get("fanout") is True
+        if fanout:
+            indices = self._not_fanned(msg["sha256"], block_size, indices)
         try:
             with open(path, "rb") as f:
                 for index in indices:
@@ -111,8 +139,9 @@ class BlockServer(object):
                     if len(data) != length:
                         raise AgentError("unknown_artifact", "{} changed size while being "
                                          "served (block {} is short)".format(path, index))
-                    self._publish(self._topics.block(info.device, msg["sha256"], index), data,
-                                  1, False)
+                    topic = self._topics.fanout_block(msg["sha256"], index) if fanout else \
+                        self._topics.block(info.device, msg["sha256"], index)
+                    self._publish(topic, data, 1, False)
                     self.blocks_sent += 1
         except OSError as exc:
             raise AgentError("file_not_found", "cannot read {}: {}".format(path, exc.strerror))
@@ -131,6 +160,8 @@ class _Fetch(object):
         self.digests = digests  # per-block sha256 digests from the signed hash list
         self.bad_blocks = 0
         self.http = False  # an HTTP thread fetches it (agent.http_fetch); MQTT waits
+        self.fanout = False  # subscribed to the artifact's shared block topic
+        self.shared_blocks = 0  # blocks that came on it
 
 
 class _ListFor(NamedTuple):
@@ -179,6 +210,10 @@ class BlockFetcher(object):
         # The daemon's way to receive a block as if from MQTT (HTTP completions), and what
         # completed over HTTP without it (tests).
         self.inject: Optional[Callable[[str, bytes], None]] = None
+        # subscribe(topic, qos) / unsubscribe(topic) of the daemon's MQTT client: with them,
+        # each fetch listens on the artifact's shared (fan-out) block topic.
+        self.subscribe: Optional[Callable[..., Any]] = None
+        self.unsubscribe: Optional[Callable[[str], Any]] = None
         self.http_completed: List[Tuple[str, str]] = []
         self._lock = threading.RLock()
         self.bad_blocks = 0  # blocks dropped because they did not match their hash
@@ -241,6 +276,9 @@ class BlockFetcher(object):
             return transfer.finish()
         fetch = _Fetch(transfer, job_id, self._clock(), self.timeout_s, digests)
         self._fetches[sha256] = fetch
+        if self.subscribe is not None:
+            self.subscribe(self._topics.fanout_blocks(sha256), 1)
+            fetch.fanout = True
         if url and url.startswith(("http://", "https://")):
             from agent import http_fetch
 
@@ -291,7 +329,7 @@ class BlockFetcher(object):
             fetch.in_flight[i] = now
         want = protocol.bitmap_from_indices(indices, transfer.blocks)
         msg = protocol.request_message(sha256, transfer.size, transfer.block_size, want,
-                                       fetch.job_id)
+                                       fetch.job_id, fetch.fanout)
         fetch.requests += 1
         self._publish(self._topics.artifact_request(self.device, sha256), protocol.encode(msg),
                       1, False)
@@ -333,6 +371,7 @@ class BlockFetcher(object):
                 fetch.timeout = self.timeout_s
                 if transfer.complete():
                     del self._fetches[sha256]
+                    self._stop_listening(sha256, fetch)
                     try:
                         path = transfer.finish()
                     except AgentError as exc:
@@ -344,7 +383,8 @@ class BlockFetcher(object):
                     return path
             except AgentError as exc:
                 if exc.code != "unknown_artifact":
-                    self._fetches.pop(sha256, None)
+                    if self._fetches.pop(sha256, None) is not None:
+                        self._stop_listening(sha256, fetch)
                     transfer.close()
                 raise
             if len(fetch.in_flight) <= self.window // 2:
@@ -356,13 +396,18 @@ class BlockFetcher(object):
         AgentError bad_message (not a block topic of this device), message_too_large, and
         those of ``on_block``."""
         info = self._topics.parse(topic)
-        if info.kind != "block" or info.device != self.device:
+        if info.kind != "block" or info.device not in (self.device, ""):
             raise AgentError("bad_message", "expected a block topic of device {}, found {}"
                              .format(self.device, topic))
         if len(payload) > protocol.MAX_BLOCK_SIZE:
             raise AgentError("message_too_large", "a block may be at most {} bytes, found {}"
                              .format(protocol.MAX_BLOCK_SIZE, len(payload)))
         assert info.sha256 is not None and info.block is not None
+        if not info.device:
+            with self._lock:
+                fetch = self._fetches.get(info.sha256)
+                if fetch is not None:
+                    fetch.shared_blocks += 1
         path = self.on_block(info.sha256, info.block, bytes(payload))
         if path is None:
             return None
@@ -379,6 +424,10 @@ class BlockFetcher(object):
                 fetch.transfer.flush()
                 expired = [i for i, t in fetch.in_flight.items() if now - t >= fetch.timeout]
                 if expired:
+                    if fetch.fanout and not fetch.shared_blocks:
+                        # Nothing ever came on the shared topic (a broker ACL without it):
+                        # ask for blocks on this device's own topic from now on.
+                        self._stop_listening(sha, fetch)
                     if now - fetch.last_block >= fetch.timeout:
                         fetch.timeout = min(fetch.timeout * 2, self.max_timeout_s)
                     for i in expired:
@@ -404,7 +453,16 @@ class BlockFetcher(object):
                     self.cancel(list_sha)
             fetch = self._fetches.pop(sha256, None)
             if fetch is not None:
+                self._stop_listening(sha256, fetch)
                 fetch.transfer.close()
+
+    def _stop_listening(self, sha256: str, fetch: _Fetch) -> None:
+        if fetch.fanout and self.unsubscribe is not None:
+            fetch.fanout = False
+            try:
+                self.unsubscribe(self._topics.fanout_blocks(sha256))
+            except Exception:  # noqa: BLE001 - a lost subscription only costs traffic
+                pass
 
     def close(self) -> None:
         """Persist and release every transfer (at shutdown)."""
