@@ -33,8 +33,7 @@ class _Fetch(object):
         self.sha, self.size, self.block_size = sha, size, block_size
         self.blocks = protocol.block_count(size, block_size)
         self.next = 0  # first block not yet requested
-        self.got = 0
-        self.window_left = 0
+        self.pending: set = set()  # requested, not yet received
 
 
 class SimulatedFleet(object):
@@ -42,11 +41,13 @@ class SimulatedFleet(object):
     births; ``jobs`` (device -> [job ids]) and ``succeeded`` fill as jobs arrive and end."""
 
     def __init__(self, host: str, port: int, count: int, name: str = "sim",
-                 prefix: str = protocol.DEFAULT_PREFIX, fetch: bool = False) -> None:
+                 prefix: str = protocol.DEFAULT_PREFIX, fetch: bool = False,
+                 fanout: bool = False) -> None:
         self.topics = protocol.Topics(prefix)
         self.devices = ["{}-{:05d}".format(name, i) for i in range(count)]
         self.known = set(self.devices)
         self.fetch = fetch
+        self.fanout = fanout  # listen on the shared block topics, say so in requests
         self.lock = threading.Lock()
         self.jobs: Dict[str, List[str]] = {}
         self.succeeded = 0
@@ -69,7 +70,8 @@ class SimulatedFleet(object):
         self.client.connect(self.host, self.port, 60)
         self.client.loop_start()
         base = self.topics.prefix + "/devices/+"
-        self.client.subscribe([(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1)])
+        self.client.subscribe([(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1),
+                               (self.topics.prefix + "/artifacts/+/block/+", 1)])
         for dev in self.devices:
             msg = protocol.status_message(dev, True, 1, "sim", PLATFORM, [], ts=time.time())
             self.client.publish(self.topics.status(dev), protocol.encode(msg), 1, True)
@@ -95,7 +97,7 @@ class SimulatedFleet(object):
             info = self.topics.parse(message.topic)
         except Exception:  # noqa: BLE001 - not ours
             return
-        if info.device not in self.known:
+        if info.device not in self.known and not (info.kind == "block" and not info.device):
             return
         if info.kind == "block":
             self._on_block(info, message.payload)
@@ -129,7 +131,7 @@ class SimulatedFleet(object):
     def _request(self, dev: str, job_id: str) -> None:
         with self.lock:
             fetches = self._fetches.get((dev, job_id)) or []
-            while fetches and fetches[0].got >= fetches[0].blocks:
+            while fetches and fetches[0].next >= fetches[0].blocks and not fetches[0].pending:
                 fetches.pop(0)
             if not fetches:
                 self._fetches.pop((dev, job_id), None)
@@ -139,28 +141,29 @@ class SimulatedFleet(object):
                 f = fetches[0]
                 indices = list(range(f.next, min(f.blocks, f.next + WINDOW)))
                 f.next += len(indices)
-                f.window_left = len(indices)
+                f.pending = set(indices)
         if done:
             self._finish(dev, job_id, "deploy")
             return
         want = protocol.bitmap_from_indices(indices, f.blocks)
-        msg = protocol.request_message(f.sha, f.size, f.block_size, want, job_id)
+        msg = protocol.request_message(f.sha, f.size, f.block_size, want, job_id, self.fanout)
         self.client.publish(self.topics.artifact_request(dev, f.sha), protocol.encode(msg), 1)
 
     def _on_block(self, info: Any, payload: bytes) -> None:
-        again = None
+        again = []
         with self.lock:
             self.block_bytes += len(payload)
             self.block_messages += 1
             for (dev, job_id), fetches in self._fetches.items():
-                if dev == info.device and fetches and fetches[0].sha == info.sha256:
-                    fetches[0].got += 1
-                    fetches[0].window_left -= 1
-                    if fetches[0].window_left <= 0:
-                        again = (dev, job_id)
-                    break
-        if again:
-            self._request(*again)
+                if info.device not in ("", dev) or not fetches:
+                    continue
+                f = fetches[0]
+                if f.sha == info.sha256 and info.block in f.pending:
+                    f.pending.discard(info.block)
+                    if not f.pending:
+                        again.append((dev, job_id))
+        for key in again:
+            self._request(*key)
 
     def _finish(self, dev: str, job_id: str, kind: str) -> None:
         result = {"precision": "fp16", "throughput_qps": 1000.0, "emulated": True,
@@ -178,11 +181,13 @@ def main() -> int:
     p.add_argument("--name", default="sim")
     p.add_argument("--prefix", default=protocol.DEFAULT_PREFIX)
     p.add_argument("--fetch", action="store_true", help="request every artifact's blocks")
+    p.add_argument("--fanout", action="store_true", help="with --fetch: on the artifacts' "
+                   "shared block topics")
     args = p.parse_args()
     hostport = args.broker.split("://", 1)[-1]
     host, _, port = hostport.partition(":")
     fleet = SimulatedFleet(host, int(port or 1883), args.count, args.name, args.prefix,
-                           args.fetch)
+                           args.fetch, args.fanout)
     fleet.start()
     print("{} simulated devices online; Ctrl-C to stop".format(args.count), flush=True)
     try:

@@ -4,8 +4,9 @@
 - One stage of SCALE devices (default 10,000): every device SUCCEEDED; job documents per
   second as the devices received them; the controller's peak RSS and CPU seconds, also per
   1,000 devices.
-- Artifact egress: 10, 100 and 1,000 devices fetching the rollout's artifacts block by block;
-  bytes published on block topics against the artifacts' size.
+- Artifact egress: 10, 100 and 1,000 devices fetching the rollout's artifacts block by block,
+  on the artifacts' shared (fan-out) block topics vs each on its own topics: bytes the
+  controller published (the simulator's one connection receives each publication once).
 
     python scripts/lib/bench.py fleet_scale        (FLEET_SCALE=1000 for a quicker run)
 """
@@ -31,6 +32,26 @@ SCALE = int(os.environ.get("FLEET_SCALE", "10000"))
 EGRESS = [int(n) for n in os.environ.get("FLEET_EGRESS", "10,100,1000").split(",") if n]
 TICKS = os.sysconf("SC_CLK_TCK")
 FP16 = os.path.join(ROOT, "examples", "fp16_max")
+BIG_MB = float(os.environ.get("FLEET_EGRESS_MB", "8"))  # the egress rollouts' model
+BASELINE_MAX = 100  # per-device topics beyond this many devices: devices x size, not run
+
+
+def big_model(work):
+    """An fp32 model of about BIG_MB MiB (one large initializer): y = x + W."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    n = int(BIG_MB * 2 ** 20 / 4)
+    w = numpy_helper.from_array(np.random.default_rng(1).random((1, n), dtype=np.float32), "W")
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "W"], ["y"])], "big",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, n])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    path = os.path.join(work, "big.onnx")
+    onnx.save(model, path)
+    return path
 
 
 def free_port():
@@ -85,13 +106,13 @@ def proc_usage(pid):
     return cpu, rss
 
 
-def one_rollout(n, fetch, timeout=1800):
+def one_rollout(n, fetch, timeout=1800, fanout=False, model=None):
     """A rollout of ``n`` simulated devices; returns the measurements."""
     work = tempfile.mkdtemp(prefix="fleet-scale-")
     mosq, port = broker(work)
     db_path = os.path.join(work, "fleet.db")
     db = "sqlite:///" + db_path
-    fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", fetch=fetch)
+    fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", fetch=fetch, fanout=fanout)
     serve = None
     try:
         fleet.start()
@@ -106,11 +127,12 @@ def one_rollout(n, fetch, timeout=1800):
             time.sleep(0.5)
         cpu0, _ = proc_usage(serve.pid)
         t0 = time.time()
-        out = cli(["rollout", "--model", os.path.join(FP16, "model.onnx"), "--inputs",
-                   os.path.join(FP16, "inputs.json"), "--golden",
-                   os.path.join(FP16, "golden.json"), "--precision", "fp16", "--match",
-                   "sim-*", "--rollout-id", "scale", "--submit", "--detach",
-                   "--timeout", str(timeout)], db)
+        what = ["--model", model, "--precision", "fp32"] if model else [
+            "--model", os.path.join(FP16, "model.onnx"), "--inputs",
+            os.path.join(FP16, "inputs.json"), "--golden", os.path.join(FP16, "golden.json"),
+            "--precision", "fp16"]
+        out = cli(["rollout"] + what + ["--match", "sim-*", "--rollout-id", "scale",
+                                        "--submit", "--detach", "--timeout", str(timeout)], db)
         assert out.returncode == 0, out.stderr
         while count(db_path, "SELECT COUNT(*) FROM rollouts WHERE state = 'succeeded'") < 1:
             assert time.monotonic() < deadline and serve.poll() is None, (
@@ -145,12 +167,23 @@ def run():
     rows.append({"name": "controller peak RSS", "ours": r["rss"] / 2 ** 20, "unit": "MiB"})
     rows.append({"name": "controller CPU per 1,000 devices", "ours":
                  r["cpu_s"] * 1000.0 / r["devices"], "unit": "CPU s"})
-    for n in EGRESS:
-        e = one_rollout(n, fetch=True)
-        rows.append({"name": "block bytes published, {} devices".format(n),
-                     "ours": e["block_bytes"], "baseline": e["artifact_bytes"],
-                     "unit": "bytes (baseline: artifacts' size)",
-                     "goal": "~1x per request window (fan-out: not yet)"})
+    work = tempfile.mkdtemp(prefix="fleet-big-")
+    try:
+        model = big_model(work)
+        size = os.path.getsize(model)
+        for n in EGRESS:
+            e = one_rollout(n, fetch=True, fanout=True, model=model)
+            p = one_rollout(n, fetch=True, fanout=False, model=model) \
+                if n <= BASELINE_MAX else None
+            rows.append({"name": "block bytes published, {} devices, {:.1f} MiB model".format(
+                n, size / 2 ** 20), "ours": e["block_bytes"],
+                "baseline": p["block_bytes"] if p else None,
+                "ratio": e["block_bytes"] / float(size),
+                "unit": "bytes (baseline: per-device topics; ratio: to the model's size)",
+                "goal": "~1x per request window"})
+            assert e["succeeded"] == n
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return rows
 
 
