@@ -136,7 +136,11 @@ class FleetService(object):
         else:
             self._commit_pending()
         actions = ro.start() if ro.current < 0 else []
-        self.commit(ro, actions, more=durable.republish(self.topics, ro) if not actions else ())
+        more = durable.republish(self.topics, ro) if not actions else []
+        for run in ro.ordered():  # adopted answers of an earlier run: cleared as any other
+            if run.terminal and run.note.startswith("the device had already run job"):
+                more.append((self.topics.job_status(run.device, run.job_id), b"", True))
+        self.commit(ro, actions, more=more)
         log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,
                  ro.current + 1, len(ro.stages))
 
