@@ -2,7 +2,7 @@
 Mosquitto and the rollouts in SQLite.
 
 Fault suite: staged rollouts are submitted to the service, which is killed with SIGKILL at
-random points (10 times) and started again each time; a device that is offline through the
+random points (10 times, and stopped with SIGTERM twice) and started again each time; a device that is offline through the
 whole rollout comes back only after the last restart. Every rollout ends SUCCEEDED on every
 device, no journal holds an unfinished job, the broker keeps no job document and no job
 status of a finished job, and the report agrees with the devices' own journals.
@@ -129,6 +129,10 @@ def test_kill_9_at_random_points_and_an_offline_device_all_end_succeeded(
             kills += 1
             assert all(a.alive() for a in agents), [a.log_tail() for a in agents]
             service.start()
+            if kills in (4, 8):  # and an orderly stop now and then (SIGTERM)
+                time.sleep(rng.uniform(0.5, 1.5))
+                assert service.stop() == 0, service.tail()
+                service.start()
         offline.start()  # back after the service restarted
         deadline = time.monotonic() + 240
         for rid in submitted + ["ro-off"]:
