@@ -117,6 +117,10 @@ def _submit(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
             print("rollout {} exists ({}): attaching".format(rollout_id, existing["state"]),
                   file=sys.stderr)
         else:
+            if not store.services(SERVICE_FRESH_S):
+                print("warning: no fleet service is running on {} (fleet serve --db ...): the "
+                      "rollout starts when one does".format(url.split("@")[-1]),
+                      file=sys.stderr)
             add_to_store(store, store_dir(args, url), artifacts, files, copy=True)
             stages = _targets(store, args, rollout_id)
             store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)

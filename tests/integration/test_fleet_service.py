@@ -2,10 +2,11 @@
 Mosquitto and the rollouts in SQLite.
 
 Fault suite: staged rollouts are submitted to the service, which is killed with SIGKILL at
-random points (10 times, and stopped with SIGTERM twice) and started again each time; a device that is offline through the
-whole rollout comes back only after the last restart. Every rollout ends SUCCEEDED on every
-device, no journal holds an unfinished job, the broker keeps no job document and no job
-status of a finished job, and the report agrees with the devices' own journals.
+random points (10 times, and stopped with SIGTERM twice) and started again each time; a
+device that is offline through the whole rollout comes back only after the last restart.
+Every rollout ends SUCCEEDED on every device, no journal holds an unfinished job, the broker
+keeps no job document and no job status of a finished job, and the report agrees with the
+devices' own journals.
 """
 
 import json

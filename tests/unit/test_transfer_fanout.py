@@ -11,8 +11,7 @@ from agent import protocol
 from agent.artifacts import ArtifactStore
 from agent.journal import Journal
 from agent.transfer import BlockFetcher, BlockServer
-from tests.unit.test_transfer import BS, T, Clock, blob
-
+from tests.unit.test_transfer import BS, Clock, T, blob
 
 
 class Broker(object):
