@@ -235,7 +235,7 @@ def _artifact_refs(files: Dict[str, str], work: Optional[str] = None
                    ) -> Dict[str, Dict[str, Any]]:
     """role -> job document reference. With ``work``: each carries its per-block hash list
     (written there and added to ``files`` as ``ROLE.blocks``, served like any artifact)."""
-    from agent.transfer import block_digests, sha256_file
+    from agent.block_server import block_digests, sha256_file
 
     refs: Dict[str, Dict[str, Any]] = {}
     for role, path in sorted(files.items()):

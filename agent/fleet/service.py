@@ -36,7 +36,7 @@ class FleetService(object):
                  instance: Optional[str] = None, only: Optional[Sequence[str]] = None,
                  share_group: Optional[str] = None, lease_s: float = LEASE_S,
                  http_base: Optional[str] = None, http_min_bytes: int = 0) -> None:
-        from agent.transfer import BlockServer
+        from agent.block_server import BlockServer
 
         self.store = store
         self.conn = conn

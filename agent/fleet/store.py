@@ -3,7 +3,7 @@ history, artifacts, the signing sequence and the controller's outbox, in one dat
 
 SQLite by default (embedded, zero set-up; WAL so the CLI reads while ``fleet serve`` writes),
 PostgreSQL with ``postgresql://...`` (``pip install psycopg[binary]``) for large fleets and
-several controllers. Both run the same SQL through ``_Db``, a tiny adapter: ``?`` parameters,
+several controllers. Both run the same SQL through ``Db``, a tiny adapter: ``?`` parameters,
 ``INSERT ... ON CONFLICT`` upserts, and a handful of dialect words in the DDL.
 
 Read API (for the CLI and dashboards): ``devices``, ``device``, ``rollouts``, ``rollout``,
@@ -12,12 +12,13 @@ Read API (for the CLI and dashboards): ``devices``, ``device``, ``rollouts``, ``
 """
 
 import json
-import os
-import threading
 import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from agent.errors import AgentError
+from agent.fleet.db import Db, Tx, default_db_url, redact
+
+__all__ = ["ACTIVE", "Store", "default_db_url"]
 
 ACTIVE = ("running", "paused")  # rollout states a service drives
 SCHEMA_VERSION = 1
@@ -67,123 +68,12 @@ def _loads(text: Any) -> Any:
     return None if text is None else json.loads(text)
 
 
-def default_db_url() -> str:
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local",
-                                                            "state")
-    return "sqlite:///" + os.path.join(base, "jetson-agent", "fleet.db")
-
-
-class _Db(object):
-    """One connection, one dialect. ``execute`` takes ``?`` parameters on both databases."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.lock = threading.RLock()  # one connection shared by a service's threads
-        if url.startswith(("postgresql://", "postgres://")):
-            try:
-                import psycopg
-            except ImportError:
-                raise AgentError("bad_argument", "--db {}: PostgreSQL needs psycopg (pip "
-                                 "install 'psycopg[binary]')".format(_redact(url)))
-            try:
-                self.conn: Any = psycopg.connect(url, autocommit=False, connect_timeout=10)
-            except psycopg.Error as exc:
-                raise AgentError("bad_argument", "cannot connect to the database {}: {}".format(
-                    _redact(url), str(exc).strip()[:300]))
-            self.dialect = "postgresql"
-            self.errors: Tuple[type, ...] = (psycopg.Error,)
-        else:
-            import sqlite3
-
-            path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else (
-                url[len("sqlite:"):] if url.startswith("sqlite:") else url)
-            if path != ":memory:":
-                os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
-            try:
-                self.conn = sqlite3.connect(path, timeout=30.0, isolation_level=None,
-                                            check_same_thread=False)
-                self.conn.execute("PRAGMA journal_mode=WAL")
-                self.conn.execute("PRAGMA synchronous=NORMAL")
-            except sqlite3.Error as exc:
-                raise AgentError("bad_argument", "cannot open the database {}: {}".format(
-                    path, exc))
-            self.dialect = "sqlite"
-            self.errors = (sqlite3.Error,)
-        self._in_tx = 0
-
-    def _sql(self, sql: str) -> str:
-        return sql.replace("?", "%s") if self.dialect == "postgresql" else sql
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
-        with self.lock:
-            if self.dialect == "sqlite" and not self._in_tx:
-                return self.conn.execute(sql, tuple(params))
-            cur = self.conn.cursor()
-            cur.execute(self._sql(sql), tuple(params))
-            if not self._in_tx:
-                self.conn.commit()
-            return cur
-
-    def executemany(self, sql: str, rows: Sequence[Sequence[Any]]) -> None:
-        if not rows:
-            return
-        with self.transaction():
-            self.conn.cursor().executemany(self._sql(sql), [tuple(r) for r in rows])
-
-    def query(self, sql: str, params: Sequence[Any] = ()) -> List[Tuple[Any, ...]]:
-        with self.lock:
-            cur = self.execute(sql, params)
-            rows = [tuple(r) for r in cur.fetchall()]
-            if self.dialect == "postgresql" and not self._in_tx:
-                self.conn.commit()
-            return rows
-
-    def transaction(self) -> "_Tx":
-        return _Tx(self)
-
-    def close(self) -> None:
-        with self.lock:
-            self.conn.close()
-
-
-class _Tx(object):
-    """``with db.transaction():`` - one atomic unit (nested blocks join the outer one)."""
-
-    def __init__(self, db: _Db) -> None:
-        self.db = db
-
-    def __enter__(self) -> "_Tx":
-        self.db.lock.acquire()
-        if not self.db._in_tx and self.db.dialect == "sqlite":
-            self.db.conn.execute("BEGIN IMMEDIATE")
-        self.db._in_tx += 1
-        return self
-
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
-        try:
-            self.db._in_tx -= 1
-            if not self.db._in_tx:
-                if kind is None:
-                    self.db.conn.commit()
-                else:
-                    self.db.conn.rollback()
-        finally:
-            self.db.lock.release()
-
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return "{}://***@{}".format(scheme, rest.rsplit("@", 1)[1])
-    return url
-
-
 class Store(object):
     """The fleet database. ``Store(url)`` creates the tables when missing."""
 
     def __init__(self, url: Optional[str] = None) -> None:
         self.url = url or default_db_url()
-        self.db = _Db(self.url)
+        self.db = Db(self.url)
         serial = "BIGSERIAL" if self.db.dialect == "postgresql" else "INTEGER"
         blob = "BYTEA" if self.db.dialect == "postgresql" else "BLOB"
         with self.db.transaction():
@@ -202,7 +92,7 @@ class Store(object):
     def close(self) -> None:
         self.db.close()
 
-    def transaction(self) -> _Tx:
+    def transaction(self) -> Tx:
         return self.db.transaction()
 
     # -- devices ------------------------------------------------------------------------------
@@ -455,7 +345,7 @@ class Store(object):
         current = self.rollout(rollout_id)
         if current is None:
             raise AgentError("unknown_job", "no rollout {!r} in {}".format(
-                rollout_id, _redact(self.url)))
+                rollout_id, redact(self.url)))
         if current["state"] not in ACTIVE:
             raise AgentError("bad_state_transition", "rollout {} is {} ({}); only running or "
                              "paused rollouts can be {}".format(
