@@ -275,6 +275,8 @@ class FleetService(object):
         self.conn.settle(self.on_message)  # retained statuses before the first decision
         self._commit_pending()
         self._flush_devices()
+        for oid, topic, payload, retain in self.store.outbox_of_finished():
+            self._send([oid], [(topic, payload, retain)])
         self.last_tick = time.monotonic()
         self._tick()
 

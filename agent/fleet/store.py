@@ -305,6 +305,14 @@ class Store(object):
         return [(int(i), t, bytes(p or b""), bool(r)) for i, rid, t, p, r in rows
                 if keep is None or rid in keep]
 
+    def outbox_of_finished(self) -> List[Tuple[int, str, bytes, bool]]:
+        """Messages still owed for rollouts that ended (their last clears and cancels): no
+        instance takes those rollouts over, so whoever starts sends them."""
+        rows = self.db.query("SELECT o.id, o.topic, o.payload, o.retain FROM outbox o JOIN "
+                             "rollouts r ON r.rollout_id = o.rollout_id WHERE r.state NOT IN "
+                             "('running', 'paused') ORDER BY o.id")
+        return [(int(i), t, bytes(p or b""), bool(r)) for i, t, p, r in rows]
+
     def outbox_done(self, ids: Sequence[int]) -> None:
         self.db.executemany("DELETE FROM outbox WHERE id = ?", [(int(i),) for i in ids])
 

@@ -81,6 +81,10 @@ def test_a_rollout_round_trips_with_its_jobs_history_and_outbox(store):
     assert row["state"] == "running" and row["current_stage"] == 1
     assert row["stage_progress"][0]["counts"] == {"SUCCEEDED": 1}
     assert store.busy_devices(["a", "b", "z"]) == {"b": "ro-1"}
+    # Messages a finished rollout still owes are found by whoever starts next.
+    store.save_rollout("ro-1", {"state": "succeeded"}, {}, outbox=[("t/x", b"", True)])
+    owed = [(t, r) for _, t, _, r in store.outbox_of_finished()]
+    assert owed[-1] == ("t/x", True) and len(owed) == len(store.outbox())
     assert [j["device"] for j in store.device_jobs()] == ["a", "b"]
 
 
