@@ -26,6 +26,7 @@ __all__ = ["BlockFetcher", "BlockServer", "block_digests", "sha256_file"]
 
 
 MAX_LIST_TRIES = 5  # a hash list that keeps failing its sha256 ends the transfer
+PER_REQUEST = 64  # blocks per request message (what a BlockServer answers at most)
 
 
 class _Fetch(object):
@@ -207,12 +208,16 @@ class BlockFetcher(object):
         now = self._clock()
         for i in indices:
             fetch.in_flight[i] = now
-        want = protocol.bitmap_from_indices(indices, transfer.blocks)
-        msg = protocol.request_message(sha256, transfer.size, transfer.block_size, want,
-                                       fetch.job_id, fetch.fanout)
-        fetch.requests += 1
-        self._publish(self._topics.artifact_request(self.device, sha256), protocol.encode(msg),
-                      1, False)
+        # A server answers at most PER_REQUEST blocks of one request (BlockServer's default):
+        # a larger window goes out as several requests, or its tail would wait for a timeout.
+        for start in range(0, len(indices), PER_REQUEST):
+            want = protocol.bitmap_from_indices(indices[start:start + PER_REQUEST],
+                                                transfer.blocks)
+            msg = protocol.request_message(sha256, transfer.size, transfer.block_size, want,
+                                           fetch.job_id, fetch.fanout)
+            fetch.requests += 1
+            self._publish(self._topics.artifact_request(self.device, sha256),
+                          protocol.encode(msg), 1, False)
 
     def on_block(self, sha256: str, index: int, data: bytes) -> Optional[str]:
         """Accept one block; returns the stored path when it completed the artifact. A block

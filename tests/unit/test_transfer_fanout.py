@@ -115,3 +115,19 @@ def test_a_device_the_shared_topic_never_reaches_falls_back(tmp_path):
         assert fh.read() == data
     assert any("/devices/deaf/" in t for t, _ in broker.published)
     journal.close()
+
+
+def test_a_window_larger_than_a_request_goes_out_as_several_requests(tmp_path):
+    clock = Clock()
+    broker = Broker()
+    broker.server = BlockServer(broker.server_publish, T, max_blocks_per_request=64,
+                                clock=clock)
+    data = blob(300 * BS)
+    (tmp_path / "m.bin").write_bytes(data)
+    sha = broker.server.add_file(str(tmp_path / "m.bin"))
+    f, journal = make(tmp_path, broker, clock, "wide")
+    f.window = 256
+    assert f.want(sha, len(data), "j1") is None
+    broker.pump()  # no timeout needed: every block asked for is answered
+    assert broker.completed["wide"] and broker.completed["wide"][0][0] == sha
+    journal.close()
