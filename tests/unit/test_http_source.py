@@ -10,7 +10,7 @@ import urllib.request
 from agent.fleet.http_source import HttpSource
 from tests.unit import test_transfer
 from tests.unit.test_transfer import BS, blob, serve
-from tests.unit.test_transfer_block_hashes import setup
+from tests.unit.test_transfer_block_hashes import serve_with_hashes
 
 env = test_transfer.env  # the in-memory broker fixture
 
@@ -41,7 +41,7 @@ def test_range_requests_are_served_from_the_store(env, tmp_path):
 
 def test_a_device_fetches_over_http_resuming_and_checking_hashes(env, tmp_path):
     data = blob(40 * BS + 9)
-    sha, blocks = setup(env, tmp_path, data)
+    sha, blocks = serve_with_hashes(env, tmp_path, data)
     http = HttpSource("127.0.0.1", 0, env.server.files).start()
     try:
         # Half of it came over MQTT before (a restart): HTTP asks only for the rest.
@@ -64,7 +64,7 @@ def test_a_device_fetches_over_http_resuming_and_checking_hashes(env, tmp_path):
 
 def test_a_junk_or_dead_source_hands_over_to_mqtt_blocks(env, tmp_path):
     data = blob(6 * BS)
-    sha, blocks = setup(env, tmp_path, data)
+    sha, blocks = serve_with_hashes(env, tmp_path, data)
     (tmp_path / "junk").write_bytes(b"\x01" * len(data))
     http = HttpSource("127.0.0.1", 0, lambda: {sha: (str(tmp_path / "junk"), len(data))})
     http.start()

@@ -37,7 +37,7 @@ def attack_then_serve(net, junk_for):
                 net.completed.append(done)
 
 
-def setup(env, tmp_path, data):
+def serve_with_hashes(env, tmp_path, data):
     sha = serve(env, tmp_path, data)
     digests = block_digests(str(tmp_path / "model.onnx"), BS)
     (tmp_path / "model.blocks").write_bytes(digests)
@@ -59,7 +59,7 @@ def run_to_completion(env, junk_for):
 
 def test_junk_blocks_answered_first_are_dropped_and_asked_again(env, tmp_path):
     data = blob(20 * BS + 77)
-    sha, blocks = setup(env, tmp_path, data)
+    sha, blocks = serve_with_hashes(env, tmp_path, data)
     assert env.fetcher.want(sha, len(data), "j1", blocks=blocks) is None
     run_to_completion(env, lambda s: s == sha)
     assert env.completed == [(sha, env.store.path(sha))]
@@ -72,7 +72,7 @@ def test_junk_blocks_answered_first_are_dropped_and_asked_again(env, tmp_path):
 
 def test_a_poisoned_hash_list_is_fetched_again(env, tmp_path):
     data = blob(5 * BS)
-    sha, blocks = setup(env, tmp_path, data)
+    sha, blocks = serve_with_hashes(env, tmp_path, data)
     attacked = {"left": 1}
 
     def junk_for(s):  # the list's first answer only
@@ -90,7 +90,7 @@ def test_a_poisoned_hash_list_is_fetched_again(env, tmp_path):
 
 def test_without_hashes_the_transfer_is_as_before(env, tmp_path):
     data = blob(4 * BS)
-    sha, _ = setup(env, tmp_path, data)
+    sha, _ = serve_with_hashes(env, tmp_path, data)
     assert env.fetcher.want(sha, len(data), "j1") is None
     run_to_completion(env, lambda s: False)
     assert env.completed == [(sha, env.store.path(sha))]
