@@ -114,10 +114,18 @@ def factory_for(store: Store, rollout_id: str, signer: Any = None,
     docs = doc_factory(row["spec"] or {}, url_for)
     if signer is None:
         return docs
+    deadline = float(row.get("deadline") or 0)
 
     def signed(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
                ) -> Dict[str, Any]:
-        return signer.sign(docs(device, job_id, kind, layers))
+        # Valid until the rollout's own deadline at least: a device offline for days still
+        # runs its job when it returns (the signer's --valid-for is the floor).
+        from agent.signing import sign_document
+
+        now = signer.clock()
+        seq = signer.sequence.next(signer.key_id, int(now * 1000))
+        return sign_document(docs(device, job_id, kind, layers), signer.private_key, seq, now,
+                             max(now + signer.validity_s, deadline))
 
     return signed
 

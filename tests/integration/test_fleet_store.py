@@ -109,3 +109,23 @@ def test_leases_pass_to_another_instance_only_when_they_expire(store):
     with pytest.raises(AgentError) as err:
         store.request_control("ro-b", "cancel")
     assert err.value.code == "bad_state_transition"
+
+
+def test_signed_documents_stay_valid_until_the_rollouts_deadline(store, tmp_path):
+    import time
+
+    from agent import signing
+
+    keys = signing.generate_keypair(str(tmp_path / "keys"), "k")
+    signer = signing.Signer(keys["private_key"], str(tmp_path / "seq.json"), validity_s=3600)
+    signer.sequence = durable.DbSequence(store, mirror=signer.sequence)
+    deadline = time.time() + 5 * 86400  # a device may be offline for days
+    spec = {"precision": "fp16", "policy": {}, "artifacts": {
+        "model": {"sha256": "a" * 64, "size": 10}}}
+    store.insert_rollout("ro-s", spec, [["dev"]], deadline=deadline)
+    doc = durable.factory_for(store, "ro-s", signer)("dev", "ro-s", "deploy", None)
+    assert doc["signature"]["expires"] >= int(deadline)
+    trust = signing.TrustStore.from_entries([keys["public_key"]])
+    accepted = signing.check_job(doc, "dev", trust, allow_unsigned=False,
+                                 last_seq=lambda kid: 0, now=deadline - 60)
+    assert accepted.seq == doc["signature"]["seq"] >= int(time.time() * 1000) - 60000
