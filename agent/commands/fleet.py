@@ -162,6 +162,11 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     a.add_argument("--layer-precisions", nargs="+", metavar="NAME:PREC", default=[],
                    help="keep these layers in float32/float16")
     a.add_argument("--rollout-id", metavar="ID", help="job id to use (default: from the model)")
+    a.add_argument("--artifact-url", action="append", default=[], metavar="ROLE=URL",
+                   help="devices may fetch this artifact (model, calibration, inputs, goldens, "
+                        "labels) from an HTTP(S) URL with Range requests: a CDN or an object "
+                        "store's pre-signed URL (checked against the same hashes; MQTT blocks "
+                        "when it fails)")
     g = r.add_argument_group("accuracy gate (Polygraphy semantics)")
     g.add_argument("--inputs", metavar="F", help="inputs the goldens were computed from "
                    "(Polygraphy --save-inputs JSON or .npz)")
@@ -256,6 +261,17 @@ def _artifact_refs(files: Dict[str, str], work: Optional[str] = None
     return refs
 
 
+def _add_urls(artifacts: Dict[str, Dict[str, Any]], items: List[str]) -> None:
+    for item in items:
+        role, sep, url = item.partition("=")
+        if not sep or role not in artifacts or not url.startswith(("http://", "https://")) \
+                or len(url) > 2048 or any(c.isspace() for c in url):
+            raise AgentError("bad_argument", "--artifact-url expects ROLE=http(s)://... with "
+                             "ROLE one of {} (at most 2048 characters, no spaces), found {!r}"
+                             .format(", ".join(sorted(artifacts)), item[:100]))
+        artifacts[role]["url"] = url
+
+
 def _check_numbers(args: argparse.Namespace) -> None:
     for name in ("atol", "rtol"):
         value = getattr(args, name)
@@ -319,6 +335,7 @@ def run_rollout(args: argparse.Namespace) -> int:
             goldens=args.golden, labels=args.labels, layer_precisions=user_layers,
             min_top1=args.min_top1, search=args.search)
         artifacts = _artifact_refs(files, work)
+        _add_urls(artifacts, args.artifact_url)
         spec = spec_from_args(args, artifacts, user_layers, args.timeout)
         docs = fleet.doc_factory(spec)
         signer = None

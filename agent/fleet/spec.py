@@ -42,8 +42,8 @@ def doc_factory(spec: Mapping[str, Any],
     precision = str(spec["precision"])
     artifacts = {role: dict(ref) for role, ref in dict(spec["artifacts"]).items()}
     for ref in artifacts.values():
-        url = url_for(ref) if url_for is not None else None
-        if url:
+        url = url_for(ref) if url_for is not None and "url" not in ref else None
+        if url:  # an operator's --artifact-url (a CDN) wins over the service's own store
             ref["url"] = url
     user_layers = dict(spec.get("layer_precisions") or {})
     fallback = list(FALLBACK_CHAINS.get(precision, ())) if spec.get("fallback") == "allow" \

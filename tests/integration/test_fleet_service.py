@@ -300,3 +300,24 @@ def test_artifacts_over_http_from_the_service(mosquitto, agent_factory, tmp_path
         service.kill()
     assert "over HTTP from http://127.0.0.1:" in agent.log_tail(20000)
     agent.assert_store_sound()
+
+
+def test_an_artifact_url_named_by_the_operator(mosquitto, agent_factory, tmp_path):
+    """``--artifact-url model=URL`` (a CDN, an object store): the device fetches it there."""
+    from agent.block_server import sha256_file
+    from agent.fleet.http_source import HttpSource
+
+    model = os.path.join(FP16, "model.onnx")
+    sha = sha256_file(model)
+    cdn = HttpSource("127.0.0.1", 0, lambda: {sha: (model, os.path.getsize(model))}).start()
+    agent = agent_factory("cdn-a").start()
+    try:
+        wait_status(mosquitto, ["cdn-a"], agents=[agent])
+        url = "http://127.0.0.1:{}/artifacts/{}".format(cdn.port, sha)
+        out = fleet_cli(["rollout"] + fp16_args() + [
+            "--devices", "cdn-a", "--artifact-url", "model=" + url, "--broker", mosquitto.url,
+            "--json", "-q", "--timeout", "60"], timeout=90)
+    finally:
+        cdn.stop()
+    assert out.returncode == 0, out.stderr + agent.log_tail()
+    assert "over HTTP from " + url in agent.log_tail(20000)
