@@ -94,7 +94,8 @@ def add_parser(sub: Any) -> None:
     d.add_argument("--json", action="store_true")
     d.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
                    help="read the registry of 'fleet serve' from this database (every "
-                        "device ever heard of, last known board) instead of the broker")
+                        "device ever heard of, last known board) instead of the broker; "
+                        "default: the default database when a service runs on it")
     d.set_defaults(func=run_devices)
 
     r = fsub.add_parser("rollout", help="deploy a model to devices in stages",
@@ -415,9 +416,20 @@ def _db_directory(url: str) -> fleet.DeviceDirectory:
         store.close()
 
 
-def run_devices(args: argparse.Namespace) -> int:
+def _registry_db(args: argparse.Namespace) -> Optional[str]:
+    """--db, else the default database when a fleet service is running on it."""
+    from agent.commands.fleet_serve import service_up
+    from agent.fleet.store import default_db_url
+
     if args.db:
-        directory = _db_directory(args.db)
+        return str(args.db)
+    return default_db_url() if service_up(default_db_url()) else None
+
+
+def run_devices(args: argparse.Namespace) -> int:
+    url = _registry_db(args)
+    if url:
+        directory = _db_directory(url)
     else:
         conn = connect(args)
         try:
@@ -489,8 +501,9 @@ def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
 
 
 def run_jobs(args: argparse.Namespace) -> int:
-    if args.db:
-        found = _db_jobs(args.db)
+    url = _registry_db(args)
+    if url:
+        found = _db_jobs(url)
     else:
         conn = connect(args)
         try:
