@@ -60,9 +60,9 @@ class BlockFetcher(object):
     """Device side: fetches artifacts block by block into an ArtifactStore.
 
     At most ``window`` blocks are requested and unanswered at a time; each time an eighth of
-    them has arrived the next missing ones are requested. Blocks requested more than the current timeout
-    ago are requested again (only if still missing); while nothing arrives the timeout doubles
-    up to ``max_timeout_s``. Thread-safe: blocks may arrive on the MQTT thread while ``tick``
+    them has arrived the next missing ones are requested. Blocks requested more than the
+    current timeout ago are requested again (only if still missing); while nothing arrives the
+    timeout doubles up to ``max_timeout_s``. Thread-safe: blocks may arrive on the MQTT thread while ``tick``
     runs on another."""
 
     def __init__(
