@@ -62,8 +62,8 @@ class BlockFetcher(object):
     At most ``window`` blocks are requested and unanswered at a time; each time an eighth of
     them has arrived the next missing ones are requested. Blocks requested more than the
     current timeout ago are requested again (only if still missing); while nothing arrives the
-    timeout doubles up to ``max_timeout_s``. Thread-safe: blocks may arrive on the MQTT thread while ``tick``
-    runs on another."""
+    timeout doubles up to ``max_timeout_s``. Thread-safe: blocks may arrive on the MQTT thread
+    (or an HTTP thread) while ``tick`` runs on another."""
 
     def __init__(
         self,
