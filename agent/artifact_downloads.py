@@ -46,8 +46,13 @@ class ArtifactDownloads(WorkerSupervisor):
                      ", ".join(sha[:12] for sha in removed))
 
     def _start_downloads(self, run: Run) -> None:
+        self.fetcher.inject = self._inject_block
+        self.fetcher.subscribe, self.fetcher.unsubscribe = self.mqtt.subscribe, \
+            self.mqtt.unsubscribe  # shared (fan-out) block topics while fetching
         for role, (sha, size) in sorted(run.needed.items()):
-            path = self.fetcher.want(sha, size, run.job_id)
+            ref = (run.doc.get("artifacts") or {}).get(role) or {}
+            path = self.fetcher.want(sha, size, run.job_id, blocks=ref.get("blocks"),
+                                     url=ref.get("url"))
             if path is not None:
                 run.paths[role] = path
         if run.downloading:
@@ -55,6 +60,13 @@ class ArtifactDownloads(WorkerSupervisor):
             self._report_download(run, force=True)
         else:
             self._launch(run)
+
+    def _inject_block(self, topic: str, payload: bytes) -> None:
+        """An artifact's last block fetched over HTTP (agent.http_fetch), handed to the main
+        loop as if it came over MQTT: completion happens in one place."""
+        from agent.mqtt import MESSAGE, Event
+
+        self.mqtt.events.put(Event(MESSAGE, topic=topic, payload=payload))
 
     def _download_progress(self, run: Run) -> Tuple[int, int]:
         done = total = 0

@@ -256,8 +256,8 @@ class Daemon(DeviceCommands):
         except AgentError as exc:
             log.debug("dropped message on %s: %s", ev.topic, exc)
             return
-        if info.device != self.device:
-            return
+        if info.device != self.device and not (info.kind == "block" and not info.device):
+            return  # another device's topic (a shared fan-out block has no device)
         if info.kind == "job":
             self._on_job_doc(str(info.job_id), ev.payload)
         elif info.kind == "block":

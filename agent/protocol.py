@@ -165,6 +165,17 @@ class Topics(object):
                 MAX_BLOCKS - 1, _short(index)))
         return "{}/artifacts/{}/block/{}".format(self._dev(device), check_sha256(sha256), index)
 
+    def fanout_block(self, sha256: str, index: int) -> str:
+        """Block ``index`` on the artifact's shared topic: published once, the broker hands
+        it to every device fetching the artifact (they subscribe while they fetch)."""
+        if not isinstance(index, int) or not 0 <= index < MAX_BLOCKS:
+            raise AgentError("bad_message", "block index must be 0..{}, found {}".format(
+                MAX_BLOCKS - 1, _short(index)))
+        return "{}/artifacts/{}/block/{}".format(self.prefix, check_sha256(sha256), index)
+
+    def fanout_blocks(self, sha256: str) -> str:
+        return "{}/artifacts/{}/block/+".format(self.prefix, check_sha256(sha256))
+
     def telemetry(self, device: str) -> str:
         return self._dev(device) + "/telemetry"
 
@@ -200,6 +211,14 @@ class Topics(object):
         """The kind and ids a topic names; ids are validated. AgentError bad_message."""
         parts = topic.split("/") if isinstance(topic, str) else []
         n = len(self._levels)
+        if parts[:n] == self._levels and len(parts) == n + 4 and parts[n] == "artifacts" \
+                and parts[n + 2] == "block":
+            # A shared (fan-out) block: no device level, ``device`` is "".
+            sha = check_sha256(parts[n + 1])
+            if _INDEX_RE.fullmatch(parts[n + 3]) is None or int(parts[n + 3]) >= MAX_BLOCKS:
+                raise AgentError("bad_message", "block index must be a decimal 0..{}, found {}"
+                                 .format(MAX_BLOCKS - 1, _short(parts[n + 3])))
+            return TopicInfo("block", "", sha256=sha, block=int(parts[n + 3]))
         if parts[:n] != self._levels or len(parts) < n + 3 or parts[n] != "devices":
             raise AgentError("bad_message", "expected a topic under {}/devices/, found {}".format(
                 self.prefix, _short(topic)))
@@ -683,7 +702,7 @@ def job_status_publication(topics: Topics, device: str, row: Mapping[str, Any]) 
 
 
 def request_message(sha256: str, size: int, block_size: int, want: Bits,
-                    job_id: Optional[str] = None) -> Dict[str, Any]:
+                    job_id: Optional[str] = None, fanout: bool = False) -> Dict[str, Any]:
     msg: Dict[str, Any] = {
         "protocol": PROTOCOL_VERSION,
         "sha256": sha256,
@@ -694,6 +713,8 @@ def request_message(sha256: str, size: int, block_size: int, want: Bits,
     }
     if job_id is not None:
         msg["job_id"] = job_id
+    if fanout:  # the device listens on the artifact's shared block topic
+        msg["fanout"] = True
     return msg
 
 
@@ -753,6 +774,13 @@ def reply_topic(topics: Topics, device: str, command: Mapping[str, Any],
 
 
 # ---------------------------------------------------------------------------- blocks and bitmaps
+
+def manifest_block_size(size: int, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """The block size an artifact of ``size`` bytes is hashed and fetched in: ``block_size``,
+    or larger (whole KiB) when it would need more than MAX_BLOCKS blocks."""
+    needed = -(-size // MAX_BLOCKS)
+    return max(block_size, -(-needed // 1024) * 1024)
+
 
 def block_count(size: int, block_size: int) -> int:
     return (size + block_size - 1) // block_size

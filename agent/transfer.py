@@ -1,130 +1,69 @@
 """Artifact transfer over MQTT in blocks, resumable (after AWS IoT MQTT file delivery).
 
-``BlockServer`` (controller side) answers a device's request with the blocks it asks for;
-``BlockFetcher`` (device side) asks for the blocks it misses, a window at a time, writes them
-through the artifact store and re-asks for what a timeout, a disconnect or a restart lost. Both
-are free of paho: they publish through a ``publish(topic, payload, qos, retain)`` callable and are
-fed the messages the MQTT layer receives.
+``BlockServer`` (controller side, ``agent.block_server``) answers a device's request with the
+blocks it asks for; ``BlockFetcher`` (device side) asks for the blocks it misses, a window at
+a time, writes them through the artifact store and re-asks for what a timeout, a disconnect or
+a restart lost; with per-block hashes it checks each block as it arrives, with a URL it fetches
+over HTTP (``agent.http_fetch``), and it listens on the artifact's shared (fan-out) block topic
+while it fetches. Both are free of paho: they publish through a
+``publish(topic, payload, qos, retain)`` callable and are fed the messages the MQTT layer
+receives.
 """
 
 import hashlib
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 from agent import protocol
 from agent.artifacts import ArtifactStore, Transfer
+from agent.block_server import BlockServer, Publish, block_digests, sha256_file
 from agent.errors import AgentError
 from agent.protocol import Topics
 
-Publish = Callable[..., Any]  # publish(topic: str, payload: bytes, qos: int, retain: bool)
+__all__ = ["BlockFetcher", "BlockServer", "block_digests", "sha256_file"]
 
 
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-class BlockServer(object):
-    """Controller side: serves the blocks of local files, known by sha256.
-
-    Each request is answered with at most ``max_blocks_per_request`` blocks (the lowest indices
-    asked for), read one at a time with a seek, so memory is bounded by the block size times
-    what the MQTT client buffers; the device paces the stream with its request window."""
-
-    def __init__(self, publish: Publish, topics: Topics,
-                 max_blocks_per_request: int = 64) -> None:
-        self._publish = publish
-        self._topics = topics
-        self.max_blocks_per_request = max(1, int(max_blocks_per_request))
-        self._files: Dict[str, Tuple[str, int]] = {}
-        self._lock = threading.Lock()
-        self.blocks_sent = 0
-
-    def add_file(self, path: str, sha256: Optional[str] = None) -> str:
-        """Serve ``path``; its sha256 is computed when not given. Returns the sha256."""
-        try:
-            size = os.path.getsize(path)
-        except OSError as exc:
-            raise AgentError("file_not_found", "cannot read {}: {}".format(path, exc.strerror))
-        sha = protocol.check_sha256(sha256) if sha256 is not None else sha256_file(path)
-        with self._lock:
-            self._files[sha] = (os.path.abspath(path), size)
-        return sha
-
-    def remove(self, sha256: str) -> None:
-        with self._lock:
-            self._files.pop(sha256, None)
-
-    def files(self) -> Dict[str, Tuple[str, int]]:
-        """sha256 -> (path, size) of what is served."""
-        with self._lock:
-            return dict(self._files)
-
-    def handle_request(self, topic: str, payload: bytes) -> int:
-        """Answer one request message; returns the number of blocks published.
-        AgentError bad_message, message_too_large, unknown_artifact (not answered)."""
-        info = self._topics.parse(topic)
-        if info.kind != "artifact_request":
-            raise AgentError("bad_message", "expected an artifact request topic, found {}"
-                             .format(topic))
-        msg = protocol.decode("artifact_request", payload)
-        if msg["sha256"] != info.sha256:
-            raise AgentError("bad_message", "request on the topic of artifact {} names {}"
-                             .format(info.sha256, msg["sha256"]))
-        want = protocol.check_request(msg)
-        with self._lock:
-            entry = self._files.get(msg["sha256"])
-        if entry is None:
-            raise AgentError("unknown_artifact", "device {} asks for artifact {}, which this "
-                             "controller does not serve".format(info.device, msg["sha256"]))
-        path, size = entry
-        if msg["size"] != size:
-            raise AgentError("unknown_artifact", "device {} asks for {} bytes of artifact {}, "
-                             "found a file of {} bytes".format(info.device, msg["size"],
-                                                               msg["sha256"], size))
-        block_size = msg["block_size"]
-        indices = protocol.bitmap_indices(want, msg["blocks"], self.max_blocks_per_request)
-        try:
-            with open(path, "rb") as f:
-                for index in indices:
-                    length = protocol.block_length(size, block_size, index)
-                    f.seek(index * block_size)
-                    data = f.read(length)
-                    if len(data) != length:
-                        raise AgentError("unknown_artifact", "{} changed size while being "
-                                         "served (block {} is short)".format(path, index))
-                    self._publish(self._topics.block(info.device, msg["sha256"], index), data,
-                                  1, False)
-                    self.blocks_sent += 1
-        except OSError as exc:
-            raise AgentError("file_not_found", "cannot read {}: {}".format(path, exc.strerror))
-        return len(indices)
+MAX_LIST_TRIES = 5  # a hash list that keeps failing its sha256 ends the transfer
+PER_REQUEST = 64  # blocks per request message (what a BlockServer answers at most)
 
 
 class _Fetch(object):
     def __init__(self, transfer: Transfer, job_id: Optional[str], now: float,
-                 timeout: float) -> None:
+                 timeout: float, digests: Optional[bytes] = None) -> None:
         self.transfer = transfer
         self.job_id = job_id
         self.in_flight: Dict[int, float] = {}  # block index -> when it was requested
         self.last_block = now
         self.timeout = timeout
         self.requests = 0
+        self.digests = digests  # per-block sha256 digests from the signed hash list
+        self.bad_blocks = 0
+        self.http = False  # an HTTP thread fetches it (agent.http_fetch); MQTT waits
+        self.fanout = False  # subscribed to the artifact's shared block topic
+        self.shared_blocks = 0  # blocks that came on it
+
+
+class _ListFor(NamedTuple):
+    """A hash list being fetched, and the artifact it is for."""
+
+    sha256: str
+    size: int
+    block_size: int
+    job_id: Optional[str]
+    tries: int
+    url: Optional[str]
 
 
 class BlockFetcher(object):
     """Device side: fetches artifacts block by block into an ArtifactStore.
 
-    At most ``window`` blocks are requested and unanswered at a time; when half of them have
-    arrived the next missing ones are requested. Blocks requested more than the current timeout
-    ago are requested again (only if still missing); while nothing arrives the timeout doubles
-    up to ``max_timeout_s``. Thread-safe: blocks may arrive on the MQTT thread while ``tick``
-    runs on another."""
+    At most ``window`` blocks are requested and unanswered at a time; each time an eighth of
+    them has arrived the next missing ones are requested. Blocks requested more than the
+    current timeout ago are requested again (only if still missing); while nothing arrives the
+    timeout doubles up to ``max_timeout_s``. Thread-safe: blocks may arrive on the MQTT thread
+    (or an HTTP thread) while ``tick`` runs on another."""
 
     def __init__(
         self,
@@ -148,28 +87,116 @@ class BlockFetcher(object):
         self.max_timeout_s = max(timeout_s, max_timeout_s)
         self._clock = clock
         self._fetches: Dict[str, _Fetch] = {}
+        self._lists: Dict[str, _ListFor] = {}  # hash list sha256 -> the artifact it is for
+        # The daemon's way to receive a block as if from MQTT (HTTP completions), and what
+        # completed over HTTP without it (tests).
+        self.inject: Optional[Callable[[str, bytes], None]] = None
+        # subscribe(topic, qos) / unsubscribe(topic) of the daemon's MQTT client: with them,
+        # each fetch listens on the artifact's shared (fan-out) block topic.
+        self.subscribe: Optional[Callable[..., Any]] = None
+        self.unsubscribe: Optional[Callable[[str], Any]] = None
+        self.http_completed: List[Tuple[str, str]] = []
         self._lock = threading.RLock()
+        self.bad_blocks = 0  # blocks dropped because they did not match their hash
 
-    def want(self, sha256: str, size: int, job_id: Optional[str] = None) -> Optional[str]:
+    def want(self, sha256: str, size: int, job_id: Optional[str] = None,
+             blocks: Optional[Mapping[str, Any]] = None, url: Optional[str] = None
+             ) -> Optional[str]:
         """The stored path when the artifact is already here (nothing is requested), else
         start or resume fetching it and return None (``on_block`` returns the path later).
-        AgentError bad_message, bad_argument, disk_full, hash_mismatch."""
+        ``blocks``: the job document's per-block hash reference (``{"block_size", "sha256"}``):
+        its hash list is fetched first, then every block is checked against it as it arrives.
+        ``url``: fetch the artifact over HTTP(S) with Range requests (agent.http_fetch), MQTT
+        blocks when that fails. AgentError bad_message, bad_argument, disk_full,
+        hash_mismatch."""
         protocol.check_sha256(sha256)
         with self._lock:
             if sha256 not in self._fetches and self.store.has(sha256):
                 self.store.touch(sha256)
                 return self.store.path(sha256)
-            if sha256 in self._fetches:
+            if sha256 in self._fetches or any(w.sha256 == sha256
+                                               for w in self._lists.values()):
                 return None
-            transfer = self.store.begin(sha256, size, self.block_size)
-            if transfer.complete():  # every block arrived before a restart
-                return transfer.finish()
-            fetch = _Fetch(transfer, job_id, self._clock(), self.timeout_s)
-            self._fetches[sha256] = fetch
-            self._request(sha256, fetch)
+            if blocks is not None:
+                list_sha = protocol.check_sha256(blocks.get("sha256"))
+                block_size = int(blocks.get("block_size") or 0)
+                count = protocol.block_count(size, block_size) if block_size > 0 else 0
+                if not protocol.MIN_BLOCK_SIZE <= block_size <= protocol.MAX_BLOCK_SIZE or \
+                        count > protocol.MAX_BLOCKS:
+                    raise AgentError("bad_message", "artifact {}: per-block hashes need a block "
+                                     "size of {}..{} bytes and at most {} blocks, found {}"
+                                     .format(sha256, protocol.MIN_BLOCK_SIZE,
+                                             protocol.MAX_BLOCK_SIZE, protocol.MAX_BLOCKS,
+                                             block_size))
+                digests = self._stored_list(list_sha, count)
+                if digests is None:
+                    self._lists[list_sha] = _ListFor(sha256, size, block_size, job_id, 1, url)
+                    self._start(list_sha, 32 * count, job_id, None, None)
+                    return None
+                return self._start(sha256, size, job_id, digests, block_size, url)
+            return self._start(sha256, size, job_id, None, None, url)
+
+    def _stored_list(self, list_sha: str, count: int) -> Optional[bytes]:
+        if not self.store.has(list_sha):
             return None
+        with open(self.store.path(list_sha), "rb") as f:
+            data = f.read(32 * count + 1)
+        if len(data) != 32 * count:
+            raise AgentError("hash_mismatch", "the per-block hash list {} holds {} bytes; {} "
+                             "blocks need {}".format(list_sha, len(data), count, 32 * count))
+        return data
+
+    def _start(self, sha256: str, size: int, job_id: Optional[str],
+               digests: Optional[bytes], block_size: Optional[int],
+               url: Optional[str] = None) -> Optional[str]:
+        transfer = self.store.begin(sha256, size, block_size or self.block_size)
+        if block_size and transfer.block_size != block_size:
+            transfer.abort()  # a partial in other blocks cannot be checked block by block
+            transfer = self.store.begin(sha256, size, block_size)
+        if transfer.complete():  # every block arrived before a restart
+            return transfer.finish()
+        fetch = _Fetch(transfer, job_id, self._clock(), self.timeout_s, digests)
+        self._fetches[sha256] = fetch
+        if self.subscribe is not None:
+            self.subscribe(self._topics.fanout_blocks(sha256), 1)
+            fetch.fanout = True
+        if url and url.startswith(("http://", "https://")):
+            from agent import http_fetch
+
+            fetch.http = True
+            threading.Thread(target=http_fetch.run, args=(self, sha256, fetch, url),
+                             name="http-fetch", daemon=True).start()
+        else:
+            self._request(sha256, fetch)
+        return None
+
+    def _http_failed(self, sha256: str, fetch: _Fetch) -> None:
+        with self._lock:
+            if self._fetches.get(sha256) is fetch and fetch.http:
+                fetch.http = False
+                self._request(sha256, fetch)
+
+    def _list_done(self, list_sha: str, path: Optional[str]) -> Optional[str]:
+        """A hash list completed (``path``) or failed its sha256 (None): start the artifact,
+        or fetch the list again (a poisoned first answer must not end the job)."""
+        wanted = self._lists.pop(list_sha)
+        if path is None:
+            if wanted.tries >= MAX_LIST_TRIES:
+                raise AgentError("hash_mismatch", "the per-block hash list {} of artifact {} "
+                                 "failed its sha256 {} times".format(list_sha, wanted.sha256,
+                                                                     wanted.tries))
+            self._lists[list_sha] = wanted._replace(tries=wanted.tries + 1)
+            self._start(list_sha, 32 * protocol.block_count(wanted.size, wanted.block_size),
+                        wanted.job_id, None, None)
+            return None
+        digests = self._stored_list(list_sha, protocol.block_count(wanted.size,
+                                                                    wanted.block_size))
+        return self._start(wanted.sha256, wanted.size, wanted.job_id, digests,
+                           wanted.block_size, wanted.url)
 
     def _request(self, sha256: str, fetch: _Fetch) -> None:
+        if fetch.http:
+            return
         free = self.window - len(fetch.in_flight)
         if free <= 0:
             return
@@ -181,12 +208,16 @@ class BlockFetcher(object):
         now = self._clock()
         for i in indices:
             fetch.in_flight[i] = now
-        want = protocol.bitmap_from_indices(indices, transfer.blocks)
-        msg = protocol.request_message(sha256, transfer.size, transfer.block_size, want,
-                                       fetch.job_id)
-        fetch.requests += 1
-        self._publish(self._topics.artifact_request(self.device, sha256), protocol.encode(msg),
-                      1, False)
+        # A server answers at most PER_REQUEST blocks of one request (BlockServer's default):
+        # a larger window goes out as several requests, or its tail would wait for a timeout.
+        for start in range(0, len(indices), PER_REQUEST):
+            want = protocol.bitmap_from_indices(indices[start:start + PER_REQUEST],
+                                                transfer.blocks)
+            msg = protocol.request_message(sha256, transfer.size, transfer.block_size, want,
+                                           fetch.job_id, fetch.fanout)
+            fetch.requests += 1
+            self._publish(self._topics.artifact_request(self.device, sha256),
+                          protocol.encode(msg), 1, False)
 
     def on_block(self, sha256: str, index: int, data: bytes) -> Optional[str]:
         """Accept one block; returns the stored path when it completed the artifact. A block
@@ -201,6 +232,17 @@ class BlockFetcher(object):
                 raise AgentError("unknown_artifact", "block {} of artifact {}, which is not "
                                  "being fetched".format(index, sha256))
             transfer = fetch.transfer
+            digests = fetch.digests
+            if digests is not None and not transfer.has_block(index) and 0 <= index < \
+                    transfer.blocks and hashlib.sha256(data).digest() != \
+                    digests[32 * index:32 * index + 32]:
+                # Junk (or a forged answer): dropped and asked again, the file stays clean.
+                fetch.in_flight.pop(index, None)
+                fetch.bad_blocks += 1
+                self.bad_blocks += 1
+                raise AgentError("unknown_artifact", "block {} of artifact {} does not match its "
+                                 "sha256 in the signed hash list; dropped, asked again".format(
+                                     index, sha256))
             try:
                 if not transfer.write_block(index, data):
                     raise AgentError(
@@ -214,13 +256,25 @@ class BlockFetcher(object):
                 fetch.timeout = self.timeout_s
                 if transfer.complete():
                     del self._fetches[sha256]
-                    return transfer.finish()
+                    self._stop_listening(sha256, fetch)
+                    try:
+                        path = transfer.finish()
+                    except AgentError as exc:
+                        if sha256 in self._lists and exc.code == "hash_mismatch":
+                            return self._list_done(sha256, None)
+                        raise
+                    if sha256 in self._lists:
+                        return self._list_done(sha256, path)
+                    return path
             except AgentError as exc:
                 if exc.code != "unknown_artifact":
-                    self._fetches.pop(sha256, None)
+                    if self._fetches.pop(sha256, None) is not None:
+                        self._stop_listening(sha256, fetch)
                     transfer.close()
                 raise
-            if len(fetch.in_flight) <= self.window // 2:
+            # Keep the window nearly full (ask again each 1/8 of it): deeper pipelining, at
+            # the cost of more, smaller requests.
+            if len(fetch.in_flight) <= self.window - max(1, self.window // 8):
                 self._request(sha256, fetch)
             return None
 
@@ -229,15 +283,24 @@ class BlockFetcher(object):
         AgentError bad_message (not a block topic of this device), message_too_large, and
         those of ``on_block``."""
         info = self._topics.parse(topic)
-        if info.kind != "block" or info.device != self.device:
+        if info.kind != "block" or info.device not in (self.device, ""):
             raise AgentError("bad_message", "expected a block topic of device {}, found {}"
                              .format(self.device, topic))
         if len(payload) > protocol.MAX_BLOCK_SIZE:
             raise AgentError("message_too_large", "a block may be at most {} bytes, found {}"
                              .format(protocol.MAX_BLOCK_SIZE, len(payload)))
         assert info.sha256 is not None and info.block is not None
+        if not info.device:
+            with self._lock:
+                fetch = self._fetches.get(info.sha256)
+                if fetch is not None:
+                    fetch.shared_blocks += 1
         path = self.on_block(info.sha256, info.block, bytes(payload))
-        return (info.sha256, path) if path is not None else None
+        if path is None:
+            return None
+        # A hash list's last block may complete the artifact it is for (resumed): name that.
+        name = os.path.basename(path)
+        return (name if protocol.valid_sha256(name) else info.sha256, path)
 
     def tick(self) -> None:
         """Call about once a second: persists received-block bitmaps and re-requests blocks
@@ -248,6 +311,10 @@ class BlockFetcher(object):
                 fetch.transfer.flush()
                 expired = [i for i, t in fetch.in_flight.items() if now - t >= fetch.timeout]
                 if expired:
+                    if fetch.fanout and not fetch.shared_blocks:
+                        # Nothing ever came on the shared topic (a broker ACL without it):
+                        # ask for blocks on this device's own topic from now on.
+                        self._stop_listening(sha, fetch)
                     if now - fetch.last_block >= fetch.timeout:
                         fetch.timeout = min(fetch.timeout * 2, self.max_timeout_s)
                     for i in expired:
@@ -267,13 +334,27 @@ class BlockFetcher(object):
     def cancel(self, sha256: str) -> None:
         """Stop fetching; what was received stays on disk and resumes with the next want()."""
         with self._lock:
+            for list_sha, wanted in list(self._lists.items()):
+                if wanted.sha256 == sha256:
+                    del self._lists[list_sha]
+                    self.cancel(list_sha)
             fetch = self._fetches.pop(sha256, None)
             if fetch is not None:
+                self._stop_listening(sha256, fetch)
                 fetch.transfer.close()
+
+    def _stop_listening(self, sha256: str, fetch: _Fetch) -> None:
+        if fetch.fanout and self.unsubscribe is not None:
+            fetch.fanout = False
+            try:
+                self.unsubscribe(self._topics.fanout_blocks(sha256))
+            except Exception:  # noqa: BLE001 - a lost subscription only costs traffic
+                pass
 
     def close(self) -> None:
         """Persist and release every transfer (at shutdown)."""
         with self._lock:
+            self._lists.clear()
             for sha in list(self._fetches):
                 self.cancel(sha)
 

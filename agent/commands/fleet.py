@@ -15,6 +15,7 @@
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -84,13 +85,17 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("fleet", help="controller: devices, staged rollouts, jobs, telemetry",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fsub = p.add_subparsers(dest="fleet_command",
-                            metavar="devices|rollout|jobs|cancel|telemetry|keygen")
+                            metavar="devices|rollout|rollouts|serve|jobs|cancel|telemetry|keygen")
 
     d = fsub.add_parser("devices", help="devices that reported to the broker")
     add_connection_args(d)
     d.add_argument("--wait", type=float, default=1.0, metavar="S",
                    help="listen S seconds for telemetry (default 1)")
     d.add_argument("--json", action="store_true")
+    d.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
+                   help="read the registry of 'fleet serve' from this database (every "
+                        "device ever heard of, last known board) instead of the broker; "
+                        "default: the default database when a service runs on it")
     d.set_defaults(func=run_devices)
 
     r = fsub.add_parser("rollout", help="deploy a model to devices in stages",
@@ -98,12 +103,19 @@ def add_parser(sub: Any) -> None:
     add_rollout_args(r)
     add_connection_args(r)
     r.set_defaults(func=run_rollout)
+    from agent.commands import fleet_serve
+
+    fleet_serve.add_rollout_mode_args(r)
+    fleet_serve.add_parsers(fsub, add_connection_args, connect)
 
     j = fsub.add_parser("jobs", help="job statuses retained on the broker")
     add_connection_args(j)
     j.add_argument("--device", action="append", metavar="ID", help="only this device "
                    "(repeatable)")
     j.add_argument("--json", action="store_true")
+    j.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
+                   help="every per-device job of every rollout in the database of 'fleet "
+                        "serve' (the broker keeps nothing for finished jobs)")
     j.set_defaults(func=run_jobs)
 
     c = fsub.add_parser("cancel", help="cancel a job (or a rollout) on devices")
@@ -151,6 +163,11 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     a.add_argument("--layer-precisions", nargs="+", metavar="NAME:PREC", default=[],
                    help="keep these layers in float32/float16")
     a.add_argument("--rollout-id", metavar="ID", help="job id to use (default: from the model)")
+    a.add_argument("--artifact-url", action="append", default=[], metavar="ROLE=URL",
+                   help="devices may fetch this artifact (model, calibration, inputs, goldens, "
+                        "labels) from an HTTP(S) URL with Range requests: a CDN or an object "
+                        "store's pre-signed URL (checked against the same hashes; MQTT blocks "
+                        "when it fails)")
     g = r.add_argument_group("accuracy gate (Polygraphy semantics)")
     g.add_argument("--inputs", metavar="F", help="inputs the goldens were computed from "
                    "(Polygraphy --save-inputs JSON or .npz)")
@@ -220,11 +237,40 @@ def parse_layer_precisions(items: List[str]) -> Dict[str, str]:
 
 # ---------------------------------------------------------------------------- rollout
 
-def _artifact_refs(files: Dict[str, str]) -> Dict[str, Dict[str, Any]]:
-    from agent.transfer import sha256_file
+def _artifact_refs(files: Dict[str, str], work: Optional[str] = None
+                   ) -> Dict[str, Dict[str, Any]]:
+    """role -> job document reference. With ``work``: each carries its per-block hash list
+    (written there and added to ``files`` as ``ROLE.blocks``, served like any artifact)."""
+    from agent.block_server import block_digests, sha256_file
 
-    return {role: {"sha256": sha256_file(path), "size": os.path.getsize(path),
-                   "name": os.path.basename(path)[:255]} for role, path in files.items()}
+    refs: Dict[str, Dict[str, Any]] = {}
+    for role, path in sorted(files.items()):
+        size = os.path.getsize(path)
+        refs[role] = {"sha256": sha256_file(path), "size": size,
+                      "name": os.path.basename(path)[:255]}
+        if work is not None:
+            block_size = protocol.manifest_block_size(size)
+            digests = block_digests(path, block_size)
+            list_path = os.path.join(work, role + ".blocks")
+            with open(list_path, "wb") as f:
+                f.write(digests)
+            refs[role]["blocks"] = {"block_size": block_size,
+                                    "sha256": hashlib.sha256(digests).hexdigest()}
+    if work is not None:
+        for role in list(refs):
+            files[role + ".blocks"] = os.path.join(work, role + ".blocks")
+    return refs
+
+
+def _add_urls(artifacts: Dict[str, Dict[str, Any]], items: List[str]) -> None:
+    for item in items:
+        role, sep, url = item.partition("=")
+        if not sep or role not in artifacts or not url.startswith(("http://", "https://")) \
+                or len(url) > 2048 or any(c.isspace() for c in url):
+            raise AgentError("bad_argument", "--artifact-url expects ROLE=http(s)://... with "
+                             "ROLE one of {} (at most 2048 characters, no spaces), found {!r}"
+                             .format(", ".join(sorted(artifacts)), item[:100]))
+        artifacts[role]["url"] = url
 
 
 def _check_numbers(args: argparse.Namespace) -> None:
@@ -252,35 +298,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def make_doc_factory(args: argparse.Namespace, artifacts: Dict[str, Dict[str, Any]],
                      user_layers: Dict[str, str]) -> fleet.DocFactory:
-    from agent.platform import FALLBACK_CHAINS
+    from agent.fleet.spec import spec_from_args
 
-    fallback = list(FALLBACK_CHAINS.get(args.precision, ())) if args.fallback == "allow" else []
-    gate = {k: v for k, v in (("atol", args.atol), ("rtol", args.rtol),
-                              ("check_error_stat", args.check_error_stat),
-                              ("min_top1", args.min_top1)) if v is not None}
-    calibration = {k: v for k, v in (("algorithm", args.calib_algorithm),
-                                     ("batch_size", args.calib_batch_size)) if v is not None}
-    search = {k: v for k, v in (("mode", args.search), ("direction", args.search_direction),
-                                ("max_iterations", args.max_evaluations)) if v is not None}
-    bench = {k: v for k, v in (("iterations", args.bench_iterations),
-                               ("warmup", args.bench_warmup)) if v is not None}
-
-    def docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
-             ) -> Dict[str, Any]:
-        plan: Dict[str, Any] = {"precision": args.precision}
-        merged = dict(user_layers)
-        merged.update(layers or {})
-        if merged:
-            plan["layer_precisions"] = merged
-            plan["precision_constraints"] = "obey"
-        if "calibration" in artifacts and calibration:
-            plan["calibration"] = dict(calibration)
-        return fleet.job_document(
-            job_id, kind, device, artifacts, plan, fallback=fallback, gate=gate,
-            search=search if kind == "search" else None,
-            bench=bench if kind == "deploy" else None, timeout_s=args.job_timeout)
-
-    return docs
+    return fleet.doc_factory(spec_from_args(args, artifacts, user_layers, args.timeout))
 
 
 def _signed(docs: fleet.DocFactory, signer: signing.Signer) -> fleet.DocFactory:
@@ -299,9 +319,12 @@ def _signed(docs: fleet.DocFactory, signer: signing.Signer) -> fleet.DocFactory:
 
 
 def run_rollout(args: argparse.Namespace) -> int:
+    from agent.commands import fleet_serve
+    from agent.fleet.spec import spec_from_args
+
     _check_numbers(args)
-    policy = fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
-                                             args.min_executed))
+    fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
+                                    args.min_executed))
     user_layers = parse_layer_precisions(args.layer_precisions)
     if args.share_group is not None and not protocol.valid_id(args.share_group):
         raise AgentError("bad_argument", "--share-group must be 1-64 characters of "
@@ -312,8 +335,10 @@ def run_rollout(args: argparse.Namespace) -> int:
             args.model, args.precision, work, calib=args.calib, inputs=args.inputs,
             goldens=args.golden, labels=args.labels, layer_precisions=user_layers,
             min_top1=args.min_top1, search=args.search)
-        artifacts = _artifact_refs(files)
-        docs = make_doc_factory(args, artifacts, user_layers)
+        artifacts = _artifact_refs(files, work)
+        _add_urls(artifacts, args.artifact_url)
+        spec = spec_from_args(args, artifacts, user_layers, args.timeout)
+        docs = fleet.doc_factory(spec)
         signer = None
         if args.signing_key:
             signer = signing.Signer(args.signing_key, args.sequence_file, args.valid_for)
@@ -321,43 +346,8 @@ def run_rollout(args: argparse.Namespace) -> int:
         # Every document shape is checked now, before the broker sees anything.
         for kind in (["search"] if args.search else []) + ["deploy"]:
             docs("check", rollout_id, kind, None)
-        conn = connect(args)
-        try:
-            fleet.discover(conn)
-            devices = fleet.select_devices(conn.directory.known(), args.devices, args.all,
-                                           args.match)
-            stages = fleet.plan_stages(devices, args.batch, args.percent)
-            rollout = fleet.Rollout(rollout_id, stages, docs, policy, bool(args.search))
-            view = fleet.ProgressView(enabled=not args.quiet)
-            if not args.quiet:
-                print("rollout {}: {} ({}) to {} device(s) in {} stage(s); jobs {}".format(
-                    rollout_id, os.path.basename(args.model), args.precision, len(devices),
-                    len(stages), ", ".join(rollout.job_ids)), file=sys.stderr)
-            interrupted = False
-            try:
-                fleet.run_rollout(conn, rollout, files, view, timeout=args.timeout,
-                                  share_group=args.share_group)
-            except KeyboardInterrupt:
-                interrupted = True
-                if not rollout.halted:  # before anything went out
-                    rollout.expire("interrupted by the user", "CANCELED", "interrupted")
-            report = fleet.rollout_report(rollout, conn.directory.status, {
-                "model": {"path": args.model, **artifacts["model"]},
-                "precision": args.precision,
-                "search": args.search,
-                "broker": args.broker,
-                "signing_key": signer.key_id if signer is not None else None,
-            })
-        finally:
-            conn.close()
-    if args.json:
-        print(json.dumps(report, indent=2, sort_keys=True, default=str))
-    else:
-        print(fleet.results_table(report["devices"]))
-        print(fleet.summary_line(rollout))
-    if interrupted:
-        return EXIT_INTERRUPTED
-    return EXIT_OK if rollout.succeeded else EXIT_FAILED
+        return fleet_serve.submit_or_embed(args, rollout_id, spec, files, artifacts, work,
+                                           signer, connect)
 
 
 # ---------------------------------------------------------------------------- devices
@@ -398,12 +388,41 @@ def device_rows(directory: fleet.DeviceDirectory) -> List[Dict[str, Any]]:
     return rows
 
 
-def run_devices(args: argparse.Namespace) -> int:
-    conn = connect(args)
+def _db_directory(url: str) -> fleet.DeviceDirectory:
+    from agent.fleet.store import Store
+
+    store = Store(url)
     try:
-        directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
+        directory = fleet.DeviceDirectory()
+        for dev in store.devices():
+            directory.status[dev["device"]] = dev["status"]
+            if dev["telemetry"]:
+                directory.telemetry[dev["device"]] = dev["telemetry"]
+        return directory
     finally:
-        conn.close()
+        store.close()
+
+
+def _registry_db(args: argparse.Namespace) -> Optional[str]:
+    """--db, else the default database when a fleet service is running on it."""
+    from agent.commands.fleet_serve import service_up
+    from agent.fleet.store import default_db_url
+
+    if args.db:
+        return str(args.db)
+    return default_db_url() if service_up(default_db_url()) else None
+
+
+def run_devices(args: argparse.Namespace) -> int:
+    url = _registry_db(args)
+    if url:
+        directory = _db_directory(url)
+    else:
+        conn = connect(args)
+        try:
+            directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
+        finally:
+            conn.close()
     rows = device_rows(directory)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
@@ -453,12 +472,31 @@ def _retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
     return found
 
 
-def run_jobs(args: argparse.Namespace) -> int:
-    conn = connect(args)
+def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
+    from agent.fleet.store import Store
+
+    store = Store(url)
     try:
-        found = _retained_jobs(conn)
+        found: Dict[Any, Dict[str, Any]] = {}
+        for j in store.device_jobs():
+            found[(j["device"], j["job_id"])] = {"status": {
+                "kind": j["phase"], "state": j["state"], "stage": j["job_stage"],
+                "ts": j["updated"], "error": j["error"]}, "document": None}
+        return found
     finally:
-        conn.close()
+        store.close()
+
+
+def run_jobs(args: argparse.Namespace) -> int:
+    url = _registry_db(args)
+    if url:
+        found = _db_jobs(url)
+    else:
+        conn = connect(args)
+        try:
+            found = _retained_jobs(conn)
+        finally:
+            conn.close()
     rows = []
     for (dev, job_id), entry in sorted(found.items()):
         if args.device and dev not in args.device:

@@ -9,7 +9,11 @@ Speaks only the protocol of docs/protocol.md. The pure policy comes first, the I
 - ``rollout``: the ``Rollout`` state machine, fed job statuses, answering with ``Action``s;
 - ``report``: the results (``result_row``, ``results_table``, ``rollout_report``) and the live
   progress view (``ProgressView``);
-- ``mqtt_edge``: ``FleetConnection``, ``discover`` and ``run_rollout``, the MQTT I/O edge.
+- ``mqtt_edge``: ``FleetConnection`` and ``discover``, the MQTT I/O edge;
+- ``store`` (the database: devices, rollouts, jobs, history, artifacts, signing sequence,
+  outbox), ``durable`` (a ``Rollout`` saved and loaded), ``spec`` (a rollout's stored
+  specification, its job documents), ``service`` (``FleetService``: ``fleet serve``, and
+  ``fleet rollout`` embedded), ``bytequeue`` (the event queue that never blocks paho).
 
 Callers import every name from ``agent.fleet``; the submodules are how it is organised.
 """
@@ -21,7 +25,7 @@ from agent.fleet.documents import (
     new_rollout_id,
     prepare_rollout,
 )
-from agent.fleet.mqtt_edge import DeviceDirectory, FleetConnection, discover, run_rollout
+from agent.fleet.mqtt_edge import DeviceDirectory, FleetConnection, discover
 from agent.fleet.policy import (
     EXECUTED_STATES,
     FAILURE_STATES,
@@ -51,6 +55,7 @@ from agent.fleet.rollout import (
     Rollout,
     check_rollout_id,
 )
+from agent.fleet.spec import doc_factory
 
 __all__ = [
     "EXECUTED_STATES", "FAILURE_STATES", "LAYER_RANK", "MAX_ROLLOUT_ID", "PENDING",
@@ -58,5 +63,5 @@ __all__ = [
     "Policy", "ProgressView", "Rollout", "abort_reason", "accuracy_summary", "check_policy",
     "check_rollout_id", "discover", "format_table", "job_document", "layers_above",
     "new_rollout_id", "plan_stages", "prepare_rollout", "result_row", "results_table",
-    "rollout_report", "run_rollout", "select_devices", "stage_verdict", "summary_line",
+    "rollout_report", "doc_factory", "select_devices", "stage_verdict", "summary_line",
 ]

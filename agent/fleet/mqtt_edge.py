@@ -1,19 +1,17 @@
-"""The I/O edge of the controller: one MQTT connection (agent.mqtt) per command
-(``FleetConnection``), the device directory it fills (``discover``), and ``run_rollout``, which
-carries a ``Rollout`` out with ``agent.transfer.BlockServer`` answering every device's block
-requests while it runs.
+"""The I/O edge of the controller: one MQTT connection (agent.mqtt) per command or service
+(``FleetConnection``), and the device directory it fills (``discover``). Rollouts are carried
+out by ``agent.fleet.service``.
 """
 
 import logging
 import queue
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from agent import protocol
 from agent.errors import AgentError
-from agent.fleet.report import ProgressView
-from agent.fleet.rollout import Action, Rollout
+from agent.fleet.bytequeue import ByteQueue
 
 log = logging.getLogger("agent.fleet")
 
@@ -50,7 +48,7 @@ class FleetConnection(object):
                  username: Optional[str] = None, password: Optional[str] = None,
                  ca_file: Optional[str] = None, protocol_version: str = "v5",
                  connect_timeout: float = 5.0, cert_file: Optional[str] = None,
-                 key_file: Optional[str] = None) -> None:
+                 key_file: Optional[str] = None, client_id: Optional[str] = None) -> None:
         from agent.config import parse_broker_url
 
         parsed = parse_broker_url(broker)
@@ -66,6 +64,7 @@ class FleetConnection(object):
         self.connect_timeout = connect_timeout
         self.directory = DeviceDirectory()
         self.client: Any = None
+        self.client_id = client_id or "fleet-" + uuid.uuid4().hex[:12]
         self._unacked: List[Any] = []
 
     def connect(self) -> "FleetConnection":
@@ -73,11 +72,12 @@ class FleetConnection(object):
 
         tls = mqtt.TlsOptions(ca_file=self.ca_file, cert_file=self.cert_file,
                               key_file=self.key_file) if self.tls else None
+        # Never a count-bounded queue: paho's thread must not block (it carries the PUBACKs).
         self.client = mqtt.MqttClient(
-            "fleet-" + uuid.uuid4().hex[:12], self.host, self.port,
+            self.client_id, self.host, self.port,
             protocol=self.protocol_version, username=self.username, password=self.password,
             tls=tls, session_expiry=0, clean_start=True, reconnect_min=0.5, reconnect_max=5.0,
-            max_packet_bytes=None, events=queue.Queue(10000))
+            max_packet_bytes=None, events=ByteQueue())  # type: ignore[arg-type]
         self.client.start()
         deadline = time.monotonic() + self.connect_timeout
         while True:
@@ -210,79 +210,3 @@ def discover(conn: FleetConnection, telemetry_wait: float = 0.0) -> DeviceDirect
     if telemetry_wait > 0:
         conn.pump(_ignore, telemetry_wait)
     return conn.directory
-
-
-def run_rollout(conn: FleetConnection, rollout: Rollout, files: Mapping[str, str],
-                view: Optional[ProgressView] = None, timeout: float = 3600.0,
-                server: Any = None, share_group: Optional[str] = None) -> Rollout:
-    """Carry ``rollout`` out over ``conn`` (connected, directory filled): serve the artifact
-    blocks, publish the job documents stage by stage, follow the job statuses until every
-    device has finished, the timeout passes or the user interrupts (KeyboardInterrupt is
-    re-raised after the queued devices were cancelled). ``share_group``: take block requests
-    through an MQTT v5 shared subscription, so that controllers serving the same files split
-    them."""
-    from agent.transfer import BlockServer
-
-    topics = conn.topics
-    if server is None:
-        server = BlockServer(lambda t, p, q=1, r=False: conn.publish(t, p, q, r), topics)
-        for path in files.values():
-            server.add_file(path)
-    view = view or ProgressView(enabled=False)
-    base = topics.prefix + "/devices/+"
-    conn.subscribe([base + "/jobs/{}/status".format(j) for j in rollout.job_ids])
-    requests = base + "/artifacts/+/request"
-    if share_group is not None:
-        requests = "$share/{}/{}".format(protocol.check_id("share group", share_group),
-                                         requests)
-    conn.subscribe([requests])
-    statuses = conn.directory.status
-
-    def on_message(info: protocol.TopicInfo, msg: Any) -> None:
-        if info.kind == "artifact_request":
-            try:
-                server.handle_request(msg.topic, msg.payload)
-            except AgentError as exc:
-                log.info("block request from %s not answered: %s", info.device, exc)
-        elif info.kind == "job_status" and info.device in rollout.runs:
-            execute(rollout.on_job_status(info.device, msg))
-
-    def execute(actions: List[Action]) -> None:
-        for action in actions:
-            if action.kind == "publish":
-                conn.publish(topics.job(action.device, action.job_id),
-                             protocol.encode(action.doc or {}), qos=1, retain=True, wait=10.0)
-            elif action.kind == "clear":
-                conn.publish(topics.job(action.device, action.job_id), b"", qos=1, retain=True)
-                rollout.mark_cleared(action.device, action.job_id)
-            elif action.kind == "cancel":
-                command = {"protocol": protocol.PROTOCOL_VERSION, "command": "cancel",
-                           "request_id": "c" + uuid.uuid4().hex[:10], "job_id": action.job_id}
-                conn.publish(topics.commands(action.device), protocol.encode(command), qos=1)
-
-    deadline = time.monotonic() + timeout
-    try:
-        conn.settle(on_message)  # subscriptions in place before the first job goes out
-        execute(rollout.start())
-        view.update(rollout, statuses, force=True)
-        while not rollout.done:
-            if time.monotonic() >= deadline:
-                execute(rollout.expire("the rollout did not finish within {:.0f} s (--timeout)"
-                                       .format(timeout)))
-                break
-            conn.pump(on_message, 0.2)
-            view.update(rollout, statuses)
-    except KeyboardInterrupt:
-        execute(rollout.expire("interrupted by the user", state="CANCELED",
-                               outcome="interrupted"))
-        view.update(rollout, statuses, force=True)
-        _flush(conn)
-        raise
-    view.update(rollout, statuses, force=True)
-    _flush(conn)
-    return rollout
-
-
-def _flush(conn: FleetConnection, timeout: float = 5.0) -> None:
-    """Let queued publishes (cleared documents, cancels) reach the broker before we leave."""
-    conn.flush(timeout)

@@ -5,7 +5,7 @@ the search found. Pure: no I/O, the clock is injected.
 """
 
 import time
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 from agent import protocol
 from agent.errors import AgentError
@@ -15,6 +15,13 @@ from agent.fleet.policy import Policy, abort_reason, check_policy, stage_verdict
 PENDING = "PENDING"  # controller side: the device's stage has not started yet
 SEARCH_SUFFIX = ".search"
 MAX_ROLLOUT_ID = 64 - len(SEARCH_SUFFIX)
+# A device's job status versions grow by one per change; a jump larger than this is not an
+# answer from the device (a forged version near 2**53 would silence it for good).
+MAX_VERSION_STEP = 100000
+# DeviceRun fields that persist (agent.fleet.durable stores them as JSON per device).
+RUN_FIELDS = ("phase", "job_id", "job_stage", "progress", "result", "error", "search",
+              "sent_layers", "versions", "published", "note", "local", "started", "finished",
+              "seen", "docs", "kinds")
 
 
 # ============================================================================ the rollout
@@ -51,6 +58,20 @@ class DeviceRun(object):
         self.local = False  # the state was set by the controller, not reported
         self.started: Optional[float] = None
         self.finished: Optional[float] = None
+        # Statuses of our job ids retained from an earlier run of the same id, seen before
+        # the job was sent: the device will treat the job as a duplicate and keep that state.
+        self.seen: Dict[str, Dict[str, Any]] = {}
+        self.docs: Dict[str, Dict[str, Any]] = {}  # job id -> the document sent (republish)
+        self.kinds: Dict[str, str] = {}  # job id -> kind sent
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {k: getattr(self, k) for k in RUN_FIELDS}
+
+    def load(self, state: str, data: Mapping[str, Any]) -> None:
+        self.state = state
+        for k in RUN_FIELDS:
+            if k in data:
+                setattr(self, k, data[k])
 
     @property
     def terminal(self) -> bool:
@@ -87,6 +108,11 @@ class Rollout(object):
                 self.runs[dev] = DeviceRun(dev, i)
         self.current = -1  # index of the last stage started
         self.halted = False
+        self.paused = False  # a passed stage does not start the next while paused
+        self.dirty: set = set()  # devices changed since the last save (agent.fleet.durable)
+        self.history: List[Tuple[str, str, int, str, str, Any]] = []  # accepted statuses
+        self.refused = 0  # statuses dropped as no answer to a job we sent
+        self.pending_eval = False
         self.outcome = ""  # "" while running; then succeeded | aborted | halted | ...
         self.reason = ""
         self.started = clock()
@@ -126,18 +152,42 @@ class Rollout(object):
     def start(self) -> List[Action]:
         return self._start_stage(0)
 
-    def on_job_status(self, device: str, msg: Mapping[str, Any]) -> List[Action]:
-        """A decoded job status message from ``device``. Stale versions are dropped."""
+    def on_job_status(self, device: str, msg: Mapping[str, Any], evaluate: bool = True
+                      ) -> List[Action]:
+        """A decoded job status message from ``device`` (the topic's device). Only an answer
+        to a job this rollout sent is accepted: the right device, job id and kind, a version
+        above the last one and not absurdly far above it, nothing after a terminal state."""
         run = self.runs.get(device)
         job_id = msg.get("job_id")
         if run is None or job_id not in self.job_ids:
             return []
+        if msg.get("device") not in (None, device):
+            self.refused += 1
+            return []
         version = int(msg.get("version") or 0)
-        if version <= run.versions.get(job_id, 0):
+        last = run.versions.get(job_id, 0)
+        if version <= last:
             return []  # a resend after a reconnect, or an older retained copy
+        if run.state == PENDING or job_id not in run.kinds:
+            # Not sent yet. Before the rollout sent anything, this is a status retained from
+            # an earlier run of the id: remember it (the device will take our document as a
+            # duplicate and keep that state). Later, nothing can be an answer yet.
+            if self.current < 0 and version > int(
+                    (run.seen.get(job_id) or {}).get("version") or 0):
+                run.seen[job_id] = dict(msg)
+                self.dirty.add(device)
+            return []
+        kind = str(msg.get("kind") or "")
+        if (last and version > last + MAX_VERSION_STEP) or (
+                kind and kind != run.kinds.get(job_id)) or (
+                run.terminal and run.phase == run.kinds.get(job_id) and
+                job_id == run.job_id and not run.local):
+            self.refused += 1
+            return []
         run.versions[job_id] = version
-        if run.state == PENDING:
-            return []  # a status for a job we never sent (an earlier run of this id)
+        self.dirty.add(device)
+        self.history.append((device, str(job_id), version, str(msg.get("state")),
+                             str(msg.get("stage") or ""), msg.get("ts")))
         state = str(msg.get("state"))
         actions: List[Action] = []
         is_search = job_id == self.search_id
@@ -163,7 +213,7 @@ class Rollout(object):
             keep_precision = str(run.search.get("keep_precision") or "float32")
             actions += self._send(run, "deploy", {str(name): keep_precision for name in keep})
             run.state = "IN_PROGRESS"
-            return actions
+            return actions + self._adopt(run)
         run.state = state
         if protocol.is_terminal(state):
             run.finished = self.clock()
@@ -177,14 +227,25 @@ class Rollout(object):
                     run.result = dict(msg["result"])
             if job_id in run.published:
                 actions.append(Action("clear", device, job_id))
-            actions += self._evaluate()
+            if evaluate:
+                actions += self._evaluate()
+            else:  # the caller batches statuses and calls evaluate() once (large stages)
+                self.pending_eval = True
         return actions
+
+    def evaluate(self) -> List[Action]:
+        """The stage and abort decisions owed since ``on_job_status(..., evaluate=False)``."""
+        if not self.pending_eval:
+            return []
+        self.pending_eval = False
+        return self._evaluate()
 
     def _cancel_unstarted(self, run: "DeviceRun", reason: str) -> None:
         # Nothing was sent to this device: cancel it locally.
         run.state, run.local = "CANCELED", True
         run.note = "not started: " + reason
         run.finished = self.clock()
+        self.dirty.add(run.device)
 
     def halt(self, reason: str, outcome: str = "halted") -> List[Action]:
         """Stop the rollout: devices not started are cancelled; running ones finish."""
@@ -224,7 +285,23 @@ class Rollout(object):
             else:
                 actions += self._send(run, "deploy", None)
             run.state = "QUEUED"
+            actions += self._adopt(run)
         return actions
+
+    def _adopt(self, run: DeviceRun) -> List[Action]:
+        """The device already ended this job id (an earlier run of the rollout id): it will
+        ignore the document as a duplicate, so its retained status is the true answer."""
+        seen = run.seen.pop(run.job_id, None)
+        if not seen or not protocol.is_terminal(str(seen.get("state"))):
+            return []
+        run.note = "the device had already run job {} (status version {})".format(
+            run.job_id, seen.get("version"))
+        return self.on_job_status(run.device, seen)
+
+    def set_paused(self, paused: bool) -> List[Action]:
+        """Pause (no next stage starts; running devices go on) or resume."""
+        self.paused = bool(paused)
+        return [] if self.paused else self._evaluate()
 
     def _send(self, run: DeviceRun, kind: str, layers: Optional[Dict[str, str]]
               ) -> List[Action]:
@@ -238,6 +315,9 @@ class Rollout(object):
         run.phase, run.job_id = kind, job_id
         run.job_stage, run.progress = "", None
         run.published.append(job_id)
+        run.kinds[job_id] = kind
+        run.docs = {job_id: doc}
+        self.dirty.add(run.device)
         return [Action("publish", run.device, job_id, doc)]
 
     def _cancel(self, run: DeviceRun, state: str, note: str) -> List[Action]:
@@ -245,6 +325,7 @@ class Rollout(object):
         actions += [Action("clear", run.device, j) for j in run.published]
         run.state, run.local, run.note = state, True, note
         run.finished = self.clock()
+        self.dirty.add(run.device)
         return actions
 
     def _evaluate(self) -> List[Action]:
@@ -261,7 +342,7 @@ class Rollout(object):
             return self.halt("stage {}: {} of {} device(s) succeeded, below the success "
                              "threshold {:.0%}".format(self.current + 1, ok, len(stage),
                                                        self.policy.success_threshold))
-        if verdict == "passed" and self.current + 1 < len(self.stages):
+        if verdict == "passed" and self.current + 1 < len(self.stages) and not self.paused:
             return self._start_stage(self.current + 1)
         return []
 
@@ -269,3 +350,5 @@ class Rollout(object):
         run = self.runs.get(device)
         if run is not None and job_id in run.published:
             run.published.remove(job_id)
+            run.docs.pop(job_id, None)
+            self.dirty.add(device)

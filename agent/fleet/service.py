@@ -1,0 +1,317 @@
+"""``FleetService``: the controller as a long-running service (``jetson-agent fleet serve``),
+and the same loop run embedded by ``fleet rollout`` for one rollout.
+
+One thread owns everything: it drains the MQTT events (paho's thread only enqueues, into a
+byte-bounded queue that never blocks it), keeps the device registry in the database, feeds job
+statuses to the rollouts it holds a lease on, serves artifact blocks, and publishes what the
+rollouts decide. Every decision is saved with the messages it publishes in one transaction
+(``durable.save``); messages leave the outbox when the broker acknowledges them (PUBACKs are
+pipelined, never awaited one by one). Killed at any point and started again, the service takes
+its rollouts back from the database, publishes what the outbox still holds and the documents of
+unfinished jobs again, and reads the devices' retained statuses: every rollout goes on where it
+was.
+"""
+
+import logging
+import os
+import socket
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+
+from agent import protocol
+from agent.errors import AgentError
+from agent.fleet import durable
+from agent.fleet.mqtt_edge import FleetConnection
+from agent.fleet.rollout import Rollout
+from agent.fleet.store import Store
+
+log = logging.getLogger("agent.fleet")
+
+LEASE_S = 30.0  # another instance takes a rollout over this long after its owner went silent
+TICK_S = 0.5  # how often leases, controls, deadlines and the registry are looked at
+
+
+class FleetService(object):
+    def __init__(self, store: Store, conn: FleetConnection, signer: Any = None,
+                 instance: Optional[str] = None, only: Optional[Sequence[str]] = None,
+                 share_group: Optional[str] = None, lease_s: float = LEASE_S,
+                 http_base: Optional[str] = None, http_min_bytes: int = 0) -> None:
+        from agent.block_server import BlockServer
+
+        self.store = store
+        self.conn = conn
+        self.topics = conn.topics
+        self.signer = signer
+        if signer is not None:  # the file's numbers stay a floor; the database hands them out
+            signer.sequence = durable.DbSequence(store, mirror=signer.sequence)
+        self.instance = instance or "{}-{}".format(socket.gethostname(), os.getpid())
+        self.only = set(only) if only is not None else None
+        self.share_group = share_group
+        self.lease_s = lease_s
+        self.rollouts: Dict[str, Rollout] = {}
+        self.by_job: Dict[str, str] = {}  # job id -> rollout id
+        self.server = BlockServer(self._publish_block, self.topics)
+        self.unacked: List[Tuple[Any, int]] = []  # (publish handle, outbox id)
+        self.devices_dirty: Dict[str, Dict[str, Any]] = {}
+        self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
+        self.started = time.time()
+        self.last_tick = 0.0
+        # Artifacts of at least http_min_bytes are also offered at http_base/artifacts/SHA.
+        self.http_base = http_base.rstrip("/") if http_base else None
+        self.http_min_bytes = int(http_min_bytes)
+        self.on_change: Optional[Callable[[Rollout], None]] = None  # progress views
+        # rollout id -> (actions, messages) from statuses not yet committed
+        self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
+        self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0}
+
+    # -- publishing ---------------------------------------------------------------------------
+
+    def _publish_block(self, topic: str, payload: bytes, qos: int = 1,
+                       retain: bool = False) -> None:
+        self.stats["blocks"] += 1
+        self.conn.client.publish(topic, payload, qos=qos, retain=retain)
+
+    def _send(self, ids: Sequence[int], msgs: Sequence[durable.Message]) -> None:
+        for oid, (topic, payload, retain) in zip(ids, msgs):
+            handle = self.conn.client.publish(topic, payload, qos=1, retain=retain)
+            self.unacked.append((handle, oid))
+            if payload and "/jobs/" in topic and not topic.endswith("/status"):
+                self.stats["job_docs"] += 1
+
+    def _collect_acks(self) -> None:
+        done = [oid for h, oid in self.unacked if h.acked and h.ok]
+        failed = [(h, oid) for h, oid in self.unacked if h.acked and not h.ok]
+        self.unacked = [(h, oid) for h, oid in self.unacked if not h.acked]
+        if done:
+            self.store.outbox_done(done)
+        for h, _oid in failed:  # refused by the broker: stays in the outbox for the next start
+            log.warning("the broker refused %s (%s); kept in the outbox", h.topic, h.reason)
+
+    def commit(self, ro: Rollout, actions: Sequence[Any] = (),
+               extra: Optional[Dict[str, Any]] = None,
+               more: Sequence[durable.Message] = ()) -> None:
+        msgs = durable.messages(self.topics, ro, actions) + list(more)
+        ids = durable.save(self.store, ro, msgs, extra)
+        self._send(ids, msgs)
+        if self.on_change is not None:
+            self.on_change(ro)
+
+    # -- rollouts -----------------------------------------------------------------------------
+
+    def _adopt(self, rollout_id: str) -> None:
+        ro = durable.load(self.store, rollout_id, durable.factory_for(
+            self.store, rollout_id, self.signer, self._url_for))
+        if ro is None:
+            return
+        row = self.store.rollout(rollout_id) or {}
+        stored = self.store.artifacts()
+        for ref in (row.get("spec") or {}).get("artifacts", {}).values():
+            for sha in [ref["sha256"]] + ([ref["blocks"]["sha256"]] if ref.get("blocks")
+                                          else []):
+                try:
+                    if sha not in stored:
+                        raise AgentError("unknown_artifact", "not in the artifacts table")
+                    self.server.add_file(stored[sha]["path"], sha)
+                except AgentError as exc:
+                    log.error("rollout %s: artifact %s cannot be served: %s", rollout_id, sha,
+                              exc.message)
+        self.rollouts[rollout_id] = ro
+        for job_id in ro.job_ids:
+            self.by_job[job_id] = rollout_id
+        # What a killed predecessor still owed the broker, then every unfinished document.
+        for oid, topic, payload, retain in self.store.outbox([rollout_id]):
+            self._send([oid], [(topic, payload, retain)])
+        # The devices' retained statuses of this rollout's jobs, now that it is known here:
+        # answers that came while no service was running. Before anything was sent, statuses
+        # retained from an earlier run of this id (the devices would ignore the documents as
+        # duplicates), which are adopted.
+        filters = [self.topics.prefix + "/devices/+/jobs/{}/status".format(j)
+                   for j in ro.job_ids]
+        self.conn.subscribe(filters)
+        self.conn.settle(self.on_message, quiet=0.3, limit=5.0)
+        for f in filters:
+            self.conn.client.unsubscribe(f)
+        if ro.current < 0:
+            self.pending.pop(rollout_id, None)  # nothing was sent: seen statuses only
+        else:
+            self._commit_pending()
+        actions = ro.start() if ro.current < 0 else []
+        more = durable.republish(self.topics, ro) if not actions else []
+        for run in ro.ordered():  # adopted answers of an earlier run: cleared as any other
+            if run.terminal and run.note.startswith("the device had already run job"):
+                more.append((self.topics.job_status(run.device, run.job_id), b"", True))
+        self.commit(ro, actions, more=more)
+        log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,
+                 ro.current + 1, len(ro.stages))
+
+    def _url_for(self, ref: Dict[str, Any]) -> Optional[str]:
+        if self.http_base is None or int(ref.get("size") or 0) < self.http_min_bytes:
+            return None
+        return "{}/artifacts/{}".format(self.http_base, ref["sha256"])
+
+    def _drop(self, rollout_id: str) -> None:
+        ro = self.rollouts.pop(rollout_id, None)
+        if ro is not None:
+            for job_id in ro.job_ids:
+                self.by_job.pop(job_id, None)
+
+    def _serve_all(self) -> None:
+        """Serve every artifact in the database, not only those of our own rollouts: with a
+        shared subscription a request may reach any instance (the store is shared)."""
+        served = self.server.files()
+        for sha, art in self.store.artifacts().items():
+            if sha not in served and os.path.isfile(art["path"]):
+                try:
+                    self.server.add_file(art["path"], sha)
+                except AgentError as exc:
+                    log.warning("artifact %s cannot be served: %s", sha, exc.message)
+
+    def _tick(self) -> None:
+        now = time.time()
+        self.store.heartbeat(self.instance, os.getpid(), socket.gethostname(), self.started)
+        self._flush_devices()
+        if self.share_group is not None:
+            self._serve_all()
+        mine = self.store.claim(self.instance, self.lease_s, now, self.only)
+        for rid in list(self.rollouts):
+            if rid not in mine:
+                self._drop(rid)
+        for rid in mine:
+            if rid not in self.rollouts:
+                try:
+                    self._adopt(rid)
+                except AgentError as exc:
+                    log.error("rollout %s cannot be driven: %s", rid, exc)
+        for rid, ro in list(self.rollouts.items()):
+            row = self.store.rollout(rid) or {}
+            control = row.get("control")
+            if control:
+                self._control(ro, control)
+            elif not ro.done and row.get("deadline") and now >= row["deadline"]:
+                self.commit(ro, ro.expire("the rollout did not finish by its deadline ({:.0f} s"
+                                          " after it was created)".format(
+                                              row["deadline"] - row["created"])))
+            if ro.done:
+                self._drop(rid)
+
+    def _control(self, ro: Rollout, control: str) -> None:
+        if control == "pause":
+            actions = ro.set_paused(True)
+        elif control == "resume":
+            actions = ro.set_paused(False)
+        else:
+            actions = ro.expire("cancelled by the operator (fleet rollouts cancel)",
+                                state="CANCELED", outcome="cancelled")
+        log.info("rollout %s: %s", ro.rollout_id, control)
+        self.commit(ro, actions, extra={"control": None})
+
+    def _flush_devices(self) -> None:
+        if self.devices_dirty:
+            self.store.upsert_devices(self.devices_dirty)
+            self.devices_dirty = {}
+        if self.telemetry_dirty:
+            self.store.touch_devices(self.telemetry_dirty)
+            self.telemetry_dirty = {}
+
+    # -- messages -----------------------------------------------------------------------------
+
+    def subscribe(self) -> None:
+        self.conn.subscribe([f for f, q in self.topics.controller_subscriptions(
+            self.share_group) if q == 1])
+        self.conn.subscribe([self.topics.prefix + "/devices/+/telemetry"], 0)
+
+    def on_message(self, info: protocol.TopicInfo, msg: Any) -> None:
+        if info.kind == "artifact_request":
+            try:
+                self.server.handle_request(msg.topic, msg.payload)
+            except AgentError as exc:
+                log.debug("block request from %s not answered: %s", info.device, exc)
+        elif info.kind == "status":
+            self.devices_dirty[info.device] = msg
+        elif info.kind == "telemetry":
+            self.telemetry_dirty[info.device] = msg
+        elif info.kind == "job_status":
+            self._job_status(info.device, msg)
+
+    def _job_status(self, device: str, msg: Dict[str, Any]) -> None:
+        self.stats["statuses"] += 1
+        rid = self.by_job.get(str(msg.get("job_id")))
+        ro = self.rollouts.get(rid) if rid else None
+        if ro is None or device not in ro.runs:
+            return
+        run = ro.runs[device]
+        refused = ro.refused
+        actions, more = self.pending.setdefault(ro.rollout_id, ([], []))
+        actions += ro.on_job_status(device, msg, evaluate=False)
+        self.stats["refused"] += ro.refused - refused
+        if protocol.is_terminal(str(msg.get("state"))) and msg.get("job_id") in run.kinds:
+            # The database has it now: the broker need not keep the device's last word.
+            more.append((self.topics.job_status(device, str(msg["job_id"])), b"", True))
+
+    def _commit_pending(self) -> None:
+        """One transaction per rollout for everything a batch of statuses changed."""
+        pending, self.pending = self.pending, {}
+        for rid, (actions, more) in pending.items():
+            ro = self.rollouts.get(rid)
+            if ro is None:
+                continue
+            actions += ro.evaluate()
+            if actions or more or ro.dirty or ro.history:
+                self.commit(ro, actions, more=more)
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def step(self, timeout: float = 0.2) -> None:
+        """Handle what arrived for up to ``timeout`` s, then the periodic work."""
+        self.conn.pump(self.on_message, timeout)
+        self._commit_pending()
+        self._collect_acks()
+        if time.monotonic() - self.last_tick >= TICK_S:
+            self.last_tick = time.monotonic()
+            self._tick()
+
+    def start(self) -> None:
+        self.subscribe()
+        self.conn.settle(self.on_message)  # retained statuses before the first decision
+        self._commit_pending()
+        self._flush_devices()
+        for oid, topic, payload, retain in self.store.outbox_of_finished():
+            self._send([oid], [(topic, payload, retain)])
+        self.last_tick = time.monotonic()
+        self._tick()
+
+    def drain(self, timeout: float = 5.0) -> bool:
+        """Wait until the broker acknowledged everything published (at exit)."""
+        deadline = time.monotonic() + timeout
+        while self.unacked and time.monotonic() < deadline:
+            self.conn.pump(self.on_message, 0.05)
+            self._commit_pending()
+            self._collect_acks()
+        self._flush_devices()
+        return not self.unacked
+
+    def run(self, should_stop: Callable[[], bool]) -> None:
+        self.start()
+        while not should_stop():
+            self.step()
+        self.drain()
+        self.store.release(self.instance)
+
+    def finished(self, rollout_id: str) -> bool:
+        row = self.store.rollout(rollout_id)
+        return row is None or row["state"] not in ("running", "paused")
+
+
+def busy_check(store: Store, devices: Sequence[str], rollout_id: str) -> None:
+    """AgentError device_busy when a target is in another unfinished rollout."""
+    busy = store.busy_devices(devices, exclude=rollout_id)
+    if busy:
+        names = ", ".join("{} ({})".format(d, r) for d, r in sorted(busy.items())[:20])
+        raise AgentError("device_busy", "{} device(s) are in another unfinished rollout: {}{}; "
+                         "wait for it, or cancel it (fleet rollouts cancel ID)".format(
+                             len(busy), names, " ..." if len(busy) > 20 else ""),
+                         {"busy": dict(sorted(busy.items())[:100])})
+
+
+def targets_known(store: Store) -> Set[str]:
+    return {d["device"] for d in store.devices()}

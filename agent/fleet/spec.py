@@ -1,0 +1,78 @@
+"""A rollout's specification as stored in the database (``rollouts.spec``): what to deploy and
+how, enough to rebuild the job documents after a restart (``doc_factory``) and the policy.
+``fleet rollout`` builds it from its arguments (``spec_from_args``)."""
+
+from typing import Any, Callable, Dict, Mapping, Optional
+
+from agent.fleet.documents import job_document
+from agent.fleet.policy import Policy
+from agent.fleet.rollout import DocFactory
+
+# The ``fleet rollout`` arguments a job document depends on.
+DOC_KEYS = ("precision", "fallback", "atol", "rtol", "check_error_stat", "min_top1",
+            "calib_algorithm", "calib_batch_size", "search", "search_direction",
+            "max_evaluations", "bench_iterations", "bench_warmup", "job_timeout")
+
+
+def spec_from_args(args: Any, artifacts: Mapping[str, Mapping[str, Any]],
+                   user_layers: Mapping[str, str], timeout: float) -> Dict[str, Any]:
+    spec: Dict[str, Any] = {k: getattr(args, k, None) for k in DOC_KEYS}
+    spec.update({"artifacts": {k: dict(v) for k, v in artifacts.items()},
+                 "layer_precisions": dict(user_layers), "timeout": float(timeout),
+                 "model_path": getattr(args, "model", None),
+                 "policy": {"success_threshold": args.success_threshold,
+                            "abort_failure_rate": args.abort_failure_rate,
+                            "min_executed": args.min_executed}})
+    return spec
+
+
+def policy_of(spec: Mapping[str, Any]) -> Policy:
+    p = spec.get("policy") or {}
+    return Policy(float(p.get("success_threshold", 1.0)), p.get("abort_failure_rate"),
+                  int(p.get("min_executed", 1)))
+
+
+def doc_factory(spec: Mapping[str, Any],
+                url_for: Optional[Callable[[Mapping[str, Any]], Optional[str]]] = None
+                ) -> DocFactory:
+    """device, job id, kind, layers -> an unsigned job document for ``spec``. ``url_for``:
+    an artifact reference -> the HTTP(S) URL devices may fetch it from, or None."""
+    from agent.platform import FALLBACK_CHAINS
+
+    precision = str(spec["precision"])
+    artifacts = {role: dict(ref) for role, ref in dict(spec["artifacts"]).items()}
+    for ref in artifacts.values():
+        url = url_for(ref) if url_for is not None and "url" not in ref else None
+        if url:  # an operator's --artifact-url (a CDN) wins over the service's own store
+            ref["url"] = url
+    user_layers = dict(spec.get("layer_precisions") or {})
+    fallback = list(FALLBACK_CHAINS.get(precision, ())) if spec.get("fallback") == "allow" \
+        else []
+    gate = {k: spec.get(k) for k in ("atol", "rtol", "check_error_stat", "min_top1")
+            if spec.get(k) is not None}
+    calibration = {k: v for k, v in (("algorithm", spec.get("calib_algorithm")),
+                                     ("batch_size", spec.get("calib_batch_size")))
+                   if v is not None}
+    search = {k: v for k, v in (("mode", spec.get("search")),
+                                ("direction", spec.get("search_direction")),
+                                ("max_iterations", spec.get("max_evaluations")))
+              if v is not None}
+    bench = {k: v for k, v in (("iterations", spec.get("bench_iterations")),
+                               ("warmup", spec.get("bench_warmup"))) if v is not None}
+
+    def docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
+             ) -> Dict[str, Any]:
+        plan: Dict[str, Any] = {"precision": precision}
+        merged = dict(user_layers)
+        merged.update(layers or {})
+        if merged:
+            plan["layer_precisions"] = merged
+            plan["precision_constraints"] = "obey"
+        if "calibration" in artifacts and calibration:
+            plan["calibration"] = dict(calibration)
+        return job_document(
+            job_id, kind, device, artifacts, plan, fallback=fallback, gate=gate,
+            search=search if kind == "search" else None,
+            bench=bench if kind == "deploy" else None, timeout_s=spec.get("job_timeout"))
+
+    return docs

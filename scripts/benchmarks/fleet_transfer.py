@@ -1,0 +1,112 @@
+"""Artifact transfer to a real daemon, as the fleet service sends it, against the raw broker.
+
+A random artifact of TRANSFER_MB MiB (scripts/benchmarks/daemon.py's set-up: a local
+Mosquitto, ``jetson-agent run``, a controller with ``agent.block_server.BlockServer``), timed
+from the job document to the verified file in the device's store:
+
+- over MQTT blocks (the device listens on the artifact's shared fan-out topic and says so;
+  per-block hashes in the job, so every block is checked as it arrives);
+- over HTTP Range requests from ``agent.fleet.http_source`` (the service's ``--http``).
+
+Baseline: the same bytes as one message from ``mosquitto_pub`` to ``mosquitto_sub`` through the
+same broker (no blocks, no resume, no verification). Best of REPEATS each.
+"""
+
+import hashlib
+import importlib.util
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+REPEATS = int(os.environ.get("FLEET_TRANSFER_REPEATS", "3"))
+
+
+def _daemon_bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_daemon_helpers", os.path.join(ROOT, "scripts", "benchmarks", "daemon.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _transfer(bd, workdir, ctl, index, http=None):
+    from agent.block_server import block_digests
+
+    size = bd.TRANSFER_MB << 20
+    path = os.path.join(workdir, "fleet-artifact-{}.bin".format(index))
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+    sha = ctl.server.add_file(path)
+    digests = block_digests(path, 128 * 1024)
+    list_path = path + ".blocks"
+    with open(list_path, "wb") as f:
+        f.write(digests)
+    ctl.server.add_file(list_path)
+    ref = {"sha256": sha, "size": size,
+           "blocks": {"block_size": 128 * 1024, "sha256": hashlib.sha256(digests).hexdigest()}}
+    if http is not None:
+        ref["url"] = "http://127.0.0.1:{}/artifacts/{}".format(http.port, sha)
+    stored = os.path.join(workdir, "state", "artifacts", sha[:2], sha)
+    job_id = "fx-{}".format(index)
+    started = time.perf_counter()
+    ctl.send_job({"job_id": job_id, "kind": "bench", "artifacts": {"model": ref},
+                  "plan": {"precision": "fp32"}})
+    deadline = time.monotonic() + 300
+    while not os.path.exists(stored):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the transfer did not finish")
+        time.sleep(0.005)
+    seconds = time.perf_counter() - started
+    while job_id not in ctl.ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.unlink(path)
+    return size / seconds / 1e6
+
+
+def run():
+    import shutil
+    import tempfile
+
+    from agent.fleet.http_source import HttpSource
+
+    bd = _daemon_bench()
+    workdir = tempfile.mkdtemp(prefix="bench-fleet-transfer-")
+    broker = bd._Broker(workdir)
+    agent = ctl = http = None
+    try:
+        ctl = bd._Controller(broker.port)
+        agent = bd._start_agent(workdir, broker.port)
+        if not ctl.online.wait(30):
+            raise RuntimeError("the daemon did not come online")
+        time.sleep(2.0)
+        http = HttpSource("127.0.0.1", 0, ctl.server.files).start()
+        mqtt = max(_transfer(bd, workdir, ctl, i) for i in range(REPEATS))
+        over_http = max(_transfer(bd, workdir, ctl, 100 + i, http) for i in range(REPEATS))
+        raw = max(bd._transfer_raw(workdir, broker.port) for _ in range(REPEATS))
+    finally:
+        if http is not None:
+            http.stop()
+        if agent is not None and agent.poll() is None:
+            agent.terminate()
+            agent.wait(30)
+        if ctl is not None:
+            ctl.close()
+        broker.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    what = "{} MiB artifact to a daemon over loopback".format(bd.TRANSFER_MB)
+    return [
+        {"name": what + ", MQTT blocks (fan-out topic, per-block hashes)", "ours": mqtt,
+         "baseline": raw, "unit": "MB/s", "ratio": mqtt / raw,
+         "goal": ">= 0.8x raw mosquitto_pub -> mosquitto_sub"},
+        {"name": what + ", HTTP Range requests", "ours": over_http, "baseline": raw,
+         "unit": "MB/s", "ratio": over_http / raw, "goal": "(alternative source)"},
+    ]
+
+
+if __name__ == "__main__":
+    for row in run():
+        print(row)

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Many simulated devices in one process, speaking the real protocol (docs/protocol.md) over
+one MQTT connection: a retained birth status per device, job documents received on
+``{p}/devices/{id}/jobs/{job}``, job statuses QUEUED -> IN_PROGRESS -> SUCCEEDED (retained,
+QoS 1, increasing versions), and with ``--fetch`` every artifact requested block by block
+(want bitmaps, a window of blocks at a time) before the job succeeds. For scale tests of the
+controller (scripts/benchmarks/fleet_scale.py), not a device emulator: nothing is built.
+
+    python scripts/simulate_devices.py --broker mqtt://127.0.0.1:1883 --count 10000
+"""
+
+import argparse
+import os
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import paho.mqtt.client as paho  # noqa: E402
+
+from agent import protocol  # noqa: E402
+
+PLATFORM = {"board": "Simulated Jetson", "backend": "simulated", "precisions": ["fp32", "fp16"]}
+WINDOW = 64
+
+
+class _Fetch(object):
+    def __init__(self, sha: str, size: int, block_size: int) -> None:
+        self.sha, self.size, self.block_size = sha, size, block_size
+        self.blocks = protocol.block_count(size, block_size)
+        self.next = 0  # first block not yet requested
+        self.pending: set = set()  # requested, not yet received
+
+
+class SimulatedFleet(object):
+    """``count`` devices named ``{name}-{i:05d}``. ``start()`` connects and publishes their
+    births; ``jobs`` (device -> [job ids]) and ``succeeded`` fill as jobs arrive and end."""
+
+    def __init__(self, host: str, port: int, count: int, name: str = "sim",
+                 prefix: str = protocol.DEFAULT_PREFIX, fetch: bool = False,
+                 fanout: bool = False) -> None:
+        self.topics = protocol.Topics(prefix)
+        self.devices = ["{}-{:05d}".format(name, i) for i in range(count)]
+        self.known = set(self.devices)
+        self.fetch = fetch
+        self.fanout = fanout  # listen on the shared block topics, say so in requests
+        self.lock = threading.Lock()
+        self.jobs: Dict[str, List[str]] = {}
+        self.succeeded = 0
+        self.first_doc: Optional[float] = None
+        self.last_doc: Optional[float] = None
+        self.block_bytes = 0
+        self.block_messages = 0
+        self._versions: Dict[Any, int] = {}
+        self._fetches: Dict[Any, List[_Fetch]] = {}  # (device, job) -> artifacts left
+        kwargs: Dict[str, Any] = {"client_id": "simfleet-" + name, "protocol": paho.MQTTv5}
+        if hasattr(paho, "CallbackAPIVersion"):
+            kwargs["callback_api_version"] = paho.CallbackAPIVersion.VERSION2
+        self.client = paho.Client(**kwargs)
+        self.client.max_inflight_messages_set(1000)
+        self.client.max_queued_messages_set(0)
+        self.client.on_message = self._on_message
+        self.host, self.port = host, port
+
+    def start(self) -> None:
+        self.client.connect(self.host, self.port, 60)
+        self.client.loop_start()
+        base = self.topics.prefix + "/devices/+"
+        self.client.subscribe([(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1),
+                               (self.topics.prefix + "/artifacts/+/block/+", 1)])
+        for dev in self.devices:
+            msg = protocol.status_message(dev, True, 1, "sim", PLATFORM, [], ts=time.time())
+            self.client.publish(self.topics.status(dev), protocol.encode(msg), 1, True)
+
+    def stop(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+    def _status(self, dev: str, job_id: str, kind: str, state: str, stage: str = "",
+                result: Optional[Dict[str, Any]] = None) -> None:
+        key = (dev, job_id)
+        with self.lock:
+            version = self._versions.get(key, 0) + 1
+            self._versions[key] = version
+        row: Dict[str, Any] = {"job_id": job_id, "kind": kind, "state": state,
+                               "version": version, "updated": time.time(),
+                               "stage": stage or None, "result": result}
+        pub = protocol.job_status_publication(self.topics, dev, row)
+        self.client.publish(pub.topic, pub.payload, 1, True)
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        try:
+            info = self.topics.parse(message.topic)
+        except Exception:  # noqa: BLE001 - not ours
+            return
+        if info.device not in self.known and not (info.kind == "block" and not info.device):
+            return
+        if info.kind == "block":
+            self._on_block(info, message.payload)
+        elif info.kind == "job" and message.payload:
+            self._on_job(info, message.payload)
+
+    def _on_job(self, info: Any, payload: bytes) -> None:
+        doc = protocol.decode("job", payload)
+        dev, job_id = info.device, info.job_id
+        now = time.time()
+        with self.lock:
+            if job_id in self.jobs.setdefault(dev, []):
+                return  # a duplicate: a real device answers with its state again
+            self.jobs[dev].append(job_id)
+            self.first_doc = self.first_doc or now
+            self.last_doc = now
+        kind = doc["kind"]
+        self._status(dev, job_id, kind, "QUEUED")
+        self._status(dev, job_id, kind, "IN_PROGRESS", "downloading")
+        if self.fetch:
+            fetches = []
+            for ref in (doc.get("artifacts") or {}).values():
+                block_size = protocol.manifest_block_size(ref["size"])
+                fetches.append(_Fetch(ref["sha256"], ref["size"], block_size))
+            with self.lock:
+                self._fetches[(dev, job_id)] = fetches
+            self._request(dev, job_id)
+        else:
+            self._finish(dev, job_id, kind)
+
+    def _request(self, dev: str, job_id: str) -> None:
+        with self.lock:
+            fetches = self._fetches.get((dev, job_id)) or []
+            while fetches and fetches[0].next >= fetches[0].blocks and not fetches[0].pending:
+                fetches.pop(0)
+            if not fetches:
+                self._fetches.pop((dev, job_id), None)
+                done = True
+            else:
+                done = False
+                f = fetches[0]
+                indices = list(range(f.next, min(f.blocks, f.next + WINDOW)))
+                f.next += len(indices)
+                f.pending = set(indices)
+        if done:
+            self._finish(dev, job_id, "deploy")
+            return
+        want = protocol.bitmap_from_indices(indices, f.blocks)
+        msg = protocol.request_message(f.sha, f.size, f.block_size, want, job_id, self.fanout)
+        self.client.publish(self.topics.artifact_request(dev, f.sha), protocol.encode(msg), 1)
+
+    def _on_block(self, info: Any, payload: bytes) -> None:
+        again = []
+        with self.lock:
+            self.block_bytes += len(payload)
+            self.block_messages += 1
+            for (dev, job_id), fetches in self._fetches.items():
+                if info.device not in ("", dev) or not fetches:
+                    continue
+                f = fetches[0]
+                if f.sha == info.sha256 and info.block in f.pending:
+                    f.pending.discard(info.block)
+                    if not f.pending:
+                        again.append((dev, job_id))
+        for key in again:
+            self._request(*key)
+
+    def _finish(self, dev: str, job_id: str, kind: str) -> None:
+        result = {"precision": "fp16", "throughput_qps": 1000.0, "emulated": True,
+                  "latency_ms": {"median": 1.0, "p99": 2.0}}
+        self._status(dev, job_id, kind, "SUCCEEDED", "activating", result)
+        with self.lock:
+            self.succeeded += 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--broker", default="mqtt://127.0.0.1:1883")
+    p.add_argument("--count", type=int, default=100)
+    p.add_argument("--name", default="sim")
+    p.add_argument("--prefix", default=protocol.DEFAULT_PREFIX)
+    p.add_argument("--fetch", action="store_true", help="request every artifact's blocks")
+    p.add_argument("--fanout", action="store_true", help="with --fetch: on the artifacts' "
+                   "shared block topics")
+    args = p.parse_args()
+    hostport = args.broker.split("://", 1)[-1]
+    host, _, port = hostport.partition(":")
+    fleet = SimulatedFleet(host, int(port or 1883), args.count, args.name, args.prefix,
+                           args.fetch, args.fanout)
+    fleet.start()
+    print("{} simulated devices online; Ctrl-C to stop".format(args.count), flush=True)
+    try:
+        while True:
+            time.sleep(5)
+            print("jobs received {}, succeeded {}, block bytes {}".format(
+                sum(len(v) for v in fleet.jobs.values()), fleet.succeeded, fleet.block_bytes),
+                flush=True)
+    except KeyboardInterrupt:
+        fleet.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The controller's MQTT event queue: bounded in bytes, never blocks its producer (paho's
+network thread); over budget only block requests and telemetry are dropped (and counted)."""
+
+import queue
+import threading
+
+import pytest
+
+from agent.fleet.bytequeue import ByteQueue
+from agent.mqtt import MESSAGE, Event
+
+
+def msg(topic, size):
+    return Event(MESSAGE, topic=topic, payload=b"x" * size)
+
+
+def test_over_budget_requests_and_telemetry_are_dropped_statuses_never():
+    q = ByteQueue(max_bytes=10000)
+    q.put(msg("p/devices/a/artifacts/" + "0" * 64 + "/request", 9000), timeout=0.5)
+    q.put(msg("p/devices/a/artifacts/" + "0" * 64 + "/request", 9000), timeout=0.5)
+    q.put(msg("p/devices/a/telemetry", 5000))
+    for i in range(50):  # statuses are kept whatever the budget
+        q.put(msg("p/devices/d{}/jobs/j/status".format(i), 5000))
+    assert q.dropped == 2 and q.qsize() == 51
+    assert q.peak >= 50 * 5000
+    topics = [q.get(timeout=0.1).topic for _ in range(51)]
+    assert topics[0].endswith("/request") and topics[-1].endswith("d49/jobs/j/status")
+    assert q.bytes == 0 and q.empty()
+    with pytest.raises(queue.Empty):
+        q.get(timeout=0.01)
+
+
+def test_put_never_blocks_and_get_wakes_up():
+    q = ByteQueue(max_bytes=1)
+    got = []
+    t = threading.Thread(target=lambda: got.append(q.get(timeout=5)))
+    t.start()
+    q.put(msg("p/devices/a/status", 100))  # over budget, kept, no wait
+    t.join(5)
+    assert got and got[0].topic == "p/devices/a/status"
