@@ -1,10 +1,10 @@
-"""Device commands (cancel, diag) and their replies."""
+"""Device commands (cancel, diag, rollback) and their replies."""
 
 import logging
 import time
 from typing import Any, Dict, Optional
 
-from agent import __version__, protocol, signing
+from agent import __version__, engine_rollback, protocol, signing
 from agent.errors import AgentError
 from agent.job_intake import JobIntake
 from agent.mqtt import Event
@@ -28,6 +28,9 @@ class DeviceCommands(JobIntake):
             if cmd["command"] == "cancel":
                 state = self._cancel(cmd["job_id"])
                 result: Dict[str, Any] = {"job_id": cmd["job_id"], "state": state}
+            elif cmd["command"] == "rollback":
+                result = engine_rollback.rollback(self.journal, cmd["model"])
+                self._publish_birth()  # the retained status lists the active engines
             else:
                 result = self.diag()
         except AgentError as exc:

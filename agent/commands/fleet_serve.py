@@ -240,6 +240,9 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     try:
         service = FleetService(store, conn, signer, instance=args.instance,
                                share_group=args.share_group)
+        from agent.fleet import web
+
+        dashboard = web.mount(args, url, service)  # telemetry history; --http: dashboard
         service.start()
         notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
         log.info("fleet service %s on %s, database %s", service.instance, conn.url,
@@ -254,6 +257,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         notifier.notify("STOPPING=1")
         service.drain()
         store.release(service.instance)
+        if dashboard is not None:
+            dashboard.stop()
     finally:
         conn.close()
         store.close()
@@ -324,6 +329,9 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"))
     s.add_argument("--sequence-file", metavar="F")
     s.add_argument("--valid-for", type=float, default=signing.DEFAULT_VALIDITY_S, metavar="S")
+    from agent.fleet import web
+
+    web.add_args(s)
     s.set_defaults(func=lambda a: run_serve(a, connect))
 
     r = fsub.add_parser("rollouts", help="rollouts in the fleet database: ls, show, pause, "

@@ -56,6 +56,8 @@ class FleetService(object):
         self.started = time.time()
         self.last_tick = 0.0
         self.on_change: Optional[Callable[[Rollout], None]] = None  # progress views
+        # device -> telemetry message, at each flush (agent.fleet.history keeps the series)
+        self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
         self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0}
 
     # -- publishing ---------------------------------------------------------------------------
@@ -165,6 +167,8 @@ class FleetService(object):
             self.devices_dirty = {}
         if self.telemetry_dirty:
             self.store.touch_devices(self.telemetry_dirty)
+            if self.on_telemetry is not None:
+                self.on_telemetry(self.telemetry_dirty)
             self.telemetry_dirty = {}
 
     # -- messages -----------------------------------------------------------------------------

@@ -1,0 +1,43 @@
+/* Device page charts: reads the JSON block the server rendered and draws one uPlot chart per
+   entry (time on x, one line per series). No inline script: the page's CSP forbids it. */
+(function () {
+  "use strict";
+  var COLORS = ["#0b5ea8", "#76b900", "#b3261e", "#f39c12", "#8e44ad", "#16a085", "#7f8c8d",
+                "#d35400"];
+  function draw(root, chart) {
+    var box = document.createElement("div");
+    box.className = "chart";
+    box.id = "chart-" + chart.id;
+    var h = document.createElement("h3");
+    h.textContent = chart.title;
+    box.appendChild(h);
+    root.appendChild(box);
+    var series = [{}];
+    var data = [chart.x];
+    chart.series.forEach(function (s, i) {
+      series.push({label: s.label, stroke: COLORS[i % COLORS.length], width: 1.5,
+                   spanGaps: true, points: {show: !!chart.points}});
+      data.push(s.y);
+    });
+    var width = Math.max(320, box.clientWidth - 16);
+    new uPlot({width: width, height: 220, series: series, scales: {x: {time: true}},
+               legend: {live: false}}, data, box);
+  }
+  function main() {
+    var src = document.getElementById("chart-data");
+    var root = document.getElementById("charts");
+    if (!src || !root || typeof uPlot === "undefined") { return; }
+    var spec = JSON.parse(src.textContent);
+    if (!spec.charts.length) {
+      root.textContent = "No telemetry recorded yet.";
+      return;
+    }
+    spec.charts.forEach(function (c) { draw(root, c); });
+    root.setAttribute("data-ready", String(spec.charts.length));
+  }
+  if (document.readyState === "loading") {
+    document.addEventListener("DOMContentLoaded", main);
+  } else {
+    main();
+  }
+})();
