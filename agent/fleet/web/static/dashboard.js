@@ -20,7 +20,11 @@
       data.push(s.y);
     });
     var width = Math.max(320, box.clientWidth - 16);
-    new uPlot({width: width, height: 220, series: series, scales: {x: {time: true}},
+    // One sample (one finished job) would make uPlot span years: show an hour around it.
+    var xs = {time: true, range: function (u, min, max) {
+      return min === max ? [min - 1800, max + 1800] : [min, max];
+    }};
+    new uPlot({width: width, height: 220, series: series, scales: {x: xs},
                legend: {live: false}}, data, box);
   }
   function main() {
