@@ -12,6 +12,7 @@ wrong or forged cannot put rows in the future, where retention would never reach
 import json
 import math
 import time
+import weakref
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent.fleet.store import Store
@@ -22,6 +23,7 @@ MIN_INTERVAL_S = 1.0
 MAX_KEYS = 64
 MAX_KEY_LEN = 64
 PRUNE_EVERY_S = 60.0
+_READY: "weakref.WeakValueDictionary[str, Store]" = weakref.WeakValueDictionary()
 
 _DDL = (
     "CREATE TABLE IF NOT EXISTS telemetry_history (device_id TEXT NOT NULL, "
@@ -31,12 +33,12 @@ _DDL = (
 
 
 def ensure_schema(store: Store) -> None:
-    if getattr(store, "_telemetry_history", False):
+    if store.url in _READY and _READY[store.url] is store:
         return
     with store.transaction():
         for stmt in _DDL:
             store.db.execute(stmt)
-    setattr(store, "_telemetry_history", True)
+    _READY[store.url] = store
 
 
 def numeric_metrics(metrics: Any) -> Dict[str, float]:

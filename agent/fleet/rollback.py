@@ -72,7 +72,7 @@ def targets(args: argparse.Namespace, statuses: Dict[str, Dict[str, Any]]
         if st is None:
             raise AgentError("unknown_device", "device {} has no retained status on the broker; "
                              "give --model SHA256".format(dev))
-        models = sorted({e.get("model") for e in st.get("active_engines") or []
+        models = sorted({str(e["model"]) for e in st.get("active_engines") or []
                          if isinstance(e, dict) and e.get("model")})
         if len(models) != 1:
             raise AgentError("bad_argument", "device {} has {} active engines ({}); choose one "
@@ -94,7 +94,8 @@ def run(args: argparse.Namespace, connect: Any) -> int:
             if info.kind == "command_reply" and msg.get("request_id") in requests:
                 replies[msg["request_id"]] = msg
 
-        conn.subscribe([conn.topics.prefix + "/devices/+/commands/reply"])
+        conn.subscribe([conn.topics.prefix + "/devices/+/commands/reply",
+                        conn.topics.prefix + "/devices/+/status"])  # active engines
         conn.settle(on_message)
         for dev, model in targets(args, conn.directory.status):
             rid = "r" + uuid.uuid4().hex[:10]
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace, connect: Any) -> int:
             conn.pump(on_message, 0.2)
     finally:
         conn.close()
-    out = []
+    out: List[Dict[str, Any]] = []
     for rid, (dev, model) in sorted(requests.items(), key=lambda kv: kv[1]):
         reply = replies.get(rid)
         out.append({"device": dev, "model": model, "request_id": rid, "ok": bool(

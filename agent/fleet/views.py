@@ -46,6 +46,10 @@ def power_rails(metrics: Any) -> Dict[str, float]:
     return out
 
 
+def _dict(value: Any) -> Dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
 def job_rows(store: Store, device: Optional[str] = None, rollout_id: Optional[str] = None
              ) -> List[Dict[str, Any]]:
     """Per-device jobs (of one device, one rollout or all; oldest rollout first), with result
@@ -62,11 +66,11 @@ def job_rows(store: Store, device: Optional[str] = None, rollout_id: Optional[st
     out = []
     for rid, dev, stage, state, data, updated, created in store.db.query(
             sql + " ORDER BY r.created, j.rollout_id", params):
-        item = json.loads(data) if data else {}
-        item = item if isinstance(item, dict) else {}
-        result = item.get("result") if isinstance(item.get("result"), dict) else {}
-        error = item.get("error") if isinstance(item.get("error"), dict) else {}
-        latency = result.get("latency_ms") if isinstance(result.get("latency_ms"), dict) else {}
+        loaded = json.loads(data) if data else {}
+        item: Dict[str, Any] = loaded if isinstance(loaded, dict) else {}
+        result = _dict(item.get("result"))
+        error = _dict(item.get("error"))
+        latency = _dict(result.get("latency_ms"))
         accuracy = result.get("accuracy")
         if accuracy is None and isinstance(error.get("details"), dict):
             accuracy = error["details"].get("accuracy")

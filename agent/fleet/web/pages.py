@@ -167,10 +167,10 @@ def rollouts_page(rollouts: List[Dict[str, Any]], actions: bool) -> bytes:
     return page("Rollouts", body, "rollouts", actions, refresh=5)
 
 
-def _action_form(url: str, label: str, fields: Mapping[str, str] = (), danger: bool = False
-                 ) -> str:
+def _action_form(url: str, label: str, fields: Optional[Mapping[str, str]] = None,
+                 danger: bool = False) -> str:
     hidden = "".join('<input type="hidden" name="{}" value="{}">'.format(_e(k), _e(v))
-                     for k, v in dict(fields).items())
+                     for k, v in (fields or {}).items())
     return ('<form method="post" action="{}" class="action">{}<input type="password" '
             'name="token" placeholder="token" autocomplete="off" required>'
             '<button type="submit"{}>{}</button></form>').format(
@@ -226,7 +226,7 @@ CHARTS = (  # (id, title, metric prefix or key, suffix, scale)
 def chart_data(series: Sequence[Any], jobs: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     """What ``dashboard.js`` plots: one x axis per chart, named y series."""
     xs = [ts for ts, _ in series]
-    charts = []
+    charts: List[Dict[str, Any]] = []
     for cid, title, prefix, suffix, scale in CHARTS:
         keys = sorted({k for _, m in series for k in m
                        if k.endswith(suffix) and (prefix is None or k.startswith(prefix))})

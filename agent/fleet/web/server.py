@@ -56,7 +56,7 @@ class Dashboard(object):
     @property
     def url(self) -> str:
         host, port = self.httpd.server_address[:2]
-        return "http://{}:{}".format(host, port)
+        return "http://{}:{}".format(host if isinstance(host, str) else host.decode(), port)
 
     def start(self) -> "Dashboard":
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="dashboard",

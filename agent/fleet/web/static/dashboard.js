@@ -4,6 +4,13 @@
   "use strict";
   var COLORS = ["#0b5ea8", "#76b900", "#b3261e", "#f39c12", "#8e44ad", "#16a085", "#7f8c8d",
                 "#d35400"];
+  function compact(v) {  // 115443 -> "115k": y labels fit the axis
+    if (v === null) { return ""; }
+    var a = Math.abs(v);
+    if (a >= 1e6) { return +(v / 1e6).toFixed(2) + "M"; }
+    if (a >= 1e4) { return +(v / 1e3).toFixed(1) + "k"; }
+    return String(+v.toFixed(4));
+  }
   function draw(root, chart) {
     var box = document.createElement("div");
     box.className = "chart";
@@ -24,7 +31,8 @@
     var xs = {time: true, range: function (u, min, max) {
       return min === max ? [min - 1800, max + 1800] : [min, max];
     }};
-    new uPlot({width: width, height: 220, series: series, scales: {x: xs},
+    var ys = {size: 56, values: function (u, vals) { return vals.map(compact); }};
+    new uPlot({width: width, height: 220, series: series, scales: {x: xs}, axes: [{}, ys],
                legend: {live: false}}, data, box);
   }
   function main() {
