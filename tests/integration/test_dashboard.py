@@ -1,4 +1,4 @@
-"""The dashboard server over a real SQLite fleet database (no broker): every page renders and
+"""The dashboard server over a real fleet database, SQLite and PostgreSQL (no broker): every page renders and
 escapes what devices reported, ``/metrics`` parses with prometheus_client's parser and says
 what the database holds, actions are refused without the token (read-only by default), with
 a wrong token, or with an oversized body, and a right token requests the control in the
@@ -16,14 +16,18 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent.fleet import history
 from agent.fleet.store import Store
 from agent.fleet.web.server import Dashboard
+from tests.integration.postgres import postgres  # noqa: F401 - fixture
 
 TOKEN = "t0ken-for-the-dashboard-tests"
 MODEL = "ab" * 32
 
 
-@pytest.fixture
-def db(tmp_path):
-    url = "sqlite:///" + str(tmp_path / "fleet.db")
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request, tmp_path):
+    if request.param == "sqlite":
+        url = "sqlite:///" + str(tmp_path / "fleet.db")
+    else:
+        url = request.getfixturevalue("postgres").url
     store = Store(url)
     now = time.time()
     store.upsert_devices({
@@ -159,9 +163,10 @@ def test_actions_need_the_token(db, dash):
     assert code == 503 and "broker_unreachable" in body  # no MQTT connection here
 
 
-def test_telemetry_history_bounds(tmp_path):
-    store = Store("sqlite:///" + str(tmp_path / "h.db"))
+def test_telemetry_history_bounds(db):
+    store = Store(db)
     try:
+        store.db.execute("DELETE FROM telemetry_history")
         rec = history.TelemetryHistory(store, retention_s=100.0, max_rows_per_device=3,
                                        min_interval_s=1.0)
         hostile = {"temp_cpu_c": 40.0, "nvpmodel": "MAXN", "flag": True, "nan": float("nan"),
@@ -181,3 +186,18 @@ def test_telemetry_history_bounds(tmp_path):
         assert history.count(store) == 0
     finally:
         store.close()
+
+
+def test_the_grafana_dashboard_only_uses_metrics_the_service_exports(dash):
+    import json
+    import os
+    import re
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "grafana",
+                        "jetson-fleet.json")
+    with open(path) as f:
+        board = json.load(f)
+    used = {m for p in board["panels"] for t in p["targets"]
+            for m in re.findall(r"jetson_fleet_[a-z_]+", t["expr"])}
+    exported = {f.name for f in text_string_to_metric_families(get(dash, "/metrics")[2])}
+    assert used and used <= exported, used - exported
