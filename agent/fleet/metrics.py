@@ -3,8 +3,9 @@ the fleet database at scrape time, so every instance on the same database report
 fleet and nothing is kept in memory between scrapes.
 
 Families (all gauges): devices by state and board, per-device online/last seen, rollout
-progress (devices per state, stage, fraction finished), the active engine's throughput,
-latency and accuracy per device, temperatures, power, GPU/CPU load and memory per device.
+progress (devices per state, stage, fraction finished; running and paused rollouts and those
+finished within a day), the active engine's throughput, latency and accuracy per device,
+temperatures, power, GPU/CPU load and memory per device.
 Label values come from devices: they are cut to ``MAX_LABEL`` characters.
 """
 
@@ -15,6 +16,7 @@ from agent.fleet import views
 from agent.fleet.store import Store
 
 MAX_LABEL = 64
+FINISHED_KEPT_S = 86400.0  # finished rollouts stay in /metrics for a day
 PREFIX = "jetson_fleet_"
 
 
@@ -115,7 +117,11 @@ class FleetCollector(object):
         stages = gauge("rollout_stages", "stages of the rollout", ["rollout"])
         info = gauge("rollout_active", "1 while the rollout runs or is paused",
                      ["rollout", "state"])
+        now = time.time()
         for row in self.store.rollouts():
+            if row["state"] not in ("running", "paused") and \
+                    (row["finished"] or row["updated"] or 0) < now - FINISHED_KEPT_S:
+                continue  # finished long ago: its series end instead of growing forever
             rid = _label(row["rollout_id"])
             total = sum(len(s) for s in row["stages"])
             done = sum(n for s, n in row["counts"].items()

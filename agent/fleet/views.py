@@ -16,6 +16,7 @@ from agent.fleet.store import Store
 FAILED_STATES = ("FAILED", "REJECTED", "TIMED_OUT", "CANCELED")
 HOT_C = 85.0  # a Jetson throttles near 90-100 C; above this the dashboard says "hot"
 STALE_S = 120.0  # online but no telemetry for this long: "stale"
+MAX_ROLLOUTS = 200  # the rollouts page lists the newest ones (all: fleet rollouts ls)
 
 
 def _num(value: Any) -> Optional[float]:
@@ -127,13 +128,19 @@ def health(device: Mapping[str, Any], last_job: Optional[Mapping[str, Any]],
     return "ok", ""
 
 
-def fleet_rows(store: Store, now: Optional[float] = None) -> List[Dict[str, Any]]:
-    """One row per device, sorted by id."""
+def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] = None
+               ) -> List[Dict[str, Any]]:
+    """One row per device, sorted by id (``device``: only that one, [] if unknown)."""
     jobs: Dict[str, List[Dict[str, Any]]] = {}
-    for job in job_rows(store):
+    for job in job_rows(store, device=device):
         jobs.setdefault(job["device"], []).append(job)
     out = []
-    for dev in store.devices():
+    if device is None:
+        devices = store.devices()
+    else:
+        one = store.device(device)
+        devices = [one] if one is not None else []
+    for dev in devices:
         status = dev.get("status") or {}
         platform = dev.get("platform") or status.get("platform") or {}
         mine = jobs.get(dev["device"], [])
@@ -160,12 +167,10 @@ def fleet_rows(store: Store, now: Optional[float] = None) -> List[Dict[str, Any]
     return out
 
 
-def rollout_rows(store: Store) -> List[Dict[str, Any]]:
-    """Rollouts, newest first, with their failures (device, state, reason)."""
-    out = []
-    for row in store.rollouts():
-        out.append(rollout_detail(store, row))
-    return out
+def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS) -> List[Dict[str, Any]]:
+    """The newest ``limit`` rollouts, newest first, with their failures (device, state,
+    reason)."""
+    return [rollout_detail(store, row) for row in store.rollouts()[:limit]]
 
 
 def rollout_detail(store: Store, row: Mapping[str, Any],

@@ -97,7 +97,7 @@ class Dashboard(object):
                 return _html(pages.rollout_page(views.rollout_detail(self.store, row), actions,
                                                 notice))
         if len(parts) == 2 and parts[0] == "devices" and protocol.valid_id(parts[1]):
-            rows = [r for r in views.fleet_rows(self.store) if r["device"] == parts[1]]
+            rows = views.fleet_rows(self.store, device=parts[1])
             if rows:
                 return _html(pages.device_page(
                     rows[0], views.job_rows(self.store, device=parts[1]),
