@@ -1,9 +1,9 @@
 """The dashboard server over a real fleet database, SQLite and PostgreSQL (no broker): every
-page renders and escapes what devices reported, ``/metrics`` parses with prometheus_client's parser and says
-what the database holds, actions are refused without the token (read-only by default), with
-a wrong token, or with an oversized body, and a right token requests the control in the
-database; the telemetry history downsamples, keeps only numbers, and honours its retention
-and per-device cap."""
+page renders and escapes what devices reported, ``/metrics`` parses with prometheus_client's
+parser and says what the database holds, actions are refused without the token (read-only by
+default), with a wrong token, or with an oversized body, and a right token requests the
+control in the database; the telemetry history downsamples, keeps only numbers, and honours
+its retention and per-device cap."""
 
 import time
 import urllib.error
