@@ -53,11 +53,11 @@ class FleetService(object):
         self.unacked: List[Tuple[Any, int]] = []  # (publish handle, outbox id)
         self.devices_dirty: Dict[str, Dict[str, Any]] = {}
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
+        # device -> telemetry message, at each flush (agent.fleet.history keeps the series)
+        self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
         self.started = time.time()
         self.last_tick = 0.0
         self.on_change: Optional[Callable[[Rollout], None]] = None  # progress views
-        # device -> telemetry message, at each flush (agent.fleet.history keeps the series)
-        self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
         self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0}
 
     # -- publishing ---------------------------------------------------------------------------
