@@ -4,7 +4,7 @@ import logging
 import time
 from typing import Any, Dict, Optional
 
-from agent import __version__, engine_rollback, protocol, signing
+from agent import __version__, protocol, signing
 from agent.errors import AgentError
 from agent.job_intake import JobIntake
 from agent.mqtt import Event
@@ -29,6 +29,8 @@ class DeviceCommands(JobIntake):
                 state = self._cancel(cmd["job_id"])
                 result: Dict[str, Any] = {"job_id": cmd["job_id"], "state": state}
             elif cmd["command"] == "rollback":
+                from agent import engine_rollback
+
                 result = engine_rollback.rollback(self.journal, cmd["model"])
                 self._publish_birth()  # the retained status lists the active engines
             else:
