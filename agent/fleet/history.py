@@ -29,6 +29,8 @@ _DDL = (
     "CREATE TABLE IF NOT EXISTS telemetry_history (device_id TEXT NOT NULL, "
     "ts DOUBLE PRECISION NOT NULL, metrics TEXT NOT NULL)",
     "CREATE INDEX IF NOT EXISTS telemetry_history_dev ON telemetry_history (device_id, ts)",
+    # The device page lists a device's last status changes (agent.fleet.views.status_history).
+    "CREATE INDEX IF NOT EXISTS job_history_dev ON job_history (device_id, id)",
 )
 
 

@@ -193,3 +193,12 @@ def rollout_detail(store: Store, row: Mapping[str, Any],
 def job_rows_of(store: Store, rollout_id: str) -> List[Dict[str, Any]]:
     rows = job_rows(store, rollout_id=rollout_id)
     return sorted(rows, key=lambda j: (j["stage"], j["device"]))
+
+
+def status_history(store: Store, device: str, limit: int = 50) -> List[Dict[str, Any]]:
+    """The device's last ``limit`` job status changes (all rollouts), newest first."""
+    rows = store.db.query("SELECT rollout_id, job_id, version, state, stage, ts, received FROM "
+                          "job_history WHERE device_id = ? ORDER BY id DESC LIMIT ?",
+                          (device, max(1, int(limit))))
+    return [{"rollout_id": r[0], "job_id": r[1], "version": r[2], "state": r[3],
+             "stage": r[4], "ts": _num(r[5]), "received": _num(r[6])} for r in rows]

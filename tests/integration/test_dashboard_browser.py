@@ -155,7 +155,9 @@ def test_dashboard_of_a_running_rollout_in_chromium(mosquitto, agent_factory, tm
                  ("rollout", "/rollouts/ro-b", None, ["Resume", "cam-2", "PENDING"]),
                  ("device", "/devices/cam-1",
                   "document.getElementById('charts').dataset.ready", ["ro-a", "ro-b",
-                                                                      "CPU load"])]
+                                                                      "CPU load",
+                                                                      "Job status changes",
+                                                                      "IN_PROGRESS"])]
         with Browser() as browser:
             for name, path, ready, expect in pages:
                 page = browser.load(base + path, ready)

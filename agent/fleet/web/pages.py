@@ -250,7 +250,8 @@ def chart_data(series: Sequence[Any], jobs: Sequence[Mapping[str, Any]]) -> Dict
 
 
 def device_page(row: Dict[str, Any], jobs: List[Dict[str, Any]], series: Sequence[Any],
-                actions: bool, notice: str = "") -> bytes:
+                actions: bool, notice: str = "",
+                statuses: Sequence[Mapping[str, Any]] = ()) -> bytes:
     parts = ['<p class="notice">{}</p>'.format(_e(notice))] if notice else []
     eng = row.get("active_engine") or {}
     parts.append('<dl class="facts"><dt>online</dt><dd>{}</dd><dt>health</dt><dd>{} {}</dd>'
@@ -281,6 +282,11 @@ def device_page(row: Dict[str, Any], jobs: List[Dict[str, Any]], series: Sequenc
          _e(when(j["finished"])),
          _e(views.failure_reason(j) if j["state"] in views.FAILED_STATES else j["note"])]
         for j in reversed(jobs)], cls="jobs"))
+    parts.append("<h2>Job status changes</h2>")
+    parts.append(table(["received", "rollout", "job", "version", "state", "stage"], [
+        [_e(when(h["received"])), '<a href="/rollouts/{}">{}</a>'.format(
+            _u(h["rollout_id"]), _e(h["rollout_id"])), _e(h["job_id"]), _e(h["version"]),
+         badge(h["state"]), _e(h["stage"] or "-")] for h in statuses], cls="history"))
     return page("Device " + row["device"], "".join(parts), "fleet", actions,
                 scripts=("uPlot.min.css", "uPlot.iife.min.js", "dashboard.js"))
 

@@ -101,7 +101,8 @@ class Dashboard(object):
             if rows:
                 return _html(pages.device_page(
                     rows[0], views.job_rows(self.store, device=parts[1]),
-                    history.series(self.store, parts[1]), actions, notice))
+                    history.series(self.store, parts[1]), actions, notice,
+                    views.status_history(self.store, parts[1])))
         return 404, "text/html; charset=utf-8", pages.message_page(
             "Not found", "nothing at {}".format(path[:200]), actions)
 
