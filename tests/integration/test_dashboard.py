@@ -155,6 +155,7 @@ def test_actions_need_the_token(db, dash):
     finally:
         store.close()
     assert "pause requested" in get(dash, where)[2]
+    assert "<b>" not in get(dash, "/rollouts/ro-1?done=%3Cb%3E")[2]  # no text from the URL
     code, _, body = post(dash, "/rollouts/nope/cancel", {"token": TOKEN})
     assert code == 404 and "unknown_job" in body
     code, _, body = post(dash, "/devices/orin-1/rollback", {"token": TOKEN, "model": "x"})
@@ -201,3 +202,16 @@ def test_the_grafana_dashboard_only_uses_metrics_the_service_exports(dash):
             for m in re.findall(r"jetson_fleet_[a-z_]+", t["expr"])}
     exported = {f.name for f in text_string_to_metric_families(get(dash, "/metrics")[2])}
     assert used and used <= exported, used - exported
+
+
+def test_a_busy_port_is_a_clear_error(db):
+    import socket
+
+    from agent.errors import AgentError
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        with pytest.raises(AgentError) as err:
+            Dashboard(db, port=busy.getsockname()[1])
+    assert err.value.code == "bad_argument" and "cannot listen there" in err.value.message

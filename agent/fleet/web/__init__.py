@@ -71,9 +71,7 @@ def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
     host, port = parse_hostport(args.http)
 
     def send_rollback(device: str, model: str) -> str:
-        rid = rollback.send(service.conn, device, model)
-        return "rollback of {} sent to {} (request {}); the device's status shows the engine " \
-               "it restored".format(model[:12], device, rid)
+        return rollback.send(service.conn, device, model)
 
     dash = Dashboard(url, host, port, read_token(args.http_token_file), send_rollback)
     return dash.start()

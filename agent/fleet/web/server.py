@@ -30,7 +30,7 @@ TYPES = {".js": "application/javascript", ".css": "text/css", ".svg": "image/svg
          ".LICENSE": "text/plain; charset=utf-8"}
 ROLLOUT_CONTROLS = ("pause", "resume", "cancel")
 
-# rollback(device, model_sha256) -> a line saying what was sent (None: no MQTT connection)
+# rollback(device, model_sha256) -> the request id of the command sent
 Rollback = Callable[[str, str], str]
 
 
@@ -49,7 +49,12 @@ class Dashboard(object):
         class Handler(_Handler):
             dashboard = app
 
-        self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
+        try:
+            self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
+        except OSError as exc:
+            self.store.close()
+            raise AgentError("bad_argument", "--http {}:{}: cannot listen there: {}".format(
+                host, port, exc.strerror or exc))
         self.httpd.daemon_threads = True
         self.thread: Optional[threading.Thread] = None
 
@@ -76,7 +81,7 @@ class Dashboard(object):
     def get(self, path: str, query: Dict[str, str]) -> Tuple[int, str, bytes]:
         parts = [p for p in path.split("/") if p]
         actions = self.token is not None
-        notice = query.get("done", "")[:200]
+        notice = _notice(query)
         if not parts:
             return _html(pages.fleet_page(views.fleet_rows(self.store),
                                           views.rollout_rows(self.store), actions))
@@ -120,8 +125,7 @@ class Dashboard(object):
                 parts[2] in ROLLOUT_CONTROLS:
             self.store.request_control(parts[1], parts[2])
             log.info("dashboard: %s of rollout %s requested", parts[2], parts[1])
-            return 303, "/rollouts/{}?done={}".format(quote(parts[1]), quote(
-                "{} requested; the service applies it within a second".format(parts[2]))), b""
+            return 303, "/rollouts/{}?done={}".format(quote(parts[1]), parts[2]), b""
         if len(parts) == 3 and parts[0] == "devices" and protocol.valid_id(parts[1]) and \
                 parts[2] == "rollback":
             model = form.get("model", "")
@@ -134,9 +138,24 @@ class Dashboard(object):
             if self.rollback is None:
                 raise _Refused(503, "broker_unreachable", "this dashboard has no MQTT connection "
                                "to send the rollback command")
-            sent = self.rollback(parts[1], model)
-            return 303, "/devices/{}?done={}".format(quote(parts[1]), quote(sent)), b""
+            request_id = self.rollback(parts[1], model)
+            return 303, "/devices/{}?done=rollback&request={}".format(
+                quote(parts[1]), quote(request_id)), b""
         raise _Refused(404, "bad_argument", "no action at {}".format(path[:200]))
+
+
+NOTICES = {  # the page after an action says what was done; no text from the URL is shown
+    "pause": "pause requested; the service applies it within a second",
+    "resume": "resume requested; the service applies it within a second",
+    "cancel": "cancel requested; the service applies it within a second",
+    "rollback": "rollback sent (request {}); the device's status shows the engine it restored",
+}
+
+
+def _notice(query: Dict[str, str]) -> str:
+    text = NOTICES.get(query.get("done", ""), "")
+    request = query.get("request", "")
+    return text.format(request if protocol.valid_id(request) else "-") if text else ""
 
 
 class _Refused(Exception):
@@ -151,6 +170,7 @@ def _html(body: bytes) -> Tuple[int, str, bytes]:
 
 class _Handler(BaseHTTPRequestHandler):
     dashboard: Dashboard
+    timeout = 30  # a client that sends nothing does not hold its thread for ever
     server_version = "jetson-agent-fleet"
     sys_version = ""
 
