@@ -240,10 +240,10 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     try:
         service = FleetService(store, conn, signer, instance=args.instance,
                                share_group=args.share_group)
+        service.start()
         from agent.fleet import web
 
         dashboard = web.mount(args, url, service)  # telemetry history; --http: dashboard
-        service.start()
         notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
         log.info("fleet service %s on %s, database %s", service.instance, conn.url,
                  store.url.split("@")[-1])
