@@ -243,7 +243,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         service.start()
         from agent.fleet import web
 
-        dashboard = web.mount(args, url, service)  # telemetry history; --http: dashboard
+        dashboard = web.mount(args, url, service)  # telemetry history; --dashboard: dashboard
         notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
         log.info("fleet service %s on %s, database %s", service.instance, conn.url,
                  store.url.split("@")[-1])

@@ -100,8 +100,8 @@ def test_dashboard_of_a_running_rollout_in_chromium(mosquitto, agent_factory, tm
         with open(log_path, "ab") as logf:
             return subprocess.Popen(
                 [sys.executable, "-m", "agent", "fleet", "serve", "--broker", mosquitto.url,
-                 "--db", db, "--instance", "svc", "--http", "127.0.0.1:{}".format(port),
-                 "--http-token-file", str(token_file)], stdout=logf,
+                 "--db", db, "--instance", "svc", "--dashboard", "127.0.0.1:{}".format(port),
+                 "--dashboard-token-file", str(token_file)], stdout=logf,
                 stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
 
     serve = start_serve()

@@ -17,10 +17,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from agent.fleet import history
 
     g = p.add_argument_group("dashboard and metrics")
-    g.add_argument("--http", metavar="HOST:PORT", default=os.environ.get(
-        "JETSON_AGENT_FLEET_HTTP"), help="serve the dashboard and Prometheus /metrics here "
+    g.add_argument("--dashboard", metavar="HOST:PORT", default=os.environ.get(
+        "JETSON_AGENT_FLEET_DASHBOARD"), help="serve the dashboard and Prometheus /metrics here "
         "(e.g. 127.0.0.1:8480; off by default)")
-    g.add_argument("--http-token-file", metavar="F", help="a file holding the token that "
+    g.add_argument("--dashboard-token-file", metavar="F", help="a file holding the token that "
                    "enables dashboard actions (pause/resume/cancel, rollback); without it the "
                    "dashboard is read-only")
     g.add_argument("--telemetry-retention", type=float, default=history.RETENTION_S / 86400,
@@ -36,7 +36,7 @@ def parse_hostport(text: str) -> Tuple[str, int]:
     except ValueError:
         number = -1
     if not 0 <= number <= 65535:
-        raise AgentError("bad_argument", "--http wants HOST:PORT (e.g. 127.0.0.1:8480), found "
+        raise AgentError("bad_argument", "--dashboard wants HOST:PORT (e.g. 127.0.0.1:8480), found "
                          "{!r}".format(text))
     return host.strip("[]") or "127.0.0.1", number
 
@@ -48,16 +48,16 @@ def read_token(path: Optional[str]) -> Optional[str]:
         with open(path, "r", encoding="utf-8") as f:
             token = f.read(4096).strip()
     except OSError as exc:
-        raise AgentError("file_not_found", "--http-token-file {}: {}".format(
+        raise AgentError("file_not_found", "--dashboard-token-file {}: {}".format(
             path, exc.strerror or exc))
     if len(token) < 16:
-        raise AgentError("bad_argument", "--http-token-file {}: the token must be at least 16 "
+        raise AgentError("bad_argument", "--dashboard-token-file {}: the token must be at least 16 "
                          "characters, found {}".format(path, len(token)))
     return token
 
 
 def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
-    """Record telemetry history on ``service`` and, with ``--http``, start the dashboard
+    """Record telemetry history on ``service`` and, with ``--dashboard``, start the dashboard
     (returns it; ``stop()`` at exit)."""
     from agent.fleet import history, rollback
     from agent.fleet.web.server import Dashboard
@@ -66,12 +66,12 @@ def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
     if days is not None and days > 0:
         recorder = history.TelemetryHistory(service.store, retention_s=days * 86400.0)
         service.on_telemetry = recorder.record
-    if not getattr(args, "http", None):
+    if not getattr(args, "dashboard", None):
         return None
-    host, port = parse_hostport(args.http)
+    host, port = parse_hostport(args.dashboard)
 
     def send_rollback(device: str, model: str) -> str:
         return rollback.send(service.conn, device, model)
 
-    dash = Dashboard(url, host, port, read_token(args.http_token_file), send_rollback)
+    dash = Dashboard(url, host, port, read_token(args.dashboard_token_file), send_rollback)
     return dash.start()

@@ -2,7 +2,7 @@
 ``agent.fleet.web.pages``, Prometheus ``/metrics``, the vendored static files, and the
 actions (pause, resume, cancel a rollout; roll a device back), which need the token.
 
-Read-only unless a token is configured (``--http-token-file``); an action without the right
+Read-only unless a token is configured (``--dashboard-token-file``); an action without the right
 token is refused (401), compared in constant time. Bodies are bounded (``MAX_BODY``); ids in
 paths must be protocol ids; every response carries a strict Content-Security-Policy.
 """
@@ -53,7 +53,7 @@ class Dashboard(object):
             self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
         except OSError as exc:
             self.store.close()
-            raise AgentError("bad_argument", "--http {}:{}: cannot listen there: {}".format(
+            raise AgentError("bad_argument", "--dashboard {}:{}: cannot listen there: {}".format(
                 host, port, exc.strerror or exc))
         self.httpd.daemon_threads = True
         self.thread: Optional[threading.Thread] = None
@@ -115,11 +115,11 @@ class Dashboard(object):
         """An action: (status, location or "", body)."""
         if self.token is None:
             raise _Refused(403, "unauthorized", "the dashboard is read-only: start fleet serve "
-                           "with --http-token-file to allow actions")
+                           "with --dashboard-token-file to allow actions")
         if not hmac.compare_digest(form.get("token", "").encode("utf-8"),
                                    self.token.encode("utf-8")):
             raise _Refused(401, "unauthorized", "the token given does not match the "
-                           "service's --http-token-file")
+                           "service's --dashboard-token-file")
         parts = [p for p in path.split("/") if p]
         if len(parts) == 3 and parts[0] == "rollouts" and protocol.valid_id(parts[1]) and \
                 parts[2] in ROLLOUT_CONTROLS:
