@@ -236,6 +236,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     notifier = Notifier()
+    dashboard = None
     conn = connect(args)
     try:
         service = FleetService(store, conn, signer, instance=args.instance,
@@ -257,11 +258,11 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         notifier.notify("STOPPING=1")
         service.drain()
         store.release(service.instance)
-        if dashboard is not None:
-            dashboard.stop()
     finally:
         conn.close()
         store.close()
+        if dashboard is not None:
+            dashboard.stop()
     return EXIT_OK
 
 
