@@ -215,3 +215,10 @@ def test_a_busy_port_is_a_clear_error(db):
         with pytest.raises(AgentError) as err:
             Dashboard(db, port=busy.getsockname()[1])
     assert err.value.code == "bad_argument" and "cannot listen there" in err.value.message
+
+
+def test_fleet_rollback_needs_a_target(capsys):
+    from agent.cli import main
+
+    assert main(["fleet", "rollback", "--broker", "mqtt://127.0.0.1:1"]) == 2
+    assert "needs --device ID (repeatable) or --rollout ID" in capsys.readouterr().err
