@@ -38,6 +38,8 @@ def ensure_schema(store: Store) -> None:
     if store.url in _READY and _READY[store.url] is store:
         return
     with store.transaction():
+        if store.dialect == "postgresql":  # two services starting at once (as Store does)
+            store.db.execute("SELECT pg_advisory_xact_lock(7216)")
         for stmt in _DDL:
             store.db.execute(stmt)
     _READY[store.url] = store
