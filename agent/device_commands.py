@@ -1,4 +1,4 @@
-"""Device commands (cancel, diag) and their replies."""
+"""Device commands (cancel, diag, rollback) and their replies."""
 
 import logging
 import time
@@ -28,6 +28,11 @@ class DeviceCommands(JobIntake):
             if cmd["command"] == "cancel":
                 state = self._cancel(cmd["job_id"])
                 result: Dict[str, Any] = {"job_id": cmd["job_id"], "state": state}
+            elif cmd["command"] == "rollback":
+                from agent import engine_rollback
+
+                result = engine_rollback.rollback(self.journal, cmd["model"])
+                self._publish_birth()  # the retained status lists the active engines
             else:
                 result = self.diag()
         except AgentError as exc:

@@ -75,6 +75,9 @@ CODES = {
     "job_expired": "The signed job's expiry time has passed.",
     "job_replayed": "The signed job's sequence is not above the last one accepted from its key.",
     "rate_limited": "Too many new jobs in a short time; send it again later under a new id.",
+    "unauthorized": "A dashboard action came without the service's token, or the dashboard is "
+    "read-only (no --dashboard-token-file).",
+    "no_previous_engine": "A rollback names a model with no previous engine on the device.",
     "internal_error": "An unexpected error; the message carries the details.",
 }
 

@@ -85,7 +85,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("fleet", help="controller: devices, staged rollouts, jobs, telemetry",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fsub = p.add_subparsers(dest="fleet_command",
-                            metavar="devices|rollout|rollouts|serve|jobs|cancel|telemetry|keygen")
+                            metavar="devices|rollout|rollouts|serve|rollback|jobs|cancel|telemetry|"
+                                   "keygen")
 
     d = fsub.add_parser("devices", help="devices that reported to the broker")
     add_connection_args(d)
@@ -107,6 +108,9 @@ def add_parser(sub: Any) -> None:
 
     fleet_serve.add_rollout_mode_args(r)
     fleet_serve.add_parsers(fsub, add_connection_args, connect)
+    from agent.fleet import rollback
+
+    rollback.add_parser(fsub, add_connection_args, connect)
 
     j = fsub.add_parser("jobs", help="job statuses retained on the broker")
     add_connection_args(j)

@@ -246,6 +246,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
     notifier = Notifier()
+    dashboard = None
     conn = connect(args)
     try:
         http = None
@@ -267,6 +268,9 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
             log.info("artifacts of %d bytes or more also at %s/artifacts/SHA256",
                      args.http_min_bytes, service.http_base)
         service.start()
+        from agent.fleet import web
+
+        dashboard = web.mount(args, url, service)  # telemetry history; --dashboard: dashboard
         notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
         log.info("fleet service %s on %s, database %s", service.instance, conn.url,
                  store.url.split("@")[-1])
@@ -285,6 +289,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     finally:
         conn.close()
         store.close()
+        if dashboard is not None:
+            dashboard.stop()
     return EXIT_OK
 
 
@@ -363,6 +369,9 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"))
     s.add_argument("--sequence-file", metavar="F")
     s.add_argument("--valid-for", type=float, default=signing.DEFAULT_VALIDITY_S, metavar="S")
+    from agent.fleet import web
+
+    web.add_args(s)
     s.set_defaults(func=lambda a: run_serve(a, connect))
 
     r = fsub.add_parser("rollouts", help="rollouts in the fleet database: ls, show, pause, "

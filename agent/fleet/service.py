@@ -54,6 +54,8 @@ class FleetService(object):
         self.unacked: List[Tuple[Any, int]] = []  # (publish handle, outbox id)
         self.devices_dirty: Dict[str, Dict[str, Any]] = {}
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
+        # device -> telemetry message, at each flush (agent.fleet.history keeps the series)
+        self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
         self.started = time.time()
         self.last_tick = 0.0
         # Artifacts of at least http_min_bytes are also offered at http_base/artifacts/SHA.
@@ -211,6 +213,8 @@ class FleetService(object):
             self.devices_dirty = {}
         if self.telemetry_dirty:
             self.store.touch_devices(self.telemetry_dirty)
+            if self.on_telemetry is not None:
+                self.on_telemetry(self.telemetry_dirty)
             self.telemetry_dirty = {}
 
     # -- messages -----------------------------------------------------------------------------

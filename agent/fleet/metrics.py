@@ -1,0 +1,154 @@
+"""Prometheus ``/metrics`` of the fleet service (``prometheus_client``): a collector that reads
+the fleet database at scrape time, so every instance on the same database reports the same
+fleet and nothing is kept in memory between scrapes.
+
+Families (all gauges): devices by state and board, per-device online/last seen, rollout
+progress (devices per state, stage, fraction finished; running and paused rollouts and those
+finished within a day), the active engine's throughput, latency and accuracy per device,
+temperatures, power, GPU/CPU load and memory per device.
+Label values come from devices: they are cut to ``MAX_LABEL`` characters.
+"""
+
+import time
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from agent.fleet import views
+from agent.fleet.store import Store
+
+MAX_LABEL = 64
+FINISHED_KEPT_S = 86400.0  # finished rollouts stay in /metrics for a day
+PREFIX = "jetson_fleet_"
+
+
+def _label(value: Any) -> str:
+    return ("" if value is None else str(value))[:MAX_LABEL]
+
+
+class FleetCollector(object):
+    """``prometheus_client`` custom collector over a ``Store``."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def describe(self) -> List[Any]:
+        return []  # collected on demand; no registration-time scrape of the database
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        def gauge(name: str, doc: str, labels: List[str]) -> Any:
+            return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+
+        now = time.time()
+        rows = views.fleet_rows(self.store, now)
+        by_state: Dict[Tuple[str, str], int] = {}
+        by_health: Dict[str, int] = {}
+        online = gauge("device_online", "1 if the device is online", ["device", "board"])
+        seen = gauge("device_last_seen_timestamp_seconds", "when the device was last heard of",
+                     ["device"])
+        tput = gauge("engine_throughput_qps", "active engine throughput (inferences/s)",
+                     ["device", "precision"])
+        lat = gauge("engine_latency_ms", "active engine latency", ["device", "quantile"])
+        acc = gauge("engine_accuracy", "active engine accuracy against the goldens",
+                    ["device", "metric"])
+        temp = gauge("device_temperature_celsius", "device temperature", ["device", "sensor"])
+        power = gauge("device_power_watts", "device power draw", ["device", "rail"])
+        load = gauge("device_load_percent", "GPU/CPU/EMC load", ["device", "unit"])
+        mem = gauge("device_memory_used_ratio", "RAM and swap in use", ["device", "kind"])
+        for r in rows:
+            dev, board = _label(r["device"]), _label(r["board"] or "unknown")
+            key = ("online" if r["online"] else "offline", board)
+            by_state[key] = by_state.get(key, 0) + 1
+            by_health[r["health"]] = by_health.get(r["health"], 0) + 1
+            online.add_metric([dev, board], 1.0 if r["online"] else 0.0)
+            if r["last_seen"]:
+                seen.add_metric([dev], float(r["last_seen"]))
+            job = r["engine_job"]
+            if job is not None:
+                if job["throughput_qps"] is not None:
+                    tput.add_metric([dev, _label(job["precision"])], job["throughput_qps"])
+                for q, k in (("0.5", "latency_p50_ms"), ("0.99", "latency_p99_ms")):
+                    if job[k] is not None:
+                        lat.add_metric([dev, q], job[k])
+                for name, value in sorted((job["accuracy"] or {}).items()):
+                    v = views._num(value)
+                    if v is not None and name in ACCURACY_KEYS:
+                        acc.add_metric([dev, name], v)
+            metrics = r["metrics"]
+            for sensor, c in sorted(views.temperatures(metrics).items()):
+                temp.add_metric([dev, _label(sensor)], c)
+            for rail, mw in sorted(views.power_rails(metrics).items()):
+                power.add_metric([dev, _label(rail)], mw / 1000.0)
+            for unit in ("gpu", "cpu", "emc"):
+                v = views._num(metrics.get(unit + "_percent"))
+                if v is not None:
+                    load.add_metric([dev, unit], v)
+            for kind in ("ram", "swap"):
+                v = views._num(metrics.get(kind + "_fraction"))
+                if v is not None:
+                    mem.add_metric([dev, kind], v)
+        devices = gauge("devices", "devices by state and board", ["state", "board"])
+        for (state, board), n in sorted(by_state.items()):
+            devices.add_metric([state, board], n)
+        health = gauge("devices_by_health", "devices by health (ok, failing, hot, stale, "
+                       "offline)", ["health"])
+        for word, n in sorted(by_health.items()):
+            health.add_metric([word], n)
+        yield devices
+        yield health
+        yield online
+        yield seen
+        yield from self._rollouts(gauge)
+        yield tput
+        yield lat
+        yield acc
+        yield temp
+        yield power
+        yield load
+        yield mem
+
+    def _rollouts(self, gauge: Any) -> Iterator[Any]:
+        per_state = gauge("rollout_devices", "devices of a rollout by job state",
+                          ["rollout", "state"])
+        progress = gauge("rollout_progress_ratio", "finished devices / targeted devices",
+                         ["rollout"])
+        stage = gauge("rollout_stage", "current stage (1-based; 0 before the first)",
+                      ["rollout"])
+        stages = gauge("rollout_stages", "stages of the rollout", ["rollout"])
+        info = gauge("rollout_active", "1 while the rollout runs or is paused",
+                     ["rollout", "state"])
+        now = time.time()
+        for row in self.store.rollouts():
+            if row["state"] not in ("running", "paused") and \
+                    (row["finished"] or row["updated"] or 0) < now - FINISHED_KEPT_S:
+                continue  # finished long ago: its series end instead of growing forever
+            rid = _label(row["rollout_id"])
+            total = sum(len(s) for s in row["stages"])
+            done = sum(n for s, n in row["counts"].items()
+                       if s in views.FAILED_STATES + ("SUCCEEDED",))
+            for state, n in sorted(row["counts"].items()):
+                per_state.add_metric([rid, _label(state)], n)
+            progress.add_metric([rid], done / float(total) if total else 1.0)
+            stage.add_metric([rid], max(0, int(row["current_stage"] or 0) + 1))
+            stages.add_metric([rid], len(row["stages"]))
+            info.add_metric([rid, _label(row["state"])],
+                            1.0 if row["state"] in ("running", "paused") else 0.0)
+        yield per_state
+        yield progress
+        yield stage
+        yield stages
+        yield info
+
+
+ACCURACY_KEYS = ("label_accuracy", "golden_label_accuracy", "top1_agreement",
+                 "max_abs_error", "max_rel_error", "mean_abs_error", "sqnr_db", "cosine")
+
+
+def exposition(store: Store, registry: Optional[Any] = None) -> Tuple[bytes, str]:
+    """(body, content type) of one scrape."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    if registry is None:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(FleetCollector(store))
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,204 @@
+"""Read models over the fleet database for the dashboard and ``/metrics``: the fleet (one row
+per device with its platform, active engine and that engine's accuracy and throughput, health),
+rollouts with per-stage progress and the reason of every failure, and one device's job
+history. Read-only: nothing here writes.
+
+Everything a device reported is untrusted text: callers escape it (HTML) or bound it (labels).
+"""
+
+import json
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from agent.fleet.report import accuracy_summary
+from agent.fleet.store import Store
+
+FAILED_STATES = ("FAILED", "REJECTED", "TIMED_OUT", "CANCELED")
+HOT_C = 85.0  # a Jetson throttles near 90-100 C; above this the dashboard says "hot"
+STALE_S = 120.0  # online but no telemetry for this long: "stale"
+MAX_ROLLOUTS = 200  # the rollouts page lists the newest ones (all: fleet rollouts ls)
+
+
+def _num(value: Any) -> Optional[float]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def temperatures(metrics: Any) -> Dict[str, float]:
+    """sensor -> degrees C from ``temp_<sensor>_c`` metrics."""
+    out: Dict[str, float] = {}
+    for key, value in (metrics or {}).items() if isinstance(metrics, Mapping) else ():
+        v = _num(value)
+        if v is not None and isinstance(key, str) and key.startswith("temp_") and \
+                key.endswith("_c"):
+            out[key[5:-2]] = v
+    return out
+
+
+def power_rails(metrics: Any) -> Dict[str, float]:
+    """rail -> milliwatts from ``power_<rail>_mw`` metrics (``total`` included)."""
+    out: Dict[str, float] = {}
+    for key, value in (metrics or {}).items() if isinstance(metrics, Mapping) else ():
+        v = _num(value)
+        if v is not None and isinstance(key, str) and key.startswith("power_") and \
+                key.endswith("_mw"):
+            out[key[6:-3]] = v
+    return out
+
+
+def _dict(value: Any) -> Dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def job_rows(store: Store, device: Optional[str] = None, rollout_id: Optional[str] = None
+             ) -> List[Dict[str, Any]]:
+    """Per-device jobs (of one device, one rollout or all; oldest rollout first), with result
+    and error."""
+    sql = ("SELECT j.rollout_id, j.device_id, j.stage, j.state, j.data, j.updated, r.created "
+           "FROM jobs j JOIN rollouts r ON r.rollout_id = j.rollout_id WHERE 1 = 1")
+    params: List[Any] = []
+    if device is not None:
+        sql += " AND j.device_id = ?"
+        params.append(device)
+    if rollout_id is not None:
+        sql += " AND j.rollout_id = ?"
+        params.append(rollout_id)
+    out = []
+    for rid, dev, stage, state, data, updated, created in store.db.query(
+            sql + " ORDER BY r.created, j.rollout_id", params):
+        loaded = json.loads(data) if data else {}
+        item: Dict[str, Any] = loaded if isinstance(loaded, dict) else {}
+        result = _dict(item.get("result"))
+        error = _dict(item.get("error"))
+        latency = _dict(result.get("latency_ms"))
+        accuracy = result.get("accuracy")
+        if accuracy is None and isinstance(error.get("details"), dict):
+            accuracy = error["details"].get("accuracy")
+        out.append({
+            "rollout_id": rid, "device": dev, "stage": int(stage) + 1, "state": state,
+            "job_id": item.get("job_id") or rid, "phase": item.get("phase"),
+            "job_stage": item.get("job_stage"), "progress": item.get("progress"),
+            "precision": result.get("precision"),
+            "throughput_qps": _num(result.get("throughput_qps")),
+            "latency_p50_ms": _num(latency.get("median", latency.get("p50"))),
+            "latency_p99_ms": _num(latency.get("p99")),
+            "accuracy": accuracy if isinstance(accuracy, dict) else None,
+            "accuracy_text": accuracy_summary(accuracy if isinstance(accuracy, dict) else None),
+            "engine_key": result.get("engine_key"), "cache_hit": result.get("cache_hit"),
+            "error_code": error.get("code"), "error_message": error.get("message"),
+            "note": item.get("note") or "", "started": _num(item.get("started")),
+            "finished": _num(item.get("finished")), "updated": _num(updated),
+            "created": _num(created)})
+    return out
+
+
+def failure_reason(job: Mapping[str, Any]) -> str:
+    """Why a device's job did not succeed, in one line."""
+    parts = [str(job.get("error_code") or ""), str(job.get("error_message") or ""),
+             str(job.get("note") or "")]
+    text = ": ".join(p for p in parts[:2] if p)
+    if parts[2]:
+        text = "{} ({})".format(text, parts[2]) if text else parts[2]
+    return text or "no reason reported"
+
+
+def _active_engine(status: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    engines = [e for e in (status.get("active_engines") or []) if isinstance(e, dict)]
+    if not engines:
+        return None
+    return max(engines, key=lambda e: _num(e.get("activated")) or 0.0)
+
+
+def health(device: Mapping[str, Any], last_job: Optional[Mapping[str, Any]],
+           now: Optional[float] = None) -> Tuple[str, str]:
+    """(word, why): offline, stale, hot, failing or ok."""
+    now = time.time() if now is None else now
+    if not device.get("online"):
+        return "offline", str(device.get("reason") or "no birth status since its Will")
+    temps = temperatures((device.get("telemetry") or {}).get("metrics"))
+    seen = _num(device.get("telemetry_ts")) or _num(device.get("last_seen")) or 0.0
+    if device.get("telemetry") and now - seen > STALE_S:
+        return "stale", "no telemetry for {:.0f} s".format(now - seen)
+    if temps and max(temps.values()) >= HOT_C:
+        hot = max(temps, key=lambda k: temps[k])
+        return "hot", "{} at {:.0f} C".format(hot, temps[hot])
+    if last_job is not None and last_job.get("state") in FAILED_STATES:
+        return "failing", "last job {}: {}".format(last_job["state"], failure_reason(last_job))
+    return "ok", ""
+
+
+def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] = None
+               ) -> List[Dict[str, Any]]:
+    """One row per device, sorted by id (``device``: only that one, [] if unknown)."""
+    jobs: Dict[str, List[Dict[str, Any]]] = {}
+    for job in job_rows(store, device=device):
+        jobs.setdefault(job["device"], []).append(job)
+    out = []
+    if device is None:
+        devices = store.devices()
+    else:
+        one = store.device(device)
+        devices = [one] if one is not None else []
+    for dev in devices:
+        status = dev.get("status") or {}
+        platform = dev.get("platform") or status.get("platform") or {}
+        mine = jobs.get(dev["device"], [])
+        active = _active_engine(status)
+        engine_job = None
+        if active is not None:  # the job that activated the engine carries its figures
+            engine_job = next((j for j in reversed(mine) if j["job_id"] == active.get(
+                "job_id") and j["state"] == "SUCCEEDED"), None)
+        if engine_job is None:
+            engine_job = next((j for j in reversed(mine) if j["state"] == "SUCCEEDED"
+                               and j["throughput_qps"] is not None), None)
+        metrics = (dev.get("telemetry") or {}).get("metrics") or {}
+        temps = temperatures(metrics)
+        word, why = health(dev, mine[-1] if mine else None, now)
+        out.append({
+            "device": dev["device"], "online": dev["online"], "board": dev.get("board"),
+            "jetpack": platform.get("jetpack"), "tensorrt": platform.get("tensorrt"),
+            "backend": platform.get("backend"), "agent_version": status.get("agent_version"),
+            "active_engine": active, "engine_job": engine_job,
+            "last_job": mine[-1] if mine else None, "last_seen": dev.get("last_seen"),
+            "health": word, "health_reason": why, "metrics": metrics,
+            "max_temp_c": max(temps.values()) if temps else None,
+            "power_mw": power_rails(metrics).get("total")})
+    return out
+
+
+def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS) -> List[Dict[str, Any]]:
+    """The newest ``limit`` rollouts, newest first, with their failures (device, state,
+    reason)."""
+    return [rollout_detail(store, row) for row in store.rollouts()[:limit]]
+
+
+def rollout_detail(store: Store, row: Mapping[str, Any],
+                   jobs: Optional[Sequence[Mapping[str, Any]]] = None) -> Dict[str, Any]:
+    rid = row["rollout_id"]
+    if jobs is None:
+        jobs = job_rows_of(store, rid)
+    failures = [{"device": j["device"], "stage": j["stage"], "state": j["state"],
+                 "reason": failure_reason(j)} for j in jobs if j["state"] in FAILED_STATES]
+    total = sum(len(s) for s in row.get("stages") or [])
+    done = sum(n for s, n in (row.get("counts") or {}).items()
+               if s in FAILED_STATES + ("SUCCEEDED",))
+    spec = row.get("spec") or {}
+    model = (spec.get("artifacts") or {}).get("model") or {}
+    return dict(row, failures=failures, total=total, done=done,
+                model_name=model.get("name"), model_sha=model.get("sha256"),
+                precision=spec.get("precision"), jobs=list(jobs))
+
+
+def job_rows_of(store: Store, rollout_id: str) -> List[Dict[str, Any]]:
+    rows = job_rows(store, rollout_id=rollout_id)
+    return sorted(rows, key=lambda j: (j["stage"], j["device"]))
+
+
+def status_history(store: Store, device: str, limit: int = 50) -> List[Dict[str, Any]]:
+    """The device's last ``limit`` job status changes (all rollouts), newest first."""
+    rows = store.db.query("SELECT rollout_id, job_id, version, state, stage, ts, received FROM "
+                          "job_history WHERE device_id = ? ORDER BY id DESC LIMIT ?",
+                          (device, max(1, int(limit))))
+    return [{"rollout_id": r[0], "job_id": r[1], "version": r[2], "state": r[3],
+             "stage": r[4], "ts": _num(r[5]), "received": _num(r[6])} for r in rows]

@@ -1,0 +1,77 @@
+"""The fleet service's web side: the dashboard and ``/metrics`` (``server``, ``pages``), and
+how ``fleet serve`` mounts them (``add_args``, ``mount``). Static files: ``static/`` holds
+uPlot 1.6.32 (MIT, ``uPlot.LICENSE``) as published on npm, and the dashboard's own CSS/JS.
+"""
+
+import argparse
+import logging
+import os
+from typing import Any, Optional, Tuple
+
+from agent.errors import AgentError
+
+log = logging.getLogger("agent.fleet.web")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    from agent.fleet import history
+
+    g = p.add_argument_group("dashboard and metrics")
+    g.add_argument("--dashboard", metavar="HOST:PORT", default=os.environ.get(
+        "JETSON_AGENT_FLEET_DASHBOARD"), help="serve the dashboard and Prometheus /metrics here "
+        "(e.g. 127.0.0.1:8480; off by default)")
+    g.add_argument("--dashboard-token-file", metavar="F", help="a file holding the token that "
+                   "enables dashboard actions (pause/resume/cancel, rollback); without it the "
+                   "dashboard is read-only")
+    g.add_argument("--telemetry-retention", type=float, default=history.RETENTION_S / 86400,
+                   metavar="DAYS", help="how long telemetry history is kept (default "
+                   "%(default)s days; also capped at {} samples per device)".format(
+                       history.MAX_ROWS_PER_DEVICE))
+
+
+def parse_hostport(text: str) -> Tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not 0 <= number <= 65535:
+        raise AgentError("bad_argument", "--dashboard wants HOST:PORT (e.g. 127.0.0.1:8480), found "
+                         "{!r}".format(text))
+    return host.strip("[]") or "127.0.0.1", number
+
+
+def read_token(path: Optional[str]) -> Optional[str]:
+    if not path:
+        return None
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            token = f.read(4096).strip()
+    except OSError as exc:
+        raise AgentError("file_not_found", "--dashboard-token-file {}: {}".format(
+            path, exc.strerror or exc))
+    if len(token) < 16:
+        raise AgentError("bad_argument", "--dashboard-token-file {}: the token must be at least 16 "
+                         "characters, found {}".format(path, len(token)))
+    return token
+
+
+def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
+    """Record telemetry history on ``service`` and, with ``--dashboard``, start the dashboard
+    (returns it; ``stop()`` at exit)."""
+    from agent.fleet import history, rollback
+    from agent.fleet.web.server import Dashboard
+
+    days = getattr(args, "telemetry_retention", history.RETENTION_S / 86400)
+    if days is not None and days > 0:
+        recorder = history.TelemetryHistory(service.store, retention_s=days * 86400.0)
+        service.on_telemetry = recorder.record
+    if not getattr(args, "dashboard", None):
+        return None
+    host, port = parse_hostport(args.dashboard)
+
+    def send_rollback(device: str, model: str) -> str:
+        return rollback.send(service.conn, device, model)
+
+    dash = Dashboard(url, host, port, read_token(args.dashboard_token_file), send_rollback)
+    return dash.start()

@@ -1,0 +1,233 @@
+"""The dashboard's HTTP server (stdlib ``http.server``, one thread per request): the pages of
+``agent.fleet.web.pages``, Prometheus ``/metrics``, the vendored static files, and the
+actions (pause, resume, cancel a rollout; roll a device back), which need the token.
+
+Read-only unless a token is configured (``--dashboard-token-file``); an action without the right
+token is refused (401), compared in constant time. Bodies are bounded (``MAX_BODY``); ids in
+paths must be protocol ids; every response carries a strict Content-Security-Policy.
+"""
+
+import hmac
+import logging
+import os
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Dict, Optional, Tuple
+from urllib.parse import parse_qs, quote, urlsplit
+
+from agent import protocol
+from agent.errors import AgentError
+from agent.fleet import history, metrics, views
+from agent.fleet.store import Store
+from agent.fleet.web import pages
+
+log = logging.getLogger("agent.fleet.web")
+STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+MAX_BODY = 4096
+CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
+TYPES = {".js": "application/javascript", ".css": "text/css", ".svg": "image/svg+xml",
+         ".LICENSE": "text/plain; charset=utf-8"}
+ROLLOUT_CONTROLS = ("pause", "resume", "cancel")
+
+# rollback(device, model_sha256) -> the request id of the command sent
+Rollback = Callable[[str, str], str]
+
+
+class Dashboard(object):
+    """``Dashboard(store_url, host, port, token).start()``; ``url``; ``stop()``."""
+
+    def __init__(self, store_url: str, host: str = "127.0.0.1", port: int = 0,
+                 token: Optional[str] = None, rollback: Optional[Rollback] = None) -> None:
+        self.store = Store(store_url)  # its own connection: readers never wait on the loop
+        history.ensure_schema(self.store)
+        self.token = token or None
+        self.rollback = rollback
+        self.static = {n: os.path.join(STATIC, n) for n in os.listdir(STATIC)}
+        app = self
+
+        class Handler(_Handler):
+            dashboard = app
+
+        try:
+            self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
+        except OSError as exc:
+            self.store.close()
+            raise AgentError("bad_argument", "--dashboard {}:{}: cannot listen there: {}".format(
+                host, port, exc.strerror or exc))
+        self.httpd.daemon_threads = True
+        self.thread: Optional[threading.Thread] = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return "http://{}:{}".format(host if isinstance(host, str) else host.decode(), port)
+
+    def start(self) -> "Dashboard":
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="dashboard",
+                                       daemon=True)
+        self.thread.start()
+        log.info("dashboard on %s (%s)", self.url,
+                 "actions need the token" if self.token else "read-only")
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.store.close()
+
+    # -- routes -------------------------------------------------------------------------------
+
+    def get(self, path: str, query: Dict[str, str]) -> Tuple[int, str, bytes]:
+        parts = [p for p in path.split("/") if p]
+        actions = self.token is not None
+        notice = _notice(query)
+        if not parts:
+            return _html(pages.fleet_page(views.fleet_rows(self.store),
+                                          views.rollout_rows(self.store), actions))
+        if parts == ["metrics"]:
+            body, ctype = metrics.exposition(self.store)
+            return 200, ctype, body
+        if parts == ["healthz"]:
+            return 200, "text/plain; charset=utf-8", b"ok\n"
+        if parts[0] == "static" and len(parts) == 2 and parts[1] in self.static:
+            with open(self.static[parts[1]], "rb") as f:
+                ext = os.path.splitext(parts[1])[1] or parts[1]
+                return 200, TYPES.get(ext, "application/octet-stream"), f.read()
+        if parts == ["rollouts"]:
+            return _html(pages.rollouts_page(views.rollout_rows(self.store), actions))
+        if len(parts) == 2 and parts[0] == "rollouts" and protocol.valid_id(parts[1]):
+            row = self.store.rollout(parts[1])
+            if row is not None:
+                return _html(pages.rollout_page(views.rollout_detail(self.store, row), actions,
+                                                notice))
+        if len(parts) == 2 and parts[0] == "devices" and protocol.valid_id(parts[1]):
+            rows = views.fleet_rows(self.store, device=parts[1])
+            if rows:
+                return _html(pages.device_page(
+                    rows[0], views.job_rows(self.store, device=parts[1]),
+                    history.series(self.store, parts[1]), actions, notice,
+                    views.status_history(self.store, parts[1])))
+        return 404, "text/html; charset=utf-8", pages.message_page(
+            "Not found", "nothing at {}".format(path[:200]), actions)
+
+    def post(self, path: str, form: Dict[str, str]) -> Tuple[int, str, bytes]:
+        """An action: (status, location or "", body)."""
+        if self.token is None:
+            raise _Refused(403, "unauthorized", "the dashboard is read-only: start fleet serve "
+                           "with --dashboard-token-file to allow actions")
+        if not hmac.compare_digest(form.get("token", "").encode("utf-8"),
+                                   self.token.encode("utf-8")):
+            raise _Refused(401, "unauthorized", "the token given does not match the "
+                           "service's --dashboard-token-file")
+        parts = [p for p in path.split("/") if p]
+        if len(parts) == 3 and parts[0] == "rollouts" and protocol.valid_id(parts[1]) and \
+                parts[2] in ROLLOUT_CONTROLS:
+            self.store.request_control(parts[1], parts[2])
+            log.info("dashboard: %s of rollout %s requested", parts[2], parts[1])
+            return 303, "/rollouts/{}?done={}".format(quote(parts[1]), parts[2]), b""
+        if len(parts) == 3 and parts[0] == "devices" and protocol.valid_id(parts[1]) and \
+                parts[2] == "rollback":
+            model = form.get("model", "")
+            if len(model) != 64 or any(c not in "0123456789abcdef" for c in model):
+                raise AgentError("bad_argument", "rollback needs the model's sha256 (64 hex "
+                                 "digits), found {!r}".format(model[:80]))
+            if self.store.device(parts[1]) is None:
+                raise AgentError("unknown_device", "no device {!r} in the fleet database"
+                                 .format(parts[1]))
+            if self.rollback is None:
+                raise _Refused(503, "broker_unreachable", "this dashboard has no MQTT connection "
+                               "to send the rollback command")
+            request_id = self.rollback(parts[1], model)
+            return 303, "/devices/{}?done=rollback&request={}".format(
+                quote(parts[1]), quote(request_id)), b""
+        raise _Refused(404, "bad_argument", "no action at {}".format(path[:200]))
+
+
+NOTICES = {  # the page after an action says what was done; no text from the URL is shown
+    "pause": "pause requested; the service applies it within a second",
+    "resume": "resume requested; the service applies it within a second",
+    "cancel": "cancel requested; the service applies it within a second",
+    "rollback": "rollback sent (request {}); the device's status shows the engine it restored",
+}
+
+
+def _notice(query: Dict[str, str]) -> str:
+    text = NOTICES.get(query.get("done", ""), "")
+    request = query.get("request", "")
+    return text.format(request if protocol.valid_id(request) else "-") if text else ""
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status, self.code, self.message = status, code, message
+
+
+def _html(body: bytes) -> Tuple[int, str, bytes]:
+    return 200, "text/html; charset=utf-8", body
+
+
+class _Handler(BaseHTTPRequestHandler):
+    dashboard: Dashboard
+    timeout = 30  # a client that sends nothing does not hold its thread for ever
+    server_version = "jetson-agent-fleet"
+    sys_version = ""
+
+    def log_message(self, fmt: str, *args: Any) -> None:
+        log.debug("%s " + fmt, self.client_address[0], *args)
+
+    def _send(self, status: int, ctype: str, body: bytes, location: str = "") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Content-Security-Policy", CSP)
+        self.send_header("X-Content-Type-Options", "nosniff")
+        self.send_header("Referrer-Policy", "no-referrer")
+        self.send_header("Cache-Control", "no-store" if "html" in ctype else "max-age=300")
+        if location:
+            self.send_header("Location", location)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    def _error(self, status: int, code: str, message: str) -> None:
+        body = pages.message_page("Refused ({})".format(code), message,
+                                  self.dashboard.token is not None)
+        self._send(status, "text/html; charset=utf-8", body)
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(url.query[:2048]).items()}
+        try:
+            status, ctype, body = self.dashboard.get(url.path, query)
+        except Exception as exc:  # a page must not take the service down
+            log.exception("dashboard: GET %s failed", url.path[:200])
+            self._error(500, "internal", "{}: {}".format(type(exc).__name__, exc))
+            return
+        self._send(status, ctype, body)
+
+    do_HEAD = do_GET
+
+    def do_POST(self) -> None:
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0 or length > MAX_BODY:
+            self.close_connection = True
+            self._error(413, "too_large", "an action's form is at most {} bytes, found "
+                        "Content-Length {}".format(MAX_BODY, self.headers.get(
+                            "Content-Length")))
+            return
+        raw = self.rfile.read(length).decode("utf-8", "replace")
+        form = {k: v[0] for k, v in parse_qs(raw).items()}
+        try:
+            status, location, body = self.dashboard.post(urlsplit(self.path).path, form)
+        except _Refused as exc:
+            self._error(exc.status, exc.code, exc.message)
+            return
+        except AgentError as exc:
+            self._error(404 if exc.code.startswith("unknown") else 409, exc.code, exc.message)
+            return
+        self._send(status, "text/html; charset=utf-8", body, location)
