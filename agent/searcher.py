@@ -14,7 +14,10 @@ then holds what was found so far, flagged ``interrupted``; every engine it publi
 side (Python 3.6) and never imports ``agent.platform``.
 """
 
+import hashlib
+import json
 import logging
+import os
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -28,13 +31,13 @@ from agent.backends.base import (
     Backend,
     BuildPlan,
     Progress,
-    format_layer_precisions,
     no_progress,
 )
 from agent.cache import EngineCache
 from agent.compare import Comparison, compare_outputs
 from agent.engine import EngineRecord, build_engine
 from agent.errors import AgentError
+from agent.fsio import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,8 @@ Feed = Dict[str, np.ndarray]
 INSTRUMENT_ITERATIONS = 4
 # Iteration logs list the kept layers when there are at most this many (else only the size).
 LOG_KEEP_MAX = 64
+# Bump when the ranking's statistics change: cached rankings are keyed by it.
+RANKING_VERSION = "2"
 
 
 class SearchResult(object):
@@ -60,6 +65,9 @@ class SearchResult(object):
         self.complete = False
         self.interrupted = False
         self.exhausted = False
+        self.one_minimal = False  # every kept layer shown needed (not stopped by the budget)
+        self.budget: Optional[int] = None
+        self.ranking_cached = False
         self.evaluations = 0
         self.builds = 0
         self.cache_hits = 0
@@ -75,8 +83,8 @@ class SearchResult(object):
 
     @property
     def layer_precisions(self) -> str:
-        """Ready to paste after ``--layer-precisions``."""
-        return format_layer_precisions({name: self.keep_precision for name in self.keep})
+        """Ready to paste after ``--layer-precisions``, in graph order."""
+        return " ".join("{}:{}".format(name, self.keep_precision) for name in self.keep)
 
     def to_dict(self) -> Dict[str, Any]:
         return OrderedDict([
@@ -93,6 +101,9 @@ class SearchResult(object):
             ("interrupted", self.interrupted),
             ("exhausted", self.exhausted),
             ("partial", not self.complete),
+            ("one_minimal", self.one_minimal),
+            ("budget", self.budget),
+            ("ranking_cached", self.ranking_cached),
             ("evaluations", self.evaluations),
             ("builds", self.builds),
             ("cache_hits", self.cache_hits),
@@ -171,6 +182,7 @@ def run_search(
     keep_precision: str = "float32",
     calibration_dir: Optional[str] = None,
     instrument: bool = True,
+    ranking_dir: Optional[str] = None,
 ) -> SearchResult:
     """Search which layers of ``model_path`` must run in ``keep_precision`` for ``plan`` (fp16,
     int8, or best = int8 with fp16 fallback) to pass the goldens.
@@ -179,7 +191,9 @@ def run_search(
     check_error_stat, error_quantile, infinities_compare_equal). ``max_evaluations`` caps the
     number of candidate builds (the result is then partial, ``exhausted``). ``instrument``
     False skips the two instrumented builds: ``minimal`` then works from topological order
-    without suspects (``worst-first`` needs them). Raises
+    without suspects (``worst-first`` needs them). The ranking is cached by (model, plan,
+    inputs, backend) under ``ranking_dir`` (default: beside ``calibration_dir``), so a
+    repeated search skips the instrumented runs. Raises
     ``reference_mismatch`` when even every candidate kept fails, ``golden_mismatch`` when the
     goldens do not fit the model's outputs."""
     started = time.monotonic()
@@ -218,16 +232,28 @@ def run_search(
     try:
         ranking: Optional[List[str]] = None
         if (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
-            progress("instrumenting", 0, 2)
-            scores = _instrumented_ranking(model, layers, plan, inputs, build, backend,
-                                           keep_precision)
+            if ranking_dir is None and calibration_dir:
+                ranking_dir = os.path.join(os.path.dirname(calibration_dir), "rankings")
+            cached_path = os.path.join(ranking_dir, ranking_key(
+                model, plan, inputs, keep_precision, platform_fingerprint, backend) + ".json"
+            ) if ranking_dir else None
+            loaded = _load_ranking(cached_path, layers)
+            if loaded is not None:
+                scores = loaded
+                result.ranking_cached = True
+            else:
+                progress("instrumenting", 0, 2)
+                scores = _instrumented_ranking(model, layers, plan, inputs, build, backend,
+                                               keep_precision)
+                _save_ranking(cached_path, scores)
+                progress("instrumenting", 2, 2)
             ranking = [s.name for s in scores]
             result.suspects = strategies.count_suspects(scores)
-            progress("instrumenting", 2, 2)
         result.ranking = ranking or []
         search = strategies.Search(layers, mode=mode, direction=direction, ranking=ranking,
                                    suspects=result.suspects, max_evaluations=max_evaluations)
-        progress("searching", 0, 0)
+        result.budget = search.max_evaluations
+        progress("searching", 0, search.total)
         while not search.done:
             if stop():
                 result.interrupted = True
@@ -262,13 +288,14 @@ def run_search(
                     raise AgentError("reference_mismatch", "{}; with all kept: {}".format(
                         exc.message, _describe(cmp)), {"comparison": cmp.to_dict()["outputs"]})
                 raise
-            progress("searching", search.evaluations, 0)
+            progress("searching", search.evaluations, search.total)
     except KeyboardInterrupt:
         result.interrupted = True
 
     if search is not None:
         result.evaluations = search.evaluations
         result.complete = search.complete and not result.interrupted
+        result.one_minimal = search.one_minimal and not result.interrupted
         result.exhausted = search.exhausted
         best = search.best()
         result.keep = best if best is not None else []
@@ -292,24 +319,87 @@ def _instrumented_ranking(model: Any, layers: List[str], plan: BuildPlan,
                           inputs: Sequence[Feed], build: Callable[[BuildPlan], EngineRecord],
                           backend: Backend, keep_precision: str
                           ) -> List[strategies.LayerScore]:
-    """Rank candidates by the error each introduces, from two instrumented runs."""
+    """Rank candidates by the error each introduces, from two instrumented engines run side
+    by side one input iteration at a time: only the worst statistics of each tensor are kept,
+    so memory is two iterations' activations whatever the number of iterations."""
     io = _layer_io(model, layers)
-    tensors = sorted(set(t for _, ins, outs in io for t in list(ins) + list(outs)))
-    feeds = list(inputs[:INSTRUMENT_ITERATIONS])
+    tensors = set(t for _, ins, outs in io for t in list(ins) + list(outs))
     ref_plan = plan.with_layers(layers, keep_precision)
     ref_plan.mark_outputs = ["*"]
     low_plan = BuildPlan.from_dict(plan.to_dict())
     low_plan.mark_outputs = ["*"]
-    reference = _tensors(_run(backend, build(ref_plan), feeds), tensors)
-    # Graph inputs are not node outputs: add them so the first layers have inputs to compare.
-    for feed in feeds:
-        for name, value in feed.items():
-            reference.setdefault(name, []).append(np.asarray(value))
-    reduced = _tensors(_run(backend, build(low_plan), feeds), tensors)
-    for name in list(reference):
-        if name not in reduced:
-            reduced[name] = reference[name]  # inputs: identical in both runs
-    return strategies.rank_layers(io, reference, reduced, precision=plan.precision)
+    ref_record, low_record = build(ref_plan), build(low_plan)
+    stats: Dict[str, Tuple[float, float, float, float]] = {}
+    with backend.open(ref_record.engine_path) as ref_runner, \
+            backend.open(low_record.engine_path) as low_runner:
+        for feed in inputs[:INSTRUMENT_ITERATIONS]:
+            reference = ref_runner.infer(dict(feed))
+            reduced = low_runner.infer(dict(feed))
+            for name, value in feed.items():  # graph inputs: identical in both runs
+                if name in tensors:
+                    strategies.merge_stats(stats, name, strategies.tensor_stats(
+                        value, value, plan.precision))
+            for name in tensors:
+                if name in reference and name in reduced:
+                    strategies.merge_stats(stats, name, strategies.tensor_stats(
+                        reference[name], reduced[name], plan.precision))
+            del reference, reduced
+    return strategies.rank_errors(io, stats, precision=plan.precision)
+
+
+def ranking_key(model: Any, plan: BuildPlan, inputs: Sequence[Feed], keep_precision: str,
+                fingerprint: Dict[str, str], backend: Backend) -> str:
+    """What a ranking depends on: the model, the plan, the inputs, the backend."""
+    h = hashlib.sha256()
+    h.update(graph.model_digest(model).encode())
+    doc = {"plan": plan.to_dict(), "keep": keep_precision, "platform": fingerprint,
+           "backend": backend.fingerprint(), "iterations": INSTRUMENT_ITERATIONS,
+           "version": RANKING_VERSION}
+    h.update(json.dumps(doc, sort_keys=True, default=str).encode())
+    for feed in inputs[:INSTRUMENT_ITERATIONS]:
+        for name in sorted(feed):
+            value = np.ascontiguousarray(feed[name])
+            h.update("{}:{}:{}".format(name, value.dtype, value.shape).encode())
+            h.update(value.tobytes())
+    return h.hexdigest()
+
+
+def _load_ranking(path: Optional[str], layers: List[str]
+                  ) -> Optional[List[strategies.LayerScore]]:
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            rows = json.loads(f.read().decode("utf-8"))
+        scores = []
+        for row in rows:
+            s = strategies.LayerScore(str(row["layer"]), int(row["index"]))
+            for attr in ("score", "growth", "median_growth", "in_error", "out_error",
+                         "nonfinite", "out_of_range"):
+                value = row.get(attr)
+                setattr(s, attr, float("nan") if value is None else float(value))
+            scores.append(s)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable ranking cache %s: %s", path, exc)
+        return None
+    if sorted(s.name for s in scores) != sorted(layers):
+        return None
+    return scores
+
+
+def _save_ranking(path: Optional[str], scores: List[strategies.LayerScore]) -> None:
+    if not path:
+        return
+    rows = [{"layer": s.name, "index": s.index, "score": strategies._r(s.score),
+             "growth": strategies._r(s.growth), "median_growth": strategies._r(s.median_growth),
+             "in_error": strategies._r(s.in_error), "out_error": strategies._r(s.out_error),
+             "nonfinite": strategies._r(s.nonfinite),
+             "out_of_range": strategies._r(s.out_of_range)} for s in scores]
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write(path, json.dumps(rows).encode("utf-8"))
+    except OSError as exc:  # a cache that cannot be written only costs a rerun
+        log.warning("could not write the ranking cache %s: %s", path, exc)
 
 
 def _describe(cmp: Comparison) -> str:
@@ -359,6 +449,10 @@ def _message(result: SearchResult) -> str:
     if not result.keep:
         return "{}: the model passes with no layer kept in higher precision ({} " \
                "evaluation(s))".format(how, result.evaluations)
-    return "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
+    text = "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
         how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
         result.layer_precisions)
+    if result.complete and not result.one_minimal and result.mode == "minimal":
+        text += " (the budget of {} evaluations ended the shrinking: no more layers than " \
+                "bisect keeps; raise --max-evaluations for a smaller set)".format(result.budget)
+    return text

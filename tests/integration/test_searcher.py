@@ -115,11 +115,18 @@ def test_planted_fp16_pairs_at_several_depths(env):
         assert set(culprits) <= set(found[mode].keep)
         assert len(found[mode].keep) > 4 * k
     assert found["linear"].evaluations > minimal.evaluations
-    # Without the instrumented ranking: the same answer, within the group-testing bound.
+    assert minimal.one_minimal and minimal.evaluations <= 2 * found["bisect"].evaluations + 4
+    # Without the instrumented ranking the bounded default keeps no more than bisect...
+    bounded = env.search(path, BuildPlan("fp16"), inputs, goldens, compare_options=opts,
+                         instrument=False)
+    assert set(culprits) <= set(bounded.keep)
+    assert len(bounded.keep) <= len(found["bisect"].keep)
+    assert bounded.evaluations <= 2 * found["bisect"].evaluations + 4
+    # ... and with a larger budget it shrinks to the same answer (group testing).
     unranked = env.search(path, BuildPlan("fp16"), inputs, goldens, compare_options=opts,
-                          instrument=False)
+                          instrument=False, max_evaluations=200)
     assert sorted(unranked.keep) == sorted(culprits)
-    assert unranked.evaluations <= k * math.log2(n) + 2 * k + 3
+    assert unranked.evaluations <= k * math.log2(n) + 2 * k + 2 * math.log2(n) + 5
     assert unranked.sensitivity and all(row["kept"] for row in unranked.sensitivity)
 
 
