@@ -109,6 +109,13 @@ def parse_model(data: bytes, source: str = "model") -> onnx.ModelProto:
 def _check(model: onnx.ModelProto, source: str) -> None:
     if model.ByteSize() > 2 ** 31 - 1:
         return  # the checker cannot take protos over 2 GB; the backend will tell
+    # Outputs whose shape nothing can infer (a Reshape fed by Shape) are declared type-only,
+    # which ONNX Runtime and TensorRT take but the checker refuses: check them as if they had
+    # an unknown rank, and put them back as they were.
+    shapeless = [vo for vo in model.graph.output if vo.type.HasField("tensor_type")
+                 and not vo.type.tensor_type.HasField("shape")]
+    for vo in shapeless:
+        vo.type.tensor_type.shape.SetInParent()
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
@@ -121,6 +128,9 @@ def _check(model: onnx.ModelProto, source: str) -> None:
                              "{}".format(source, onnx.__version__, text))
         raise AgentError("bad_model",
                          "{}: expected a valid ONNX graph, found: {}".format(source, text))
+    finally:
+        for vo in shapeless:
+            vo.type.tensor_type.ClearField("shape")
 
 
 def load_model(path: str) -> onnx.ModelProto:

@@ -266,7 +266,14 @@ class OnnxRuntimeBackend(Backend):
         _set_metadata(engine, metadata)
         data = engine.SerializeToString()
         details["rewrite_seconds"] = round(time.time() - t0, 4)
-        _session(data, self.threads, model_path)  # what will not load must not be published
+        # What will not load must not be published: the same checks as ``open``.
+        _session(data, self.threads, model_path)
+        try:
+            graph.parse_model(data, "the engine built from {}".format(model_path))
+        except AgentError as exc:
+            raise AgentError("build_failed", "{} (the rewritten model does not load: a bug "
+                             "of the emulation; build without the failing option)".format(
+                                 exc.message))
         atomic_write(engine_path, data)
         progress("building", 1, 1)
         if ignored:

@@ -86,6 +86,9 @@ def run(args: argparse.Namespace) -> int:
     bits = [info.get("backend") or "?"]
     if info.get("precision"):
         bits.append(info["precision"])
+    if (info.get("details") or {}).get("emulated") or (
+            not info.get("built") and info.get("backend") == "onnxruntime"):
+        bits.append("emulated")  # host numerics standing in for a device's
     if info.get("built"):
         bits.append("cache hit" if info.get("cache_hit") else "built")
     print("engine: {} ({})".format(info.get("engine"), ", ".join(bits)))

@@ -48,8 +48,8 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
     ``compare`` and ``search``.
 
     ``model_help`` adds the positional MODEL. ``engine_options`` adds what only ``build`` and
-    ``bench`` act on (calibration sampling, shapes, workspace, DLA, fallback, threads, cache
-    budget). ``precision_default`` is what no precision flag means (``search`` wants None to
+    ``bench`` act on (calibration sampling, workspace, DLA, fallback, threads).
+    ``precision_default`` is what no precision flag means (``search`` wants None to
     ask for one); ``constraints_default`` None means obey when --layer-precisions is given.
     """
     if model_help is not None:
@@ -88,10 +88,10 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
                         "(default: {})".format(
                             constraints_default or "obey when --layer-precisions is given, "
                                                    "else none"))
+    g.add_argument("--shapes", nargs="+", default=[], metavar="NAME:MIN[,OPT,MAX]",
+                   help="shape profile for dynamic inputs, e.g. input:1x64,8x64,32x64 "
+                        "(one shape means min = opt = max; generated inputs take OPT)")
     if engine_options:
-        g.add_argument("--shapes", nargs="+", default=[], metavar="NAME:MIN[,OPT,MAX]",
-                       help="shape profile for dynamic inputs, e.g. input:1x64,8x64,32x64 "
-                            "(one shape means min = opt = max)")
         g.add_argument("--workspace", type=float, metavar="MIB",
                        help="builder workspace limit in MiB (tensorrt)")
         g.add_argument("--dla-core", type=int, metavar="N",
@@ -111,10 +111,9 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
     g.add_argument("--state-dir", metavar="DIR",
                    help="state and caches (default $JETSON_AGENT_STATE_DIR, systemd's "
                         "StateDirectory, else ~/.cache/jetson-agent)")
-    if engine_options:
-        g.add_argument("--cache-budget", metavar="SIZE",
-                       help="engine cache size budget, e.g. 2GiB (default: the config's "
-                            "cache.engine_budget_bytes)")
+    g.add_argument("--cache-budget", metavar="SIZE",
+                   help="engine cache size budget, e.g. 2GiB (default: the config's "
+                        "cache.engine_budget_bytes)")
 
 
 def parse_shapes(items: List[str]) -> Dict[str, Tuple[Shape, Shape, Shape]]:

@@ -10,6 +10,7 @@ import json
 import time
 from typing import Any, Dict, List
 
+from agent.cache import engine_loader
 from agent.commands import build as build_cmd
 from agent.errors import AgentError
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
                     e["key"][:16], _size(e["bytes"]), e["precision"] or "?",
                     e["backend"] or "?", _age(now - e["last_used"]), e["model_name"] or ""))
     elif args.action == "verify":
-        out = cache.verify()
+        out = cache.verify(load=engine_loader())
         if not args.json:
             print("checked {checked}: {ok} ok, {dropped} corrupt dropped, {stale_staging_removed}"
                   " stale staging directories removed".format(**out))

@@ -69,12 +69,15 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     setup = Setup(args)
     inputs, goldens, _source = load_goldens(args, args.model, setup)
-    result = run_search(
-        args.model, plan, inputs, goldens, setup.backend, setup.cache, setup.fingerprint,
-        mode=args.mode, direction=args.direction, compare_options=opts,
-        progress=progress_bar(args), max_evaluations=args.max_evaluations,
-        keep_precision=args.keep_precision, calibration_dir=setup.calibration_dir,
-        instrument=not args.no_instrument)
+    try:
+        result = run_search(
+            args.model, plan, inputs, goldens, setup.backend, setup.cache, setup.fingerprint,
+            mode=args.mode, direction=args.direction, compare_options=opts,
+            progress=progress_bar(args), max_evaluations=args.max_evaluations,
+            keep_precision=args.keep_precision, calibration_dir=setup.calibration_dir,
+            instrument=not args.no_instrument)
+    finally:
+        setup.finish()
     doc = result.to_dict()
     if args.json:
         print(json.dumps(doc, indent=2))
