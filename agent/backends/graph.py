@@ -17,7 +17,9 @@ Precision rewrites take an assignment ``node name -> "float32" | "float16" | "in
   fp32 node or a graph output reads them.
 - int8: symmetric QuantizeLinear/DequantizeLinear (zero point 0, scale = amax / 127) on the
   activation inputs of Conv / ConvTranspose / Gemm / MatMul, and symmetric int8 weights
-  (per output channel from opset 13, else per tensor). Biases stay fp32.
+  per output channel (emulated below opset 13: dequantized fp32 weights; typed: per tensor
+  below opset 13). Biases stay fp32. TensorRT's own build-time rewrites (constant and
+  BatchNormalization folding, activation fusion) are in ``emulation``.
 
 Weights rounded to fp16 saturate at +-65504 instead of becoming inf. Nodes with subgraphs
 (If / Loop / Scan) always stay fp32. This module imports onnx only (never onnxruntime or
@@ -36,7 +38,7 @@ from agent.backends.base import TensorSpec
 from agent.errors import AgentError
 
 # Bump when a rewrite changes numerics: it enters engine-cache keys through the backends.
-REWRITE_VERSION = "1"
+REWRITE_VERSION = "2"
 
 FLOAT32 = TensorProto.FLOAT
 FLOAT16 = TensorProto.FLOAT16
@@ -466,10 +468,15 @@ def apply_precisions(
     assignment: Dict[str, str],
     amax: Optional[Dict[str, float]] = None,
     emulate: bool = True,
+    fused: Optional[Set[str]] = None,
 ) -> onnx.ModelProto:
     """A copy of ``model`` where each node runs in ``assignment[node]`` (missing = float32).
 
-    int8 nodes need ``amax`` for their activation inputs (``resolve_precisions`` checks)."""
+    int8 nodes need ``amax`` for their activation inputs (``resolve_precisions`` checks).
+    ``fused``: tensors inside a fused layer (``emulation.fused_edges``), never rounded.
+    Emulated int8 weights are quantized per output channel whatever the opset (below opset
+    13, as fp32 initializers holding the dequantized values: what DequantizeLinear gives)."""
+    fused = set(fused or ())
     model = ensure_node_names(copy_model(model))
     graph = model.graph
     types = tensor_types(model)
@@ -521,8 +528,18 @@ def apply_precisions(
 
     def qdq_weight(node: onnx.NodeProto, tensor: str) -> str:
         array = numpy_helper.to_array(weights[tensor])
-        axis = _weight_axis(node, array.ndim) if per_channel else None
+        axis = _weight_axis(node, array.ndim) if (per_channel or emulate) else None
         key = (tensor, axis)
+        if key not in q_cache and emulate and not per_channel:
+            # DequantizeLinear takes an axis from opset 13 only: older models get the
+            # dequantized per-channel values as fp32 weights (the same numbers).
+            q, scale = _quantize_weight(array, axis)
+            shape = [1] * q.ndim
+            if axis is not None:
+                shape[axis] = -1
+            q_cache[key] = const(tensor + "__int8dq",
+                                 (q.astype(np.float32) * scale.reshape(shape)).astype(
+                                     np.float32))
         if key not in q_cache:
             q, scale = _quantize_weight(array, axis)
             q_name = const(tensor + "__int8", q)
@@ -593,10 +610,10 @@ def apply_precisions(
                     node.input[i] = src
         elif prec == "float16" and emulate:
             for i, name in enumerate(node.input):
-                if name and types.get(name) == FLOAT32:
+                if name and types.get(name) == FLOAT32 and name not in fused:
                     node.input[i] = round_fp16(name)
             for i, name in enumerate(node.output):
-                if name and types.get(name) == FLOAT32:
+                if name and types.get(name) == FLOAT32 and name not in fused:
                     raw = names.fresh(name + "__fp32")
                     node.output[i] = raw
                     h = names.fresh(name + "__fp16")

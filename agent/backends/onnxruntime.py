@@ -18,6 +18,7 @@ Worker side: Python >= 3.6.
 
 import functools
 import json
+import logging
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -25,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import onnx
 
-from agent.backends import graph
+from agent.backends import emulation, graph
 from agent.backends.base import (
     Backend,
     BuildPlan,
@@ -42,6 +43,9 @@ from calib.dataset import CalibrationDataset
 from calib.ranges import RangeCollector
 
 METADATA_KEY = "jetson_agent.engine"
+_PRECISION_ORDER = {"int8": 0, "float16": 1, "float32": 2}
+
+log = logging.getLogger(__name__)
 
 _ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -207,6 +211,7 @@ class OnnxRuntimeBackend(Backend):
     def fingerprint(self) -> Dict[str, str]:
         out = super(OnnxRuntimeBackend, self).fingerprint()
         out["rewrite"] = graph.REWRITE_VERSION
+        out["emulation"] = emulation.fingerprint()
         out["onnx"] = str(onnx.__version__)
         return out
 
@@ -226,17 +231,27 @@ class OnnxRuntimeBackend(Backend):
         calibrated = False
         cache_path: Optional[str] = None
 
+        # Calibration sees the model as written (every tensor TensorRT's calibrator sees);
+        # the precisions apply to the model as TensorRT's builder rewrites it (emulation).
+        original = model
+        model, merged = emulation.prepare(graph.copy_model(model))
+        overrides = _merge_overrides(plan.layer_precisions, merged)
+        details["emulation"] = emulation.fingerprint()
+        if merged:
+            details["folded_layers"] = dict(sorted(merged.items()))
         # First pass without ranges: does anything want int8 at all?
-        wanted, _, _ = graph.resolve_precisions(model, plan.precision, plan.layer_precisions)
+        wanted, _, _ = graph.resolve_precisions(model, plan.precision, overrides)
         if any(p == "int8" for p in wanted.values()):
             t0 = time.time()
-            amax, calibrated, cache_path = self._ranges(model, specs, plan, progress, details)
+            amax, calibrated, cache_path = self._ranges(original, specs, plan, progress,
+                                                        details)
             details["calibration_seconds"] = round(time.time() - t0, 4)
+        del original
 
         progress("building", 0, 1)
         t0 = time.time()
         assignment, mismatches, ignored = graph.resolve_precisions(
-            model, plan.precision, plan.layer_precisions, amax=amax)
+            model, plan.precision, overrides, amax=amax)
         # Layers that wanted int8 but whose inputs have no range (a cache made for other
         # tensor names) run in the fallback precision; a cache that covers none is refused.
         no_range = sorted(n for n, p in wanted.items() if p == "int8" and assignment[n] != "int8")
@@ -254,7 +269,10 @@ class OnnxRuntimeBackend(Backend):
         # Mark before rewriting so the names are the model's own tensors (the rounded values
         # that the next layers read, not the rewrite's internal ones).
         marked = graph.mark_outputs(model, plan.mark_outputs) if plan.mark_outputs else model
-        engine = graph.apply_precisions(marked, assignment, amax=amax, emulate=True)
+        engine = graph.apply_precisions(marked, assignment, amax=amax, emulate=True,
+                                        fused=emulation.fused_edges(marked, assignment))
+        for folded, into in merged.items():  # reported under their own names too
+            assignment[folded] = assignment.get(into, "float32")
         metadata = {
             "backend": self.name,
             "backend_version": self.version(),
@@ -282,6 +300,10 @@ class OnnxRuntimeBackend(Backend):
         # tensor names): they run in the fallback precision.
         details["counts"] = {p: sum(1 for v in assignment.values() if v == p)
                              for p in ("float32", "float16", "int8")}
+        if plan.precision in ("int8", "best") and not details["counts"]["int8"]:
+            details["warning"] = ("int8 was asked for but no layer runs in int8 (no "
+                                  "Conv/ConvTranspose/Gemm/MatMul with calibrated inputs)")
+            log.warning("%s: %s", model_path, details["warning"])
         return BuildResult(
             engine_path=engine_path,
             precision=plan.precision,
@@ -349,6 +371,19 @@ class OnnxRuntimeBackend(Backend):
                              "{}: expected an engine built by onnxruntime, found one built by "
                              "{}".format(engine_path, metadata.get("backend")))
         return OnnxRuntimeRunner(_session(data, self.threads, engine_path), metadata)
+
+
+def _merge_overrides(overrides: Dict[str, str], merged: Dict[str, str]) -> Dict[str, str]:
+    """--layer-precisions on the rewritten model: a folded layer's precision goes to the layer
+    it was folded into (the higher precision wins, as for one fused TensorRT layer)."""
+    out = dict(overrides)
+    for folded, into in merged.items():
+        if folded not in out:
+            continue
+        prec = out.pop(folded)
+        if into not in out or _PRECISION_ORDER.get(prec, 2) > _PRECISION_ORDER.get(out[into], 2):
+            out[into] = prec
+    return out
 
 
 def _range_inputs(model: onnx.ModelProto, layers: List[str]) -> List[str]:

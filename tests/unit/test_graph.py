@@ -248,7 +248,18 @@ def test_qdq_keep_fp16_rest_and_old_opsets():
     relu = node(best, "Relu_1")
     assert producer(best, relu.input[0]).op_type == "Cast"
     old = check(graph.to_qdq(graph.ensure_node_names(mlp(opset=11)), AMAX, keep=set()))
-    assert all(not n.attribute for n in old.graph.node if n.op_type == "DequantizeLinear")
+    # Before opset 13 (no DequantizeLinear axis) emulation still quantizes weights per output
+    # channel, as TensorRT does: the dequantized values become fp32 weights.
+    assert not any(n.op_type == "DequantizeLinear" and n.input[0].startswith("w")
+                   for n in old.graph.node)
+    inits = {i.name: numpy_helper.to_array(i) for i in old.graph.initializer}
+    w1 = inits[node(old, "fc1").input[1]]
+    original = numpy_helper.to_array(mlp().graph.initializer[2])
+    step = np.abs(original).max(axis=0) / 127
+    assert w1.dtype == np.float32 and np.all(np.abs(w1 - original) <= step / 2 + 1e-6)
+    typed = graph.to_qdq(graph.ensure_node_names(mlp(opset=11)), AMAX, keep=set(),
+                         emulate=False)
+    assert all(not n.attribute for n in typed.graph.node if n.op_type == "DequantizeLinear")
     missing = graph.to_qdq(base, {"x": 1.0}, keep=set())  # no range for "r": fc1 stays fp32
     assert ops(missing).count("QuantizeLinear") == 1
 

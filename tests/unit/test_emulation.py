@@ -1,0 +1,129 @@
+"""TensorRT's build-time rewrites before emulated reduced precision (agent.backends.emulation)."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from agent.backends import emulation, graph
+from agent.backends.base import BuildPlan
+from agent.backends.onnxruntime import create
+
+
+def conv_bn(opset=13, var=1e8, constant_stats=True):
+    """x[1,3,8,8] -> Conv(4) -> BatchNormalization (huge running variance, statistics from
+    Constant nodes) -> Relu -> y. Exact in fp32; a naive fp16 cast of the variance is inf."""
+    rng = np.random.RandomState(0)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    stats = {"gamma": np.full(4, 2e3, np.float32), "beta": np.full(4, 0.5, np.float32),
+             "mean": np.full(4, 0.1, np.float32), "var": np.full(4, var, np.float32)}
+    nodes, inits = [], [numpy_helper.from_array(w, "w")]
+    for name, value in stats.items():
+        if constant_stats:
+            nodes.append(helper.make_node("Constant", [], [name], name="const_" + name,
+                                          value=numpy_helper.from_array(value, name)))
+        else:
+            inits.append(numpy_helper.from_array(value, name))
+    nodes += [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+        helper.make_node("BatchNormalization", ["c", "gamma", "beta", "mean", "var"], ["b"],
+                         name="bn", epsilon=1e-5),
+        helper.make_node("Relu", ["b"], ["y"], name="relu"),
+    ]
+    g = helper.make_graph(nodes, "conv_bn",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    onnx.checker.check_model(m)
+    return m
+
+
+def run(model_or_path, x):
+    import onnxruntime as ort
+
+    data = model_or_path.SerializeToString() if isinstance(model_or_path, onnx.ModelProto) \
+        else open(model_or_path, "rb").read()
+    sess = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})[0]
+
+
+X = np.random.RandomState(1).random_sample((1, 3, 8, 8)).astype(np.float32)
+
+
+def test_constants_and_batch_norm_fold_into_the_conv_in_fp32():
+    m = conv_bn()
+    ref = run(m, X)
+    folded, merged = emulation.prepare(graph.copy_model(m))
+    assert merged == {"bn": "conv"}
+    assert [n.op_type for n in folded.graph.node] == ["Conv", "Relu"]
+    assert np.allclose(run(folded, X), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp16_emulation_matches_a_device_not_the_naive_graph(tmp_path, monkeypatch):
+    m = conv_bn()
+    path = str(tmp_path / "m.onnx")
+    onnx.save(m, path)
+    ref = run(m, X)
+    backend = create()
+
+    def fp16(name):
+        return run(backend.build(path, BuildPlan("fp16"), str(tmp_path / name)).engine_path, X)
+
+    out = fp16("trt.onnx")
+    assert np.isfinite(out).all() and np.allclose(out, ref, rtol=1e-2, atol=1e-2)
+    monkeypatch.setenv(emulation.NAIVE_ENV, "1")
+    assert backend.fingerprint()["emulation"] == "naive"
+    naive = fp16("naive.onnx")  # the false alarm: the variance overflows fp16
+    assert not np.allclose(naive, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_layer_precisions_on_a_folded_layer_apply_to_its_conv(tmp_path):
+    path = str(tmp_path / "m.onnx")
+    onnx.save(conv_bn(), path)
+    plan = BuildPlan("fp16", layer_precisions={"bn": "float32"}, precision_constraints="obey")
+    result = create().build(path, plan, str(tmp_path / "e.onnx"))
+    assert result.layer_precisions["conv"] == "float32"
+    assert result.layer_precisions["bn"] == "float32"
+    assert result.details["folded_layers"] == {"bn": "conv"}
+
+
+def test_standalone_batch_norm_keeps_its_name_with_fp16_friendly_statistics():
+    m = conv_bn(constant_stats=False)
+    # A second reader of the conv output stops the fold: the BN stays a scale layer.
+    m.graph.node.append(helper.make_node("Sigmoid", ["c"], ["s"], name="other"))
+    m.graph.output.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 4, 8, 8]))
+    ref = run(m, X)
+    folded, merged = emulation.prepare(graph.copy_model(m))
+    assert merged == {}
+    bn = next(n for n in folded.graph.node if n.name == "bn")
+    inits = {i.name: numpy_helper.to_array(i) for i in folded.graph.initializer}
+    assert max(float(np.abs(inits[n]).max()) for n in bn.input[1:]) < 65504
+    assert np.allclose(run(folded, X), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_int8_weights_are_per_output_channel_whatever_the_opset(opset):
+    m, _ = emulation.prepare(conv_bn(opset=opset, var=1.0))
+    w = numpy_helper.to_array(next(i for i in m.graph.initializer
+                                   if i.name == m.graph.node[0].input[1]))
+    # One channel 1000x smaller: per tensor it would round to zero.
+    w = w.copy()
+    w[0] *= 1e-3
+    m.graph.initializer.append(numpy_helper.from_array(w, "w_small"))
+    m.graph.node[0].input[1] = "w_small"
+    q = graph.apply_precisions(m, {"conv": "int8"}, amax={"x": 1.0}, emulate=True)
+    ref, out = run(m, X), run(q, X)
+    # Channel 0 survives quantization (per-channel scale) instead of collapsing to the bias.
+    err = np.abs(out[0, 0] - ref[0, 0]).max() / (np.abs(ref[0, 0]).max() + 1e-12)
+    assert err < 0.05
+
+
+def test_fused_activation_input_is_not_rounded():
+    m, _ = emulation.prepare(conv_bn(var=1.0))
+    assignment = {"conv": "float16", "relu": "float16"}
+    assert emulation.fused_edges(m, assignment) == {"b"}
+    q = graph.apply_precisions(m, assignment, emulate=True,
+                               fused=emulation.fused_edges(m, assignment))
+    relu = next(n for n in q.graph.node if n.name == "relu")
+    assert relu.input[0] == "b"  # read straight from the conv, no Cast pair between
