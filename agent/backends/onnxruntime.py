@@ -64,11 +64,16 @@ def _ort() -> Any:
     return onnxruntime
 
 
-def session_options(threads: Optional[int] = None) -> Any:
+def session_options(threads: Optional[int] = None, arena: bool = True) -> Any:
     """CPU session options. ORT_ENABLE_ALL keeps explicit fp32->fp16->fp32 Cast pairs (only
-    casts it inserted itself are removed), which the fp16 tests check on every run."""
+    casts it inserted itself are removed), which the fp16 tests check on every run.
+    ``arena`` False returns memory after each run (instrumented runs with every tensor as an
+    output: the arena would keep the largest run's worth for good)."""
     ort = _ort()
     options = ort.SessionOptions()
+    if not arena:
+        options.enable_cpu_mem_arena = False
+        options.enable_mem_pattern = False
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         options.intra_op_num_threads = int(threads)
@@ -77,10 +82,11 @@ def session_options(threads: Optional[int] = None) -> Any:
     return options
 
 
-def _session(model_bytes: bytes, threads: Optional[int], source: str) -> Any:
+def _session(model_bytes: bytes, threads: Optional[int], source: str, arena: bool = True
+             ) -> Any:
     ort = _ort()
     try:
-        return ort.InferenceSession(model_bytes, sess_options=session_options(threads),
+        return ort.InferenceSession(model_bytes, sess_options=session_options(threads, arena),
                                     providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own unexported error types
         text = str(exc)
@@ -166,21 +172,36 @@ def calibrate(
     """amax of every float graph input and node output of the fp32 ``model`` over the
     dataset, per ``algorithm`` (entropy2 / minmax / percentile / legacy)."""
     instrumented = graph.mark_outputs(model, ["*"])
-    session = _session(instrumented.SerializeToString(), threads, "calibration model")
+    data = instrumented.SerializeToString()
+    del instrumented
+    # Every float tensor of a run comes back at once: without the arena, what one run
+    # allocated is returned before the next, so the peak is one run's activations (plus the
+    # histograms), whatever the number of images.
+    session = _session(data, threads, "calibration model", arena=False)
+    del data
     float_names = [o.name for o in session.get_outputs() if o.type in
                    ("tensor(float)", "tensor(float16)", "tensor(double)")]
     float_inputs = [i.name for i in session.get_inputs() if i.type in
                     ("tensor(float)", "tensor(float16)", "tensor(double)")]
+    # Inputs whose batch dimension is free take one sample per run: the histograms add up
+    # the same, and a run's activations are those of one sample.
+    dynamic = all(i.shape and not isinstance(i.shape[0], int) for i in session.get_inputs())
     collector = RangeCollector(algorithm, num_bins=num_bins)
     total = dataset.num_batches()
     progress("calibrating", 0, total)
     done = 0
     for batch in dataset:
-        values = session.run(float_names, batch)
-        for name in float_inputs:
-            collector.update(name, batch[name])
-        for name, value in zip(float_names, values):
-            collector.update(name, value)
+        size = min((len(v) for v in batch.values() if np.ndim(v)), default=1)
+        parts = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(size)] \
+            if dynamic and size > 1 else [batch]
+        for part in parts:
+            values = session.run(float_names, part)
+            for name in float_inputs:
+                collector.update(name, part[name])
+            for index, name in enumerate(float_names):
+                collector.update(name, values[index])
+                values[index] = None  # free each tensor once counted
+            del values
         done += 1
         progress("calibrating", done, total)
     progress("calibrating", total, total)
