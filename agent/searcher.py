@@ -50,6 +50,10 @@ LOG_KEEP_MAX = 64
 RANKING_VERSION = "2"
 
 
+class _Verified(Exception):
+    """The pre-flight prediction passed: no search needed."""
+
+
 class SearchResult(object):
     """What a search found (or had found when it was stopped)."""
 
@@ -68,6 +72,8 @@ class SearchResult(object):
         self.one_minimal = False  # every kept layer shown needed (not stopped by the budget)
         self.budget: Optional[int] = None
         self.ranking_cached = False
+        self.predicted: Optional[List[str]] = None  # pre-flight: the set verified first
+        self.prediction_passed: Optional[bool] = None
         self.evaluations = 0
         self.builds = 0
         self.cache_hits = 0
@@ -104,6 +110,8 @@ class SearchResult(object):
             ("one_minimal", self.one_minimal),
             ("budget", self.budget),
             ("ranking_cached", self.ranking_cached),
+            ("predicted", self.predicted),
+            ("prediction_passed", self.prediction_passed),
             ("evaluations", self.evaluations),
             ("builds", self.builds),
             ("cache_hits", self.cache_hits),
@@ -183,6 +191,7 @@ def run_search(
     calibration_dir: Optional[str] = None,
     instrument: bool = True,
     ranking_dir: Optional[str] = None,
+    predicted: Optional[Sequence[str]] = None,
 ) -> SearchResult:
     """Search which layers of ``model_path`` must run in ``keep_precision`` for ``plan`` (fp16,
     int8, or best = int8 with fp16 fallback) to pass the goldens.
@@ -193,7 +202,8 @@ def run_search(
     False skips the two instrumented builds: ``minimal`` then works from topological order
     without suspects (``worst-first`` needs them). The ranking is cached by (model, plan,
     inputs, backend) under ``ranking_dir`` (default: beside ``calibration_dir``), so a
-    repeated search skips the instrumented runs. Raises
+    repeated search skips the instrumented runs. ``predicted`` (pre-flight, ``preflight``): a
+    set to verify first with one build; the search runs only when it fails. Raises
     ``reference_mismatch`` when even every candidate kept fails, ``golden_mismatch`` when the
     goldens do not fit the model's outputs."""
     started = time.monotonic()
@@ -229,7 +239,52 @@ def run_search(
     scores: List[strategies.LayerScore] = []
     search: Optional[strategies.Search] = None
     comparisons: Dict[frozenset, Comparison] = {}
+
+    def evaluate(keep: List[str], index: int) -> Tuple[Comparison, Dict[str, Any]]:
+        t0 = time.monotonic()
+        record = build(plan.with_layers(keep, keep_precision))
+        build_seconds = time.monotonic() - t0
+        outputs = _run(backend, record, inputs)
+        cmp = compare_outputs(outputs, list(goldens), **opts)
+        comparisons[frozenset(keep)] = cmp
+        entry: Dict[str, Any] = OrderedDict([
+            ("index", index),
+            ("size", len(keep)),
+            ("passed", cmp.passed),
+            ("seconds", round(time.monotonic() - t0, 3)),
+            ("build_seconds", round(build_seconds, 3)),
+            ("cache_hit", record.cache_hit),
+            ("engine_key", record.key),
+            ("stats", _stats(cmp)),
+        ])
+        if len(keep) <= LOG_KEEP_MAX:
+            entry["keep"] = list(keep)
+        result.iterations.append(entry)
+        log.info("search %s: %d layer(s) kept -> %s (%.2f s%s)", mode, len(keep),
+                 "pass" if cmp.passed else "fail", entry["seconds"],
+                 ", cached" if record.cache_hit else "")
+        return cmp, entry
+
     try:
+        if predicted is not None:
+            # Pre-flight: the set the host predicted, verified with one build; the search
+            # runs only when it fails.
+            unknown = sorted(set(predicted) - set(layers))
+            if unknown:
+                raise AgentError("unknown_layer", "the predicted set names {} that are not "
+                                 "candidate layers of this model".format(", ".join(unknown[:5])))
+            order = {name: i for i, name in enumerate(layers)}
+            keep0 = sorted(set(predicted), key=lambda x: order[x])
+            progress("verifying", 0, 1)
+            cmp0, _ = evaluate(keep0, 1)
+            progress("verifying", 1, 1)
+            result.predicted = keep0
+            result.prediction_passed = cmp0.passed
+            if cmp0.passed:
+                result.evaluations = 1
+                result.complete = result.passed = True
+                result.keep = keep0
+                raise _Verified()
         ranking: Optional[List[str]] = None
         if (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
             if ranking_dir is None and calibration_dir:
@@ -259,28 +314,7 @@ def run_search(
                 result.interrupted = True
                 break
             keep = search.propose() or []
-            t0 = time.monotonic()
-            record = build(plan.with_layers(keep, keep_precision))
-            build_seconds = time.monotonic() - t0
-            outputs = _run(backend, record, inputs)
-            cmp = compare_outputs(outputs, list(goldens), **opts)
-            comparisons[frozenset(keep)] = cmp
-            entry: Dict[str, Any] = OrderedDict([
-                ("index", search.evaluations + 1),
-                ("size", len(keep)),
-                ("passed", cmp.passed),
-                ("seconds", round(time.monotonic() - t0, 3)),
-                ("build_seconds", round(build_seconds, 3)),
-                ("cache_hit", record.cache_hit),
-                ("engine_key", record.key),
-                ("stats", _stats(cmp)),
-            ])
-            if len(keep) <= LOG_KEEP_MAX:
-                entry["keep"] = list(keep)
-            result.iterations.append(entry)
-            log.info("search %s: %d layer(s) kept -> %s (%.2f s%s)", mode, len(keep),
-                     "pass" if cmp.passed else "fail", entry["seconds"],
-                     ", cached" if record.cache_hit else "")
+            cmp, entry = evaluate(keep, search.evaluations + 1)
             try:
                 search.observe(cmp.passed, entry)
             except AgentError as exc:
@@ -291,9 +325,11 @@ def run_search(
             progress("searching", search.evaluations, search.total)
     except KeyboardInterrupt:
         result.interrupted = True
+    except _Verified:
+        pass
 
     if search is not None:
-        result.evaluations = search.evaluations
+        result.evaluations = search.evaluations + (1 if result.predicted is not None else 0)
         result.complete = search.complete and not result.interrupted
         result.one_minimal = search.one_minimal and not result.interrupted
         result.exhausted = search.exhausted
@@ -313,6 +349,20 @@ def run_search(
     result.seconds = time.monotonic() - started
     progress("searching", result.evaluations, result.evaluations)
     return result
+
+
+def preflight(model_path: str, plan: BuildPlan, inputs: Sequence[Feed],
+              goldens: Sequence[Feed], cache: EngineCache, platform_fingerprint: Dict[str, str],
+              **kwargs: Any) -> SearchResult:
+    """Host pre-flight: the same search on the host emulation (onnxruntime backend, which
+    emulates TensorRT's build-time rewrites). Its ``keep`` is the ``predicted`` set a device
+    search verifies with one build (``run_search(..., predicted=result.keep)``) before
+    searching itself. ``kwargs``: those of ``run_search`` (mode, compare_options, ...)."""
+    from agent.backends.base import get_backend
+
+    host = get_backend("onnxruntime")
+    return run_search(model_path, plan, inputs, goldens, host, cache, platform_fingerprint,
+                      **kwargs)
 
 
 def _instrumented_ranking(model: Any, layers: List[str], plan: BuildPlan,
