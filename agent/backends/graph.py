@@ -334,11 +334,11 @@ def resolve_precisions(
     names = set(n.name for n in model.graph.node)
     unknown = sorted(n for n in overrides if n not in names)
     if unknown:
-        sample = [n.name for n in model.graph.node][:8]
         raise AgentError("unknown_layer",
                          "--layer-precisions names {} but the model has no such node "
                          "(expected ONNX node names such as {})".format(
-                             ", ".join(repr(n) for n in unknown), ", ".join(sample)),
+                             ", ".join(repr(n) for n in unknown),
+                             ", ".join(near_names(model, unknown))),
                          {"unknown": unknown})
     for name, prec in overrides.items():
         if prec not in LAYER_PRECISIONS:
@@ -372,6 +372,27 @@ def resolve_precisions(
             mismatches.append((node.name, asked, got))
     ignored = sorted(n for n in overrides if n not in float_set)
     return assignment, mismatches, ignored
+
+
+def near_names(model: onnx.ModelProto, unknown: Sequence[str], limit: int = 8) -> List[str]:
+    """Node names close to the ``unknown`` ones (float layers first), for error messages."""
+    import difflib
+
+    types = tensor_types(model)
+    layers = [n.name for n in model.graph.node if _is_float_node(n, types)]
+    others = [n.name for n in model.graph.node if n.name not in set(layers)]
+    out: List[str] = []
+    for name in unknown:
+        for pool in (layers, others):
+            for match in difflib.get_close_matches(name, pool, n=3, cutoff=0.5):
+                if match not in out:
+                    out.append(match)
+    for name in layers + others:  # nothing close: the first float layers
+        if len(out) >= min(limit, 3) and out:
+            break
+        if name not in out:
+            out.append(name)
+    return out[:limit]
 
 
 def _reducible(node: onnx.NodeProto, types: Dict[str, int], emulate: bool,

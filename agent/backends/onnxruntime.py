@@ -321,9 +321,11 @@ class OnnxRuntimeBackend(Backend):
         # tensor names): they run in the fallback precision.
         details["counts"] = {p: sum(1 for v in assignment.values() if v == p)
                              for p in ("float32", "float16", "int8")}
-        if plan.precision in ("int8", "best") and not details["counts"]["int8"]:
-            details["warning"] = ("int8 was asked for but no layer runs in int8 (no "
-                                  "Conv/ConvTranspose/Gemm/MatMul with calibrated inputs)")
+        if plan.precision in ("int8", "best") and not details["counts"]["int8"] and \
+                not plan.layer_precisions:
+            details["warning"] = ("int8 was asked for but no layer can run in int8 (int8 "
+                                  "kernels are Conv/ConvTranspose/Gemm/MatMul ones; none is "
+                                  "left to quantize)")
             log.warning("%s: %s", model_path, details["warning"])
         return BuildResult(
             engine_path=engine_path,

@@ -127,3 +127,18 @@ def test_fused_activation_input_is_not_rounded():
                                fused=emulation.fused_edges(m, assignment))
     relu = next(n for n in q.graph.node if n.name == "relu")
     assert relu.input[0] == "b"  # read straight from the conv, no Cast pair between
+
+
+def test_int8_that_quantizes_nothing_says_so(tmp_path):
+    from agent.backends.base import CalibrationSettings
+
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "relu",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    path = str(tmp_path / "relu.onnx")
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]), path)
+    data = str(tmp_path / "calib.npz")
+    np.savez(data, x=np.random.RandomState(0).random_sample((4, 4)).astype(np.float32))
+    plan = BuildPlan("int8", calibration=CalibrationSettings(data=data, batch_size=2))
+    result = create().build(path, plan, str(tmp_path / "e.onnx"))
+    assert result.details["counts"]["int8"] == 0 and "no layer" in result.details["warning"]

@@ -138,6 +138,9 @@ def test_resolve_precisions():
     with pytest.raises(AgentError) as err:
         graph.resolve_precisions(m, "fp16", {"Add": "float32"})
     assert err.value.code == "unknown_layer" and "'Add'" in err.value.message
+    with pytest.raises(AgentError) as err:  # a typo: the near names come first
+        graph.resolve_precisions(m, "fp16", {"fc_1": "float32"})
+    assert "such as fc1, fc0" in err.value.message
     _, _, ignored = graph.resolve_precisions(graph.ensure_node_names(shape_model()), "fp16",
                                              {"shape": "float32"})
     assert ignored == ["shape"]
