@@ -34,6 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from agent.backends import emulation
 from agent.backends.base import TensorSpec
 from agent.errors import AgentError
 
@@ -513,6 +514,9 @@ def apply_precisions(
                          "int8 needs QuantizeLinear (opset >= 10), found opset {}".format(
                              default_opset(model)))
     per_channel = default_opset(model) >= 13
+    # Emulation quantizes weights per output channel at any opset, as TensorRT does (the
+    # naive emulation, ``emulation.NAIVE_ENV``, keeps per tensor below opset 13).
+    trt_weights = emulate and emulation.enabled()
 
     q_cache: Dict[Tuple[str, Optional[int]], str] = {}  # (tensor, axis) -> dequantized name
     round_cache: Dict[str, str] = {}  # fp32 tensor -> its fp16-rounded fp32 copy
@@ -549,9 +553,9 @@ def apply_precisions(
 
     def qdq_weight(node: onnx.NodeProto, tensor: str) -> str:
         array = numpy_helper.to_array(weights[tensor])
-        axis = _weight_axis(node, array.ndim) if (per_channel or emulate) else None
+        axis = _weight_axis(node, array.ndim) if (per_channel or trt_weights) else None
         key = (tensor, axis)
-        if key not in q_cache and emulate and not per_channel:
+        if key not in q_cache and trt_weights and not per_channel:
             # DequantizeLinear takes an axis from opset 13 only: older models get the
             # dequantized per-channel values as fp32 weights (the same numbers).
             q, scale = _quantize_weight(array, axis)

@@ -103,7 +103,7 @@ def test_standalone_batch_norm_keeps_its_name_with_fp16_friendly_statistics():
 
 
 @pytest.mark.parametrize("opset", [11, 13])
-def test_int8_weights_are_per_output_channel_whatever_the_opset(opset):
+def test_int8_weights_are_per_output_channel_whatever_the_opset(opset, monkeypatch):
     m, _ = emulation.prepare(conv_bn(opset=opset, var=1.0))
     w = numpy_helper.to_array(next(i for i in m.graph.initializer
                                    if i.name == m.graph.node[0].input[1]))
@@ -117,6 +117,10 @@ def test_int8_weights_are_per_output_channel_whatever_the_opset(opset):
     # Channel 0 survives quantization (per-channel scale) instead of collapsing to the bias.
     err = np.abs(out[0, 0] - ref[0, 0]).max() / (np.abs(ref[0, 0]).max() + 1e-12)
     assert err < 0.05
+    if opset < 13:  # the naive emulation quantized these weights per tensor
+        monkeypatch.setenv(emulation.NAIVE_ENV, "1")
+        naive = run(graph.apply_precisions(m, {"conv": "int8"}, amax={"x": 1.0}), X)
+        assert np.abs(naive[0, 0] - ref[0, 0]).max() / np.abs(ref[0, 0]).max() > 0.05
 
 
 def test_fused_activation_input_is_not_rounded():
