@@ -150,7 +150,8 @@ def merge_stats(into: Dict[str, Tuple[float, float, float, float]], name: str,
                 stats: Tuple[float, float, float, float]) -> None:
     """Keep the worst of each statistic over the iterations seen (bounded memory)."""
     old = into.get(name)
-    into[name] = stats if old is None else tuple(max(a, b) for a, b in zip(old, stats))
+    into[name] = stats if old is None else (max(old[0], stats[0]), max(old[1], stats[1]),
+                                            max(old[2], stats[2]), max(old[3], stats[3]))
 
 
 def rank_layers(

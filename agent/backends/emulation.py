@@ -16,7 +16,7 @@ Worker side: Python >= 3.6. Imports onnx and numpy only.
 """
 
 import os
-from typing import Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import numpy as np
 import onnx
@@ -97,7 +97,7 @@ def _consumers(graph: onnx.GraphProto) -> Dict[str, List[onnx.NodeProto]]:
     return out
 
 
-def _attr(node: onnx.NodeProto, name: str, default: object) -> object:
+def _attr(node: onnx.NodeProto, name: str, default: Any) -> Any:
     for a in node.attribute:
         if a.name == name:
             return helper.get_attribute_value(a)
@@ -148,7 +148,7 @@ def fold_batch_norms(model: onnx.ModelProto) -> Dict[str, str]:
         if any(s is None for s in stats):
             continue
         gamma, beta, mean, var = [np.asarray(s, dtype=np.float64).ravel() for s in stats]
-        eps = float(_attr(bn, "epsilon", 1e-5))  # type: ignore[arg-type]
+        eps = float(_attr(bn, "epsilon", 1e-5))
         if not (gamma.size == beta.size == mean.size == var.size) or np.any(var + eps < 0):
             continue
         scale = gamma / np.sqrt(var + eps)
@@ -178,20 +178,21 @@ def fold_batch_norms(model: onnx.ModelProto) -> Dict[str, str]:
 
 
 def _fold_into(prev: onnx.NodeProto, bn: onnx.NodeProto, scale: np.ndarray, shift: np.ndarray,
-               const: object, add_init: object, consumers: Dict[str, List[onnx.NodeProto]],
-               outputs: Set[str]) -> bool:
+               const: Callable[[str], Optional[np.ndarray]],
+               add_init: Callable[[str, np.ndarray], str],
+               consumers: Dict[str, List[onnx.NodeProto]], outputs: Set[str]) -> bool:
     """Fold the BN's per-channel scale and shift into ``prev``'s weights and bias."""
     if prev.op_type not in WEIGHTED_OPS or bn.input[0] in outputs or \
             len(consumers.get(bn.input[0], [])) != 1 or len(prev.input) < 2:
         return False
-    w = const(prev.input[1])  # type: ignore[operator]
+    w = const(prev.input[1])
     if w is None or w.dtype not in (np.float32, np.float64):
         return False
     w = w.astype(np.float64)
     c = scale.size
     bias = None
     if len(prev.input) > 2 and prev.input[2]:
-        bias = const(prev.input[2])  # type: ignore[operator]
+        bias = const(prev.input[2])
         if bias is None:
             return False
         bias = np.asarray(bias, np.float64)
@@ -200,7 +201,7 @@ def _fold_into(prev: onnx.NodeProto, bn: onnx.NodeProto, scale: np.ndarray, shif
             return False
         w = w * scale.reshape((c,) + (1,) * (w.ndim - 1))
     elif prev.op_type == "ConvTranspose":
-        group = int(_attr(prev, "group", 1))  # type: ignore[arg-type]
+        group = int(_attr(prev, "group", 1))
         if w.ndim < 3 or group != 1 or w.shape[1] != c:
             return False
         w = w * scale.reshape((1, c) + (1,) * (w.ndim - 2))
@@ -208,7 +209,7 @@ def _fold_into(prev: onnx.NodeProto, bn: onnx.NodeProto, scale: np.ndarray, shif
         if w.ndim != 2 or float(_attr(prev, "alpha", 1.0)) != 1.0 or \
                 float(_attr(prev, "beta", 1.0)) != 1.0 or int(_attr(prev, "transA", 0)):
             return False
-        trans_b = int(_attr(prev, "transB", 0))  # type: ignore[arg-type]
+        trans_b = int(_attr(prev, "transB", 0))
         if (w.shape[0] if trans_b else w.shape[1]) != c:
             return False
         w = w * (scale.reshape(c, 1) if trans_b else scale.reshape(1, c))
@@ -221,23 +222,23 @@ def _fold_into(prev: onnx.NodeProto, bn: onnx.NodeProto, scale: np.ndarray, shif
     if bias.size != c and bias.size != 1:
         return False
     new_bias = (np.broadcast_to(bias, (c,)) * scale + shift).astype(np.float32)
-    prev.input[1] = add_init(prev.input[1] + "__bnfold", w.astype(np.float32))  # type: ignore
+    prev.input[1] = add_init(prev.input[1] + "__bnfold", w.astype(np.float32))
     if prev.op_type == "MatMul":
         return _matmul_bias(prev, bn, new_bias, add_init)
     if len(prev.input) > 2:
-        prev.input[2] = add_init(prev.name + "__bnfold_bias", new_bias)  # type: ignore
+        prev.input[2] = add_init(prev.name + "__bnfold_bias", new_bias)
     else:
-        prev.input.append(add_init(prev.name + "__bnfold_bias", new_bias))  # type: ignore
+        prev.input.append(add_init(prev.name + "__bnfold_bias", new_bias))
     return True
 
 
 def _matmul_bias(prev: onnx.NodeProto, bn: onnx.NodeProto, bias: np.ndarray,
-                 add_init: object) -> bool:
+                 add_init: Callable[[str, np.ndarray], str]) -> bool:
     """MatMul has no bias input: the BN node becomes an Add of the folded bias (named as the
     BN, so the layer still exists). Returns False: the BN node stays."""
     del bn.attribute[:]
     bn.op_type = "Add"
-    name = add_init(bn.name + "__bnfold_bias", bias)  # type: ignore[operator]
+    name = add_init(bn.name + "__bnfold_bias", bias)
     del bn.input[1:]
     bn.input.append(name)
     return False
