@@ -269,6 +269,11 @@ def run_search(
         if predicted is not None:
             # Pre-flight: the set the host predicted, verified with one build; the search
             # runs only when it fails.
+            if not isinstance(predicted, (list, tuple)) or len(predicted) > len(layers) or \
+                    not all(isinstance(x, str) for x in predicted):
+                raise AgentError("bad_argument", "the predicted set must be a list of at most "
+                                 "{} layer names, found {}".format(
+                                     len(layers), type(predicted).__name__))
             unknown = sorted(set(predicted) - set(layers))
             if unknown:
                 raise AgentError("unknown_layer", "the predicted set names {} that are not "

@@ -83,6 +83,22 @@ def test_fp16_max_with_elementwise_tolerances_also_needs_the_first_flip(env, fp1
     assert r.keep == ["MatMul_0", "Add", "Sub"]
 
 
+def test_preflight_prediction_verified_or_searched(env, fp16_max):
+    path, inputs, goldens = fp16_max
+    plan = BuildPlan("fp16")
+    # The device verifies the host's prediction with one build...
+    r = env.search(path, plan, inputs, goldens, compare_options=MEDIAN,
+                   predicted=["Sub", "Add"])
+    assert r.keep == ["Add", "Sub"] and r.evaluations == 1 and r.prediction_passed
+    # ... and searches when it fails (the failed prediction counts as an evaluation).
+    r = env.search(path, plan, inputs, goldens, compare_options=MEDIAN, predicted=["Add"])
+    assert r.prediction_passed is False and r.keep == ["Add", "Sub"] and r.evaluations >= 2
+    for bad, code in ((["Nope"], "unknown_layer"), ("Add", "bad_argument")):
+        with pytest.raises(AgentError) as err:
+            env.search(path, plan, inputs, goldens, compare_options=MEDIAN, predicted=bad)
+        assert err.value.code == code
+
+
 @pytest.mark.parametrize("mode,direction,keep", [
     ("bisect", "forward", ["MatMul_0", "Add", "Sub"]),
     ("bisect", "reverse", ["Add", "Sub", "MatMul_1"]),
