@@ -15,7 +15,9 @@ Rows, each measured in this run:
 - the text agreement of emulated fp16, int8 and the searched int8 plan with fp32, and of the
   naive emulation (``JETSON_AGENT_NAIVE_EMULATION=1``) for comparison;
 - calibration peak RSS and time for N and 10x N images, each in a fresh process (goal: the
-  10x run within 1.1x).
+  10x run within 1.1x);
+- pre-flight: device-side evaluations when a device (here a second, empty engine cache)
+  starts from the host's set, vs the search without it.
 """
 
 import importlib.util
@@ -149,6 +151,17 @@ def run():
                          "ours": len(m.keep), "baseline": len(b.keep),
                          "goal": "<= bisect: {}".format(
                              "met" if len(m.keep) <= len(b.keep) else "MISSED")})
+            if m.passed:
+                # Pre-flight: a "device" (a second, empty cache) verifies the host's set.
+                device = EngineCache(os.path.join(work, "device-" + name))
+                d = run_search(path, plan, feeds, goldens, backend, device, {"kind": "device"},
+                               compare_options=opts, predicted=m.keep,
+                               calibration_dir=os.path.join(work, "cal"))
+                rows.append({"name": "crnn {}: device evaluations with vs without "
+                             "pre-flight".format(name), "ours": d.evaluations,
+                             "baseline": m.evaluations, "unit": "builds",
+                             "goal": "prediction {}".format(
+                                 "verified" if d.prediction_passed else "failed: searched")})
             if m.engine_path:
                 rows.append({"name": "crnn {}: text agreement of the searched plan".format(name),
                              "ours": agreement(backend, m.engine_path, feeds, reference),
