@@ -393,7 +393,11 @@ class OnnxRuntimeBackend(Backend):
             raise AgentError("bad_engine",
                              "{}: expected an engine built by onnxruntime, found one built by "
                              "{}".format(engine_path, metadata.get("backend")))
-        return OnnxRuntimeRunner(_session(data, self.threads, engine_path), metadata)
+        # Instrumented engines (tensors marked as outputs) return every activation of a run:
+        # without the arena that memory goes back after each run.
+        marked = bool((metadata.get("plan") or {}).get("mark_outputs"))
+        return OnnxRuntimeRunner(_session(data, self.threads, engine_path, arena=not marked),
+                                 metadata)
 
 
 def _merge_overrides(overrides: Dict[str, str], merged: Dict[str, str]) -> Dict[str, str]:
