@@ -43,6 +43,9 @@ from calib.dataset import CalibrationDataset
 from calib.ranges import RangeCollector
 
 METADATA_KEY = "jetson_agent.engine"
+# Calibration runs return every float tensor at once: a dynamic batch is fed in slices whose
+# activations stay under this (one sample at least).
+RUN_BYTES = 256 << 20
 _PRECISION_ORDER = {"int8": 0, "float16": 1, "float32": 2}
 
 log = logging.getLogger(__name__)
@@ -183,25 +186,36 @@ def calibrate(
                    ("tensor(float)", "tensor(float16)", "tensor(double)")]
     float_inputs = [i.name for i in session.get_inputs() if i.type in
                     ("tensor(float)", "tensor(float16)", "tensor(double)")]
-    # Inputs whose batch dimension is free take one sample per run: the histograms add up
-    # the same, and a run's activations are those of one sample.
+    # Inputs whose batch dimension is free are fed in slices whose activations fit
+    # RUN_BYTES (measured on the first sample): the histograms add up the same, and the peak
+    # no longer grows with the calibration batch size.
     dynamic = all(i.shape and not isinstance(i.shape[0], int) for i in session.get_inputs())
     collector = RangeCollector(algorithm, num_bins=num_bins)
     total = dataset.num_batches()
     progress("calibrating", 0, total)
     done = 0
+    step: Optional[int] = None if dynamic else 0
     for batch in dataset:
         size = min((len(v) for v in batch.values() if np.ndim(v)), default=1)
-        parts = [{k: v[i:i + 1] for k, v in batch.items()} for i in range(size)] \
-            if dynamic and size > 1 else [batch]
-        for part in parts:
+        start = 0
+        while start < size or (start == 0 and size == 0):
+            if step is None:
+                count = 1  # the first sample alone: its activations size the slices
+            else:
+                count = step or size
+            part = batch if count >= size and start == 0 else \
+                {k: v[start:start + count] for k, v in batch.items()}
             values = session.run(float_names, part)
+            if step is None:
+                per_sample = sum(int(getattr(v, "nbytes", 0)) for v in values)
+                step = max(1, RUN_BYTES // max(1, per_sample))
             for name in float_inputs:
                 collector.update(name, part[name])
             for index, name in enumerate(float_names):
                 collector.update(name, values[index])
                 values[index] = None  # free each tensor once counted
             del values
+            start += max(count, 1)
         done += 1
         progress("calibrating", done, total)
     progress("calibrating", total, total)
