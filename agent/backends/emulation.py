@@ -1,9 +1,10 @@
 """TensorRT's build-time rewrites, done on the ONNX graph before the host emulates a precision.
 
 TensorRT does not run an ONNX graph node by node: its parser turns Constant nodes into weights,
-its builder folds BatchNormalization into the preceding convolution's weights (in fp32, before
-any precision is applied), fuses activations into the layer that feeds them, and quantizes
-Conv/Deconv/FC weights per output channel. Emulating fp16/int8 on the naive graph reports
+its builder folds BatchNormalization (and the per-channel Mul/Add form many exporters write for
+it) into the preceding convolution's weights (in fp32, before any precision is applied), fuses
+activations into the layer that feeds them, and quantizes Conv/Deconv/FC weights per output
+channel. Emulating fp16/int8 on the naive graph reports
 failures a device build does not have (a BN variance of 1e8 overflows fp16 on the host, never on
 the device). ``prepare`` applies those rewrites; docs/emulation.md cites the TensorRT
 documentation behind each. ``NAIVE_ENV`` set to 1 turns them off (the naive result).
@@ -24,7 +25,7 @@ from onnx import helper, numpy_helper
 
 NAIVE_ENV = "JETSON_AGENT_NAIVE_EMULATION"
 # Bump when a rewrite changes numerics (enters engine-cache keys through the fingerprint).
-VERSION = "1"
+VERSION = "2"
 
 WEIGHTED_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 # Activations TensorRT fuses into the convolution / fully connected layer before them.
@@ -49,6 +50,14 @@ def prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, str]]:
         return model, {}
     fold_constants(model)
     merged = fold_batch_norms(model)
+    merged.update(fold_affine(model))
+    # A node folded into one that was folded further reports the last one.
+    for name, into in list(merged.items()):
+        seen = set()
+        while into in merged and into not in seen:
+            seen.add(into)
+            into = merged[into]
+        merged[name] = into
     return model, merged
 
 
@@ -175,6 +184,134 @@ def fold_batch_norms(model: onnx.ModelProto) -> Dict[str, str]:
         graph.node.extend(kept)
     _drop_unread(model)
     return merged
+
+
+def _channel_vector(value: np.ndarray, op: str, out_rank: int, channels: int
+                    ) -> Optional[np.ndarray]:
+    """A constant Mul/Add operand as one value per output channel of a Conv (axis 1 of an
+    NCHW output) or Gemm/MatMul (last axis), or None when it broadcasts otherwise."""
+    v = np.asarray(value, dtype=np.float64)
+    if v.ndim > out_rank:
+        return None  # broadcasting would add dimensions to the output
+    if v.size == 1:
+        return np.full(channels, float(v.ravel()[0]))
+    if v.size != channels or v.ndim > out_rank:
+        return None
+    shape = (1,) * (out_rank - v.ndim) + v.shape
+    axis = 1 if op in ("Conv", "ConvTranspose") else out_rank - 1
+    if shape[axis] != channels or any(d != 1 for i, d in enumerate(shape) if i != axis):
+        return None
+    return v.ravel()
+
+
+def fold_affine(model: onnx.ModelProto) -> Dict[str, str]:
+    """Fold a Mul or Add by a per-channel (or scalar) constant into the Conv / ConvTranspose /
+    Gemm / MatMul that alone feeds it, in float64 rounded once to fp32: the decomposed form of
+    a BatchNormalization (Conv -> Mul -> Add) many exporters write, taken like the Scale layer
+    BatchNormalization becomes. An Add needs a bias input (MatMul has none: it stays)."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    graph_inputs = set(vi.name for vi in graph.input)
+    outputs = set(vo.name for vo in graph.output)
+    used_names = set(inits) | set(t for n in graph.node for t in list(n.input) + list(n.output))
+    merged: Dict[str, str] = {}
+    removed: Set[int] = set()
+
+    def const(name: str) -> Optional[np.ndarray]:
+        if name in inits and name not in graph_inputs:
+            return numpy_helper.to_array(inits[name])
+        return None
+
+    def add_init(base: str, array: np.ndarray) -> str:
+        name, k = base, 1
+        while name in used_names:
+            k += 1
+            name = "{}_{}".format(base, k)
+        used_names.add(name)
+        tensor = numpy_helper.from_array(array, name)
+        graph.initializer.append(tensor)
+        inits[name] = tensor
+        return name
+
+    for node in graph.node:
+        if node.op_type not in ("Mul", "Add") or len(node.input) != 2 or len(node.output) != 1:
+            continue
+        producer = {o: n for n in graph.node if id(n) not in removed for o in n.output if o}
+        consumers = _consumers(graph)
+        for k in (0, 1):
+            c, t = const(node.input[1 - k]), node.input[k]
+            prev = producer.get(t)
+            if c is None or prev is None or prev.op_type not in WEIGHTED_OPS or \
+                    t in outputs or len(consumers.get(t, [])) != 1 or len(prev.input) < 2:
+                continue
+            if _fold_affine_into(prev, node.op_type, c, const, add_init):
+                for i, name in enumerate(prev.output):
+                    if name == t:
+                        prev.output[i] = node.output[0]
+                merged[node.name] = prev.name
+                removed.add(id(node))
+            break
+    if removed:
+        kept = [n for n in graph.node if id(n) not in removed]
+        del graph.node[:]
+        graph.node.extend(kept)
+        _drop_unread(model)
+    return merged
+
+
+def _fold_affine_into(prev: onnx.NodeProto, op: str, c: np.ndarray,
+                      const: Callable[[str], Optional[np.ndarray]],
+                      add_init: Callable[[str, np.ndarray], str]) -> bool:
+    w = const(prev.input[1])
+    if w is None or w.dtype not in (np.float32, np.float64) or w.ndim < 2:
+        return False
+    if prev.op_type == "Conv":
+        channels, axis, rank = w.shape[0], 0, w.ndim
+    elif prev.op_type == "ConvTranspose":
+        if int(_attr(prev, "group", 1)) != 1:
+            return False
+        channels, axis, rank = w.shape[1], 1, w.ndim
+    elif prev.op_type == "Gemm":
+        if int(_attr(prev, "transA", 0)) or float(_attr(prev, "alpha", 1.0)) != 1.0 or \
+                float(_attr(prev, "beta", 1.0)) != 1.0 or w.ndim != 2:
+            return False
+        axis = 0 if int(_attr(prev, "transB", 0)) else 1
+        channels, rank = w.shape[axis], 2
+    else:  # MatMul: rank-2 weights; the output's last axis
+        if w.ndim != 2:
+            return False
+        channels, axis, rank = w.shape[1], 1, None
+    out_rank = rank if rank is not None else 2
+    vec = _channel_vector(c, prev.op_type, out_rank, channels)
+    if vec is None:
+        return False
+    bias = None
+    if len(prev.input) > 2 and prev.input[2]:
+        bias = const(prev.input[2])
+        if bias is None:
+            return False
+        bias = np.broadcast_to(np.asarray(bias, np.float64).ravel(), (channels,)) \
+            if np.asarray(bias).size in (1, channels) else None
+        if bias is None:
+            return False
+    if op == "Add":
+        if prev.op_type == "MatMul":
+            return False
+        new_bias = (bias if bias is not None else np.zeros(channels)) + vec
+    else:
+        shape = [1] * w.ndim
+        shape[axis] = channels
+        prev.input[1] = add_init(prev.input[1] + "__scaled",
+                                 (w.astype(np.float64) * vec.reshape(shape)).astype(np.float32))
+        if bias is None:
+            return True
+        new_bias = bias * vec
+    name = add_init(prev.name + "__folded_bias", new_bias.astype(np.float32))
+    if len(prev.input) > 2:
+        prev.input[2] = name
+    else:
+        prev.input.append(name)
+    return True
 
 
 def _fold_into(prev: onnx.NodeProto, bn: onnx.NodeProto, scale: np.ndarray, shift: np.ndarray,

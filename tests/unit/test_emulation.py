@@ -153,3 +153,26 @@ def test_int8_that_quantizes_nothing_says_so(tmp_path):
     plan = BuildPlan("int8", calibration=CalibrationSettings(data=data, batch_size=2))
     result = create().build(path, plan, str(tmp_path / "e.onnx"))
     assert result.details["counts"]["int8"] == 0 and "no layer" in result.details["warning"]
+
+
+def test_per_channel_mul_and_add_after_a_conv_fold_like_a_batch_norm():
+    rng = np.random.RandomState(3)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    scale = rng.uniform(0.5, 2, (1, 4, 1, 1)).astype(np.float32)
+    shift = rng.standard_normal((1, 4, 1, 1)).astype(np.float32)
+    odd = np.ones((1, 1, 1, 1, 1), np.float32)  # would add a dimension: never folded
+    g = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         helper.make_node("Mul", ["c", "scale"], ["m"], name="mul"),
+         helper.make_node("Add", ["shift", "m"], ["a"], name="add"),
+         helper.make_node("Mul", ["a", "odd"], ["y"], name="odd_mul")],
+        "affine", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(a, n) for a, n in ((w, "w"), (scale, "scale"),
+                                                    (shift, "shift"), (odd, "odd"))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    ref = run(m, X)
+    folded, merged = emulation.prepare(graph.copy_model(m))
+    assert merged == {"mul": "conv", "add": "conv"}
+    assert [n.name for n in folded.graph.node] == ["conv", "odd_mul"]
+    assert np.allclose(run(folded, X), ref, rtol=1e-5, atol=1e-5)
