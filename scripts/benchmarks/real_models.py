@@ -38,6 +38,7 @@ if ROOT not in sys.path:
 LABELS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_"
 SEARCH_IMAGES = 4
 CALIB_IMAGES = 8
+EVAL_IMAGES = 32
 TOLERANCES = {"atol": 0.05, "rtol": 0.05, "check_error_stat": "median"}
 # A strict check (every logit within 1e-3), where fp16 needs some layers kept.
 STRICT = {"atol": 1e-3, "rtol": 1e-3}
@@ -98,9 +99,17 @@ def decode(logits):
 
 
 def agreement(backend, engine, feeds, reference):
+    """Fraction of images whose decoded text equals the fp32 text (``reference``: texts, or
+    (texts, per-step argmax) to also return the per-time-step top-1 agreement)."""
+    texts, steps = reference if isinstance(reference, tuple) else (reference, None)
     with backend.open(engine) as runner:
-        texts = [decode(list(runner.infer(f).values())[0]) for f in feeds]
-    return float(np.mean([a == b for a, b in zip(texts, reference)]))
+        logits = [np.asarray(list(runner.infer(f).values())[0]) for f in feeds]
+    text = float(np.mean([decode(x) == t for x, t in zip(logits, texts)]))
+    if steps is None:
+        return text
+    step = float(np.mean(np.concatenate([(x.argmax(-1) == s).ravel()
+                                         for x, s in zip(logits, steps)])))
+    return text, step
 
 
 def run():
@@ -166,6 +175,10 @@ def run():
                 rows.append({"name": "crnn {}: text agreement of the searched plan".format(name),
                              "ours": agreement(backend, m.engine_path, feeds, reference),
                              "baseline": 1.0, "unit": "fraction", "goal": "1.0"})
+        eval_feeds = [{"image": x} for x in crops(EVAL_IMAGES, seed=3)]
+        eval_gold = golden.reference_outputs(path, eval_feeds, backend)
+        eval_ref = ([decode(list(g.values())[0]) for g in eval_gold],
+                    [np.asarray(list(g.values())[0]).argmax(-1) for g in eval_gold])
         for name, plan in plans.items():
             for naive in (False, True):
                 os.environ.pop("JETSON_AGENT_NAIVE_EMULATION", None)
@@ -173,10 +186,12 @@ def run():
                     os.environ["JETSON_AGENT_NAIVE_EMULATION"] = "1"
                 engine = os.path.join(work, "{}-{}.onnx".format(name, naive))
                 create(threads=2).build(path, plan, engine)
-                rows.append({"name": "crnn {}{}: text agreement with fp32".format(
-                    name, " naive emulation" if naive else ""),
-                    "ours": agreement(backend, engine, feeds, reference), "baseline": 1.0,
-                    "unit": "fraction"})
+                text, step = agreement(backend, engine, eval_feeds, eval_ref)
+                rows.append({"name": "crnn {}{}: text / per-step top-1 agreement with fp32, "
+                             "{} images".format(name, " naive emulation" if naive else "",
+                                                EVAL_IMAGES),
+                             "ours": text, "baseline": 1.0, "unit": "fraction",
+                             "goal": "per-step top-1 {:.4f}".format(step)})
             os.environ.pop("JETSON_AGENT_NAIVE_EMULATION", None)
         rss = {}
         os.remove(ranges)
