@@ -4,7 +4,7 @@ One evaluation = ``build_engine(plan.with_layers(keep))`` (a cache hit when that
 before, by this search or an earlier one), run every input iteration, compare with the goldens
 (``agent.compare``). ``minimal`` and ``worst-first`` first build two instrumented engines (every
 float tensor marked as an output, ``"*"``): the plan with every candidate kept in higher
-precision, and the plan as asked; ``search.rank_layers`` turns their tensors into the ranking
+precision, and the plan as asked; ``ranking.rank_errors`` turns their tensors into the ranking
 and the per-layer sensitivity table. INT8 builds share one calibration cache (``build_engine``
 defaults it), so calibration runs once per search.
 
@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from agent import golden
+from agent import ranking as scoring
 from agent import search as strategies
 from agent.backends import graph
 from agent.backends.base import (
@@ -236,7 +237,7 @@ def run_search(
         result.cache_hits += int(record.cache_hit)
         return record
 
-    scores: List[strategies.LayerScore] = []
+    scores: List[scoring.LayerScore] = []
     search: Optional[strategies.Search] = None
     comparisons: Dict[frozenset, Comparison] = {}
 
@@ -308,7 +309,7 @@ def run_search(
                 _save_ranking(cached_path, scores)
                 progress("instrumenting", 2, 2)
             ranking = [s.name for s in scores]
-            result.suspects = strategies.count_suspects(scores)
+            result.suspects = scoring.count_suspects(scores)
         result.ranking = ranking or []
         search = strategies.Search(layers, mode=mode, direction=direction, ranking=ranking,
                                    suspects=result.suspects, max_evaluations=max_evaluations)
@@ -373,7 +374,7 @@ def preflight(model_path: str, plan: BuildPlan, inputs: Sequence[Feed],
 def _instrumented_ranking(model: Any, layers: List[str], plan: BuildPlan,
                           inputs: Sequence[Feed], build: Callable[[BuildPlan], EngineRecord],
                           backend: Backend, keep_precision: str
-                          ) -> List[strategies.LayerScore]:
+                          ) -> List[scoring.LayerScore]:
     """Rank candidates by the error each introduces, from two instrumented engines run side
     by side one input iteration at a time: only the worst statistics of each tensor are kept,
     so memory is two iterations' activations whatever the number of iterations."""
@@ -392,14 +393,14 @@ def _instrumented_ranking(model: Any, layers: List[str], plan: BuildPlan,
             reduced = low_runner.infer(dict(feed))
             for name, value in feed.items():  # graph inputs: identical in both runs
                 if name in tensors:
-                    strategies.merge_stats(stats, name, strategies.tensor_stats(
+                    scoring.merge_stats(stats, name, scoring.tensor_stats(
                         value, value, plan.precision))
             for name in tensors:
                 if name in reference and name in reduced:
-                    strategies.merge_stats(stats, name, strategies.tensor_stats(
+                    scoring.merge_stats(stats, name, scoring.tensor_stats(
                         reference[name], reduced[name], plan.precision))
             del reference, reduced
-    return strategies.rank_errors(io, stats, precision=plan.precision)
+    return scoring.rank_errors(io, stats, precision=plan.precision)
 
 
 def ranking_key(model: Any, plan: BuildPlan, inputs: Sequence[Feed], keep_precision: str,
@@ -420,7 +421,7 @@ def ranking_key(model: Any, plan: BuildPlan, inputs: Sequence[Feed], keep_precis
 
 
 def _load_ranking(path: Optional[str], layers: List[str]
-                  ) -> Optional[List[strategies.LayerScore]]:
+                  ) -> Optional[List[scoring.LayerScore]]:
     if not path or not os.path.isfile(path):
         return None
     try:
@@ -428,7 +429,7 @@ def _load_ranking(path: Optional[str], layers: List[str]
             rows = json.loads(f.read().decode("utf-8"))
         scores = []
         for row in rows:
-            s = strategies.LayerScore(str(row["layer"]), int(row["index"]))
+            s = scoring.LayerScore(str(row["layer"]), int(row["index"]))
             for attr in ("score", "growth", "median_growth", "in_error", "out_error",
                          "nonfinite", "out_of_range"):
                 value = row.get(attr)
@@ -442,14 +443,14 @@ def _load_ranking(path: Optional[str], layers: List[str]
     return scores
 
 
-def _save_ranking(path: Optional[str], scores: List[strategies.LayerScore]) -> None:
+def _save_ranking(path: Optional[str], scores: List[scoring.LayerScore]) -> None:
     if not path:
         return
-    rows = [{"layer": s.name, "index": s.index, "score": strategies._r(s.score),
-             "growth": strategies._r(s.growth), "median_growth": strategies._r(s.median_growth),
-             "in_error": strategies._r(s.in_error), "out_error": strategies._r(s.out_error),
-             "nonfinite": strategies._r(s.nonfinite),
-             "out_of_range": strategies._r(s.out_of_range)} for s in scores]
+    rows = [{"layer": s.name, "index": s.index, "score": scoring._r(s.score),
+             "growth": scoring._r(s.growth), "median_growth": scoring._r(s.median_growth),
+             "in_error": scoring._r(s.in_error), "out_error": scoring._r(s.out_error),
+             "nonfinite": scoring._r(s.nonfinite),
+             "out_of_range": scoring._r(s.out_of_range)} for s in scores]
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         atomic_write(path, json.dumps(rows).encode("utf-8"))
@@ -469,7 +470,7 @@ def _fmt(x: Any) -> str:
     return "n/a" if x is None else "{:.4g}".format(x)
 
 
-def _sensitivity(scores: List[strategies.LayerScore], layers: List[str], keep: List[str],
+def _sensitivity(scores: List[scoring.LayerScore], layers: List[str], keep: List[str],
                  comparisons: Dict[frozenset, Comparison], mode: str) -> List[Dict[str, Any]]:
     """One row per candidate, worst first: the error it introduced in the instrumented run,
     whether it is kept, and for kept layers what dropping it alone did (when that was built)."""
