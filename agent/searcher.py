@@ -505,10 +505,13 @@ def _message(result: SearchResult) -> str:
     if not result.keep:
         return "{}: the model passes with no layer kept in higher precision ({} " \
                "evaluation(s))".format(how, result.evaluations)
+    if result.prediction_passed:
+        how = "done: the predicted set passed"
     text = "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
         how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
         result.layer_precisions)
-    if result.complete and not result.one_minimal and result.mode == "minimal":
+    if result.complete and not result.one_minimal and result.mode == "minimal" and \
+            result.budget is not None:
         text += " (the budget of {} evaluations ended the shrinking: no more layers than " \
                 "bisect keeps; raise --max-evaluations for a smaller set)".format(result.budget)
     return text

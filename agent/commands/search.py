@@ -153,9 +153,9 @@ def format_result(doc: Dict[str, Any], sensitivity_rows: int = 20) -> str:
     pre = doc.get("preflight")
     if pre:
         add("[I] Pre-flight on the host emulation: {} evaluation(s), predicted {} layer(s); "
-            "{} on {}".format(pre["evaluations"], len(pre["keep"]),
-                              "verified with one build" if doc.get("prediction_passed")
-                              else "the prediction failed, searched", doc.get("mode")))
+            "{}".format(pre["evaluations"], len(pre["keep"]),
+                        "verified here with one build" if doc.get("prediction_passed")
+                        else "the prediction failed here, so this searched"))
     tag = "[I]" if doc["passed"] else "[E]"
     add("{} {}".format(tag, doc["message"]))
     if doc["passed"] and doc["keep"]:
