@@ -1,4 +1,4 @@
-"""Layer ranking for precision searches: how much error each layer introduces (pure numpy).
+"""Layer ranking for precision searches: how much error each layer introduces.
 
 From the tensors of two instrumented runs of the same inputs (every float tensor marked as an
 output; one run with every candidate kept in higher precision, one as the plan asks), each
@@ -6,17 +6,31 @@ layer gets a score from its input and output tensors, worst first (``rank_errors
 past the fp16 range, inf/NaN it introduced, and the growth of the normalized error from its
 inputs to its outputs. ``tensor_stats`` / ``merge_stats`` keep one small tuple per tensor,
 one input iteration at a time, so ranking never holds more than one iteration's tensors.
-``agent.search`` orders its group tests by this ranking; ``agent.searcher`` runs the
-instrumented engines.
+``agent.search`` orders its group tests by this ranking. ``instrumented_ranking`` runs the two
+instrumented engines it is given (backends and plans come in as arguments: importing this
+module pulls in no backend), and rankings are cached as JSON keyed by ``ranking_key``.
 
 Worker side: Python 3.6.
 """
 
+import hashlib
+import json
+import logging
 import math
+import os
 from collections import OrderedDict
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
+
+from agent.fsio import atomic_write
+
+log = logging.getLogger(__name__)
+Feed = Dict[str, np.ndarray]
+# Instrumented runs read this many input iterations (one at a time).
+INSTRUMENT_ITERATIONS = 4
+# Bump when the ranking's statistics change: cached rankings are keyed by it.
+RANKING_VERSION = "2"
 
 FP16_MAX = 65504.0
 # Relative error every layer of a precision introduces just by rounding (half an fp16 ulp,
@@ -188,3 +202,103 @@ def _out_of_range(values: List[Any]) -> float:
             with np.errstate(invalid="ignore"):
                 worst = max(worst, float(np.count_nonzero(np.abs(f) > FP16_MAX)) / f.size)
     return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# the instrumented runs and the ranking cache
+
+
+def _layer_io(model: Any, names: Sequence[str]) -> List[Tuple[str, List[str], List[str]]]:
+    wanted = set(names)
+    return [(n.name, [i for i in n.input if i], [o for o in n.output if o])
+            for n in model.graph.node if n.name in wanted]
+
+
+def instrumented_ranking(model: Any, layers: List[str], plan: Any, inputs: Sequence[Feed],
+                         build: Callable[[Any], Any], backend: Any, keep_precision: str
+                         ) -> List[LayerScore]:
+    """Rank candidates by the error each introduces, from two instrumented engines run side
+    by side one input iteration at a time: only the worst statistics of each tensor are kept,
+    so memory is two iterations' activations whatever the number of iterations. ``build``
+    turns a BuildPlan into an engine record (the searcher's, through the engine cache)."""
+    from agent.backends.base import BuildPlan
+
+    io = _layer_io(model, layers)
+    tensors = set(t for _, ins, outs in io for t in list(ins) + list(outs))
+    ref_plan = plan.with_layers(layers, keep_precision)
+    ref_plan.mark_outputs = ["*"]
+    low_plan = BuildPlan.from_dict(plan.to_dict())
+    low_plan.mark_outputs = ["*"]
+    ref_record, low_record = build(ref_plan), build(low_plan)
+    stats: Dict[str, Tuple[float, float, float, float]] = {}
+    with backend.open(ref_record.engine_path) as ref_runner, \
+            backend.open(low_record.engine_path) as low_runner:
+        for feed in inputs[:INSTRUMENT_ITERATIONS]:
+            reference = ref_runner.infer(dict(feed))
+            reduced = low_runner.infer(dict(feed))
+            for name, value in feed.items():  # graph inputs: identical in both runs
+                if name in tensors:
+                    merge_stats(stats, name, tensor_stats(
+                        value, value, plan.precision))
+            for name in tensors:
+                if name in reference and name in reduced:
+                    merge_stats(stats, name, tensor_stats(
+                        reference[name], reduced[name], plan.precision))
+            del reference, reduced
+    return rank_errors(io, stats, precision=plan.precision)
+
+
+def ranking_key(model: Any, plan: Any, inputs: Sequence[Feed], keep_precision: str,
+                fingerprint: Dict[str, str], backend: Any) -> str:
+    """What a ranking depends on: the model, the plan, the inputs, the backend."""
+    from agent.backends import graph
+    h = hashlib.sha256()
+    h.update(graph.model_digest(model).encode())
+    doc = {"plan": plan.to_dict(), "keep": keep_precision, "platform": fingerprint,
+           "backend": backend.fingerprint(), "iterations": INSTRUMENT_ITERATIONS,
+           "version": RANKING_VERSION}
+    h.update(json.dumps(doc, sort_keys=True, default=str).encode())
+    for feed in inputs[:INSTRUMENT_ITERATIONS]:
+        for name in sorted(feed):
+            value = np.ascontiguousarray(feed[name])
+            h.update("{}:{}:{}".format(name, value.dtype, value.shape).encode())
+            h.update(value.tobytes())
+    return h.hexdigest()
+
+
+def load_ranking(path: Optional[str], layers: List[str]
+                  ) -> Optional[List[LayerScore]]:
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            rows = json.loads(f.read().decode("utf-8"))
+        scores = []
+        for row in rows:
+            s = LayerScore(str(row["layer"]), int(row["index"]))
+            for attr in ("score", "growth", "median_growth", "in_error", "out_error",
+                         "nonfinite", "out_of_range"):
+                value = row.get(attr)
+                setattr(s, attr, float("nan") if value is None else float(value))
+            scores.append(s)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("ignoring unreadable ranking cache %s: %s", path, exc)
+        return None
+    if sorted(s.name for s in scores) != sorted(layers):
+        return None
+    return scores
+
+
+def save_ranking(path: Optional[str], scores: List[LayerScore]) -> None:
+    if not path:
+        return
+    rows = [{"layer": s.name, "index": s.index, "score": _r(s.score),
+             "growth": _r(s.growth), "median_growth": _r(s.median_growth),
+             "in_error": _r(s.in_error), "out_error": _r(s.out_error),
+             "nonfinite": _r(s.nonfinite),
+             "out_of_range": _r(s.out_of_range)} for s in scores]
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write(path, json.dumps(rows).encode("utf-8"))
+    except OSError as exc:  # a cache that cannot be written only costs a rerun
+        log.warning("could not write the ranking cache %s: %s", path, exc)

@@ -4,9 +4,10 @@ One evaluation = ``build_engine(plan.with_layers(keep))`` (a cache hit when that
 before, by this search or an earlier one), run every input iteration, compare with the goldens
 (``agent.compare``). ``minimal`` and ``worst-first`` first build two instrumented engines (every
 float tensor marked as an output, ``"*"``): the plan with every candidate kept in higher
-precision, and the plan as asked; ``ranking.rank_errors`` turns their tensors into the ranking
-and the per-layer sensitivity table. INT8 builds share one calibration cache (``build_engine``
-defaults it), so calibration runs once per search.
+precision, and the plan as asked; ``ranking.instrumented_ranking`` turns their tensors into the
+ranking and the per-layer sensitivity table (cached by ``ranking.ranking_key``). INT8 builds
+share one calibration cache (``build_engine`` defaults it), so calibration runs once per
+search.
 
 The search can be stopped (``should_stop()`` returns True, or KeyboardInterrupt): the result
 then holds what was found so far, flagged ``interrupted``; every engine it published is whole
@@ -14,8 +15,6 @@ then holds what was found so far, flagged ``interrupted``; every engine it publi
 side (Python 3.6) and never imports ``agent.platform``.
 """
 
-import hashlib
-import json
 import logging
 import os
 import time
@@ -38,17 +37,12 @@ from agent.cache import EngineCache
 from agent.compare import Comparison, compare_outputs
 from agent.engine import EngineRecord, build_engine
 from agent.errors import AgentError
-from agent.fsio import atomic_write
 
 log = logging.getLogger(__name__)
 
 Feed = Dict[str, np.ndarray]
-# Instrumented runs keep every float tensor of this many input iterations in memory.
-INSTRUMENT_ITERATIONS = 4
 # Iteration logs list the kept layers when there are at most this many (else only the size).
 LOG_KEEP_MAX = 64
-# Bump when the ranking's statistics change: cached rankings are keyed by it.
-RANKING_VERSION = "2"
 
 
 class _Verified(Exception):
@@ -147,22 +141,6 @@ def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
     return [name for name in graph.float_nodes(model)
             if assignment.get(name, keep_precision) != keep_precision
             and name not in plan.layer_precisions]
-
-
-def _layer_io(model: Any, names: Sequence[str]) -> List[Tuple[str, List[str], List[str]]]:
-    wanted = set(names)
-    return [(n.name, [i for i in n.input if i], [o for o in n.output if o])
-            for n in model.graph.node if n.name in wanted]
-
-
-def _tensors(outputs: List[Feed], names: Sequence[str]) -> Dict[str, List[np.ndarray]]:
-    wanted = set(names)
-    out: Dict[str, List[np.ndarray]] = {}
-    for feed in outputs:
-        for name, value in feed.items():
-            if name in wanted:
-                out.setdefault(name, []).append(np.asarray(value))
-    return out
 
 
 def _stats(cmp: Comparison) -> Dict[str, Any]:
@@ -295,18 +273,18 @@ def run_search(
         if (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
             if ranking_dir is None and calibration_dir:
                 ranking_dir = os.path.join(os.path.dirname(calibration_dir), "rankings")
-            cached_path = os.path.join(ranking_dir, ranking_key(
+            cached_path = os.path.join(ranking_dir, scoring.ranking_key(
                 model, plan, inputs, keep_precision, platform_fingerprint, backend) + ".json"
             ) if ranking_dir else None
-            loaded = _load_ranking(cached_path, layers)
+            loaded = scoring.load_ranking(cached_path, layers)
             if loaded is not None:
                 scores = loaded
                 result.ranking_cached = True
             else:
                 progress("instrumenting", 0, 2)
-                scores = _instrumented_ranking(model, layers, plan, inputs, build, backend,
+                scores = scoring.instrumented_ranking(model, layers, plan, inputs, build, backend,
                                                keep_precision)
-                _save_ranking(cached_path, scores)
+                scoring.save_ranking(cached_path, scores)
                 progress("instrumenting", 2, 2)
             ranking = [s.name for s in scores]
             result.suspects = scoring.count_suspects(scores)
@@ -369,93 +347,6 @@ def preflight(model_path: str, plan: BuildPlan, inputs: Sequence[Feed],
     host = get_backend("onnxruntime")
     return run_search(model_path, plan, inputs, goldens, host, cache, platform_fingerprint,
                       **kwargs)
-
-
-def _instrumented_ranking(model: Any, layers: List[str], plan: BuildPlan,
-                          inputs: Sequence[Feed], build: Callable[[BuildPlan], EngineRecord],
-                          backend: Backend, keep_precision: str
-                          ) -> List[scoring.LayerScore]:
-    """Rank candidates by the error each introduces, from two instrumented engines run side
-    by side one input iteration at a time: only the worst statistics of each tensor are kept,
-    so memory is two iterations' activations whatever the number of iterations."""
-    io = _layer_io(model, layers)
-    tensors = set(t for _, ins, outs in io for t in list(ins) + list(outs))
-    ref_plan = plan.with_layers(layers, keep_precision)
-    ref_plan.mark_outputs = ["*"]
-    low_plan = BuildPlan.from_dict(plan.to_dict())
-    low_plan.mark_outputs = ["*"]
-    ref_record, low_record = build(ref_plan), build(low_plan)
-    stats: Dict[str, Tuple[float, float, float, float]] = {}
-    with backend.open(ref_record.engine_path) as ref_runner, \
-            backend.open(low_record.engine_path) as low_runner:
-        for feed in inputs[:INSTRUMENT_ITERATIONS]:
-            reference = ref_runner.infer(dict(feed))
-            reduced = low_runner.infer(dict(feed))
-            for name, value in feed.items():  # graph inputs: identical in both runs
-                if name in tensors:
-                    scoring.merge_stats(stats, name, scoring.tensor_stats(
-                        value, value, plan.precision))
-            for name in tensors:
-                if name in reference and name in reduced:
-                    scoring.merge_stats(stats, name, scoring.tensor_stats(
-                        reference[name], reduced[name], plan.precision))
-            del reference, reduced
-    return scoring.rank_errors(io, stats, precision=plan.precision)
-
-
-def ranking_key(model: Any, plan: BuildPlan, inputs: Sequence[Feed], keep_precision: str,
-                fingerprint: Dict[str, str], backend: Backend) -> str:
-    """What a ranking depends on: the model, the plan, the inputs, the backend."""
-    h = hashlib.sha256()
-    h.update(graph.model_digest(model).encode())
-    doc = {"plan": plan.to_dict(), "keep": keep_precision, "platform": fingerprint,
-           "backend": backend.fingerprint(), "iterations": INSTRUMENT_ITERATIONS,
-           "version": RANKING_VERSION}
-    h.update(json.dumps(doc, sort_keys=True, default=str).encode())
-    for feed in inputs[:INSTRUMENT_ITERATIONS]:
-        for name in sorted(feed):
-            value = np.ascontiguousarray(feed[name])
-            h.update("{}:{}:{}".format(name, value.dtype, value.shape).encode())
-            h.update(value.tobytes())
-    return h.hexdigest()
-
-
-def _load_ranking(path: Optional[str], layers: List[str]
-                  ) -> Optional[List[scoring.LayerScore]]:
-    if not path or not os.path.isfile(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            rows = json.loads(f.read().decode("utf-8"))
-        scores = []
-        for row in rows:
-            s = scoring.LayerScore(str(row["layer"]), int(row["index"]))
-            for attr in ("score", "growth", "median_growth", "in_error", "out_error",
-                         "nonfinite", "out_of_range"):
-                value = row.get(attr)
-                setattr(s, attr, float("nan") if value is None else float(value))
-            scores.append(s)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.warning("ignoring unreadable ranking cache %s: %s", path, exc)
-        return None
-    if sorted(s.name for s in scores) != sorted(layers):
-        return None
-    return scores
-
-
-def _save_ranking(path: Optional[str], scores: List[scoring.LayerScore]) -> None:
-    if not path:
-        return
-    rows = [{"layer": s.name, "index": s.index, "score": scoring._r(s.score),
-             "growth": scoring._r(s.growth), "median_growth": scoring._r(s.median_growth),
-             "in_error": scoring._r(s.in_error), "out_error": scoring._r(s.out_error),
-             "nonfinite": scoring._r(s.nonfinite),
-             "out_of_range": scoring._r(s.out_of_range)} for s in scores]
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        atomic_write(path, json.dumps(rows).encode("utf-8"))
-    except OSError as exc:  # a cache that cannot be written only costs a rerun
-        log.warning("could not write the ranking cache %s: %s", path, exc)
 
 
 def _describe(cmp: Comparison) -> str:
