@@ -557,13 +557,20 @@ class EngineCache(object):
                          entry.key[:16], entry.size, self.budget_bytes)
         return evicted
 
-    def verify(self) -> Dict[str, Any]:
-        """Check every entry's bytes; drop the corrupt ones and stale staging directories."""
+    def verify(self, load: Optional[Callable[["CacheEntry"], None]] = None
+               ) -> Dict[str, Any]:
+        """Check every entry's bytes, and with ``load`` (``engine_loader()``) that its engine
+        loads; drop the corrupt ones and stale staging directories."""
         report: Dict[str, Any] = {"checked": 0, "ok": 0, "corrupt": [], "dropped": 0,
                                   "stale_staging_removed": 0}
         for key, _path in list(self._scan()):
             report["checked"] += 1
             entry, problem = self._load(key)
+            if entry is not None and load is not None:
+                try:
+                    load(entry)
+                except AgentError as exc:
+                    entry, problem = None, "the engine does not load: {}".format(exc.message)
             if problem:
                 self.counters["corrupt"] += 1
                 dropped = self._drop_if_unlocked(key)
@@ -636,6 +643,35 @@ class EngineCache(object):
         }
         out.update(self.counters)
         return out
+
+
+def engine_loader() -> Callable[[CacheEntry], None]:
+    """For ``verify``: open each engine with the backend that built it, where that backend is
+    importable here (an engine of another backend is only checked by its digests)."""
+    from agent.backends.base import get_backend
+
+    backends: Dict[str, Any] = {}
+
+    def load(entry: CacheEntry) -> None:
+        try:
+            name = str(entry.meta["fingerprints"]["backend"]["backend"])
+        except (KeyError, TypeError):
+            return
+        if name not in backends:
+            try:
+                backends[name] = get_backend(name)
+            except AgentError:
+                backends[name] = None
+        backend = backends[name]
+        if backend is None:
+            return
+        try:
+            backend.open(entry.engine_path).close()
+        except AgentError as exc:
+            if exc.code != "backend_unavailable":
+                raise
+
+    return load
 
 
 def _dir_size(path: str) -> int:

@@ -14,20 +14,21 @@ Modes:
 
 - ``bisect`` / ``linear``: Polygraphy's ``debug precision`` markers (forward = a prefix of the
   layers from the inputs, reverse = a suffix), same steps, same answers;
-- ``worst-first``: layers ranked by the error each introduces (``rank_layers``, from one
-  instrumented run); the smallest passing prefix of that ranking, found by doubling then
+- ``worst-first``: layers ranked by the error each introduces (``agent.ranking``, from the
+  instrumented runs); the smallest passing prefix of that ranking, found by doubling then
   bisection;
-- ``minimal`` (default): the smallest passing prefix of the clearly suspicious layers of that
-  ranking, then repeated binary search (group testing, least suspicious half first) for each
-  needed layer, then a check that dropping any single member fails (1-minimal, verified by
-  builds). About k * (log2(N) + 1) + 3 builds for k needed layers among N without a useful
-  ranking, far fewer with one.
+- ``minimal`` (default): bounded by bisect. Within a budget (``--max-evaluations``, by
+  default twice the fewest evaluations bisect needs on N layers, plus 4): the smallest passing
+  prefix of the ranking (galloping from the number of suspects, from the top when nearly all
+  must be kept), then one build that proves the set no larger than bisect's answer (or a
+  bisection inside the shorter prefix), then shrinking with what is left of the budget (group
+  testing, least suspicious first, then a 1-minimal check verified by builds). Never more
+  layers than bisect; with a good ranking the exact set (6 among 127 in <= 16 builds).
 
 Worker side: Python 3.6.
 """
 
 import math
-from collections import OrderedDict
 from typing import (
     Any,
     Dict,
@@ -38,21 +39,24 @@ from typing import (
     Optional,
     Sequence,
     Set,
-    Tuple,
-    Union,
 )
 
-import numpy as np
-
 from agent.errors import AgentError
+from agent.ranking import (  # noqa: F401 - the ranking API, re-exported for callers
+    ERROR_FLOOR,
+    FP16_MAX,
+    SUSPECT_SCORE,
+    LayerScore,
+    count_suspects,
+    merge_stats,
+    rank_errors,
+    rank_layers,
+    tensor_error,
+    tensor_stats,
+)
 
 MODES = ("minimal", "bisect", "linear", "worst-first")
 DIRECTIONS = ("forward", "reverse")
-FP16_MAX = 65504.0
-# Relative error every layer of a precision introduces just by rounding (half an fp16 ulp,
-# about half an int8 step of a well-used range): growth is measured above this floor, so a
-# layer that merely rounds exact inputs does not look like one that loses accuracy.
-ERROR_FLOOR = {"fp16": 2.0 ** -11, "int8": 2.0 ** -8, "best": 2.0 ** -8, "fp32": 1e-7}
 
 # A strategy yields candidate sets and is sent back whether each passed; its return value is
 # the answer (a list of layer names).
@@ -66,150 +70,6 @@ def check_mode(mode: str, direction: str = "forward") -> None:
     if direction not in DIRECTIONS:
         raise AgentError("bad_argument", "--direction must be one of {}, found {!r}".format(
             ", ".join(DIRECTIONS), direction))
-
-
-# ---------------------------------------------------------------------------------------------
-# ranking from one instrumented run
-
-
-class LayerScore(object):
-    """How much error one layer introduces, from the reference and reduced-precision values of
-    its input and output tensors."""
-
-    def __init__(self, name: str, index: int) -> None:
-        self.name = name
-        self.index = index  # topological position
-        self.in_error = 0.0  # worst normalized error of the float inputs
-        self.out_error = 0.0  # worst normalized error of the outputs
-        self.median_growth = 0.0  # log10 growth of the median-normalized error
-        self.growth = 0.0  # log10 growth of the quantile-normalized error
-        self.nonfinite = 0.0  # fraction of outputs that became inf/NaN here (not before)
-        self.out_of_range = 0.0  # fraction of reference values beyond the low precision's range
-        self.score = 0.0
-
-    def to_dict(self) -> Dict[str, Any]:
-        return OrderedDict([
-            ("layer", self.name), ("score", _r(self.score)), ("growth_log10", _r(self.growth)),
-            ("median_growth_log10", _r(self.median_growth)), ("in_error", _r(self.in_error)),
-            ("out_error", _r(self.out_error)), ("nonfinite_introduced", _r(self.nonfinite)),
-            ("out_of_range", _r(self.out_of_range)),
-        ])
-
-
-def _r(x: float) -> Optional[float]:
-    """JSON-safe, short: null when not finite."""
-    if math.isnan(x) or math.isinf(x):
-        return None
-    return float("{:.6g}".format(x))
-
-
-def _flat(values: Union[np.ndarray, Sequence[np.ndarray]]) -> np.ndarray:
-    if isinstance(values, np.ndarray):
-        return values.astype(np.float64, copy=False).ravel()
-    return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in values])
-
-
-def tensor_error(reference: np.ndarray, reduced: np.ndarray,
-                 quantile: float = 0.99) -> Tuple[float, float, float]:
-    """(quantile-normalized error, median-normalized error, non-finite fraction) of a tensor.
-
-    Normalized: the q-quantile of |reduced - reference| over the q-quantile of |reference|, so
-    scaling a tensor does not count as error. Elements that are non-finite only in the reduced
-    run are counted apart (their difference is not a number)."""
-    r = _flat(reference)
-    a = _flat(reduced)
-    if r.size == 0 or r.shape != a.shape:
-        return 0.0, 0.0, 0.0
-    finite_ref = np.isfinite(r)
-    bad = finite_ref & ~np.isfinite(a)
-    nonfinite = float(np.count_nonzero(bad)) / r.size
-    ok = finite_ref & np.isfinite(a)
-    if not np.any(ok):
-        return 0.0, 0.0, nonfinite
-    d = np.abs(a[ok] - r[ok])
-    mag = np.abs(r[ok])
-    qerr = float(np.quantile(d, quantile)) / (float(np.quantile(mag, quantile)) + 1e-30)
-    merr = float(np.median(d)) / (float(np.median(mag)) + 1e-30)
-    return qerr, merr, nonfinite
-
-
-def _growth(out_err: float, in_err: float, floor: float) -> float:
-    return math.log10((out_err + floor) / (in_err + floor))
-
-
-def rank_layers(
-    layers: Sequence[Tuple[str, Sequence[str], Sequence[str]]],
-    reference: Dict[str, Any],
-    reduced: Dict[str, Any],
-    precision: str = "fp16",
-    quantile: float = 0.99,
-) -> List[LayerScore]:
-    """Rank layers worst first by the error each introduces.
-
-    ``layers``: (name, input tensors, output tensors) in topological order; ``reference`` and
-    ``reduced``: tensor name -> values (an array, or one array per iteration) from the
-    full-precision and the reduced-precision instrumented runs. A layer's score, highest first:
-
-    1. for fp16, the fraction of its reference input/output values beyond the fp16 range (such
-       a layer cannot run in fp16 whatever its neighbours do);
-    2. the fraction of its outputs that became inf/NaN here while its inputs were finite;
-    3. the growth (log10 ratio) of the normalized quantile error from its inputs to its
-       outputs, plus a tenth of the median growth (median/quantile, not only the max), both
-       measured above the error plain rounding to ``precision`` introduces (ERROR_FLOOR).
-
-    Ties keep topological order."""
-    scores: List[LayerScore] = []
-    errors: Dict[str, Tuple[float, float, float]] = {}
-    floor = ERROR_FLOOR.get(precision, ERROR_FLOOR["fp16"])
-
-    def err(name: str) -> Tuple[float, float, float]:
-        if name not in errors:
-            if name in reference and name in reduced:
-                errors[name] = tensor_error(reference[name], reduced[name], quantile)
-            else:  # graph inputs and weights: exact as far as this layer's inputs go
-                errors[name] = (0.0, 0.0, 0.0)
-        return errors[name]
-
-    for index, (name, inputs, outputs) in enumerate(layers):
-        s = LayerScore(name, index)
-        ins = [err(t) for t in inputs if t]
-        outs = [err(t) for t in outputs if t]
-        in_q = max([e[0] for e in ins] or [0.0])
-        in_m = max([e[1] for e in ins] or [0.0])
-        in_nf = max([e[2] for e in ins] or [0.0])
-        out_q = max([e[0] for e in outs] or [0.0])
-        out_m = max([e[1] for e in outs] or [0.0])
-        out_nf = max([e[2] for e in outs] or [0.0])
-        s.in_error, s.out_error = in_q, out_q
-        s.growth = _growth(out_q, in_q, floor)
-        s.median_growth = _growth(out_m, in_m, floor)
-        s.nonfinite = max(0.0, out_nf - in_nf)
-        if precision in ("fp16", "best"):
-            s.out_of_range = _out_of_range([reference[t] for t in list(inputs) + list(outputs)
-                                            if t and t in reference])
-        s.score = (100.0 * (s.out_of_range > 0) + s.out_of_range + 10.0 * s.nonfinite
-                   + s.growth + 0.1 * s.median_growth)
-        scores.append(s)
-    return sorted(scores, key=lambda x: (-x.score, x.index))
-
-
-# A layer scoring above this introduces clearly more error than it receives (ten times, or
-# inf/NaN, or values past the fp16 range): ``minimal`` tries those first.
-SUSPECT_SCORE = 1.0
-
-
-def count_suspects(scores: Sequence[LayerScore], threshold: float = SUSPECT_SCORE) -> int:
-    return sum(1 for s in scores if s.score > threshold)
-
-
-def _out_of_range(values: List[Any]) -> float:
-    worst = 0.0
-    for v in values:
-        f = _flat(v)
-        if f.size:
-            with np.errstate(invalid="ignore"):
-                worst = max(worst, float(np.count_nonzero(np.abs(f) > FP16_MAX)) / f.size)
-    return worst
 
 
 # ---------------------------------------------------------------------------------------------
@@ -291,23 +151,105 @@ def _worst_first(ranking: Sequence[str]) -> Strategy:
     return list(ranking[:m])
 
 
-def _minimal(ranking: Sequence[str], suspects: int) -> Strategy:
-    """A small set where dropping any single member fails, verified by builds.
+def bisect_evaluations(n: int, direction: str = "forward") -> int:
+    """The fewest evaluations ``bisect`` needs on ``n`` layers when some layer must be kept
+    (sanity steps included): the yardstick of the ``minimal`` budget."""
+    if n <= 0:
+        return 2
+    layers = [str(i) for i in range(n)]
+    fewest = None
+    for k in sorted(set([1, n] + [max(1, n >> s) for s in range(n.bit_length())]
+                        + [n - (n >> s) for s in range(1, n.bit_length())])):
+        need = frozenset(layers[:k]) if direction == "forward" else frozenset(layers[n - k:])
+        gen, memo, value, started = _bisect(layers, direction), {}, False, False
+        try:
+            while True:
+                cand = gen.send(value) if started else next(gen)
+                started = True
+                if cand not in memo:
+                    memo[cand] = need <= cand
+                value = memo[cand]
+        except StopIteration:
+            pass
+        fewest = len(memo) if fewest is None else min(fewest, len(memo))
+    return int(fewest or 2)
 
-    1. If the ranking marks ``suspects`` layers as clearly introducing error, find the smallest
-       passing prefix of them by doubling (1, 2, 4, ... suspects); the layers after the last
-       failing prefix are then known to hold a needed one.
-    2. Generalized binary splitting (Hwang's adaptive group testing) over the kept layers not
-       yet confirmed, expecting as many needed layers as suspects kept: build without the
-       2^a least suspicious ones (a passing build drops them for good), and inside a group
-       that holds a needed layer, binary search for it, least suspicious half first. Once no
-       more are expected, one build with only the confirmed layers tells whether any is left.
-       About log2(N) + 1 builds per needed layer without a useful ranking; a pool that is
-       dense in needed layers is left to step 3.
-    3. Build without each member in turn, least suspicious first; a member whose removal
-       passes (accuracy is not always monotonic in the kept set) is dropped and the check
-       restarts, so every member of the answer was shown needed by a build of the answer
-       without it.
+
+def default_budget(n: int) -> int:
+    """``minimal``'s default evaluation budget: twice bisect's plus four."""
+    return 2 * bisect_evaluations(n) + 4
+
+
+class _Budget(object):
+    """Evaluations spent so far (read from the Search) against a budget (None = unbounded);
+    the strategy reads it to stop shrinking, and flags when its answer is bounded."""
+
+    def __init__(self, limit: Optional[int]) -> None:
+        self.limit = limit
+        self.spent = lambda: 0
+        self.bounded = False  # the answer keeps no more layers than bisect would
+        self.phase = "sanity"
+
+    def left(self) -> float:
+        return float("inf") if self.limit is None else self.limit - self.spent()
+
+
+def _prefix_from(order: Sequence[str], estimate: Optional[int], cap: float
+                 ) -> Generator[FrozenSet[str], bool, int]:
+    """Smallest passing prefix of ``order`` (the empty prefix fails, the full one passes).
+    With an ``estimate`` it gallops from there: steps of 1, 2, 4, ... down while prefixes
+    pass (from the top when most layers must be kept: a search of the complement), up while
+    they fail, then bisects; without one it bisects. Stops after ``cap`` evaluations with
+    the smallest prefix known to pass."""
+    n = len(order)
+    bad, good, spent = 0, n, 0
+    if estimate is not None and n > 1 and spent < cap:
+        mid = min(max(1, estimate), n - 1)
+        spent += 1
+        down = yield frozenset(order[:mid])
+        if down:
+            good = mid
+        else:
+            bad = mid
+        step = 1
+        while good - bad > 1 and spent < cap:
+            mid = good - step if down else bad + step
+            mid = min(max(mid, bad + 1), good - 1)
+            spent += 1
+            passed = yield frozenset(order[:mid])
+            if passed:
+                good = mid
+            else:
+                bad = mid
+            if passed != down:
+                break  # crossed the boundary: bisect what lies between
+            step *= 2
+    while good - bad > 1 and spent < cap:
+        mid = (good + bad) // 2
+        spent += 1
+        if (yield frozenset(order[:mid])):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def _minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget: _Budget
+             ) -> Strategy:
+    """A small passing set, bounded: never more layers than ``bisect`` keeps (under the
+    monotonicity bisect assumes), in at most ``budget`` evaluations.
+
+    1. Smallest passing prefix of the ranking, galloping from the number of suspects (a
+       good ranking finds it in about 2 builds; "keep nearly all" is found from the top, the
+       complement), capped at log2(N) + 1 builds.
+    2. The bisect bound: build the forward prefix of the topological order one shorter than
+       the set found. If it fails, bisect's answer is no smaller (bisect returns the smallest
+       passing prefix of a monotonic search). If it passes, binary search that prefix down
+       and continue inside it.
+    3. Shrink with what is left of the budget: generalized binary splitting (Hwang's adaptive
+       group testing) over the set, least suspicious layers first, then a check that
+       dropping any single member fails (1-minimal, verified by builds). The budget may stop
+       this step: the answer is then the smallest passing set, still bounded by step 2.
     """
     if (yield from _sanity(ranking)):
         return []
@@ -317,45 +259,46 @@ def _minimal(ranking: Sequence[str], suspects: int) -> Strategy:
     def by_rank(names: Iterable[str]) -> List[str]:
         return sorted(names, key=lambda x: rank[x])
 
-    keep: Set[str] = set(ranking)
-    confirmed: Set[str] = set()
-    positive: Optional[List[str]] = None  # layers known to hold a needed one
-    if 0 < suspects < n:
-        bad, size = 0, 1
-        while True:
-            size = min(size, suspects)
-            if (yield frozenset(ranking[:size])):
-                keep = set(ranking[:size])
-                positive = list(ranking[bad:size])
-                break
-            bad = size
-            if size >= suspects:
-                positive = list(ranking[bad:])
-                break
-            size *= 2
-    # Expected number of needed layers still to find: the suspects still kept (at least 1).
-    expected = len(keep & set(ranking[:suspects]))
+    budget.phase = "ranked prefix"
+    # Where to start: the number of suspects; all of them suspect = keep nearly all (start
+    # from the top); none = no useful ranking (bisect).
+    estimate = suspects if 0 < suspects < n else (n - 1 if suspects >= n else None)
+    cap = int(math.ceil(math.log2(n + 1))) + 1
+    m = yield from _prefix_from(ranking, estimate, cap)
+    keep: Set[str] = set(ranking[:m])
+    budget.phase = "bisect bound"
+    size = len(keep)
+    if size > 1:
+        shorter = list(layers[:size - 1])
+        if (yield frozenset(shorter)):
+            p = yield from _prefix_from(shorter, None, float("inf"))
+            keep = set(shorter[:p])
+    budget.bounded = True
+    budget.phase = "shrinking"
+    keep = yield from _shrink(keep, by_rank, set(ranking[:suspects]), budget)
+    return by_rank(keep)
 
-    while True:
+
+def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: _Budget
+            ) -> Generator[FrozenSet[str], bool, Set[str]]:
+    """Drop what can be dropped from the passing set ``keep`` while the budget lasts: group
+    testing (a passing build drops a whole group), then one member at a time."""
+    keep = set(keep)
+    confirmed: Set[str] = set()
+    # Expected number of needed layers: the suspects still kept (at least 1).
+    expected = max(1, len(keep & suspects))
+
+    while budget.left() > 0:
         pool = by_rank(keep - confirmed)
         d = max(1, expected)
         if not pool or (expected > 0 and len(pool) <= max(2, 2 * d - 2)):
-            break  # dense or small: step 3 tests the members one by one, which is cheaper
-        if positive is not None:
-            group = [x for x in positive if x in keep and x not in confirmed]
-            positive = None
-            if not group:
-                continue
-        else:
-            # Generalized binary splitting (Hwang): test the 2^a least suspicious layers, a
-            # sized so that the group holds a needed layer with probability about one half.
-            # When no more needed layers are expected, the whole rest is tested at once.
-            size = 2 ** int(math.floor(math.log2(max(1.0, (len(pool) - d + 1) / float(d)))))
-            group = pool[-size:] if expected > 0 else pool
-            if (yield frozenset(keep - set(group))):
-                keep.difference_update(group)
-                continue
-        while len(group) > 1:
+            break  # dense or small: one at a time is cheaper
+        size = 2 ** int(math.floor(math.log2(max(1.0, (len(pool) - d + 1) / float(d)))))
+        group = pool[-size:] if expected > 0 else pool
+        if (yield frozenset(keep - set(group))):
+            keep.difference_update(group)
+            continue
+        while len(group) > 1 and budget.left() > 0:
             half = (len(group) + 1) // 2
             top, low = group[:half], group[half:]
             if (yield frozenset(keep - set(low))):
@@ -363,17 +306,27 @@ def _minimal(ranking: Sequence[str], suspects: int) -> Strategy:
                 group = top
             else:
                 group = low
+        if len(group) > 1:
+            break
         confirmed.add(group[0])
         expected -= 1
 
-    while True:
+    checked: Set[str] = set()
+    while budget.left() > 0:
         for name in reversed(by_rank(keep)):  # least suspicious first: drops come early
+            if name in checked:
+                continue
+            if budget.left() <= 0:
+                return keep
             if (yield frozenset(keep - {name})):
                 keep.discard(name)
+                checked = set()  # accuracy is not always monotonic: check the rest again
                 break
+            checked.add(name)
         else:
+            budget.phase = "done"
             break
-    return by_rank(keep)
+    return keep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,6 +379,13 @@ class Search(object):
                              "layers; unknown: {}".format(unknown[:5]))
         self.ranking = list(ranking)
         self.suspects = suspects
+        self.budget = _Budget(None)
+        if mode == "minimal":
+            # The bounded default: a budget of twice bisect's evaluations + 4, or the caller's.
+            if max_evaluations is None:
+                max_evaluations = default_budget(len(self.layers))
+            self.budget = _Budget(max_evaluations)
+            self.budget.spent = lambda: len(self.history)
         self.max_evaluations = max_evaluations
         self.history: List[Evaluation] = []
         self.memo: Dict[FrozenSet[str], bool] = {}
@@ -439,7 +399,7 @@ class Search(object):
         elif mode == "worst-first":
             self._gen = _worst_first(self.ranking)
         else:
-            self._gen = _minimal(self.ranking, max(0, int(suspects)))
+            self._gen = _minimal(self.ranking, self.layers, max(0, int(suspects)), self.budget)
         self._started = False
         self._advance(None)
 
@@ -506,6 +466,28 @@ class Search(object):
     @property
     def complete(self) -> bool:
         return self.answer is not None
+
+    @property
+    def one_minimal(self) -> bool:
+        """``minimal``: every member of the answer was shown needed (the budget did not stop
+        the shrinking first)."""
+        return self.complete and (self.mode != "minimal" or self.budget.phase == "done"
+                                  or not self.answer)
+
+    @property
+    def total(self) -> int:
+        """The most evaluations this search can take (for progress): the budget, or the
+        bound of the mode; once done, the evaluations it took."""
+        if self.done:
+            return self.evaluations
+        n = len(self.layers)
+        log = int(math.ceil(math.log2(n + 1))) if n else 0
+        bound = {"bisect": log + 3, "linear": n + 2, "worst-first": 2 * log + 3}.get(
+            self.mode, n + 2)
+        if self.max_evaluations is not None:
+            bound = min(bound, self.max_evaluations) if self.mode != "minimal" \
+                else self.max_evaluations
+        return max(bound, self.evaluations + 1)
 
     def best(self) -> Optional[List[str]]:
         """The answer when complete, else the smallest passing set evaluated so far."""

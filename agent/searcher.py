@@ -4,9 +4,10 @@ One evaluation = ``build_engine(plan.with_layers(keep))`` (a cache hit when that
 before, by this search or an earlier one), run every input iteration, compare with the goldens
 (``agent.compare``). ``minimal`` and ``worst-first`` first build two instrumented engines (every
 float tensor marked as an output, ``"*"``): the plan with every candidate kept in higher
-precision, and the plan as asked; ``search.rank_layers`` turns their tensors into the ranking
-and the per-layer sensitivity table. INT8 builds share one calibration cache (``build_engine``
-defaults it), so calibration runs once per search.
+precision, and the plan as asked; ``ranking.instrumented_ranking`` turns their tensors into the
+ranking and the per-layer sensitivity table (cached by ``ranking.ranking_key``). INT8 builds
+share one calibration cache (``build_engine`` defaults it), so calibration runs once per
+search.
 
 The search can be stopped (``should_stop()`` returns True, or KeyboardInterrupt): the result
 then holds what was found so far, flagged ``interrupted``; every engine it published is whole
@@ -15,6 +16,7 @@ side (Python 3.6) and never imports ``agent.platform``.
 """
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -22,13 +24,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from agent import golden
+from agent import ranking as scoring
 from agent import search as strategies
 from agent.backends import graph
 from agent.backends.base import (
     Backend,
     BuildPlan,
     Progress,
-    format_layer_precisions,
     no_progress,
 )
 from agent.cache import EngineCache
@@ -39,10 +41,12 @@ from agent.errors import AgentError
 log = logging.getLogger(__name__)
 
 Feed = Dict[str, np.ndarray]
-# Instrumented runs keep every float tensor of this many input iterations in memory.
-INSTRUMENT_ITERATIONS = 4
 # Iteration logs list the kept layers when there are at most this many (else only the size).
 LOG_KEEP_MAX = 64
+
+
+class _Verified(Exception):
+    """The pre-flight prediction passed: no search needed."""
 
 
 class SearchResult(object):
@@ -60,6 +64,11 @@ class SearchResult(object):
         self.complete = False
         self.interrupted = False
         self.exhausted = False
+        self.one_minimal = False  # every kept layer shown needed (not stopped by the budget)
+        self.budget: Optional[int] = None
+        self.ranking_cached = False
+        self.predicted: Optional[List[str]] = None  # pre-flight: the set verified first
+        self.prediction_passed: Optional[bool] = None
         self.evaluations = 0
         self.builds = 0
         self.cache_hits = 0
@@ -75,8 +84,8 @@ class SearchResult(object):
 
     @property
     def layer_precisions(self) -> str:
-        """Ready to paste after ``--layer-precisions``."""
-        return format_layer_precisions({name: self.keep_precision for name in self.keep})
+        """Ready to paste after ``--layer-precisions``, in graph order."""
+        return " ".join("{}:{}".format(name, self.keep_precision) for name in self.keep)
 
     def to_dict(self) -> Dict[str, Any]:
         return OrderedDict([
@@ -93,6 +102,11 @@ class SearchResult(object):
             ("interrupted", self.interrupted),
             ("exhausted", self.exhausted),
             ("partial", not self.complete),
+            ("one_minimal", self.one_minimal),
+            ("budget", self.budget),
+            ("ranking_cached", self.ranking_cached),
+            ("predicted", self.predicted),
+            ("prediction_passed", self.prediction_passed),
             ("evaluations", self.evaluations),
             ("builds", self.builds),
             ("cache_hits", self.cache_hits),
@@ -129,22 +143,6 @@ def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
             and name not in plan.layer_precisions]
 
 
-def _layer_io(model: Any, names: Sequence[str]) -> List[Tuple[str, List[str], List[str]]]:
-    wanted = set(names)
-    return [(n.name, [i for i in n.input if i], [o for o in n.output if o])
-            for n in model.graph.node if n.name in wanted]
-
-
-def _tensors(outputs: List[Feed], names: Sequence[str]) -> Dict[str, List[np.ndarray]]:
-    wanted = set(names)
-    out: Dict[str, List[np.ndarray]] = {}
-    for feed in outputs:
-        for name, value in feed.items():
-            if name in wanted:
-                out.setdefault(name, []).append(np.asarray(value))
-    return out
-
-
 def _stats(cmp: Comparison) -> Dict[str, Any]:
     """Per output: pass, the minimum tolerances that would have passed, SQNR, cosine."""
     out: Dict[str, Any] = OrderedDict()
@@ -171,6 +169,8 @@ def run_search(
     keep_precision: str = "float32",
     calibration_dir: Optional[str] = None,
     instrument: bool = True,
+    ranking_dir: Optional[str] = None,
+    predicted: Optional[Sequence[str]] = None,
 ) -> SearchResult:
     """Search which layers of ``model_path`` must run in ``keep_precision`` for ``plan`` (fp16,
     int8, or best = int8 with fp16 fallback) to pass the goldens.
@@ -179,7 +179,10 @@ def run_search(
     check_error_stat, error_quantile, infinities_compare_equal). ``max_evaluations`` caps the
     number of candidate builds (the result is then partial, ``exhausted``). ``instrument``
     False skips the two instrumented builds: ``minimal`` then works from topological order
-    without suspects (``worst-first`` needs them). Raises
+    without suspects (``worst-first`` needs them). The ranking is cached by (model, plan,
+    inputs, backend) under ``ranking_dir`` (default: beside ``calibration_dir``), so a
+    repeated search skips the instrumented runs. ``predicted`` (pre-flight, ``preflight``): a
+    set to verify first with one build; the search runs only when it fails. Raises
     ``reference_mismatch`` when even every candidate kept fails, ``golden_mismatch`` when the
     goldens do not fit the model's outputs."""
     started = time.monotonic()
@@ -212,49 +215,90 @@ def run_search(
         result.cache_hits += int(record.cache_hit)
         return record
 
-    scores: List[strategies.LayerScore] = []
+    scores: List[scoring.LayerScore] = []
     search: Optional[strategies.Search] = None
     comparisons: Dict[frozenset, Comparison] = {}
+
+    def evaluate(keep: List[str], index: int) -> Tuple[Comparison, Dict[str, Any]]:
+        t0 = time.monotonic()
+        record = build(plan.with_layers(keep, keep_precision))
+        build_seconds = time.monotonic() - t0
+        outputs = _run(backend, record, inputs)
+        cmp = compare_outputs(outputs, list(goldens), **opts)
+        comparisons[frozenset(keep)] = cmp
+        entry: Dict[str, Any] = OrderedDict([
+            ("index", index),
+            ("size", len(keep)),
+            ("passed", cmp.passed),
+            ("seconds", round(time.monotonic() - t0, 3)),
+            ("build_seconds", round(build_seconds, 3)),
+            ("cache_hit", record.cache_hit),
+            ("engine_key", record.key),
+            ("stats", _stats(cmp)),
+        ])
+        if len(keep) <= LOG_KEEP_MAX:
+            entry["keep"] = list(keep)
+        result.iterations.append(entry)
+        log.info("search %s: %d layer(s) kept -> %s (%.2f s%s)", mode, len(keep),
+                 "pass" if cmp.passed else "fail", entry["seconds"],
+                 ", cached" if record.cache_hit else "")
+        return cmp, entry
+
     try:
+        if predicted is not None:
+            # Pre-flight: the set the host predicted, verified with one build; the search
+            # runs only when it fails.
+            if not isinstance(predicted, (list, tuple)) or len(predicted) > len(layers) or \
+                    not all(isinstance(x, str) for x in predicted):
+                raise AgentError("bad_argument", "the predicted set must be a list of at most "
+                                 "{} layer names, found {}".format(
+                                     len(layers), type(predicted).__name__))
+            unknown = sorted(set(predicted) - set(layers))
+            if unknown:
+                raise AgentError("unknown_layer", "the predicted set names {} that are not "
+                                 "candidate layers of this model".format(", ".join(unknown[:5])))
+            order = {name: i for i, name in enumerate(layers)}
+            keep0 = sorted(set(predicted), key=lambda x: order[x])
+            progress("verifying", 0, 1)
+            cmp0, _ = evaluate(keep0, 1)
+            progress("verifying", 1, 1)
+            result.predicted = keep0
+            result.prediction_passed = cmp0.passed
+            if cmp0.passed:
+                result.evaluations = 1
+                result.complete = result.passed = True
+                result.keep = keep0
+                raise _Verified()
         ranking: Optional[List[str]] = None
         if (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
-            progress("instrumenting", 0, 2)
-            scores = _instrumented_ranking(model, layers, plan, inputs, build, backend,
-                                           keep_precision)
+            if ranking_dir is None and calibration_dir:
+                ranking_dir = os.path.join(os.path.dirname(calibration_dir), "rankings")
+            cached_path = os.path.join(ranking_dir, scoring.ranking_key(
+                model, plan, inputs, keep_precision, platform_fingerprint, backend) + ".json"
+            ) if ranking_dir else None
+            loaded = scoring.load_ranking(cached_path, layers)
+            if loaded is not None:
+                scores = loaded
+                result.ranking_cached = True
+            else:
+                progress("instrumenting", 0, 2)
+                scores = scoring.instrumented_ranking(model, layers, plan, inputs, build, backend,
+                                               keep_precision)
+                scoring.save_ranking(cached_path, scores)
+                progress("instrumenting", 2, 2)
             ranking = [s.name for s in scores]
-            result.suspects = strategies.count_suspects(scores)
-            progress("instrumenting", 2, 2)
+            result.suspects = scoring.count_suspects(scores)
         result.ranking = ranking or []
         search = strategies.Search(layers, mode=mode, direction=direction, ranking=ranking,
                                    suspects=result.suspects, max_evaluations=max_evaluations)
-        progress("searching", 0, 0)
+        result.budget = search.max_evaluations
+        progress("searching", 0, search.total)
         while not search.done:
             if stop():
                 result.interrupted = True
                 break
             keep = search.propose() or []
-            t0 = time.monotonic()
-            record = build(plan.with_layers(keep, keep_precision))
-            build_seconds = time.monotonic() - t0
-            outputs = _run(backend, record, inputs)
-            cmp = compare_outputs(outputs, list(goldens), **opts)
-            comparisons[frozenset(keep)] = cmp
-            entry: Dict[str, Any] = OrderedDict([
-                ("index", search.evaluations + 1),
-                ("size", len(keep)),
-                ("passed", cmp.passed),
-                ("seconds", round(time.monotonic() - t0, 3)),
-                ("build_seconds", round(build_seconds, 3)),
-                ("cache_hit", record.cache_hit),
-                ("engine_key", record.key),
-                ("stats", _stats(cmp)),
-            ])
-            if len(keep) <= LOG_KEEP_MAX:
-                entry["keep"] = list(keep)
-            result.iterations.append(entry)
-            log.info("search %s: %d layer(s) kept -> %s (%.2f s%s)", mode, len(keep),
-                     "pass" if cmp.passed else "fail", entry["seconds"],
-                     ", cached" if record.cache_hit else "")
+            cmp, entry = evaluate(keep, search.evaluations + 1)
             try:
                 search.observe(cmp.passed, entry)
             except AgentError as exc:
@@ -262,13 +306,16 @@ def run_search(
                     raise AgentError("reference_mismatch", "{}; with all kept: {}".format(
                         exc.message, _describe(cmp)), {"comparison": cmp.to_dict()["outputs"]})
                 raise
-            progress("searching", search.evaluations, 0)
+            progress("searching", search.evaluations, search.total)
     except KeyboardInterrupt:
         result.interrupted = True
+    except _Verified:
+        pass
 
     if search is not None:
-        result.evaluations = search.evaluations
+        result.evaluations = search.evaluations + (1 if result.predicted is not None else 0)
         result.complete = search.complete and not result.interrupted
+        result.one_minimal = search.one_minimal and not result.interrupted
         result.exhausted = search.exhausted
         best = search.best()
         result.keep = best if best is not None else []
@@ -288,28 +335,18 @@ def run_search(
     return result
 
 
-def _instrumented_ranking(model: Any, layers: List[str], plan: BuildPlan,
-                          inputs: Sequence[Feed], build: Callable[[BuildPlan], EngineRecord],
-                          backend: Backend, keep_precision: str
-                          ) -> List[strategies.LayerScore]:
-    """Rank candidates by the error each introduces, from two instrumented runs."""
-    io = _layer_io(model, layers)
-    tensors = sorted(set(t for _, ins, outs in io for t in list(ins) + list(outs)))
-    feeds = list(inputs[:INSTRUMENT_ITERATIONS])
-    ref_plan = plan.with_layers(layers, keep_precision)
-    ref_plan.mark_outputs = ["*"]
-    low_plan = BuildPlan.from_dict(plan.to_dict())
-    low_plan.mark_outputs = ["*"]
-    reference = _tensors(_run(backend, build(ref_plan), feeds), tensors)
-    # Graph inputs are not node outputs: add them so the first layers have inputs to compare.
-    for feed in feeds:
-        for name, value in feed.items():
-            reference.setdefault(name, []).append(np.asarray(value))
-    reduced = _tensors(_run(backend, build(low_plan), feeds), tensors)
-    for name in list(reference):
-        if name not in reduced:
-            reduced[name] = reference[name]  # inputs: identical in both runs
-    return strategies.rank_layers(io, reference, reduced, precision=plan.precision)
+def preflight(model_path: str, plan: BuildPlan, inputs: Sequence[Feed],
+              goldens: Sequence[Feed], cache: EngineCache, platform_fingerprint: Dict[str, str],
+              **kwargs: Any) -> SearchResult:
+    """Host pre-flight: the same search on the host emulation (onnxruntime backend, which
+    emulates TensorRT's build-time rewrites). Its ``keep`` is the ``predicted`` set a device
+    search verifies with one build (``run_search(..., predicted=result.keep)``) before
+    searching itself. ``kwargs``: those of ``run_search`` (mode, compare_options, ...)."""
+    from agent.backends.base import get_backend
+
+    host = get_backend("onnxruntime")
+    return run_search(model_path, plan, inputs, goldens, host, cache, platform_fingerprint,
+                      **kwargs)
 
 
 def _describe(cmp: Comparison) -> str:
@@ -324,7 +361,7 @@ def _fmt(x: Any) -> str:
     return "n/a" if x is None else "{:.4g}".format(x)
 
 
-def _sensitivity(scores: List[strategies.LayerScore], layers: List[str], keep: List[str],
+def _sensitivity(scores: List[scoring.LayerScore], layers: List[str], keep: List[str],
                  comparisons: Dict[frozenset, Comparison], mode: str) -> List[Dict[str, Any]]:
     """One row per candidate, worst first: the error it introduced in the instrumented run,
     whether it is kept, and for kept layers what dropping it alone did (when that was built)."""
@@ -359,6 +396,13 @@ def _message(result: SearchResult) -> str:
     if not result.keep:
         return "{}: the model passes with no layer kept in higher precision ({} " \
                "evaluation(s))".format(how, result.evaluations)
-    return "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
+    if result.prediction_passed:
+        how = "done: the predicted set passed"
+    text = "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
         how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
         result.layer_precisions)
+    if result.complete and not result.one_minimal and result.mode == "minimal" and \
+            result.budget is not None:
+        text += " (the budget of {} evaluations ended the shrinking: no more layers than " \
+                "bisect keeps; raise --max-evaluations for a smaller set)".format(result.budget)
+    return text

@@ -34,6 +34,7 @@ from agent.errors import AgentError
 ALGORITHMS = ("entropy2", "entropy", "minmax", "percentile", "legacy")
 QUANT_LEVELS = 128  # int8: 127 positive levels plus zero
 SMOOTHING_EPS = 1e-4  # counts moved into empty bins before the divergence (as MXNet / ORT)
+SERIES_TERMS = 14  # terms of the (h - t) log(h - t) series in entropy_threshold
 
 
 class AbsHistogram(object):
@@ -100,7 +101,78 @@ def _smooth(counts: np.ndarray, eps: float = SMOOTHING_EPS) -> np.ndarray:
 
 
 def entropy_threshold(counts: np.ndarray, start_bin: int = QUANT_LEVELS) -> int:
-    """The number of bins to keep (the threshold bin index) that minimizes KL(P || Q)."""
+    """The number of bins to keep (the threshold bin index) that minimizes KL(P || Q).
+
+    Every candidate at once, from prefix sums: P's and Q's smoothed bins split into the
+    empty bins (a closed form), the last bin (which takes the outliers), and the nonzero bins
+    before it, whose sum of (h - t) log(h - t) (t: the smoothing taken from each bin) is the
+    series h log h - t (log h + 1) + sum_k t^k / (k (k-1) h^(k-1)) (t/h <= 0.21 here, so
+    SERIES_TERMS terms leave ~1e-12 of relative error). The same threshold as
+    ``entropy_threshold_reference`` (ties within 1e-9 count as ties, the last one wins), in
+    about a tenth of the time: the ~900 tensors of a real network took minutes."""
+    hist = counts.astype(np.float64)
+    n = len(hist)
+    if n <= start_bin:
+        return n
+    hist[0] = hist[1]
+    eps = SMOOTHING_EPS
+    T = float(hist.sum())
+    suffix = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])
+    nz = hist > 0
+    h = np.where(nz, hist, 1.0)
+    def pre(x):
+        return np.concatenate([[0.0], np.cumsum(np.where(nz, x, 0.0))])
+    C1 = pre(hist)
+    Cn = pre(np.ones(n))
+    Chl = pre(h * np.log(h))
+    Clog1 = pre(np.log(h) + 1.0)
+    Ck = [pre(h ** (1 - k)) for k in range(2, SERIES_TERMS + 1)]
+    i = np.arange(start_bin, n + 1)            # candidates
+    m = i - 1                                  # bins before the last one
+    Z = m - Cn[m]                              # zero bins among them
+    h_last = hist[i - 1]
+    p_last = h_last + suffix[i]
+    n0p = Z + (p_last == 0)
+    n0q = Z + (h_last == 0)
+    tp = np.where((n0p > 0) & (n0p < i), eps * n0p / np.maximum(i - n0p, 1), 0.0)
+    tq = np.where((n0q > 0) & (n0q < i), eps * n0q / np.maximum(i - n0q, 1), 0.0)
+    Sq = C1[i]
+    # sum over nonzero bins j < i-1 of (h - tp) log(h - tp), by its series in tp / h
+    A = Chl[m] - tp * Clog1[m]
+    for k in range(2, SERIES_TERMS + 1):
+        A = A + tp ** k / (k * (k - 1)) * Ck[k - 2][m]
+    Pn = C1[m] - tp * Cn[m]
+    # groups: bins j with j*128//i == g span [ceil(g*i/128), ceil((g+1)*i/128))
+    g = np.arange(QUANT_LEVELS + 1)[None, :]
+    edges = (g * i[:, None] + QUANT_LEVELS - 1) // QUANT_LEVELS
+    gsum = np.diff(C1[edges], axis=1)
+    gcnt = np.diff(Cn[edges], axis=1)
+    qg = gsum / np.maximum(gcnt, 1)
+    # P's nonzero bins before the last one: the last bin only ever sits in the last group.
+    pc = gcnt.copy()
+    pc[:, -1] -= nz[i - 1]
+    Pg = gsum - tp[:, None] * pc
+    Pg[:, -1] -= hist[i - 1]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        logq = np.where(pc > 0, np.log(np.where(pc > 0, qg - tq[:, None], 1.0)), 0.0)
+        main = (A + (np.log(Sq) - np.log(T)) * Pn - (logq * Pg).sum(axis=1)) / T
+        zeros = Z * (eps / T) * np.log(Sq / T)
+        pl = np.where(p_last > 0, p_last - tp, eps)
+        ql = np.where(h_last > 0, qg[:, -1] - tq, eps)
+        last = (pl / T) * np.log((pl / T) / (ql / Sq))
+        kl = main + zeros + last
+    kl = np.where(Sq > 0, kl, np.inf)
+    kl = np.where(np.isnan(kl), np.inf, kl)
+    best = float(np.min(kl))
+    if not np.isfinite(best):
+        return n
+    tol = 1e-12 + 1e-9 * abs(best)  # rounding of the closed form, not a real difference
+    return int(i[np.nonzero(kl <= best + tol)[0][-1]])
+
+
+def entropy_threshold_reference(counts: np.ndarray, start_bin: int = QUANT_LEVELS) -> int:
+    """``entropy_threshold`` one candidate at a time, as written in the algorithm (O(bins^2)
+    numpy calls: the tests hold the fast form to it)."""
     hist = counts.astype(np.float64)
     n = len(hist)
     if n <= start_bin:

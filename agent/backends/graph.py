@@ -17,7 +17,9 @@ Precision rewrites take an assignment ``node name -> "float32" | "float16" | "in
   fp32 node or a graph output reads them.
 - int8: symmetric QuantizeLinear/DequantizeLinear (zero point 0, scale = amax / 127) on the
   activation inputs of Conv / ConvTranspose / Gemm / MatMul, and symmetric int8 weights
-  (per output channel from opset 13, else per tensor). Biases stay fp32.
+  per output channel (emulated below opset 13: dequantized fp32 weights; typed: per tensor
+  below opset 13). Biases stay fp32. TensorRT's own build-time rewrites (constant and
+  BatchNormalization folding, activation fusion) are in ``emulation``.
 
 Weights rounded to fp16 saturate at +-65504 instead of becoming inf. Nodes with subgraphs
 (If / Loop / Scan) always stay fp32. This module imports onnx only (never onnxruntime or
@@ -32,11 +34,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from agent.backends import emulation
 from agent.backends.base import TensorSpec
 from agent.errors import AgentError
 
 # Bump when a rewrite changes numerics: it enters engine-cache keys through the backends.
-REWRITE_VERSION = "1"
+REWRITE_VERSION = "2"
 
 FLOAT32 = TensorProto.FLOAT
 FLOAT16 = TensorProto.FLOAT16
@@ -114,6 +117,13 @@ def parse_model(data: bytes, source: str = "model",
 def _check(model: onnx.ModelProto, source: str) -> None:
     if model.ByteSize() > 2 ** 31 - 1:
         return  # the checker cannot take protos over 2 GB; the backend will tell
+    # Outputs whose shape nothing can infer (a Reshape fed by Shape) are declared type-only,
+    # which ONNX Runtime and TensorRT take but the checker refuses: check them as if they had
+    # an unknown rank, and put them back as they were.
+    shapeless = [vo for vo in model.graph.output if vo.type.HasField("tensor_type")
+                 and not vo.type.tensor_type.HasField("shape")]
+    for vo in shapeless:
+        vo.type.tensor_type.shape.SetInParent()
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
@@ -126,6 +136,9 @@ def _check(model: onnx.ModelProto, source: str) -> None:
                              "{}".format(source, onnx.__version__, text))
         raise AgentError("bad_model",
                          "{}: expected a valid ONNX graph, found: {}".format(source, text))
+    finally:
+        for vo in shapeless:
+            vo.type.tensor_type.ClearField("shape")
 
 
 def load_model(path: str) -> onnx.ModelProto:
@@ -328,11 +341,11 @@ def resolve_precisions(
     names = set(n.name for n in model.graph.node)
     unknown = sorted(n for n in overrides if n not in names)
     if unknown:
-        sample = [n.name for n in model.graph.node][:8]
         raise AgentError("unknown_layer",
                          "--layer-precisions names {} but the model has no such node "
                          "(expected ONNX node names such as {})".format(
-                             ", ".join(repr(n) for n in unknown), ", ".join(sample)),
+                             ", ".join(repr(n) for n in unknown),
+                             ", ".join(near_names(model, unknown))),
                          {"unknown": unknown})
     for name, prec in overrides.items():
         if prec not in LAYER_PRECISIONS:
@@ -366,6 +379,27 @@ def resolve_precisions(
             mismatches.append((node.name, asked, got))
     ignored = sorted(n for n in overrides if n not in float_set)
     return assignment, mismatches, ignored
+
+
+def near_names(model: onnx.ModelProto, unknown: Sequence[str], limit: int = 8) -> List[str]:
+    """Node names close to the ``unknown`` ones (float layers first), for error messages."""
+    import difflib
+
+    types = tensor_types(model)
+    layers = [n.name for n in model.graph.node if _is_float_node(n, types)]
+    others = [n.name for n in model.graph.node if n.name not in set(layers)]
+    out: List[str] = []
+    for name in unknown:
+        for pool in (layers, others):
+            for match in difflib.get_close_matches(name, pool, n=3, cutoff=0.5):
+                if match not in out:
+                    out.append(match)
+    for name in layers + others:  # nothing close: the first float layers
+        if len(out) >= min(limit, 3) and out:
+            break
+        if name not in out:
+            out.append(name)
+    return out[:limit]
 
 
 def _reducible(node: onnx.NodeProto, types: Dict[str, int], emulate: bool,
@@ -462,10 +496,15 @@ def apply_precisions(
     assignment: Dict[str, str],
     amax: Optional[Dict[str, float]] = None,
     emulate: bool = True,
+    fused: Optional[Set[str]] = None,
 ) -> onnx.ModelProto:
     """A copy of ``model`` where each node runs in ``assignment[node]`` (missing = float32).
 
-    int8 nodes need ``amax`` for their activation inputs (``resolve_precisions`` checks)."""
+    int8 nodes need ``amax`` for their activation inputs (``resolve_precisions`` checks).
+    ``fused``: tensors inside a fused layer (``emulation.fused_edges``), never rounded.
+    Emulated int8 weights are quantized per output channel whatever the opset (below opset
+    13, as fp32 initializers holding the dequantized values: what DequantizeLinear gives)."""
+    fused = set(fused or ())
     model = ensure_node_names(copy_model(model))
     graph = model.graph
     types = tensor_types(model)
@@ -481,6 +520,9 @@ def apply_precisions(
                          "int8 needs QuantizeLinear (opset >= 10), found opset {}".format(
                              default_opset(model)))
     per_channel = default_opset(model) >= 13
+    # Emulation quantizes weights per output channel at any opset, as TensorRT does (the
+    # naive emulation, ``emulation.NAIVE_ENV``, keeps per tensor below opset 13).
+    trt_weights = emulate and emulation.enabled()
 
     q_cache: Dict[Tuple[str, Optional[int]], str] = {}  # (tensor, axis) -> dequantized name
     round_cache: Dict[str, str] = {}  # fp32 tensor -> its fp16-rounded fp32 copy
@@ -517,8 +559,18 @@ def apply_precisions(
 
     def qdq_weight(node: onnx.NodeProto, tensor: str) -> str:
         array = numpy_helper.to_array(weights[tensor])
-        axis = _weight_axis(node, array.ndim) if per_channel else None
+        axis = _weight_axis(node, array.ndim) if (per_channel or trt_weights) else None
         key = (tensor, axis)
+        if key not in q_cache and trt_weights and not per_channel:
+            # DequantizeLinear takes an axis from opset 13 only: older models get the
+            # dequantized per-channel values as fp32 weights (the same numbers).
+            q, scale = _quantize_weight(array, axis)
+            shape = [1] * q.ndim
+            if axis is not None:
+                shape[axis] = -1
+            q_cache[key] = const(tensor + "__int8dq",
+                                 (q.astype(np.float32) * scale.reshape(shape)).astype(
+                                     np.float32))
         if key not in q_cache:
             q, scale = _quantize_weight(array, axis)
             q_name = const(tensor + "__int8", q)
@@ -589,10 +641,10 @@ def apply_precisions(
                     node.input[i] = src
         elif prec == "float16" and emulate:
             for i, name in enumerate(node.input):
-                if name and types.get(name) == FLOAT32:
+                if name and types.get(name) == FLOAT32 and name not in fused:
                     node.input[i] = round_fp16(name)
             for i, name in enumerate(node.output):
-                if name and types.get(name) == FLOAT32:
+                if name and types.get(name) == FLOAT32 and name not in fused:
                     raw = names.fresh(name + "__fp32")
                     node.output[i] = raw
                     h = names.fresh(name + "__fp16")

@@ -18,6 +18,7 @@ Worker side: Python >= 3.6.
 
 import functools
 import json
+import logging
 import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -25,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import onnx
 
-from agent.backends import graph
+from agent.backends import emulation, graph
 from agent.backends.base import (
     Backend,
     BuildPlan,
@@ -42,6 +43,12 @@ from calib.dataset import CalibrationDataset
 from calib.ranges import RangeCollector
 
 METADATA_KEY = "jetson_agent.engine"
+# Calibration runs return every float tensor at once: a dynamic batch is fed in slices whose
+# activations stay under this (one sample at least).
+RUN_BYTES = 256 << 20
+_PRECISION_ORDER = {"int8": 0, "float16": 1, "float32": 2}
+
+log = logging.getLogger(__name__)
 
 _ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
@@ -60,11 +67,16 @@ def _ort() -> Any:
     return onnxruntime
 
 
-def session_options(threads: Optional[int] = None) -> Any:
+def session_options(threads: Optional[int] = None, arena: bool = True) -> Any:
     """CPU session options. ORT_ENABLE_ALL keeps explicit fp32->fp16->fp32 Cast pairs (only
-    casts it inserted itself are removed), which the fp16 tests check on every run."""
+    casts it inserted itself are removed), which the fp16 tests check on every run.
+    ``arena`` False returns memory after each run (instrumented runs with every tensor as an
+    output: the arena would keep the largest run's worth for good)."""
     ort = _ort()
     options = ort.SessionOptions()
+    if not arena:
+        options.enable_cpu_mem_arena = False
+        options.enable_mem_pattern = False
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         options.intra_op_num_threads = int(threads)
@@ -73,10 +85,11 @@ def session_options(threads: Optional[int] = None) -> Any:
     return options
 
 
-def _session(model_bytes: bytes, threads: Optional[int], source: str) -> Any:
+def _session(model_bytes: bytes, threads: Optional[int], source: str, arena: bool = True
+             ) -> Any:
     ort = _ort()
     try:
-        return ort.InferenceSession(model_bytes, sess_options=session_options(threads),
+        return ort.InferenceSession(model_bytes, sess_options=session_options(threads, arena),
                                     providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own unexported error types
         text = str(exc)
@@ -162,21 +175,47 @@ def calibrate(
     """amax of every float graph input and node output of the fp32 ``model`` over the
     dataset, per ``algorithm`` (entropy2 / minmax / percentile / legacy)."""
     instrumented = graph.mark_outputs(model, ["*"])
-    session = _session(instrumented.SerializeToString(), threads, "calibration model")
+    data = instrumented.SerializeToString()
+    del instrumented
+    # Every float tensor of a run comes back at once: without the arena, what one run
+    # allocated is returned before the next, so the peak is one run's activations (plus the
+    # histograms), whatever the number of images.
+    session = _session(data, threads, "calibration model", arena=False)
+    del data
     float_names = [o.name for o in session.get_outputs() if o.type in
                    ("tensor(float)", "tensor(float16)", "tensor(double)")]
     float_inputs = [i.name for i in session.get_inputs() if i.type in
                     ("tensor(float)", "tensor(float16)", "tensor(double)")]
+    # Inputs whose batch dimension is free are fed in slices whose activations fit
+    # RUN_BYTES (measured on the first sample): the histograms add up the same, and the peak
+    # no longer grows with the calibration batch size.
+    dynamic = all(i.shape and not isinstance(i.shape[0], int) for i in session.get_inputs())
     collector = RangeCollector(algorithm, num_bins=num_bins)
     total = dataset.num_batches()
     progress("calibrating", 0, total)
     done = 0
+    step: Optional[int] = None if dynamic else 0
     for batch in dataset:
-        values = session.run(float_names, batch)
-        for name in float_inputs:
-            collector.update(name, batch[name])
-        for name, value in zip(float_names, values):
-            collector.update(name, value)
+        size = min((len(v) for v in batch.values() if np.ndim(v)), default=1)
+        start = 0
+        while start < size or (start == 0 and size == 0):
+            if step is None:
+                count = 1  # the first sample alone: its activations size the slices
+            else:
+                count = step or size
+            part = batch if count >= size and start == 0 else \
+                {k: v[start:start + count] for k, v in batch.items()}
+            values = session.run(float_names, part)
+            if step is None:
+                per_sample = sum(int(getattr(v, "nbytes", 0)) for v in values)
+                step = max(1, RUN_BYTES // max(1, per_sample))
+            for name in float_inputs:
+                collector.update(name, part[name])
+            for index, name in enumerate(float_names):
+                collector.update(name, values[index])
+                values[index] = None  # free each tensor once counted
+            del values
+            start += max(count, 1)
         done += 1
         progress("calibrating", done, total)
     progress("calibrating", total, total)
@@ -207,6 +246,7 @@ class OnnxRuntimeBackend(Backend):
     def fingerprint(self) -> Dict[str, str]:
         out = super(OnnxRuntimeBackend, self).fingerprint()
         out["rewrite"] = graph.REWRITE_VERSION
+        out["emulation"] = emulation.fingerprint()
         out["onnx"] = str(onnx.__version__)
         return out
 
@@ -226,17 +266,27 @@ class OnnxRuntimeBackend(Backend):
         calibrated = False
         cache_path: Optional[str] = None
 
+        # Calibration sees the model as written (every tensor TensorRT's calibrator sees);
+        # the precisions apply to the model as TensorRT's builder rewrites it (emulation).
+        original = model
+        model, merged = emulation.prepare(graph.copy_model(model))
+        overrides = _merge_overrides(plan.layer_precisions, merged)
+        details["emulation"] = emulation.fingerprint()
+        if merged:
+            details["folded_layers"] = dict(sorted(merged.items()))
         # First pass without ranges: does anything want int8 at all?
-        wanted, _, _ = graph.resolve_precisions(model, plan.precision, plan.layer_precisions)
+        wanted, _, _ = graph.resolve_precisions(model, plan.precision, overrides)
         if any(p == "int8" for p in wanted.values()):
             t0 = time.time()
-            amax, calibrated, cache_path = self._ranges(model, specs, plan, progress, details)
+            amax, calibrated, cache_path = self._ranges(original, specs, plan, progress,
+                                                        details)
             details["calibration_seconds"] = round(time.time() - t0, 4)
+        del original
 
         progress("building", 0, 1)
         t0 = time.time()
         assignment, mismatches, ignored = graph.resolve_precisions(
-            model, plan.precision, plan.layer_precisions, amax=amax)
+            model, plan.precision, overrides, amax=amax)
         # Layers that wanted int8 but whose inputs have no range (a cache made for other
         # tensor names) run in the fallback precision; a cache that covers none is refused.
         no_range = sorted(n for n, p in wanted.items() if p == "int8" and assignment[n] != "int8")
@@ -254,7 +304,10 @@ class OnnxRuntimeBackend(Backend):
         # Mark before rewriting so the names are the model's own tensors (the rounded values
         # that the next layers read, not the rewrite's internal ones).
         marked = graph.mark_outputs(model, plan.mark_outputs) if plan.mark_outputs else model
-        engine = graph.apply_precisions(marked, assignment, amax=amax, emulate=True)
+        engine = graph.apply_precisions(marked, assignment, amax=amax, emulate=True,
+                                        fused=emulation.fused_edges(marked, assignment))
+        for folded, into in merged.items():  # reported under their own names too
+            assignment[folded] = assignment.get(into, "float32")
         metadata = {
             "backend": self.name,
             "backend_version": self.version(),
@@ -266,7 +319,14 @@ class OnnxRuntimeBackend(Backend):
         _set_metadata(engine, metadata)
         data = engine.SerializeToString()
         details["rewrite_seconds"] = round(time.time() - t0, 4)
-        _session(data, self.threads, model_path)  # what will not load must not be published
+        # What will not load must not be published: the same checks as ``open``.
+        _session(data, self.threads, model_path)
+        try:
+            graph.parse_model(data, "the engine built from {}".format(model_path))
+        except AgentError as exc:
+            raise AgentError("build_failed", "{} (the rewritten model does not load: a bug "
+                             "of the emulation; build without the failing option)".format(
+                                 exc.message))
         atomic_write(engine_path, data)
         progress("building", 1, 1)
         if ignored:
@@ -275,6 +335,12 @@ class OnnxRuntimeBackend(Backend):
         # tensor names): they run in the fallback precision.
         details["counts"] = {p: sum(1 for v in assignment.values() if v == p)
                              for p in ("float32", "float16", "int8")}
+        if plan.precision in ("int8", "best") and not details["counts"]["int8"] and \
+                not plan.layer_precisions:
+            details["warning"] = ("int8 was asked for but no layer can run in int8 (int8 "
+                                  "kernels are Conv/ConvTranspose/Gemm/MatMul ones; none is "
+                                  "left to quantize)")
+            log.warning("%s: %s", model_path, details["warning"])
         return BuildResult(
             engine_path=engine_path,
             precision=plan.precision,
@@ -341,7 +407,24 @@ class OnnxRuntimeBackend(Backend):
             raise AgentError("bad_engine",
                              "{}: expected an engine built by onnxruntime, found one built by "
                              "{}".format(engine_path, metadata.get("backend")))
-        return OnnxRuntimeRunner(_session(data, self.threads, engine_path), metadata)
+        # Instrumented engines (tensors marked as outputs) return every activation of a run:
+        # without the arena that memory goes back after each run.
+        marked = bool((metadata.get("plan") or {}).get("mark_outputs"))
+        return OnnxRuntimeRunner(_session(data, self.threads, engine_path, arena=not marked),
+                                 metadata)
+
+
+def _merge_overrides(overrides: Dict[str, str], merged: Dict[str, str]) -> Dict[str, str]:
+    """--layer-precisions on the rewritten model: a folded layer's precision goes to the layer
+    it was folded into (the higher precision wins, as for one fused TensorRT layer)."""
+    out = dict(overrides)
+    for folded, into in merged.items():
+        if folded not in out:
+            continue
+        prec = out.pop(folded)
+        if into not in out or _PRECISION_ORDER.get(prec, 2) > _PRECISION_ORDER.get(out[into], 2):
+            out[into] = prec
+    return out
 
 
 def _range_inputs(model: onnx.ModelProto, layers: List[str]) -> List[str]:

@@ -55,10 +55,10 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
     ``compare`` and ``search``.
 
     ``model_help`` adds the positional MODEL. ``engine_options`` adds what only ``build`` and
-    ``bench`` act on (calibration sampling, shapes, workspace, DLA, fallback, threads, cache
-    budget). ``precision_default`` is what no precision flag means (``search`` wants None to
-    ask for one). ``--precision-constraints`` defaults to ``none`` for every command
-    (Polygraphy's default), so the same flags build the same engine everywhere.
+    ``bench`` act on (calibration sampling, workspace, DLA, fallback, threads).
+    ``precision_default`` is what no precision flag means (``search`` wants None to ask for
+    one). ``--precision-constraints`` defaults to ``none`` for every command (Polygraphy's
+    default), so the same flags build the same engine everywhere.
     """
     if model_help is not None:
         p.add_argument("model", metavar="MODEL", help=model_help)
@@ -95,10 +95,10 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
                    help="how --layer-precisions bind: obey (fail if impossible), prefer, or "
                         "none: TensorRT may override them (default: none, as in Polygraphy; "
                         "the same for build, bench, compare and search)")
+    g.add_argument("--shapes", nargs="+", default=[], metavar="NAME:MIN[,OPT,MAX]",
+                   help="shape profile for dynamic inputs, e.g. input:1x64,8x64,32x64 "
+                        "(one shape means min = opt = max; generated inputs take OPT)")
     if engine_options:
-        g.add_argument("--shapes", nargs="+", default=[], metavar="NAME:MIN[,OPT,MAX]",
-                       help="shape profile for dynamic inputs, e.g. input:1x64,8x64,32x64 "
-                            "(one shape means min = opt = max)")
         g.add_argument("--workspace", type=float, metavar="MIB",
                        help="builder workspace limit in MiB (tensorrt)")
         g.add_argument("--dla-core", type=int, metavar="N",
@@ -118,10 +118,9 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
     g.add_argument("--state-dir", metavar="DIR",
                    help="state and caches (default $JETSON_AGENT_STATE_DIR, systemd's "
                         "StateDirectory, else ~/.cache/jetson-agent)")
-    if engine_options:
-        g.add_argument("--cache-budget", metavar="SIZE",
-                       help="engine cache size budget, e.g. 2GiB (default: the config's "
-                            "cache.engine_budget_bytes)")
+    g.add_argument("--cache-budget", metavar="SIZE",
+                   help="engine cache size budget, e.g. 2GiB (default: the config's "
+                        "cache.engine_budget_bytes)")
 
 
 def parse_shapes(items: List[str]) -> Dict[str, Tuple[Shape, Shape, Shape]]:

@@ -14,7 +14,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent import config, fsio
-from agent.cache import EngineCache
+from agent.cache import EngineCache, engine_loader
 from agent.errors import AgentError
 from agent.state_lock import check_state_dir
 
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                     e["backend"] or "?", _age(now - e["last_used"]),
                     e["model_name"] or (e["model"] or "")[:12]))
     elif args.action == "verify":
-        out = cache.verify()
+        out = cache.verify(load=engine_loader())
         if not args.json:
             print("checked {checked}: {ok} ok, {dropped} corrupt dropped, {stale_staging_removed}"
                   " stale staging directories removed".format(**out))

@@ -17,9 +17,9 @@ import os
 import sys
 from typing import Any, Dict, List, Tuple
 
-from agent import fsio, golden
-from agent.backends.base import Backend, get_backend
-from agent.commands.build import add_build_arguments, plan_from_args
+from agent import golden
+from agent.backends.base import Backend, TensorSpec, get_backend
+from agent.commands.build import add_build_arguments, parse_shapes, plan_from_args
 from agent.compare import ERROR_STATS, Comparison, compare_outputs, parse_per_output
 from agent.progress import ProgressBar
 
@@ -85,16 +85,18 @@ class Setup(object):
 
     def __init__(self, args: argparse.Namespace) -> None:
         from agent import platform as plat
-        from agent.cache import EngineCache
+        from agent.commands.build import open_cache
 
         info = plat.detect(use_jtop=False)
         self.backend: Backend = get_backend(args.backend or info.backend)
         self.fingerprint = info.fingerprint(self.backend.name)
-        from agent.state_lock import check_state_dir
-
-        root = check_state_dir(fsio.state_dir(args.state_dir))  # a file: a clear error
-        self.cache = EngineCache(root=os.path.join(root, "engines"))
+        # The engine cache with its budget (--cache-budget, else the config's): publishing
+        # evicts, and ``finish`` leaves the cache within it whatever the command built.
+        self.cache, root = open_cache(args)
         self.calibration_dir = os.path.join(root, "calibration")
+
+    def finish(self) -> None:
+        self.cache.evict()
 
     def host_reference(self) -> Backend:
         """fp32 goldens are computed on the host backend, whatever builds the engines."""
@@ -108,8 +110,14 @@ def load_goldens(args: argparse.Namespace, model_path: str, setup: Setup
     from agent.backends import graph
 
     model = graph.load_model(model_path)
+    specs = graph.input_specs(model)
+    shapes = parse_shapes(getattr(args, "shapes", []) or [])
+    if shapes and not args.load_inputs:
+        # Generated inputs of dynamic models take the profile's OPT shape (--shapes).
+        specs = [TensorSpec(s.name, s.dtype, shapes[s.name][1]) if s.name in shapes else s
+                 for s in specs]
     return golden.prepare(
-        model_path, graph.input_specs(model), graph.output_specs(model),
+        model_path, specs, graph.output_specs(model),
         load_inputs_path=args.load_inputs, load_outputs_path=args.load_outputs,
         val_range=golden.parse_val_range(args.val_range), seed=args.seed,
         iterations=args.iterations, reference_backend=setup.host_reference())
@@ -148,16 +156,21 @@ def run(args: argparse.Namespace) -> int:
     inputs, goldens, source = load_goldens(args, args.model, setup)
     # --json: a program reads the result; no bar (as build and bench).
     progress = ProgressBar(enabled=False) if args.json else progress_bar(args)
-    record = build_engine(args.model, plan, setup.backend, setup.cache, setup.fingerprint,
-                          progress, calibration_dir=setup.calibration_dir)
-    runner_name = "jetson-agent[{} {}]".format(setup.backend.name, plan.precision)
-    outputs = []
-    with setup.cache.pin(record.key):
-        with setup.backend.open(record.engine_path) as runner:
-            for i, feed in enumerate(inputs):
-                progress("inferring", i, len(inputs))
-                outputs.append(runner.infer(dict(feed)))
-            progress("inferring", len(inputs), len(inputs))
+    try:
+        record = build_engine(args.model, plan, setup.backend, setup.cache, setup.fingerprint,
+                              progress, calibration_dir=setup.calibration_dir)
+        outputs = []
+        with setup.cache.pin(record.key):
+            with setup.backend.open(record.engine_path) as runner:
+                for i, feed in enumerate(inputs):
+                    progress("inferring", i, len(inputs))
+                    outputs.append(runner.infer(dict(feed)))
+                progress("inferring", len(inputs), len(inputs))
+    finally:
+        setup.finish()
+    emulated = bool(((record.result or {}).get("details") or {}).get("emulated"))
+    runner_name = "jetson-agent[{} {}{}]".format(setup.backend.name, plan.precision,
+                                                 ", emulated" if emulated else "")
     if args.save_inputs:
         golden.save_inputs(args.save_inputs, inputs)
     if args.save_outputs:

@@ -45,7 +45,12 @@ def add_parser(sub: Any) -> None:
                    help="minimal: skip the two builds with every tensor marked as an output "
                    "(no ranking; more evaluations)")
     p.add_argument("--max-evaluations", type=int, metavar="N",
-                   help="stop after N candidate builds (the result is then partial)")
+                   help="evaluation budget: minimal shrinks its set with what is left after "
+                   "its bisect-bounded phase (default 2x bisect's + 4); other modes stop "
+                   "after N (the result is then partial)")
+    p.add_argument("--preflight", action="store_true",
+                   help="search on the host emulation first, then verify its set with one "
+                   "build on the chosen backend, searching there only if it fails")
     add_golden_args(p)
     add_tolerance_args(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -54,7 +59,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from agent.searcher import run_search
+    from agent.searcher import preflight, run_search
 
     if not args.precision:
         raise AgentError("bad_argument", "a precision search needs a reduced precision: "
@@ -69,13 +74,27 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     setup = Setup(args)
     inputs, goldens, _source = load_goldens(args, args.model, setup)
-    result = run_search(
-        args.model, plan, inputs, goldens, setup.backend, setup.cache, setup.fingerprint,
+    kwargs: Dict[str, Any] = dict(
         mode=args.mode, direction=args.direction, compare_options=opts,
         progress=progress_bar(args), max_evaluations=args.max_evaluations,
         keep_precision=args.keep_precision, calibration_dir=setup.calibration_dir,
         instrument=not args.no_instrument)
+    host = None
+    try:
+        if args.preflight:
+            host = preflight(args.model, plan, inputs, goldens, setup.cache, setup.fingerprint,
+                             **kwargs)
+            if host.passed:
+                kwargs["predicted"] = host.keep
+        result = run_search(args.model, plan, inputs, goldens, setup.backend, setup.cache,
+                            setup.fingerprint, **kwargs)
+    finally:
+        setup.finish()
     doc = result.to_dict()
+    if host is not None:
+        doc["preflight"] = {"backend": "onnxruntime", "evaluations": host.evaluations,
+                            "keep": host.keep, "passed": host.passed,
+                            "device_evaluations": result.evaluations}
     if args.json:
         print(json.dumps(doc, indent=2))
     else:
@@ -131,6 +150,12 @@ def format_result(doc: Dict[str, Any], sensitivity_rows: int = 20) -> str:
                 "" if without is None else ("passes" if without["passed"] else "fails")))
         if len(rows) > sensitivity_rows:
             add("    ... {} more (see --json)".format(len(rows) - sensitivity_rows))
+    pre = doc.get("preflight")
+    if pre:
+        add("[I] Pre-flight on the host emulation: {} evaluation(s), predicted {} layer(s); "
+            "{}".format(pre["evaluations"], len(pre["keep"]),
+                        "verified here with one build" if doc.get("prediction_passed")
+                        else "the prediction failed here, so this searched"))
     tag = "[I]" if doc["passed"] else "[E]"
     message = doc["message"]
     if doc["passed"] and doc["keep"]:  # the list follows, ready to paste: print it once

@@ -295,3 +295,21 @@ def test_bad_calibration_input(backend, digits, tmp_path):
     assert err.code == "calibration_cache_mismatch" and "'input'" not in err.message
     assert "input" in err.message and "(Unnamed Layer* 0)" in err.message
     assert not os.path.exists(str(tmp_path / "e"))
+
+
+def test_calibration_slices_large_batches_with_the_same_ranges(backend, digits, tmp_path,
+                                                               monkeypatch):
+    # A dynamic batch is fed in slices whose activations fit RUN_BYTES: the ranges are those
+    # of whole batches (minmax: exactly).
+    from agent.backends import onnxruntime as ort_backend
+
+    def ranges(name):
+        cache = str(tmp_path / (name + ".cache"))
+        plan = BuildPlan("int8", calibration=CalibrationSettings(digits["calib"], "minmax", 64,
+                                                                 cache=cache))
+        build(backend, digits["model"], plan, tmp_path / (name + ".onnx"))
+        return read_cache(cache).amax
+
+    whole = ranges("whole")
+    monkeypatch.setattr(ort_backend, "RUN_BYTES", 1)  # one sample per run
+    assert ranges("sliced") == whole

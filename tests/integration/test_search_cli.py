@@ -62,7 +62,7 @@ def test_search_text_report(capsys, fp16_max):
     code, out, _ = cli(capsys, "search", fp16_max, "--fp16", "--mode", "bisect",
                        "--val-range", "x:[1,2]", "--check-error-stat", "median", "-q")
     assert code == 0
-    assert "--layer-precisions Add:float32 MatMul_0:float32 Sub:float32" in out
+    assert "--layer-precisions MatMul_0:float32 Add:float32 Sub:float32" in out  # graph order
     assert "[I] Iterations:" in out and "PASS" in out and "FAIL" in out
 
 
@@ -123,3 +123,63 @@ def test_ctrl_c_prints_the_partial_result(tmp_path):
     assert proc.returncode == 130
     doc = json.loads(out)
     assert doc["interrupted"] and doc["partial"] and doc["evaluations"] < 40
+
+
+def _shape_fed_reshape(path):
+    """fp16 overflow behind a Reshape fed by Shape: the instrumented model has outputs whose
+    shape nothing infers (declared type-only)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m"])
+    inits = [numpy_helper.from_array(np.array(2e5, np.float32), "up"),
+             numpy_helper.from_array(np.array(5e-6, np.float32), "down")]
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("Mul", ["r", "up"], ["a"], name="amp"),
+             helper.make_node("Shape", ["a"], ["s"], name="shape"),
+             helper.make_node("ReduceProd", ["s"], ["p"], name="prod", keepdims=1),
+             helper.make_node("Reshape", ["a", "p"], ["f"], name="flat"),
+             helper.make_node("Mul", ["f", "down"], ["g"], name="att"),
+             helper.make_node("Sigmoid", ["g"], ["y"], name="sig")]
+    model = helper.make_model(helper.make_graph(nodes, "reshape", [x], [y], inits),
+                              opset_imports=[helper.make_opsetid("", 13)])
+    return save(model, path)
+
+
+def test_default_search_survives_type_only_outputs_and_reuses_its_ranking(tmp_path, capsys):
+    from agent.cache import EngineCache
+    from agent.fsio import state_dir
+
+    path = _shape_fed_reshape(str(tmp_path / "reshape.onnx"))
+    argv = ["search", path, "--fp16", "--shapes", "x:2x4", "--val-range", "x:[1,2]",
+            "--check-error-stat", "median", "--json", "-q"]
+    code, out, _ = cli(capsys, *argv)
+    doc = json.loads(out)
+    assert code == 0 and doc["passed"] and {"amp", "flat"} & set(doc["keep"])
+    assert not doc["ranking_cached"]
+    # Every engine it published loads (cache verify opens them), and the repeat skips the
+    # instrumented runs.
+    code, out, _ = cli(capsys, "cache", "verify", "--json")
+    assert code == 0 and json.loads(out)["corrupt"] == []
+    code, out, _ = cli(capsys, *argv)
+    again = json.loads(out)
+    assert again["ranking_cached"] and again["keep"] == doc["keep"]
+    # Pre-flight: the host's set is verified with one build.
+    code, out, _ = cli(capsys, *(argv + ["--preflight"]))
+    pre = json.loads(out)
+    assert code == 0 and pre["prediction_passed"] and pre["evaluations"] == 1
+    assert pre["preflight"]["keep"] == doc["keep"] and pre["keep"] == doc["keep"]
+    # A budget smaller than one engine: the command ends with the cache within it.
+    code, out, _ = cli(capsys, *(argv[:-2] + ["--cache-budget", "1", "--json", "-q"]))
+    assert code == 0
+    cache = EngineCache(os.path.join(state_dir(None), "engines"))
+    assert sum(e.size for e in cache.ls()) <= 1
+
+
+def test_compare_generates_inputs_of_the_shapes_asked(tmp_path, capsys):
+    path = _shape_fed_reshape(str(tmp_path / "reshape.onnx"))
+    saved = str(tmp_path / "inputs.npz")
+    code, out, _ = cli(capsys, "compare", path, "--fp16", "--shapes", "x:3x4",
+                       "--save-inputs", saved, "--check-error-stat", "median", "-q")
+    assert golden.load_inputs(saved)[0]["x"].shape == (3, 4)
+    assert "emulated" in out  # host numerics, said so in the report

@@ -83,6 +83,22 @@ def test_fp16_max_with_elementwise_tolerances_also_needs_the_first_flip(env, fp1
     assert r.keep == ["MatMul_0", "Add", "Sub"]
 
 
+def test_preflight_prediction_verified_or_searched(env, fp16_max):
+    path, inputs, goldens = fp16_max
+    plan = BuildPlan("fp16")
+    # The device verifies the host's prediction with one build...
+    r = env.search(path, plan, inputs, goldens, compare_options=MEDIAN,
+                   predicted=["Sub", "Add"])
+    assert r.keep == ["Add", "Sub"] and r.evaluations == 1 and r.prediction_passed
+    # ... and searches when it fails (the failed prediction counts as an evaluation).
+    r = env.search(path, plan, inputs, goldens, compare_options=MEDIAN, predicted=["Add"])
+    assert r.prediction_passed is False and r.keep == ["Add", "Sub"] and r.evaluations >= 2
+    for bad, code in ((["Nope"], "unknown_layer"), ("Add", "bad_argument")):
+        with pytest.raises(AgentError) as err:
+            env.search(path, plan, inputs, goldens, compare_options=MEDIAN, predicted=bad)
+        assert err.value.code == code
+
+
 @pytest.mark.parametrize("mode,direction,keep", [
     ("bisect", "forward", ["MatMul_0", "Add", "Sub"]),
     ("bisect", "reverse", ["Add", "Sub", "MatMul_1"]),
@@ -115,11 +131,18 @@ def test_planted_fp16_pairs_at_several_depths(env):
         assert set(culprits) <= set(found[mode].keep)
         assert len(found[mode].keep) > 4 * k
     assert found["linear"].evaluations > minimal.evaluations
-    # Without the instrumented ranking: the same answer, within the group-testing bound.
+    assert minimal.one_minimal and minimal.evaluations <= 2 * found["bisect"].evaluations + 4
+    # Without the instrumented ranking the bounded default keeps no more than bisect...
+    bounded = env.search(path, BuildPlan("fp16"), inputs, goldens, compare_options=opts,
+                         instrument=False)
+    assert set(culprits) <= set(bounded.keep)
+    assert len(bounded.keep) <= len(found["bisect"].keep)
+    assert bounded.evaluations <= 2 * found["bisect"].evaluations + 4
+    # ... and with a larger budget it shrinks to the same answer (group testing).
     unranked = env.search(path, BuildPlan("fp16"), inputs, goldens, compare_options=opts,
-                          instrument=False)
+                          instrument=False, max_evaluations=200)
     assert sorted(unranked.keep) == sorted(culprits)
-    assert unranked.evaluations <= k * math.log2(n) + 2 * k + 3
+    assert unranked.evaluations <= k * math.log2(n) + 2 * k + 2 * math.log2(n) + 5
     assert unranked.sensitivity and all(row["kept"] for row in unranked.sensitivity)
 
 

@@ -96,6 +96,8 @@ def test_sqnr_and_cosine():
     assert cosine_similarity(-GOLD, GOLD) == pytest.approx(-1.0)
     assert math.isinf(sqnr_db(GOLD, GOLD))
     assert math.isnan(sqnr_db(np.array([np.inf]), np.array([1.0])))
+    # A golden of about 0: no SQNR (it would read -160 dB on a row that passes).
+    assert sqnr_db(np.full(10, 1e-8), np.full(10, 1e-16)) is None
 
 
 def test_top1_agreement():

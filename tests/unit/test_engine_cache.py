@@ -142,6 +142,21 @@ def test_verify_reports_and_drops_corrupt_entries(tmp_path):
     assert [e.key for e in cache.ls()] == [good]
 
 
+def test_verify_with_a_loader_drops_engines_that_do_not_load(tmp_path):
+    # Intact bytes (digests match) that the backend named in meta.json cannot open; an entry
+    # of a backend that is not importable here is checked by its digests only.
+    cache = EngineCache(str(tmp_path))
+    ort_info = {"fingerprints": {"backend": {"backend": "onnxruntime"}}}
+    bad = _put(cache, _hex(4), b"not an onnx model", **ort_info)
+    model = models.fp16_max_model().SerializeToString()
+    _put(cache, _hex(5), model, **ort_info)
+    _put(cache, _hex(6), b"opaque", fingerprints={"backend": {"backend": "tensorrt"}})
+    report = cache.verify(load=cache_mod.engine_loader())
+    assert report["checked"] == 3 and report["ok"] == 2
+    assert [c["key"] for c in report["corrupt"]] == [bad.key]
+    assert "does not load" in report["corrupt"][0]["problem"]
+
+
 class Clock(object):
     def __init__(self):
         self.now = 1000000.0

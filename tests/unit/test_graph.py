@@ -138,6 +138,9 @@ def test_resolve_precisions():
     with pytest.raises(AgentError) as err:
         graph.resolve_precisions(m, "fp16", {"Add": "float32"})
     assert err.value.code == "unknown_layer" and "'Add'" in err.value.message
+    with pytest.raises(AgentError) as err:  # a typo: the near names come first
+        graph.resolve_precisions(m, "fp16", {"fc_1": "float32"})
+    assert "such as fc1, fc0" in err.value.message
     _, _, ignored = graph.resolve_precisions(graph.ensure_node_names(shape_model()), "fp16",
                                              {"shape": "float32"})
     assert ignored == ["shape"]
@@ -248,7 +251,18 @@ def test_qdq_keep_fp16_rest_and_old_opsets():
     relu = node(best, "Relu_1")
     assert producer(best, relu.input[0]).op_type == "Cast"
     old = check(graph.to_qdq(graph.ensure_node_names(mlp(opset=11)), AMAX, keep=set()))
-    assert all(not n.attribute for n in old.graph.node if n.op_type == "DequantizeLinear")
+    # Before opset 13 (no DequantizeLinear axis) emulation still quantizes weights per output
+    # channel, as TensorRT does: the dequantized values become fp32 weights.
+    assert not any(n.op_type == "DequantizeLinear" and n.input[0].startswith("w")
+                   for n in old.graph.node)
+    inits = {i.name: numpy_helper.to_array(i) for i in old.graph.initializer}
+    w1 = inits[node(old, "fc1").input[1]]
+    original = numpy_helper.to_array(mlp().graph.initializer[2])
+    step = np.abs(original).max(axis=0) / 127
+    assert w1.dtype == np.float32 and np.all(np.abs(w1 - original) <= step / 2 + 1e-6)
+    typed = graph.to_qdq(graph.ensure_node_names(mlp(opset=11)), AMAX, keep=set(),
+                         emulate=False)
+    assert all(not n.attribute for n in typed.graph.node if n.op_type == "DequantizeLinear")
     missing = graph.to_qdq(base, {"x": 1.0}, keep=set())  # no range for "r": fc1 stays fp32
     assert ops(missing).count("QuantizeLinear") == 1
 

@@ -112,3 +112,24 @@ def test_bad_settings(kwargs):
     with pytest.raises(AgentError) as err:
         RangeCollector(**kwargs)
     assert err.value.code == "bad_argument"
+
+
+def test_entropy_threshold_matches_the_one_candidate_at_a_time_form():
+    from calib.ranges import entropy_threshold_reference
+
+    rng = np.random.RandomState(0)
+    for trial in range(48):
+        n = rng.randint(10, 40000)
+        x = np.abs(rng.standard_normal(n) * rng.uniform(0.1, 3)) ** rng.uniform(0.5, 2)
+        kind = trial % 4
+        if kind == 1:  # rare outliers
+            x = np.concatenate([x, rng.uniform(0, 50, rng.randint(1, 20))])
+        elif kind == 2:  # ReLU-like: half zeros
+            x[: n // 2] = 0
+        elif kind == 3:  # few distinct values: mostly empty bins
+            x = np.round(rng.uniform(0, 5, n))
+        hist = AbsHistogram(2048)
+        hist.add(x)
+        assert entropy_threshold(hist.counts) == entropy_threshold_reference(hist.counts)
+    flat = np.full(512, 10, dtype=np.int64)
+    assert entropy_threshold(flat) == entropy_threshold_reference(flat) == 512
