@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, Iterator, List, Mapping, 
 
 import numpy as np
 
-from agent.backends.base import Progress, no_progress
+from agent.engines.backends.base import Progress, no_progress
 from agent.errors import AgentError
 from agent.fsio import atomic_write
 
@@ -88,7 +88,7 @@ class BatchFeeder(object):
         self.dtypes = dict(dtypes or {})
         self.shapes = {n: tuple(int(d) for d in s) for n, s in (shapes or {}).items()}
         if buffers is None:
-            from agent.backends.cuda_buffers import DeviceBuffers
+            from agent.engines.backends.cuda_buffers import DeviceBuffers
 
             buffers = DeviceBuffers()
         self.buffers = buffers

@@ -23,8 +23,8 @@ Dtypes: data of the same kind as the model input (float64 or float16 for float32
 widening (int or bool for float) is accepted and cast batch by batch; anything else (float for
 an int input, complex, objects) is refused.
 
-Hostile files: headers are read with ``agent.safe_npz`` (no pickles or object arrays; a header
-must declare what the file holds; what an .npz inflates to is capped per file before anything
+Hostile files: headers are read with ``agent.engines.safe_npz`` (no pickles or object arrays; a
+header must declare what the file holds; what an .npz inflates to is capped per file before anything
 is inflated, and members are inflated in bounded chunks), refused as ``bad_calibration_data``.
 
 Worker side: Python >= 3.6.
@@ -39,8 +39,8 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from agent import safe_npz
-from agent.backends.base import TensorSpec
+from agent.engines import safe_npz
+from agent.engines.backends.base import TensorSpec
 from agent.errors import AgentError
 
 NPY_SEPARATORS = "_.-"

@@ -30,7 +30,7 @@ if ROOT not in sys.path:
 
 import numpy as np  # noqa: E402
 
-from agent import golden  # noqa: E402
+from agent.precision import golden  # noqa: E402
 from tests.models import digits_classifier, fp16_max_model  # noqa: E402
 
 FP16_MAX_RANGE = (1.0, 2.0)  # the seed's --val-range x:[1,2]
@@ -76,7 +76,7 @@ def fp32_outputs(model_path: str, feeds: List[Dict[str, np.ndarray]]):
 
 
 def make_fp16_max(out: str) -> Dict[str, Any]:
-    from agent.backends import graph
+    from agent.engines.backends import graph
 
     d = os.path.join(out, "fp16_max")
     model_path = os.path.join(d, "model.onnx")

@@ -22,7 +22,7 @@ if ROOT not in sys.path:
 
 import paho.mqtt.client as paho  # noqa: E402
 
-from agent import protocol  # noqa: E402
+from agent.wire import protocol  # noqa: E402
 
 PLATFORM = {"board": "Simulated Jetson", "backend": "simulated", "precisions": ["fp32", "fp16"]}
 WINDOW = 64

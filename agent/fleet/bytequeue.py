@@ -16,7 +16,7 @@ DROPPABLE = ("/request", "/telemetry")
 
 
 class ByteQueue(object):
-    """``queue.Queue``'s ``put``/``get``/``qsize`` for ``agent.mqtt`` events."""
+    """``queue.Queue``'s ``put``/``get``/``qsize`` for ``agent.wire.mqtt`` events."""
 
     def __init__(self, max_bytes: int = 64 << 20) -> None:
         self.max_bytes = int(max_bytes)

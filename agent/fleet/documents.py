@@ -11,8 +11,8 @@ import time
 import uuid
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
-from agent import protocol
 from agent.errors import AgentError
+from agent.wire import protocol
 
 LAYER_RANK = {"int8": 0, "float16": 1, "float32": 2}
 
@@ -132,8 +132,8 @@ def prepare_rollout(model: str, precision: str, work_dir: str, calib: Optional[s
     role -> local file to serve (a calibration directory is packed into ``work_dir``)."""
     import numpy as np
 
-    from agent import golden
-    from agent.backends import graph
+    from agent.engines.backends import graph
+    from agent.precision import golden
 
     if precision not in ("fp32", "fp16", "int8", "best"):
         raise AgentError("bad_argument", "--precision must be fp32, fp16, int8 or best, found "

@@ -11,10 +11,10 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from agent import protocol
 from agent.fleet.rollout import Action, DocFactory, Rollout
 from agent.fleet.spec import doc_factory, policy_of
 from agent.fleet.store import Store
+from agent.wire import protocol
 
 FINAL_STATE = {"succeeded": "succeeded", "failed": "failed", "aborted": "aborted",
                "halted": "halted", "timed_out": "timed_out", "interrupted": "cancelled",
@@ -120,7 +120,7 @@ def factory_for(store: Store, rollout_id: str, signer: Any = None,
                ) -> Dict[str, Any]:
         # Valid until the rollout's own deadline at least: a device offline for days still
         # runs its job when it returns (the signer's --valid-for is the floor).
-        from agent.signing import sign_document
+        from agent.wire.signing import sign_document
 
         now = signer.clock()
         seq = signer.sequence.next(signer.key_id, int(now * 1000))

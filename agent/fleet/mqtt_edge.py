@@ -1,4 +1,4 @@
-"""The I/O edge of the controller: one MQTT connection (agent.mqtt) per command or service
+"""The I/O edge of the controller: one MQTT connection (agent.wire.mqtt) per command or service
 (``FleetConnection``), and the device directory it fills (``discover``). Rollouts are carried
 out by ``agent.fleet.service``.
 """
@@ -9,9 +9,9 @@ import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
-from agent import protocol
 from agent.errors import AgentError
 from agent.fleet.bytequeue import ByteQueue
+from agent.wire import protocol
 
 log = logging.getLogger("agent.fleet")
 
@@ -49,7 +49,7 @@ class FleetConnection(object):
                  ca_file: Optional[str] = None, protocol_version: str = "v5",
                  connect_timeout: float = 5.0, cert_file: Optional[str] = None,
                  key_file: Optional[str] = None, client_id: Optional[str] = None) -> None:
-        from agent.config import parse_broker_url
+        from agent.device.config import parse_broker_url
 
         parsed = parse_broker_url(broker)
         self.host = parsed[("broker", "host")]
@@ -68,7 +68,7 @@ class FleetConnection(object):
         self._unacked: List[Any] = []
 
     def connect(self) -> "FleetConnection":
-        from agent import mqtt
+        from agent.wire import mqtt
 
         tls = mqtt.TlsOptions(ca_file=self.ca_file, cert_file=self.cert_file,
                               key_file=self.key_file) if self.tls else None
@@ -133,7 +133,7 @@ class FleetConnection(object):
              ) -> bool:
         """Handle events for up to ``timeout`` s; True if a SUBSCRIBED event was among them.
         Status and telemetry messages update ``directory`` before ``on_message`` sees them."""
-        from agent import mqtt
+        from agent.wire import mqtt
 
         subscribed = False
         deadline = time.monotonic() + timeout

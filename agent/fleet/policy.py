@@ -12,8 +12,8 @@ import fnmatch
 import math
 from typing import Iterable, List, NamedTuple, Optional, Sequence
 
-from agent import protocol
 from agent.errors import AgentError
+from agent.wire import protocol
 
 FAILURE_STATES = frozenset(("FAILED", "REJECTED", "TIMED_OUT"))
 EXECUTED_STATES = FAILURE_STATES | {"SUCCEEDED"}

@@ -7,10 +7,10 @@ the search found. Pure: no I/O, the clock is injected.
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-from agent import protocol
 from agent.errors import AgentError
 from agent.fleet.documents import layers_above
 from agent.fleet.policy import Policy, abort_reason, check_policy, stage_verdict
+from agent.wire import protocol
 
 PENDING = "PENDING"  # controller side: the device's stage has not started yet
 SEARCH_SUFFIX = ".search"

@@ -18,12 +18,12 @@ import socket
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from agent import protocol
 from agent.errors import AgentError
 from agent.fleet import durable
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
+from agent.wire import protocol
 
 log = logging.getLogger("agent.fleet")
 
@@ -36,7 +36,7 @@ class FleetService(object):
                  instance: Optional[str] = None, only: Optional[Sequence[str]] = None,
                  share_group: Optional[str] = None, lease_s: float = LEASE_S,
                  http_base: Optional[str] = None, http_min_bytes: int = 0) -> None:
-        from agent.block_server import BlockServer
+        from agent.wire.block_server import BlockServer
 
         self.store = store
         self.conn = conn

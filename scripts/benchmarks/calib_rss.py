@@ -28,8 +28,8 @@ SHARD_SAMPLES = 8192
 CHILD = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
-from agent.backends.base import BuildPlan, CalibrationSettings
-from agent.backends.onnxruntime import create
+from agent.engines.backends.base import BuildPlan, CalibrationSettings
+from agent.engines.backends.onnxruntime import create
 model, data, engine, hold = sys.argv[2:6]
 if hold == "hold":  # the control: what keeping the whole dataset in memory costs
     import numpy as np

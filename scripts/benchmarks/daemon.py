@@ -6,7 +6,7 @@
   costs).
 - Transfer: a random artifact of TRANSFER_MB MiB fetched by the daemon in 128 KiB blocks
   (requests with a want-bitmap, QoS 1, written and fsync'd into the store, verified by sha256)
-  from a controller serving it with agent.transfer.BlockServer, timed from the job document to
+  from a controller serving it with agent.wire.transfer.BlockServer, timed from the job document to
   the verified file in the store. Baseline: the same bytes as one message from ``mosquitto_pub``
   to ``mosquitto_sub`` through the same broker (no blocks, no resume, no verification).
 """
@@ -123,8 +123,8 @@ def _start_agent(workdir, port):
 
 class _Controller:
     def __init__(self, port):
-        from agent import mqtt, protocol
-        from agent.transfer import BlockServer
+        from agent.wire import mqtt, protocol
+        from agent.wire.transfer import BlockServer
 
         self.mqtt, self.protocol = mqtt, protocol
         self.topics = protocol.Topics()

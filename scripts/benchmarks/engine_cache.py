@@ -41,10 +41,10 @@ def _prepare(tmp):
 
 
 def _in_process(model, calib, tmp):
-    from agent import engine
-    from agent.backends.base import BuildPlan, CalibrationSettings
-    from agent.backends.onnxruntime import create
-    from agent.cache import EngineCache
+    from agent.engines import build as engine
+    from agent.engines.backends.base import BuildPlan, CalibrationSettings
+    from agent.engines.backends.onnxruntime import create
+    from agent.engines.cache import EngineCache
 
     plan = BuildPlan("int8", calibration=CalibrationSettings(data=calib, batch_size=32))
     backend = create()

@@ -1,7 +1,7 @@
 """Artifact transfer to a real daemon, as the fleet service sends it, against the raw broker.
 
 A random artifact of TRANSFER_MB MiB (scripts/benchmarks/daemon.py's set-up: a local
-Mosquitto, ``jetson-agent run``, a controller with ``agent.block_server.BlockServer``), timed
+Mosquitto, ``jetson-agent run``, a controller with ``agent.wire.block_server.BlockServer``), timed
 from the job document to the verified file in the device's store:
 
 - over MQTT blocks (the device listens on the artifact's shared fan-out topic and says so;
@@ -34,7 +34,7 @@ def _daemon_bench():
 
 
 def _transfer(bd, workdir, ctl, index, http=None):
-    from agent.block_server import block_digests
+    from agent.wire.block_server import block_digests
 
     size = bd.TRANSFER_MB << 20
     path = os.path.join(workdir, "fleet-artifact-{}.bin".format(index))

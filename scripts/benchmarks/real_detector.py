@@ -117,11 +117,11 @@ def run():
     if path is None:
         return [{"name": "real detector (ddddocr not installed)", "ours": None,
                  "baseline": None, "goal": "pip install --no-deps ddddocr"}]
-    from agent import golden
-    from agent.backends.base import BuildPlan, CalibrationSettings
-    from agent.backends.onnxruntime import create
-    from agent.cache import EngineCache
-    from agent.searcher import run_search
+    from agent.engines.backends.base import BuildPlan, CalibrationSettings
+    from agent.engines.backends.onnxruntime import create
+    from agent.engines.cache import EngineCache
+    from agent.precision import golden
+    from agent.precision.searcher import run_search
 
     work = tempfile.mkdtemp(prefix="bench-det-")
     rows = []

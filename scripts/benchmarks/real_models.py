@@ -46,8 +46,8 @@ STRICT = {"atol": 1e-3, "rtol": 1e-3}
 CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
-from agent.backends.base import BuildPlan, CalibrationSettings
-from agent.backends.onnxruntime import create
+from agent.engines.backends.base import BuildPlan, CalibrationSettings
+from agent.engines.backends.onnxruntime import create
 model, data, engine = sys.argv[2:5]
 plan = BuildPlan("int8", calibration=CalibrationSettings(data=data, batch_size=8))
 t = time.perf_counter()
@@ -117,11 +117,11 @@ def run():
     if path is None:
         return [{"name": "real models (captcha-whisperer not installed)", "ours": None,
                  "baseline": None, "goal": "pip install captcha-whisperer"}]
-    from agent import golden
-    from agent.backends.base import BuildPlan, CalibrationSettings
-    from agent.backends.onnxruntime import create
-    from agent.cache import EngineCache
-    from agent.searcher import run_search
+    from agent.engines.backends.base import BuildPlan, CalibrationSettings
+    from agent.engines.backends.onnxruntime import create
+    from agent.engines.cache import EngineCache
+    from agent.precision import golden
+    from agent.precision.searcher import run_search
 
     work = tempfile.mkdtemp(prefix="bench-real-")
     rows = []

@@ -30,12 +30,12 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from agent import golden  # noqa: E402
-from agent.backends import graph  # noqa: E402
-from agent.backends.base import BuildPlan  # noqa: E402
-from agent.backends.onnxruntime import create  # noqa: E402
-from agent.cache import EngineCache  # noqa: E402
-from agent.searcher import run_search  # noqa: E402
+from agent.engines.backends import graph  # noqa: E402
+from agent.engines.backends.base import BuildPlan  # noqa: E402
+from agent.engines.backends.onnxruntime import create  # noqa: E402
+from agent.engines.cache import EngineCache  # noqa: E402
+from agent.precision import golden  # noqa: E402
+from agent.precision.searcher import run_search  # noqa: E402
 from tests.planted import plant_amplify_pairs  # noqa: E402
 
 SIZE = 32  # input height/width

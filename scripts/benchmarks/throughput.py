@@ -1,6 +1,6 @@
 """`jetson-agent bench`'s measurement vs a plain onnxruntime loop, on the same engine.
 
-Ours: ``agent.bench.benchmark`` on the onnxruntime backend's Runner (input checks, output
+Ours: ``agent.engines.bench.benchmark`` on the onnxruntime backend's Runner (input checks, output
 dict, one clock read per iteration). Baseline: ``InferenceSession.run`` in a bare loop with
 the same session threads, timed once around the loop. Both run the same engine file (the
 digits MLP, trained on scikit-learn's digits, built fp32 through the engine cache) on the same
@@ -31,10 +31,10 @@ ROUND_SECONDS = 0.05
 
 
 def _engine(tmp):
-    from agent.backends.base import BuildPlan
-    from agent.backends.onnxruntime import create
-    from agent.cache import EngineCache
-    from agent.engine import build_engine
+    from agent.engines.backends.base import BuildPlan
+    from agent.engines.backends.onnxruntime import create
+    from agent.engines.build import build_engine
+    from agent.engines.cache import EngineCache
     from tests import models
 
     with warnings.catch_warnings():
@@ -70,8 +70,8 @@ class _BareSession(object):
 def compare(engine, x, batch, bare=False):
     import onnxruntime as ort
 
-    from agent.backends.onnxruntime import create
-    from agent.bench import benchmark
+    from agent.engines.backends.onnxruntime import create
+    from agent.engines.bench import benchmark
 
     feeds = {"input": np.ascontiguousarray(np.resize(x, (batch, x.shape[1])))}
     options = ort.SessionOptions()

@@ -110,8 +110,8 @@ class WireRecorder(object):
     def __init__(self, broker_port: int) -> None:
         import queue
 
-        from agent.mqtt import MqttClient
-        from agent.protocol import Topics
+        from agent.wire.mqtt import MqttClient
+        from agent.wire.protocol import Topics
 
         self.topics = Topics()
         self.client = MqttClient("demo-recorder", "127.0.0.1", broker_port, clean_start=True,
@@ -127,8 +127,8 @@ class WireRecorder(object):
     def _pump(self) -> None:
         import queue
 
-        from agent import mqtt
         from agent.errors import AgentError
+        from agent.wire import mqtt
 
         while not self._stop:
             try:
@@ -247,7 +247,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         wait_accepting(port, children.start("mosquitto", [mosquitto_binary(), "-c", conf]))
         recorder = WireRecorder(port)
         # A throw-away signing key: the agents run only jobs signed with it (docs/security.md).
-        from agent import signing
+        from agent.wire import signing
 
         key = signing.generate_keypair(os.path.join(workdir, "keys"), "demo")
         agent_conf = os.path.join(workdir, "agent.yaml")

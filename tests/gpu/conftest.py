@@ -14,7 +14,7 @@ def cuda_device():
         pytest.skip("CUDA is not usable here: {}".format(exc))
     if count == 0:
         pytest.skip("no CUDA device")
-    from agent.backends.cuda_buffers import CudaContext
+    from agent.engines.backends.cuda_buffers import CudaContext
 
     ctx = CudaContext(0)
     try:
@@ -25,7 +25,7 @@ def cuda_device():
 
 @pytest.fixture(scope="session")
 def cuda_context_info(cuda_device):
-    from agent.backends.cuda_buffers import CudaContext, driver_version
+    from agent.engines.backends.cuda_buffers import CudaContext, driver_version
 
     with CudaContext(0) as ctx:
         return {"name": ctx.name(), "cc": ctx.compute_capability(), "driver": driver_version()}

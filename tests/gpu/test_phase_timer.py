@@ -12,7 +12,7 @@ SHAPE = (1024, 1024, 4)  # 16 MiB of float32: copies long enough for the events 
 
 
 def test_phases_of_real_copies_and_device_work(cuda_device):
-    from agent.backends.cuda_buffers import EventTimer, IOBuffers
+    from agent.engines.backends.cuda_buffers import EventTimer, IOBuffers
 
     io = IOBuffers()
     timer = EventTimer(io.stream)
@@ -45,7 +45,7 @@ def test_phases_of_real_copies_and_device_work(cuda_device):
 
 def test_phases_with_nothing_queued_are_not_negative(cuda_device):
     """Empty phases (a zero-size tensor copies nothing) read as ~0, never as an error."""
-    from agent.backends.cuda_buffers import EventTimer, IOBuffers
+    from agent.engines.backends.cuda_buffers import EventTimer, IOBuffers
 
     io = IOBuffers()
     timer = EventTimer(io.stream)

@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from agent.backends.base import TensorSpec
+from agent.engines.backends.base import TensorSpec
 from agent.errors import AgentError
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def test_context_reports_the_device(cuda_context_info):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_device_buffers_round_trip_every_shape(cuda_device, dtype):
-    from agent.backends.cuda_buffers import DeviceBuffers
+    from agent.engines.backends.cuda_buffers import DeviceBuffers
 
     buffers = DeviceBuffers()
     try:
@@ -51,7 +51,7 @@ def test_device_buffers_round_trip_every_shape(cuda_device, dtype):
 
 
 def test_device_buffers_cast_non_contiguous_and_grow(cuda_device):
-    from agent.backends.cuda_buffers import DeviceBuffers
+    from agent.engines.backends.cuda_buffers import DeviceBuffers
 
     buffers = DeviceBuffers()
     try:
@@ -77,7 +77,7 @@ def test_device_buffers_cast_non_contiguous_and_grow(cuda_device):
 def test_io_buffers_host_device_host(cuda_device, dtype):
     """Runner I/O: pinned input -> device, device-side copy (stands in for the engine) into an
     output buffer, device -> pinned output, all on one stream."""
-    from agent.backends.cuda_buffers import IOBuffers
+    from agent.engines.backends.cuda_buffers import IOBuffers
 
     cuda = cuda_device
     io = IOBuffers()
@@ -162,7 +162,7 @@ def test_batch_feeder_refuses_a_batch_of_the_wrong_size(cuda_device):
 
 
 def test_event_timer_times_queued_work(cuda_device):
-    from agent.backends.cuda_buffers import EventTimer, IOBuffers
+    from agent.engines.backends.cuda_buffers import EventTimer, IOBuffers
 
     io = IOBuffers()
     try:

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_close_drops_every_reference_to_stream_and_events(cuda_device):
-    from agent.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
+    from agent.engines.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
 
     with CudaContext(0):
         buffers = IOBuffers()
@@ -35,7 +35,7 @@ def test_close_drops_every_reference_to_stream_and_events(cuda_device):
 
 
 def test_no_cleanup_warning_after_the_context_is_gone(cuda_device, capfd):
-    from agent.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
+    from agent.engines.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
 
     ctx = CudaContext(0)
     buffers = IOBuffers()
@@ -50,7 +50,7 @@ def test_no_cleanup_warning_after_the_context_is_gone(cuda_device, capfd):
 
 
 def test_a_closed_timer_and_buffers_refuse_work(cuda_device):
-    from agent.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
+    from agent.engines.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
 
     with CudaContext(0):
         buffers = IOBuffers()

@@ -174,8 +174,8 @@ class AgentProcess:
             return ""
 
     def journal(self):
-        from agent.daemon import journal_path
-        from agent.journal import Journal
+        from agent.device.daemon import journal_path
+        from agent.device.journal import Journal
 
         return Journal(journal_path(self.state_dir))
 
@@ -205,19 +205,19 @@ class AgentProcess:
 
 class Controller:
     """What a fleet controller does, minimally: serve artifact blocks, send jobs and commands,
-    record device, job and telemetry messages. Uses agent.mqtt and agent.transfer."""
+    record device, job and telemetry messages. Uses agent.wire.mqtt and agent.wire.transfer."""
 
     def __init__(self, broker, device="dev1", signer=None, **client_kwargs):
         import queue
         import threading
         import uuid
 
-        from agent.mqtt import MqttClient
-        from agent.protocol import Topics
-        from agent.transfer import BlockServer
+        from agent.wire.mqtt import MqttClient
+        from agent.wire.protocol import Topics
+        from agent.wire.transfer import BlockServer
 
         self.device = device
-        self.signer = signer  # agent.signing.Signer: send_job signs the documents
+        self.signer = signer  # agent.wire.signing.Signer: send_job signs the documents
         self.topics = Topics()
         self.client = MqttClient("ctl-" + uuid.uuid4().hex[:8], broker.host, broker.port,
                                  reconnect_min=0.2, reconnect_max=1.0, events=queue.Queue(),
@@ -251,7 +251,7 @@ class Controller:
     def _pump(self):
         import queue
 
-        from agent import mqtt, protocol
+        from agent.wire import mqtt, protocol
 
         while not self._stop:
             try:
@@ -295,7 +295,7 @@ class Controller:
                 "name": name or os.path.basename(str(path))}
 
     def send_job(self, doc, retain=True):
-        from agent import protocol
+        from agent.wire import protocol
 
         doc = dict(doc)
         doc.setdefault("protocol", 1)
@@ -311,7 +311,7 @@ class Controller:
         return self.client.publish(topic, payload, qos=qos, retain=retain)
 
     def command(self, cmd):
-        from agent import protocol
+        from agent.wire import protocol
 
         cmd = dict(cmd)
         cmd.setdefault("protocol", 1)

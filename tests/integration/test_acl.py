@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 
-from agent import protocol
 from agent.errors import AgentError
-from agent.mqtt import CONNECT_FAILED, MESSAGE, MqttClient, TlsOptions, Will
+from agent.wire import protocol
+from agent.wire.mqtt import CONNECT_FAILED, MESSAGE, MqttClient, TlsOptions, Will
 from tests.integration.conftest import MOSQUITTO
 from tests.integration.pki import FleetBroker, Pki, write_passwords
 
@@ -28,7 +28,7 @@ DEV = T.prefix + "/devices/"
 
 
 class Client(object):
-    """An agent.mqtt client that records every message it receives."""
+    """An agent.wire.mqtt client that records every message it receives."""
 
     def __init__(self, broker, user, password=None, mqtt="v5", will=None, subscribe=()):
         self.user = user
@@ -214,7 +214,7 @@ def test_a_real_agent_works_under_the_acl(fleet_broker, tmp_path, digits_files):
     """Everything the protocol needs is granted: birth and Will, job documents, block
     requests and blocks, job statuses, telemetry, commands and replies. The password comes
     from a credentials file ($CREDENTIALS_DIRECTORY, as systemd's LoadCredential= gives it)."""
-    from agent import signing
+    from agent.wire import signing
     from tests.integration.conftest import AgentProcess, Controller
 
     keys = signing.generate_keypair(str(tmp_path / "keys"), "fleet")
@@ -301,7 +301,7 @@ def test_a_device_can_take_neither_another_devices_client_id_nor_its_session(cer
     """The shipped config binds the client id to the certificate (use_username_as_clientid):
     device B connecting with device A's client id gets a session of its own, so it neither
     knocks A off nor resumes A's session and the jobs queued in it."""
-    from agent.mqtt import CONNECTED, DISCONNECTED, SUBSCRIBED
+    from agent.wire.mqtt import CONNECTED, DISCONNECTED, SUBSCRIBED
 
     job_topic = T.job("dev-a", "queued-for-a")
     a = _persistent(cert_broker, "dev-a", "dev-a", subscribe=[DEV + "dev-a/jobs/+"])

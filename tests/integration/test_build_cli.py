@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import pytest
 
-from agent.backends.onnxruntime import create as create_ort
+from agent.engines.backends.onnxruntime import create as create_ort
 from tests import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -50,10 +50,10 @@ def test_the_daemons_cache_from_its_config_with_budget_and_names(tmp_path):
 
 def test_a_jobs_model_keeps_its_name_in_the_cache(tmp_path):
     # The daemon's worker stages every model as model.onnx and passes the artifact's name.
-    from agent.backends.base import BuildPlan
-    from agent.backends.onnxruntime import create
-    from agent.cache import EngineCache
-    from agent.engine import build_engine
+    from agent.engines.backends.base import BuildPlan
+    from agent.engines.backends.onnxruntime import create
+    from agent.engines.build import build_engine
+    from agent.engines.cache import EngineCache
 
     cache = EngineCache(str(tmp_path / "engines"))
     record = build_engine(FP16_MAX, BuildPlan(precision="fp32"), create(), cache,

@@ -90,7 +90,7 @@ def test_bench_batch_is_honoured_or_refused(tmp_path):
 
 def test_bench_builds_a_tensorrt_engine_for_the_batch_it_measures():
     # trtexec's --shapes=input:8x64: a profile of exactly the measured batch, unless given.
-    from agent.commands.bench import batch_shapes
+    from agent.cli.bench import batch_shapes
 
     assert batch_shapes(DIGITS, 8, []) == ["input:8x64"]
     assert batch_shapes(DIGITS, 8, ["input:1x64,8x64,32x64"]) == []

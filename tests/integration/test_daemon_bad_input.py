@@ -9,8 +9,8 @@ fallback that is reported, an artifact over the size limit, and a worker that cr
 import os
 import stat
 
-from agent import protocol
-from agent.daemon import describe_exit, fit_result
+from agent.device.daemon import describe_exit, fit_result
+from agent.wire import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NANO = os.path.join(ROOT, "tests", "fixtures", "platforms", "nano")

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from agent import protocol
+from agent.wire import protocol
 
 
 def deep_mlp(layers=40, width=128, seed=0):

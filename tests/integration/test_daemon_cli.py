@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from agent import protocol
 from agent.cli import main
+from agent.wire import protocol
 
 from .conftest import Broker, free_port
 

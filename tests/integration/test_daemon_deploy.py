@@ -6,7 +6,7 @@ identical job is an engine-cache hit and downloads nothing.
 """
 
 
-from agent import protocol
+from agent.wire import protocol
 
 GATE = {"atol": 0.5, "rtol": 0.5, "check_error_stat": "mean", "min_top1": 0.9}
 

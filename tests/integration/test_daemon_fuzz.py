@@ -7,8 +7,8 @@ import random
 import sqlite3
 import time
 
-from agent import protocol
-from agent.daemon import journal_path
+from agent.device.daemon import journal_path
+from agent.wire import protocol
 from tests.integration.fuzzing import WEIRD_VALUES, mutate_bytes, mutate_doc
 
 N_PAYLOADS = 2500

@@ -1,4 +1,4 @@
-"""agent.mqtt against a real Mosquitto: MQTT v5 and 3.1.1, acknowledged publishes (the outbox
+"""agent.wire.mqtt against a real Mosquitto: MQTT v5 and 3.1.1, acknowledged publishes (the outbox
 relies on them), subscriptions restored after a broker restart, the Will on a dropped
 connection, v5 request/response properties, and a clear error for an unreachable broker."""
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from agent.errors import AgentError
-from agent.mqtt import (
+from agent.wire.mqtt import (
     CONNECT_FAILED,
     CONNECTED,
     MESSAGE,

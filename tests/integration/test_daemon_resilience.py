@@ -6,8 +6,8 @@ the store or the cache, and no status is lost (the outbox drains to zero)."""
 import os
 import time
 
-from agent import protocol
-from agent.cache import EngineCache
+from agent.engines.cache import EngineCache
+from agent.wire import protocol
 
 # Small blocks and a small window: the transfer spans many requests, so it can be cut.
 SMALL_BLOCKS = "transfer:\n  block_size: 1024\n  window: 8\n  timeout_s: 2\n"

@@ -87,7 +87,7 @@ def test_backend_that_does_not_import_is_warned_once_and_not_advertised(
     assert "scripts/install-jetson" in final["error"]["message"]  # not a host's hint
     assert not controller.requests  # rejected before any download
     assert agent.stop() == 0
-    assert agent.log_tail(100000).count("agent.daemon: backend tensorrt is not usable") == 1
+    assert agent.log_tail(100000).count("agent.device.daemon: backend tensorrt is not usable") == 1
 
 
 def test_a_succeeded_job_is_in_no_stage_and_its_model_keeps_its_name(

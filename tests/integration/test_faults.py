@@ -32,9 +32,9 @@ import time
 import numpy as np
 import pytest
 
-from agent import protocol, signing
-from agent.cache import EngineCache
-from agent.daemon import journal_path
+from agent.device.daemon import journal_path
+from agent.engines.cache import EngineCache
+from agent.wire import protocol, signing
 from tests.integration.fuzzing import WEIRD_VALUES, mutate_bytes, mutate_doc
 
 KILLS = int(os.environ.get("JETSON_AGENT_FAULT_KILLS", "20"))
@@ -933,7 +933,7 @@ def test_a_client_id_takeover_is_surfaced(fleet, mosquitto, keys, signer, digits
     its log and in ``status``, reconnects, and works on once the intruder is gone."""
     import queue
 
-    from agent.mqtt import DISCONNECTED, MqttClient
+    from agent.wire.mqtt import DISCONNECTED, MqttClient
 
     controller, make_agent = fleet
     MODEL[:] = [digits_files["model"]]

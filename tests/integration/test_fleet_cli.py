@@ -7,8 +7,9 @@ import subprocess
 import sys
 import threading
 
-from agent import fleet, protocol
+from agent import fleet
 from agent.cli import main
+from agent.wire import protocol
 from tests.integration.conftest import free_port
 from tests.integration.test_fleet_rollout import DIGITS, FP16, ROOT, wait_status
 

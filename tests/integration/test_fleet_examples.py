@@ -8,8 +8,9 @@ import sys
 
 import numpy as np
 
-from agent import fleet, golden
-from agent.backends import graph
+from agent import fleet
+from agent.engines.backends import graph
+from agent.precision import golden
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLES = os.path.join(ROOT, "examples")

@@ -304,8 +304,8 @@ def test_artifacts_over_http_from_the_service(mosquitto, agent_factory, tmp_path
 
 def test_an_artifact_url_named_by_the_operator(mosquitto, agent_factory, tmp_path):
     """``--artifact-url model=URL`` (a CDN, an object store): the device fetches it there."""
-    from agent.block_server import sha256_file
     from agent.fleet.http_source import HttpSource
+    from agent.wire.block_server import sha256_file
 
     model = os.path.join(FP16, "model.onnx")
     sha = sha256_file(model)

@@ -5,10 +5,11 @@ leases between two service instances."""
 
 import pytest
 
-from agent import fleet, protocol
+from agent import fleet
 from agent.errors import AgentError
 from agent.fleet import durable
 from agent.fleet.store import Store
+from agent.wire import protocol
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 
 
@@ -114,7 +115,7 @@ def test_leases_pass_to_another_instance_only_when_they_expire(store):
 def test_signed_documents_stay_valid_until_the_rollouts_deadline(store, tmp_path):
     import time
 
-    from agent import signing
+    from agent.wire import signing
 
     keys = signing.generate_keypair(str(tmp_path / "keys"), "k")
     signer = signing.Signer(keys["private_key"], str(tmp_path / "seq.json"), validity_s=3600)

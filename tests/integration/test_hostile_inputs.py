@@ -23,7 +23,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from agent import model_check, protocol
+from agent.engines import model_check
+from agent.wire import protocol
 from tests import bombs
 
 GENUINE_S = 30
@@ -163,7 +164,7 @@ def test_external_data_naming_the_workers_files_is_refused(controller, agent_fac
         genuine(controller, genuine_model, job_id)
     # The same graph with its weights inside deploys, and its cached engine names no file.
     path, _ = bombs.external_data_model(tmp_path / "whole")
-    from agent.backends import graph
+    from agent.engines.backends import graph
 
     whole = tmp_path / "whole.onnx"
     whole.write_bytes(graph.load_model(path).SerializeToString())

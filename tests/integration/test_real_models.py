@@ -13,8 +13,8 @@ import sys
 import numpy as np
 import pytest
 
-from agent.backends.base import BuildPlan
-from agent.backends.onnxruntime import create
+from agent.engines.backends.base import BuildPlan
+from agent.engines.backends.onnxruntime import create
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "scripts", "benchmarks"))

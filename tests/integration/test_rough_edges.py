@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from agent import telemetry_view
+from agent.cli import telemetry_view
 from agent.progress import ProgressBar
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,7 +67,7 @@ def test_search_prints_its_answer_once(tmp_path):
                "--load-inputs", os.path.join(FP16_MAX, "inputs.json"), "--load-outputs",
                os.path.join(FP16_MAX, "golden.json"), state=tmp_path)
     assert proc.stdout.count("--layer-precisions") == 1, proc.stdout
-    from agent.commands.search import format_result
+    from agent.cli.search import format_result
 
     stopped = {"mode": "linear", "direction": "forward", "precision": "fp16", "candidates": 4,
                "keep_precision": "float32", "evaluations": 2, "builds": 2, "cache_hits": 0,
@@ -107,7 +107,7 @@ def test_telemetry_has_units_and_a_table():
 
 @pytest.mark.parametrize("metrics", [{}, {"cpu_percent": 1.0, "odd_new_key": 3}])
 def test_fleet_telemetry_prints_a_table(capsys, metrics):
-    from agent.commands.fleet import _print_telemetry
+    from agent.cli.fleet import _print_telemetry
 
     _print_telemetry({"device": "nano-1", "ts": 0, "source": "jtop", "metrics": metrics}, False)
     out = capsys.readouterr().out.splitlines()
@@ -117,7 +117,7 @@ def test_fleet_telemetry_prints_a_table(capsys, metrics):
 
 
 def test_fleet_devices_column_uses_the_keys_the_daemon_sends():
-    from agent.commands.fleet import telemetry_summary
+    from agent.cli.fleet import telemetry_summary
 
     metrics = {"cpu_percent": 3.0, "gpu_percent": 50.0, "ram_fraction": 0.5,
                "temp_gpu_c": 40.0, "power_total_mw": 5000, "jetson_clocks": None}

@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from agent import golden
 from agent.cli import main
+from agent.precision import golden
 from tests.models import fp16_max_model, save
 from tests.planted import fp16_chain
 
@@ -147,7 +147,7 @@ def _shape_fed_reshape(path):
 
 
 def test_default_search_survives_type_only_outputs_and_reuses_its_ranking(tmp_path, capsys):
-    from agent.cache import EngineCache
+    from agent.engines.cache import EngineCache
     from agent.fsio import state_dir
 
     path = _shape_fed_reshape(str(tmp_path / "reshape.onnx"))

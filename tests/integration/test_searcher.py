@@ -7,13 +7,13 @@ import os
 import numpy as np
 import pytest
 
-from agent import golden
-from agent.backends import graph
-from agent.backends.base import BuildPlan, CalibrationSettings
-from agent.backends.onnxruntime import create
-from agent.cache import EngineCache
+from agent.engines.backends import graph
+from agent.engines.backends.base import BuildPlan, CalibrationSettings
+from agent.engines.backends.onnxruntime import create
+from agent.engines.cache import EngineCache
 from agent.errors import AgentError
-from agent.searcher import run_search
+from agent.precision import golden
+from agent.precision.searcher import run_search
 from tests.models import fp16_max_model, save
 from tests.planted import fp16_chain, int8_outlier_chain
 

@@ -14,9 +14,9 @@ import uuid
 
 import pytest
 
-from agent import protocol, signing
 from agent.errors import AgentError
-from agent.mqtt import CONNECT_FAILED, MqttClient, TlsOptions
+from agent.wire import protocol, signing
+from agent.wire.mqtt import CONNECT_FAILED, MqttClient, TlsOptions
 from tests.integration.conftest import MOSQUITTO, ROOT, AgentProcess
 from tests.integration.pki import FleetBroker, Pki
 

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from agent import bench
-from agent.backends.base import TensorSpec
+from agent.engines import bench
+from agent.engines.backends.base import TensorSpec
 from agent.errors import AgentError
 
 

@@ -8,7 +8,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from agent.backends.base import TensorSpec
+from agent.engines.backends.base import TensorSpec
 from agent.errors import AgentError
 from calib.dataset import CalibrationDataset
 

@@ -4,7 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from agent.compare import (
+from agent.errors import AgentError
+from agent.precision.compare import (
     EPSILON,
     compare_arrays,
     compare_outputs,
@@ -13,7 +14,6 @@ from agent.compare import (
     sqnr_db,
     top1_agreement,
 )
-from agent.errors import AgentError
 
 GOLD = np.array([1.0, 2.0, 4.0, 8.0], dtype=np.float32)
 

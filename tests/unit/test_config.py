@@ -1,8 +1,8 @@
-"""agent.config: defaults, file, env and flag layers; errors that name key and line."""
+"""agent.device.config: defaults, file, env and flag layers; errors that name key and line."""
 
 import pytest
 
-from agent import config
+from agent.device import config
 from agent.errors import AgentError
 
 

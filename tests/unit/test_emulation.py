@@ -1,13 +1,14 @@
-"""TensorRT's build-time rewrites before emulated reduced precision (agent.backends.emulation)."""
+"""TensorRT's build-time rewrites before emulated reduced precision
+(agent.engines.backends.emulation)."""
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from agent.backends import emulation, graph
-from agent.backends.base import BuildPlan
-from agent.backends.onnxruntime import create
+from agent.engines.backends import emulation, graph
+from agent.engines.backends.base import BuildPlan
+from agent.engines.backends.onnxruntime import create
 
 
 def conv_bn(opset=13, var=1e8, constant_stats=True):
@@ -141,7 +142,7 @@ def test_fused_activation_input_is_not_rounded():
 
 
 def test_int8_that_quantizes_nothing_says_so(tmp_path):
-    from agent.backends.base import CalibrationSettings
+    from agent.engines.backends.base import CalibrationSettings
 
     g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "relu",
                           [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],

@@ -11,11 +11,11 @@ import warnings
 import numpy as np
 import pytest
 
-from agent import cache as cache_mod
-from agent.backends.base import BuildPlan, CalibrationSettings, no_progress
-from agent.backends.onnxruntime import OnnxRuntimeBackend
-from agent.cache import EngineCache, cache_key
-from agent.engine import build_engine
+from agent.engines import cache as cache_mod
+from agent.engines.backends.base import BuildPlan, CalibrationSettings, no_progress
+from agent.engines.backends.onnxruntime import OnnxRuntimeBackend
+from agent.engines.build import build_engine
+from agent.engines.cache import EngineCache, cache_key
 from agent.errors import AgentError
 from tests import models
 

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from agent.fleet.bytequeue import ByteQueue
-from agent.mqtt import MESSAGE, Event
+from agent.wire.mqtt import MESSAGE, Event
 
 
 def msg(topic, size):

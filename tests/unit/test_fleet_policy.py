@@ -5,8 +5,9 @@ import io
 
 import pytest
 
-from agent import fleet, protocol
+from agent import fleet
 from agent.errors import AgentError
+from agent.wire import protocol
 
 SHA = "a" * 64
 ARTIFACTS = {"model": {"sha256": SHA, "size": 10, "name": "m.onnx"}}

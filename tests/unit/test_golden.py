@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 
-from agent import golden
-from agent.backends.base import TensorSpec
+from agent.engines.backends.base import TensorSpec
 from agent.errors import AgentError
+from agent.precision import golden
 
 X = TensorSpec("x", np.float32, (1, 1, 4, 4))
 Y = TensorSpec("y", np.float32, (None, 4))

@@ -1,11 +1,11 @@
-"""ONNX graph rewrites (agent/backends/graph.py): structure only, no runtime."""
+"""ONNX graph rewrites (agent/engines/backends/graph.py): structure only, no runtime."""
 
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from agent.backends import graph
+from agent.engines.backends import graph
 from agent.errors import AgentError
 from tests.models import FP16_MAX, fp16_max_model, save
 

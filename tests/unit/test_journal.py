@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from agent import protocol
+from agent.device.journal import Journal
 from agent.errors import AgentError
-from agent.journal import Journal
+from agent.wire import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHA = "ab" * 32
@@ -233,8 +233,8 @@ def test_threads_share_one_journal(journal):
 WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
-    from agent import protocol
-    from agent.journal import Journal
+    from agent.wire import protocol
+    from agent.device.journal import Journal
     j = Journal({path!r})
     t = protocol.Topics()
     # not retained: every status stays in the outbox, so versions can be counted

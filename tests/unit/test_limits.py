@@ -2,11 +2,11 @@
 
 import pytest
 
-from agent import protocol
-from agent.artifacts import ArtifactStore
+from agent.device.journal import Journal
 from agent.errors import AgentError
-from agent.journal import Journal
-from agent.limits import TokenBucket
+from agent.wire import protocol
+from agent.wire.artifacts import ArtifactStore
+from agent.wire.limits import TokenBucket
 
 
 def test_bucket_allows_a_burst_then_the_rate():
@@ -84,7 +84,7 @@ def test_the_event_queue_is_bounded_by_bytes():
     import queue
     import threading
 
-    from agent.limits import ByteQueue
+    from agent.wire.limits import ByteQueue
 
     class Ev(object):
         def __init__(self, n):

@@ -3,10 +3,10 @@ message, or a gate failure listing 30,000 outputs, wedged the device's connectio
 
 import pytest
 
-from agent import message_caps as caps
-from agent import protocol
+from agent.device.journal import Journal
 from agent.errors import AgentError
-from agent.journal import Journal
+from agent.wire import message_caps as caps
+from agent.wire import protocol
 
 T = protocol.Topics()
 NAMES = ["output_{}".format(i) for i in range(30000)]

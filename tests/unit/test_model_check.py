@@ -1,4 +1,4 @@
-"""agent.model_check: external tensor data anywhere in a model (Constant attributes, sparse
+"""agent.engines.model_check: external tensor data anywhere in a model (Constant attributes, sparse
 initializers, If / Loop bodies) is inlined from allowed files or refused as bad_model, and what
 is built from it is self-contained."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import onnx
 import pytest
 
-from agent import model_check
-from agent.backends import graph
-from agent.backends.base import BuildPlan
-from agent.backends.onnxruntime import OnnxRuntimeBackend
+from agent.engines import model_check
+from agent.engines.backends import graph
+from agent.engines.backends.base import BuildPlan
+from agent.engines.backends.onnxruntime import OnnxRuntimeBackend
 from agent.errors import AgentError
 from tests import bombs
 

@@ -7,10 +7,11 @@ import re
 import numpy as np
 import pytest
 
-from agent import compare, protocol
-from agent import search as agent_search
-from agent.backends import base
+from agent.engines.backends import base
 from agent.errors import AgentError
+from agent.precision import compare
+from agent.precision import search as agent_search
+from agent.wire import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHA = "0123456789abcdef" * 4

@@ -1,4 +1,4 @@
-"""agent.safe_npz: headers and declared sizes are read before anything is inflated; bombs,
+"""agent.engines.safe_npz: headers and declared sizes are read before anything is inflated; bombs,
 lying headers, pickles and object arrays are refused with the caller's code and the numbers,
 with little memory spent."""
 
@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from agent import safe_npz
+from agent.engines import safe_npz
 from agent.errors import AgentError
 from tests import bombs
 

@@ -4,7 +4,7 @@ import os
 import socket
 import uuid
 
-from agent.sdnotify import Notifier
+from agent.device.sdnotify import Notifier
 
 
 def receiver(address):

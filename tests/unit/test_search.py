@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from agent.errors import AgentError
-from agent.search import (
+from agent.precision.search import (
     Search,
     count_suspects,
     rank_layers,

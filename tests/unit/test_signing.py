@@ -10,8 +10,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from agent import protocol, signing
 from agent.errors import AgentError
+from agent.wire import protocol, signing
 
 NOW = 1_750_000_000.0
 SHA = "ab" * 32
@@ -333,7 +333,7 @@ def test_foreign_signer_interoperates():
 
 
 def test_the_journal_keeps_the_last_sequence_per_key(tmp_path):
-    from agent.journal import Journal
+    from agent.device.journal import Journal
 
     path = str(tmp_path / "j.sqlite3")
     with Journal(path) as journal:

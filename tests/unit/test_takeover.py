@@ -3,10 +3,10 @@ broker that only closes the socket, connections closed right after being accepte
 
 import logging
 
-from agent import config
-from agent.daemon import Daemon
-from agent.journal import Journal
-from agent.mqtt import DISCONNECTED, SESSION_TAKEN_OVER, Event
+from agent.device import config
+from agent.device.daemon import Daemon
+from agent.device.journal import Journal
+from agent.wire.mqtt import DISCONNECTED, SESSION_TAKEN_OVER, Event
 
 
 class _Mqtt(object):
@@ -24,7 +24,7 @@ def _daemon(tmp_path):
 
 def test_a_takeover_the_broker_announces_is_logged_and_recorded(tmp_path, caplog):
     d = _daemon(tmp_path)
-    with caplog.at_level(logging.ERROR, "agent.daemon"):
+    with caplog.at_level(logging.ERROR, "agent.device.daemon"):
         d._connection_lost(Event(DISCONNECTED, reason="Session taken over",
                                  code=SESSION_TAKEN_OVER, held_s=120.0))
     note = d.journal.note("connection")

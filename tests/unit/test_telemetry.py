@@ -5,7 +5,7 @@ import os
 
 from jtop import JtopException
 
-from agent import telemetry
+from agent.device import telemetry
 from tests.unit.test_platform import FakeJtop, fixture, load_jtop_recording
 
 

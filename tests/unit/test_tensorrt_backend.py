@@ -11,9 +11,9 @@ import types
 import numpy as np
 import pytest
 
-from agent.backends import tensorrt as trt_backend
-from agent.backends.base import BuildPlan, CalibrationSettings, TensorSpec, get_backend
-from agent.backends.tensorrt_plan import (
+from agent.engines.backends import tensorrt as trt_backend
+from agent.engines.backends.base import BuildPlan, CalibrationSettings, TensorSpec, get_backend
+from agent.engines.backends.tensorrt_plan import (
     Features,
     apply_builder_settings,
     builder_settings,
@@ -562,7 +562,8 @@ def test_batch_feeder_order_end_and_errors():
 def test_imports_stay_light():
     """Importing the backend and the calibrators loads neither TensorRT nor pycuda (checked in
     a fresh interpreter: other tests in this process may have imported pycuda)."""
-    code = ("import sys, agent.backends.tensorrt, calib.calibrators, agent.backends.cuda_buffers;"
+    code = ("import sys, agent.engines.backends.tensorrt, calib.calibrators,"
+            " agent.engines.backends.cuda_buffers;"
             "print(sorted(m for m in ('tensorrt', 'pycuda') if m in sys.modules))")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.check_output([sys.executable, "-c", code], cwd=root)

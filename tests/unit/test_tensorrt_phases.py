@@ -11,9 +11,9 @@ import pytest
 from onnx import TensorProto, helper
 
 from agent import cli
-from agent.backends import tensorrt as trt_backend
-from agent.backends import tensorrt_network
-from agent.backends.base import BuildPlan
+from agent.engines.backends import tensorrt as trt_backend
+from agent.engines.backends import tensorrt_network
+from agent.engines.backends.base import BuildPlan
 from agent.errors import AgentError
 from tests import fake_trt
 from tests.models import fp16_max_model
@@ -82,7 +82,7 @@ def test_each_copy_is_inside_its_phase(monkeypatch, tmp_path, profile):
 
 def test_enqueue_is_the_host_time_of_the_execute_call(monkeypatch):
     _, cuda = fake_trt.install(monkeypatch, "10.3")
-    from agent.backends.cuda_buffers import EventTimer
+    from agent.engines.backends.cuda_buffers import EventTimer
 
     host = [0.0]
 

@@ -11,10 +11,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from agent.backends import tensorrt as trt_backend
-from agent.backends import tensorrt_network, tensorrt_plan
-from agent.backends.base import BuildPlan, CalibrationSettings
-from agent.backends.tensorrt_plan import builder_settings, parse_engine_information
+from agent.engines.backends import tensorrt as trt_backend
+from agent.engines.backends import tensorrt_network, tensorrt_plan
+from agent.engines.backends.base import BuildPlan, CalibrationSettings
+from agent.engines.backends.tensorrt_plan import builder_settings, parse_engine_information
 from agent.errors import AgentError
 from tests import fake_trt
 from tests.models import fp16_max_model
@@ -272,7 +272,7 @@ def test_casts_and_identities_are_not_constrained(monkeypatch, tmp_path, profile
 
 
 def test_casts_and_identities_are_not_candidates():
-    from agent.backends import graph
+    from agent.engines.backends import graph
 
     assert graph.float_nodes(_cast_model()) == ["Relu_0", "Add_4"]
 

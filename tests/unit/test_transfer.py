@@ -8,11 +8,11 @@ import random
 
 import pytest
 
-from agent import protocol
-from agent.artifacts import ArtifactStore
+from agent.device.journal import Journal
 from agent.errors import AgentError
-from agent.journal import Journal
-from agent.transfer import BlockFetcher, BlockServer
+from agent.wire import protocol
+from agent.wire.artifacts import ArtifactStore
+from agent.wire.transfer import BlockFetcher, BlockServer
 
 BS = 1024
 T = protocol.Topics()

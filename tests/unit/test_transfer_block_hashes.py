@@ -5,9 +5,9 @@ artifact (content-addressed); a poisoned copy of it is fetched again, not fatal.
 
 import hashlib
 
-from agent import protocol
 from agent.errors import AgentError
-from agent.transfer import block_digests
+from agent.wire import protocol
+from agent.wire.transfer import block_digests
 from tests.unit import test_transfer
 from tests.unit.test_transfer import BS, T, blob, serve
 

@@ -7,10 +7,10 @@ without it) falls back to its own block topic after a request timeout."""
 import collections
 import os
 
-from agent import protocol
-from agent.artifacts import ArtifactStore
-from agent.journal import Journal
-from agent.transfer import BlockFetcher, BlockServer
+from agent.device.journal import Journal
+from agent.wire import protocol
+from agent.wire.artifacts import ArtifactStore
+from agent.wire.transfer import BlockFetcher, BlockServer
 from tests.unit.test_transfer import BS, Clock, T, blob
 
 

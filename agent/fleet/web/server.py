@@ -15,11 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, quote, urlsplit
 
-from agent import protocol
 from agent.errors import AgentError
 from agent.fleet import history, metrics, views
 from agent.fleet.store import Store
 from agent.fleet.web import pages
+from agent.wire import protocol
 
 log = logging.getLogger("agent.fleet.web")
 STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")

@@ -1,0 +1,160 @@
+"""``jetson-agent cache ls|verify|purge|stats``: inspect and tidy the engine cache.
+
+``ls`` lists entries by last use; ``verify`` re-checks every engine's size and sha256 against
+its meta.json and drops the corrupt ones; ``purge`` removes all entries, one key (a unique
+prefix is enough), or those unused for DAYS (entries in use by a build are skipped); ``stats``
+shows the size against the budget. ``--config`` finds the daemon's cache (its cache.dir, or
+the unit's /var/cache/jetson-agent); looking creates nothing.
+"""
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from agent import fsio
+from agent.device import config
+from agent.device.state_lock import check_state_dir
+from agent.engines.cache import EngineCache, engine_loader
+from agent.errors import AgentError
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("cache", help="list, verify or purge the engine cache",
+                       description=__doc__.split("\n\n")[1] if __doc__ else None)
+    p.add_argument("action", choices=("ls", "verify", "purge", "stats"))
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true", help="purge: every entry")
+    which.add_argument("--key", metavar="KEY", help="purge: the entry with this key (or prefix)")
+    which.add_argument("--older-than", type=float, metavar="DAYS",
+                       help="purge: entries not used for DAYS days")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--state-dir", metavar="DIR",
+                       help="state and caches (default $JETSON_AGENT_STATE_DIR, systemd's "
+                            "StateDirectory, else ~/.cache/jetson-agent)")
+    where.add_argument("--config", metavar="FILE",
+                       help="the daemon's YAML config: its engine cache and budget, e.g. "
+                            "/etc/jetson-agent/config.yaml")
+    p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+    p.set_defaults(func=run)
+
+
+def _size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if value < 1024:
+            return "{:.0f} {}".format(value, unit) if unit == "B" else "{:.1f} {}".format(
+                value, unit)
+        value /= 1024.0
+    return "{:.1f} GiB".format(value)
+
+
+def _age(seconds: float) -> str:
+    if seconds < 3600:
+        return "{:.0f} min ago".format(seconds / 60)
+    if seconds < 86400 * 2:
+        return "{:.1f} h ago".format(seconds / 3600)
+    return "{:.1f} d ago".format(seconds / 86400)
+
+
+def _budget(budget: Optional[int]) -> str:
+    return "no budget" if not budget else "budget {}".format(_size(budget))
+
+
+def _stats_line(out: Dict[str, Any]) -> str:
+    budget = out.get("budget_bytes")
+    used = " ({:.0f} % of {})".format(100.0 * out["bytes"] / budget, _budget(budget)) \
+        if budget else " ({})".format(_budget(budget))
+    return "{} entries, {}{} in {}".format(out["entries"], _size(out["bytes"]), used,
+                                           out["root"])
+
+
+def _empty(args: argparse.Namespace, root: str, budget: Optional[int]) -> int:
+    out: Dict[str, Any]
+    if args.action == "ls":
+        out = {"root": root, "entries": [], "exists": False}
+    elif args.action == "verify":
+        out = {"checked": 0, "ok": 0, "dropped": 0, "corrupt": [], "stale_staging_removed": 0,
+               "exists": False}
+    elif args.action == "purge":
+        if not (args.all or args.key or args.older_than is not None):
+            raise AgentError("bad_argument", "purge needs --all, --key KEY or --older-than "
+                             "DAYS")
+        out = {"removed": [], "skipped_in_use": [], "exists": False}
+    else:
+        out = {"root": root, "entries": 0, "bytes": 0, "budget_bytes": budget, "exists": False}
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        print("no engine cache at {} (nothing built there yet; the daemon's: --config "
+              "FILE)".format(root))
+    return 0
+
+
+def _resolve_key(keys: List[str], prefix: str) -> str:
+    matches = [k for k in keys if k.startswith(prefix.lower())]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise AgentError("bad_argument", "no cache entry has a key starting with {!r} "
+                         "({} entries)".format(prefix, len(keys)))
+    raise AgentError("bad_argument", "key prefix {!r} matches {} entries: give more "
+                     "characters".format(prefix, len(matches)))
+
+
+def _locate(args: argparse.Namespace) -> Tuple[str, Optional[int]]:
+    """(the engines directory, its budget) from --config or --state-dir; nothing is created."""
+    if args.config:
+        from agent.cli.status import daemon_dirs
+
+        cfg, _state, cache_dir = daemon_dirs(args.config)
+        return os.path.join(cache_dir, "engines"), cfg.cache.engine_budget_bytes
+    state = check_state_dir(fsio.state_dir(args.state_dir), create=False)
+    return os.path.join(state, "engines"), config.CacheConfig().engine_budget_bytes
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.action != "purge" and (args.all or args.key or args.older_than is not None):
+        raise AgentError("bad_argument", "--all, --key and --older-than go with 'purge'")
+    root, budget = _locate(args)
+    if not os.path.isdir(root):
+        # Nothing to show, and `ls --state-dir /typo` must not leave a directory behind.
+        return _empty(args, root, budget)
+    cache = EngineCache(root, budget_bytes=budget)
+    out: Dict[str, Any]
+    if args.action == "ls":
+        entries = [e.to_dict() for e in cache.ls()]
+        out = {"root": cache.root, "entries": entries}
+        if not args.json:
+            now = time.time()
+            print("{} entries, {} in {}".format(len(entries), _size(sum(
+                e["bytes"] for e in entries)), cache.root))
+            for e in entries:
+                print("{}  {:>10}  {:<5} {:<12} {:<14} {}".format(
+                    e["key"][:16], _size(e["bytes"]), e["precision"] or "?",
+                    e["backend"] or "?", _age(now - e["last_used"]),
+                    e["model_name"] or (e["model"] or "")[:12]))
+    elif args.action == "verify":
+        out = cache.verify(load=engine_loader())
+        if not args.json:
+            print("checked {checked}: {ok} ok, {dropped} corrupt dropped, {stale_staging_removed}"
+                  " stale staging directories removed".format(**out))
+            for bad in out["corrupt"]:
+                print("corrupt {}: {}{}".format(bad["key"][:16], bad["problem"],
+                                                "" if bad["dropped"] else " (in use: kept)"))
+    elif args.action == "purge":
+        key = _resolve_key([e.key for e in cache.ls()], args.key) if args.key else None
+        out = cache.purge(everything=args.all, key=key, older_than_days=args.older_than)
+        if not args.json:
+            print("removed {} entries{}".format(len(out["removed"]), "; {} in use kept".format(
+                len(out["skipped_in_use"])) if out["skipped_in_use"] else ""))
+    else:
+        out = cache.stats()
+        if not args.json:
+            print(_stats_line(out))
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    if args.action == "verify" and out["corrupt"]:
+        return 1
+    return 0

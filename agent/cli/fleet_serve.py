@@ -1,0 +1,397 @@
+"""``fleet serve`` (the controller service), ``fleet rollouts ls|show|pause|resume|cancel|
+attach`` (rollouts in its database), and how ``fleet rollout`` runs: submitted to a service
+that is up on the same database, or embedded (the same service loop, in this process, for
+this one rollout). Registered by ``agent.cli.fleet``.
+"""
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from agent import fleet
+from agent.errors import AgentError
+from agent.fleet import durable
+from agent.fleet.service import FleetService, busy_check
+from agent.fleet.store import Store, default_db_url
+from agent.wire import signing
+
+log = logging.getLogger("agent.fleet")
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+SERVICE_FRESH_S = 15.0  # a service whose heartbeat is older is taken for dead
+
+
+def add_db_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("fleet database")
+    g.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
+                   help="sqlite:///PATH (default $JETSON_AGENT_FLEET_DB or "
+                        "$XDG_STATE_HOME/jetson-agent/fleet.db) or postgresql://...")
+    g.add_argument("--store", metavar="DIR", default=os.environ.get("JETSON_AGENT_FLEET_STORE"),
+                   help="content-addressed artifact store the service serves from (default: "
+                        "fleet-artifacts next to a SQLite database; $JETSON_AGENT_FLEET_STORE)")
+
+
+def db_url(args: argparse.Namespace) -> str:
+    return args.db or default_db_url()
+
+
+def store_dir(args: argparse.Namespace, url: str) -> str:
+    if args.store:
+        return args.store
+    if url.startswith("sqlite:"):
+        path = url.split("sqlite:///", 1)[-1]
+        return os.path.join(os.path.dirname(os.path.abspath(path)), "fleet-artifacts")
+    return os.path.join(os.path.dirname(default_db_url().split("sqlite:///", 1)[-1]),
+                        "fleet-artifacts")
+
+
+def add_to_store(store: Store, directory: str, artifacts: Dict[str, Dict[str, Any]],
+                 files: Dict[str, str], copy: bool) -> None:
+    """Register the artifacts; ``copy``: into the content-addressed directory first (the
+    service outlives this command and its temporary files)."""
+    every = dict(artifacts)
+    for role, ref in artifacts.items():  # the per-block hash lists are artifacts too
+        if ref.get("blocks"):
+            every[role + ".blocks"] = {"sha256": ref["blocks"]["sha256"], "name": role +
+                                       ".blocks", "size": os.path.getsize(files[role + ".blocks"])}
+    for role, ref in every.items():
+        src = files[role]
+        path = os.path.abspath(src)
+        if copy:
+            path = os.path.join(os.path.abspath(directory), ref["sha256"][:2], ref["sha256"])
+            if not os.path.exists(path):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = path + ".tmp{}".format(os.getpid())
+                shutil.copyfile(src, tmp)
+                with open(tmp, "rb") as f:
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+        store.add_artifact(ref["sha256"], ref["size"], path, ref.get("name"))
+
+
+def service_up(url: str) -> bool:
+    if url.startswith("sqlite:") and not os.path.exists(url.split("sqlite:///", 1)[-1]):
+        return False
+    store = Store(url)
+    try:
+        return bool(store.services(SERVICE_FRESH_S))
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------------------- fleet rollout
+
+def submit_or_embed(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
+                    files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]], work: str,
+                    signer: Any, connect: Any) -> int:
+    """The rest of ``fleet rollout`` once everything was checked locally."""
+    explicit = args.db is not None
+    submit = args.submit or (not args.embedded and explicit and service_up(db_url(args)))
+    if submit:
+        return _submit(args, rollout_id, spec, files, artifacts)
+    url = db_url(args) if explicit else "sqlite:///" + os.path.join(work, "fleet.db")
+    return _embedded(args, url, rollout_id, spec, files, artifacts, signer, connect)
+
+
+def _targets(store: Store, args: argparse.Namespace, rollout_id: str) -> List[List[str]]:
+    known = [d["device"] for d in store.devices()]
+    devices = fleet.select_devices(known, args.devices, args.all, args.match)
+    busy_check(store, devices, rollout_id)
+    return fleet.plan_stages(devices, args.batch, args.percent)
+
+
+def _submit(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
+            files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]]) -> int:
+    url = db_url(args)
+    store = Store(url)
+    try:
+        existing = store.rollout(rollout_id)
+        if existing is not None:
+            if (existing["spec"] or {}).get("artifacts") != spec["artifacts"]:
+                raise AgentError("bad_argument", "rollout {} already exists with other "
+                                 "artifacts; choose another --rollout-id".format(rollout_id))
+            print("rollout {} exists ({}): attaching".format(rollout_id, existing["state"]),
+                  file=sys.stderr)
+        else:
+            if not store.services(SERVICE_FRESH_S):
+                print("warning: no fleet service is running on {} (fleet serve --db ...): the "
+                      "rollout starts when one does".format(url.split("@")[-1]),
+                      file=sys.stderr)
+            add_to_store(store, store_dir(args, url), artifacts, files, copy=True)
+            stages = _targets(store, args, rollout_id)
+            store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
+            if not args.quiet:
+                print("rollout {}: submitted to the fleet service ({} device(s) in {} stage(s))"
+                      .format(rollout_id, sum(len(s) for s in stages), len(stages)),
+                      file=sys.stderr)
+        if args.detach:
+            print(rollout_id)
+            return EXIT_OK
+        return attach(store, rollout_id, args.json, args.quiet, extra=_extra(args, spec))
+    finally:
+        store.close()
+
+
+def _extra(args: argparse.Namespace, spec: Dict[str, Any]) -> Dict[str, Any]:
+    model = dict((spec.get("artifacts") or {}).get("model") or {})
+    return {"model": dict(model, path=spec.get("model_path")), "precision": spec.get(
+        "precision"), "search": spec.get("search"), "broker": getattr(args, "broker", None)}
+
+
+def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[str, Any],
+              files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]], signer: Any,
+              connect: Any) -> int:
+    store = Store(url)
+    conn = connect(args)
+    interrupted = False
+    try:
+        service = FleetService(store, conn, signer, only=[rollout_id],
+                               share_group=args.share_group)
+        service.start()  # the registry fills from the devices' retained statuses
+        add_to_store(store, store_dir(args, url), artifacts, files, copy=False)
+        stages = _targets(store, args, rollout_id)
+        store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
+        view = fleet.ProgressView(enabled=not args.quiet)
+        if not args.quiet:
+            print("rollout {}: {} ({}) to {} device(s) in {} stage(s); jobs {}".format(
+                rollout_id, os.path.basename(args.model), args.precision,
+                sum(len(s) for s in stages), len(stages),
+                ", ".join([rollout_id] + ([rollout_id + fleet.SEARCH_SUFFIX]
+                                          if args.search else []))), file=sys.stderr)
+        statuses = conn.directory.status
+        service.on_change = lambda ro: view.update(ro, statuses)
+        try:
+            service.last_tick = 0.0
+            while not service.finished(rollout_id):
+                service.step()
+                ro = service.rollouts.get(rollout_id)
+                if ro is not None:
+                    view.update(ro, statuses)
+        except KeyboardInterrupt:
+            interrupted = True
+            ro = service.rollouts.get(rollout_id)
+            if ro is not None and not ro.done:
+                service.commit(ro, ro.expire("interrupted by the user", state="CANCELED",
+                                             outcome="interrupted"))
+        service.drain()
+        store.release(service.instance)
+        final = durable.load(store, rollout_id)
+        assert final is not None
+        view.update(final, statuses, force=True)
+        report = fleet.rollout_report(final, store.statuses(), dict(
+            _extra(args, spec), signing_key=signer.key_id if signer is not None else None))
+    finally:
+        conn.close()
+        store.close()
+    _print_report(report, final, args.json)
+    if interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK if final.succeeded else EXIT_FAILED
+
+
+def _print_report(report: Dict[str, Any], ro: fleet.Rollout, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2, sort_keys=True, default=str))
+    else:
+        print(fleet.results_table(report["devices"]))
+        print(fleet.summary_line(ro))
+
+
+def attach(store: Store, rollout_id: str, as_json: bool, quiet: bool,
+           extra: Optional[Dict[str, Any]] = None, poll_s: float = 0.5) -> int:
+    """Follow a rollout the service drives until it ends (Ctrl-C detaches; it goes on)."""
+    view = fleet.ProgressView(enabled=not quiet)
+    try:
+        while True:
+            ro = durable.load(store, rollout_id)
+            if ro is None:
+                raise AgentError("unknown_job", "no rollout {!r} in {}".format(rollout_id,
+                                                                               store.url))
+            statuses = store.statuses()
+            view.update(ro, statuses)
+            row = store.rollout(rollout_id) or {}
+            if row.get("state") not in ("running", "paused"):
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        print("detached: rollout {} goes on in the fleet service (fleet rollouts attach {})"
+              .format(rollout_id, rollout_id), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    view.update(ro, statuses, force=True)
+    _print_report(fleet.rollout_report(ro, statuses, extra), ro, as_json)
+    return EXIT_OK if ro.succeeded else EXIT_FAILED
+
+
+# ---------------------------------------------------------------------------- fleet serve
+
+def run_serve(args: argparse.Namespace, connect: Any) -> int:
+    from agent.device.sdnotify import Notifier
+
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)  # a service says what it does with its rollouts
+    signer = None
+    if args.signing_key:
+        signer = signing.Signer(args.signing_key, args.sequence_file, args.valid_for)
+    url = db_url(args)
+    store = Store(url)
+    stop = {"now": False}
+
+    def request_stop(*_: Any) -> None:
+        stop["now"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    notifier = Notifier()
+    dashboard = None
+    conn = connect(args)
+    try:
+        http = None
+        base = None
+        if args.http:
+            from agent.fleet.http_source import HttpSource
+
+            host, _, port = args.http.rpartition(":")
+            if not host or not port.isdigit():
+                raise AgentError("bad_argument", "--http expects HOST:PORT, found {!r}".format(
+                    args.http))
+            base = args.http_url
+        service = FleetService(store, conn, signer, instance=args.instance,
+                               share_group=args.share_group, lease_s=args.lease,
+                               http_base=None, http_min_bytes=args.http_min_bytes)
+        if args.http:
+            http = HttpSource(host, int(port), service.server.files).start()
+            service.http_base = (base or "http://{}:{}".format(host, http.port)).rstrip("/")
+            log.info("artifacts of %d bytes or more also at %s/artifacts/SHA256",
+                     args.http_min_bytes, service.http_base)
+        service.start()
+        from agent.fleet import web
+
+        dashboard = web.mount(args, url, service)  # telemetry history; --dashboard: dashboard
+        notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
+        log.info("fleet service %s on %s, database %s", service.instance, conn.url,
+                 store.url.split("@")[-1])
+        last_dog = time.monotonic()
+        while not stop["now"]:
+            service.step()
+            if notifier.watchdog_interval and time.monotonic() - last_dog >= \
+                    notifier.watchdog_interval:
+                notifier.notify("WATCHDOG=1")
+                last_dog = time.monotonic()
+        notifier.notify("STOPPING=1")
+        service.drain()
+        store.release(service.instance)
+        if http is not None:
+            http.stop()
+    finally:
+        conn.close()
+        store.close()
+        if dashboard is not None:
+            dashboard.stop()
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- fleet rollouts
+
+def run_rollouts(args: argparse.Namespace) -> int:
+    store = Store(db_url(args))
+    try:
+        if args.action == "ls":
+            rows = store.rollouts()
+            if args.json:
+                print(json.dumps(rows, indent=2, sort_keys=True, default=str))
+                return EXIT_OK
+            table = [[r["rollout_id"], r["state"], "{}/{}".format(
+                max(r["current_stage"] + 1, 0), len(r["stages"])),
+                ", ".join("{} {}".format(n, s) for s, n in sorted(r["counts"].items())),
+                time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"] or 0)),
+                (r["reason"] or "-")[:60]] for r in rows]
+            print(fleet.format_table(["ROLLOUT", "STATE", "STAGE", "DEVICES", "CREATED",
+                                      "REASON"], table) if table else "no rollouts")
+            return EXIT_OK
+        if not args.rollout_id:
+            raise AgentError("bad_argument", "fleet rollouts {} needs a rollout id".format(
+                args.action))
+        if args.action in ("pause", "resume", "cancel"):
+            row = store.request_control(args.rollout_id, args.action)
+            print("rollout {}: {} requested (was {}); the service applies it within a second"
+                  .format(args.rollout_id, args.action, row["state"]))
+            return EXIT_OK
+        if args.action == "attach":
+            return attach(store, args.rollout_id, args.json, False)
+        ro = durable.load(store, args.rollout_id)
+        if ro is None:
+            raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
+                args.rollout_id))
+        row = store.rollout(args.rollout_id) or {}
+        report = fleet.rollout_report(ro, store.statuses(), {
+            "state": row.get("state"), "stage_progress": row.get("stage_progress"),
+            "history": store.job_history(args.rollout_id) if args.history else None})
+        if args.json:
+            print(json.dumps(report, indent=2, sort_keys=True, default=str))
+        else:
+            print("rollout {}: {} (stage {}/{})".format(ro.rollout_id, row.get("state"),
+                                                        max(ro.current + 1, 0), len(ro.stages)))
+            print(fleet.results_table(report["devices"]))
+            print(fleet.summary_line(ro))
+        return EXIT_OK
+    finally:
+        store.close()
+
+
+def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
+    s = fsub.add_parser("serve", help="the fleet controller as a service (rollouts in a "
+                        "database, served until stopped)",
+                        description="Run the fleet controller service: keeps the device "
+                        "registry, drives every submitted rollout, serves artifacts; see "
+                        "docs/fleet.md.")
+    add_connection_args(s)
+    add_db_args(s)
+    s.add_argument("--instance", metavar="NAME", help="this instance's name for rollout "
+                   "leases (default HOST-PID; keep it stable across restarts)")
+    s.add_argument("--share-group", metavar="NAME", help="take block requests through "
+                   "$share/NAME/... (several instances; each serves every artifact in the "
+                   "database, so --store must be shared)")
+    s.add_argument("--http", metavar="HOST:PORT", help="also serve the artifact store over "
+                   "HTTP (Range requests) on this address")
+    s.add_argument("--http-url", metavar="URL", help="the base URL devices use to reach --http "
+                   "(default http://HOST:PORT; a reverse proxy with TLS, a CDN)")
+    s.add_argument("--http-min-bytes", type=int, default=1 << 20, metavar="N",
+                   help="with --http: artifacts of at least N bytes carry the URL in their job "
+                        "documents (default 1 MiB); smaller ones go over MQTT blocks only")
+    s.add_argument("--lease", type=float, default=30.0, metavar="S",
+                   help="another instance takes over a rollout S seconds after this one "
+                        "stopped renewing its lease (default 30)")
+    s.add_argument("--signing-key", metavar="KEY",
+                   default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"))
+    s.add_argument("--sequence-file", metavar="F")
+    s.add_argument("--valid-for", type=float, default=signing.DEFAULT_VALIDITY_S, metavar="S")
+    from agent.fleet import web
+
+    web.add_args(s)
+    s.set_defaults(func=lambda a: run_serve(a, connect))
+
+    r = fsub.add_parser("rollouts", help="rollouts in the fleet database: ls, show, pause, "
+                        "resume, cancel, attach")
+    r.add_argument("action", choices=("ls", "show", "pause", "resume", "cancel", "attach"))
+    r.add_argument("rollout_id", nargs="?", metavar="ID")
+    r.add_argument("--history", action="store_true", help="show: every job status received")
+    r.add_argument("--json", action="store_true")
+    add_db_args(r)
+    r.set_defaults(func=run_rollouts)
+
+
+def add_rollout_mode_args(r: argparse.ArgumentParser) -> None:
+    g = r.add_argument_group("service")
+    add_db_args(r)
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--submit", action="store_true", help="hand the rollout to 'fleet serve' "
+                      "on --db (default when one is up there)")
+    mode.add_argument("--embedded", action="store_true", help="run it in this process even if "
+                      "a service is up")
+    g.add_argument("--detach", action="store_true", help="with --submit: print the rollout id "
+                   "and return at once")

@@ -1,1 +1,0 @@
-"""CLI subcommands: each module has ``add_parser(subparsers)`` and sets ``func`` to its runner."""

@@ -1,0 +1,568 @@
+"""Durable agent state in SQLite: jobs, artifact transfers, the outbox, active engines, boot.
+
+WAL mode with ``synchronous=FULL``: every write is one transaction that is on disk when the
+call returns, so a SIGKILL or a power cut leaves either the old or the new state, never half of
+one. One connection guarded by a lock serves every thread of the daemon; other processes (the
+``status`` CLI) may read the same file concurrently.
+"""
+
+import json
+import logging
+import os
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Set,
+    Tuple,
+    Union,
+)
+
+from agent.errors import AgentError
+from agent.wire import message_caps, protocol
+
+log = logging.getLogger("agent.device.journal")
+
+SCHEMA_VERSION = 1
+# The largest outbox message: a job status (agent.wire.message_caps keeps them under it).
+OUTBOX_MAX_BYTES = protocol.MAX_BYTES["job_status"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    doc TEXT,
+    state TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    stage TEXT,
+    progress_done INTEGER,
+    progress_of INTEGER,
+    details TEXT NOT NULL DEFAULT '{}',
+    result TEXT,
+    error TEXT,
+    received REAL NOT NULL,
+    updated REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
+CREATE TABLE IF NOT EXISTS transfers (
+    sha256 TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    block_size INTEGER NOT NULL,
+    bitmap BLOB NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS outbox (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    qos INTEGER NOT NULL,
+    retain INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS outbox_by_topic ON outbox (topic);
+CREATE TABLE IF NOT EXISTS engines (
+    model_sha TEXT NOT NULL,
+    slot TEXT NOT NULL CHECK (slot IN ('active', 'previous')),
+    engine_key TEXT NOT NULL,
+    precision TEXT,
+    activated REAL NOT NULL,
+    job_id TEXT,
+    info TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (model_sha, slot)
+);
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+_JOB_COLUMNS = ("job_id, kind, doc, state, version, stage, progress_done, progress_of, details, "
+                "result, error, received, updated, attempts")
+
+
+class _Unset(object):
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # "leave this field as it is" in set_state
+
+Progress = Union[Tuple[int, int], Mapping[str, int], None]
+Emit = Callable[[Dict[str, Any]], protocol.Publication]
+
+
+class OutboxItem(NamedTuple):
+    seq: int
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    created: float
+
+
+def _dumps(value: Any) -> str:
+    return protocol.encode(value).decode("utf-8")
+
+
+def _loads(text: Optional[str]) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class Journal(object):
+    """The agent's durable state. Every method is thread-safe; every write is a transaction."""
+
+    def __init__(self, path: str, clock: Callable[[], float] = time.time) -> None:
+        self.path = path
+        self._clock = clock
+        self._lock = threading.RLock()
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        try:
+            self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            with self._tx() as db:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                version = db.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    raise AgentError(
+                        "internal_error",
+                        "journal {} has schema version {}, this agent knows up to {}".format(
+                            path, version, SCHEMA_VERSION))
+                db.execute("PRAGMA user_version={}".format(SCHEMA_VERSION))
+        except sqlite3.DatabaseError as exc:
+            raise AgentError("internal_error", "cannot open the journal {}: {}".format(path, exc))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> "Journal":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE: takes the write lock up front)."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                    self._db.execute("COMMIT")
+                finally:
+                    if self._db.in_transaction:  # an exception, or a failed COMMIT
+                        self._db.execute("ROLLBACK")
+            except sqlite3.OperationalError as exc:
+                if "full" in str(exc):
+                    raise AgentError("disk_full", "the journal {} cannot grow: {}".format(
+                        self.path, exc))
+                raise
+
+    def _read(self, sql: str, args: Iterable[Any] = ()) -> List[Tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, tuple(args)).fetchall()
+
+    # ------------------------------------------------------------------------------- jobs
+
+    def add_job(
+        self,
+        doc: Mapping[str, Any],
+        state: str = "QUEUED",
+        error: Optional[Mapping[str, Any]] = None,
+        emit: Optional[Emit] = None,
+    ) -> bool:
+        """Record a newly received job (version 1). False when the id is already known: a job
+        id runs at most once. ``state`` is QUEUED, or REJECTED for a document that failed
+        validation (``doc`` may then hold only ``job_id`` and maybe ``kind``)."""
+        job_id = protocol.check_id("job id", doc.get("job_id"))
+        if not protocol.next_state_ok(None, state):
+            raise AgentError("bad_state_transition",
+                             "a new job starts QUEUED or REJECTED, found {!r}".format(state))
+        kind = doc.get("kind")
+        kind = kind if isinstance(kind, str) and len(kind) <= 64 else ""
+        now = self._clock()
+        with self._tx() as db:
+            cur = db.execute(
+                "INSERT OR IGNORE INTO jobs (job_id, kind, doc, state, version, details, error, "
+                "received, updated, attempts) VALUES (?, ?, ?, ?, 1, '{}', ?, ?, ?, 0)",
+                (job_id, kind, _dumps(doc), state, _dumps(error) if error else None, now, now),
+            )
+            if cur.rowcount == 0:
+                return False
+            if emit is not None:
+                self._emit(db, emit, job_id)
+        return True
+
+    def set_state(
+        self,
+        job_id: str,
+        state: str,
+        *,
+        stage: Optional[str] = UNSET,
+        progress: Progress = UNSET,
+        details: Optional[Mapping[str, Any]] = None,
+        error: Optional[Mapping[str, Any]] = None,
+        result: Optional[Mapping[str, Any]] = None,
+        emit: Optional[Emit] = None,
+    ) -> int:
+        """Move a job to ``state`` (the same state records progress) and return its new
+        version. Fields left out keep their value; ``details`` replaces the statusDetails map.
+        ``emit(row)`` builds a Publication of the updated row that enters the outbox in the
+        same transaction (coalesced per topic when retained), so a state change and its
+        status message are never separated by a crash.
+        AgentError unknown_job, bad_state_transition, bad_argument."""
+        if state not in protocol.STATES:
+            raise AgentError("bad_argument", "job state must be one of {}, found {!r}".format(
+                ", ".join(protocol.STATES), state))
+        sets = ["state = ?", "version = version + 1", "updated = ?"]
+        args: List[Any] = [state, self._clock()]
+        if stage is not UNSET:
+            if stage is not None and stage not in protocol.STAGES:
+                raise AgentError("bad_argument", "job stage must be one of {}, found {!r}".format(
+                    ", ".join(protocol.STAGES), stage))
+            sets.append("stage = ?")
+            args.append(stage)
+        if progress is not UNSET:
+            done, of = _progress(progress)
+            sets += ["progress_done = ?", "progress_of = ?"]
+            args += [done, of]
+        if details is not None:
+            sets.append("details = ?")
+            args.append(_dumps({str(k): str(v) for k, v in details.items()}))
+        if error is not None:
+            if not isinstance(error.get("code"), str):
+                raise AgentError("bad_argument", "a job error needs a code, found {!r}".format(
+                    error))
+            sets.append("error = ?")
+            args.append(_dumps(error))
+        if result is not None:
+            sets.append("result = ?")
+            args.append(_dumps(result))
+        with self._tx() as db:
+            row = db.execute("SELECT state, version FROM jobs WHERE job_id = ?",
+                             (job_id,)).fetchone()
+            if row is None:
+                raise AgentError("unknown_job", "no job {!r} in the journal".format(job_id))
+            if not protocol.next_state_ok(row[0], state):
+                raise AgentError("bad_state_transition", "job {!r} cannot go from {} to {}".format(
+                    job_id, row[0], state))
+            if row[0] == "QUEUED" and state == "IN_PROGRESS":
+                sets.append("attempts = attempts + 1")
+            db.execute("UPDATE jobs SET {} WHERE job_id = ?".format(", ".join(sets)),
+                       args + [job_id])
+            if emit is not None:
+                self._emit(db, emit, job_id)
+            return int(row[1]) + 1
+
+    def _emit(self, db: sqlite3.Connection, emit: Emit, job_id: str) -> None:
+        row = db.execute("SELECT {} FROM jobs WHERE job_id = ?".format(_JOB_COLUMNS),
+                         (job_id,)).fetchone()
+        pub = emit(_job_row(row))
+        self._outbox_insert(db, pub.topic, pub.payload, pub.qos, pub.retain, pub.retain)
+
+    def bump_attempts(self, job_id: str) -> int:
+        """Count one more attempt (a job re-run after an agent restart); returns the count."""
+        with self._tx() as db:
+            cur = db.execute("UPDATE jobs SET attempts = attempts + 1 WHERE job_id = ?",
+                             (job_id,))
+            if cur.rowcount == 0:
+                raise AgentError("unknown_job", "no job {!r} in the journal".format(job_id))
+            return int(db.execute("SELECT attempts FROM jobs WHERE job_id = ?",
+                                  (job_id,)).fetchone()[0])
+
+    def job(self, job_id: str) -> Optional[Dict[str, Any]]:
+        rows = self._read("SELECT {} FROM jobs WHERE job_id = ?".format(_JOB_COLUMNS), (job_id,))
+        return _job_row(rows[0]) if rows else None
+
+    def jobs(self, states: Optional[Iterable[str]] = None,
+             limit: Optional[int] = None) -> List[Dict[str, Any]]:
+        """Jobs, oldest received first, optionally only those in ``states``."""
+        sql = "SELECT {} FROM jobs".format(_JOB_COLUMNS)
+        args: List[Any] = []
+        if states is not None:
+            wanted = list(states)
+            sql += " WHERE state IN ({})".format(", ".join("?" * len(wanted)) or "NULL")
+            args += wanted
+        sql += " ORDER BY received, rowid"
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(int(limit))
+        return [_job_row(r) for r in self._read(sql, args)]
+
+    def unfinished_jobs(self) -> List[Dict[str, Any]]:
+        """QUEUED and IN_PROGRESS jobs, oldest first: what a restarted agent must pick up."""
+        return self.jobs(("QUEUED", "IN_PROGRESS"))
+
+    def prune(self, keep: int = 1000) -> int:
+        """Drop document and result of all but the ``keep`` newest finished jobs; their ids and
+        states stay, so a replayed old job is still recognised. Returns rows pruned."""
+        terminal = sorted(protocol.TERMINAL_STATES)
+        with self._tx() as db:
+            cur = db.execute(
+                "UPDATE jobs SET doc = NULL, result = NULL WHERE doc IS NOT NULL AND state IN "
+                "({q}) AND job_id NOT IN (SELECT job_id FROM jobs WHERE state IN ({q}) "
+                "ORDER BY updated DESC LIMIT ?)".format(q=", ".join("?" * len(terminal))),
+                terminal + terminal + [int(keep)])
+            return int(cur.rowcount)
+
+    def referenced_artifacts(self) -> Set[str]:
+        """Artifacts that must not be evicted: those of unfinished jobs and the models of
+        active and previous engines."""
+        out: Set[str] = set()
+        for job in self.unfinished_jobs():
+            for ref in ((job["doc"] or {}).get("artifacts") or {}).values():
+                if isinstance(ref, dict) and protocol.valid_sha256(ref.get("sha256")):
+                    out.add(ref["sha256"])
+        out.update(r[0] for r in self._read("SELECT DISTINCT model_sha FROM engines"))
+        return out
+
+    # ------------------------------------------------------------------------------- outbox
+
+    def outbox_put(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                   coalesce: bool = False) -> int:
+        """Queue a message until the broker acknowledges it; returns its seq. ``coalesce``
+        first drops pending messages to the same topic (right for retained state)."""
+        with self._tx() as db:
+            return self._outbox_insert(db, topic, payload, qos, retain, coalesce)
+
+    def _outbox_insert(self, db: sqlite3.Connection, topic: str, payload: bytes, qos: int,
+                       retain: bool, coalesce: bool) -> int:
+        payload = self._fits_outbox(topic, payload)
+        if coalesce:
+            db.execute("DELETE FROM outbox WHERE topic = ?", (topic,))
+        cur = db.execute(
+            "INSERT INTO outbox (topic, payload, qos, retain, created) VALUES (?, ?, ?, ?, ?)",
+            (topic, bytes(payload), int(qos), 1 if retain else 0, self._clock()))
+        return int(cur.lastrowid or 0)
+
+    def _fits_outbox(self, topic: str, payload: bytes) -> bytes:
+        """Checked before anything is stored: the outbox never holds a message over its
+        topic's limit (a broker would refuse it and drop the connection on every resend). An
+        oversized job status becomes its short form; anything else is refused."""
+        limit = OUTBOX_MAX_BYTES
+        if len(payload) <= limit:
+            return payload
+        short = message_caps.short_job_status_payload(payload)
+        if short is not None and len(short) <= limit:
+            log.warning("outbox: a %d-byte status on %s stored in its short form (%d bytes)",
+                        len(payload), topic[:200], len(short))
+            return short
+        raise AgentError("message_too_large", "an outbox message may be at most {} bytes, "
+                         "found {}".format(limit, len(payload)))
+
+    def outbox_replace(self, seq: int, payload: bytes) -> bool:
+        """Put ``payload`` in place of message ``seq`` (a short form the broker accepts); False
+        when ``seq`` is no longer pending."""
+        with self._tx() as db:
+            row = db.execute("SELECT topic FROM outbox WHERE seq = ?", (int(seq),)).fetchone()
+            if row is None:
+                return False
+            payload = self._fits_outbox(row[0], payload)
+            return db.execute("UPDATE outbox SET payload = ? WHERE seq = ?",
+                              (bytes(payload), int(seq))).rowcount > 0
+
+    def outbox_pending(self, limit: Optional[int] = None) -> List[OutboxItem]:
+        """Unacknowledged messages in the order they were queued."""
+        sql = "SELECT seq, topic, payload, qos, retain, created FROM outbox ORDER BY seq"
+        args: List[Any] = []
+        if limit is not None:
+            sql += " LIMIT ?"
+            args.append(int(limit))
+        return [OutboxItem(int(r[0]), r[1], bytes(r[2]), int(r[3]), bool(r[4]), float(r[5]))
+                for r in self._read(sql, args)]
+
+    def outbox_ack(self, seq: int) -> bool:
+        """The broker acknowledged message ``seq`` (PUBACK): forget it. False if unknown
+        (already acknowledged, or coalesced away)."""
+        with self._tx() as db:
+            return db.execute("DELETE FROM outbox WHERE seq = ?", (int(seq),)).rowcount > 0
+
+    def outbox_count(self) -> int:
+        return int(self._read("SELECT COUNT(*) FROM outbox")[0][0])
+
+    # ------------------------------------------------------------------------------- transfers
+
+    def transfer_get(self, sha256: str) -> Optional[Dict[str, Any]]:
+        """A transfer in progress: sha256, size, block_size, bitmap (bit set = block received),
+        updated."""
+        rows = self._read("SELECT sha256, size, block_size, bitmap, updated FROM transfers "
+                          "WHERE sha256 = ?", (sha256,))
+        return _transfer_row(rows[0]) if rows else None
+
+    def transfer_put(self, sha256: str, size: int, block_size: int, bitmap: bytes) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO transfers (sha256, size, block_size, bitmap, "
+                       "updated) VALUES (?, ?, ?, ?, ?)",
+                       (sha256, int(size), int(block_size), bytes(bitmap), self._clock()))
+
+    def transfer_update(self, sha256: str, bitmap: bytes) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE transfers SET bitmap = ?, updated = ? WHERE sha256 = ?",
+                       (bytes(bitmap), self._clock(), sha256))
+
+    def transfer_delete(self, sha256: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM transfers WHERE sha256 = ?", (sha256,))
+
+    def transfers(self) -> List[Dict[str, Any]]:
+        return [_transfer_row(r) for r in self._read(
+            "SELECT sha256, size, block_size, bitmap, updated FROM transfers ORDER BY updated")]
+
+    # ------------------------------------------------------------------------------- engines
+
+    def activate(self, model_sha: str, engine_key: str, precision: Optional[str] = None,
+                 job_id: Optional[str] = None,
+                 info: Optional[Mapping[str, Any]] = None) -> Optional[Dict[str, Any]]:
+        """Make ``engine_key`` the active engine of a model; the engine it replaces becomes the
+        previous one (for rollback). Returns the previous engine (None if none).
+        Re-activating the active engine only refreshes its time, job and info."""
+        now = self._clock()
+        with self._tx() as db:
+            current = _engine(db, model_sha, "active")
+            if current is not None and current["engine_key"] == engine_key:
+                db.execute("UPDATE engines SET precision = ?, activated = ?, job_id = ?, "
+                           "info = ? WHERE model_sha = ? AND slot = 'active'",
+                           (precision, now, job_id, _dumps(info or {}), model_sha))
+                return _engine(db, model_sha, "previous")
+            if current is not None:
+                db.execute("DELETE FROM engines WHERE model_sha = ? AND slot = 'previous'",
+                           (model_sha,))
+                db.execute("UPDATE engines SET slot = 'previous' WHERE model_sha = ? AND "
+                           "slot = 'active'", (model_sha,))
+            db.execute("INSERT INTO engines (model_sha, slot, engine_key, precision, activated, "
+                       "job_id, info) VALUES (?, 'active', ?, ?, ?, ?, ?)",
+                       (model_sha, engine_key, precision, now, job_id, _dumps(info or {})))
+            return current
+
+    def rollback(self, model_sha: str) -> Optional[Dict[str, Any]]:
+        """Make the previous engine active again (the current one is dropped); returns the
+        restored engine, or None (nothing changes) when there is no previous one."""
+        with self._tx() as db:
+            previous = _engine(db, model_sha, "previous")
+            if previous is None:
+                return None
+            db.execute("DELETE FROM engines WHERE model_sha = ? AND slot = 'active'",
+                       (model_sha,))
+            db.execute("UPDATE engines SET slot = 'active', activated = ? WHERE model_sha = ? "
+                       "AND slot = 'previous'", (self._clock(), model_sha))
+            return _engine(db, model_sha, "active")
+
+    def active_engine(self, model_sha: str) -> Optional[Dict[str, Any]]:
+        with self._lock:
+            return _engine(self._db, model_sha, "active")
+
+    def previous_engine(self, model_sha: str) -> Optional[Dict[str, Any]]:
+        with self._lock:
+            return _engine(self._db, model_sha, "previous")
+
+    def active_engines(self) -> List[Dict[str, Any]]:
+        """Active engine of every model: model, engine_key, precision, activated, job_id,
+        info; oldest activation first."""
+        return [_engine_row(r) for r in self._read(
+            "SELECT model_sha, engine_key, precision, activated, job_id, info FROM engines "
+            "WHERE slot = 'active' ORDER BY activated, model_sha")]
+
+    # ------------------------------------------------------------------------------- boot
+
+    def next_boot(self) -> int:
+        """Count one more start of the agent and return the counter (1 on the first)."""
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = 'boot'").fetchone()
+            boot = (int(row[0]) if row else 0) + 1
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('boot', ?)", (str(boot),))
+            return boot
+
+    def boot(self) -> int:
+        rows = self._read("SELECT value FROM meta WHERE key = 'boot'")
+        return int(rows[0][0]) if rows else 0
+
+    def note_put(self, key: str, value: Mapping[str, Any]) -> None:
+        """Keep a small JSON note (``connection``: the last session takeover) for ``status``."""
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                       ("note:" + key, _dumps(value)))
+
+    def note(self, key: str) -> Optional[Dict[str, Any]]:
+        rows = self._read("SELECT value FROM meta WHERE key = ?", ("note:" + key,))
+        value = _loads(rows[0][0]) if rows else None
+        return value if isinstance(value, dict) else None
+
+    # ------------------------------------------------------------------------------- signing
+
+    def last_sequence(self, key_id: str) -> int:
+        """The highest job-signature sequence accepted from ``key_id`` (0: none yet)."""
+        rows = self._read("SELECT value FROM meta WHERE key = ?", ("seq:" + key_id,))
+        return int(rows[0][0]) if rows else 0
+
+    def record_sequence(self, key_id: str, seq: int) -> None:
+        """Remember an accepted sequence; never lowers the stored one (replay protection)."""
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM meta WHERE key = ?", ("seq:" + key_id,)).fetchone()
+            if row is None or int(row[0]) < seq:
+                db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+                           ("seq:" + key_id, str(int(seq))))
+
+
+def _progress(progress: Progress) -> Tuple[Optional[int], Optional[int]]:
+    if progress is None:
+        return None, None
+    if isinstance(progress, Mapping):
+        done, of = progress.get("done"), progress.get("of")
+    else:
+        done, of = progress
+    if not isinstance(done, int) or not isinstance(of, int) or done < 0 or of < 0:
+        raise AgentError("bad_argument",
+                         "progress must be (done, of) non-negative integers, found {!r}".format(
+                             progress))
+    return done, of
+
+
+def _job_row(r: Tuple[Any, ...]) -> Dict[str, Any]:
+    return {
+        "job_id": r[0],
+        "kind": r[1],
+        "doc": _loads(r[2]),
+        "state": r[3],
+        "version": int(r[4]),
+        "stage": r[5],
+        "progress": None if r[6] is None else {"done": int(r[6]), "of": int(r[7])},
+        "details": _loads(r[8]) or {},
+        "result": _loads(r[9]),
+        "error": _loads(r[10]),
+        "received": float(r[11]),
+        "updated": float(r[12]),
+        "attempts": int(r[13]),
+    }
+
+
+def _transfer_row(r: Tuple[Any, ...]) -> Dict[str, Any]:
+    return {"sha256": r[0], "size": int(r[1]), "block_size": int(r[2]), "bitmap": bytes(r[3]),
+            "updated": float(r[4])}
+
+
+def _engine_row(r: Tuple[Any, ...]) -> Dict[str, Any]:
+    return {"model": r[0], "engine_key": r[1], "precision": r[2], "activated": float(r[3]),
+            "job_id": r[4], "info": _loads(r[5]) or {}}
+
+
+def _engine(db: sqlite3.Connection, model_sha: str, slot: str) -> Optional[Dict[str, Any]]:
+    row = db.execute("SELECT model_sha, engine_key, precision, activated, job_id, info FROM "
+                     "engines WHERE model_sha = ? AND slot = ?", (model_sha, slot)).fetchone()
+    return _engine_row(row) if row else None

@@ -1,0 +1,260 @@
+"""What the daemon publishes: job states through the journal's outbox (deleted on PUBACK, so
+nothing is lost on a disconnect or a crash), the retained birth status, and telemetry."""
+
+import logging
+import os
+import time
+from typing import Any, Dict, Optional
+
+from agent import __version__
+from agent.device.daemon_state import DaemonState
+from agent.device.job_run import Run
+from agent.wire import message_caps, protocol
+from agent.wire.mqtt import SESSION_TAKEN_OVER, Event
+
+log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
+
+OUTBOX_BATCH = 200
+# An outbox message the broker refused this many times (PUBACK reason codes), or that was in
+# flight when the connection dropped this many times (a broker closes the connection on a
+# packet over its max_packet_size), is replaced by its short form; a short form refused as
+# often is dropped (logged): one message must never wedge the connection.
+MAX_PUBLISH_REFUSALS = 3
+MAX_DROPS_IN_FLIGHT = 3
+SMALL_STATUS_BYTES = 4096  # never shortened for dropped connections: any broker takes these
+MAX_ERROR_BYTES = 64 * 1024  # a job error as the journal keeps it
+# Connections closed by the broker within QUICK_DROP_S of being accepted, QUICK_DROPS times in
+# a minute, without a DISCONNECT saying why: a suspected session takeover.
+QUICK_DROP_S = 5.0
+QUICK_DROPS = 3
+MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
+
+
+class StatusPublisher(DaemonState):
+    """Daemon layer: status, outbox and telemetry publication."""
+
+    def _publish_request(self, topic: str, payload: bytes, qos: int = 1,
+                         retain: bool = False) -> None:
+        self.mqtt.publish(topic, payload, qos=qos, retain=retain)
+
+    def _status_platform(self) -> Dict[str, Any]:
+        p = self.platform
+        out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
+               "backend": self.backend, "precisions": p.supported_precisions, "kind": p.kind,
+               "l4t": p.l4t, "soc": p.soc}
+        if self.backend_problem:  # the truth: no backend that runs here
+            out["backend"] = None
+            out["backend_problem"] = self.backend_problem[:512]
+        return out
+
+    def _birth(self) -> Dict[str, Any]:
+        return protocol.status_message(
+            self.device, True, self.boot, agent_version=__version__,
+            platform=self._status_platform(),
+            active_engines=list(self.journal.active_engines()),  # type: ignore[arg-type]
+            ts=time.time())
+
+    def _publish_birth(self) -> None:
+        self.mqtt.publish(self.topics.status(self.device),
+                          message_caps.encode_fitted("status", self._birth()), qos=1,
+                          retain=True)
+
+    # ------------------------------------------------------------------------- outbox
+
+    def _emit(self, row: Dict[str, Any]) -> protocol.Publication:
+        return protocol.job_status_publication(self.topics, self.device, row)
+
+    def _set_state(self, run_or_id: Any, state: str, **kwargs: Any) -> None:
+        job_id = run_or_id.job_id if isinstance(run_or_id, Run) else run_or_id
+        if isinstance(run_or_id, Run) and "details" not in kwargs:
+            kwargs["details"] = run_or_id.details
+        for key in ("error", "result", "details"):
+            if kwargs.get(key) is not None:
+                kwargs[key] = message_caps.relative_paths(kwargs[key], self._state_root())
+        if kwargs.get("error") is not None:
+            kwargs["error"] = message_caps.fit_error(kwargs["error"], MAX_ERROR_BYTES)
+        self.journal.set_state(job_id, state, emit=self._emit, **kwargs)
+        self.outbox_dirty = True
+
+    def _state_root(self) -> str:
+        return os.path.abspath(self.state_dir) if self.state_dir else ""
+
+    def _republish(self, row: Dict[str, Any]) -> None:
+        pub = self._emit(row)
+        self.journal.outbox_put(pub.topic, pub.payload, pub.qos, pub.retain, coalesce=True)
+        self.outbox_dirty = True
+
+    def _flush_outbox(self) -> None:
+        now = time.monotonic()
+        if not self.mqtt.connected:
+            return
+        if not self.outbox_dirty and now - self.last_outbox_scan < 5.0:
+            return
+        self.outbox_dirty = False
+        self.last_outbox_scan = now
+        for item in self.journal.outbox_pending(limit=OUTBOX_BATCH + len(self.inflight)):
+            if item.seq in self.inflight:
+                continue
+            if len(self.inflight) >= OUTBOX_BATCH:
+                self.outbox_dirty = True
+                break
+            payload = item.payload
+            refused = self.refused_bytes is not None and len(payload) >= self.refused_bytes
+            if refused or not self.mqtt.fits(item.topic, payload):
+                short = self._shorten(item.seq, item.topic, payload,
+                                      "over the broker's maximum packet size ({} bytes)".format(
+                                          self.mqtt.server_max_packet or "a {}-byte message was "
+                                          "refused".format(self.refused_bytes)))
+                if short is None or not self.mqtt.fits(item.topic, short):
+                    log.error("outbox message %d on %s does not fit the broker's maximum packet "
+                              "size even shortened; dropping it", item.seq, item.topic)
+                    self.journal.outbox_ack(item.seq)
+                    continue
+                payload = short
+            self.inflight[item.seq] = self.mqtt.publish(item.topic, payload, qos=item.qos,
+                                                        retain=item.retain,
+                                                        token=("outbox", item.seq))
+
+    def _shorten(self, seq: int, topic: str, payload: bytes, why: str) -> Optional[bytes]:
+        """Replace outbox message ``seq`` by its short form; the short payload, or None when
+        there is none shorter (not a job status, or already short)."""
+        short = message_caps.short_job_status_payload(payload)
+        if short is None or len(short) >= len(payload):
+            return None
+        if not self.journal.outbox_replace(seq, short):
+            return None
+        log.error("outbox message %d on %s (%d bytes) %s: replaced by its short form (%d bytes)",
+                  seq, topic, len(payload), why, len(short))
+        return short
+
+    def _retry_short(self, seq: int, why: str) -> bool:
+        """Swap a refused in-flight message for its short form (sent at the next flush); False
+        when it has none."""
+        handle = self.inflight.get(seq)
+        item = next((i for i in self.journal.outbox_pending(limit=OUTBOX_BATCH * 2)
+                     if i.seq == seq), None)
+        if item is None:  # superseded (a newer status of the job took its place): forget it
+            log.warning("outbox message %d, no longer pending, %s: not sent again", seq, why)
+        elif self._shorten(seq, item.topic, item.payload, why) is None:
+            return False
+        if handle is not None:
+            self.mqtt.abandon(handle)
+        self.inflight.pop(seq, None)
+        self.refusals.pop(seq, None)
+        self.outbox_dirty = True
+        return True
+
+    def _on_published(self, ev: Event) -> None:
+        token = ev.token
+        if not (isinstance(token, tuple) and token[0] == "outbox"):
+            return
+        seq = int(token[1])
+        self.inflight.pop(seq, None)
+        self.drops_in_flight.pop(seq, None)
+        if ev.ok:
+            self.journal.outbox_ack(seq)
+            self.refusals.pop(seq, None)
+            return
+        count = self.refusals.get(seq, 0) + 1
+        self.refusals[seq] = count
+        if count >= MAX_PUBLISH_REFUSALS:
+            if self._retry_short(seq, "refused by the broker {} times ({})".format(
+                    count, ev.reason)):
+                return
+            log.error("broker refused outbox message %d %d times (%s); dropping it", seq, count,
+                      ev.reason)
+            self.journal.outbox_ack(seq)
+            self.refusals.pop(seq, None)
+        else:
+            self.outbox_dirty = True
+
+    def _outbox_connection_lost(self) -> None:
+        """The connection dropped: each message then in flight counts one try; one in flight
+        at MAX_DROPS_IN_FLIGHT drops in a row goes out in its short form (a broker closes the
+        connection on a packet it refuses). A short message is never dropped for this: a
+        flapping network must not lose a status."""
+        for seq, handle in list(self.inflight.items()):
+            if getattr(handle, "size", SMALL_STATUS_BYTES + 1) <= SMALL_STATUS_BYTES:
+                continue
+            count = self.drops_in_flight.get(seq, 0) + 1
+            self.drops_in_flight[seq] = count
+            if count >= MAX_DROPS_IN_FLIGHT and self._retry_short(
+                    seq, "was in flight at {} dropped connections".format(count)):
+                self.drops_in_flight.pop(seq, None)
+                # A message this large is taken for refused from now on (the broker did not
+                # say its limit): later ones, a status sent again included, go out short.
+                size = int(getattr(handle, "size", 0))
+                self.refused_bytes = min(self.refused_bytes or size, size)
+        if len(self.drops_in_flight) > 4 * OUTBOX_BATCH:  # acked entries leave; bound the rest
+            for seq in list(self.drops_in_flight)[:-OUTBOX_BATCH]:
+                del self.drops_in_flight[seq]
+
+    # ------------------------------------------------------------------------- connection
+
+    def _connection_lost(self, ev: Event) -> None:
+        """The connection dropped (``ev`` is the DISCONNECTED event): count the outbox's
+        tries, and surface a session takeover (another client connected with this device's
+        client id) in the log and in ``jetson-agent status``. A broker that says so sends
+        DISCONNECT "Session taken over" (MQTT v5, 0x8E); one that only closes the socket
+        (Mosquitto 2.0.11 does) shows the same as connections closed right after being
+        accepted, again and again: reported as a suspected takeover."""
+        self._outbox_connection_lost()
+        now = time.monotonic()
+        confirmed = ev.code == SESSION_TAKEN_OVER
+        if not confirmed:
+            if ev.code is not None or ev.held_s is None or ev.held_s > QUICK_DROP_S:
+                self.quick_drops.clear()
+                return
+            self.quick_drops = [t for t in self.quick_drops if now - t < 60.0] + [now]
+            if len(self.quick_drops) < QUICK_DROPS:
+                return
+            self.quick_drops.clear()
+        self.counters["session_taken_over"] += 1
+        previous = self.journal.note("connection") or {}
+        count = int(previous.get("taken_over", 0) or 0) + 1
+        self.journal.note_put("connection", {
+            "taken_over": count, "last_taken_over": time.time(), "client_id": self.device,
+            "confirmed": confirmed, "reason": ev.reason})
+        if now - self.last_takeover_log >= 60.0 or count == 1:
+            self.last_takeover_log = now
+            log.error("session_taken_over: the broker at %s %s (%d time(s) so far): another "
+                      "client connects with this device's client id %r (another device with "
+                      "this id, or its key leaked); the broker should bind client ids to "
+                      "identities (use_username_as_clientid, docs/security.md)%s",
+                      self.mqtt.address, "closed this connection: session taken over (MQTT "
+                      "reason 0x8E)" if confirmed else "keeps closing this connection right "
+                      "after accepting it", count, self.device,
+                      "" if confirmed else "; or it refuses a packet we send (see its log)")
+
+    # ------------------------------------------------------------------------- telemetry
+
+    def _telemetry_tick(self) -> None:
+        now = time.monotonic()
+        if self.telemetry is None or now < self.next_telemetry:
+            return
+        self.next_telemetry = now + self.cfg.telemetry_interval
+        sample = dict(self.telemetry.sample())
+        source = sample.pop("source", getattr(self.telemetry, "kind", "host"))
+        self.last_telemetry = sample
+        if not self.mqtt.connected:
+            return
+        msg = {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,
+               "ts": time.time(), "source": source, "metrics": sample}
+        self.mqtt.publish(self.topics.telemetry(self.device),
+                          message_caps.encode_fitted("telemetry", msg), qos=0)
+
+
+def fit_result(result: Dict[str, Any], limit: int = MAX_RESULT_BYTES) -> Dict[str, Any]:
+    """Drop the largest entries of a result until its JSON fits ``limit`` bytes; the names of
+    the dropped entries are listed under ``truncated`` (the worker's log has everything)."""
+    result = dict(result)
+    dropped = []
+    while len(protocol.encode(result)) > limit and result:
+        sizes = {k: len(protocol.encode({k: v})) for k, v in result.items() if k != "truncated"}
+        if not sizes:
+            break
+        biggest = max(sizes, key=lambda k: sizes[k])
+        del result[biggest]
+        dropped.append(biggest)
+        result["truncated"] = sorted(dropped)
+    return result

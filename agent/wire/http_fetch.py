@@ -1,0 +1,94 @@
+"""Device side: fetch an artifact over HTTP(S) with Range requests, into the same transfer
+(and bitmap) the MQTT block path uses, so either resumes what the other received.
+
+A thread per artifact asks for the missing blocks a run of up to RUN_BLOCKS at a time,
+checks each block against the signed per-block hashes (when the job carries them) and writes
+it through ``BlockFetcher.on_block``. The artifact's last block goes through the daemon's own
+event queue (``fetcher.inject``) so that completion is handled on its main loop like any
+block. Any failure (unreachable, a wrong length, junk) hands the artifact back to MQTT blocks.
+"""
+
+import hashlib
+import logging
+import urllib.error
+import urllib.request
+from typing import Any
+
+from agent.errors import AgentError
+from agent.wire import protocol
+
+log = logging.getLogger("agent.wire.transfer")
+RUN_BLOCKS = 64
+TIMEOUT_S = 30.0
+MAX_BAD_BLOCKS = 16
+
+
+def _get_range(url: str, start: int, end: int, size: int) -> bytes:
+    req = urllib.request.Request(url, headers={"Range": "bytes={}-{}".format(start, end),
+                                               "User-Agent": "jetson-agent"})
+    want = end - start + 1
+    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:  # noqa: S310 - http(s) only
+        status = resp.status
+        if status != 206 and not (status == 200 and start == 0 and want == size):
+            raise ValueError("expected 206 Partial Content for bytes {}-{}, found {}".format(
+                start, end, status))
+        data = resp.read(want + 1)
+    if len(data) != want:
+        raise ValueError("expected {} bytes for bytes {}-{}, found {}".format(
+            want, start, end, len(data)))
+    return data
+
+
+def run(fetcher: Any, sha256: str, fetch: Any, url: str) -> None:
+    """The body of one artifact's HTTP thread."""
+    try:
+        _run(fetcher, sha256, fetch, url)
+    except (OSError, ValueError, AgentError, urllib.error.URLError) as exc:
+        log.warning("HTTP fetch of artifact %s from %s failed (%s); fetching its blocks over "
+                    "MQTT", sha256, url, exc)
+        fetcher._http_failed(sha256, fetch)
+
+
+def _run(fetcher: Any, sha256: str, fetch: Any, url: str) -> None:
+    transfer = fetch.transfer
+    bs, size = transfer.block_size, transfer.size
+    while True:
+        with fetcher._lock:
+            if fetcher._fetches.get(sha256) is not fetch or not fetch.http:
+                return  # cancelled, completed, or handed to MQTT
+            missing = transfer.missing_indices(RUN_BLOCKS)
+        if not missing:
+            return
+        if fetch.bad_blocks == 0 and transfer.received() == 0:
+            log.info("fetching artifact %s over HTTP from %s", sha256, url)
+        first = last = missing[0]
+        for i in missing[1:]:
+            if i != last + 1:
+                break
+            last = i
+        data = _get_range(url, first * bs, min(size, (last + 1) * bs) - 1, size)
+        for i in range(first, last + 1):
+            off = (i - first) * bs
+            block = data[off:off + protocol.block_length(size, bs, i)]
+            digests = fetch.digests
+            if digests is not None and hashlib.sha256(block).digest() != \
+                    digests[32 * i:32 * i + 32]:
+                fetch.bad_blocks += 1
+                if fetch.bad_blocks > MAX_BAD_BLOCKS:
+                    raise ValueError("{} blocks did not match their hashes".format(
+                        fetch.bad_blocks))
+                continue
+            with fetcher._lock:
+                final = transfer.received() == transfer.blocks - 1 and \
+                    not transfer.has_block(i)
+            if final and fetcher.inject is not None:
+                # Completion belongs to the daemon's loop: hand it the last block (MQTT takes
+                # over again should it be lost on the way).
+                with fetcher._lock:
+                    fetch.http = False
+                fetcher.inject(fetcher._topics.block(fetcher.device, sha256, i), block)
+                return
+            path = fetcher.on_block(sha256, i, block)
+            if path is not None:
+                fetcher.http_completed.append((sha256, path))
+                return

@@ -1,0 +1,495 @@
+"""The one module that imports paho: a small MQTT client for the daemon and controllers.
+
+- MQTT v5 (default) or 3.1.1; a persistent session (clean start off, a session expiry) so the
+  broker keeps our subscriptions and queued QoS 1 messages while we are away.
+- A Will (LWT) set before connecting; reconnects with exponential backoff; the subscription list
+  is sent again on every connect (a restarted broker may have lost the session).
+- ``publish`` returns a ``PublishHandle``: wait on it, or pass a ``token`` and receive a
+  ``published`` event when the broker acknowledges (PUBACK) - the daemon acks its outbox then.
+- Everything paho reports becomes an ``Event`` on ``events`` (a queue the owner drains): no work
+  happens in paho's network thread.
+
+paho-mqtt 2.x is used with its VERSION2 callbacks; 1.6 (no CallbackAPIVersion) works too.
+"""
+
+import logging
+import queue
+import ssl
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+import paho.mqtt.client as paho
+
+from agent.errors import AgentError
+
+try:
+    from paho.mqtt.enums import CallbackAPIVersion  # paho >= 2.0
+except ImportError:  # paho 1.6
+    CallbackAPIVersion = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger("agent.wire.mqtt")
+
+PROTOCOLS = {"v5": paho.MQTTv5, "v3.1.1": paho.MQTTv311}
+
+# Event kinds
+CONNECTED = "connected"  # .session_present
+CONNECT_FAILED = "connect_failed"  # .reason
+DISCONNECTED = "disconnected"  # .reason
+SUBSCRIBED = "subscribed"  # every subscription of this connection was acknowledged
+MESSAGE = "message"  # .topic, .payload, .retain, .qos
+PUBLISHED = "published"  # .token, .ok, .reason
+
+SESSION_TAKEN_OVER = 0x8E  # MQTT v5 DISCONNECT: another client connected with our client id
+
+
+class _PahoLog(object):
+    """Stands in for paho's logger: keeps its last warning (the only place the reason for a
+    connection closed during the handshake appears); debug messages are not even formatted."""
+
+    def __init__(self, owner: "MqttClient") -> None:
+        self.owner = owner
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        if level >= logging.WARNING:
+            try:
+                self.owner._socket_error = (fmt % args)[:300]
+            except (TypeError, ValueError):
+                self.owner._socket_error = str(fmt)[:300]
+
+
+class Event:
+    __slots__ = ("kind", "topic", "payload", "retain", "qos", "token", "ok", "reason",
+                 "session_present", "response_topic", "correlation", "code", "held_s")
+
+    def __init__(self, kind: str, topic: str = "", payload: bytes = b"", retain: bool = False,
+                 qos: int = 0, token: Any = None, ok: bool = True, reason: str = "",
+                 session_present: bool = False, response_topic: Optional[str] = None,
+                 correlation: Optional[bytes] = None, code: Optional[int] = None,
+                 held_s: Optional[float] = None) -> None:
+        self.kind = kind
+        self.topic = topic
+        self.payload = payload
+        self.retain = retain
+        self.qos = qos
+        self.token = token
+        self.ok = ok
+        self.reason = reason
+        self.session_present = session_present
+        self.response_topic = response_topic  # MQTT v5 request/response properties
+        self.correlation = correlation
+        self.code = code  # the reason code of a DISCONNECT the broker sent (v5), else None
+        self.held_s = held_s  # how long the connection a DISCONNECTED event ends had lasted
+
+    def nbytes(self) -> int:
+        """Memory this event holds, roughly (the daemon bounds its queue by it)."""
+        return len(self.payload) + len(self.topic) + 200
+
+    def __repr__(self) -> str:
+        return "Event({}, topic={!r}, {} bytes, token={!r}, reason={!r})".format(
+            self.kind, self.topic, len(self.payload), self.token, self.reason)
+
+
+class Will:
+    def __init__(self, topic: str, payload: bytes, qos: int = 1, retain: bool = True) -> None:
+        self.topic, self.payload, self.qos, self.retain = topic, payload, qos, retain
+
+
+class TlsOptions:
+    def __init__(self, ca_file: Optional[str] = None, cert_file: Optional[str] = None,
+                 key_file: Optional[str] = None, insecure: bool = False) -> None:
+        self.ca_file, self.cert_file, self.key_file = ca_file, cert_file, key_file
+        self.insecure = insecure
+
+
+class PublishHandle:
+    """One publish. ``wait(timeout)`` -> True once the broker acknowledged it (QoS 0: once it
+    was written to the socket); ``ok`` is False when the broker refused it (v5 reason code)."""
+
+    def __init__(self, topic: str, token: Any) -> None:
+        self.topic = topic
+        self.token = token
+        self.mid = 0
+        self.size = 0  # payload bytes
+        self.ok = False
+        self.reason = ""
+        self._done = threading.Event()
+
+    @property
+    def acked(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        return self._done.wait(timeout)
+
+    def _finish(self, ok: bool, reason: str) -> None:
+        self.ok, self.reason = ok, reason
+        self._done.set()
+
+
+def _is_failure(rc: Any) -> bool:
+    if hasattr(rc, "is_failure"):
+        return bool(rc.is_failure)
+    return bool(rc)
+
+
+def _reason_text(rc: Any) -> str:
+    if isinstance(rc, int) and not hasattr(rc, "is_failure"):
+        return paho.connack_string(rc)
+    return str(rc)
+
+
+class MqttClient:
+    """A connection to one broker. Call ``start()``, then drain ``events``."""
+
+    def __init__(
+        self,
+        client_id: str,
+        host: str = "localhost",
+        port: int = 1883,
+        protocol: str = "v5",
+        keepalive: int = 30,
+        username: Optional[str] = None,
+        password: Optional[str] = None,
+        tls: Optional[TlsOptions] = None,
+        will: Optional[Will] = None,
+        session_expiry: int = 7 * 24 * 3600,
+        clean_start: bool = False,
+        max_packet_bytes: Optional[int] = None,
+        reconnect_min: float = 1.0,
+        reconnect_max: float = 30.0,
+        events: "Optional[queue.Queue[Event]]" = None,
+        max_events: int = 2000,
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise AgentError("bad_config", "MQTT protocol must be one of {}, found {!r}".format(
+                ", ".join(PROTOCOLS), protocol))
+        self.client_id = client_id
+        self.host, self.port, self.protocol = host, int(port), protocol
+        self.keepalive = int(keepalive)
+        self.session_expiry = int(session_expiry)
+        self.clean_start = clean_start
+        self.max_packet_bytes = max_packet_bytes
+        self.events: "queue.Queue[Event]" = events if events is not None else queue.Queue(
+            max_events)
+        self.last_error = ""
+        self.server_max_packet: Optional[int] = None  # the broker's CONNACK Maximum Packet Size
+        self._subscriptions: Dict[str, int] = {}
+        self._sub_mids: Dict[int, bool] = {}
+        self._pending: Dict[int, PublishHandle] = {}
+        self._early: Dict[int, Tuple[bool, str]] = {}
+        self._abandoned: Set[int] = set()
+        self._connected_at = 0.0
+        self._lock = threading.Lock()
+        self._connected = threading.Event()
+        self._attempted = threading.Event()
+        self._closing = False
+        self._started = False
+
+        v5 = protocol == "v5"
+        kwargs: Dict[str, Any] = {"client_id": client_id, "protocol": PROTOCOLS[protocol]}
+        if not v5:
+            kwargs["clean_session"] = clean_start
+        if CallbackAPIVersion is not None:
+            kwargs["callback_api_version"] = CallbackAPIVersion.VERSION2
+        self._v2 = CallbackAPIVersion is not None
+        self._client = paho.Client(**kwargs)
+        self._client.reconnect_delay_set(reconnect_min, reconnect_max)  # type: ignore[arg-type]
+        self._client.max_inflight_messages_set(100)
+        if username is not None:
+            self._client.username_pw_set(username, password)
+        self.tls_enabled = tls is not None
+        self._has_client_cert = tls is not None and bool(tls.cert_file)
+        if tls is not None:
+            self._client.tls_set(ca_certs=tls.ca_file, certfile=tls.cert_file,
+                                 keyfile=tls.key_file, cert_reqs=ssl.CERT_REQUIRED)
+            self._client.tls_insecure_set(tls.insecure)
+        if will is not None:
+            self._client.will_set(will.topic, will.payload, will.qos, will.retain)
+        self._client.on_connect = self._on_connect
+        self._client.on_connect_fail = self._on_connect_fail
+        self._client.on_disconnect = self._on_disconnect
+        self._client.on_message = self._on_message
+        self._client.on_publish = self._on_publish
+        self._client.on_subscribe = self._on_subscribe
+        self._socket_error = ""  # paho's last socket-level warning (a TLS alert, a reset)
+        self._client.enable_logger(_PahoLog(self))  # type: ignore[arg-type]
+
+    # --- owner's API --------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        return "{}:{}".format(self.host, self.port)
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set()
+
+    def start(self) -> None:
+        """Connect in the background; paho's thread keeps reconnecting until ``stop()``."""
+        if self._started:
+            return
+        self._started = True
+        connect_kwargs: Dict[str, Any] = {"keepalive": self.keepalive}
+        if self.protocol == "v5":
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.CONNECT)
+            props.SessionExpiryInterval = self.session_expiry
+            if self.max_packet_bytes:
+                props.MaximumPacketSize = int(self.max_packet_bytes)
+            connect_kwargs["clean_start"] = self.clean_start
+            connect_kwargs["properties"] = props
+        self._client.connect_async(self.host, self.port, **connect_kwargs)
+        self._client.loop_start()
+
+    def wait_connected(self, timeout: float) -> None:
+        """Block until connected; AgentError("broker_unreachable") naming host:port and the
+        last reason otherwise (the client keeps trying in the background)."""
+        if not self._connected.wait(timeout):
+            reason = self.last_error or "no answer within {:.0f} s".format(timeout)
+            raise AgentError("broker_unreachable", "cannot connect to the MQTT broker at {}: "
+                                                   "{}".format(self.address, reason),
+                             {"host": self.host, "port": self.port})
+
+    def subscribe(self, topic: str, qos: int = 1) -> None:
+        """Subscribe now (if connected) and again on every reconnect."""
+        with self._lock:
+            self._subscriptions[topic] = qos
+        if self.connected:
+            self._send_subscriptions([(topic, qos)])
+
+    def unsubscribe(self, topic: str) -> None:
+        with self._lock:
+            self._subscriptions.pop(topic, None)
+        if self.connected:
+            self._client.unsubscribe(topic)
+
+    def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
+                token: Any = None, correlation: Optional[bytes] = None,
+                response_topic: Optional[str] = None) -> PublishHandle:
+        """Hand a message to paho (queued while disconnected, resent after a reconnect).
+        With a ``token``, a PUBLISHED event carrying it follows the broker's acknowledgement.
+        ``correlation`` / ``response_topic`` are MQTT v5 properties (ignored on 3.1.1)."""
+        handle = PublishHandle(topic, token)
+        handle.size = len(payload)
+        props = None
+        if self.protocol == "v5" and (correlation is not None or response_topic is not None):
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.PUBLISH)
+            if correlation is not None:
+                props.CorrelationData = bytes(correlation)
+            if response_topic is not None:
+                props.ResponseTopic = response_topic
+        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        handle.mid = info.mid
+        if info.rc == paho.MQTT_ERR_QUEUE_SIZE:
+            handle._finish(False, "paho's outgoing queue is full")
+            return handle
+        with self._lock:
+            early = self._early.pop(info.mid, None)
+            if early is None:
+                self._pending[info.mid] = handle
+        if early is not None:
+            self._ack(handle, *early)
+        return handle
+
+    def abandon(self, handle: PublishHandle) -> None:
+        """Never resend ``handle``'s message (the owner replaced it: the broker kept refusing
+        it). paho resends unacknowledged messages after a reconnect; they are dropped from its
+        queue before that, at the next connection."""
+        with self._lock:
+            self._pending.pop(handle.mid, None)
+            self._abandoned.add(handle.mid)
+        if not self.connected:
+            return
+        self._forget({handle.mid})
+
+    def _forget(self, mids: Set[int]) -> None:
+        out = getattr(self._client, "_out_messages", None)
+        mutex = getattr(self._client, "_out_message_mutex", None)
+        if out is None or mutex is None:  # another paho: it resends, the broker refuses again
+            return
+        with mutex:
+            for mid in mids:
+                out.pop(mid, None)
+
+    def fits(self, topic: str, payload: bytes) -> bool:
+        """Whether the broker's advertised Maximum Packet Size (MQTT v5 CONNACK) allows this
+        message; True when it advertised none."""
+        from agent.wire.message_caps import packet_bytes
+
+        limit = self.server_max_packet
+        return limit is None or packet_bytes(topic, payload) <= limit
+
+    def stop(self) -> None:
+        """Disconnect cleanly (the broker does not publish the Will) and stop the thread."""
+        self._closing = True
+        if not self._started:
+            return
+        try:
+            self._client.disconnect()
+        except Exception:  # noqa: BLE001 - already gone is fine
+            pass
+        self._client.loop_stop()
+        self._connected.clear()
+
+    def drop_connection(self) -> None:
+        """Close the socket without a DISCONNECT (tests: the broker then publishes the Will)."""
+        sock = self._client.socket()
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    # --- paho's thread: record and enqueue, nothing more --------------------------------------
+
+    def _put(self, event: Event) -> None:
+        while not self._closing:
+            try:
+                self.events.put(event, timeout=0.5)
+                return
+            except queue.Full:
+                continue  # the owner is busy; backpressure onto the socket
+
+    def _send_subscriptions(self, subs: List[Tuple[str, int]]) -> None:
+        if not subs:
+            return
+        rc, mid = self._client.subscribe(subs)
+        if rc == paho.MQTT_ERR_SUCCESS and mid is not None:
+            with self._lock:
+                self._sub_mids[mid] = True
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any,
+                    properties: Any = None) -> None:
+        if _is_failure(rc):
+            self.last_error = "connection refused: " + _reason_text(rc)
+            self._attempted.set()
+            self._put(Event(CONNECT_FAILED, reason=self.last_error))
+            return
+        if isinstance(flags, dict):
+            session_present = bool(flags.get("session present"))
+        else:
+            session_present = bool(getattr(flags, "session_present", False))
+        self.last_error = ""
+        self._socket_error = ""
+        limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
+        self.server_max_packet = int(limit) if isinstance(limit, int) and limit > 0 else None
+        with self._lock:
+            abandoned, self._abandoned = self._abandoned, set()
+        if abandoned:
+            self._forget(abandoned)
+        self._connected_at = time.monotonic()
+        self._connected.set()
+        self._attempted.set()
+        with self._lock:
+            subs = list(self._subscriptions.items())
+            self._sub_mids.clear()
+        self._put(Event(CONNECTED, session_present=session_present))
+        if subs:
+            self._send_subscriptions(subs)
+        else:
+            self._put(Event(SUBSCRIBED))
+
+    def _on_connect_fail(self, client: Any, userdata: Any) -> None:
+        # paho calls this from inside its ``except OSError`` block: the error is current.
+        exc = sys.exc_info()[1]
+        self.last_error = "{}: {}".format(type(exc).__name__, exc) if exc else "connect failed"
+        if isinstance(exc, ssl.SSLCertVerificationError):
+            self.last_error += (" (check the CA file: broker.tls.ca_file or --ca-file must hold "
+                                "the CA that signed the broker's certificate)")
+        elif self.tls_enabled and isinstance(exc, (ConnectionResetError, ssl.SSLError,
+                                                   BrokenPipeError)):
+            # A plain MQTT listener drops a TLS ClientHello: a reset, EOF or "wrong version".
+            self.last_error += (" (TLS handshake failed: is port {} a TLS listener? mqtts:// "
+                                "needs one, 8883 by convention; use mqtt:// for a plain "
+                                "port)".format(self.port))
+        self._attempted.set()
+        self._put(Event(CONNECT_FAILED, reason=self.last_error))
+
+    def _on_disconnect(self, client: Any, userdata: Any, *args: Any) -> None:
+        # v2: (flags, reason_code, properties); v1: (rc) or (rc, properties)
+        rc = args[1] if self._v2 else args[0]
+        was_connected = self._connected.is_set()
+        self._connected.clear()
+        reason = _reason_text(rc) if _is_failure(rc) else "disconnected"
+        flags = args[0] if self._v2 else None
+        from_server = bool(getattr(flags, "is_disconnect_packet_from_server", False))
+        code = getattr(rc, "value", None) if from_server else None
+        if from_server:
+            reason = "the broker disconnected us: " + _reason_text(rc)
+        elif _is_failure(rc):
+            reason = "connection closed without a DISCONNECT from the broker"
+        if was_connected:
+            if _is_failure(rc):
+                self.last_error = "connection lost: " + reason
+            self._put(Event(DISCONNECTED, reason=reason,
+                            code=code if isinstance(code, int) else None,
+                            held_s=time.monotonic() - self._connected_at))
+        elif not self._closing and self._socket_error:
+            # Closed before CONNACK: with TLS 1.3 a refused client certificate shows up here.
+            self.last_error = "the broker closed the connection before accepting it: {}".format(
+                self._socket_error)
+            upper = self._socket_error.upper()
+            # TLS 1.3 sends the refusal after the handshake: the client may read the alert or,
+            # if the broker closed first, only an EOF. Without a certificate, say what's missing.
+            if "CERTIFICATE_REQUIRED" in upper or (
+                    self.tls_enabled and not self._has_client_cert
+                    and ("EOF" in upper or "RESET" in upper)):
+                self.last_error += (" (the broker requires a client certificate: "
+                                    "broker.tls.cert_file / --cert-file)")
+            elif "UNKNOWN_CA" in upper or "CERTIFICATE" in upper:
+                self.last_error += (" (the broker refused the client certificate: is it signed "
+                                    "by the CA the broker trusts, and still valid?)")
+            self._socket_error = ""
+            self._attempted.set()
+            self._put(Event(CONNECT_FAILED, reason=self.last_error))
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, *args: Any) -> None:
+        codes = args[0] if args else []
+        # v5 / VERSION2: ReasonCode objects; paho 1.6 with 3.1.1: granted QoS ints (128: refused)
+        refused = [c for c in (codes or []) if (c.is_failure if hasattr(c, "is_failure")
+                                                 else int(c) >= 0x80)]
+        if refused:
+            log.warning("broker refused a subscription: %s", refused)
+        with self._lock:
+            self._sub_mids.pop(mid, None)
+            done = not self._sub_mids
+        if done:
+            self._put(Event(SUBSCRIBED, ok=not refused))
+
+    def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        try:
+            topic = message.topic
+        except UnicodeDecodeError:
+            return  # not a topic we could have subscribed to
+        props = getattr(message, "properties", None)
+        response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
+        correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        self._put(Event(MESSAGE, topic=topic, payload=bytes(message.payload),
+                        retain=bool(message.retain), qos=int(message.qos),
+                        response_topic=response_topic,
+                        correlation=bytes(correlation) if correlation is not None else None))
+
+    def _on_publish(self, client: Any, userdata: Any, mid: int, *args: Any) -> None:
+        rc = args[0] if args else 0
+        ok, reason = not _is_failure(rc), _reason_text(rc) if args else "Success"
+        with self._lock:
+            handle = self._pending.pop(mid, None)
+            if handle is None:
+                self._early[mid] = (ok, reason)
+                if len(self._early) > 1000:  # acks of messages nobody registers (never here)
+                    self._early.pop(next(iter(self._early)))
+        if handle is not None:
+            self._ack(handle, ok, reason)
+
+    def _ack(self, handle: PublishHandle, ok: bool, reason: str) -> None:
+        handle._finish(ok, reason)
+        if handle.token is not None:
+            self._put(Event(PUBLISHED, topic=handle.topic, token=handle.token, ok=ok,
+                            reason=reason))
