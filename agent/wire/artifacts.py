@@ -12,12 +12,14 @@ import hashlib
 import os
 import stat
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Set
 
-from agent.device.journal import Journal
 from agent.errors import AgentError
 from agent.fsio import fsync_dir
 from agent.wire import protocol
+
+if TYPE_CHECKING:  # the daemon's journal is handed in; wire never imports the device at run time
+    from agent.device.journal import Journal
 
 HASH_CHUNK = 1 << 20
 DEFAULT_RESERVE = 64 << 20  # keep this much disk free for the journal, logs and engines
@@ -166,7 +168,7 @@ class ArtifactStore(object):
     def __init__(
         self,
         state_dir: str,
-        journal: Journal,
+        journal: "Journal",
         max_bytes: Optional[int] = None,
         reserve_bytes: int = DEFAULT_RESERVE,
         flush_every: int = 16,

@@ -1,0 +1,140 @@
+"""The import rules between agent's packages (docs/architecture.md), read from the source with
+``ast``: nothing is imported or run, so lazy imports inside functions count as much as top-level
+ones. Imports under ``if TYPE_CHECKING:`` are left out: they never run."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The modules directly under agent/ that every package may use; anything new there must be
+# placed in a package (or added here on purpose).
+BASE = {"agent", "agent.errors", "agent.fsio", "agent.log", "agent.progress"}
+ENTRY = {"agent.__main__"}  # `python -m agent`: the CLI
+
+# package -> the packages it may import (besides itself and the third-party rules below).
+ALLOWED = {
+    "base": set(),
+    "platform": {"base"},
+    "wire": {"base"},
+    "engines": {"base", "calib"},
+    "calib": {"base", "engines"},
+    "precision": {"base", "engines", "calib"},
+    "worker": {"base", "engines", "precision", "calib", "platform"},
+    "device": {"base", "wire", "engines", "precision", "platform", "worker"},
+    "fleet": {"base", "wire", "engines", "precision", "platform", "calib"},
+    "cli": {"base", "wire", "engines", "precision", "platform", "worker", "device", "fleet",
+            "calib"},
+}
+# Known crossings, each a module and the one module it reaches: move them, don't add to them.
+EXCEPTIONS = {
+    ("agent.fleet.mqtt_edge", "agent.device.config"),  # parse_broker_url
+    ("agent.fleet.rollback", "agent.cli.fleet_serve"),  # db_url, add_db_args
+}
+# Third-party modules that only some packages may import.
+ONLY = {
+    "paho": {"wire"},
+    "tensorrt": {"engines", "calib"},
+    "tensorrt_libs": {"engines", "calib"},
+    "tensorrt_bindings": {"engines", "calib"},
+    "pycuda": {"engines", "calib"},
+    "onnxruntime": {"engines", "calib"},
+}
+
+
+def module_name(path):
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def package_of(module):
+    parts = module.split(".")
+    if parts[0] == "calib":
+        return "calib"
+    if module in BASE:
+        return "base"
+    if module in ENTRY:
+        return "entry"
+    if len(parts) >= 2 and parts[1] in ALLOWED:
+        return parts[1]
+    return None
+
+
+def sources():
+    for top in ("agent", "calib"):
+        for root, _dirs, files in os.walk(os.path.join(ROOT, top)):
+            for name in sorted(files):
+                if name.endswith(".py"):
+                    yield os.path.join(root, name)
+
+
+def _type_checking_only(node):
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def imports(path):
+    """(line, imported module) for every import that can run, resolving `from agent import x`."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _type_checking_only(node):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            if node.module in ("agent", "calib"):
+                for alias in node.names:
+                    yield node.lineno, node.module + "." + alias.name
+            else:
+                yield node.lineno, node.module
+
+
+def test_every_module_has_a_package():
+    unplaced = [module_name(p) for p in sources() if package_of(module_name(p)) is None]
+    assert not unplaced, "put these in a package (or name them in BASE): {}".format(unplaced)
+
+
+def test_packages_import_only_what_their_rules_allow():
+    broken = []
+    for path in sources():
+        module = module_name(path)
+        own = package_of(module)
+        if own in (None, "entry"):
+            continue
+        for line, target in imports(path):
+            top = target.split(".")[0]
+            if top in ONLY and own not in ONLY[top]:
+                broken.append("{}:{} imports {} (only {} may)".format(
+                    module, line, target, ", ".join(sorted(ONLY[top]))))
+            if top not in ("agent", "calib"):
+                continue
+            theirs = package_of(target)
+            if theirs is None and target not in BASE:  # `from agent import __version__`
+                theirs = "base" if len(target.split(".")) == 2 else None
+            if theirs in (None, own) or theirs in ALLOWED[own]:
+                continue
+            if any(module == m and (target == t or target.startswith(t + "."))
+                   for m, t in EXCEPTIONS):
+                continue
+            broken.append("{}:{} imports {} ({} may not use {})".format(
+                module, line, target, own, theirs))
+    assert not broken, "\n".join(broken)
+
+
+def test_the_rules_catch_a_reverse_import(tmp_path):
+    """The checker itself: a wire module importing the daemon, and engines importing paho."""
+    src = tmp_path / "m.py"
+    src.write_text("from agent.device import daemon\ndef f():\n    import paho.mqtt.client\n"
+                   "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from agent.fleet import store\n")
+    found = sorted(t for _line, t in imports(str(src)))
+    assert found == ["agent.device", "paho.mqtt.client", "typing"]  # TYPE_CHECKING left out
+    assert package_of("agent.device") not in ALLOWED["wire"]
+    assert "engines" not in ONLY["paho"]
