@@ -3,6 +3,11 @@
 Exit codes: 0 success; 1 the check ran and failed (e.g. ``compare`` outside tolerances);
 2 an ``AgentError`` (bad input, unsupported platform, ...; printed as ``error [code]: message``,
 or as JSON with ``--json``); 3 an unexpected internal error; 130 interrupted.
+
+Owns argument parsing, exit codes and ``--json`` output; each subcommand is its own module here
+(``add_parser(sub)`` sets ``func``), imported only when chosen, plus ``telemetry_view`` (samples
+for people). May import every package: the CLI is the top; nothing imports it (one known
+exception: ``fleet.rollback`` reuses ``fleet_serve``'s database arguments).
 """
 
 import argparse

@@ -1,1 +1,13 @@
-"""agent.engines"""
+"""Engines: turning a model into something that runs, and timing it (worker side, Python 3.6).
+
+Owns the ``backends`` (``base``: ``BuildPlan``, ``Backend``, ``get_backend``; ``tensorrt*`` and
+``cuda_buffers`` for devices; ``onnxruntime`` with ``emulation`` for hosts; ``graph``, the ONNX
+rewrites both share), the engine ``cache``, ``build`` (``build_engine``, the one way to an
+engine), ``bench``, and the readers of hostile model and array files (``model_check``,
+``safe_npz``).
+
+May import: ``calib`` and the base modules (``errors``, ``fsio``, ``log``, ``progress``).
+Never ``precision``, ``device``, ``fleet``, ``wire`` or ``cli``. Only this package (and
+``calib``) imports tensorrt, pycuda or onnxruntime, and only lazily, so importing it stays light.
+tests/unit/test_import_rules.py enforces this.
+"""

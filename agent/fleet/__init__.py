@@ -16,6 +16,11 @@ Speaks only the protocol of docs/protocol.md. The pure policy comes first, the I
   ``fleet rollout`` embedded), ``bytequeue`` (the event queue that never blocks paho).
 
 Callers import every name from ``agent.fleet``; the submodules are how it is organised.
+
+May import: ``wire``, ``engines``, ``precision``, ``platform``, ``calib`` and the base modules;
+never ``worker``, and ``device``/``cli`` only in the two crossings listed in
+tests/unit/test_import_rules.py (``mqtt_edge`` -> ``device.config``, ``rollback`` ->
+``cli.fleet_serve``), to be moved.
 """
 
 from agent.fleet.documents import (

@@ -17,6 +17,9 @@ callers use ``from agent import platform`` or ``from agent.platform import ...``
 
 Imports stay light (no onnxruntime/tensorrt/jtop at import time): ``diag`` and the idle daemon
 load this package. Written to also run on Python 3.6 so a JetPack 4.6 worker can import it.
+
+May import only the base modules (``errors``, ``fsio``, ``log``, ``progress``); everything else
+may import it. tests/unit/test_import_rules.py enforces this.
 """
 
 from agent.platform.decision import Decision, decide, for_row

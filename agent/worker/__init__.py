@@ -12,6 +12,11 @@ Anything else the process prints (libraries, logging) goes to stderr: file descr
 pointed at stderr at start and the protocol uses a private copy of the original stdout.
 SIGTERM asks the job to stop (a search returns what it has); a second SIGTERM exits at once.
 Worker side: Python >= 3.6 (JetPack 4.6's system Python runs it).
+
+Package: this module (the process entry; ``__main__`` runs ``main``) and ``jobs`` (deploy, search
+and bench inside the worker). Python 3.6 like everything it imports. May import ``engines``,
+``precision``, ``platform``, ``calib`` and the base modules; never ``device``, ``fleet``, ``wire``
+or ``cli`` (tests/unit/test_import_rules.py).
 """
 
 import argparse
