@@ -220,7 +220,7 @@ def share_summary(controller: Mapping[str, Any], reported: Any) -> Optional[Dict
         return None
     rep = reported if isinstance(reported, dict) else {}
     role = str(controller.get("role") or "")
-    mode = str(rep.get("mode") or ("waiting" if role == "waiting" else ""))
+    mode = str(rep.get("mode") or {"waiting": "waiting", "building": "built"}.get(role, ""))
     reason = str(rep.get("reason") or controller.get("note") or "")
     out: Dict[str, Any] = {"mode": mode or None, "role": role or None, "reason": reason or None}
     if rep.get("offered") is not None:
