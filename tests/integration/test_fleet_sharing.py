@@ -15,7 +15,12 @@ from agent import engine_share, protocol
 from agent.fleet.store import Store
 from tests.integration.test_fleet_rollout import retained_jobs, wait_status
 from tests.integration.test_fleet_service import (
-    Service, fleet_cli, fp16_args, wait_registered, wait_rollout)
+    Service,
+    fleet_cli,
+    fp16_args,
+    wait_registered,
+    wait_rollout,
+)
 
 
 def share_service(mosquitto, db, tmp_path):
