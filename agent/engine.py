@@ -207,12 +207,22 @@ def build_engine(
         if shared and shared.get("container"):
             from agent import engine_share
 
+            # The builder's calibration cache is part of its key: installed first (and
+            # removed again if the engine is not taken, so a bad one steers no local build).
+            installed = engine_share.install_calibration(
+                shared["container"], plan.calibration.cache if plan.needs_calibration and
+                plan.calibration is not None else None)
+            if installed:
+                key = current_key()
             adopted, why = engine_share.adopt(shared["container"], key, cache, backend)
             shared["adopted"], shared["reason"] = adopted is not None, why
             if adopted is not None:
                 record = _hit(key, adopted, started)
                 record.result["shared"] = True
                 return record
+            if installed:
+                os.unlink(installed)
+                key = current_key()
             log.warning("shared engine not used, building: %s", why)
         cache.counters["misses"] += 1
         with cache.staging(key) as stage:

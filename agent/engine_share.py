@@ -3,11 +3,14 @@ container, offering one to the fleet service, and adopting one a job document ca
 
 A device that built an engine offers it as a *container*: ``MAGIC``, one line of JSON (the
 engine cache key it was built under, the cache entry's info: plan, build result, fingerprints;
-the offering device) and the engine bytes. The engine cache key is the share key: it hashes the
-model, the plan (precision, layer precisions, DLA core, ...), the calibration inputs, the
-backend and its version (TensorRT) and the platform fingerprint (compute capability, CUDA,
-cuDNN: the JetPack), so two devices compute the same key exactly when one's engine is valid on
-the other.
+the offering device; the sizes of the parts), the engine bytes and, for a plan that
+calibrates, the calibration cache the build wrote (part of the engine cache key: a device
+installs it before computing its key, so INT8 engines are shared too). The engine cache key
+is the share key: it hashes the model, the plan (precision, layer precisions, DLA core, ...),
+the calibration inputs, the backend and its version (TensorRT) and the platform fingerprint
+(compute capability, CUDA, cuDNN: the JetPack), so two devices compute the same key exactly
+when one's engine is valid on the other. TensorRT's timing cache is not carried: an adopted
+engine needs no build, and a fallback build should not take tactic timings from the fleet.
 
 A container reaches another device only as the ``engine`` artifact of a controller-signed job
 document (its sha256 and per-block hashes are signed, and checked by the artifact store). The
@@ -34,8 +37,13 @@ OFFER_TIMEOUT_S = 300.0
 
 
 def write_container(out_path: str, engine_key: str, engine_path: str,
-                    info: Dict[str, Any], device: str) -> None:
-    header = json.dumps({"engine_key": engine_key, "info": info, "device": device},
+                    info: Dict[str, Any], device: str,
+                    calibration_cache: Optional[str] = None) -> None:
+    calib = calibration_cache if calibration_cache and os.path.isfile(calibration_cache) \
+        else None
+    header = json.dumps({"engine_key": engine_key, "info": info, "device": device,
+                         "engine_size": os.path.getsize(engine_path),
+                         "calibration_size": os.path.getsize(calib) if calib else 0},
                         sort_keys=True, default=str).encode("utf-8")
     if len(header) > MAX_HEADER:
         raise AgentError("bad_argument", "engine info is {} bytes; a shared engine's header "
@@ -43,8 +51,10 @@ def write_container(out_path: str, engine_key: str, engine_path: str,
     tmp = out_path + ".tmp"
     with open(tmp, "wb") as out:
         out.write(MAGIC + header + b"\n")
-        with open(engine_path, "rb") as src:
-            shutil.copyfileobj(src, out, 1 << 20)
+        for part in (engine_path, calib):
+            if part:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, out_path)
@@ -67,15 +77,56 @@ def read_header(path: str) -> Dict[str, Any]:
                          .format(exc))
     if not isinstance(header, dict) or not isinstance(header.get("engine_key"), str):
         raise AgentError("shared_engine_rejected", "shared engine header has no engine_key")
+    sizes = [header.get("engine_size"), header.get("calibration_size")]
+    body = os.path.getsize(path) - len(MAGIC) - len(line)
+    if not all(isinstance(n, int) and n >= 0 for n in sizes) or \
+            sum(int(n or 0) for n in sizes) != body:
+        raise AgentError("shared_engine_rejected", "shared engine parts of {} bytes expected "
+                         "(engine_size + calibration_size), found {}".format(sizes, body))
     return header
 
 
-def _extract(path: str, out_path: str) -> None:
+def _copy_part(path: str, offset: int, size: int, out_path: str) -> None:
+    with open(path, "rb") as f, open(out_path, "wb") as out:
+        f.seek(offset)
+        left = size
+        while left > 0:
+            data = f.read(min(1 << 20, left))
+            if not data:
+                break
+            out.write(data)
+            left -= len(data)
+
+
+def _body_offset(path: str) -> int:
     with open(path, "rb") as f:
         f.read(len(MAGIC))
-        f.readline(MAX_HEADER + 1)
-        with open(out_path, "wb") as out:
-            shutil.copyfileobj(f, out, 1 << 20)
+        return len(MAGIC) + len(f.readline(MAX_HEADER + 1))
+
+
+def install_calibration(container: str, cache_path: Optional[str]) -> Optional[str]:
+    """Write the container's calibration cache to ``cache_path`` (the plan's calibration
+    cache, which enters the engine cache key) when this device has none yet: the path written,
+    to be removed again if the engine is not adopted; None when nothing was written."""
+    if not cache_path or os.path.exists(cache_path):
+        return None
+    try:
+        header = read_header(container)
+    except (AgentError, OSError):
+        return None
+    size = int(header.get("calibration_size") or 0)
+    if not size:
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(cache_path)), exist_ok=True)
+    tmp = cache_path + ".shared.tmp"
+    _copy_part(container, _body_offset(container) + int(header["engine_size"]), size, tmp)
+    os.replace(tmp, cache_path)
+    return cache_path
+
+
+def _extract(path: str, out_path: str) -> None:
+    header = read_header(path)
+    _copy_part(path, _body_offset(path), int(header["engine_size"]), out_path)
 
 
 def adopt(container: str, key: str, cache: Any, backend: Any) -> Tuple[Optional[Any], str]:
@@ -132,7 +183,8 @@ def quick_check(job: Any, record: Any) -> str:
 
 
 def offer(url: str, engine_key: str, engine_path: str, info: Dict[str, Any], device: str,
-          work_dir: str, timeout: float = OFFER_TIMEOUT_S) -> Dict[str, Any]:
+          work_dir: str, calibration_cache: Optional[str] = None,
+          timeout: float = OFFER_TIMEOUT_S) -> Dict[str, Any]:
     """Upload this device's engine to the fleet service (HTTP PUT of the container to the
     one-time ``url`` its job document gave); what the job result says about it. Never fails
     the job: an offer that does not arrive only means the others build."""
@@ -141,7 +193,7 @@ def offer(url: str, engine_key: str, engine_path: str, info: Dict[str, Any], dev
 
     path = os.path.join(work_dir, "engine.share")
     try:
-        write_container(path, engine_key, engine_path, info, device)
+        write_container(path, engine_key, engine_path, info, device, calibration_cache)
         digest = hashlib.sha256()
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):

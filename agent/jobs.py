@@ -519,6 +519,8 @@ def engine_share_offer(url: str, record: Any, info: Dict[str, Any], job: _Job
                        ) -> Dict[str, Any]:
     from agent import engine_share
 
+    calib = ((info.get("plan") or {}).get("calibration") or {}).get("cache")
     return engine_share.offer(url, record.key, record.engine_path, info,
-                              str(job.spec.get("device") or ""), job.spec["work_dir"])
+                              str(job.spec.get("device") or ""), job.spec["work_dir"],
+                              calibration_cache=calib if isinstance(calib, str) else None)
 
