@@ -121,6 +121,12 @@ def results_table(rows: Sequence[Mapping[str, Any]]) -> str:
         if row.get("fallback_reason"):
             notes.append("{}: fell back: {}".format(row["device"], row["fallback_reason"]))
             precision += " (fallback [{}])".format(len(notes))
+        share = row.get("share") or {}  # engine sharing: adopted, or why it built
+        if share.get("mode") == "adopted":
+            precision += " (shared engine)"
+        elif share.get("reason") and share["reason"] != row.get("note"):
+            notes.append("{}: built its own engine: {}".format(row["device"], share["reason"]))
+            precision += " (built [{}])".format(len(notes))
         error = row.get("error_code") or ("see" if row.get("note") else "-")
         if row.get("error_message"):
             notes.append("{}: {} {}: {}".format(row["device"], row["state"], row["error_code"],

@@ -97,6 +97,10 @@ def test_one_build_two_adoptions_then_a_tampered_engine_falls_back(
             assert rows[dev]["state"] == "SUCCEEDED", rows
             assert rows[dev]["share"]["mode"] == "built", rows
             assert "does not load here" in rows[dev]["share"]["reason"], rows
+        text = fleet_cli(["rollouts", "show", "ro-bad", "--db", db]).stdout
+        assert "sh-d: built its own engine: the shared engine does not load here" in text, text
+        text = fleet_cli(["rollouts", "show", "ro-share", "--db", db]).stdout
+        assert text.count("(shared engine)") == 2, text
     finally:
         service.kill()
     for agent in agents + fresh:
