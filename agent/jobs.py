@@ -261,15 +261,30 @@ class _Job(object):
                              "send a 'calibration' artifact".format(self.plan.precision))
         self.backend = get_backend(spec["backend"])
         self.cache = EngineCache(spec["cache_dir"], spec.get("engine_budget_bytes"))
+        self.share = {}  # type: Dict[str, Any]  # fleet engine sharing: built or adopted
 
-    def build(self) -> Any:
+    def build(self, use_shared: bool = True) -> Any:
         from agent.engine import build_engine
 
         self.progress("building", 0, 0)
-        return build_engine(self.files["model"], self.plan, self.backend, self.cache,
-                            self.spec["platform_fingerprint"], self.progress,
-                            calibration_dir=self.spec["calibration_dir"],
-                            model_name=self.spec.get("model_name"))
+        shared = {"container": self.files.get("engine")} if use_shared else None
+        record = build_engine(self.files["model"], self.plan, self.backend, self.cache,
+                              self.spec["platform_fingerprint"], self.progress,
+                              calibration_dir=self.spec["calibration_dir"],
+                              model_name=self.spec.get("model_name"), shared=shared)
+        if shared is not None and shared.get("container"):
+            # An engine of the fleet was sent: adopted (and checked), else built here.
+            self.share = {"mode": "adopted" if shared.get("adopted") else "built",
+                          "reason": shared.get("reason") or ""}
+            if shared.get("adopted"):
+                from agent import engine_share
+
+                why = engine_share.quick_check(self, record)
+                if why:
+                    self.cache.purge(key=record.key)
+                    record = self.build(use_shared=False)
+                    self.share = {"mode": "built", "reason": why}
+        return record
 
     def load_goldens(self) -> Optional[Dict[str, Any]]:
         """inputs + goldens (+ labels) when the job has them."""
@@ -414,6 +429,7 @@ def run_deploy(job: _Job) -> Dict[str, Any]:
             result.update(job.bench(runner, feeds))
     result["activate"] = True
     result["engine"] = record.engine_path
+    _share_result(job, record, result)
     # What the controller's results table shows: layers pinned away from the plan's precision.
     result["layers_kept"] = dict(job.plan.layer_precisions)
     return result
@@ -483,3 +499,28 @@ def run_job(spec: Dict[str, Any], emit: Emit, should_stop: ShouldStop) -> Dict[s
             ", ".join(sorted(RUNNERS)), kind))
     job = _Job(spec, emit, should_stop)
     return RUNNERS[kind](job)
+
+
+def _share_result(job: _Job, record: Any, result: Dict[str, Any]) -> None:
+    """``result["share"]``: whether this device built its engine or adopted the fleet's (and
+    why it fell back); a device its job document asks to offer its engine uploads it now."""
+    share = dict(job.share)
+    offer_url = (job.spec.get("share") or {}).get("offer")
+    if offer_url and share.get("mode") != "adopted":
+        entry = job.cache.get(record.key, touch=False)
+        info = dict(entry.meta) if entry is not None else {}
+        share.update(engine_share_offer(offer_url, record, info, job))
+    if share:
+        share.setdefault("mode", "cached" if record.cache_hit else "built")
+        result["share"] = share
+
+
+def engine_share_offer(url: str, record: Any, info: Dict[str, Any], job: _Job
+                       ) -> Dict[str, Any]:
+    from agent import engine_share
+
+    calib = ((info.get("plan") or {}).get("calibration") or {}).get("cache")
+    return engine_share.offer(url, record.key, record.engine_path, info,
+                              str(job.spec.get("device") or ""), job.spec["work_dir"],
+                              calibration_cache=calib if isinstance(calib, str) else None)
+
