@@ -161,27 +161,6 @@ def adopt(container: str, key: str, cache: Any, backend: Any) -> Tuple[Optional[
     return entry, ""
 
 
-def quick_check(job: Any, record: Any) -> str:
-    """The quick accuracy check of an adopted engine: the job's first goldens through it,
-    judged by the job's gate. "" when it passes (or the job has no goldens: the deploy has
-    nothing to gate against either), else why not; the caller drops the entry and builds."""
-    from agent.jobs import accuracy_report
-
-    data = job.load_goldens()
-    if data is None:
-        return ""
-    n = min(QUICK_CHECK_INPUTS, len(data["inputs"]))
-    try:
-        with job.backend.open(record.engine_path) as runner:
-            outputs = [runner.infer(feed) for feed in data["inputs"][:n]]
-        report = accuracy_report(outputs, data["outputs"][:n], job.spec.get("gate", {}))
-    except Exception as exc:  # noqa: BLE001 - any failure means: build it here
-        return "the shared engine failed its quick check: {}".format(str(exc)[:200])
-    if report["passed"]:
-        return ""
-    return "the shared engine fails the goldens here (quick check of {} input(s))".format(n)
-
-
 def offer(url: str, engine_key: str, engine_path: str, info: Dict[str, Any], device: str,
           work_dir: str, calibration_cache: Optional[str] = None,
           timeout: float = OFFER_TIMEOUT_S) -> Dict[str, Any]:

@@ -277,9 +277,7 @@ class _Job(object):
             self.share = {"mode": "adopted" if shared.get("adopted") else "built",
                           "reason": shared.get("reason") or ""}
             if shared.get("adopted"):
-                from agent import engine_share
-
-                why = engine_share.quick_check(self, record)
+                why = quick_check_shared(self, record)
                 if why:
                     self.cache.purge(key=record.key)
                     record = self.build(use_shared=False)
@@ -398,6 +396,27 @@ def _counts(layers: Dict[str, str]) -> Dict[str, int]:
     for precision in layers.values():
         out[precision] = out.get(precision, 0) + 1
     return out
+
+
+def quick_check_shared(job: "_Job", record: Any) -> str:
+    """The quick accuracy check of an adopted engine: the job's first goldens through it,
+    judged by the job's gate. "" when it passes (or the job has no goldens: the deploy has
+    nothing to gate against either), else why not; the caller drops the entry and builds."""
+    from agent.engine_share import QUICK_CHECK_INPUTS
+
+    data = job.load_goldens()
+    if data is None:
+        return ""
+    n = min(QUICK_CHECK_INPUTS, len(data["inputs"]))
+    try:
+        with job.backend.open(record.engine_path) as runner:
+            outputs = [runner.infer(feed) for feed in data["inputs"][:n]]
+        report = accuracy_report(outputs, data["outputs"][:n], job.spec.get("gate", {}))
+    except Exception as exc:  # noqa: BLE001 - any failure means: build it here
+        return "the shared engine failed its quick check: {}".format(str(exc)[:200])
+    if report["passed"]:
+        return ""
+    return "the shared engine fails the goldens here (quick check of {} input(s))".format(n)
 
 
 def run_deploy(job: _Job) -> Dict[str, Any]:
