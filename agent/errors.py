@@ -26,6 +26,8 @@ CODES = {
     "dynamic_shape": "The model has dynamic dimensions and no shape profile was given.",
     "build_failed": "The backend failed to build an engine.",
     "bad_engine": "An engine file is corrupt or was built for another backend or platform.",
+    "shared_engine_rejected": "A shared engine (fleet engine sharing) is not a valid engine "
+                              "container; the device builds its own engine instead.",
     "unknown_layer": "A layer named in --layer-precisions is not a node of the model.",
     # calibration
     "bad_calibration_data": "Calibration shards do not match the model (name, dtype or shape).",

@@ -263,8 +263,17 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         service = FleetService(store, conn, signer, instance=args.instance,
                                share_group=args.share_group, lease_s=args.lease,
                                http_base=None, http_min_bytes=args.http_min_bytes)
+        if getattr(args, "share_engines", False):
+            if not args.http:
+                raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "
+                                 "(builders upload their engines there)")
+            from agent.fleet.sharing import ShareBoard
+
+            service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file)
+            service.share_wait_s = float(args.share_wait)
         if args.http:
-            http = HttpSource(host, int(port), service.server.files).start()
+            http = HttpSource(host, int(port), service.server.files,
+                              shares=service.sharing).start()
             service.http_base = (base or "http://{}:{}".format(host, http.port)).rstrip("/")
             log.info("artifacts of %d bytes or more also at %s/artifacts/SHA256",
                      args.http_min_bytes, service.http_base)
@@ -363,6 +372,13 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
     s.add_argument("--http-min-bytes", type=int, default=1 << 20, metavar="N",
                    help="with --http: artifacts of at least N bytes carry the URL in their job "
                         "documents (default 1 MiB); smaller ones go over MQTT blocks only")
+    s.add_argument("--share-engines", action="store_true",
+                   help="with --http: fleet engine sharing; the first device of each class "
+                        "builds and uploads its engine, the others of its class adopt it "
+                        "(docs/fleet.md, Engine sharing)")
+    s.add_argument("--share-wait", type=float, default=900.0, metavar="S",
+                   help="with --share-engines: a device waits at most S s for its class's "
+                        "engine, then builds itself (default 900)")
     s.add_argument("--lease", type=float, default=30.0, metavar="S",
                    help="another instance takes over a rollout S seconds after this one "
                         "stopped renewing its lease (default 30)")

@@ -93,6 +93,8 @@ class WorkerSupervisor(StatusPublisher):
             fallback_reason=run.fallback_reason, limits=self._worker_limits())
         # The artifact's own name, for `cache ls` (the worker stages it as model.onnx).
         spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
+        spec["device"] = self.device
+        spec["share"] = dict(run.doc.get("share") or {})  # fleet engine sharing: offer URL
         spec_path = os.path.join(run.work_dir, "job.json")
         atomic_write(spec_path, json.dumps(spec, sort_keys=True).encode("utf-8"))
         env = dict(os.environ)

@@ -176,11 +176,15 @@ def build_engine(
     progress: Progress = no_progress,
     calibration_dir: Optional[str] = None,
     model_name: Optional[str] = None,
+    shared: Optional[Dict[str, Any]] = None,
 ) -> EngineRecord:
     """Return the engine for (model, plan, backend, platform) from the cache, building and
     publishing it first on a miss. ``calibration_dir`` holds default calibration caches
     (default ``<state_dir>/calibration``); ``model_name`` is what ``cache ls`` shows (default:
-    the file's name; a job's model is staged as model.onnx, so the daemon passes its own)."""
+    the file's name; a job's model is staged as model.onnx, so the daemon passes its own).
+    ``shared``: {"container": path} of an engine another device of the fleet built
+    (``agent.engines.share``), taken instead of building when it is this key's; "adopted" and
+    "reason" (why not) are written into it."""
     started = time.monotonic()
     if not os.path.isfile(model_path):
         raise AgentError("file_not_found", "model {} does not exist or is not a file "
@@ -206,6 +210,26 @@ def build_engine(
         if entry is not None:
             cache.counters["hits"] += 1
             return _hit(key, entry, started)
+        if shared and shared.get("container"):
+            from agent.engines import share as engine_share
+
+            # The builder's calibration cache is part of its key: installed first (and
+            # removed again if the engine is not taken, so a bad one steers no local build).
+            installed = engine_share.install_calibration(
+                shared["container"], plan.calibration.cache if plan.needs_calibration and
+                plan.calibration is not None else None)
+            if installed:
+                key = current_key()
+            adopted, why = engine_share.adopt(shared["container"], key, cache, backend)
+            shared["adopted"], shared["reason"] = adopted is not None, why
+            if adopted is not None:
+                record = _hit(key, adopted, started)
+                record.result["shared"] = True
+                return record
+            if installed:
+                os.unlink(installed)
+                key = current_key()
+            log.warning("shared engine not used, building: %s", why)
         cache.counters["misses"] += 1
         with cache.staging(key) as stage:
             try:

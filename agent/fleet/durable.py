@@ -22,8 +22,8 @@ FINAL_STATE = {"succeeded": "succeeded", "failed": "failed", "aborted": "aborted
 Message = Tuple[str, bytes, bool]  # topic, payload, retain
 
 
-def _no_docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
-             ) -> Dict[str, Any]:
+def _no_docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]],
+             share: Any = None) -> Dict[str, Any]:
     raise RuntimeError("a read-only rollout sends nothing")
 
 
@@ -108,23 +108,24 @@ def republish(topics: protocol.Topics, ro: Rollout) -> List[Message]:
 
 
 def factory_for(store: Store, rollout_id: str, signer: Any = None,
-                url_for: Any = None) -> DocFactory:
+                url_for: Any = None, offer_url: Any = None) -> DocFactory:
     row = store.rollout(rollout_id)
     assert row is not None
-    docs = doc_factory(row["spec"] or {}, url_for)
+    docs = doc_factory(row["spec"] or {}, url_for, offer_url)
     if signer is None:
         return docs
     deadline = float(row.get("deadline") or 0)
 
-    def signed(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
-               ) -> Dict[str, Any]:
+    def signed(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]],
+               share: Any = None) -> Dict[str, Any]:
         # Valid until the rollout's own deadline at least: a device offline for days still
         # runs its job when it returns (the signer's --valid-for is the floor).
         from agent.wire.signing import sign_document
 
         now = signer.clock()
         seq = signer.sequence.next(signer.key_id, int(now * 1000))
-        return sign_document(docs(device, job_id, kind, layers), signer.private_key, seq, now,
+        return sign_document(docs(device, job_id, kind, layers, share), signer.private_key,
+                             seq, now,
                              max(now + signer.validity_s, deadline))
 
     return signed

@@ -5,6 +5,8 @@ the transport needs no trust (put TLS in front with a reverse proxy, or use any 
 CDN or object store in the job document instead).
 
 ``files`` is a callable returning sha256 -> (path, size): the BlockServer's table.
+``shares`` (engine sharing): an ``agent.fleet.sharing.ShareBoard`` taking ``PUT
+/shares/<token>``, a builder's engine upload to the one-time URL of its signed job document.
 """
 
 import logging
@@ -15,14 +17,16 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 log = logging.getLogger("agent.fleet")
 _PATH = re.compile(r"^/artifacts/([0-9a-f]{64})$")
+_SHARE = re.compile(r"^/shares/([0-9a-f]{32})$")
 _RANGE = re.compile(r"^bytes=(\d{1,15})-(\d{0,15})$")
 CHUNK = 1 << 16
 
 
 class HttpSource(object):
     def __init__(self, host: str, port: int,
-                 files: Callable[[], Dict[str, Tuple[str, int]]]) -> None:
+                 files: Callable[[], Dict[str, Tuple[str, int]]], shares: Any = None) -> None:
         self.files = files
+        self.shares = shares
         source = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -36,6 +40,9 @@ class HttpSource(object):
 
             def do_GET(self) -> None:
                 source._serve(self, body=True)
+
+            def do_PUT(self) -> None:
+                source._upload(self)
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
@@ -54,6 +61,30 @@ class HttpSource(object):
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def _upload(self, req: BaseHTTPRequestHandler) -> None:
+        m = _SHARE.match(req.path)
+        if m is None or self.shares is None or not self.shares.expects(m.group(1)):
+            req.send_error(404, "no such share upload")
+            return
+        length = req.headers.get("Content-Length") or ""
+        if not length.isdigit() or len(length) > 15:
+            req.send_error(411, "a Content-Length is required")
+            return
+        try:
+            status, message = self.shares.receive(m.group(1), req.rfile, int(length))
+        except (OSError, ConnectionError) as exc:
+            log.warning("http: share upload failed: %s", exc)
+            status, message = 500, "the upload could not be stored"
+        if status >= 400:
+            req.send_error(status, message)
+            return
+        data = message.encode("utf-8")
+        req.send_response(status)
+        req.send_header("Content-Type", "text/plain")
+        req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        req.wfile.write(data)
 
     def _serve(self, req: BaseHTTPRequestHandler, body: bool) -> None:
         m = _PATH.match(req.path)

@@ -77,6 +77,7 @@ def result_row(run: DeviceRun, status: Optional[Mapping[str, Any]] = None) -> Di
         "note": run.note,
         "job_id": run.job_id,
         "cache_hit": result.get("cache_hit"),
+        "share": share_of(run, result),
         "search": ({k: run.search.get(k) for k in ("mode", "keep", "evaluations", "builds",
                                                    "seconds", "passed")}
                    if run.search else None),
@@ -120,6 +121,12 @@ def results_table(rows: Sequence[Mapping[str, Any]]) -> str:
         if row.get("fallback_reason"):
             notes.append("{}: fell back: {}".format(row["device"], row["fallback_reason"]))
             precision += " (fallback [{}])".format(len(notes))
+        share = row.get("share") or {}  # engine sharing: adopted, or why it built
+        if share.get("mode") == "adopted":
+            precision += " (shared engine)"
+        elif share.get("reason") and share["reason"] != row.get("note"):
+            notes.append("{}: built its own engine: {}".format(row["device"], share["reason"]))
+            precision += " (built [{}])".format(len(notes))
         error = row.get("error_code") or ("see" if row.get("note") else "-")
         if row.get("error_message"):
             notes.append("{}: {} {}: {}".format(row["device"], row["state"], row["error_code"],
@@ -242,3 +249,12 @@ class ProgressView(object):
                     self.clock() - self.t0, r.device, self.describe(r, statuses.get(r.device)),
                     self._bar(r) if finished else ""))
         self.stream.flush()
+
+
+def share_of(run: Any, result: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    """Engine sharing: whether the device built its engine or adopted its class's, and why
+    it fell back (the device's reason, or the controller's: no engine came)."""
+    from agent.fleet.sharing import share_summary
+
+    return share_summary(getattr(run, "share", None) or {}, result.get("share"))
+

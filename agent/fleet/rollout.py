@@ -21,7 +21,7 @@ MAX_VERSION_STEP = 100000
 # DeviceRun fields that persist (agent.fleet.durable stores them as JSON per device).
 RUN_FIELDS = ("phase", "job_id", "job_stage", "progress", "result", "error", "search",
               "sent_layers", "versions", "published", "note", "local", "started", "finished",
-              "seen", "docs", "kinds")
+              "seen", "docs", "kinds", "share")
 
 
 # ============================================================================ the rollout
@@ -33,8 +33,9 @@ class Action(NamedTuple):
     doc: Optional[Dict[str, Any]] = None
 
 
-DocFactory = Callable[[str, str, str, Optional[Dict[str, str]]], Dict[str, Any]]
-# doc_factory(device, job_id, kind, layer_precisions or None) -> job document
+DocFactory = Callable[..., Dict[str, Any]]
+# doc_factory(device, job_id, kind, layer_precisions or None[, share=...]) -> job document;
+# share (engine sharing): {"offer": True} or {"engine": artifact reference}
 
 
 class DeviceRun(object):
@@ -63,6 +64,7 @@ class DeviceRun(object):
         self.seen: Dict[str, Dict[str, Any]] = {}
         self.docs: Dict[str, Dict[str, Any]] = {}  # job id -> the document sent (republish)
         self.kinds: Dict[str, str] = {}  # job id -> kind sent
+        self.share: Dict[str, Any] = {}  # engine sharing: role, class (agent.fleet.sharing)
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: getattr(self, k) for k in RUN_FIELDS}
@@ -116,6 +118,7 @@ class Rollout(object):
         self.outcome = ""  # "" while running; then succeeded | aborted | halted | ...
         self.reason = ""
         self.started = clock()
+        self.sharing: Any = None  # an agent.fleet.sharing.SharePolicy: engines built once
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -227,6 +230,8 @@ class Rollout(object):
                     run.result = dict(msg["result"])
             if job_id in run.published:
                 actions.append(Action("clear", device, job_id))
+            if self.sharing is not None and run.share.get("role") == "builder":
+                actions += self.release_waiting()
             if evaluate:
                 actions += self._evaluate()
             else:  # the caller batches statuses and calls evaluate() once (large stages)
@@ -280,13 +285,43 @@ class Rollout(object):
         actions: List[Action] = []
         for dev in self.stages[index]:
             run = self.runs[dev]
+            share: Optional[Dict[str, Any]] = None
             if self.search_id:
                 actions += self._send(run, "search", None)
             else:
-                actions += self._send(run, "deploy", None)
+                if self.sharing is not None:
+                    how, ref = self.sharing.decide(run, self.ordered(), self.clock())
+                    if how == "wait":
+                        self.dirty.add(dev)
+                        continue
+                    share = {"offer": True} if how == "offer" else \
+                        {"engine": ref} if how == "engine" else None
+                actions += self._send(run, "deploy", None, share)
             run.state = "QUEUED"
             actions += self._adopt(run)
         return actions
+
+    def release_waiting(self) -> List[Action]:
+        """Engine sharing: send the devices that waited for their class's engine (it came,
+        its builder ended without one, or the wait timed out). Called by the service's tick
+        and when a builder ends."""
+        if self.sharing is None or self.halted:
+            return []
+        actions: List[Action] = []
+        for run, ref, note in self.sharing.released(self.ordered(), self.clock()):
+            actions += self._send(run, "deploy", None, {"engine": ref} if ref else None)
+            run.state = "QUEUED"
+            run.note = note
+            actions += self._adopt(run)
+        return actions
+
+    def engine_offered(self, device: str, ref: Dict[str, Any]) -> None:
+        """The engine ``device`` (a builder) uploaded: its class's waiting devices get it
+        once the builder SUCCEEDED."""
+        run = self.runs.get(device)
+        if run is not None and run.share.get("role") == "builder":
+            run.share["engine"] = dict(ref)
+            self.dirty.add(device)
 
     def _adopt(self, run: DeviceRun) -> List[Action]:
         """The device already ended this job id (an earlier run of the rollout id): it will
@@ -303,11 +338,11 @@ class Rollout(object):
         self.paused = bool(paused)
         return [] if self.paused else self._evaluate()
 
-    def _send(self, run: DeviceRun, kind: str, layers: Optional[Dict[str, str]]
-              ) -> List[Action]:
+    def _send(self, run: DeviceRun, kind: str, layers: Optional[Dict[str, str]],
+              share: Optional[Dict[str, Any]] = None) -> List[Action]:
         job_id = self.search_id if kind == "search" else self.deploy_id
         assert job_id is not None
-        doc = self.docs(run.device, job_id, kind, layers)
+        doc = self.docs(run.device, job_id, kind, layers, **({"share": share} if share else {}))
         if kind == "deploy":
             plan = doc.get("plan") or {}
             run.sent_layers = layers_above(plan.get("layer_precisions") or {},

@@ -65,6 +65,9 @@ class FleetService(object):
         # rollout id -> (actions, messages) from statuses not yet committed
         self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
         self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0}
+        # Engine sharing (fleet serve --share-engines): an agent.fleet.sharing.ShareBoard
+        self.sharing: Any = None
+        self.share_wait_s = 900.0
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -102,9 +105,16 @@ class FleetService(object):
 
     def _adopt(self, rollout_id: str) -> None:
         ro = durable.load(self.store, rollout_id, durable.factory_for(
-            self.store, rollout_id, self.signer, self._url_for))
+            self.store, rollout_id, self.signer, self._url_for,
+            self._offer_url(rollout_id) if self.sharing is not None else None))
         if ro is None:
             return
+        if self.sharing is not None and ro.search_id is None:
+            from agent.fleet.sharing import SharePolicy, device_class
+
+            statuses = self.store.statuses()
+            ro.sharing = SharePolicy({d: device_class(statuses.get(d)) for d in ro.runs},
+                                     self.share_wait_s)
         row = self.store.rollout(rollout_id) or {}
         stored = self.store.artifacts()
         for ref in (row.get("spec") or {}).get("artifacts", {}).values():
@@ -151,6 +161,23 @@ class FleetService(object):
             return None
         return "{}/artifacts/{}".format(self.http_base, ref["sha256"])
 
+    def _offer_url(self, rollout_id: str) -> Callable[[str], Optional[str]]:
+        def url(device: str) -> Optional[str]:
+            if self.http_base is None or self.sharing is None:
+                return None
+            return "{}/shares/{}".format(self.http_base,
+                                         self.sharing.token(rollout_id, device))
+        return url
+
+    def _take_offers(self) -> None:
+        """Engines builders uploaded (HTTP thread) -> their rollouts."""
+        if self.sharing is None:
+            return
+        for rid, device, ref in self.sharing.arrived():
+            ro = self.rollouts.get(rid)
+            if ro is not None:
+                ro.engine_offered(device, ref)
+
     def _drop(self, rollout_id: str) -> None:
         ro = self.rollouts.pop(rollout_id, None)
         if ro is not None:
@@ -184,7 +211,12 @@ class FleetService(object):
                     self._adopt(rid)
                 except AgentError as exc:
                     log.error("rollout %s cannot be driven: %s", rid, exc)
+        self._take_offers()
         for rid, ro in list(self.rollouts.items()):
+            if ro.sharing is not None:  # waits that timed out; engines that came
+                actions = ro.release_waiting()
+                if actions or ro.dirty:
+                    self.commit(ro, actions)
             row = self.store.rollout(rid) or {}
             control = row.get("control")
             if control:
@@ -239,6 +271,7 @@ class FleetService(object):
 
     def _job_status(self, device: str, msg: Dict[str, Any]) -> None:
         self.stats["statuses"] += 1
+        self._take_offers()  # a builder's upload ends before its SUCCEEDED status is sent
         rid = self.by_job.get(str(msg.get("job_id")))
         ro = self.rollouts.get(rid) if rid else None
         if ro is None or device not in ro.runs:

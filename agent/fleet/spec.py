@@ -33,10 +33,12 @@ def policy_of(spec: Mapping[str, Any]) -> Policy:
 
 
 def doc_factory(spec: Mapping[str, Any],
-                url_for: Optional[Callable[[Mapping[str, Any]], Optional[str]]] = None
-                ) -> DocFactory:
+                url_for: Optional[Callable[[Mapping[str, Any]], Optional[str]]] = None,
+                offer_url: Optional[Callable[[str], Optional[str]]] = None) -> DocFactory:
     """device, job id, kind, layers -> an unsigned job document for ``spec``. ``url_for``:
-    an artifact reference -> the HTTP(S) URL devices may fetch it from, or None."""
+    an artifact reference -> the HTTP(S) URL devices may fetch it from, or None.
+    ``offer_url``: device -> the one-time URL a builder uploads its engine to (engine
+    sharing), or None."""
     from agent.platform import FALLBACK_CHAINS
 
     precision = str(spec["precision"])
@@ -60,8 +62,8 @@ def doc_factory(spec: Mapping[str, Any],
     bench = {k: v for k, v in (("iterations", spec.get("bench_iterations")),
                                ("warmup", spec.get("bench_warmup"))) if v is not None}
 
-    def docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
-             ) -> Dict[str, Any]:
+    def docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]],
+             share: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
         plan: Dict[str, Any] = {"precision": precision}
         merged = dict(user_layers)
         merged.update(layers or {})
@@ -70,9 +72,20 @@ def doc_factory(spec: Mapping[str, Any],
             plan["precision_constraints"] = "obey"
         if "calibration" in artifacts and calibration:
             plan["calibration"] = dict(calibration)
-        return job_document(
-            job_id, kind, device, artifacts, plan, fallback=fallback, gate=gate,
+        arts = artifacts
+        if share and share.get("engine"):  # signed with the document like the model
+            engine = dict(share["engine"])
+            url = url_for(engine) if url_for is not None else None
+            if url:
+                engine["url"] = url
+            arts = dict(artifacts, engine=engine)
+        doc = job_document(
+            job_id, kind, device, arts, plan, fallback=fallback, gate=gate,
             search=search if kind == "search" else None,
             bench=bench if kind == "deploy" else None, timeout_s=spec.get("job_timeout"))
+        url = offer_url(device) if share and share.get("offer") and offer_url else None
+        if url:
+            doc["share"] = {"offer": url}
+        return doc
 
     return docs

@@ -19,7 +19,7 @@ PROTOCOL_VERSION = 1
 DEFAULT_PREFIX = "jetson-agent"
 
 JOB_KINDS = ("deploy", "search", "bench", "cancel")
-ARTIFACT_ROLES = ("model", "calibration", "inputs", "goldens", "labels")
+ARTIFACT_ROLES = ("model", "calibration", "inputs", "goldens", "labels", "engine")
 STATES = ("QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "REJECTED", "CANCELED", "TIMED_OUT")
 TERMINAL_STATES = frozenset(("SUCCEEDED", "FAILED", "REJECTED", "CANCELED", "TIMED_OUT"))
 STAGES = ("downloading", "checking", "calibrating", "building", "verifying", "searching",

@@ -261,15 +261,28 @@ class _Job(object):
                              "send a 'calibration' artifact".format(self.plan.precision))
         self.backend = get_backend(spec["backend"])
         self.cache = EngineCache(spec["cache_dir"], spec.get("engine_budget_bytes"))
+        self.share = {}  # type: Dict[str, Any]  # fleet engine sharing: built or adopted
 
-    def build(self) -> Any:
+    def build(self, use_shared: bool = True) -> Any:
         from agent.engines.build import build_engine
 
         self.progress("building", 0, 0)
-        return build_engine(self.files["model"], self.plan, self.backend, self.cache,
-                            self.spec["platform_fingerprint"], self.progress,
-                            calibration_dir=self.spec["calibration_dir"],
-                            model_name=self.spec.get("model_name"))
+        shared = {"container": self.files.get("engine")} if use_shared else None
+        record = build_engine(self.files["model"], self.plan, self.backend, self.cache,
+                              self.spec["platform_fingerprint"], self.progress,
+                              calibration_dir=self.spec["calibration_dir"],
+                              model_name=self.spec.get("model_name"), shared=shared)
+        if shared is not None and shared.get("container"):
+            # An engine of the fleet was sent: adopted (and checked), else built here.
+            self.share = {"mode": "adopted" if shared.get("adopted") else "built",
+                          "reason": shared.get("reason") or ""}
+            if shared.get("adopted"):
+                why = quick_check_shared(self, record)
+                if why:
+                    self.cache.purge(key=record.key)
+                    record = self.build(use_shared=False)
+                    self.share = {"mode": "built", "reason": why}
+        return record
 
     def load_goldens(self) -> Optional[Dict[str, Any]]:
         """inputs + goldens (+ labels) when the job has them."""
@@ -385,6 +398,27 @@ def _counts(layers: Dict[str, str]) -> Dict[str, int]:
     return out
 
 
+def quick_check_shared(job: "_Job", record: Any) -> str:
+    """The quick accuracy check of an adopted engine: the job's first goldens through it,
+    judged by the job's gate. "" when it passes (or the job has no goldens: the deploy has
+    nothing to gate against either), else why not; the caller drops the entry and builds."""
+    from agent.engines.share import QUICK_CHECK_INPUTS
+
+    data = job.load_goldens()
+    if data is None:
+        return ""
+    n = min(QUICK_CHECK_INPUTS, len(data["inputs"]))
+    try:
+        with job.backend.open(record.engine_path) as runner:
+            outputs = [runner.infer(feed) for feed in data["inputs"][:n]]
+        report = accuracy_report(outputs, data["outputs"][:n], job.spec.get("gate", {}))
+    except Exception as exc:  # noqa: BLE001 - any failure means: build it here
+        return "the shared engine failed its quick check: {}".format(str(exc)[:200])
+    if report["passed"]:
+        return ""
+    return "the shared engine fails the goldens here (quick check of {} input(s))".format(n)
+
+
 def run_deploy(job: _Job) -> Dict[str, Any]:
     job.progress("checking", 0, 0)
     data = job.load_goldens()
@@ -414,6 +448,7 @@ def run_deploy(job: _Job) -> Dict[str, Any]:
             result.update(job.bench(runner, feeds))
     result["activate"] = True
     result["engine"] = record.engine_path
+    _share_result(job, record, result)
     # What the controller's results table shows: layers pinned away from the plan's precision.
     result["layers_kept"] = dict(job.plan.layer_precisions)
     return result
@@ -483,3 +518,28 @@ def run_job(spec: Dict[str, Any], emit: Emit, should_stop: ShouldStop) -> Dict[s
             ", ".join(sorted(RUNNERS)), kind))
     job = _Job(spec, emit, should_stop)
     return RUNNERS[kind](job)
+
+
+def _share_result(job: _Job, record: Any, result: Dict[str, Any]) -> None:
+    """``result["share"]``: whether this device built its engine or adopted the fleet's (and
+    why it fell back); a device its job document asks to offer its engine uploads it now."""
+    share = dict(job.share)
+    offer_url = (job.spec.get("share") or {}).get("offer")
+    if offer_url and share.get("mode") != "adopted":
+        entry = job.cache.get(record.key, touch=False)
+        info = dict(entry.meta) if entry is not None else {}
+        share.update(engine_share_offer(offer_url, record, info, job))
+    if share:
+        share.setdefault("mode", "cached" if record.cache_hit else "built")
+        result["share"] = share
+
+
+def engine_share_offer(url: str, record: Any, info: Dict[str, Any], job: _Job
+                       ) -> Dict[str, Any]:
+    from agent.engines import share as engine_share
+
+    calib = ((info.get("plan") or {}).get("calibration") or {}).get("cache")
+    return engine_share.offer(url, record.key, record.engine_path, info,
+                              str(job.spec.get("device") or ""), job.spec["work_dir"],
+                              calibration_cache=calib if isinstance(calib, str) else None)
+

@@ -1,0 +1,108 @@
+"""Fleet engine sharing with real agents (onnxruntime backend), a real Mosquitto and a real
+``fleet serve --http ... --share-engines``: three devices of one class build one engine
+between them (the first builds and uploads it, the other two adopt it from their signed job
+documents); then a builder that offers a tampered engine (a well-formed container whose bytes
+are no engine) makes the devices of its class fall back to building, and say why.
+"""
+
+import json
+import time
+import urllib.request
+
+import paho.mqtt.publish as mqtt_publish
+
+from agent.engines import share as engine_share
+from agent.fleet.store import Store
+from agent.wire import protocol
+from tests.integration.test_fleet_rollout import retained_jobs, wait_status
+from tests.integration.test_fleet_service import (
+    Service,
+    fleet_cli,
+    fp16_args,
+    wait_registered,
+    wait_rollout,
+)
+
+
+def share_service(mosquitto, db, tmp_path):
+    service = Service(mosquitto, db, tmp_path)
+    service.args += ["--http", "127.0.0.1:0", "--http-min-bytes", "1", "--share-engines",
+                     "--share-wait", "90"]
+    return service.start()
+
+
+def test_one_build_two_adoptions_then_a_tampered_engine_falls_back(
+        mosquitto, agent_factory, tmp_path):
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    names = ["sh-a", "sh-b", "sh-c"]
+    agents = [agent_factory(n).start() for n in names]
+    wait_status(mosquitto, names, agents=agents)
+    service = share_service(mosquitto, db, tmp_path)
+    try:
+        wait_registered(db, names, service)
+        out = fleet_cli(["rollout"] + fp16_args() + ["--devices"] + names + [
+            "--rollout-id", "ro-share", "--db", db, "--submit", "--json"], timeout=180)
+        assert out.returncode == 0, out.stderr + service.tail()
+        rows = {r["device"]: r for r in json.loads(out.stdout)["devices"]}
+        assert all(r["state"] == "SUCCEEDED" for r in rows.values()), rows
+        modes = {d: r["share"]["mode"] for d, r in rows.items()}
+        assert modes == {"sh-a": "built", "sh-b": "adopted", "sh-c": "adopted"}, rows
+        assert rows["sh-a"]["share"]["offered"] is True and rows["sh-a"]["share"]["role"] == \
+            "builder"
+        store = Store(db)
+        try:
+            keys = {j["device"]: (j.get("result") or {}).get("engine_key")
+                    for j in store.rollout_jobs("ro-share")}
+        finally:
+            store.close()
+        key = keys["sh-a"]
+        assert key and keys["sh-b"] == keys["sh-c"] == key, keys
+
+        # A builder offering a tampered engine: "sh-0" (stopped, so the test answers for it)
+        # uploads a container with the right key whose engine bytes are garbage.
+        evil = agent_factory("sh-0").start()
+        fresh = [agent_factory(n).start() for n in ("sh-d", "sh-e")]
+        wait_status(mosquitto, ["sh-0", "sh-d", "sh-e"], agents=[evil] + fresh)
+        assert evil.stop() == 0
+        wait_status(mosquitto, ["sh-0"], online=False)
+        wait_registered(db, ["sh-0", "sh-d", "sh-e"], service)
+        out = fleet_cli(["rollout"] + fp16_args() + [
+            "--devices", "sh-0", "sh-d", "sh-e", "--rollout-id", "ro-bad", "--db", db,
+            "--submit", "--detach"])
+        assert out.returncode == 0, out.stderr
+        deadline = time.monotonic() + 30
+        doc = None
+        while doc is None:
+            doc = retained_jobs(mosquitto).get(("sh-0", "ro-bad"))
+            assert time.monotonic() < deadline, service.tail()
+        waiting = wait_rollout(db, "ro-bad", lambda r: True, service)
+        assert [r["state"] for r in waiting["devices"]] == ["QUEUED", "PENDING", "PENDING"]
+        bad = tmp_path / "bad.share"
+        garbage = tmp_path / "garbage"
+        garbage.write_bytes(b"not an engine " * 64)
+        engine_share.write_container(str(bad), key, str(garbage), {}, "sh-0")
+        req = urllib.request.Request(doc["share"]["offer"], data=bad.read_bytes(),
+                                     method="PUT")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 201
+        topic = protocol.Topics().job_status("sh-0", "ro-bad")
+        status = {"protocol": 1, "job_id": "ro-bad", "device": "sh-0", "kind": "deploy",
+                  "state": "SUCCEEDED", "version": 1, "ts": time.time(), "statusDetails": {},
+                  "result": {"engine_key": key, "share": {"mode": "built", "offered": True}}}
+        host, port = mosquitto.url.split("://")[-1].rsplit(":", 1)
+        mqtt_publish.single(topic, json.dumps(status), qos=1, hostname=host, port=int(port))
+        report = wait_rollout(db, "ro-bad", lambda r: r["state"] in (
+            "succeeded", "failed", "aborted"), service, timeout=180)
+        rows = {r["device"]: r for r in report["devices"]}
+        for dev in ("sh-d", "sh-e"):
+            assert rows[dev]["state"] == "SUCCEEDED", rows
+            assert rows[dev]["share"]["mode"] == "built", rows
+            assert "does not load here" in rows[dev]["share"]["reason"], rows
+        text = fleet_cli(["rollouts", "show", "ro-bad", "--db", db]).stdout
+        assert "sh-d: built its own engine: the shared engine does not load here" in text, text
+        text = fleet_cli(["rollouts", "show", "ro-share", "--db", db]).stdout
+        assert text.count("(shared engine)") == 2, text
+    finally:
+        service.kill()
+    for agent in agents + fresh:
+        agent.assert_store_sound()
