@@ -175,6 +175,11 @@ def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[st
             interrupted = True
             ro = service.rollouts.get(rollout_id)
             if ro is not None and not ro.done:
+                # As --help says: embedded, nothing follows the devices after this process.
+                print("interrupted: cancelling {} unfinished device(s), running ones included "
+                      "(an embedded rollout; submit it to 'fleet serve' to detach instead)"
+                      .format(sum(1 for r in ro.runs.values() if not r.terminal)),
+                      file=sys.stderr)
                 service.commit(ro, ro.expire("interrupted by the user", state="CANCELED",
                                              outcome="interrupted"))
         service.drain()
