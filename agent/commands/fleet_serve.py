@@ -184,6 +184,8 @@ def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[st
                                              outcome="interrupted"))
         service.drain()
         store.release(service.instance)
+        # Else the next 'fleet rollout --db' would take it for a service and submit to it.
+        store.forget_service(service.instance)
         final = durable.load(store, rollout_id)
         assert final is not None
         view.update(final, statuses, force=True)

@@ -45,9 +45,6 @@ def device_decision(precision: str, fallback: str, platform: Optional[Mapping[st
     if not plat:
         return {"status": "unknown", "precision": None,
                 "reason": "no platform known (the device never sent a full status)"}
-    if not plat.get("backend"):
-        return {"status": "rejected", "precision": None,
-                "reason": "no usable backend: {}".format(plat.get("backend_problem") or "?")}
     info = for_row("host")
     advertised = [p for p in plat.get("precisions") or [] if p in PRECISIONS]
     # The device advertises its matrix row's usable precisions: decide on exactly those
@@ -63,6 +60,9 @@ def device_decision(precision: str, fallback: str, platform: Optional[Mapping[st
     info.backend = str(plat.get("backend"))
     info.board = str(plat.get("board") or info.board)
     d = decide(precision, info, fallback=fallback)
+    if d.ok and not plat.get("backend"):  # the device checks the precision first
+        return {"status": "rejected", "precision": None, "emulated": False,
+                "reason": "no usable backend: {}".format(plat.get("backend_problem") or "?")}
     return {"status": d.status, "precision": d.precision, "reason": d.reason,
             "emulated": d.emulated}
 
