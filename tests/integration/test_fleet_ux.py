@@ -189,6 +189,7 @@ def test_cancel_reports_the_final_state_and_ctrl_c_matches_help(
     help_text = subprocess.run([sys.executable, "-m", "agent", "fleet", "rollout", "--help"],
                                capture_output=True, text=True, cwd=ROOT,
                                env=dict(os.environ, PYTHONPATH=ROOT)).stdout
+    help_text = " ".join(help_text.split())
     assert "Ctrl-C embedded" in help_text and "running ones included" in help_text
     proc = _embedded_search(mosquitto, deep_files, "ux-c", "ro-intr")
     try:
