@@ -29,9 +29,10 @@ def _stat_error(accuracy: Mapping[str, Any], stat: str) -> Any:
     (the atol that statistic needed), else the summary's max/mean."""
     if stat not in ("max", "elemwise"):
         outputs = accuracy.get("outputs")
-        values = [o.get("required_atol") for o in outputs.values()
-                  if isinstance(o, dict) and isinstance(o.get("required_atol"), (int, float))
-                  ] if isinstance(outputs, dict) else []
+        values: List[float] = [
+            float(o["required_atol"]) for o in outputs.values()
+            if isinstance(o, dict) and isinstance(o.get("required_atol"), (int, float))
+        ] if isinstance(outputs, dict) else []
         if values:
             return max(values)
         if accuracy.get(stat + "_abs_error") is not None:
