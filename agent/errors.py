@@ -68,6 +68,8 @@ CODES = {
     "closed this device's connection (log and `status`; bind client ids to identities).",
     "unknown_device": "The controller names a device that has never reported.",
     "device_busy": "A targeted device is already in another unfinished rollout.",
+    "no_accuracy_gate": "A rollout has no goldens (no accuracy gate) and was not given "
+    "--no-accuracy-gate.",
     "unsigned_job": "The job document carries no signature and the device requires one "
     "(ignored: logged and counted, no job is recorded).",
     "bad_signature": "The job signature does not verify, or its key is not trusted "

@@ -5,10 +5,12 @@
 - ``fleet rollout``: check the model, goldens and calibration set here, publish a job per
   device in stages, serve the artifact blocks each device asks for, follow the progress, and
   print a results table (``--json`` for machines). Exit status 0 only when every targeted
-  device SUCCEEDED, 1 otherwise, 2 on bad input (nothing published), 130 on Ctrl-C (devices
-  not started yet are cancelled).
+  device SUCCEEDED, 1 otherwise, 2 on bad input (nothing published), 130 on Ctrl-C
+  (submitted to ``fleet serve``: detaches, the rollout goes on; embedded: every device not
+  finished is cancelled, running ones included). ``--dry-run`` publishes nothing.
 - ``fleet jobs``: job statuses and pending job documents retained on the broker.
-- ``fleet cancel JOB``: clear a job's retained documents and send cancel commands.
+- ``fleet cancel JOB``: clear a job's retained documents, send cancel commands and report
+  each device's own final job state (waiting up to ``--wait`` seconds for it).
 - ``fleet telemetry DEVICE [--follow]``: a device's health metrics.
 - ``fleet keygen --out DIR``: an Ed25519 key pair for signing job documents
   (docs/security.md); ``fleet rollout --signing-key KEY`` signs with it.
@@ -29,6 +31,12 @@ from agent.errors import AgentError
 from agent.wire import protocol, signing
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+ROLLOUT_EPILOG = (
+    "exit status: 0 every device SUCCEEDED; 1 otherwise; 2 bad input (nothing published); "
+    "130 Ctrl-C. Ctrl-C with a fleet service (--submit, or one is up on --db): detaches, the "
+    "service drives the rollout on (fleet rollouts attach ID). Ctrl-C embedded (no service): "
+    "nothing would follow the devices once this process ends, so every device not finished "
+    "is cancelled, running ones included, and shown CANCELED.")
 GATE_STATS = ("elemwise", "max", "mean", "median")
 SEARCH_MODES = ("minimal", "bisect", "linear", "worst-first")
 CALIB_ALGORITHMS = ("entropy2", "minmax", "percentile", "legacy")
@@ -101,7 +109,8 @@ def add_parser(sub: Any) -> None:
     d.set_defaults(func=run_devices)
 
     r = fsub.add_parser("rollout", help="deploy a model to devices in stages",
-                        description="Deploy a model to devices in stages; see docs/fleet.md.")
+                        description="Deploy a model to devices in stages; see docs/fleet.md.",
+                        epilog=ROLLOUT_EPILOG)
     add_rollout_args(r)
     add_connection_args(r)
     r.set_defaults(func=run_rollout)
@@ -127,8 +136,9 @@ def add_parser(sub: Any) -> None:
     add_connection_args(c)
     c.add_argument("job_id", metavar="JOB", help="job id, or a rollout id (its search job too)")
     c.add_argument("--devices", nargs="+", metavar="ID", help="only these devices")
-    c.add_argument("--wait", type=float, default=5.0, metavar="S",
-                   help="wait S seconds for the devices' replies (default 5)")
+    c.add_argument("--wait", type=float, default=15.0, metavar="S",
+                   help="wait up to S seconds for each device's own final job state "
+                        "(default 15); after that: 'cancel requested'")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=run_cancel)
 
@@ -184,6 +194,9 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     g.add_argument("--check-error-stat", choices=GATE_STATS)
     g.add_argument("--min-top1", type=float, metavar="R",
                    help="classifiers: top-1 agreement with the goldens at least R (0..1)")
+    g.add_argument("--no-accuracy-gate", action="store_true",
+                   help="deploy without goldens: devices accept any output (refused "
+                        "without this flag; the results table says 'not gated')")
     s = r.add_argument_group("precision search (a search job, then a deploy job with its answer)")
     s.add_argument("--search", choices=SEARCH_MODES)
     s.add_argument("--search-direction", choices=("forward", "reverse"))
@@ -227,6 +240,10 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     o = r.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     o.add_argument("-q", "--quiet", action="store_true", help="no live progress")
+    o.add_argument("--dry-run", action="store_true",
+                   help="check everything and show the targets, stages, artifacts, gate and "
+                        "each device's precision decision (from its last known platform); "
+                        "publish nothing")
 
 
 def parse_layer_precisions(items: List[str]) -> Dict[str, str]:
@@ -340,6 +357,11 @@ def run_rollout(args: argparse.Namespace) -> int:
             args.model, args.precision, work, calib=args.calib, inputs=args.inputs,
             goldens=args.golden, labels=args.labels, layer_precisions=user_layers,
             min_top1=args.min_top1, search=args.search)
+        if not args.golden and not args.no_accuracy_gate:
+            raise AgentError("no_accuracy_gate", "this rollout has no accuracy gate: expected "
+                             "--golden (with --inputs) so devices check the engine's outputs, "
+                             "found none; to deploy ungated on purpose add "
+                             "--no-accuracy-gate")
         artifacts = _artifact_refs(files, work)
         _add_urls(artifacts, args.artifact_url)
         spec = spec_from_args(args, artifacts, user_layers, args.timeout)
@@ -351,8 +373,44 @@ def run_rollout(args: argparse.Namespace) -> int:
         # Every document shape is checked now, before the broker sees anything.
         for kind in (["search"] if args.search else []) + ["deploy"]:
             docs("check", rollout_id, kind, None)
+        if args.dry_run:
+            return _dry_run(args, rollout_id, spec)
         return fleet_serve.submit_or_embed(args, rollout_id, spec, files, artifacts, work,
                                            signer, connect)
+
+
+def _dry_run(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any]) -> int:
+    """Targets and stages from the registry (the service's database, else the broker's
+    retained statuses): subscribes, publishes nothing."""
+    from agent.fleet import preview
+    from agent.fleet.store import Store
+
+    registry: Dict[str, Dict[str, Any]] = {}
+    url = _registry_db(args)
+    if url:
+        store = Store(url)
+        try:
+            for dev in store.devices():
+                registry[dev["device"]] = {"status": dev["status"],
+                                           "last_seen": dev["last_seen"]}
+        finally:
+            store.close()
+    else:
+        conn = connect(args)
+        try:
+            directory = fleet.discover(conn)
+        finally:
+            conn.close()
+        registry = {d: {"status": directory.status[d]} for d in directory.known()}
+    devices = fleet.select_devices(list(registry), args.devices, args.all, args.match)
+    stages = fleet.plan_stages(devices, args.batch, args.percent)
+    job_ids = ([rollout_id + fleet.SEARCH_SUFFIX] if args.search else []) + [rollout_id]
+    plan = preview.dry_run_plan(rollout_id, spec, stages, registry, job_ids)
+    if args.json:
+        print(json.dumps(plan, indent=2, sort_keys=True))
+    else:
+        print(preview.dry_run_text(plan))
+    return EXIT_OK
 
 
 # ---------------------------------------------------------------------------- devices
@@ -375,7 +433,10 @@ def telemetry_summary(metrics: Any) -> str:
     return telemetry_view.summary(metrics if isinstance(metrics, dict) else {}, limit=4)
 
 
-def device_rows(directory: fleet.DeviceDirectory) -> List[Dict[str, Any]]:
+def device_rows(directory: fleet.DeviceDirectory,
+                last_seen: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+    """``last_seen``: device -> when the registry last heard from it (default: the time of
+    its last status). An offline device keeps the board its last full status named."""
     rows = []
     for dev in directory.known():
         st = directory.status[dev]
@@ -389,21 +450,25 @@ def device_rows(directory: fleet.DeviceDirectory) -> List[Dict[str, Any]]:
             "precisions": plat.get("precisions"), "agent_version": st.get("agent_version"),
             "active_engines": st.get("active_engines") or [],
             "telemetry": tele,
+            "last_seen": (last_seen or {}).get(dev, st.get("ts")),
         })
     return rows
 
 
-def _db_directory(url: str) -> fleet.DeviceDirectory:
+def _db_directory(url: str) -> Any:
+    """(directory, device -> last seen) from the registry of 'fleet serve'."""
     from agent.fleet.store import Store
 
     store = Store(url)
     try:
         directory = fleet.DeviceDirectory()
+        seen: Dict[str, Any] = {}
         for dev in store.devices():
             directory.status[dev["device"]] = dev["status"]
+            seen[dev["device"]] = dev["last_seen"]
             if dev["telemetry"]:
                 directory.telemetry[dev["device"]] = dev["telemetry"]
-        return directory
+        return directory, seen
     finally:
         store.close()
 
@@ -420,15 +485,16 @@ def _registry_db(args: argparse.Namespace) -> Optional[str]:
 
 def run_devices(args: argparse.Namespace) -> int:
     url = _registry_db(args)
+    seen = None
     if url:
-        directory = _db_directory(url)
+        directory, seen = _db_directory(url)
     else:
         conn = connect(args)
         try:
             directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
         finally:
             conn.close()
-    rows = device_rows(directory)
+    rows = device_rows(directory, seen)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
         return EXIT_OK
@@ -442,10 +508,11 @@ def run_devices(args: argparse.Namespace) -> int:
         table.append([r["device"], online, str(r["board"] or "-"), str(r["jetpack"] or "-"),
                       str(r["tensorrt"] or "-"), str(r["backend"] or "-"),
                       ",".join(r["precisions"] or []) or "-", str(len(r["active_engines"])),
+                      _age(r["last_seen"]),
                       "{} ({})".format(telemetry_summary(tele.get("metrics")), _age(tele.get(
                           "ts"))) if tele else "-"])
     print(fleet.format_table(["DEVICE", "ONLINE", "BOARD", "JETPACK", "TENSORRT", "BACKEND",
-                              "PRECISIONS", "ENGINES", "TELEMETRY"], table))
+                              "PRECISIONS", "ENGINES", "LAST SEEN", "TELEMETRY"], table))
     return EXIT_OK
 
 
@@ -508,8 +575,10 @@ def run_jobs(args: argparse.Namespace) -> int:
             continue
         st = entry["status"] or {}
         doc = entry["document"] or {}
+        state = st.get("state") or "SENT"
         rows.append({"device": dev, "job_id": job_id, "kind": st.get("kind") or doc.get("kind"),
-                     "state": st.get("state") or "SENT", "stage": st.get("stage"),
+                     "state": state, "stage": None if protocol.is_terminal(state) else
+                     st.get("stage"),  # a finished job's last stage (activating) is past
                      "version": st.get("version"), "updated": st.get("ts"),
                      "error": st.get("error"), "pending_document": bool(entry["document"])})
     if args.json:
@@ -554,13 +623,25 @@ def run_cancel(args: argparse.Namespace) -> int:
                                                                         args.prefix))
         replies: Dict[str, Dict[str, Any]] = {}
         requests: Dict[str, Any] = {}
+        final: Dict[Any, Dict[str, Any]] = {}  # (device, job) -> its own terminal status
+        last: Dict[Any, Dict[str, Any]] = {}
 
         def on_message(info: protocol.TopicInfo, msg: Any) -> None:
             if info.kind == "command_reply" and msg.get("request_id") in requests:
                 replies[msg["request_id"]] = msg
+            elif info.kind == "job_status" and (info.device, info.job_id) in targets:
+                key = (info.device, info.job_id)
+                if int(msg.get("version") or 0) > int((last.get(key) or {}).get("version")
+                                                      or 0):
+                    last[key] = msg
+                    if protocol.is_terminal(str(msg.get("state"))):
+                        final[key] = msg
 
         conn.subscribe([conn.topics.prefix + "/devices/+/commands/reply"])
         conn.settle(on_message)
+        for key, entry in targets.items():
+            if entry["status"]:
+                last[key] = entry["status"]
         for (dev, job_id), entry in sorted(targets.items()):
             if entry["document"]:
                 conn.publish(conn.topics.job(dev, job_id), b"", qos=1, retain=True)
@@ -570,8 +651,17 @@ def run_cancel(args: argparse.Namespace) -> int:
                 "protocol": protocol.PROTOCOL_VERSION, "command": "cancel", "request_id": rid,
                 "job_id": job_id}), qos=1)
         conn.flush()
+        # The device's reply only says the cancel was taken; its job status says when the
+        # job really stopped (a build may take seconds to end): wait for that, bounded.
         deadline = time.monotonic() + max(0.0, args.wait)
-        while len(replies) < len(requests) and time.monotonic() < deadline:
+
+        def answered(rid: str) -> bool:
+            reply = replies.get(rid)
+            if reply is None:
+                return False
+            return not reply.get("ok") or requests[rid] in final
+
+        while not all(answered(rid) for rid in requests) and time.monotonic() < deadline:
             conn.pump(on_message, 0.2)
     finally:
         conn.close()
@@ -579,10 +669,14 @@ def run_cancel(args: argparse.Namespace) -> int:
     for rid, (dev, job_id) in sorted(requests.items(), key=lambda kv: kv[1]):
         reply = replies.get(rid)
         entry = targets[(dev, job_id)]
+        fin = final.get((dev, job_id))
         out.append({"device": dev, "job_id": job_id,
                     "document_cleared": bool(entry["document"]),
                     "reply": reply, "online": (conn.directory.status.get(dev) or {}).get(
-                        "online")})
+                        "online"),
+                    "final_state": fin.get("state") if fin else None,
+                    "last_state": (last.get((dev, job_id)) or {}).get("state"),
+                    "outcome": _cancel_outcome(reply, fin)})
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return EXIT_OK
@@ -591,15 +685,33 @@ def run_cancel(args: argparse.Namespace) -> int:
         if reply is None:
             what = "no reply{}".format(" (device offline: the broker keeps the command for "
                                        "its session)" if r["online"] is False else "")
-        elif reply.get("ok"):
-            what = "cancelled ({})".format((reply.get("result") or {}).get("state"))
-        else:
+        elif not reply.get("ok"):
             err = reply.get("error") or {}
             what = "not cancelled: {} {}".format(err.get("code"), err.get("message", ""))
+        elif r["final_state"] == "CANCELED":
+            what = "CANCELED (the device's final state)"
+        elif r["final_state"]:
+            what = "{} (the device's final state: it finished before the cancel)".format(
+                r["final_state"])
+        else:
+            what = "cancel requested; the device reported no final state within {:.0f} s " \
+                   "(last: {})".format(args.wait, r["last_state"] or "none")
         if r["document_cleared"]:
             what += "; retained job document cleared"
         print("{} {}: {}".format(r["device"], r["job_id"], what))
     return EXIT_OK
+
+
+def _cancel_outcome(reply: Optional[Dict[str, Any]], final: Optional[Dict[str, Any]]) -> str:
+    """no_reply | refused | cancelled | finished (before the cancel) | requested (no final
+    state from the device in time)."""
+    if reply is None:
+        return "no_reply"
+    if not reply.get("ok"):
+        return "refused"
+    if final is None:
+        return "requested"
+    return "cancelled" if final.get("state") == "CANCELED" else "finished"
 
 
 # ---------------------------------------------------------------------------- telemetry

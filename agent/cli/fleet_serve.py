@@ -176,10 +176,17 @@ def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[st
             interrupted = True
             ro = service.rollouts.get(rollout_id)
             if ro is not None and not ro.done:
+                # As --help says: embedded, nothing follows the devices after this process.
+                print("interrupted: cancelling {} unfinished device(s), running ones included "
+                      "(an embedded rollout; submit it to 'fleet serve' to detach instead)"
+                      .format(sum(1 for r in ro.runs.values() if not r.terminal)),
+                      file=sys.stderr)
                 service.commit(ro, ro.expire("interrupted by the user", state="CANCELED",
                                              outcome="interrupted"))
         service.drain()
         store.release(service.instance)
+        # Else the next 'fleet rollout --db' would take it for a service and submit to it.
+        store.forget_service(service.instance)
         final = durable.load(store, rollout_id)
         assert final is not None
         view.update(final, statuses, force=True)

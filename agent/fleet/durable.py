@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from agent.fleet.preview import gate_of
 from agent.fleet.rollout import Action, DocFactory, Rollout
 from agent.fleet.spec import doc_factory, policy_of
 from agent.fleet.store import Store
@@ -37,6 +38,7 @@ def load(store: Store, rollout_id: str, docs: Optional[DocFactory] = None
     ro = Rollout(rollout_id, row["stages"], docs or _no_docs, policy_of(spec),
                  bool(spec.get("search")), clock=time.time)
     ro.started = row["created"] or ro.started
+    ro.gate = gate_of(spec)
     ro.current = int(row["current_stage"] if row["current_stage"] is not None else -1)
     ro.halted, ro.paused = bool(row["halted"]), bool(row["paused"])
     ro.outcome = row["outcome"] if row["outcome"] not in (None, "running", "succeeded",

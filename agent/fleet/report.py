@@ -5,6 +5,7 @@ import sys
 import time
 from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from agent.fleet.preview import NOT_GATED
 from agent.fleet.rollout import PENDING, DeviceRun, Rollout
 
 # ============================================================================ results
@@ -23,16 +24,40 @@ def _short(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def accuracy_summary(accuracy: Optional[Mapping[str, Any]]) -> str:
+def _stat_error(accuracy: Mapping[str, Any], stat: str) -> Any:
+    """The worst absolute error under the gate's statistic: the outputs' ``required_atol``
+    (the atol that statistic needed), else the summary's max/mean."""
+    if stat not in ("max", "elemwise"):
+        outputs = accuracy.get("outputs")
+        values: List[float] = [
+            float(o["required_atol"]) for o in outputs.values()
+            if isinstance(o, dict) and isinstance(o.get("required_atol"), (int, float))
+        ] if isinstance(outputs, dict) else []
+        if values:
+            return max(values)
+        if accuracy.get(stat + "_abs_error") is not None:
+            return accuracy[stat + "_abs_error"]
+    return None
+
+
+def accuracy_summary(accuracy: Optional[Mapping[str, Any]], stat: Optional[str] = None,
+                     gated: bool = True) -> str:
     """One cell: for classifiers with labels, the label accuracy next to the fp32 reference's
-    and the top-1 agreement with the goldens; else the worst absolute error (and top-1 when
-    the gate asked for it); "pass"/"FAIL" from the gate."""
+    and the top-1 agreement with the goldens; else the worst absolute error under the gate's
+    statistic ``stat`` (``median|err|`` when the gate is median; ``max|err|`` for max and
+    elemwise) and top-1 when the gate asked for it; "pass"/"FAIL" from the gate; "not gated"
+    for a rollout without goldens."""
+    if not gated:
+        return NOT_GATED
     if not accuracy:
         return "-"
     parts = []
+    value = _stat_error(accuracy, stat) if stat else None
     if accuracy.get("label_accuracy") is not None:
         parts.append("acc {} (fp32 {})".format(_pct(accuracy["label_accuracy"]),
                                                _pct(accuracy.get("golden_label_accuracy"))))
+    elif value is not None:
+        parts.append("{}|err| {}".format(stat, _num(value)))
     elif accuracy.get("max_abs_error") is not None:
         parts.append("max|err| {}".format(_num(accuracy["max_abs_error"])))
     if accuracy.get("top1_agreement") is not None and (
@@ -44,8 +69,10 @@ def accuracy_summary(accuracy: Optional[Mapping[str, Any]]) -> str:
     return ", ".join(parts) or "-"
 
 
-def result_row(run: DeviceRun, status: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
-    """Everything the table and ``--json`` show for one device."""
+def result_row(run: DeviceRun, status: Optional[Mapping[str, Any]] = None,
+               gate: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """Everything the table and ``--json`` show for one device; ``gate``: the rollout's
+    (``preview.gate_of``), for the statistic shown and "not gated"."""
     result = run.result or {}
     error = run.error or {}
     accuracy = result.get("accuracy")
@@ -69,6 +96,8 @@ def result_row(run: DeviceRun, status: Optional[Mapping[str, Any]] = None) -> Di
         "emulated": result.get("emulated"),
         "layers_kept": kept,
         "accuracy": accuracy,
+        "gated": bool((gate or {}).get("gated", True)),
+        "gate_stat": (gate or {}).get("stat"),
         "throughput_qps": result.get("throughput_qps"),
         "latency_p50_ms": latency.get("median", latency.get("p50")),
         "latency_p99_ms": latency.get("p99"),
@@ -129,15 +158,18 @@ def results_table(rows: Sequence[Mapping[str, Any]]) -> str:
             precision += " (built [{}])".format(len(notes))
         error = row.get("error_code") or ("see" if row.get("note") else "-")
         if row.get("error_message"):
-            notes.append("{}: {} {}: {}".format(row["device"], row["state"], row["error_code"],
-                                                row["error_message"]))
+            # A device cancelled by the controller says only that: the note says why.
+            notes.append("{}: {} {}: {}{}".format(
+                row["device"], row["state"], row["error_code"], row["error_message"],
+                " ({})".format(row["note"]) if row.get("note") else ""))
             error += " [{}]".format(len(notes))
         elif row.get("note"):
             notes.append("{}: {}".format(row["device"], row["note"]))
             error += " [{}]".format(len(notes))
         body.append([row["device"], _short(str(row.get("board") or "-"), 34), row["state"],
                      precision, _kept_text(row.get("layers_kept") or {}),
-                     accuracy_summary(row.get("accuracy")), _num(row.get("throughput_qps"),
+                     accuracy_summary(row.get("accuracy"), row.get("gate_stat"),
+                                      row.get("gated", True)), _num(row.get("throughput_qps"),
                                                                  "{:.0f}"),
                      _num(row.get("latency_p50_ms")), _num(row.get("latency_p99_ms")), error])
     text = format_table(header, body)
@@ -168,7 +200,9 @@ def rollout_report(rollout: Rollout, statuses: Mapping[str, Mapping[str, Any]],
         "stages": rollout.stages,
         "policy": rollout.policy._asdict(),
         "counts": rollout.counts(),
-        "devices": [result_row(r, statuses.get(r.device)) for r in rollout.ordered()],
+        "gate": rollout.gate,
+        "devices": [result_row(r, statuses.get(r.device), rollout.gate)
+                    for r in rollout.ordered()],
     }
     report.update(extra or {})
     return report

@@ -116,6 +116,7 @@ class Rollout(object):
         self.refused = 0  # statuses dropped as no answer to a job we sent
         self.pending_eval = False
         self.outcome = ""  # "" while running; then succeeded | aborted | halted | ...
+        self.gate: Optional[Dict[str, Any]] = None  # preview.gate_of(spec), for the report
         self.reason = ""
         self.started = clock()
         self.sharing: Any = None  # an agent.fleet.sharing.SharePolicy: engines built once
@@ -199,7 +200,8 @@ class Rollout(object):
         if run.local and not protocol.is_terminal(state):
             # The device had picked the job up before the controller cancelled it.
             run.local = False
-        run.job_stage = str(msg.get("stage") or "")
+        # A finished job is past its last stage (a SUCCEEDED one reports "activating").
+        run.job_stage = "" if protocol.is_terminal(state) else str(msg.get("stage") or "")
         progress = msg.get("progress")
         run.progress = dict(progress) if isinstance(progress, dict) else None
         if run.started is None and state != "QUEUED":
@@ -363,20 +365,40 @@ class Rollout(object):
         self.dirty.add(run.device)
         return actions
 
+    @staticmethod
+    def _failure_cause(runs: Sequence[DeviceRun]) -> str:
+        """Which devices' own failures stopped the rollout, and why (the first in full)."""
+        failed = [r for r in runs if r.terminal and r.state != "SUCCEEDED" and not r.local]
+        if not failed:
+            return ""
+        first = failed[0]
+        err = first.error or {}
+        why = "{} {}".format(first.device, first.state)
+        if err.get("code"):
+            why += " ({}: {})".format(err["code"], str(err.get("message") or "")[:160])
+        if len(failed) > 1:
+            why += " and {} more ({})".format(len(failed) - 1, ", ".join(
+                "{} {}".format(r.device, r.state) for r in failed[1:4]) + (
+                    ", ..." if len(failed) > 4 else ""))
+        return why
+
     def _evaluate(self) -> List[Action]:
         if self.halted:
             return []
         reason = abort_reason((r.state for r in self.runs.values() if not r.local),
                               self.policy)
         if reason:
-            return self.halt(reason, "aborted")
+            cause = self._failure_cause(self.ordered())
+            return self.halt(reason + ("; failed: " + cause if cause else ""), "aborted")
         stage = [self.runs[d] for d in self.stages[self.current]]
         verdict = stage_verdict([r.state for r in stage], self.policy)
         if verdict == "failed":
             ok = sum(1 for r in stage if r.state == "SUCCEEDED")
-            return self.halt("stage {}: {} of {} device(s) succeeded, below the success "
-                             "threshold {:.0%}".format(self.current + 1, ok, len(stage),
-                                                       self.policy.success_threshold))
+            cause = self._failure_cause(stage)
+            return self.halt("stage {} halted by {}: {} of {} device(s) succeeded, below the "
+                             "success threshold {:.0%}".format(
+                                 self.current + 1, cause or "failures", ok, len(stage),
+                                 self.policy.success_threshold))
         if verdict == "passed" and self.current + 1 < len(self.stages) and not self.paused:
             return self._start_stage(self.current + 1)
         return []

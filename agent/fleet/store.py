@@ -387,6 +387,10 @@ class Store(object):
         self.db.execute("UPDATE rollouts SET owner = NULL, lease_until = NULL WHERE owner = ?",
                         (instance,))
 
+    def forget_service(self, instance: str) -> None:
+        """An instance that stopped for good (an embedded rollout's) is no running service."""
+        self.db.execute("DELETE FROM services WHERE instance = ?", (instance,))
+
     def heartbeat(self, instance: str, pid: int, host: str, started: float) -> None:
         self.db.execute("INSERT INTO services (instance, heartbeat, pid, host, started) VALUES "
                         "(?, ?, ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET heartbeat = "

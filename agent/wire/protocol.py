@@ -653,9 +653,11 @@ def status_message(
     return msg
 
 
-def will_message(device: str, boot: int) -> Dict[str, Any]:
-    """The Last Will: offline, with the boot counter of the connection it belongs to."""
-    return status_message(device, False, boot, reason="connection_lost")
+def will_message(device: str, boot: int, platform: Optional[Mapping[str, Any]] = None
+                 ) -> Dict[str, Any]:
+    """The Last Will: offline, with the boot counter of the connection it belongs to (and
+    the platform, so an offline device keeps its board in ``fleet devices``)."""
+    return status_message(device, False, boot, reason="connection_lost", platform=platform)
 
 
 def job_status_message(device: str, row: Mapping[str, Any],

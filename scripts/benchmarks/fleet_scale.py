@@ -127,7 +127,7 @@ def one_rollout(n, fetch, timeout=1800, fanout=False, model=None):
             time.sleep(0.5)
         cpu0, _ = proc_usage(serve.pid)
         t0 = time.time()
-        what = ["--model", model, "--precision", "fp32"] if model else [
+        what = ["--model", model, "--precision", "fp32", "--no-accuracy-gate"] if model else [
             "--model", os.path.join(FP16, "model.onnx"), "--inputs",
             os.path.join(FP16, "inputs.json"), "--golden", os.path.join(FP16, "golden.json"),
             "--precision", "fp16"]

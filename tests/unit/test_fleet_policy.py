@@ -204,7 +204,9 @@ def test_failed_stage_halts_without_abort_policy():
     assert not any(a.kind == "publish" for a in acts)
     assert r.runs["c"].state == "CANCELED"
     assert r.runs["b"].state == "IN_PROGRESS"  # running devices finish
-    assert r.final_outcome() == "halted" and "stage 1: 0 of 2" in r.reason
+    assert r.final_outcome() == "halted"
+    assert r.reason.startswith("stage 1 halted by a FAILED (build_failed: x): 0 of 2 device(s)")
+    assert r.runs["c"].note == "not started: " + r.reason  # the bystander says why
     r.on_job_status("b", status("ro-1", "b", "SUCCEEDED", 3))
     assert r.done and not r.succeeded
 
