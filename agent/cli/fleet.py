@@ -201,6 +201,9 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     s.add_argument("--search", choices=SEARCH_MODES)
     s.add_argument("--search-direction", choices=("forward", "reverse"))
     s.add_argument("--max-evaluations", type=int, metavar="N")
+    s.add_argument("--preflight", action="store_true",
+                   help="run the search on this host's emulation (onnxruntime) first; devices "
+                   "verify its set with one build and search only if it fails")
     b = r.add_argument_group("benchmark")
     b.add_argument("--bench-iterations", type=int, metavar="N")
     b.add_argument("--bench-warmup", type=int, metavar="N")
@@ -362,9 +365,20 @@ def run_rollout(args: argparse.Namespace) -> int:
                              "--golden (with --inputs) so devices check the engine's outputs, "
                              "found none; to deploy ungated on purpose add "
                              "--no-accuracy-gate")
+        preflight = None
+        if args.preflight:
+            if not args.search:
+                raise AgentError("bad_argument", "--preflight predicts the search's answer: "
+                                 "expected --search MODE with it, found none")
+            from agent.cli.fleet_preflight import host_preflight
+
+            preflight = host_preflight(args, files)
+            args.predicted = preflight["keep"]
         artifacts = _artifact_refs(files, work)
         _add_urls(artifacts, args.artifact_url)
         spec = spec_from_args(args, artifacts, user_layers, args.timeout)
+        if preflight is not None:
+            spec["preflight"] = preflight
         docs = fleet.doc_factory(spec)
         signer = None
         if args.signing_key:

@@ -140,7 +140,8 @@ def _submit(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
 def _extra(args: argparse.Namespace, spec: Dict[str, Any]) -> Dict[str, Any]:
     model = dict((spec.get("artifacts") or {}).get("model") or {})
     return {"model": dict(model, path=spec.get("model_path")), "precision": spec.get(
-        "precision"), "search": spec.get("search"), "broker": getattr(args, "broker", None)}
+        "precision"), "search": spec.get("search"), "broker": getattr(args, "broker", None),
+            "preflight": spec.get("preflight")}
 
 
 def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[str, Any],
@@ -206,6 +207,8 @@ def _print_report(report: Dict[str, Any], ro: fleet.Rollout, as_json: bool) -> N
         print(json.dumps(report, indent=2, sort_keys=True, default=str))
     else:
         print(fleet.results_table(report["devices"]))
+        if report.get("preflight"):
+            print(fleet.preflight_summary(report["preflight"], report["devices"]))
         print(fleet.summary_line(ro))
 
 

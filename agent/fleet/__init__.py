@@ -45,6 +45,7 @@ from agent.fleet.report import (
     ProgressView,
     accuracy_summary,
     format_table,
+    preflight_summary,
     result_row,
     results_table,
     rollout_report,
@@ -69,4 +70,5 @@ __all__ = [
     "check_rollout_id", "discover", "format_table", "job_document", "layers_above",
     "new_rollout_id", "plan_stages", "prepare_rollout", "result_row", "results_table",
     "rollout_report", "doc_factory", "select_devices", "stage_verdict", "summary_line",
+    "preflight_summary",
 ]

@@ -108,7 +108,7 @@ def result_row(run: DeviceRun, status: Optional[Mapping[str, Any]] = None,
         "cache_hit": result.get("cache_hit"),
         "share": share_of(run, result),
         "search": ({k: run.search.get(k) for k in ("mode", "keep", "evaluations", "builds",
-                                                   "seconds", "passed")}
+                                                   "seconds", "passed", "prediction_passed")}
                    if run.search else None),
         "seconds": (round(run.finished - run.started, 2)
                     if run.finished is not None and run.started is not None else None),
@@ -178,6 +178,25 @@ def results_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for i, note in enumerate(notes, 1):
         text += "\n[{}] {}".format(i, _short(note, 400))
     return text
+
+
+def preflight_summary(preflight: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> str:
+    """fleet rollout --preflight: the host's predicted set, then per device whether its one
+    verifying build passed and how many evaluations its search took."""
+    keep = list(preflight.get("keep") or [])
+    lines = ["pre-flight on the host emulation ({}): {} evaluation(s), predicted {} layer(s){}"
+             .format(preflight.get("backend", "onnxruntime"), preflight.get("evaluations"),
+                     len(keep), ": " + _short(", ".join(keep), 200) if keep else "")]
+    for row in rows:
+        search = row.get("search") or {}
+        if not search:
+            continue
+        passed = search.get("prediction_passed")  # the device's word: only True/False count
+        verdict = "verified with one build" if passed is True else \
+            "the prediction failed, searched" if passed is False else "not verified"
+        lines.append("  {}: {}; {} device evaluation(s)".format(
+            row["device"], verdict, search.get("evaluations")))
+    return "\n".join(lines)
 
 
 def summary_line(rollout: Rollout) -> str:

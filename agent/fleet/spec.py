@@ -11,7 +11,7 @@ from agent.fleet.rollout import DocFactory
 # The ``fleet rollout`` arguments a job document depends on.
 DOC_KEYS = ("precision", "fallback", "atol", "rtol", "check_error_stat", "min_top1",
             "calib_algorithm", "calib_batch_size", "search", "search_direction",
-            "max_evaluations", "bench_iterations", "bench_warmup", "job_timeout")
+            "max_evaluations", "bench_iterations", "bench_warmup", "job_timeout", "predicted")
 
 
 def spec_from_args(args: Any, artifacts: Mapping[str, Mapping[str, Any]],
@@ -59,6 +59,8 @@ def doc_factory(spec: Mapping[str, Any],
                                 ("direction", spec.get("search_direction")),
                                 ("max_iterations", spec.get("max_evaluations")))
               if v is not None}
+    if spec.get("predicted") is not None:  # host pre-flight (fleet rollout --preflight)
+        search["predicted"] = [str(x) for x in spec["predicted"]]
     bench = {k: v for k, v in (("iterations", spec.get("bench_iterations")),
                                ("warmup", spec.get("bench_warmup"))) if v is not None}
 

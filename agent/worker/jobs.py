@@ -32,7 +32,7 @@ MAX_LISTED = 20  # list entries kept in a job result (evaluations, layers)
 SEARCH_SUMMARY_KEYS = ("mode", "direction", "precision", "keep_precision", "candidates", "keep",
                        "layer_precisions", "passed", "complete", "interrupted", "exhausted",
                        "evaluations", "builds", "cache_hits", "seconds", "engine_key", "message",
-                       "comparison", "suspects")
+                       "comparison", "suspects", "prediction_passed")
 # Progress lines are rate-limited per stage; stage changes and completions always go out.
 PROGRESS_INTERVAL_S = 0.25
 
@@ -490,7 +490,8 @@ def run_search(job: _Job) -> Dict[str, Any]:
                    compare_options=compare_options, progress=job.progress,
                    should_stop=job.should_stop,
                    max_evaluations=int(max_evaluations) if max_evaluations else None,
-                   calibration_dir=job.spec["calibration_dir"])
+                   calibration_dir=job.spec["calibration_dir"],
+                   predicted=opts.get("predicted"))
     full = found.to_dict()
     # The job status stays small (controllers cap it at 64 KiB): a summary of the search,
     # the last evaluations, and the layers kept in higher precision.
