@@ -131,3 +131,28 @@ def test_a_window_larger_than_a_request_goes_out_as_several_requests(tmp_path):
     broker.pump()  # no timeout needed: every block asked for is answered
     assert broker.completed["wide"] and broker.completed["wide"][0][0] == sha
     journal.close()
+
+
+def test_a_device_joining_within_the_window_gets_what_it_missed(tmp_path):
+    # The second stage of a rollout asks for the blocks the first stage was sent a moment
+    # ago, before it listened: it must not wait out a request timeout for them.
+    clock = Clock()
+    broker = Broker()
+    broker.server = BlockServer(broker.server_publish, T, clock=clock)
+    data = blob(6 * BS)
+    (tmp_path / "m.bin").write_bytes(data)
+    sha = broker.server.add_file(str(tmp_path / "m.bin"))
+    first, j1 = make(tmp_path, broker, clock, "first")
+    assert first.want(sha, len(data), "j1") is None
+    broker.pump()
+    assert broker.completed["first"]
+    clock.now += 0.5  # well inside the 2 s window
+    late, j2 = make(tmp_path, broker, clock, "late")
+    assert late.want(sha, len(data), "j2") is None
+    broker.pump()  # no tick: the blocks come at once, not after a timeout
+    (got_sha, path), = broker.completed["late"]
+    with open(path, "rb") as f:
+        assert got_sha == sha and f.read() == data
+    assert broker.server.blocks_deduped == 0
+    j1.close()
+    j2.close()
