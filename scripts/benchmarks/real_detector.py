@@ -25,6 +25,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _searches import minimal_vs_bisect  # noqa: E402 - the shared search rows
 
 SIZE = 416
 SEARCH_IMAGES = 3
@@ -119,9 +121,7 @@ def run():
                  "baseline": None, "goal": "pip install --no-deps ddddocr"}]
     from agent.engines.backends.base import BuildPlan, CalibrationSettings
     from agent.engines.backends.onnxruntime import create
-    from agent.engines.cache import EngineCache
     from agent.precision import golden
-    from agent.precision.searcher import run_search
 
     work = tempfile.mkdtemp(prefix="bench-det-")
     rows = []
@@ -140,25 +140,10 @@ def run():
                  "int8": BuildPlan("int8", calibration=CalibrationSettings(
                      data=calib, batch_size=1, cache=ranges))}
         for name, plan in plans.items():
-            found = {}
-            for mode in ("minimal", "bisect"):
-                cache = EngineCache(os.path.join(work, "engines-{}-{}".format(name, mode)))
-                found[mode] = run_search(path, plan, feeds, goldens, backend, cache,
-                                         {"kind": "host"}, mode=mode,
-                                         compare_options=TOLERANCES,
-                                         calibration_dir=os.path.join(work, "cal"))
-                print("  {} {}: {} evaluations, {} kept".format(
-                    name, mode, found[mode].evaluations, len(found[mode].keep)),
-                    file=sys.stderr)
-            m, b = found["minimal"], found["bisect"]
-            bound = 2 * b.evaluations + 4
-            rows.append({"name": "detector {}: evaluations, minimal vs bisect ({} "
-                         "candidates)".format(name, m.candidates), "ours": m.evaluations,
-                         "baseline": b.evaluations, "goal": "<= {}: {}".format(
-                             bound, "met" if m.evaluations <= bound else "MISSED")})
-            rows.append({"name": "detector {}: layers kept, minimal vs bisect".format(name),
-                         "ours": len(m.keep), "baseline": len(b.keep), "goal": "<= bisect: "
-                         + ("met" if len(m.keep) <= len(b.keep) else "MISSED")})
+            found, search_rows = minimal_vs_bisect("detector " + name, path, plan, feeds,
+                                                   goldens, backend, work, TOLERANCES)
+            rows += search_rows
+            m = found["minimal"]
             if m.engine_path:
                 false, missed = metric(backend, m.engine_path, eval_feeds, reference)
                 rows.append({"name": "detector {}: searched plan, false / missed boxes of {} "

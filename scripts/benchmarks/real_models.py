@@ -27,13 +27,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _searches import minimal_vs_bisect  # noqa: E402 - the shared search rows
 
 LABELS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_"
 SEARCH_IMAGES = 4
@@ -143,27 +144,10 @@ def run():
         for name, plan, opts in (("fp16", plans["fp16"], TOLERANCES),
                                  ("fp16 strict", plans["fp16"], STRICT),
                                  ("int8", plans["int8"], TOLERANCES)):
-            found = {}
-            for mode in ("minimal", "bisect"):
-                cache = EngineCache(os.path.join(work, "engines-" + name + mode))
-                t = time.monotonic()
-                found[mode] = run_search(path, plan, feeds, goldens, backend, cache,
-                                         {"kind": "host"}, mode=mode, compare_options=opts,
-                                         calibration_dir=os.path.join(work, "cal"))
-                found[mode].wall = time.monotonic() - t
-                print("  {} {}: {} evaluations, {} kept, {:.0f} s".format(
-                    name, mode, found[mode].evaluations, len(found[mode].keep),
-                    found[mode].wall), file=sys.stderr)
-            m, b = found["minimal"], found["bisect"]
-            rows.append({"name": "crnn {}: evaluations, minimal vs bisect ({} candidates)".format(
-                name, m.candidates), "ours": m.evaluations, "baseline": b.evaluations,
-                "goal": "<= 2x bisect + 4 = {}: {}".format(
-                    2 * b.evaluations + 4,
-                    "met" if m.evaluations <= 2 * b.evaluations + 4 else "MISSED")})
-            rows.append({"name": "crnn {}: layers kept, minimal vs bisect".format(name),
-                         "ours": len(m.keep), "baseline": len(b.keep),
-                         "goal": "<= bisect: {}".format(
-                             "met" if len(m.keep) <= len(b.keep) else "MISSED")})
+            found, search_rows = minimal_vs_bisect("crnn " + name, path, plan, feeds,
+                                                   goldens, backend, work, opts)
+            rows += search_rows
+            m = found["minimal"]
             if m.passed:
                 # Pre-flight: a "device" (a second, empty cache) verifies the host's set.
                 device = EngineCache(os.path.join(work, "device-" + name))

@@ -1,0 +1,35 @@
+"""Shared by the real-model benchmarks: ``minimal`` against ``bisect`` on one model and plan,
+and the two rows that check the bound (no more layers than bisect, in at most 2x bisect's
+evaluations + 4). Not a benchmark itself (the leading underscore keeps it out of the list)."""
+
+import os
+import sys
+import time
+
+
+def minimal_vs_bisect(label, path, plan, feeds, goldens, backend, work, compare_options):
+    """(results by mode, rows): each mode searched with its own engine cache."""
+    from agent.engines.cache import EngineCache
+    from agent.precision.searcher import run_search
+
+    found = {}
+    for mode in ("minimal", "bisect"):
+        cache = EngineCache(os.path.join(work, "engines-{}-{}".format(label, mode)))
+        t = time.monotonic()
+        found[mode] = run_search(path, plan, feeds, goldens, backend, cache, {"kind": "host"},
+                                 mode=mode, compare_options=compare_options,
+                                 calibration_dir=os.path.join(work, "cal"))
+        found[mode].wall = time.monotonic() - t
+        print("  {} {}: {} evaluations, {} kept, {:.0f} s".format(
+            label, mode, found[mode].evaluations, len(found[mode].keep), found[mode].wall),
+            file=sys.stderr)
+    m, b = found["minimal"], found["bisect"]
+    bound = 2 * b.evaluations + 4
+    rows = [{"name": "{}: evaluations, minimal vs bisect ({} candidates)".format(
+                label, m.candidates), "ours": m.evaluations, "baseline": b.evaluations,
+             "goal": "<= 2x bisect + 4 = {}: {}".format(
+                 bound, "met" if m.evaluations <= bound else "MISSED")},
+            {"name": "{}: layers kept, minimal vs bisect".format(label),
+             "ours": len(m.keep), "baseline": len(b.keep),
+             "goal": "<= bisect: {}".format("met" if len(m.keep) <= len(b.keep) else "MISSED")}]
+    return found, rows
