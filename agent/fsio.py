@@ -5,6 +5,7 @@ target, so a reader (or a crash) never sees half a file. ENOSPC becomes ``disk_f
 """
 
 import errno
+import hashlib
 import os
 import tempfile
 from typing import Optional
@@ -65,3 +66,12 @@ def atomic_write(path: str, data: bytes) -> None:
 
 def atomic_write_text(path: str, text: str) -> None:
     atomic_write(path, text.encode("utf-8"))
+
+
+def sha256_file(path: str, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file, read in chunks (memory stays bounded whatever its size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -215,7 +215,11 @@ class Daemon(DeviceCommands):
             self.last_watchdog = now
 
     def _fetcher_tick(self) -> None:
-        if self.mqtt.connected:
+        # The fetcher's tick flushes every transfer (fsync + journal commit) and re-asks timed
+        # out blocks: about once per TICK_S, not after every burst of blocks the loop drains.
+        now = time.monotonic()
+        if self.mqtt.connected and now - self.last_fetcher_tick >= TICK_S:
+            self.last_fetcher_tick = now
             self.fetcher.tick()
 
     # ------------------------------------------------------------------------- MQTT events

@@ -66,6 +66,7 @@ class DaemonState:
         self.last_telemetry: Dict[str, Any] = {}
         self.next_telemetry = 0.0
         self.last_watchdog = 0.0
+        self.last_fetcher_tick = 0.0
         self.last_outbox_scan = 0.0
         self.last_connect_log = 0.0
         self.status_text = ""

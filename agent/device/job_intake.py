@@ -2,7 +2,6 @@
 limit), drop duplicates (idempotency by job id), reject bad ones, run cancel jobs, and pick and
 check (platform decision, limits) the next job to run."""
 
-import json
 import logging
 import math
 import time
@@ -243,10 +242,7 @@ class JobIntake(ArtifactDownloads):
 
 
 def kind_of(payload: bytes) -> str:
-    """The ``kind`` of a document that failed validation, when it has a plausible one."""
-    try:
-        doc = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return ""
-    kind = doc.get("kind") if isinstance(doc, dict) else None
-    return kind if isinstance(kind, str) and kind in protocol.JOB_KINDS else ""
+    """The ``kind`` of a document that failed validation, when it has a plausible one
+    (``protocol.peek_kind`` reads at most a job document's size limit)."""
+    kind = protocol.peek_kind(payload)
+    return kind if kind in protocol.JOB_KINDS else ""

@@ -46,6 +46,8 @@ AGENT_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(_
 WORKER_PACKAGES = ("agent", "calib")  # what the worker imports from this installation
 
 
+MAX_WORKER_LINE_BYTES = 4 << 20  # a worker's JSON line (results are capped far below)
+
 class WorkerEvent(NamedTuple):
     kind: str  # "line" | "exit"
     token: int
@@ -169,7 +171,10 @@ class WorkerSupervisor(StatusPublisher):
 
     def _read_worker(self, proc: "subprocess.Popen[bytes]", token: int) -> None:
         assert proc.stdout is not None
-        for line in proc.stdout:
+        # A line is bounded: a worker printing without newlines cannot grow the daemon (the
+        # pieces of a longer line fail JSON and take the non-JSON path).
+        out = proc.stdout
+        for line in iter(lambda: out.readline(MAX_WORKER_LINE_BYTES), b""):
             self.events.put(WorkerEvent("line", token, line))
         proc.stdout.close()
         self.events.put(WorkerEvent("exit", token, returncode=proc.wait()))

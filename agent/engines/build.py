@@ -78,6 +78,7 @@ def _digest_file_or_dir(path: str) -> str:
 # Dataset digests by (path, stat signature): a precision search builds many plans from the
 # same data in one process and should hash it once.
 _DATA_DIGESTS: Dict[Tuple[str, Tuple[Any, ...]], str] = {}
+_MODEL_DIGESTS: Dict[Tuple[str, Tuple[Any, ...]], str] = {}
 
 
 def _stat_signature(path: str) -> Tuple[Any, ...]:
@@ -104,6 +105,15 @@ def dataset_digest(path: str) -> str:
     if memo_key not in _DATA_DIGESTS:
         _DATA_DIGESTS[memo_key] = _digest_file_or_dir(path)
     return _DATA_DIGESTS[memo_key]
+
+
+def _model_digest(path: str) -> str:
+    """sha256 of the model file, read once per (path, size, mtime): a search builds many
+    times from the same model."""
+    memo_key = (os.path.abspath(path), _stat_signature(path))
+    if memo_key not in _MODEL_DIGESTS:
+        _MODEL_DIGESTS[memo_key] = sha256_file(path)
+    return _MODEL_DIGESTS[memo_key]
 
 
 def calibration_digest(plan: BuildPlan) -> Optional[str]:
@@ -189,7 +199,7 @@ def build_engine(
     if not os.path.isfile(model_path):
         raise AgentError("file_not_found", "model {} does not exist or is not a file "
                          "(expected an .onnx file)".format(model_path))
-    model_digest = sha256_file(model_path)
+    model_digest = _model_digest(model_path)
     backend_fp = backend.fingerprint()
     plan = _plan_for_build(plan, model_digest, backend_fp, calibration_dir)
 

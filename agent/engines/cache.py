@@ -48,15 +48,7 @@ def canonical_json(value: Any) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode("utf-8")
 
 
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(_CHUNK)
-            if not block:
-                break
-            digest.update(block)
-    return digest.hexdigest()
+sha256_file = fsio.sha256_file  # one definition, in fsio
 
 
 def cache_key(

@@ -167,24 +167,22 @@ def offer(url: str, engine_key: str, engine_path: str, info: Dict[str, Any], dev
     """Upload this device's engine to the fleet service (HTTP PUT of the container to the
     one-time ``url`` its job document gave); what the job result says about it. Never fails
     the job: an offer that does not arrive only means the others build."""
-    import hashlib
     from urllib.request import Request, urlopen
+
+    from agent.fsio import sha256_file
 
     path = os.path.join(work_dir, "engine.share")
     try:
         write_container(path, engine_key, engine_path, info, device, calibration_cache)
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+        sha = sha256_file(path)
         size = os.path.getsize(path)
         with open(path, "rb") as body:
             req = Request(url, data=body, method="PUT", headers={
                 "Content-Length": str(size), "Content-Type": "application/octet-stream",
-                "X-Content-Sha256": digest.hexdigest()})
+                "X-Content-Sha256": sha})
             with urlopen(req, timeout=timeout) as resp:  # noqa: S310 - url is signed
                 resp.read(4096)
-        return {"offered": True, "sha256": digest.hexdigest(), "size": size}
+        return {"offered": True, "sha256": sha, "size": size}
     except Exception as exc:  # noqa: BLE001 - the job succeeded anyway
         log.warning("engine %s not offered to the fleet: %s", engine_key[:16], exc)
         return {"offered": False, "reason": "offer failed: {}".format(str(exc)[:200])}

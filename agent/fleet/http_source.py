@@ -31,6 +31,7 @@ class HttpSource(object):
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "jetson-agent-fleet"
+            timeout = 60  # per recv: a client that stalls (or stops mid-upload) lets go
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 log.debug("http %s: " + fmt, self.client_address[0], *args)

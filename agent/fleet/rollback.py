@@ -31,7 +31,7 @@ def send(conn: Any, device: str, model: str) -> str:
 
 
 def _check_sha(model: str) -> str:
-    if len(model) != 64 or any(c not in "0123456789abcdef" for c in model):
+    if not protocol.valid_sha256(model):
         raise AgentError("bad_argument", "--model wants the model's sha256 (64 lower-case hex "
                          "digits), found {!r}".format(model[:80]))
     return model

@@ -93,16 +93,21 @@ class SharePolicy(object):
     def released(self, runs: Any, now: float) -> List[Tuple[Any, Optional[Dict[str, Any]], str]]:
         """Waiting devices to send now: (run, engine ref or None, note)."""
         out: List[Tuple[Any, Optional[Dict[str, Any]], str]] = []
+        # Per class, looked up once: this loop changes waiting devices only, never a builder.
+        seen: Dict[str, Tuple[Optional[Dict[str, Any]], Optional[Any]]] = {}
         for run in runs:
             share = run.share or {}
             if share.get("role") != "waiting" or run.state != "PENDING":
                 continue
             cls = str(share.get("class") or "")
-            ref = self.engine_of(runs, cls)
+            if cls not in seen:
+                seen[cls] = (self.engine_of(runs, cls), self.builder_of(runs, cls))
+            engine, builder = seen[cls]
+            ref = dict(engine) if engine is not None else None
             if ref is not None:
                 run.share = {"role": "adopting", "class": cls, "engine": ref["sha256"]}
                 out.append((run, ref, ""))
-            elif self.builder_of(runs, cls) is None:
+            elif builder is None:
                 run.share = {"role": "building", "class": cls,
                              "note": "built: the class's builder offered no engine"}
                 out.append((run, None, run.share["note"]))
@@ -154,16 +159,20 @@ class ShareBoard(object):
         tmp = os.path.join(self.directory, "tmp", "share-" + token)
         digest = hashlib.sha256()
         left = length
-        with open(tmp, "wb") as out:
-            while left > 0:
-                data = body.read(min(1 << 16, left))
-                if not data:
-                    break
-                digest.update(data)
-                out.write(data)
-                left -= len(data)
-            out.flush()
-            os.fsync(out.fileno())
+        try:
+            with open(tmp, "wb") as out:
+                while left > 0:
+                    data = body.read(min(1 << 16, left))
+                    if not data:
+                        break
+                    digest.update(data)
+                    out.write(data)
+                    left -= len(data)
+                out.flush()
+                os.fsync(out.fileno())
+        except BaseException:  # a reset or timed-out upload leaves no file behind
+            os.unlink(tmp)
+            raise
         if left:
             os.unlink(tmp)
             return 400, "the body ended {} bytes early".format(left)

@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from agent.errors import AgentError
+from agent.fsio import sha256_file
 from agent.wire import protocol
 from agent.wire.protocol import Topics
 
@@ -25,13 +26,6 @@ def block_digests(path: str, block_size: int) -> bytes:
             out.append(hashlib.sha256(block).digest())
     return b"".join(out)
 
-
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class BlockServer(object):

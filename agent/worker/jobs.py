@@ -238,6 +238,7 @@ class _Job(object):
         self.spec = spec
         self.emit = emit
         self.should_stop = should_stop
+        self._goldens: Optional[Dict[str, Any]] = None
         self.progress = Progress(emit)
         safe_npz.configure(**(spec.get("limits") or {}))
         self.files = stage_artifacts(spec["artifacts"], spec["work_dir"])
@@ -285,9 +286,15 @@ class _Job(object):
         return record
 
     def load_goldens(self) -> Optional[Dict[str, Any]]:
-        """inputs + goldens (+ labels) when the job has them."""
+        """inputs + goldens (+ labels) when the job has them; read once per job (the
+        deploy's gate and a shared engine's quick check both use them)."""
         if "goldens" not in self.files:
             return None
+        if self._goldens is None:
+            self._goldens = self._read_goldens()
+        return self._goldens
+
+    def _read_goldens(self) -> Dict[str, Any]:
         from agent.precision import golden
 
         if "inputs" not in self.files:
@@ -455,7 +462,7 @@ def run_deploy(job: _Job) -> Dict[str, Any]:
 
 
 def run_bench(job: _Job) -> Dict[str, Any]:
-    data = job.load_goldens() if "goldens" in job.files else None
+    data = job.load_goldens()
     feeds = None
     if data is None and "inputs" in job.files:
         from agent.precision import golden

@@ -129,7 +129,7 @@ class Dashboard(object):
         if len(parts) == 3 and parts[0] == "devices" and protocol.valid_id(parts[1]) and \
                 parts[2] == "rollback":
             model = form.get("model", "")
-            if len(model) != 64 or any(c not in "0123456789abcdef" for c in model):
+            if not protocol.valid_sha256(model):
                 raise AgentError("bad_argument", "rollback needs the model's sha256 (64 hex "
                                  "digits), found {!r}".format(model[:80]))
             if self.store.device(parts[1]) is None:
