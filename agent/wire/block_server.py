@@ -49,9 +49,6 @@ class BlockServer(object):
         self.fanout_window_s = float(fanout_window_s)
         self._clock = clock
         self._fanned: Dict[Tuple[str, int], float] = {}  # (sha:block size, index) -> when
-        # (sha:block size, device) -> when its first fan-out request came: a device listens on
-        # the shared topic before it asks, so only blocks published since then reached it.
-        self._joined: Dict[Tuple[str, str], float] = {}
         self.blocks_deduped = 0
 
     def add_file(self, path: str, sha256: Optional[str] = None) -> str:
@@ -65,25 +62,18 @@ class BlockServer(object):
             self._files[sha] = (os.path.abspath(path), size)
         return sha
 
-    def _not_fanned(self, sha256: str, block_size: int, indices: List[int],
-                    device: str) -> List[int]:
-        """The blocks to publish on the shared topic for ``device``'s request: those not
-        published there within the window since the device joined (recorded now: the caller
-        publishes them). A device that joins late gets its own copy of what it missed."""
+    def _not_fanned(self, sha256: str, block_size: int, indices: List[int]) -> List[int]:
+        """The blocks not published on the shared topic within the window (recorded now:
+        the caller publishes them)."""
         now = self._clock()
-        artifact = sha256 + ":" + str(block_size)
         out = []
         with self._lock:
             if len(self._fanned) > 200000:  # old entries go: memory stays bounded
                 self._fanned = {k: t for k, t in self._fanned.items()
                                 if now - t < self.fanout_window_s}
-            if len(self._joined) > 200000:
-                self._joined = {k: t for k, t in self._joined.items() if now - t < 86400}
-            joined = self._joined.setdefault((artifact, device), now)
             for index in indices:
-                key = (artifact, index)
-                sent = self._fanned.get(key, -1e18)
-                if now - sent < self.fanout_window_s and sent >= joined:
+                key = (sha256 + ":" + str(block_size), index)
+                if now - self._fanned.get(key, -1e18) < self.fanout_window_s:
                     self.blocks_deduped += 1
                     continue
                 self._fanned[key] = now
@@ -125,7 +115,7 @@ class BlockServer(object):
         indices = protocol.bitmap_indices(want, msg["blocks"], self.max_blocks_per_request)
         fanout = msg.get("fanout") is True
         if fanout:
-            indices = self._not_fanned(msg["sha256"], block_size, indices, info.device)
+            indices = self._not_fanned(msg["sha256"], block_size, indices)
         try:
             with open(path, "rb") as f:
                 for index in indices:

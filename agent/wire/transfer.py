@@ -25,6 +25,7 @@ from agent.wire.protocol import Topics
 __all__ = ["BlockFetcher", "BlockServer", "block_digests", "sha256_file"]
 
 
+FANOUT_FIRST_TIMEOUT_S = 3.0  # just over BlockServer's 2 s fan-out window
 MAX_LIST_TRIES = 5  # a hash list that keeps failing its sha256 ends the transfer
 PER_REQUEST = 64  # blocks per request message (what a BlockServer answers at most)
 
@@ -160,6 +161,10 @@ class BlockFetcher(object):
         if self.subscribe is not None:
             self.subscribe(self._topics.fanout_blocks(sha256), 1)
             fetch.fanout = True
+            # Blocks fanned out just before this device listened are not sent again within
+            # the server's window: if none come, fall back to this device's own topic soon
+            # (see ``tick``) rather than after a full request timeout.
+            fetch.timeout = min(self.timeout_s, FANOUT_FIRST_TIMEOUT_S)
         if url and url.startswith(("http://", "https://")):
             from agent.wire import http_fetch
 
