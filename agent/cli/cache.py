@@ -16,7 +16,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from agent import fsio
 from agent.device import config
 from agent.device.state_lock import check_state_dir
-from agent.engines.cache import EngineCache, engine_loader
+from agent.engines.cache import EngineCache
+from agent.engines.cache_upkeep import engine_loader
 from agent.errors import AgentError
 
 

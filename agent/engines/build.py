@@ -29,8 +29,10 @@ from agent.engines.backends.base import (
     Progress,
     no_progress,
 )
-from agent.engines.cache import EngineCache, cache_key, canonical_json, sha256_file
+from agent.engines.cache import EngineCache
+from agent.engines.cache_key import cache_key, canonical_json
 from agent.errors import AgentError
+from agent.fsio import sha256_file
 
 log = logging.getLogger(__name__)
 

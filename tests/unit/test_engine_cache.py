@@ -11,11 +11,13 @@ import warnings
 import numpy as np
 import pytest
 
-from agent.engines import cache as cache_mod
+from agent.engines import cache_lock
 from agent.engines.backends.base import BuildPlan, CalibrationSettings, no_progress
 from agent.engines.backends.onnxruntime import OnnxRuntimeBackend
 from agent.engines.build import build_engine
-from agent.engines.cache import EngineCache, cache_key
+from agent.engines.cache import EngineCache
+from agent.engines.cache_key import cache_key
+from agent.engines.cache_upkeep import engine_loader
 from agent.errors import AgentError
 from tests import models
 
@@ -151,7 +153,7 @@ def test_verify_with_a_loader_drops_engines_that_do_not_load(tmp_path):
     model = models.fp16_max_model().SerializeToString()
     _put(cache, _hex(5), model, **ort_info)
     _put(cache, _hex(6), b"opaque", fingerprints={"backend": {"backend": "tensorrt"}})
-    report = cache.verify(load=cache_mod.engine_loader())
+    report = cache.verify(load=engine_loader())
     assert report["checked"] == 3 and report["ok"] == 2
     assert [c["key"] for c in report["corrupt"]] == [bad.key]
     assert "does not load" in report["corrupt"][0]["problem"]
@@ -333,7 +335,7 @@ def test_lock_is_reentrant_in_one_process(tmp_path):
     with cache.lock(key):
         with cache.lock(key, timeout=0):
             pass
-    assert cache_mod._HELD == {}
+    assert cache_lock._HELD == {}
 
 
 # --- build_engine with the real onnxruntime backend ----------------------------------------
