@@ -3,8 +3,8 @@
 Owns the ``backends`` (``base``: ``BuildPlan``, ``Backend``, ``get_backend``; ``tensorrt*`` and
 ``cuda_buffers`` for devices; ``onnxruntime`` with ``emulation`` for hosts; ``graph``, the ONNX
 rewrites both share), the engine ``cache`` (with ``cache_key``, ``cache_entry``,
-``cache_lock``, ``cache_files`` and ``cache_upkeep``), ``build`` (``build_engine``, the one way to an
-engine), ``bench``, and the readers of hostile model and array files (``model_check``,
+``cache_lock``, ``cache_files`` and ``cache_upkeep``), ``build`` (``build_engine``, the one way
+to an engine), ``bench``, and the readers of hostile model and array files (``model_check``,
 ``safe_npz``).
 
 May import: ``calib`` and the base modules (``errors``, ``fsio``, ``log``, ``progress``).
