@@ -5,7 +5,7 @@ Owns the ``backends`` (``base``: ``BuildPlan``, ``Backend``, ``get_backend``; ``
 rewrites both share), the engine ``cache`` (with ``cache_key``, ``cache_entry``,
 ``cache_lock``, ``cache_files`` and ``cache_upkeep``), ``build`` (``build_engine``, the one way
 to an engine), ``bench``, and the readers of hostile model and array files (``model_check``,
-``safe_npz``).
+``safe_npz`` with ``zip_members``).
 
 May import: ``calib`` and the base modules (``errors``, ``fsio``, ``log``, ``progress``).
 Never ``precision``, ``device``, ``fleet``, ``wire`` or ``cli``. Only this package (and

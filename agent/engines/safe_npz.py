@@ -7,8 +7,8 @@ bounded before any data is inflated:
 
 - a .npy header is parsed from at most ``MAX_HEADER`` bytes, without pickles or object dtypes;
   the bytes it declares (shape x item size) must be what the file or member holds;
-- a .npz member is inflated by our own loop (stored, deflate, bzip2), in chunks, never past
-  the size the archive declares for it; the CRC is checked at the end;
+- a .npz member is inflated by our own loop (``zip_members``: stored, deflate, bzip2), in
+  chunks, never past the size the archive declares for it; the CRC is checked at the end;
 - the bytes all members of one artifact declare are capped (``limit_for``): a multiple of the
   artifact's size (``inflate_ratio``), at least ``inflate_min_bytes``, at most
   ``max_data_bytes``; the daemon sets them from its ``limits`` config (``configure``).
@@ -18,24 +18,22 @@ and the numbers. Worker side: Python 3.6.
 """
 
 import ast
-import bz2
 import io
 import os
 import struct
 import zipfile
-import zlib
 from collections import OrderedDict
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 
+from agent.engines.zip_members import CHUNK, Member, list_members
 from agent.errors import AgentError
 
 MAGIC = b"\x93NUMPY"
 MAX_HEADER = 10000  # numpy's own default max_header_size
 MAX_DIMS = 64
 MAX_MEMBERS = 4096
-CHUNK = 256 << 10  # bytes inflated (and read) per step
 DEFAULTS = {"inflate_ratio": 32, "inflate_min_bytes": 64 << 20, "max_data_bytes": 1 << 30}
 _limits = dict(DEFAULTS)
 
@@ -210,130 +208,6 @@ def read_npy(path: str, code: str, source: Optional[str] = None,
         return _fill(f.read, header, code, source or path)
 
 
-# -- zip members -------------------------------------------------------------------------------
-
-class _Member(object):
-    """A bounded reader of one zip member: never yields more than the size the central
-    directory declares (bzip2 and deflate are inflated with a max_length)."""
-
-    def __init__(self, f: BinaryIO, info: zipfile.ZipInfo, code: str, source: str,
-                 file_size: int) -> None:
-        self.info, self.code, self.source = info, code, source
-        if info.flag_bits & 0x1:
-            raise AgentError(code, "{}: member {!r} is encrypted".format(source, info.filename))
-        f.seek(info.header_offset)
-        local = f.read(30)
-        if len(local) != 30 or local[:4] != b"PK\x03\x04":
-            raise AgentError(code, "{}: member {!r} has no local header where the directory "
-                             "says".format(source, info.filename))
-        name_len, extra_len = struct.unpack("<HH", local[26:30])
-        start = info.header_offset + 30 + name_len + extra_len
-        if start + info.compress_size > file_size:
-            raise AgentError(code, "{}: member {!r} declares {:,} compressed bytes past the end "
-                             "of the archive".format(source, info.filename, info.compress_size))
-        f.seek(start)
-        self.f = f
-        self.compressed_left = info.compress_size
-        self.left = info.file_size  # inflated bytes still allowed
-        self.crc = 0
-        if info.compress_type == zipfile.ZIP_STORED:
-            self.dec: Any = None
-        elif info.compress_type == zipfile.ZIP_DEFLATED:
-            self.dec = zlib.decompressobj(-15)
-        elif info.compress_type == zipfile.ZIP_BZIP2:
-            self.dec = bz2.BZ2Decompressor()
-        else:
-            raise AgentError(code, "{}: member {!r} uses compression method {}; expected stored, "
-                             "deflate or bzip2".format(source, info.filename,
-                                                       info.compress_type))
-
-    def _raw(self) -> bytes:
-        data = self.f.read(min(CHUNK, self.compressed_left))
-        self.compressed_left -= len(data)
-        return data
-
-    def _inflate(self, want: int) -> bytes:
-        """Up to ``want`` more inflated bytes (b"" at the end of the member)."""
-        if self.dec is None:
-            data = self.f.read(min(want, self.compressed_left))
-            self.compressed_left -= len(data)
-            return data
-        out = b""
-        while not out:
-            if isinstance(self.dec, bz2.BZ2Decompressor):
-                if self.dec.eof:
-                    return b""
-                raw = self._raw() if self.dec.needs_input else b""
-                if not raw and self.dec.needs_input:
-                    return b""  # truncated: finish() tells
-                out = self.dec.decompress(raw, want)
-            else:
-                if self.dec.eof:
-                    return b""
-                raw = self.dec.unconsumed_tail or self._raw()
-                if not raw:
-                    return b""
-                out = self.dec.decompress(raw, want)
-        return out
-
-    def read(self, n: int) -> bytes:
-        """Up to ``n`` bytes; more than the declared size is an error, never a big buffer."""
-        parts = []
-        have = 0
-        while have < n:
-            # One byte past what is allowed shows a member inflating beyond its declared size.
-            try:
-                piece = self._inflate(min(CHUNK, n - have, self.left + 1))
-            except (zlib.error, OSError, EOFError, ValueError) as exc:
-                raise AgentError(self.code, "{}: member {!r} does not inflate ({})".format(
-                    self.source, self.info.filename, exc))
-            if not piece:
-                break
-            if len(piece) > self.left:
-                raise AgentError(self.code, "{}: member {!r} inflates to more than the {:,} "
-                                 "bytes it declares".format(self.source, self.info.filename,
-                                                            self.info.file_size))
-            self.left -= len(piece)
-            self.crc = zlib.crc32(piece, self.crc)
-            parts.append(piece)
-            have += len(piece)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def finish(self) -> None:
-        """The member holds nothing after the data, and its CRC matches."""
-        if self.read(1):
-            raise AgentError(self.code, "{}: member {!r} holds data after its array".format(
-                self.source, self.info.filename))
-        if self.left != 0 or (self.crc & 0xffffffff) != self.info.CRC:
-            raise AgentError(self.code, "{}: member {!r} is damaged (size or CRC-32 does not "
-                             "match the archive's directory)".format(self.source,
-                                                                   self.info.filename))
-
-
-def _members(f: BinaryIO, code: str, source: str, size: int) -> List[zipfile.ZipInfo]:
-    end = getattr(zipfile, "_EndRecData", None)
-    if end is not None:
-        record = end(f)
-        if record is None:
-            raise AgentError(code, "{}: expected a .npz (zip) archive, found no zip "
-                             "directory".format(source))
-        entries = record[getattr(zipfile, "_ECD_ENTRIES_TOTAL", 4)]
-        if entries > MAX_MEMBERS:
-            raise AgentError(code, "{}: expected at most {} arrays, found an archive "
-                             "declaring {:,}".format(source, MAX_MEMBERS, entries))
-    f.seek(0)
-    try:
-        infos = zipfile.ZipFile(f).infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError,
-            NotImplementedError, struct.error) as exc:
-        raise AgentError(code, "{}: expected a .npz (zip) archive, found one that does not "
-                         "read ({})".format(source, exc))
-    if len(infos) > MAX_MEMBERS:
-        raise AgentError(code, "{}: expected at most {} arrays, found {:,}".format(
-            source, MAX_MEMBERS, len(infos)))
-    return infos
-
-
 class NpzHeaders(object):
     """The members of an .npz, headers read and bounded; ``arrays()`` inflates them."""
 
@@ -349,7 +223,7 @@ class NpzHeaders(object):
             budget = limit_for(budget_size or self.size)
             self.headers: Dict[str, Tuple[zipfile.ZipInfo, NpyHeader]] = OrderedDict()
             total = 0
-            for info in _members(f, code, self.source, self.size):
+            for info in list_members(f, code, self.source, self.size, MAX_MEMBERS):
                 if info.is_dir():
                     continue
                 if not info.filename.endswith(".npy"):
@@ -358,7 +232,7 @@ class NpzHeaders(object):
                     raise AgentError(code, "{}: expected .npy members, found {!r}".format(
                         self.source, info.filename))
                 what = "{} member {!r}".format(self.source, info.filename)
-                header = read_header(_Member(f, info, code, self.source, self.size).read, code,
+                header = read_header(Member(f, info, code, self.source, self.size).read, code,
                                      what)
                 if header.header_len + header.nbytes != info.file_size:
                     raise AgentError(code, "{}: header declares shape {} of {} = {:,} bytes; "
@@ -389,7 +263,7 @@ class NpzHeaders(object):
             for name, (info, header) in self.headers.items():
                 if names is not None and name not in names:
                     continue
-                member = _Member(f, info, self.code, self.source, self.size)
+                member = Member(f, info, self.code, self.source, self.size)
                 what = "{} member {!r}".format(self.source, info.filename)
                 member.read(header.header_len)
                 out[name] = _fill(member.read, header, self.code, what)
