@@ -23,32 +23,25 @@ Dtypes: data of the same kind as the model input (float64 or float16 for float32
 widening (int or bool for float) is accepted and cast batch by batch; anything else (float for
 an int input, complex, objects) is refused.
 
-Hostile files: headers are read with ``agent.engines.safe_npz`` (no pickles or object arrays; a
-header must declare what the file holds; what an .npz inflates to is capped per file before anything
-is inflated, and members are inflated in bounded chunks), refused as ``bad_calibration_data``.
+Hostile files: ``calib.shards`` reads them with ``agent.engines.safe_npz`` (no pickles or
+object arrays; a header must declare what the file holds; what an .npz inflates to is capped per
+file before anything is inflated, and members are inflated in bounded chunks), refused as
+``bad_calibration_data``.
 
 Worker side: Python >= 3.6.
 """
 
-import base64
 import hashlib
-import io
-import json
 import os
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from agent.engines import safe_npz
 from agent.engines.backends.base import TensorSpec
 from agent.errors import AgentError
+from calib.shards import JsonFeedShard, NpyGroupShard, NpzShard, Shard, read_json_feeds
 
 NPY_SEPARATORS = "_.-"
-CODE = "bad_calibration_data"
-B64_HEADER_CHARS = 13360  # base64 of the longest .npy header safe_npz accepts (a multiple of 4)
-
-# name -> (shape, dtype) as read from a header
-Header = Dict[str, Tuple[Tuple[int, ...], np.dtype]]
 
 
 def _is_dynamic(dim: Any) -> bool:
@@ -57,119 +50,6 @@ def _is_dynamic(dim: Any) -> bool:
 
 def _dims_text(shape: Sequence[Any]) -> str:
     return "[" + ", ".join("?" if _is_dynamic(d) else str(int(d)) for d in shape) + "]"
-
-
-class _Shard(object):
-    """One unit loaded at a time: a .npz file, a group of .npy files (one per input), or one
-    Polygraphy feed."""
-
-    def __init__(self, label: str, files: List[str], header: Header) -> None:
-        self.label = label  # names the file(s) in error messages
-        self.files = files  # the files its bytes come from (for digest)
-        self.header = header
-        self.count = 0
-
-    def load(self) -> Dict[str, np.ndarray]:
-        raise NotImplementedError
-
-
-class _NpzShard(_Shard):
-    def __init__(self, path: str) -> None:
-        self.npz = safe_npz.NpzHeaders(path, CODE, skip_other=True)
-        header: Header = {name: (h.shape, h.dtype) for name, (_i, h) in self.npz.headers.items()}
-        super(_NpzShard, self).__init__(path, [path], header)
-
-    def load(self) -> Dict[str, np.ndarray]:
-        return dict(self.npz.arrays(list(self.header)))
-
-
-class _NpyGroupShard(_Shard):
-    def __init__(self, paths: Dict[str, str]) -> None:
-        header: Header = {}
-        for name, path in paths.items():
-            try:
-                found = safe_npz.npy_file_header(path, CODE, "{} (input {!r})".format(path, name))
-            except OSError as exc:
-                raise AgentError(CODE, "{}: expected a NumPy .npy array for input {!r}, found "
-                                 "unreadable data ({})".format(path, name, exc))
-            header[name] = (found.shape, found.dtype)
-        label = ", ".join(paths[n] for n in sorted(paths))
-        super(_NpyGroupShard, self).__init__(label, sorted(paths.values()), header)
-        self.paths = paths
-
-    def load(self) -> Dict[str, np.ndarray]:
-        return {name: safe_npz.read_npy(path, CODE, mmap=True)
-                for name, path in self.paths.items()}
-
-
-def _polygraphy_array(obj: Any) -> Optional[str]:
-    """The base64 text of a Polygraphy-encoded array ({"array": ...} or a LazyArray)."""
-    for _ in range(8):  # a loop, not recursion: the JSON may nest "values" deeply
-        if not isinstance(obj, dict):
-            return None
-        if isinstance(obj.get("array"), str):
-            return str(obj["array"])
-        obj = obj.get("values")
-    return None
-
-
-class _JsonFeedShard(_Shard):
-    def __init__(self, path: str, index: int, feed: Dict[str, Any]) -> None:
-        label = "{} (feed {})".format(path, index)
-        header: Header = {}
-        self.encoded: Dict[str, str] = {}
-        for name, value in feed.items():
-            text = _polygraphy_array(value)
-            if text is None:
-                raise AgentError("bad_calibration_data",
-                                 "{}: input {!r}: expected a Polygraphy array "
-                                 "({{\"array\": base64, \"polygraphy_class\": \"ndarray\"}}), "
-                                 "found {}".format(label, name, type(value).__name__))
-            what = "{} input {!r}".format(label, name)
-            try:
-                # The .npy header sits in the first bytes: decode a prefix only.
-                prefix = base64.b64decode(text[:B64_HEADER_CHARS])
-            except (ValueError, TypeError) as exc:
-                raise AgentError(CODE, "{}: expected base64 np.save bytes, found undecodable "
-                                 "data ({})".format(what, exc))
-            found = safe_npz.read_header(io.BytesIO(prefix).read, CODE, what)
-            holds = len(text) * 3 // 4 - found.header_len
-            if found.nbytes > holds:
-                raise AgentError(CODE, "{}: header declares shape {} of {} = {:,} bytes; the "
-                                 "text holds at most {:,}".format(
-                                     what, list(found.shape), found.dtype, found.nbytes, holds),
-                                 {"declared_bytes": found.nbytes, "file_bytes": holds})
-            header[name] = (found.shape, found.dtype)
-            self.encoded[name] = text
-        super(_JsonFeedShard, self).__init__(label, [path], header)
-
-    def load(self) -> Dict[str, np.ndarray]:
-        return {name: safe_npz.read_npy_bytes(base64.b64decode(text), CODE,
-                                              "{} input {!r}".format(self.label, name))
-                for name, text in self.encoded.items()}
-
-
-def _read_json_feeds(path: str) -> List[Dict[str, Any]]:
-    try:
-        with open(path, "r") as f:
-            feeds = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise AgentError("bad_calibration_data",
-                         "{}: expected Polygraphy --save-inputs JSON, found unparsable text "
-                         "({})".format(path, exc))
-    except RecursionError:
-        raise AgentError("bad_calibration_data",
-                         "{}: expected Polygraphy --save-inputs JSON, found lists or objects "
-                         "nested deeper than the parser allows".format(path))
-    if isinstance(feeds, dict) and "lst" in feeds:
-        raise AgentError("bad_calibration_data",
-                         "{}: expected Polygraphy --save-inputs JSON (a list of feeds), found "
-                         "RunResults (--save-outputs)".format(path))
-    if not isinstance(feeds, list) or not all(isinstance(f, dict) for f in feeds):
-        raise AgentError("bad_calibration_data",
-                         "{}: expected a list of {{input name: array}} feeds, found {}".format(
-                             path, type(feeds).__name__))
-    return feeds
 
 
 class CalibrationDataset(object):
@@ -224,7 +104,7 @@ class CalibrationDataset(object):
 
     # -- discovery -------------------------------------------------------------------------
 
-    def _discover(self, path: str) -> List[_Shard]:
+    def _discover(self, path: str) -> List[Shard]:
         if not os.path.exists(path):
             raise AgentError("file_not_found",
                              "calibration data {} does not exist".format(path))
@@ -232,26 +112,26 @@ class CalibrationDataset(object):
             return self._discover_dir(path)
         lower = path.lower()
         if lower.endswith(".npz"):
-            return [_NpzShard(path)]
+            return [NpzShard(path)]
         if lower.endswith(".npy"):
             return [self._npy_single(path)]
         if lower.endswith(".json"):
             self._json_path = path
-            feeds = _read_json_feeds(path)
-            return [_JsonFeedShard(path, i, feed) for i, feed in enumerate(feeds)]
+            feeds = read_json_feeds(path)
+            return [JsonFeedShard(path, i, feed) for i, feed in enumerate(feeds)]
         raise AgentError("bad_calibration_data",
                          "{}: expected a directory of .npy/.npz shards, a .npz, a .npy or a "
                          "Polygraphy inputs .json file, found another kind of file".format(path))
 
-    def _npy_single(self, path: str) -> _Shard:
+    def _npy_single(self, path: str) -> Shard:
         if len(self.specs) != 1:
             raise AgentError("bad_calibration_data",
                              "{}: a single .npy file holds one input but the model has {} "
                              "({}); use a .npz or a directory of shards".format(
                                  path, len(self.specs), ", ".join(sorted(self.specs))))
-        return _NpyGroupShard({next(iter(self.specs)): path})
+        return NpyGroupShard({next(iter(self.specs)): path})
 
-    def _discover_dir(self, path: str) -> List[_Shard]:
+    def _discover_dir(self, path: str) -> List[Shard]:
         names = sorted(n for n in os.listdir(path) if not n.startswith("."))
         npz = [os.path.join(path, n) for n in names if n.lower().endswith(".npz")]
         npy = [n for n in names if n.lower().endswith(".npy")]
@@ -260,7 +140,7 @@ class CalibrationDataset(object):
                              "{}: expected either .npz or .npy shards, found both ({} and "
                              "{})".format(path, os.path.basename(npz[0]), npy[0]))
         if npz:
-            return [_NpzShard(p) for p in npz]
+            return [NpzShard(p) for p in npz]
         if not npy:
             raise AgentError("empty_calibration_data",
                              "{}: expected .npy or .npz shards, found none".format(path))
@@ -280,7 +160,7 @@ class CalibrationDataset(object):
                 "bad_calibration_data",
                 "{}: expected the same number of .npy shards for every input, found {}".format(
                     path, ", ".join("{}: {}".format(n, c) for n, c in sorted(counts.items()))))
-        return [_NpyGroupShard({name: files[k] for name, files in groups.items()})
+        return [NpyGroupShard({name: files[k] for name, files in groups.items()})
                 for k in range(len(next(iter(groups.values()))))]
 
     def _npy_owner(self, stem: str) -> Optional[str]:
@@ -298,7 +178,7 @@ class CalibrationDataset(object):
 
     # -- validation ------------------------------------------------------------------------
 
-    def _validate(self, shard: _Shard) -> None:
+    def _validate(self, shard: Shard) -> None:
         found = set(shard.header)
         unknown = sorted(found - set(self.specs))
         if unknown:
@@ -389,14 +269,14 @@ class CalibrationDataset(object):
 
     # -- iteration -------------------------------------------------------------------------
 
-    def _shard_order(self) -> Tuple[List[_Shard], Optional[np.random.RandomState]]:
+    def _shard_order(self) -> Tuple[List[Shard], Optional[np.random.RandomState]]:
         if self.shuffle_seed is None:
             return list(self._shards), None
         rng = np.random.RandomState(self.shuffle_seed)
         order = rng.permutation(len(self._shards))
         return [self._shards[i] for i in order], rng
 
-    def _load(self, shard: _Shard) -> Dict[str, np.ndarray]:
+    def _load(self, shard: Shard) -> Dict[str, np.ndarray]:
         try:
             arrays = shard.load()
         except (OSError, ValueError) as exc:
