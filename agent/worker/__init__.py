@@ -13,10 +13,11 @@ pointed at stderr at start and the protocol uses a private copy of the original 
 SIGTERM asks the job to stop (a search returns what it has); a second SIGTERM exits at once.
 Worker side: Python >= 3.6 (JetPack 4.6's system Python runs it).
 
-Package: this module (the process entry; ``__main__`` runs ``main``) and ``jobs`` (deploy, search
-and bench inside the worker). Python 3.6 like everything it imports. May import ``engines``,
-``precision``, ``platform``, ``calib`` and the base modules; never ``device``, ``fleet``, ``wire``
-or ``cli`` (tests/unit/test_import_rules.py).
+Package: this module (the process entry; ``__main__`` runs ``main``; an exhausted memory named
+as ``out_of_memory``), ``jobs`` (deploy, search and bench inside the worker), ``context`` (what
+every kind of job works with) and ``accuracy`` (the gate). Python 3.6 like everything it
+imports. May import ``engines``, ``precision``, ``platform``, ``calib`` and the base modules;
+never ``device``, ``fleet``, ``wire`` or ``cli`` (tests/unit/test_import_rules.py).
 """
 
 import argparse
@@ -27,7 +28,10 @@ import os
 import signal
 import sys
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+if TYPE_CHECKING:
+    from agent.errors import AgentError
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERNAL = 0, 2, 3
 
@@ -78,6 +82,28 @@ class StopFlag(object):
         signal.signal(signal.SIGINT, on_signal)
 
 
+def out_of_memory(exc: BaseException) -> "AgentError":
+    """The error of a worker that hit its memory ceiling (RLIMIT_DATA set by the daemon)."""
+    import resource
+
+    from agent.errors import AgentError
+
+    limit = resource.getrlimit(resource.RLIMIT_DATA)[0]
+    named = ("its limit of {:,} bytes (limits.worker_memory_bytes)".format(limit)
+             if limit != resource.RLIM_INFINITY else "the memory of this device")
+    return AgentError("out_of_memory", "the worker ran out of memory: the job needs more than "
+                      "{} ({}: {})".format(named, type(exc).__name__, str(exc)[:200]),
+                      {"limit_bytes": None if limit == resource.RLIM_INFINITY else limit})
+
+
+def is_memory_failure(exc: BaseException) -> bool:
+    """A native library's allocation failure (onnxruntime, TensorRT) seen as an exception."""
+    text = str(exc).lower()
+    return isinstance(exc, MemoryError) or any(
+        marker in text for marker in ("bad_alloc", "bad allocation", "failed to allocate",
+                                      "out of memory", "cannot allocate memory"))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agent.worker",
                                      description="Run one jetson-agent job (started by the "
@@ -107,14 +133,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         channel.emit({"type": "error", "error": exc.to_dict()})
         return EXIT_ERROR
     except MemoryError as exc:
-        from agent.worker.jobs import out_of_memory
-
         channel.emit({"type": "error", "error": out_of_memory(exc).to_dict()})
         return EXIT_ERROR
     except Exception as exc:  # noqa: BLE001 - reported to the daemon, never hidden
         traceback.print_exc()
-        from agent.worker.jobs import is_memory_failure, out_of_memory
-
         if is_memory_failure(exc):  # a native library's allocation failure
             channel.emit({"type": "error", "error": out_of_memory(exc).to_dict()})
             return EXIT_ERROR
