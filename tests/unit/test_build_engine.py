@@ -18,6 +18,7 @@ from agent.engines.cache import EngineCache
 from agent.errors import AgentError
 from tests import models
 from tests.unit.test_engine_cache import PLATFORM, _fail_writes_after
+from tests.unit.test_engine_cache_locks import in_two_processes
 
 # --- build_engine with the real onnxruntime backend ----------------------------------------
 
@@ -160,14 +161,8 @@ def _build_in_child(model, root, markers, barrier):
 def test_two_processes_build_engine_once(tmp_path, fp16_model):
     root, markers = str(tmp_path / "engines"), tmp_path / "markers"
     markers.mkdir()
-    ctx = multiprocessing.get_context("spawn")  # no fork after onnxruntime made threads
-    barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=_build_in_child, args=(fp16_model, root, str(markers), barrier))
-             for _ in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    # spawn: no fork after onnxruntime made threads
+    in_two_processes(multiprocessing.get_context("spawn"), _build_in_child,
+                     (fp16_model, root, str(markers)), 60)
     assert len(os.listdir(str(markers))) == 1
     assert len(EngineCache(root).ls()) == 1

@@ -31,19 +31,24 @@ def _build_once(root, key, marker_dir, barrier):
             cache.publish(stage, {})
 
 
+def in_two_processes(ctx, target, args, timeout):
+    """Run ``target(*args, barrier)`` in two processes that pass the barrier together; both
+    must exit cleanly."""
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=target, args=args + (barrier,)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0
+
+
 def test_two_processes_build_the_same_key_once(tmp_path):
     root, markers = str(tmp_path / "engines"), tmp_path / "markers"
     markers.mkdir()
     key = _hex(60)
-    ctx = multiprocessing.get_context("fork")
-    barrier = ctx.Barrier(2)
-    procs = [ctx.Process(target=_build_once, args=(root, key, str(markers), barrier))
-             for _ in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    in_two_processes(multiprocessing.get_context("fork"), _build_once, (root, key, str(markers)),
+                     30)
     assert len(os.listdir(str(markers))) == 1
     assert EngineCache(root).get(key) is not None
 
