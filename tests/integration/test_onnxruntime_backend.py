@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import pytest
 
-from agent.engines.backends import graph
+from agent.engines.backends import graph, onnx_model
 from agent.engines.backends.base import BuildPlan, CalibrationSettings, get_backend
 from agent.engines.backends.onnxruntime import create, read_metadata, session_options
 from agent.errors import AgentError
@@ -109,7 +109,7 @@ def test_plain_fp16_model_does_not_overflow_on_the_cpu_provider(fp16_max):
     are all fp16 runs fp32 kernels on ORT's CPU provider, so the FP16_MAX overflow never shows
     and a plain fp16 conversion would pass a build that fails on a device."""
     model, x = fp16_max
-    plain = graph.to_fp16(graph.load_model(model), keep=set(), emulate=False)
+    plain = graph.to_fp16(onnx_model.load_model(model), keep=set(), emulate=False)
     assert sum(1 for n in plain.graph.node if n.op_type == "Cast") == 2  # in and out only
     session = ort.InferenceSession(plain.SerializeToString(), session_options(1),
                                    providers=["CPUExecutionProvider"])

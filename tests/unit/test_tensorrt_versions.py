@@ -272,9 +272,9 @@ def test_casts_and_identities_are_not_constrained(monkeypatch, tmp_path, profile
 
 
 def test_casts_and_identities_are_not_candidates():
-    from agent.engines.backends import graph
+    from agent.engines.backends import layer_precisions
 
-    assert graph.float_nodes(_cast_model()) == ["Relu_0", "Add_4"]
+    assert layer_precisions.float_nodes(_cast_model()) == ["Relu_0", "Add_4"]
 
 
 # -- 9: calibration feeds float32 ---------------------------------------------------------------

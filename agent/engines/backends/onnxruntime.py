@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import numpy as np
 import onnx
 
-from agent.engines.backends import emulation, graph
+from agent.engines.backends import emulation, graph, layer_precisions, onnx_model
 from agent.engines.backends.base import (
     Backend,
     BuildPlan,
@@ -174,7 +174,7 @@ def calibrate(
 ) -> Dict[str, float]:
     """amax of every float graph input and node output of the fp32 ``model`` over the
     dataset, per ``algorithm`` (entropy2 / minmax / percentile / legacy)."""
-    instrumented = graph.mark_outputs(model, ["*"])
+    instrumented = onnx_model.mark_outputs(model, ["*"])
     data = instrumented.SerializeToString()
     del instrumented
     # Every float tensor of a run comes back at once: without the arena, what one run
@@ -258,8 +258,8 @@ class OnnxRuntimeBackend(Backend):
         progress: Progress = no_progress,
     ) -> BuildResult:
         start = time.time()
-        model = graph.load_model(model_path)
-        specs = graph.input_specs(model)
+        model = onnx_model.load_model(model_path)
+        specs = onnx_model.input_specs(model)
         self._check_shapes(plan, specs)
         details: Dict[str, Any] = {"emulated": True, "calibration_seconds": 0.0}
         amax: Optional[Dict[str, float]] = None
@@ -269,13 +269,13 @@ class OnnxRuntimeBackend(Backend):
         # Calibration sees the model as written (every tensor TensorRT's calibrator sees);
         # the precisions apply to the model as TensorRT's builder rewrites it (emulation).
         original = model
-        model, merged = emulation.prepare(graph.copy_model(model))
+        model, merged = emulation.prepare(onnx_model.copy_model(model))
         overrides = _merge_overrides(plan.layer_precisions, merged)
         details["emulation"] = emulation.fingerprint()
         if merged:
             details["folded_layers"] = dict(sorted(merged.items()))
         # First pass without ranges: does anything want int8 at all?
-        wanted, _, _ = graph.resolve_precisions(model, plan.precision, overrides)
+        wanted, _, _ = layer_precisions.resolve_precisions(model, plan.precision, overrides)
         if any(p == "int8" for p in wanted.values()):
             t0 = time.time()
             amax, calibrated, cache_path = self._ranges(original, specs, plan, progress,
@@ -285,7 +285,7 @@ class OnnxRuntimeBackend(Backend):
 
         progress("building", 0, 1)
         t0 = time.time()
-        assignment, mismatches, ignored = graph.resolve_precisions(
+        assignment, mismatches, ignored = layer_precisions.resolve_precisions(
             model, plan.precision, overrides, amax=amax)
         # Layers that wanted int8 but whose inputs have no range (a cache made for other
         # tensor names) run in the fallback precision; a cache that covers none is refused.
@@ -303,7 +303,7 @@ class OnnxRuntimeBackend(Backend):
                         ", ".join(sorted(amax)[:3]) or "none"))
         # Mark before rewriting so the names are the model's own tensors (the rounded values
         # that the next layers read, not the rewrite's internal ones).
-        marked = graph.mark_outputs(model, plan.mark_outputs) if plan.mark_outputs else model
+        marked = onnx_model.mark_outputs(model, plan.mark_outputs) if plan.mark_outputs else model
         engine = graph.apply_precisions(marked, assignment, amax=amax, emulate=True,
                                         fused=emulation.fused_edges(marked, assignment))
         for folded, into in merged.items():  # reported under their own names too
@@ -312,7 +312,7 @@ class OnnxRuntimeBackend(Backend):
             "backend": self.name,
             "backend_version": self.version(),
             "rewrite": graph.REWRITE_VERSION,
-            "source_sha256": graph.model_digest(model),
+            "source_sha256": onnx_model.model_digest(model),
             "plan": plan.to_dict(),
             "layer_precisions": assignment,
         }
@@ -322,7 +322,7 @@ class OnnxRuntimeBackend(Backend):
         # What will not load must not be published: the same checks as ``open``.
         _session(data, self.threads, model_path)
         try:
-            graph.parse_model(data, "the engine built from {}".format(model_path))
+            onnx_model.parse_model(data, "the engine built from {}".format(model_path))
         except AgentError as exc:
             raise AgentError("build_failed", "{} (the rewritten model does not load: a bug "
                              "of the emulation; build without the failing option)".format(
@@ -396,7 +396,7 @@ class OnnxRuntimeBackend(Backend):
         with open(engine_path, "rb") as f:
             data = f.read()
         try:
-            model = graph.parse_model(data, engine_path)
+            model = onnx_model.parse_model(data, engine_path)
         except AgentError as exc:
             if exc.code != "bad_model":
                 raise

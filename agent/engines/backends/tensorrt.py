@@ -13,7 +13,7 @@ what to ask; this module carries it out):
   QuantizeLinear/DequantizeLinear pairs whose scales come from the calibration cache or from
   ranges measured on the device (``calib.ranges``).
 
-The model is always read by ``graph.load_model`` (which names unnamed nodes) and handed to the
+The model is always read by ``onnx_model.load_model`` (which names unnamed nodes) and handed to the
 parser as bytes, so TensorRT's layer names are built from the same node names the plan uses.
 After a build the engine inspector says what precision each layer really got (fusions can
 override requests); layers that did not get what was asked are reported as mismatches. Builds
@@ -283,9 +283,9 @@ class _Build(object):
     # ONNX side --------------------------------------------------------------------------
 
     def _load_model(self) -> Tuple[Any, List[str]]:
-        from agent.engines.backends import graph
+        from agent.engines.backends import onnx_model
 
-        model = graph.load_model(self.model_path)  # names unnamed nodes, as the plan does
+        model = onnx_model.load_model(self.model_path)  # names unnamed nodes, as the plan does
         order = [str(n.name) for n in model.graph.node]
         unknown = sorted(set(self.plan.layer_precisions) - set(order))
         if unknown:
@@ -367,14 +367,14 @@ class _Build(object):
     def run(self) -> BuildResult:
         import tensorrt as trt
 
-        from agent.engines.backends import graph
+        from agent.engines.backends import onnx_model
 
         plan = self.plan
         model, order = self._load_model()
         if self.settings.strongly_typed and (plan.precision != "fp32" or plan.layer_precisions):
             model = self._rewrite(model, order)
         if plan.mark_outputs:
-            model = graph.mark_outputs(model, list(plan.mark_outputs))
+            model = onnx_model.mark_outputs(model, list(plan.mark_outputs))
         net = self._parse(model)
         profile = profile_shapes(net.inputs, plan.shapes)
         config = self._config(net, profile)
@@ -524,7 +524,7 @@ class _Build(object):
         ``calib.ranges``, float outputs only (the cache is then written for the next build)."""
         import tensorrt as trt
 
-        from agent.engines.backends import graph
+        from agent.engines.backends import onnx_model
         from calib import cache as calib_cache
         from calib.ranges import RangeCollector
 
@@ -536,7 +536,7 @@ class _Build(object):
         batch, shapes, notes = calibration_shapes(inputs, profile, settings.batch_size)
         self.details["notes"].extend(notes)
         dataset = self._dataset(settings, inputs, batch)
-        model = graph.load_model(self.model_path)
+        model = onnx_model.load_model(self.model_path)
         fp32 = BuildPlan(precision="fp32", workspace_bytes=self.plan.workspace_bytes,
                          shapes=_range_profile(shapes, profile))
         sub = _Build(self.backend, self.ctx, self.model_path, fp32, self.engine_path,
@@ -567,7 +567,7 @@ class _Build(object):
     def _rewrite(self, model: Any, order: Sequence[str]) -> Any:
         """Precision into the graph (graph.py, shared with the host backend, typed mode):
         fp32 islands stay fp32 between Casts, INT8 becomes Q/DQ from calibration ranges."""
-        from agent.engines.backends import graph
+        from agent.engines.backends import graph, layer_precisions
 
         plan = self.plan
         amax = None
@@ -577,7 +577,7 @@ class _Build(object):
             self.calibration_cache = path
             inputs = self._parse(model).inputs  # the fp32 network's inputs, for the profile
             amax = self._amax(inputs, profile_shapes(inputs, plan.shapes), settings, path)
-        assignment, mismatches, ignored = graph.resolve_precisions(
+        assignment, mismatches, ignored = layer_precisions.resolve_precisions(
             model, plan.precision, plan.layer_precisions, amax=amax, emulate=False)
         self.graph_mismatches = list(mismatches)
         self.graph_assignment = dict(assignment)
