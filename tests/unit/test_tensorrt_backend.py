@@ -11,22 +11,23 @@ import types
 import numpy as np
 import pytest
 
-from agent.engines.backends import tensorrt as trt_backend
+from agent.engines.backends import tensorrt_caches, tensorrt_network
 from agent.engines.backends.base import BuildPlan, CalibrationSettings, TensorSpec, get_backend
+from agent.engines.backends.tensorrt_inspect import (
+    layer_onnx_nodes,
+    node_precisions,
+    parse_engine_information,
+    parser_error,
+    precision_mismatches,
+)
 from agent.engines.backends.tensorrt_plan import (
     Features,
     apply_builder_settings,
     builder_settings,
-    calibration_shapes,
-    layer_onnx_nodes,
     network_creation_flags,
-    node_precisions,
-    parse_engine_information,
     parse_version,
-    parser_error,
-    precision_mismatches,
-    profile_shapes,
 )
+from agent.engines.backends.tensorrt_shapes import calibration_shapes, profile_shapes
 from agent.errors import CODES, AgentError
 from calib import cache as calib_cache
 from calib.calibrators import BatchFeeder, read_cache_bytes, write_cache_bytes
@@ -409,7 +410,7 @@ def test_apply_layer_precisions_skips_what_cannot_be_constrained():
     ]
     asked = {"Conv_0": "float32", "Shape_1": "float32", "Gather_2": "float32",
              "Add_3": "float16", "Mul_4": "float32"}
-    applied, skipped = trt_backend.apply_layer_precisions(
+    applied, skipped = tensorrt_network.apply_layer_precisions(
         trt, FakeNetwork(layers), asked, ["Conv_0", "Shape_1", "Gather_2", "Add_3", "Mul_4"])
     assert applied == {"Conv_0": ["Conv_0"], "Add_3": ["Add_3", "Add_3_5"]}
     assert [s[0] for s in skipped] == ["Shape_1", "Gather_2", "Mul_4"]
@@ -425,20 +426,20 @@ def test_calibration_cache_header_tag_and_version_check(tmp_path):
     assert calib_cache.trt_version_tag("8.2.1.8") == "8201"
     assert calib_cache.trt_version_tag("10.3.0.30") == "100300"
     path = str(tmp_path / "calib.cache")
-    assert trt_backend.existing_calibration_cache(path, "entropy2", "10.3.0.30") is None
+    assert tensorrt_caches.existing_calibration_cache(path, "entropy2", "10.3.0.30") is None
     calib_cache.write_cache(path, {"input": 2.54, "conv": 12.7}, "entropy2", "10.3.0.30")
     with open(path) as f:
         assert f.readline().strip() == "TRT-100300-EntropyCalibration2"
-    cache = trt_backend.existing_calibration_cache(path, "entropy2", "10.3.0.30")
+    cache = tensorrt_caches.existing_calibration_cache(path, "entropy2", "10.3.0.30")
     assert cache.amax["conv"] == pytest.approx(12.7, rel=1e-6)
     with pytest.raises(AgentError) as err:  # another TensorRT: TensorRT would recalibrate
-        trt_backend.existing_calibration_cache(path, "entropy2", "8.6.1.6")
+        tensorrt_caches.existing_calibration_cache(path, "entropy2", "8.6.1.6")
     assert err.value.code == "calibration_cache_mismatch" and "8601" in err.value.message
     with pytest.raises(AgentError) as err:  # another algorithm
-        trt_backend.existing_calibration_cache(path, "minmax", None)
+        tensorrt_caches.existing_calibration_cache(path, "minmax", None)
     assert err.value.code == "calibration_cache_mismatch"
     # Scales used directly (Q/DQ, dynamic ranges) only need the algorithm to match.
-    assert trt_backend.existing_calibration_cache(path, "entropy2", None) is not None
+    assert tensorrt_caches.existing_calibration_cache(path, "entropy2", None) is not None
 
 
 def test_calibration_cache_bytes_round_trip(tmp_path):
@@ -449,7 +450,7 @@ def test_calibration_cache_bytes_round_trip(tmp_path):
 
 
 def test_timing_cache_path_under_the_state_dir(tmp_path):
-    path = trt_backend.timing_cache_path("8.6.2.3", "Orin (nvgpu)-sm87")
+    path = tensorrt_caches.timing_cache_path("8.6.2.3", "Orin (nvgpu)-sm87")
     assert path == str(tmp_path / "state" / "timing" / "8.6.2.3-Orin_nvgpu_-sm87.cache")
 
 
@@ -489,17 +490,17 @@ class FakeTimingConfig(object):
 def test_timing_cache_is_loaded_and_merged_with_what_is_on_disk(tmp_path):
     path = str(tmp_path / "timing" / "t.cache")
     first, second = FakeTimingConfig(), FakeTimingConfig()
-    trt_backend.TimingCache(path).attach(first)
-    trt_backend.TimingCache(path).attach(second)  # both builds start from an empty cache
+    tensorrt_caches.TimingCache(path).attach(first)
+    tensorrt_caches.TimingCache(path).attach(second)  # both builds start from an empty cache
     assert first.ignore_mismatch is False
     first.cache.entries.add("conv tactic A")
     second.cache.entries.add("gemm tactic B")
-    trt_backend.TimingCache(path).save(first)
-    trt_backend.TimingCache(path).save(second)  # merges with what the first one wrote
+    tensorrt_caches.TimingCache(path).save(first)
+    tensorrt_caches.TimingCache(path).save(second)  # merges with what the first one wrote
     with open(path, "rb") as f:
         assert f.read() == b"conv tactic A\ngemm tactic B"
     third = FakeTimingConfig()
-    cache = trt_backend.TimingCache(path)
+    cache = tensorrt_caches.TimingCache(path)
     cache.attach(third)
     assert cache.loaded_bytes > 0 and third.cache.entries == {"conv tactic A", "gemm tactic B"}
 
@@ -508,7 +509,7 @@ def test_unreadable_timing_cache_is_ignored(tmp_path):
     path = tmp_path / "t.cache"
     path.write_bytes(b"corrupt bytes")
     config = FakeTimingConfig()
-    cache = trt_backend.TimingCache(str(path))
+    cache = tensorrt_caches.TimingCache(str(path))
     cache.attach(config)
     assert cache.loaded_bytes == 0 and config.cache.entries == set()
     config.cache.entries.add("x")

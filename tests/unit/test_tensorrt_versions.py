@@ -12,9 +12,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from agent.engines.backends import tensorrt as trt_backend
-from agent.engines.backends import tensorrt_network, tensorrt_plan
+from agent.engines.backends import tensorrt_inspect, tensorrt_network
 from agent.engines.backends.base import BuildPlan, CalibrationSettings
-from agent.engines.backends.tensorrt_plan import builder_settings, parse_engine_information
+from agent.engines.backends.tensorrt_inspect import parse_engine_information
+from agent.engines.backends.tensorrt_plan import builder_settings
 from agent.errors import AgentError
 from tests import fake_trt
 from tests.models import fp16_max_model
@@ -133,7 +134,7 @@ def test_fp32_plan_with_one_fp16_layer_keeps_the_others_fp32(monkeypatch, tmp_pa
 
 def test_mismatches_cover_layers_not_asked():
     got = {"MatMul_0": "float16", "Add": "float16", "Sub": "float32"}
-    mismatches = tensorrt_plan.precision_mismatches
+    mismatches = tensorrt_inspect.precision_mismatches
     assert mismatches({"Add": "float16"}, got, "float32") == [("MatMul_0", "float32", "float16")]
     assert mismatches({"Add": "float16"}, got) == []  # int8 / best: any precision
 
@@ -226,7 +227,7 @@ def test_both_inspector_formats_parse():
     for doc in (old, new):
         assert [(layer.name, layer.precision)
                 for layer in parse_engine_information(json.dumps(doc))] == [("Add", "float16")]
-        assert tensorrt_plan.engine_io_names(json.dumps(doc)) == ["x", "y"]
+        assert tensorrt_inspect.engine_io_names(json.dumps(doc)) == ["x", "y"]
 
 
 # -- 6: one logger ------------------------------------------------------------------------------
@@ -350,7 +351,7 @@ def test_mark_layerwise_skips_shape_and_constant_layers(monkeypatch):
     builder = trt.Builder(object())
     network = builder.create_network(1)
     trt.OnnxParser(network, None).parse(_shape_model().SerializeToString())
-    assert trt_backend.mark_layerwise(trt, network) == ["y", "r"]
+    assert tensorrt_network.mark_layerwise(trt, network) == ["y", "r"]
 
 
 @pytest.mark.parametrize("profile", ["8.5", "10.3", "10.13", "11.x"])
@@ -387,8 +388,8 @@ def test_calibrator_batch_size_is_one_for_explicit_batch(monkeypatch):
 
 def test_one_logger_per_process_and_per_job_messages(monkeypatch):
     trt, _ = fake_trt.install(monkeypatch, "10.3")
-    logger = trt_backend._make_logger()
-    assert trt_backend._make_logger() is logger
+    logger = tensorrt_network._make_logger()
+    assert tensorrt_network._make_logger() is logger
     mark = logger.mark()
     for i in range(60):
         logger.log(trt.ILogger.Severity.WARNING, "w{}".format(i))

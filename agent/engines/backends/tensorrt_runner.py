@@ -10,7 +10,8 @@ import numpy as np
 
 from agent.engines.backends.base import Runner, TensorSpec
 from agent.engines.backends.tensorrt_network import _dims, _ints, _make_logger, numpy_dtype
-from agent.engines.backends.tensorrt_plan import Features, parse_version, shape_text
+from agent.engines.backends.tensorrt_plan import Features, parse_version
+from agent.engines.backends.tensorrt_shapes import shape_text
 from agent.errors import AgentError
 
 
