@@ -13,7 +13,8 @@ import pytest
 
 from agent.engines.backends import graph, onnx_model
 from agent.engines.backends.base import BuildPlan, CalibrationSettings, get_backend
-from agent.engines.backends.onnxruntime import create, read_metadata, session_options
+from agent.engines.backends.onnxruntime import create, read_metadata
+from agent.engines.backends.onnxruntime_runner import session_options
 from agent.errors import AgentError
 from calib.cache import read_cache, write_cache
 from tests.models import digits_classifier, fp16_max_model, save
@@ -301,7 +302,7 @@ def test_calibration_slices_large_batches_with_the_same_ranges(backend, digits, 
                                                                monkeypatch):
     # A dynamic batch is fed in slices whose activations fit RUN_BYTES: the ranges are those
     # of whole batches (minmax: exactly).
-    from agent.engines.backends import onnxruntime as ort_backend
+    from agent.engines.backends import onnxruntime_calibration as ort_backend
 
     def ranges(name):
         cache = str(tmp_path / (name + ".cache"))
