@@ -81,14 +81,6 @@ class OnnxRuntimeRunner(Runner):
         self._output_names = [o.name for o in self._outputs]
         self._input_names = frozenset(spec.name for spec in self._inputs)
 
-    @property
-    def inputs(self) -> List[TensorSpec]:
-        return list(self._inputs)
-
-    @property
-    def outputs(self) -> List[TensorSpec]:
-        return list(self._outputs)
-
     def infer(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
         if feeds.keys() != self._input_names:
             raise AgentError("bad_argument",

@@ -83,14 +83,6 @@ class TensorRTRunner(Runner):
             (inputs if engine.binding_is_input(i) else outputs).append(spec)  # type: ignore[attr-defined]
         return inputs, outputs
 
-    @property
-    def inputs(self) -> List[TensorSpec]:
-        return list(self._inputs)
-
-    @property
-    def outputs(self) -> List[TensorSpec]:
-        return list(self._outputs)
-
     def _io(self) -> Any:
         if self.buffers is None:
             raise AgentError("bad_argument", "{} is closed".format(self.source))
