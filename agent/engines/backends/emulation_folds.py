@@ -126,11 +126,7 @@ def fold_batch_norms(model: onnx.ModelProto) -> Dict[str, str]:
         if prev is not None and _fold_into(prev, bn, scale, shift, const, add_init, consumers,
                                            outputs):
             # The weighted node now writes the BN's output; the BN goes away.
-            for i, name in enumerate(prev.output):
-                if name == bn.input[0]:
-                    prev.output[i] = bn.output[0]
-            merged[bn.name] = prev.name
-            removed.add(id(bn))
+            _absorb(prev, bn, bn.input[0], merged, removed)
             continue
         # Standalone: the same affine map with statistics that fit fp16.
         bn.input[1] = add_init(bn.name + "__scale", scale.astype(np.float32))
@@ -138,10 +134,7 @@ def fold_batch_norms(model: onnx.ModelProto) -> Dict[str, str]:
         bn.input[3] = add_init(bn.name + "__zero_mean", np.zeros(scale.size, np.float32))
         bn.input[4] = add_init(bn.name + "__unit_var",
                                np.full(scale.size, 1.0 - eps, np.float32))
-    if removed:
-        kept = [n for n in graph.node if id(n) not in removed]
-        del graph.node[:]
-        graph.node.extend(kept)
+    _remove_nodes(graph, removed)
     _drop_unread(model)
     return merged
 
@@ -188,16 +181,10 @@ def fold_affine(model: onnx.ModelProto) -> Dict[str, str]:
                     t in outputs or len(consumers.get(t, [])) != 1 or len(prev.input) < 2:
                 continue
             if _fold_affine_into(prev, node.op_type, c, const, add_init):
-                for i, name in enumerate(prev.output):
-                    if name == t:
-                        prev.output[i] = node.output[0]
-                merged[node.name] = prev.name
-                removed.add(id(node))
+                _absorb(prev, node, t, merged, removed)
             break
     if removed:
-        kept = [n for n in graph.node if id(n) not in removed]
-        del graph.node[:]
-        graph.node.extend(kept)
+        _remove_nodes(graph, removed)
         _drop_unread(model)
     return merged
 
@@ -322,6 +309,24 @@ def _matmul_bias(prev: onnx.NodeProto, bn: onnx.NodeProto, bias: np.ndarray,
     del bn.input[1:]
     bn.input.append(name)
     return False
+
+
+def _absorb(prev: onnx.NodeProto, node: onnx.NodeProto, between: str, merged: Dict[str, str],
+            removed: Set[int]) -> None:
+    """``prev`` now computes ``node`` too: it writes ``node``'s output in place of the tensor
+    ``between`` them, and ``node`` goes away (reported in ``merged``)."""
+    for i, name in enumerate(prev.output):
+        if name == between:
+            prev.output[i] = node.output[0]
+    merged[node.name] = prev.name
+    removed.add(id(node))
+
+
+def _remove_nodes(graph: onnx.GraphProto, removed: Set[int]) -> None:
+    if removed:
+        kept = [n for n in graph.node if id(n) not in removed]
+        del graph.node[:]
+        graph.node.extend(kept)
 
 
 def _drop_unread(model: onnx.ModelProto) -> None:
