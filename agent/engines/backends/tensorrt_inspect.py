@@ -83,7 +83,7 @@ def layer_onnx_nodes(layer_name: str, node_order: Sequence[str], metadata: str =
 
     TensorRT >= 10 records them in the layer metadata (``[ONNX Layer: name]``, one per fused
     node): that wins. Otherwise the name is taken apart: the parser names layers after the node
-    (the backend names every node before parsing, see ``graph.load_model``), adds ``_<n>`` for
+    (the backend names every node before parsing, see ``onnx_model.load_model``), adds ``_<n>`` for
     a node's extra layers and ``_output``; the builder joins fused layers with `` + ``, wraps
     pointwise fusions in ``PWN(...)`` and Myelin regions in ``{ForeignNode[first...last]}``
     (every node between the two, in graph order). Unknown pieces (``(Unnamed Layer* 3)
