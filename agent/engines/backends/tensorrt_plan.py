@@ -1,7 +1,7 @@
 """What to ask TensorRT for a plan: pure functions of a ``BuildPlan`` and a TensorRT version
 (the features a version offers, the builder flags and settings a plan turns into). No TensorRT
 needed: ``tests/unit/test_tensorrt_plan.py`` checks them, and
-``agent.engines.backends.tensorrt`` carries them out on a device. Reading TensorRT's answers is
+``tensorrt_build`` carries them out on a device. Reading TensorRT's answers is
 ``tensorrt_inspect``'s, shape profiles are ``tensorrt_shapes``'.
 
 TensorRT versions that matter (docs/tensorrt.md has the table): 8.0.1 (JetPack 4.6), 8.2
