@@ -76,12 +76,12 @@ def fp32_outputs(model_path: str, feeds: List[Dict[str, np.ndarray]]):
 
 
 def make_fp16_max(out: str) -> Dict[str, Any]:
-    from agent.engines.backends import graph
+    from agent.engines.backends import onnx_model
 
     d = os.path.join(out, "fp16_max")
     model_path = os.path.join(d, "model.onnx")
     save_model(model_path, fp16_max_model())
-    specs = graph.input_specs(graph.load_model(model_path))
+    specs = onnx_model.input_specs(onnx_model.load_model(model_path))
     # polygraphy run needs_constraints.onnx --onnxrt --val-range x:[1,2]
     #     --save-inputs inputs.json --save-outputs golden.json
     inputs = golden.generate_inputs(specs, {"x": FP16_MAX_RANGE}, seed=golden.DEFAULT_SEED)

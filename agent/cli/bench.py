@@ -78,11 +78,11 @@ def batch_shapes(model: str, batch: int, given: List[str]) -> List[str]:
     """``--shapes`` entries for inputs whose only dynamic dimension is the leading one and that
     ``given`` leaves out: min = opt = max = ``batch`` (as trtexec's ``--shapes``), so a
     TensorRT engine is built for the batch that is measured."""
-    from agent.engines.backends import graph
+    from agent.engines.backends import onnx_model
 
     named = {item.rpartition(":")[0] for item in given}
     out = []
-    for spec in graph.input_specs(graph.load_model(model)):
+    for spec in onnx_model.input_specs(onnx_model.load_model(model)):
         dims = list(spec.shape)
         if spec.name in named or not dims or dims[0] is not None or None in dims[1:]:
             continue

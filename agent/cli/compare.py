@@ -107,17 +107,17 @@ class Setup(object):
 
 def load_goldens(args: argparse.Namespace, model_path: str, setup: Setup
                  ) -> Tuple[List[golden.Feed], List[golden.Feed], str]:
-    from agent.engines.backends import graph
+    from agent.engines.backends import onnx_model
 
-    model = graph.load_model(model_path)
-    specs = graph.input_specs(model)
+    model = onnx_model.load_model(model_path)
+    specs = onnx_model.input_specs(model)
     shapes = parse_shapes(getattr(args, "shapes", []) or [])
     if shapes and not args.load_inputs:
         # Generated inputs of dynamic models take the profile's OPT shape (--shapes).
         specs = [TensorSpec(s.name, s.dtype, shapes[s.name][1]) if s.name in shapes else s
                  for s in specs]
     return golden.prepare(
-        model_path, specs, graph.output_specs(model),
+        model_path, specs, onnx_model.output_specs(model),
         load_inputs_path=args.load_inputs, load_outputs_path=args.load_outputs,
         val_range=golden.parse_val_range(args.val_range), seed=args.seed,
         iterations=args.iterations, reference_backend=setup.host_reference())

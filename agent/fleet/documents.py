@@ -132,7 +132,8 @@ def prepare_rollout(model: str, precision: str, work_dir: str, calib: Optional[s
     role -> local file to serve (a calibration directory is packed into ``work_dir``)."""
     import numpy as np
 
-    from agent.engines.backends import graph
+    from agent.engines.backends.layer_precisions import resolve_precisions
+    from agent.engines.backends.onnx_model import input_specs, load_model, output_specs
     from agent.precision import golden
 
     if precision not in ("fp32", "fp16", "int8", "best"):
@@ -141,9 +142,9 @@ def prepare_rollout(model: str, precision: str, work_dir: str, calib: Optional[s
     if not os.path.isfile(model):
         raise AgentError("file_not_found", "model {} does not exist (expected an .onnx file)"
                          .format(model))
-    onnx_model = graph.load_model(model)
-    in_specs, out_specs = graph.input_specs(onnx_model), graph.output_specs(onnx_model)
-    graph.resolve_precisions(onnx_model, precision, dict(layer_precisions or {}))
+    onnx_model = load_model(model)
+    in_specs, out_specs = input_specs(onnx_model), output_specs(onnx_model)
+    resolve_precisions(onnx_model, precision, dict(layer_precisions or {}))
     files = {"model": model}
     if (inputs is None) != (goldens is None):
         raise AgentError("golden_mismatch", "goldens need the inputs they were computed from: "

@@ -251,9 +251,9 @@ def instrumented_ranking(model: Any, layers: List[str], plan: Any, inputs: Seque
 def ranking_key(model: Any, plan: Any, inputs: Sequence[Feed], keep_precision: str,
                 fingerprint: Dict[str, str], backend: Any) -> str:
     """What a ranking depends on: the model, the plan, the inputs, the backend."""
-    from agent.engines.backends import graph
+    from agent.engines.backends import onnx_model
     h = hashlib.sha256()
-    h.update(graph.model_digest(model).encode())
+    h.update(onnx_model.model_digest(model).encode())
     doc = {"plan": plan.to_dict(), "keep": keep_precision, "platform": fingerprint,
            "backend": backend.fingerprint(), "iterations": INSTRUMENT_ITERATIONS,
            "version": RANKING_VERSION}

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from agent.engines.backends import graph
+from agent.engines.backends import layer_precisions, onnx_model
 from agent.engines.backends.base import (
     Backend,
     BuildPlan,
@@ -137,8 +137,9 @@ def _run(backend: Backend, record: EngineRecord, inputs: Sequence[Feed]) -> List
 def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
     """Float nodes that the plan runs in something other than ``keep_precision`` (keeping the
     others changes nothing), in topological order."""
-    assignment, _, _ = graph.resolve_precisions(model, plan.precision, plan.layer_precisions)
-    return [name for name in graph.float_nodes(model)
+    assignment, _, _ = layer_precisions.resolve_precisions(model, plan.precision,
+                                                           plan.layer_precisions)
+    return [name for name in layer_precisions.float_nodes(model)
             if assignment.get(name, keep_precision) != keep_precision
             and name not in plan.layer_precisions]
 
@@ -194,10 +195,10 @@ def run_search(
         raise AgentError("golden_mismatch", "expected one golden iteration per input iteration "
                          "({}), found {}".format(len(inputs), len(goldens)))
     opts = dict(compare_options or {})
-    model = graph.load_model(model_path)
+    model = onnx_model.load_model(model_path)
     # Fail fast on inputs, goldens and tolerances that do not fit, before any build.
-    golden.validate_inputs(inputs, graph.input_specs(model))
-    golden.validate_goldens(goldens, graph.output_specs(model), len(inputs))
+    golden.validate_inputs(inputs, onnx_model.input_specs(model))
+    golden.validate_goldens(goldens, onnx_model.output_specs(model), len(inputs))
     compare_outputs(list(goldens), list(goldens), **opts)
     stop = should_stop or (lambda: False)
     result = SearchResult()

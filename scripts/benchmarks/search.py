@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from agent.engines.backends import graph  # noqa: E402
+from agent.engines.backends import layer_precisions, onnx_model  # noqa: E402
 from agent.engines.backends.base import BuildPlan  # noqa: E402
 from agent.engines.backends.onnxruntime import create  # noqa: E402
 from agent.engines.cache import EngineCache  # noqa: E402
@@ -121,7 +121,7 @@ def materialize(model, seed=0, size=SIZE):
     dims = g.input[0].type.tensor_type.shape.dim
     dims[2].dim_value = size
     dims[3].dim_value = size
-    graph.ensure_node_names(model)
+    onnx_model.ensure_node_names(model)
     onnx.checker.check_model(model)
     return model
 
@@ -132,7 +132,7 @@ def plant(model, path, backend, work):
     relus = [n.name for n in model.graph.node if n.op_type == "Relu"]
     sites = [relus[int(f * len(relus))] for f in SITES]
     onnx.save(model, path)
-    inputs = golden.generate_inputs(graph.input_specs(model))
+    inputs = golden.generate_inputs(onnx_model.input_specs(model))
     plan = BuildPlan("fp32", mark_outputs=sites)
     res = backend.build(path, plan, os.path.join(work, "probe.onnx"))
     with backend.open(res.engine_path) as runner:
@@ -167,7 +167,7 @@ def run():
         model = materialize(onnx.load(source))
         culprits, inputs = plant(model, path, backend, work)
         goldens = golden.reference_outputs(path, inputs, backend)
-        n = len(graph.float_nodes(graph.load_model(path)))
+        n = len(layer_precisions.float_nodes(onnx_model.load_model(path)))
         k = len(culprits)
         budget = k * math.log2(n) + 2 * k
         found = {}

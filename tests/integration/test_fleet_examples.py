@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 from agent import fleet
-from agent.engines.backends import graph
+from agent.engines.backends import onnx_model
 from agent.precision import golden
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,8 +55,8 @@ def test_committed_examples_fit_their_models(tmp_path):
     x = golden.load_inputs(os.path.join(EXAMPLES, "fp16_max", "inputs.json"))[0]["x"]
     y = golden.load_outputs(os.path.join(EXAMPLES, "fp16_max", "golden.json"))[0]["y"]
     assert np.allclose(x, y, rtol=0, atol=2.0 ** -8) and 1.0 <= x.min() and x.max() <= 2.0
-    names = [n.name for n in graph.load_model(os.path.join(EXAMPLES, "fp16_max",
-                                                           "model.onnx")).graph.node]
+    names = [n.name for n in onnx_model.load_model(os.path.join(EXAMPLES, "fp16_max",
+                                                                "model.onnx")).graph.node]
     assert names == ["MatMul_0", "Add", "Sub", "MatMul_1"]
 
 

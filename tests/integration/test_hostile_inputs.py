@@ -164,10 +164,10 @@ def test_external_data_naming_the_workers_files_is_refused(controller, agent_fac
         genuine(controller, genuine_model, job_id)
     # The same graph with its weights inside deploys, and its cached engine names no file.
     path, _ = bombs.external_data_model(tmp_path / "whole")
-    from agent.engines.backends import graph
+    from agent.engines.backends import onnx_model
 
     whole = tmp_path / "whole.onnx"
-    whole.write_bytes(graph.load_model(path).SerializeToString())
+    whole.write_bytes(onnx_model.load_model(path).SerializeToString())
     controller.send_job({"job_id": "ext-inlined", "kind": "deploy", "bench": BENCH,
                          "plan": {"precision": "fp32"},
                          "artifacts": {"model": controller.add_artifact(whole)}})

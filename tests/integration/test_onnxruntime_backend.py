@@ -11,9 +11,10 @@ import numpy as np
 import onnx
 import pytest
 
-from agent.engines.backends import graph
+from agent.engines.backends import graph, onnx_model
 from agent.engines.backends.base import BuildPlan, CalibrationSettings, get_backend
-from agent.engines.backends.onnxruntime import create, read_metadata, session_options
+from agent.engines.backends.onnxruntime import create, read_metadata
+from agent.engines.backends.onnxruntime_runner import session_options
 from agent.errors import AgentError
 from calib.cache import read_cache, write_cache
 from tests.models import digits_classifier, fp16_max_model, save
@@ -109,7 +110,7 @@ def test_plain_fp16_model_does_not_overflow_on_the_cpu_provider(fp16_max):
     are all fp16 runs fp32 kernels on ORT's CPU provider, so the FP16_MAX overflow never shows
     and a plain fp16 conversion would pass a build that fails on a device."""
     model, x = fp16_max
-    plain = graph.to_fp16(graph.load_model(model), keep=set(), emulate=False)
+    plain = graph.to_fp16(onnx_model.load_model(model), keep=set(), emulate=False)
     assert sum(1 for n in plain.graph.node if n.op_type == "Cast") == 2  # in and out only
     session = ort.InferenceSession(plain.SerializeToString(), session_options(1),
                                    providers=["CPUExecutionProvider"])
@@ -301,7 +302,7 @@ def test_calibration_slices_large_batches_with_the_same_ranges(backend, digits, 
                                                                monkeypatch):
     # A dynamic batch is fed in slices whose activations fit RUN_BYTES: the ranges are those
     # of whole batches (minmax: exactly).
-    from agent.engines.backends import onnxruntime as ort_backend
+    from agent.engines.backends import onnxruntime_calibration as ort_backend
 
     def ranges(name):
         cache = str(tmp_path / (name + ".cache"))

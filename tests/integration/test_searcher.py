@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 
-from agent.engines.backends import graph
+from agent.engines.backends import onnx_model
 from agent.engines.backends.base import BuildPlan, CalibrationSettings
 from agent.engines.backends.onnxruntime import create
 from agent.engines.cache import EngineCache
@@ -33,8 +33,8 @@ def env(tmp_path):
             return save(model, str(tmp_path / name))
 
         def goldens(self, path, val_range=None, iterations=1, shapes=None):
-            m = graph.load_model(path)
-            inputs = golden.generate_inputs(graph.input_specs(m), val_range,
+            m = onnx_model.load_model(path)
+            inputs = golden.generate_inputs(onnx_model.input_specs(m), val_range,
                                             iterations=iterations, shapes=shapes)
             return inputs, golden.reference_outputs(path, inputs, self.backend)
 

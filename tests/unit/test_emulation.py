@@ -6,7 +6,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from agent.engines.backends import emulation, graph
+from agent.engines.backends import emulation, graph, onnx_model
 from agent.engines.backends.base import BuildPlan
 from agent.engines.backends.onnxruntime import create
 
@@ -55,7 +55,7 @@ X = np.random.RandomState(1).random_sample((1, 3, 8, 8)).astype(np.float32)
 def test_constants_and_batch_norm_fold_into_the_conv_in_fp32():
     m = conv_bn()
     ref = run(m, X)
-    folded, merged = emulation.prepare(graph.copy_model(m))
+    folded, merged = emulation.prepare(onnx_model.copy_model(m))
     assert merged == {"bn": "conv"}
     assert [n.op_type for n in folded.graph.node] == ["Conv", "Relu"]
     assert np.allclose(run(folded, X), ref, rtol=1e-5, atol=1e-5)
@@ -95,7 +95,7 @@ def test_standalone_batch_norm_keeps_its_name_with_fp16_friendly_statistics():
     m.graph.node.append(helper.make_node("Sigmoid", ["c"], ["s"], name="other"))
     m.graph.output.append(helper.make_tensor_value_info("s", TensorProto.FLOAT, [1, 4, 8, 8]))
     ref = run(m, X)
-    folded, merged = emulation.prepare(graph.copy_model(m))
+    folded, merged = emulation.prepare(onnx_model.copy_model(m))
     assert merged == {}
     bn = next(n for n in folded.graph.node if n.name == "bn")
     inits = {i.name: numpy_helper.to_array(i) for i in folded.graph.initializer}
@@ -119,7 +119,7 @@ def test_int8_weights_are_per_output_channel_whatever_the_opset(opset, monkeypat
     ref = run(m, X)
 
     def channel0_error():
-        prepared, _ = emulation.prepare(graph.copy_model(m))
+        prepared, _ = emulation.prepare(onnx_model.copy_model(m))
         # (Naively, Constant-node weights are an activation: quantized per tensor by range.)
         amax = {"x": 1.0, "w": float(np.abs(w).max())}
         out = run(graph.apply_precisions(prepared, {"conv": "int8"}, amax=amax), X)
@@ -173,7 +173,7 @@ def test_per_channel_mul_and_add_after_a_conv_fold_like_a_batch_norm():
                                                     (shift, "shift"), (odd, "odd"))])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     ref = run(m, X)
-    folded, merged = emulation.prepare(graph.copy_model(m))
+    folded, merged = emulation.prepare(onnx_model.copy_model(m))
     assert merged == {"mul": "conv", "add": "conv"}
     assert [n.name for n in folded.graph.node] == ["conv", "odd_mul"]
     assert np.allclose(run(folded, X), ref, rtol=1e-5, atol=1e-5)

@@ -5,7 +5,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from agent.engines.backends import graph
+from agent.engines.backends import graph, layer_precisions, onnx_model
 from agent.errors import AgentError
 from tests.models import FP16_MAX, fp16_max_model, save
 
@@ -69,7 +69,7 @@ def node(model, name):
 
 def test_load_names_nodes_and_rejects_bad_bytes(tmp_path):
     path = save(mlp(), tmp_path / "m.onnx")
-    model = graph.load_model(path)
+    model = onnx_model.load_model(path)
     assert [n.name for n in model.graph.node] == ["fc0", "Relu_1", "fc1"]
     data = open(path, "rb").read()
 
@@ -77,7 +77,7 @@ def test_load_names_nodes_and_rejects_bad_bytes(tmp_path):
         p = tmp_path / "bad.onnx"
         p.write_bytes(raw)
         with pytest.raises(AgentError) as err:
-            graph.load_model(str(p))
+            onnx_model.load_model(str(p))
         return err.value
 
     for cut in (len(data) // 2, len(data) - 3, 7):
@@ -91,7 +91,7 @@ def test_load_names_nodes_and_rejects_bad_bytes(tmp_path):
     err = load(b"\x93NUMPY\x01\x00v\x00{'descr': '<f4'}")
     assert err.code == "bad_model" and ".npy" in err.message
     with pytest.raises(AgentError) as missing:
-        graph.load_model(str(tmp_path / "nope.onnx"))
+        onnx_model.load_model(str(tmp_path / "nope.onnx"))
     assert missing.value.code == "file_not_found"
 
 
@@ -99,50 +99,50 @@ def test_unknown_operator_is_unsupported(tmp_path):
     m = mlp()
     m.graph.node[1].op_type = "FancyRelu"
     with pytest.raises(AgentError) as err:
-        graph.load_model(save(m, tmp_path / "m.onnx"))
+        onnx_model.load_model(save(m, tmp_path / "m.onnx"))
     assert err.value.code == "unsupported_model" and "FancyRelu" in err.value.message
 
 
 def test_ensure_node_names_is_stable_and_unique():
     m = mlp()
     m.graph.node[2].name = "fc0"  # duplicate
-    graph.ensure_node_names(m)
+    onnx_model.ensure_node_names(m)
     assert [n.name for n in m.graph.node] == ["fc0", "Relu_1", "fc0_2"]
-    graph.ensure_node_names(m)
+    onnx_model.ensure_node_names(m)
     assert [n.name for n in m.graph.node] == ["fc0", "Relu_1", "fc0_2"]
 
 
 def test_digest_and_specs():
     m = mlp()
-    assert graph.model_digest(m) == graph.model_digest(m.SerializeToString())
-    (spec,) = graph.input_specs(m)
+    assert onnx_model.model_digest(m) == onnx_model.model_digest(m.SerializeToString())
+    (spec,) = onnx_model.input_specs(m)
     assert spec.name == "x" and spec.shape == (None, 8) and spec.dtype == np.float32
 
 
 # -- layers ------------------------------------------------------------------------------------
 
 def test_float_nodes_skip_shape_constant_and_int_work():
-    assert graph.float_nodes(shape_model()) == ["mul", "relu", "reshape"]
-    assert graph.float_nodes(fp16_max_model()) == ["MatMul_0", "Add", "Sub", "MatMul_1"]
+    assert layer_precisions.float_nodes(shape_model()) == ["mul", "relu", "reshape"]
+    assert layer_precisions.float_nodes(fp16_max_model()) == ["MatMul_0", "Add", "Sub", "MatMul_1"]
 
 
 def test_resolve_precisions():
-    m = graph.ensure_node_names(mlp())
-    a, mism, ignored = graph.resolve_precisions(m, "best", {"Relu_1": "int8"})
+    m = onnx_model.ensure_node_names(mlp())
+    a, mism, ignored = layer_precisions.resolve_precisions(m, "best", {"Relu_1": "int8"})
     assert a == {"fc0": "int8", "Relu_1": "float16", "fc1": "int8"}
     assert mism == [("Relu_1", "int8", "float16")] and ignored == []
-    a, mism, _ = graph.resolve_precisions(m, "int8", {"fc1": "float32"}, amax={"x": 1.0})
+    a, mism, _ = layer_precisions.resolve_precisions(m, "int8", {"fc1": "float32"}, amax={"x": 1.0})
     assert a == {"fc0": "int8", "Relu_1": "float32", "fc1": "float32"}
-    a, mism, _ = graph.resolve_precisions(m, "fp32", {"fc1": "int8"}, amax={})
+    a, mism, _ = layer_precisions.resolve_precisions(m, "fp32", {"fc1": "int8"}, amax={})
     assert a["fc1"] == "float32" and mism == [("fc1", "int8", "float32")]
     with pytest.raises(AgentError) as err:
-        graph.resolve_precisions(m, "fp16", {"Add": "float32"})
+        layer_precisions.resolve_precisions(m, "fp16", {"Add": "float32"})
     assert err.value.code == "unknown_layer" and "'Add'" in err.value.message
     with pytest.raises(AgentError) as err:  # a typo: the near names come first
-        graph.resolve_precisions(m, "fp16", {"fc_1": "float32"})
+        layer_precisions.resolve_precisions(m, "fp16", {"fc_1": "float32"})
     assert "such as fc1, fc0" in err.value.message
-    _, _, ignored = graph.resolve_precisions(graph.ensure_node_names(shape_model()), "fp16",
-                                             {"shape": "float32"})
+    _, _, ignored = layer_precisions.resolve_precisions(
+        onnx_model.ensure_node_names(shape_model()), "fp16", {"shape": "float32"})
     assert ignored == ["shape"]
 
 
@@ -181,7 +181,7 @@ def test_emulated_fp16_weights_saturate():
 
 def test_typed_fp16_computes_in_half_and_casts_at_boundaries():
     m = check(graph.to_fp16(fp16_max_model(), keep={"Add", "Sub"}, emulate=False))
-    types = graph.tensor_types(m)
+    types = onnx_model.tensor_types(m)
     mm0, add, mm1 = node(m, "MatMul_0"), node(m, "Add"), node(m, "MatMul_1")
     assert types[mm0.output[0]] == TensorProto.FLOAT16
     assert types[add.input[0]] == TensorProto.FLOAT and types[add.output[0]] == TensorProto.FLOAT
@@ -203,7 +203,8 @@ def test_typed_fp16_leaves_casts_and_resize_scales_alone():
                           [numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32),
                                                    "scales")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    assignment, mism, _ = graph.resolve_precisions(m, "fp16", {"cast": "float16"}, emulate=False)
+    assignment, mism, _ = layer_precisions.resolve_precisions(m, "fp16", {"cast": "float16"},
+                                                              emulate=False)
     assert assignment == {"cast": "float32", "resize": "float16"}
     assert mism == [("cast", "float16", "float32")]
     out = check(graph.apply_precisions(m, assignment, emulate=False))
@@ -216,7 +217,7 @@ AMAX = {"x": 2.0, "h": 5.0, "r": 4.0, "y": 9.0}
 
 
 def test_qdq_quantizes_activations_and_per_channel_weights():
-    m = check(graph.to_qdq(graph.ensure_node_names(mlp()), AMAX, keep=set()))
+    m = check(graph.to_qdq(onnx_model.ensure_node_names(mlp()), AMAX, keep=set()))
     fc0, fc1 = node(m, "fc0"), node(m, "fc1")
     q = producer(m, producer(m, fc0.input[0]).input[0])
     assert q.op_type == "QuantizeLinear" and q.input[0] == "x"
@@ -235,7 +236,7 @@ def test_qdq_quantizes_activations_and_per_channel_weights():
 
 
 def test_qdq_weights_dequantize_close_to_the_originals():
-    m = graph.to_qdq(graph.ensure_node_names(mlp()), AMAX, keep=set())
+    m = graph.to_qdq(onnx_model.ensure_node_names(mlp()), AMAX, keep=set())
     inits = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer}
     dq = producer(m, node(m, "fc1").input[1])
     w = inits[dq.input[0]].astype(np.float32) * inits[dq.input[1]][None, :]
@@ -244,13 +245,13 @@ def test_qdq_weights_dequantize_close_to_the_originals():
 
 
 def test_qdq_keep_fp16_rest_and_old_opsets():
-    base = graph.ensure_node_names(mlp())
+    base = onnx_model.ensure_node_names(mlp())
     kept = check(graph.to_qdq(base, AMAX, keep={"fc1"}))
     assert ops(kept).count("QuantizeLinear") == 1 and node(kept, "fc1").input[1] == "w1"
     best = check(graph.to_qdq(base, AMAX, keep=set(), fp16_rest=True))
     relu = node(best, "Relu_1")
     assert producer(best, relu.input[0]).op_type == "Cast"
-    old = check(graph.to_qdq(graph.ensure_node_names(mlp(opset=11)), AMAX, keep=set()))
+    old = check(graph.to_qdq(onnx_model.ensure_node_names(mlp(opset=11)), AMAX, keep=set()))
     # Before opset 13 (no DequantizeLinear axis) emulation still quantizes weights per output
     # channel, as TensorRT does: the dequantized values become fp32 weights.
     assert not any(n.op_type == "DequantizeLinear" and n.input[0].startswith("w")
@@ -260,7 +261,7 @@ def test_qdq_keep_fp16_rest_and_old_opsets():
     original = numpy_helper.to_array(mlp().graph.initializer[2])
     step = np.abs(original).max(axis=0) / 127
     assert w1.dtype == np.float32 and np.all(np.abs(w1 - original) <= step / 2 + 1e-6)
-    typed = graph.to_qdq(graph.ensure_node_names(mlp(opset=11)), AMAX, keep=set(),
+    typed = graph.to_qdq(onnx_model.ensure_node_names(mlp(opset=11)), AMAX, keep=set(),
                          emulate=False)
     assert all(not n.attribute for n in typed.graph.node if n.op_type == "DequantizeLinear")
     missing = graph.to_qdq(base, {"x": 1.0}, keep=set())  # no range for "r": fc1 stays fp32
@@ -268,9 +269,9 @@ def test_qdq_keep_fp16_rest_and_old_opsets():
 
 
 def test_qdq_then_typed_fp16():
-    m = check(graph.to_qdq(graph.ensure_node_names(mlp()), AMAX, keep=set(), fp16_rest=True,
+    m = check(graph.to_qdq(onnx_model.ensure_node_names(mlp()), AMAX, keep=set(), fp16_rest=True,
                            emulate=False))
-    types = graph.tensor_types(m)
+    types = onnx_model.tensor_types(m)
     relu = node(m, "Relu_1")
     assert types[relu.output[0]] == TensorProto.FLOAT16
 
@@ -278,15 +279,15 @@ def test_qdq_then_typed_fp16():
 # -- outputs -----------------------------------------------------------------------------------
 
 def test_mark_outputs():
-    m = graph.ensure_node_names(mlp())
-    every = graph.mark_outputs(m, ["*"])
+    m = onnx_model.ensure_node_names(mlp())
+    every = onnx_model.mark_outputs(m, ["*"])
     assert [o.name for o in every.graph.output] == ["y", "h", "r"]
     assert all(o.type.tensor_type.elem_type == TensorProto.FLOAT for o in every.graph.output)
-    assert [o.name for o in graph.mark_outputs(m, ["Relu_1"]).graph.output] == ["y", "r"]
-    assert [o.name for o in graph.mark_outputs(m, ["h", "y"]).graph.output] == ["y", "h"]
+    assert [o.name for o in onnx_model.mark_outputs(m, ["Relu_1"]).graph.output] == ["y", "r"]
+    assert [o.name for o in onnx_model.mark_outputs(m, ["h", "y"]).graph.output] == ["y", "h"]
     assert [o.name for o in m.graph.output] == ["y"]  # the input model is untouched
     with pytest.raises(AgentError) as err:
-        graph.mark_outputs(m, ["nope"])
+        onnx_model.mark_outputs(m, ["nope"])
     assert err.value.code == "bad_argument"
-    shapes = graph.mark_outputs(graph.ensure_node_names(shape_model()), ["*"])
+    shapes = onnx_model.mark_outputs(onnx_model.ensure_node_names(shape_model()), ["*"])
     assert {o.name for o in shapes.graph.output} == {"y", "s2", "c", "m", "r"}

@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from agent.engines import model_check
-from agent.engines.backends import graph
+from agent.engines.backends import onnx_model
 from agent.engines.backends.base import BuildPlan
 from agent.engines.backends.onnxruntime import OnnxRuntimeBackend
 from agent.errors import AgentError
@@ -35,7 +35,7 @@ def test_every_external_tensor_is_inlined_and_the_engine_is_self_contained(tmp_p
     raw = onnx.load(path, load_external_data=False)
     assert len([t for t, _ in model_check.iter_tensors(raw)
                 if t.data_location == onnx.TensorProto.EXTERNAL]) == 6
-    model = graph.load_model(path)
+    model = onnx_model.load_model(path)
     assert model_check.is_self_contained(model)
     engine = str(tmp_path / "engine.onnx")
     OnnxRuntimeBackend().build(path, BuildPlan("fp32"), engine)
@@ -54,10 +54,10 @@ def test_a_job_model_may_not_read_the_workers_files(tmp_path, key):
     path, blobs = bombs.external_data_model(folder, {key: "job.json"})
     (folder / "job.json").write_bytes(blobs["job.json"])  # the right size, even
     model_check.confine_to([path, str(folder / "weights.bin")])
-    err = code_of(lambda: graph.load_model(path))
+    err = code_of(lambda: onnx_model.load_model(path))
     assert err.code == "bad_model" and "'job.json' is not an artifact of this job" in err.message
     model_check.confine_to([path, str(folder / "weights.bin"), str(folder / "job.json")])
-    assert model_check.is_self_contained(graph.load_model(path))
+    assert model_check.is_self_contained(onnx_model.load_model(path))
 
 
 def test_paths_out_of_the_folder_are_refused(tmp_path):
@@ -69,7 +69,7 @@ def test_paths_out_of_the_folder_are_refused(tmp_path):
         folder.mkdir()
         os.symlink(str(outside), str(folder / "link.bin"))
         path, _ = bombs.external_data_model(folder, {"c": location})
-        err = code_of(lambda p=path: graph.load_model(p))
+        err = code_of(lambda p=path: onnx_model.load_model(p))
         assert err.code == "bad_model" and why in err.message, err.message
 
 
@@ -85,7 +85,7 @@ def test_ranges_that_do_not_fit_the_tensor_are_refused(tmp_path):
                     e.value = "-8"
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
-    err = code_of(lambda: graph.load_model(path))
+    err = code_of(lambda: onnx_model.load_model(path))
     assert err.code == "bad_model" and ">= 0" in err.message
     (tmp_path / "m" / "weights.bin").write_bytes(b"\0" * 8)
     model_check._allowed = None
@@ -95,5 +95,5 @@ def test_ranges_that_do_not_fit_the_tensor_are_refused(tmp_path):
                 e.value = "0"
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
-    err = code_of(lambda: graph.load_model(path))
+    err = code_of(lambda: onnx_model.load_model(path))
     assert err.code == "bad_model" and "expected 16 bytes" in err.message

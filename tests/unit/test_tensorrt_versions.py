@@ -1,23 +1,23 @@
 """The tensorrt backend end to end against version-faithful fakes (``tests/fake_trt.py`` built
 from ``tests/trt_profiles/*.json``: TensorRT 8.0, 8.2, 8.5, 8.6, 10.3, 10.13, 11.x) and a fake
 pycuda: one test per defect of issue 11, under the profile where the defect shows, plus the
-whole build -> open -> infer path on every profile."""
+whole build -> open -> infer path on every profile. The defects met on the device (DLA,
+calibration, the range engine, the runner's CUDA objects) are in test_tensorrt_on_device.py."""
 
-import gc
 import json
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
-from agent.engines.backends import tensorrt as trt_backend
-from agent.engines.backends import tensorrt_network, tensorrt_plan
+from agent.engines.backends import tensorrt_inspect, tensorrt_network
 from agent.engines.backends.base import BuildPlan, CalibrationSettings
-from agent.engines.backends.tensorrt_plan import builder_settings, parse_engine_information
+from agent.engines.backends.tensorrt_inspect import parse_engine_information
+from agent.engines.backends.tensorrt_plan import builder_settings
 from agent.errors import AgentError
 from tests import fake_trt
-from tests.models import fp16_max_model
+from tests.trt_builds import build as _build
+from tests.trt_builds import engine_precisions as _engine_precisions
 
 NODES = ["MatMul_0", "Add", "Sub", "MatMul_1"]
 
@@ -25,25 +25,6 @@ NODES = ["MatMul_0", "Add", "Sub", "MatMul_1"]
 @pytest.fixture(autouse=True)
 def _fresh_logger(monkeypatch):
     monkeypatch.setattr(tensorrt_network, "_LOGGER", None)
-
-
-def _save(model, tmp_path, name="m.onnx"):
-    path = str(tmp_path / name)
-    onnx.save(model, path)
-    return path
-
-
-def _build(monkeypatch, tmp_path, profile, plan, model=None, numpy_version=None,
-           num_dla_cores=0, engine="e.engine"):
-    trt, cuda = fake_trt.install(monkeypatch, profile, numpy_version, num_dla_cores)
-    path = _save(model if model is not None else fp16_max_model(), tmp_path)
-    backend = trt_backend.TensorRTBackend(trt.__version__)
-    result = backend.build(path, plan, str(tmp_path / engine))
-    return backend, result, trt, cuda
-
-
-def _engine_precisions(trt):
-    return {layer["name"]: layer["precision"] for layer in trt._driver.builds[-1]["layers"]}
 
 
 # -- every profile: build, open, infer, close ----------------------------------------------
@@ -133,7 +114,7 @@ def test_fp32_plan_with_one_fp16_layer_keeps_the_others_fp32(monkeypatch, tmp_pa
 
 def test_mismatches_cover_layers_not_asked():
     got = {"MatMul_0": "float16", "Add": "float16", "Sub": "float32"}
-    mismatches = tensorrt_plan.precision_mismatches
+    mismatches = tensorrt_inspect.precision_mismatches
     assert mismatches({"Add": "float16"}, got, "float32") == [("MatMul_0", "float32", "float16")]
     assert mismatches({"Add": "float16"}, got) == []  # int8 / best: any precision
 
@@ -166,49 +147,6 @@ def test_tensorrt_7_is_refused_with_the_minimum():
     assert err.value.code == "unsupported_tensorrt" and "8.0.1" in err.value.message
 
 
-# -- 4: DLA ----------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("profile", ["10.13", "11.x"])
-def test_dla_refused_where_tensorrt_has_none(monkeypatch, tmp_path, profile):
-    with pytest.raises(AgentError) as err:
-        _build(monkeypatch, tmp_path, profile, BuildPlan(precision="fp16", dla_core=0),
-               num_dla_cores=2)
-    assert err.value.code == "unsupported_precision"
-    assert "reports 0 DLA core" in err.value.message and "<= 10.7" in err.value.message
-
-
-def test_dla_core_checked_against_the_device(monkeypatch, tmp_path):
-    with pytest.raises(AgentError) as err:
-        _build(monkeypatch, tmp_path, "8.6", BuildPlan(precision="fp16", dla_core=1),
-               num_dla_cores=1)
-    assert err.value.code == "unsupported_precision"
-    assert "reports 1 DLA core" in err.value.message
-
-
-def test_fp32_on_dla_is_refused():
-    with pytest.raises(AgentError) as err:
-        builder_settings(BuildPlan(precision="fp32", dla_core=0), (8, 5, 2))
-    assert err.value.code == "unsupported_precision" and "fp16 or int8" in err.value.message
-
-
-def test_runner_runs_on_the_dla_core_it_was_built_for(monkeypatch, tmp_path):
-    backend, result, trt, _ = _build(monkeypatch, tmp_path, "8.5",
-                                     BuildPlan(precision="fp16", dla_core=1), num_dla_cores=2)
-    assert result.details["dla_core"] == 1
-    with backend.open(result.engine_path) as runner:
-        assert runner.runtime.DLA_core == 1
-        assert runner.engine.dla_core == 1
-
-
-def test_dla_by_tensorrt_version_in_the_platform():
-    from agent.platform import dla_available
-
-    assert dla_available("8.5.2", "agx-orin") and dla_available("10.3.0", "orin-nx")
-    assert not dla_available("10.13.0", "agx-orin")
-    assert not dla_available("11.4.0", "agx-orin")
-    assert dla_available("11.4.1", "agx-orin") and not dla_available("11.4.1", "orin-nx")
-
-
 # -- 5: TensorRT 11 inspector JSON ------------------------------------------------------------
 
 def test_11_inspector_json_is_read(monkeypatch, tmp_path):
@@ -226,7 +164,7 @@ def test_both_inspector_formats_parse():
     for doc in (old, new):
         assert [(layer.name, layer.precision)
                 for layer in parse_engine_information(json.dumps(doc))] == [("Add", "float16")]
-        assert tensorrt_plan.engine_io_names(json.dumps(doc)) == ["x", "y"]
+        assert tensorrt_inspect.engine_io_names(json.dumps(doc)) == ["x", "y"]
 
 
 # -- 6: one logger ------------------------------------------------------------------------------
@@ -272,98 +210,9 @@ def test_casts_and_identities_are_not_constrained(monkeypatch, tmp_path, profile
 
 
 def test_casts_and_identities_are_not_candidates():
-    from agent.engines.backends import graph
+    from agent.engines.backends import layer_precisions
 
-    assert graph.float_nodes(_cast_model()) == ["Relu_0", "Add_4"]
-
-
-# -- 9: calibration feeds float32 ---------------------------------------------------------------
-
-def _fp16_input_model():
-    w = numpy_helper.from_array(np.ones((4, 4), np.float16), "w")
-    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"], name="MatMul_0")]
-    graph = helper.make_graph(nodes, "half",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 4])],
-                              [w])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def test_calibration_batches_are_float32_for_float_inputs(monkeypatch, tmp_path):
-    data = str(tmp_path / "calib.npz")
-    np.savez(data, x=np.random.RandomState(0).rand(6, 4).astype(np.float16))
-    trt, cuda = fake_trt.install(monkeypatch, "8.5")
-    uploads = []
-    monkeypatch.setattr(cuda, "memcpy_htod", lambda ptr, host: uploads.append(host.dtype))
-    backend = trt_backend.TensorRTBackend(trt.__version__)
-    plan = BuildPlan(precision="int8", calibration=CalibrationSettings(data, "entropy2",
-                                                                       batch_size=2))
-    result = backend.build(_save(_fp16_input_model(), tmp_path), plan, str(tmp_path / "e"))
-    assert result.calibrated and uploads and set(uploads) == {np.dtype(np.float32)}
-
-
-# -- 10: stream and events freed while the context is current --------------------------------
-
-@pytest.mark.parametrize("profile", ["8.2", "10.3"])
-def test_runner_close_frees_stream_and_events_in_order(monkeypatch, tmp_path, profile):
-    backend, result, _, cuda = _build(monkeypatch, tmp_path, profile,
-                                      BuildPlan(precision="fp32"))
-    runner = backend.open(result.engine_path)
-    runner.infer({"x": np.ones((1, 1, 4, 4), np.float32)})
-    assert runner.time_inference(2) == [1.0, 1.0]
-    runner.close()
-    del runner
-    gc.collect()
-    assert cuda.leaked == [] and cuda.live_objects == 0
-
-
-def test_detection_drops_dla_cores_tensorrt_cannot_drive():
-    from agent.platform import load_matrix
-    from agent.platform.info import PlatformInfo
-    from agent.platform.versions import _check_dla
-
-    info = PlatformInfo(load_matrix())
-    info.family, info.dla_cores, info.dla_source, info.tensorrt = "agx-orin", 2, "sysfs", "10.13.3"
-    _check_dla(info)
-    assert (info.dla_cores, info.dla_source) == (0, "tensorrt 10.13.3")
-    assert "11.4.1" in info.problems[0]["fix"]
-    info.dla_cores, info.tensorrt = 2, "10.3.0.30"
-    _check_dla(info)
-    assert info.dla_cores == 2
-
-
-# -- the range engine marks outputs as Polygraphy's mark_layerwise does ----------------------
-
-def _shape_model():
-    nodes = [helper.make_node("Relu", ["x"], ["r"], name="Relu_0"),
-             helper.make_node("Shape", ["r"], ["s"], name="Shape_1"),
-             helper.make_node("Reshape", ["r", "s"], ["y"], name="Reshape_2")]
-    graph = helper.make_graph(nodes, "shape",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-
-
-def test_mark_layerwise_skips_shape_and_constant_layers(monkeypatch):
-    trt, _ = fake_trt.install(monkeypatch, "8.6")
-    monkeypatch.setitem(__import__("sys").modules, "polygraphy", None)  # our own copy
-    builder = trt.Builder(object())
-    network = builder.create_network(1)
-    trt.OnnxParser(network, None).parse(_shape_model().SerializeToString())
-    assert trt_backend.mark_layerwise(trt, network) == ["y", "r"]
-
-
-@pytest.mark.parametrize("profile", ["8.5", "10.3", "10.13", "11.x"])
-def test_percentile_int8_through_the_range_engine(monkeypatch, tmp_path, profile):
-    data = str(tmp_path / "calib.npz")
-    np.savez(data, x=np.random.RandomState(0).rand(4, 1, 4, 4).astype(np.float32))
-    plan = BuildPlan(precision="int8", calibration=CalibrationSettings(data, "percentile",
-                                                                       batch_size=1))
-    model = fp16_max_model()
-    _, result, trt, _ = _build(monkeypatch, tmp_path, profile, plan, model)
-    assert result.calibrated and result.details["calibration"] == "percentile"
-    assert result.details["range_outputs"] == 4  # every layer's output, y included once
-    assert [b["detailed"] for b in trt._driver.builds] == [True, True]
+    assert layer_precisions.float_nodes(_cast_model()) == ["Relu_0", "Add_4"]
 
 
 # -- settled by reading sources (docs/tensorrt.md) -------------------------------------------
@@ -387,8 +236,8 @@ def test_calibrator_batch_size_is_one_for_explicit_batch(monkeypatch):
 
 def test_one_logger_per_process_and_per_job_messages(monkeypatch):
     trt, _ = fake_trt.install(monkeypatch, "10.3")
-    logger = trt_backend._make_logger()
-    assert trt_backend._make_logger() is logger
+    logger = tensorrt_network._make_logger()
+    assert tensorrt_network._make_logger() is logger
     mark = logger.mark()
     for i in range(60):
         logger.log(trt.ILogger.Severity.WARNING, "w{}".format(i))

@@ -237,17 +237,21 @@ class BuildResult(object):
 
 
 class Runner(abc.ABC):
-    """Runs one engine. Use as a context manager so device memory is returned."""
+    """Runs one engine. Use as a context manager so device memory is returned. A runner sets
+    ``_inputs`` and ``_outputs`` when it opens its engine."""
+
+    _inputs: List[TensorSpec]
+    _outputs: List[TensorSpec]
 
     @property
-    @abc.abstractmethod
     def inputs(self) -> List[TensorSpec]:
         """The engine's inputs."""
+        return list(self._inputs)
 
     @property
-    @abc.abstractmethod
     def outputs(self) -> List[TensorSpec]:
         """The engine's outputs (including any marked by the plan)."""
+        return list(self._outputs)
 
     @abc.abstractmethod
     def infer(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:

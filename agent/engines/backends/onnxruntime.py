@@ -3,231 +3,52 @@
 An "engine" here is the rewritten ONNX model (``graph.apply_precisions``: fp16 rounding with
 explicit Cast pairs, int8 as Q/DQ from calibration ranges) with the build's metadata in the
 model's ``metadata_props`` under ``jetson_agent.engine``. It is also a real CPU deployment
-backend: ``open`` gives a runner over ``onnxruntime.InferenceSession``. ONNX Runtime fuses
-Q/DQ into int8 kernels where it has them; elsewhere (e.g. a Gemm whose output is not
-quantized) it runs them as written: int8-rounded values, fp32 arithmetic.
+backend: ``open`` gives a runner over ``onnxruntime.InferenceSession``
+(``onnxruntime_runner``). ONNX Runtime fuses Q/DQ into int8 kernels where it has them;
+elsewhere (e.g. a Gemm whose output is not quantized) it runs them as written: int8-rounded
+values, fp32 arithmetic.
 
-Calibration runs the fp32 model with every float tensor marked as an output over the streamed
-dataset and feeds ``calib.ranges.RangeCollector``; the ranges are written as a TensorRT
-calibration cache (``calib.cache``, target TensorRT version configurable, default 10.3.0 of
-JetPack 6) when the plan names one, and a cache that exists is read instead of calibrating (any
-TensorRT version is accepted here, the algorithm must match).
+Calibration (``onnxruntime_calibration``) runs the fp32 model with every float tensor marked as
+an output over the streamed dataset and feeds ``calib.ranges.RangeCollector``; the ranges are
+written as a TensorRT calibration cache (``calib.cache``, target TensorRT version configurable,
+default 10.3.0 of JetPack 6) when the plan names one, and a cache that exists is read instead
+of calibrating (any TensorRT version is accepted here, the algorithm must match).
 
 Worker side: Python >= 3.6.
 """
 
-import functools
 import json
 import logging
 import os
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
 import onnx
 
-from agent.engines.backends import emulation, graph
+from agent.engines.backends import emulation, graph, layer_precisions, onnx_model
 from agent.engines.backends.base import (
     Backend,
     BuildPlan,
     BuildResult,
     Progress,
-    Runner,
     TensorSpec,
     no_progress,
+)
+from agent.engines.backends.onnxruntime_calibration import calibrate, calibration_batch_size
+from agent.engines.backends.onnxruntime_runner import (
+    OnnxRuntimeRunner,
+    import_onnxruntime,
+    open_session,
 )
 from agent.errors import AgentError
 from agent.fsio import atomic_write
 from calib.cache import DEFAULT_TRT_VERSION, check_compatible, read_cache, write_cache
 from calib.dataset import CalibrationDataset
-from calib.ranges import RangeCollector
 
 METADATA_KEY = "jetson_agent.engine"
-# Calibration runs return every float tensor at once: a dynamic batch is fed in slices whose
-# activations stay under this (one sample at least).
-RUN_BYTES = 256 << 20
 _PRECISION_ORDER = {"int8": 0, "float16": 1, "float32": 2}
 
 log = logging.getLogger(__name__)
-
-_ORT_TYPES = {
-    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-    "tensor(int8)": np.int8, "tensor(uint8)": np.uint8, "tensor(int16)": np.int16,
-    "tensor(uint16)": np.uint16, "tensor(int32)": np.int32, "tensor(uint32)": np.uint32,
-    "tensor(int64)": np.int64, "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
-}
-
-
-def _ort() -> Any:
-    try:
-        import onnxruntime
-    except ImportError as exc:
-        raise AgentError("backend_unavailable",
-                         "the onnxruntime backend needs the onnxruntime package: {}".format(exc))
-    return onnxruntime
-
-
-def session_options(threads: Optional[int] = None, arena: bool = True) -> Any:
-    """CPU session options. ORT_ENABLE_ALL keeps explicit fp32->fp16->fp32 Cast pairs (only
-    casts it inserted itself are removed), which the fp16 tests check on every run.
-    ``arena`` False returns memory after each run (instrumented runs with every tensor as an
-    output: the arena would keep the largest run's worth for good)."""
-    ort = _ort()
-    options = ort.SessionOptions()
-    if not arena:
-        options.enable_cpu_mem_arena = False
-        options.enable_mem_pattern = False
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        options.intra_op_num_threads = int(threads)
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    return options
-
-
-def _session(model_bytes: bytes, threads: Optional[int], source: str, arena: bool = True
-             ) -> Any:
-    ort = _ort()
-    try:
-        return ort.InferenceSession(model_bytes, sess_options=session_options(threads, arena),
-                                    providers=["CPUExecutionProvider"])
-    except Exception as exc:  # noqa: BLE001 - ORT raises its own unexported error types
-        text = str(exc)
-        code = "unsupported_model" if ("NOT_IMPLEMENTED" in text or "not a registered" in text
-                                       or "Could not find an implementation" in text) \
-            else "build_failed"
-        raise AgentError(code, "{}: onnxruntime {} cannot load it: {}".format(
-            source, ort.__version__, text.strip().splitlines()[0] if text.strip() else text))
-
-
-def _specs(args: List[Any]) -> List[TensorSpec]:
-    out = []
-    for arg in args:
-        dims = tuple(d if isinstance(d, int) and d > 0 else None for d in arg.shape)
-        out.append(TensorSpec(arg.name, _ORT_TYPES.get(arg.type, np.float32), dims))
-    return out
-
-
-class OnnxRuntimeRunner(Runner):
-    """Runs an engine (or any ONNX model) on ONNX Runtime's CPU provider."""
-
-    def __init__(self, session: Any, metadata: Optional[Dict[str, Any]] = None) -> None:
-        self.session = session
-        self.metadata = dict(metadata or {})
-        self._inputs = _specs(session.get_inputs())
-        self._outputs = _specs(session.get_outputs())
-        self._output_names = [o.name for o in self._outputs]
-        self._input_names = frozenset(spec.name for spec in self._inputs)
-
-    @property
-    def inputs(self) -> List[TensorSpec]:
-        return list(self._inputs)
-
-    @property
-    def outputs(self) -> List[TensorSpec]:
-        return list(self._outputs)
-
-    def infer(self, feeds: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
-        if feeds.keys() != self._input_names:
-            raise AgentError("bad_argument",
-                             "expected inputs {}, found {}".format(
-                                 ", ".join(sorted(self._input_names)),
-                                 ", ".join(sorted(feeds)) or "none"))
-        arrays = feeds
-        # Fast path (the benchmark loop): arrays of the right dtype pass through untouched.
-        if any(not isinstance(feeds[spec.name], np.ndarray)
-               or feeds[spec.name].dtype != spec.dtype for spec in self._inputs):
-            arrays = {spec.name: self._converted(spec, feeds[spec.name]) for spec in self._inputs}
-        try:
-            values = self.session.run(self._output_names, arrays)
-        except Exception as exc:  # noqa: BLE001 - ORT's error types are not exported
-            raise AgentError("bad_argument", "inference failed: {}".format(
-                str(exc).strip().splitlines()[0] if str(exc).strip() else exc))
-        return dict(zip(self._output_names, values))
-
-    def bind(self, feeds: Dict[str, np.ndarray]) -> Callable[[], Any]:
-        self.infer(feeds)  # validates, converts, and surfaces errors before timing
-        arrays = {spec.name: self._converted(spec, feeds[spec.name]) for spec in self._inputs}
-        return functools.partial(self.session.run, self._output_names, arrays)
-
-    @staticmethod
-    def _converted(spec: TensorSpec, value: Any) -> np.ndarray:
-        value = np.asarray(value)
-        if value.dtype != spec.dtype:
-            if not np.can_cast(value.dtype, spec.dtype, casting="same_kind"):
-                raise AgentError("bad_argument", "input {!r}: expected dtype {}, found {}".format(
-                    spec.name, spec.dtype, value.dtype))
-            value = value.astype(spec.dtype)
-        return value
-
-    def close(self) -> None:
-        self.session = None
-
-
-def calibrate(
-    model: onnx.ModelProto,
-    dataset: CalibrationDataset,
-    algorithm: str,
-    progress: Progress = no_progress,
-    threads: Optional[int] = None,
-    num_bins: int = 2048,
-) -> Dict[str, float]:
-    """amax of every float graph input and node output of the fp32 ``model`` over the
-    dataset, per ``algorithm`` (entropy2 / minmax / percentile / legacy)."""
-    instrumented = graph.mark_outputs(model, ["*"])
-    data = instrumented.SerializeToString()
-    del instrumented
-    # Every float tensor of a run comes back at once: without the arena, what one run
-    # allocated is returned before the next, so the peak is one run's activations (plus the
-    # histograms), whatever the number of images.
-    session = _session(data, threads, "calibration model", arena=False)
-    del data
-    float_names = [o.name for o in session.get_outputs() if o.type in
-                   ("tensor(float)", "tensor(float16)", "tensor(double)")]
-    float_inputs = [i.name for i in session.get_inputs() if i.type in
-                    ("tensor(float)", "tensor(float16)", "tensor(double)")]
-    # Inputs whose batch dimension is free are fed in slices whose activations fit
-    # RUN_BYTES (measured on the first sample): the histograms add up the same, and the peak
-    # no longer grows with the calibration batch size.
-    dynamic = all(i.shape and not isinstance(i.shape[0], int) for i in session.get_inputs())
-    collector = RangeCollector(algorithm, num_bins=num_bins)
-    total = dataset.num_batches()
-    progress("calibrating", 0, total)
-    done = 0
-    step: Optional[int] = None if dynamic else 0
-    for batch in dataset:
-        size = min((len(v) for v in batch.values() if np.ndim(v)), default=1)
-        start = 0
-        while start < size or (start == 0 and size == 0):
-            if step is None:
-                count = 1  # the first sample alone: its activations size the slices
-            else:
-                count = step or size
-            part = batch if count >= size and start == 0 else \
-                {k: v[start:start + count] for k, v in batch.items()}
-            values = session.run(float_names, part)
-            if step is None:
-                per_sample = sum(int(getattr(v, "nbytes", 0)) for v in values)
-                step = max(1, RUN_BYTES // max(1, per_sample))
-            for name in float_inputs:
-                collector.update(name, part[name])
-            for index, name in enumerate(float_names):
-                collector.update(name, values[index])
-                values[index] = None  # free each tensor once counted
-            del values
-            start += max(count, 1)
-        done += 1
-        progress("calibrating", done, total)
-    progress("calibrating", total, total)
-    return collector.amax()
-
-
-def calibration_batch_size(specs: List[TensorSpec], requested: int) -> int:
-    """The batch size a model can take: its fixed batch dimension, else the requested one."""
-    for spec in specs:
-        if spec.shape and spec.shape[0] is not None:
-            return int(spec.shape[0])
-    return int(requested)
 
 
 class OnnxRuntimeBackend(Backend):
@@ -241,7 +62,7 @@ class OnnxRuntimeBackend(Backend):
         self.cache_trt_version = cache_trt_version
 
     def version(self) -> str:
-        return str(_ort().__version__)
+        return str(import_onnxruntime().__version__)
 
     def fingerprint(self) -> Dict[str, str]:
         out = super(OnnxRuntimeBackend, self).fingerprint()
@@ -258,8 +79,8 @@ class OnnxRuntimeBackend(Backend):
         progress: Progress = no_progress,
     ) -> BuildResult:
         start = time.time()
-        model = graph.load_model(model_path)
-        specs = graph.input_specs(model)
+        model = onnx_model.load_model(model_path)
+        specs = onnx_model.input_specs(model)
         self._check_shapes(plan, specs)
         details: Dict[str, Any] = {"emulated": True, "calibration_seconds": 0.0}
         amax: Optional[Dict[str, float]] = None
@@ -269,13 +90,13 @@ class OnnxRuntimeBackend(Backend):
         # Calibration sees the model as written (every tensor TensorRT's calibrator sees);
         # the precisions apply to the model as TensorRT's builder rewrites it (emulation).
         original = model
-        model, merged = emulation.prepare(graph.copy_model(model))
+        model, merged = emulation.prepare(onnx_model.copy_model(model))
         overrides = _merge_overrides(plan.layer_precisions, merged)
         details["emulation"] = emulation.fingerprint()
         if merged:
             details["folded_layers"] = dict(sorted(merged.items()))
         # First pass without ranges: does anything want int8 at all?
-        wanted, _, _ = graph.resolve_precisions(model, plan.precision, overrides)
+        wanted, _, _ = layer_precisions.resolve_precisions(model, plan.precision, overrides)
         if any(p == "int8" for p in wanted.values()):
             t0 = time.time()
             amax, calibrated, cache_path = self._ranges(original, specs, plan, progress,
@@ -285,7 +106,7 @@ class OnnxRuntimeBackend(Backend):
 
         progress("building", 0, 1)
         t0 = time.time()
-        assignment, mismatches, ignored = graph.resolve_precisions(
+        assignment, mismatches, ignored = layer_precisions.resolve_precisions(
             model, plan.precision, overrides, amax=amax)
         # Layers that wanted int8 but whose inputs have no range (a cache made for other
         # tensor names) run in the fallback precision; a cache that covers none is refused.
@@ -303,7 +124,7 @@ class OnnxRuntimeBackend(Backend):
                         ", ".join(sorted(amax)[:3]) or "none"))
         # Mark before rewriting so the names are the model's own tensors (the rounded values
         # that the next layers read, not the rewrite's internal ones).
-        marked = graph.mark_outputs(model, plan.mark_outputs) if plan.mark_outputs else model
+        marked = onnx_model.mark_outputs(model, plan.mark_outputs) if plan.mark_outputs else model
         engine = graph.apply_precisions(marked, assignment, amax=amax, emulate=True,
                                         fused=emulation.fused_edges(marked, assignment))
         for folded, into in merged.items():  # reported under their own names too
@@ -312,7 +133,7 @@ class OnnxRuntimeBackend(Backend):
             "backend": self.name,
             "backend_version": self.version(),
             "rewrite": graph.REWRITE_VERSION,
-            "source_sha256": graph.model_digest(model),
+            "source_sha256": onnx_model.model_digest(model),
             "plan": plan.to_dict(),
             "layer_precisions": assignment,
         }
@@ -320,9 +141,9 @@ class OnnxRuntimeBackend(Backend):
         data = engine.SerializeToString()
         details["rewrite_seconds"] = round(time.time() - t0, 4)
         # What will not load must not be published: the same checks as ``open``.
-        _session(data, self.threads, model_path)
+        open_session(data, self.threads, model_path)
         try:
-            graph.parse_model(data, "the engine built from {}".format(model_path))
+            onnx_model.parse_model(data, "the engine built from {}".format(model_path))
         except AgentError as exc:
             raise AgentError("build_failed", "{} (the rewritten model does not load: a bug "
                              "of the emulation; build without the failing option)".format(
@@ -396,7 +217,7 @@ class OnnxRuntimeBackend(Backend):
         with open(engine_path, "rb") as f:
             data = f.read()
         try:
-            model = graph.parse_model(data, engine_path)
+            model = onnx_model.parse_model(data, engine_path)
         except AgentError as exc:
             if exc.code != "bad_model":
                 raise
@@ -410,7 +231,7 @@ class OnnxRuntimeBackend(Backend):
         # Instrumented engines (tensors marked as outputs) return every activation of a run:
         # without the arena that memory goes back after each run.
         marked = bool((metadata.get("plan") or {}).get("mark_outputs"))
-        return OnnxRuntimeRunner(_session(data, self.threads, engine_path, arena=not marked),
+        return OnnxRuntimeRunner(open_session(data, self.threads, engine_path, arena=not marked),
                                  metadata)
 
 

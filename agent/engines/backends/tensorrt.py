@@ -1,7 +1,7 @@
 """The device backend: TensorRT 8.0.1 / 8.2 / 8.5 / 8.6 / 10.x / 11.x through the ONNX parser.
 
 Two ways to get reduced precision, chosen by the TensorRT version (``tensorrt_plan`` decides
-what to ask; this module carries it out):
+what to ask; ``tensorrt_build`` carries it out):
 
 - TensorRT < 10.12 (implicit quantization): builder flags (FP16 / INT8 / TF32), per-layer
   ``layer.precision`` + ``set_output_type`` under OBEY or PREFER precision constraints, INT8
@@ -13,161 +13,28 @@ what to ask; this module carries it out):
   QuantizeLinear/DequantizeLinear pairs whose scales come from the calibration cache or from
   ranges measured on the device (``calib.ranges``).
 
-The model is always read by ``graph.load_model`` (which names unnamed nodes) and handed to the
-parser as bytes, so TensorRT's layer names are built from the same node names the plan uses.
+The model is always read by ``onnx_model.load_model`` (which names unnamed nodes) and handed to
+the parser as bytes, so TensorRT's layer names are built from the same node names the plan uses.
 After a build the engine inspector says what precision each layer really got (fusions can
-override requests); layers that did not get what was asked are reported as mismatches. Builds
-share a persistent timing cache per TensorRT version and device, merged under a file lock.
+override requests; ``tensorrt_inspect`` reads it); layers that did not get what was asked are
+reported as mismatches. Builds share a persistent timing cache per TensorRT version and device,
+merged under a file lock (``tensorrt_caches``).
 
+This module is the backend's face (``create``, ``TensorRTBackend``: build, open, fingerprint).
 TensorRT and pycuda are imported lazily. Worker side: Python >= 3.6.
 """
 
-import contextlib
-import fcntl
-import logging
 import os
-import re
 import time
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional
 
-from agent.engines.backends.base import (
-    Backend,
-    BuildPlan,
-    BuildResult,
-    CalibrationSettings,
-    Progress,
-    Shape,
-    TensorSpec,
-    no_progress,
-)
-from agent.engines.backends.tensorrt_network import (  # noqa: F401 (re-exported: tests, callers)
-    _make_logger,
-    _network_inputs,
-    _set_dynamic_ranges,
-    _set_profile_shape,
-    _write_dla_core,
-    apply_layer_precisions,
-    dla_core_path,
-    mark_layerwise,
-    numpy_dtype,
-    read_dla_core,
-)
-from agent.engines.backends.tensorrt_plan import (
-    DLA_VERSIONS_NOTE,
-    EngineLayer,
-    Features,
-    ProfileShapes,
-    apply_builder_settings,
-    builder_settings,
-    calibration_shapes,
-    network_creation_flags,
-    node_precisions,
-    parse_engine_information,
-    parse_version,
-    parser_error,
-    plan_floor,
-    precision_mismatches,
-    profile_shapes,
-)
+from agent.engines.backends.base import Backend, BuildPlan, BuildResult, Progress, no_progress
+from agent.engines.backends.tensorrt_build import Build
+from agent.engines.backends.tensorrt_network import read_dla_core
+from agent.engines.backends.tensorrt_plan import Features, parse_version
 from agent.engines.backends.tensorrt_runner import TensorRTRunner
 from agent.errors import AgentError
-from agent.fsio import atomic_write, state_dir
 
-if TYPE_CHECKING:  # the stubs (scripts/lib/trt_stubs.py): mypy checks our calls against them
-    import tensorrt
-
-log = logging.getLogger(__name__)
-
-
-# -- timing cache ----------------------------------------------------------------------------
-
-def timing_cache_path(trt_version: str, device: str, root: Optional[str] = None) -> str:
-    """``<state dir>/timing/<trt version>-<device>.cache``: timing caches are valid for one
-    TensorRT version on one device model only."""
-    safe = re.sub(r"[^A-Za-z0-9.+-]+", "_", "{}-{}".format(trt_version, device)).strip("_")
-    return os.path.join(root or state_dir(), "timing", safe + ".cache")
-
-
-@contextlib.contextmanager
-def file_lock(path: str) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created if needed) for the block."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-def _read_bytes(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
-class TimingCache(object):
-    """The persistent timing cache of one TensorRT version and device."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.loaded_bytes = 0
-
-    def attach(self, config: "tensorrt.IBuilderConfig") -> None:
-        """Load the on-disk cache (an unreadable one is ignored) and set it on ``config``
-        (ignore_mismatch False: a cache from another device or version is not used)."""
-        data = _read_bytes(self.path)
-        cache = None
-        if data:
-            try:
-                cache = config.create_timing_cache(data)
-                self.loaded_bytes = len(data)
-            except Exception as exc:  # noqa: BLE001 (TensorRT raises plain RuntimeError)
-                log.warning("ignoring unreadable timing cache %s: %s", self.path, exc)
-        if cache is None:
-            cache = config.create_timing_cache(b"")
-        config.set_timing_cache(cache, False)
-
-    def save(self, config: "tensorrt.IBuilderConfig") -> int:
-        """Merge the build's cache with what is on disk now (another build may have written
-        it meanwhile) and write the result atomically, under a lock. Returns bytes written."""
-        cache = config.get_timing_cache()
-        if cache is None:
-            return 0
-        with file_lock(self.path + ".lock"):
-            disk = _read_bytes(self.path)
-            if disk:
-                try:
-                    cache.combine(config.create_timing_cache(disk), False)
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("not merging unreadable timing cache %s: %s", self.path, exc)
-            data = bytes(cache.serialize())
-            atomic_write(self.path, data)
-        return len(data)
-
-
-# -- calibration cache -----------------------------------------------------------------------
-
-def existing_calibration_cache(path: Optional[str], algorithm: str,
-                               trt_version: Optional[str]) -> Any:
-    """The parsed calibration cache at ``path`` when the file exists, else None. A cache
-    TensorRT would not reuse (another algorithm, or with ``trt_version`` another TensorRT
-    version) is refused with ``calibration_cache_mismatch`` rather than silently recalibrated.
-    ``trt_version`` None: only the algorithm must match (scales used directly, as Q/DQ or
-    dynamic ranges, mean the same whichever TensorRT wrote them)."""
-    from calib import cache as calib_cache
-
-    if not path or not os.path.isfile(path):
-        return None
-    parsed = calib_cache.read_cache(path)
-    calib_cache.check_compatible(parsed, algorithm, trt_version)
-    return parsed
-
-
-# -- TensorRT glue (the rest is in tensorrt_network) ------------------------------------------
 
 def import_tensorrt() -> Any:
     """The tensorrt module, or ``backend_unavailable`` saying how to get it."""
@@ -180,29 +47,6 @@ def import_tensorrt() -> Any:
             "python3-libnvinfer); importing tensorrt failed: {}. On a host use --backend "
             "onnxruntime".format(exc))
     return tensorrt
-
-
-def _inspect(runtime: "tensorrt.Runtime", serialized: Any) -> Optional[List[EngineLayer]]:
-    """The built engine's layers as the engine inspector reports them (TensorRT >= 8.2)."""
-    import tensorrt as trt
-
-    engine = runtime.deserialize_cuda_engine(serialized)
-    if engine is None or not hasattr(engine, "create_engine_inspector"):
-        return None
-    inspector = engine.create_engine_inspector()
-    return parse_engine_information(
-        inspector.get_engine_information(trt.LayerInformationFormat.JSON))
-
-
-class _Network(object):
-    """A parsed network and its inputs."""
-
-    def __init__(self, builder: "tensorrt.Builder", network: "tensorrt.INetworkDefinition",
-                 parser: "tensorrt.OnnxParser", inputs: List[TensorSpec]) -> None:
-        self.builder = builder
-        self.network = network
-        self.parser = parser  # keeps the parsed weights alive until the build is done
-        self.inputs = inputs
 
 
 class TensorRTBackend(Backend):
@@ -238,7 +82,7 @@ class TensorRTBackend(Backend):
             raise AgentError("file_not_found",
                              "model {} does not exist (expected an .onnx file)".format(model_path))
         with CudaContext(self.device) as ctx:
-            result = _Build(self, ctx, model_path, plan, engine_path, progress).run()
+            result = Build(self, ctx, model_path, plan, engine_path, progress).run()
         result.seconds = time.monotonic() - started
         return result
 
@@ -252,351 +96,6 @@ class TensorRTBackend(Backend):
         if dla_core is None:
             dla_core = read_dla_core(engine_path)
         return TensorRTRunner(data, self.device, source=engine_path, dla_core=dla_core)
-
-
-class _Build(object):
-    """One build: load, (rewrite,) parse, configure, calibrate, build, inspect, write."""
-
-    def __init__(self, backend: TensorRTBackend, ctx: Any, model_path: str, plan: BuildPlan,
-                 engine_path: str, progress: Progress) -> None:
-        self.backend = backend
-        self.ctx = ctx
-        self.model_path = model_path
-        self.plan = plan
-        self.engine_path = engine_path
-        self.progress = progress
-        self.version_text = backend.version()
-        self.version = parse_version(self.version_text)
-        self.settings = builder_settings(plan, self.version)
-        self.logger = _make_logger()
-        self.log_mark = self.logger.mark()  # this build's messages start here
-        self.details: Dict[str, Any] = {"trt_version": self.version_text,
-                                        "strongly_typed": self.settings.strongly_typed,
-                                        "flags": list(self.settings.set_flags),
-                                        "notes": list(self.settings.notes)}
-        self.calibrated = False
-        self.calibration_cache: Optional[str] = None
-        self.calibrator: Any = None
-        self.graph_mismatches: List[Tuple[str, str, str]] = []
-        self.graph_assignment: Dict[str, str] = {}
-
-    # ONNX side --------------------------------------------------------------------------
-
-    def _load_model(self) -> Tuple[Any, List[str]]:
-        from agent.engines.backends import graph
-
-        model = graph.load_model(self.model_path)  # names unnamed nodes, as the plan does
-        order = [str(n.name) for n in model.graph.node]
-        unknown = sorted(set(self.plan.layer_precisions) - set(order))
-        if unknown:
-            raise AgentError(
-                "unknown_layer",
-                "--layer-precisions names {} but the model has no such node (expected ONNX "
-                "node names such as {})".format(
-                    ", ".join(repr(u) for u in unknown), ", ".join(order[:5]) or "none"),
-                {"unknown": unknown})
-        return model, order
-
-    def _parse(self, model: Any) -> _Network:
-        import tensorrt as trt
-
-        builder = trt.Builder(self.logger)
-        network = builder.create_network(network_creation_flags(trt, self.settings))
-        parser = trt.OnnxParser(network, self.logger)
-        # The model's folder lets the parser find external weights the model still names.
-        if not parser.parse(model.SerializeToString(), self.model_path):
-            errors = []
-            for i in range(parser.num_errors):
-                err = parser.get_error(i)
-                node = err.node_name() if hasattr(err, "node_name") else str(err.node())
-                errors.append((str(err.code()).split(".")[-1], str(err.desc()),
-                               "" if node in ("-1", "") else node))
-            raise parser_error(errors, self.model_path)
-        return _Network(builder, network, parser, _network_inputs(network))
-
-    # build ------------------------------------------------------------------------------
-
-    def _check_dla_core(self, builder: "tensorrt.Builder") -> None:
-        """The DLA core asked for exists on this device (TensorRT says how many)."""
-        core = self.settings.dla_core
-        if core is None:
-            return
-        count = int(getattr(builder, "num_DLA_cores", 0) or 0)
-        if core >= count:
-            why = "" if self.backend.features.dla else "; " + DLA_VERSIONS_NOTE.format(
-                self.version_text)
-            raise AgentError(
-                "unsupported_precision",
-                "--dla-core {}: TensorRT {} reports {} DLA core(s) on this device (expected a "
-                "core index below that, or no --dla-core){}".format(
-                    core, self.version_text, count, why),
-                {"dla_cores": count})
-
-    def _config(self, net: _Network, profile: ProfileShapes) -> "tensorrt.IBuilderConfig":
-        import tensorrt as trt
-
-        self._check_dla_core(net.builder)
-        config = net.builder.create_builder_config()
-        apply_builder_settings(trt, config, self.settings)
-        if profile:
-            prof = net.builder.create_optimization_profile()
-            for name, (lo, opt, hi) in profile.items():
-                _set_profile_shape(prof, name, lo, opt, hi)
-            config.add_optimization_profile(prof)
-        return config
-
-    def _serialize(self, net: _Network, config: "tensorrt.IBuilderConfig") -> Any:
-        self.progress("building", 0, 1)
-        serialized = net.builder.build_serialized_network(net.network, config)
-        if serialized is None:
-            messages = self.logger.since(self.log_mark)
-            raise AgentError(
-                "build_failed",
-                "TensorRT {} could not build {}: {}".format(
-                    self.version_text, self.model_path,
-                    " | ".join(messages[-5:]) or "no message"),
-                {"messages": messages})
-        self.progress("building", 1, 1)
-        return serialized
-
-    def _timing_cache(self) -> TimingCache:
-        major, minor = self.ctx.compute_capability()
-        device = "{}-sm{}{}".format(self.ctx.name(), major, minor)
-        return TimingCache(timing_cache_path(self.version_text, device))
-
-    def run(self) -> BuildResult:
-        import tensorrt as trt
-
-        from agent.engines.backends import graph
-
-        plan = self.plan
-        model, order = self._load_model()
-        if self.settings.strongly_typed and (plan.precision != "fp32" or plan.layer_precisions):
-            model = self._rewrite(model, order)
-        if plan.mark_outputs:
-            model = graph.mark_outputs(model, list(plan.mark_outputs))
-        net = self._parse(model)
-        profile = profile_shapes(net.inputs, plan.shapes)
-        config = self._config(net, profile)
-        if self.settings.layer_constraints:
-            applied, skipped = apply_layer_precisions(trt, net.network,
-                                                      plan.layer_precisions, order,
-                                                      self.settings.pin_others)
-            self.details["constrained_layers"] = applied
-            self.details["skipped_layers"] = [list(s) for s in skipped]
-        feeder = None
-        if self.settings.int8_source in ("calibrator", "ranges"):
-            feeder = self._implicit_int8(net, config, profile, order)
-        timing = self._timing_cache()
-        timing.attach(config)
-        try:
-            serialized = self._serialize(net, config)
-        except AgentError:
-            self._raise_calibrator_error()
-            raise
-        finally:
-            if feeder is not None:
-                feeder.close()
-        self._raise_calibrator_error()
-        if feeder is not None:
-            self.calibrated = feeder.batches_fed > 0
-            self.details["calibration_batches"] = feeder.batches_fed
-        self.details["timing_cache"] = {"path": timing.path, "loaded_bytes": timing.loaded_bytes,
-                                        "saved_bytes": timing.save(config)}
-        atomic_write(self.engine_path, bytes(serialized))
-        # The inspector deserializes the engine once more: let the builder, network and parsed
-        # weights go first, so a 2-4 GB board does not hold both at once.
-        del net, config, feeder
-        _write_dla_core(self.engine_path, self.settings.dla_core)
-        if self.settings.dla_core is not None:
-            self.details["dla_core"] = self.settings.dla_core
-        got, mismatches = self._read_back(serialized, order)
-        return BuildResult(
-            self.engine_path, plan.precision, layer_precisions=got, mismatches=mismatches,
-            calibration_cache=self.calibration_cache, calibrated=self.calibrated,
-            details=self.details)
-
-    def _raise_calibrator_error(self) -> None:
-        """An error kept by the calibrator (bad data, full disk) explains a failed build."""
-        error = getattr(self.calibrator, "error", None)
-        if error is not None:
-            raise error
-
-    def _read_back(self, serialized: Any,
-                   order: Sequence[str]) -> Tuple[Dict[str, str], List[Tuple[str, str, str]]]:
-        """Per-node precisions and mismatches. Weakly typed: what the engine inspector
-        shows. Strongly typed: TensorRT follows the graph's types exactly, so the rewrite's
-        assignment is the truth (fused Casts make the inspector's output types misleading);
-        the inspector's view goes to the details."""
-        import tensorrt as trt
-
-        if not self.settings.detailed_profiling:
-            self.details["inspector"] = "unavailable (TensorRT < 8.2)"
-            return dict(self.graph_assignment), list(self.graph_mismatches)
-        layers = _inspect(trt.Runtime(self.logger), serialized)
-        if layers is None:
-            self.details["inspector"] = "unavailable"
-            return dict(self.graph_assignment), list(self.graph_mismatches)
-        self.details["inspector"] = "json"
-        seen = node_precisions(layers, order)
-        if self.settings.strongly_typed and self.graph_assignment:
-            self.details["inspector_precisions"] = seen
-            return dict(self.graph_assignment), list(self.graph_mismatches)
-        missing = sorted(set(self.plan.layer_precisions) - set(seen))
-        if missing:
-            self.details["not_in_engine"] = missing
-        floor = plan_floor(self.plan.precision) if not self.settings.strongly_typed else None
-        return seen, precision_mismatches(self.plan.layer_precisions, seen, floor)
-
-    # INT8 -------------------------------------------------------------------------------
-
-    def _calibration(self) -> CalibrationSettings:
-        settings = self.plan.calibration
-        if settings is None or not (settings.data or settings.cache):
-            raise AgentError("bad_argument",
-                             "{} needs calibration data (--calib) or a calibration cache "
-                             "(--calibration-cache)".format(self.plan.precision))
-        return settings
-
-    def _cache_path(self, settings: CalibrationSettings) -> str:
-        if settings.cache:
-            return settings.cache
-        return os.path.splitext(self.engine_path)[0] + ".calibration.cache"
-
-    def _existing_cache(self, path: str, algorithm: str, check_version: bool) -> Any:
-        return existing_calibration_cache(path, algorithm,
-                                          self.version_text if check_version else None)
-
-    def _dataset(self, settings: CalibrationSettings, inputs: Sequence[TensorSpec],
-                 batch: int) -> Any:
-        from calib.dataset import CalibrationDataset
-
-        if not settings.data:
-            raise AgentError("bad_argument",
-                             "no calibration cache at {} and no calibration data (--calib) to "
-                             "make one".format(self._cache_path(settings)))
-        return CalibrationDataset(settings.data, list(inputs), batch,
-                                  shuffle_seed=settings.shuffle_seed,
-                                  max_samples=settings.max_samples)
-
-    def _implicit_int8(self, net: _Network, config: "tensorrt.IBuilderConfig",
-                       profile: ProfileShapes,
-                       order: Sequence[str]) -> Any:
-        from calib.calibrators import BatchFeeder, calibration_dtypes, make_calibrator
-
-        settings = self._calibration()
-        algorithm = settings.algorithm
-        path = self._cache_path(settings)
-        self.calibration_cache = path
-        if algorithm == "percentile":
-            # No TensorRT calibrator: ranges measured here, handed over as dynamic ranges.
-            amax = self._amax(net.inputs, profile, settings, path)
-            self.details["dynamic_ranges"] = _set_dynamic_ranges(net.network, amax)
-            return None
-        existing = self._existing_cache(path, algorithm, check_version=True)
-        batch, shapes, notes = calibration_shapes(net.inputs, profile, settings.batch_size)
-        self.details["notes"].extend(notes)
-        cache_bytes = None
-        feeder = None
-        if existing is not None:
-            with open(path, "rb") as f:
-                cache_bytes = f.read()
-            self.details["calibration"] = "cache"
-        else:
-            dataset = self._dataset(settings, net.inputs, batch)
-            feeder = BatchFeeder(dataset, batch, calibration_dtypes(net.inputs),
-                                 progress=self.progress, total=dataset.num_batches(),
-                                 shapes=shapes)
-            self.details["calibration"] = algorithm
-        self.calibrator = make_calibrator(algorithm, feeder, batch, path, cache_bytes)
-        config.int8_calibrator = self.calibrator
-        if profile:
-            cprof = net.builder.create_optimization_profile()
-            for name, shape in shapes.items():
-                _set_profile_shape(cprof, name, shape, shape, shape)
-            config.set_calibration_profile(cprof)
-        return feeder
-
-    def _amax(self, inputs: Sequence[TensorSpec], profile: ProfileShapes,
-              settings: CalibrationSettings, path: str) -> Dict[str, float]:
-        """amax per tensor: from a compatible cache, else measured on this device by running
-        an fp32 engine with every layer output marked (``mark_layerwise``) through
-        ``calib.ranges``, float outputs only (the cache is then written for the next build)."""
-        import tensorrt as trt
-
-        from agent.engines.backends import graph
-        from calib import cache as calib_cache
-        from calib.ranges import RangeCollector
-
-        # Scales mean the same whichever TensorRT wrote them: only the algorithm must match.
-        existing = self._existing_cache(path, settings.algorithm, check_version=False)
-        if existing is not None:
-            self.details["calibration"] = "cache"
-            return dict(existing.amax)
-        batch, shapes, notes = calibration_shapes(inputs, profile, settings.batch_size)
-        self.details["notes"].extend(notes)
-        dataset = self._dataset(settings, inputs, batch)
-        model = graph.load_model(self.model_path)
-        fp32 = BuildPlan(precision="fp32", workspace_bytes=self.plan.workspace_bytes,
-                         shapes=_range_profile(shapes, profile))
-        sub = _Build(self.backend, self.ctx, self.model_path, fp32, self.engine_path,
-                     no_progress)
-        net = sub._parse(model)
-        self.details["range_outputs"] = len(mark_layerwise(trt, net.network))
-        serialized = sub._serialize(net, sub._config(net, profile_shapes(net.inputs,
-                                                                         fp32.shapes)))
-        collector = RangeCollector(settings.algorithm)
-        total = dataset.num_batches()
-        with TensorRTRunner(bytes(serialized), self.backend.device,
-                            source="range engine", ctx=self.ctx) as runner:
-            for done, feeds in enumerate(dataset, start=1):
-                for name, array in feeds.items():
-                    collector.update(name, array)
-                for name, array in runner.infer(feeds).items():
-                    if array.dtype.kind == "f":
-                        collector.update(name, array)
-                self.progress("calibrating", done, total)
-        amax = collector.amax()
-        self.calibrated = True
-        self.details["calibration"] = settings.algorithm
-        calib_cache.write_cache(path, amax, settings.algorithm, self.version_text)
-        return amax
-
-    # explicitly typed -------------------------------------------------------------------
-
-    def _rewrite(self, model: Any, order: Sequence[str]) -> Any:
-        """Precision into the graph (graph.py, shared with the host backend, typed mode):
-        fp32 islands stay fp32 between Casts, INT8 becomes Q/DQ from calibration ranges."""
-        from agent.engines.backends import graph
-
-        plan = self.plan
-        amax = None
-        if plan.needs_calibration:
-            settings = self._calibration()
-            path = self._cache_path(settings)
-            self.calibration_cache = path
-            inputs = self._parse(model).inputs  # the fp32 network's inputs, for the profile
-            amax = self._amax(inputs, profile_shapes(inputs, plan.shapes), settings, path)
-        assignment, mismatches, ignored = graph.resolve_precisions(
-            model, plan.precision, plan.layer_precisions, amax=amax, emulate=False)
-        self.graph_mismatches = list(mismatches)
-        self.graph_assignment = dict(assignment)
-        if ignored:
-            self.details["ignored_layers"] = ignored
-        self.details["graph_rewrite"] = graph.REWRITE_VERSION
-        return graph.apply_precisions(model, assignment, amax=amax, emulate=False)
-
-
-def _range_profile(shapes: Dict[str, Shape], profile: ProfileShapes) -> ProfileShapes:
-    """The range engine's profile: batch 1 .. calibration batch on dynamic batch dimensions
-    (a dataset's last, smaller batch must fit), the calibration shape elsewhere."""
-    out: ProfileShapes = {}
-    for name, shape in shapes.items():
-        if name not in profile:
-            continue
-        lo = tuple([1] + list(shape[1:])) if shape else shape
-        out[name] = (lo, shape, shape)
-    return out
 
 
 def create() -> TensorRTBackend:

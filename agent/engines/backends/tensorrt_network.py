@@ -1,7 +1,7 @@
-"""TensorRT glue shared by the build and the runner (``agent.engines.backends.tensorrt`` and
-``tensorrt_runner``): the process-wide logger, our dtype table, network inputs, per-layer
-precision constraints, layerwise output marking (Polygraphy's rule), dynamic ranges, and the
-file that remembers an engine's DLA core.
+"""TensorRT glue shared by the build and the runner (``tensorrt_build`` and ``tensorrt_runner``):
+the process-wide logger, our dtype table, network inputs, per-layer precision constraints,
+layerwise output marking (Polygraphy's rule), dynamic ranges, a built engine's layers read
+through the engine inspector, and the file that remembers an engine's DLA core.
 
 TensorRT is imported lazily (callers pass the module in). Worker side: Python >= 3.6.
 """
@@ -14,7 +14,12 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from agent.engines.backends.base import Shape, TensorSpec
-from agent.engines.backends.tensorrt_plan import NUMPY_DTYPES, TRT_DTYPES, layer_onnx_nodes
+from agent.engines.backends.tensorrt_inspect import (
+    EngineLayer,
+    layer_onnx_nodes,
+    parse_engine_information,
+)
+from agent.engines.backends.tensorrt_plan import NUMPY_DTYPES, TRT_DTYPES
 from agent.errors import AgentError
 from agent.fsio import atomic_write
 
@@ -238,6 +243,18 @@ def _set_dynamic_ranges(network: "tensorrt.INetworkDefinition", amax: Dict[str, 
             tensor.set_dynamic_range(-float(value), float(value))
             count += 1
     return count
+
+
+def inspect_engine(runtime: "tensorrt.Runtime", serialized: Any) -> Optional[List[EngineLayer]]:
+    """The built engine's layers as the engine inspector reports them (TensorRT >= 8.2)."""
+    import tensorrt as trt
+
+    engine = runtime.deserialize_cuda_engine(serialized)
+    if engine is None or not hasattr(engine, "create_engine_inspector"):
+        return None
+    inspector = engine.create_engine_inspector()
+    return parse_engine_information(
+        inspector.get_engine_information(trt.LayerInformationFormat.JSON))
 
 
 # -- DLA core of an engine ------------------------------------------------------------------

@@ -10,7 +10,8 @@ import numpy as np
 
 from agent.engines.backends.base import Runner, TensorSpec
 from agent.engines.backends.tensorrt_network import _dims, _ints, _make_logger, numpy_dtype
-from agent.engines.backends.tensorrt_plan import Features, parse_version, shape_text
+from agent.engines.backends.tensorrt_plan import Features, parse_version
+from agent.engines.backends.tensorrt_shapes import shape_text
 from agent.errors import AgentError
 
 
@@ -81,14 +82,6 @@ class TensorRTRunner(Runner):
                               _dims(engine.get_binding_shape(i)))  # type: ignore[attr-defined]
             (inputs if engine.binding_is_input(i) else outputs).append(spec)  # type: ignore[attr-defined]
         return inputs, outputs
-
-    @property
-    def inputs(self) -> List[TensorSpec]:
-        return list(self._inputs)
-
-    @property
-    def outputs(self) -> List[TensorSpec]:
-        return list(self._outputs)
 
     def _io(self) -> Any:
         if self.buffers is None:

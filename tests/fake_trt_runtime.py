@@ -1,0 +1,131 @@
+"""The run side of the fake ``tensorrt`` (``tests/fake_trt.py``): the runtime that deserializes
+the fake builder's JSON "engines", engines with the profile's I/O API (bindings or tensor
+names), execution contexts, and the engine inspector's JSON in the profile's shape.
+"""
+
+import json
+
+from tests.fake_trt import DTYPE_MEMBERS
+
+
+def add_runtime(trt, p, drv):
+    """Put Runtime on the fake ``trt``."""
+    api = p["api"]
+    Dims, Severity = trt.Dims, trt.ILogger.Severity
+    attach, emit = trt._attach, trt._emit
+
+    class Inspector(object):
+        def __init__(self, plan):
+            self.plan = plan
+
+        def get_engine_information(self, fmt):
+            insp = p["inspector"]
+            words = {"FLOAT": "Float", "HALF": "Half", "INT8": "Int8", "INT32": "Int32",
+                     "INT64": "Int64", "BOOL": "Bool", "BF16": "BFloat16", "FP8": "FP8"}
+            layers = []
+            for layer in self.plan["layers"]:
+                if not self.plan["detailed"]:
+                    layers.append(layer["name"])
+                    continue
+                word = words.get(layer["precision"], layer["precision"])
+                if insp["dtype_keys"] == ["Format/Datatype"]:
+                    tensor = {"Name": layer["name"] + "_out",
+                              "Format/Datatype": "Row major linear " + word}
+                else:
+                    tensor = {"Name": layer["name"] + "_out", "Format": "Row major linear",
+                              "Datatype": word}
+                layers.append({"Name": layer["name"], "LayerType": layer["type"],
+                               "Outputs": [tensor], "Metadata": layer["metadata"]})
+            return json.dumps({"Layers": layers,
+                               insp["io_key"]: [t["name"] for t in self.plan["io"]]})
+
+    class Context(object):
+        def __init__(self, engine):
+            self.engine = engine
+            self.shapes = {}
+            self.addresses = {}
+
+        def set_input_shape(self, name, shape):
+            self.shapes[name] = tuple(shape)
+            return True
+
+        def get_tensor_shape(self, name):
+            return Dims(self.engine.io[name]["shape"])
+
+        def set_tensor_address(self, name, ptr):
+            self.addresses[name] = ptr
+            return True
+
+        def execute_async_v3(self, handle):
+            return drv.execute()
+
+        def set_binding_shape(self, index, shape):
+            return True
+
+        def get_binding_shape(self, index):
+            return Dims(self.engine.order[index]["shape"])
+
+        def execute_async_v2(self, bindings, handle):
+            return drv.execute()
+
+    class Engine(object):
+        def __init__(self, plan, dla_core):
+            self.plan = plan
+            self.dla_core = dla_core  # the core it runs on (runtime.DLA_core)
+            self.order = plan["io"]
+            self.io = {t["name"]: t for t in plan["io"]}
+
+        def create_execution_context(self):
+            return Context(self)
+
+        def create_engine_inspector(self):
+            return Inspector(self.plan)
+
+    if api["tensor_io"]:
+        Engine.num_io_tensors = property(lambda self: len(self.order))
+        Engine.get_tensor_name = lambda self, i: self.order[i]["name"]
+        Engine.get_tensor_dtype = lambda self, n: _alias(self.io[n])
+        Engine.get_tensor_shape = lambda self, n: Dims(self.io[n]["shape"])
+        Engine.get_tensor_mode = lambda self, n: (trt.TensorIOMode.INPUT if self.io[n]["input"]
+                                                  else trt.TensorIOMode.OUTPUT)
+    if api["bindings"]:
+        Engine.num_bindings = property(lambda self: len(self.order))
+        Engine.get_binding_name = lambda self, i: self.order[i]["name"]
+        Engine.get_binding_dtype = lambda self, i: _alias(self.order[i])
+        Engine.get_binding_shape = lambda self, i: Dims(self.order[i]["shape"])
+        Engine.binding_is_input = lambda self, i: self.order[i]["input"]
+    if not api["engine_inspector"]:
+        del Engine.create_engine_inspector
+
+    def _alias(io):
+        member = io["dtype"]
+        for alias, name in DTYPE_MEMBERS.items():
+            if name == member:
+                return getattr(trt, alias)
+        raise KeyError(member)
+
+    class Runtime(object):
+        def __init__(self, logger):
+            attach(logger)
+            self.DLA_core = -1
+            drv.runtimes.append(self)
+
+        def __del__(self):
+            drv.live -= 1
+
+        def deserialize_cuda_engine(self, data):
+            drv.builders_at_deserialize.append(drv.builders_alive)
+            try:
+                plan = json.loads(bytes(data).decode())
+            except ValueError:
+                emit(Severity.ERROR, "Serialization assertion failed: magic tag mismatch")
+                return None
+            if plan["version"] != p["version"]:
+                emit(Severity.ERROR, "engine built with TensorRT {}".format(plan["version"]))
+                return None
+            core = None
+            if plan["dla_core"] is not None:
+                core = self.DLA_core if self.DLA_core >= 0 else 0
+            return Engine(plan, core)
+
+    trt.Runtime = Runtime
