@@ -36,7 +36,8 @@ from agent.errors import AgentError
 from agent.precision import golden
 from agent.precision import ranking as scoring
 from agent.precision import search as strategies
-from agent.precision.compare import Comparison, compare_outputs
+from agent.precision.compare import compare_outputs
+from agent.precision.comparison import Comparison
 
 log = logging.getLogger(__name__)
 
