@@ -1,13 +1,12 @@
-"""Golden inputs and outputs: Polygraphy's JSON formats, .npz, and generated inputs.
+"""Golden inputs and outputs: Polygraphy's files, generated inputs, checks against the model.
 
 - Inputs (``polygraphy run --save-inputs``): a JSON list with one ``{input name: array}`` dict
   per iteration. Outputs (``--save-outputs``): a ``RunResults`` JSON,
   ``{"lst": [[runner name, [IterationResult, ...]]], "polygraphy_class": "RunResults"}``, each
   IterationResult ``{"outputs": {name: {"values": array, "polygraphy_class": "LazyArray"}},
-  "runtime": s, "runner_name": name, "polygraphy_class": "IterationResult"}``. An array is
-  ``{"array": base64 of np.save bytes, "polygraphy_class": "ndarray"}``; older Polygraphy files
-  (``__polygraphy_encoded_*`` markers, latin-1 array text, bare arrays as outputs) load too.
-- ``.npz``: one iteration keyed by tensor name, or several keyed ``iteration_<i>/<name>``.
+  "runtime": s, "runner_name": name, "polygraphy_class": "IterationResult"}``. Either may be an
+  .npz instead. How arrays are encoded in these files (and in older Polygraphy files), and the
+  caps on what they inflate to, live in ``golden_codec``.
 - Generated inputs (``--val-range``, ``--seed``, ``--iterations``) follow Polygraphy's
   DataLoader: iteration i draws from ``numpy.random.RandomState(seed + i)``, inputs in model
   order, floats ``random_sample * (hi - lo) + lo``, integers ``randint(lo, hi + 1)``; default
@@ -15,21 +14,14 @@
 - Goldens from inputs alone are computed with the fp32 host backend (ONNX Runtime).
 
 Everything the model disagrees with raises ``golden_mismatch`` saying what was expected and
-what was found; files that cannot be parsed raise ``bad_golden_file``. Arrays are read with
-``agent.engines.safe_npz``: headers and declared sizes first, no pickles, inflated bytes capped per
-file (``limits.inflate_ratio`` / ``inflate_min_bytes`` / ``max_data_bytes``). Worker side:
-Python 3.6.
+what was found; files that cannot be parsed raise ``bad_golden_file``. Worker side: Python 3.6.
 """
 
-import base64
-import binascii
-import io
 import json
 import math
 import os
 import re
 import shutil
-import sys
 import tempfile
 from collections import OrderedDict
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -40,171 +32,43 @@ from agent.engines import safe_npz
 from agent.engines.backends.base import Backend, BuildPlan, TensorSpec
 from agent.errors import AgentError
 from agent.fsio import atomic_write
+from agent.precision.golden_codec import (
+    TYPE_MARKER,
+    Feed,
+    as_feed,
+    encode_array,
+    is_npz,
+    load_npz,
+    must_exist,
+    read_json,
+    save_npz,
+    type_of,
+)
 
-Feed = Dict[str, np.ndarray]
 DEFAULT_SEED = 1  # Polygraphy's constants.DEFAULT_SEED
 DEFAULT_RANGE = (0.0, 1.0)
 DEFAULT_RUNNER = "onnxrt-runner"
-TYPE_MARKER = "polygraphy_class"
-LEGACY_PREFIX = "__polygraphy_encoded_"
-NPZ_ITERATION = re.compile(r"^iteration_(\d+)/(.+)$")
-
-
-# ---------------------------------------------------------------------------------------------
-# Polygraphy JSON
-
-
-def encode_array(array: np.ndarray) -> Dict[str, Any]:
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(array), allow_pickle=False)
-    return OrderedDict([("array", base64.b64encode(buf.getvalue()).decode("ascii")),
-                        (TYPE_MARKER, "ndarray")])
-
-
-def decode_array(dct: Dict[str, Any], source: str = "file",
-                 budget_size: Optional[int] = None) -> np.ndarray:
-    """The array of a Polygraphy-encoded dict; ``budget_size`` is the size of the file it came
-    from (what an embedded .npz may inflate to is a multiple of it)."""
-    data = dct.get("array")
-    if not isinstance(data, str):
-        raise AgentError("bad_golden_file", "{}: expected an encoded array ({{\"array\": "
-                         "base64}}), found keys {}".format(source, sorted(dct)))
-    try:
-        raw = base64.b64decode(data.encode("ascii"), validate=True)
-    except (binascii.Error, ValueError, UnicodeEncodeError):
-        raw = data.encode("latin-1", errors="replace")  # very old Polygraphy files
-    if not raw.startswith(b"PK"):
-        return safe_npz.read_npy_bytes(raw, "bad_golden_file", source, budget_size)
-    values = list(safe_npz.read_npz_bytes(raw, "bad_golden_file", source,  # old Polygraphy
-                                          budget_size).values())
-    if not values:
-        raise AgentError("bad_golden_file", "{}: an encoded array holds nothing".format(source))
-    return np.asarray(values[0])
-
-
-def _type_of(dct: Dict[str, Any]) -> Optional[str]:
-    marker = dct.get(TYPE_MARKER)
-    if isinstance(marker, str):
-        return marker
-    for key in dct:
-        if key.startswith(LEGACY_PREFIX):
-            return key[len(LEGACY_PREFIX):]
-    return None
-
-
-def _decoder(source: str) -> Any:
-    size = os.path.getsize(source) if os.path.isfile(source) else None
-    used = [0]  # bytes decoded so far: capped per file like an .npz
-
-    def hook(pairs: List[Tuple[str, Any]]) -> Any:
-        dct = OrderedDict(pairs)
-        kind = _type_of(dct)
-        if kind == "ndarray":
-            arr = decode_array(dct, source, size)
-            used[0] += arr.nbytes
-            limit = safe_npz.limit_for(size or arr.nbytes)
-            if used[0] > limit:
-                raise AgentError("bad_golden_file", "{}: arrays decode to more than {:,} bytes "
-                                 "(limits.inflate_ratio x the file's {:,} bytes, at most "
-                                 "limits.max_data_bytes)".format(source, limit, size or 0))
-            return arr
-        if kind in ("LazyArray", "LazyNumpyArray"):
-            return dct.get("values")
-        return dct
-    return hook
-
-
-def _read_json(path: str, what: str = "golden file") -> Any:
-    _must_exist(path, what)
-    try:
-        with open(path, "r") as f:
-            return json.load(f, object_pairs_hook=_decoder(path))
-    except ValueError as exc:
-        raise AgentError("bad_golden_file", "{}: expected Polygraphy JSON, found text that does "
-                         "not parse ({})".format(path, exc))
-    except UnicodeDecodeError:
-        raise AgentError("bad_golden_file", "{}: expected Polygraphy JSON, found binary "
-                         "data".format(path))
-    except RecursionError:
-        raise AgentError("bad_golden_file", "{}: expected Polygraphy JSON, found lists or "
-                         "objects nested deeper than the parser allows (~{} levels)".format(
-                             path, sys.getrecursionlimit()))
-
-
-def _must_exist(path: str, what: str = "golden file") -> None:
-    """``what`` names the file as the user named it (--load-inputs is an inputs file)."""
-    if not os.path.isfile(path):
-        raise AgentError("file_not_found", "{} {} {}".format(
-            what, path, "is a directory, expected a file" if os.path.isdir(path)
-            else "does not exist"))
-
-
-def _feed(obj: Any, what: str) -> Feed:
-    if not isinstance(obj, dict) or not all(isinstance(v, np.ndarray) for v in obj.values()):
-        raise AgentError("bad_golden_file", "{}: expected a dict of tensor name -> array, "
-                         "found {}".format(what, type(obj).__name__))
-    return OrderedDict((str(k), v) for k, v in obj.items())
-
-
-def _is_npz(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
-
-
-def _load_npz(path: str) -> List[Feed]:
-    items = list(safe_npz.read_npz(path, "bad_golden_file").items())
-    iterations: Dict[int, Feed] = {}
-    plain: Feed = OrderedDict()
-    for key, arr in items:
-        m = NPZ_ITERATION.match(key)
-        if m:
-            iterations.setdefault(int(m.group(1)), OrderedDict())[m.group(2)] = arr
-        else:
-            plain[key] = arr
-    if iterations and plain:
-        raise AgentError("bad_golden_file", "{}: expected either plain tensor names or "
-                         "iteration_<i>/<name> keys, found both".format(path))
-    if not iterations:
-        return [plain]
-    indices = sorted(iterations)
-    if indices != list(range(len(indices))):
-        raise AgentError("bad_golden_file", "{}: expected iterations 0..{}, found {}".format(
-            path, len(indices) - 1, indices))
-    return [iterations[i] for i in indices]
-
-
-def _save_npz(path: str, feeds: Sequence[Feed]) -> None:
-    arrays: Dict[str, np.ndarray] = OrderedDict()
-    if len(feeds) == 1:
-        arrays.update(feeds[0])
-    else:
-        for i, feed in enumerate(feeds):
-            for name, arr in feed.items():
-                arrays["iteration_{}/{}".format(i, name)] = arr
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)  # type: ignore[arg-type]
-    atomic_write(path, buf.getvalue())
 
 
 def load_inputs(path: str) -> List[Feed]:
     """Inputs per iteration from a Polygraphy ``--save-inputs`` JSON or an .npz."""
-    _must_exist(path, "inputs file")
-    if _is_npz(path):
-        return _load_npz(path)
-    data = _read_json(path, "inputs file")
-    if isinstance(data, dict) and _type_of(data) is None and all(
+    must_exist(path, "inputs file")
+    if is_npz(path):
+        return load_npz(path)
+    data = read_json(path, "inputs file")
+    if isinstance(data, dict) and type_of(data) is None and all(
             isinstance(v, np.ndarray) for v in data.values()):
         data = [data]  # a single feed dict
     if not isinstance(data, list) or not data:
         raise AgentError("bad_golden_file", "{}: expected a list of feed dicts (polygraphy "
                          "--save-inputs), found {}".format(path, type(data).__name__))
-    return [_feed(d, "{} iteration {}".format(path, i)) for i, d in enumerate(data)]
+    return [as_feed(d, "{} iteration {}".format(path, i)) for i, d in enumerate(data)]
 
 
 def save_inputs(path: str, inputs: Sequence[Feed]) -> None:
     """Write inputs as Polygraphy ``--save-inputs`` JSON, or .npz by extension."""
     if path.endswith(".npz"):
-        _save_npz(path, inputs)
+        save_npz(path, inputs)
         return
     doc = [OrderedDict((name, encode_array(arr)) for name, arr in feed.items())
            for feed in inputs]
@@ -214,10 +78,10 @@ def save_inputs(path: str, inputs: Sequence[Feed]) -> None:
 def load_run_results(path: str) -> List[Tuple[str, List[Feed]]]:
     """(runner name, outputs per iteration) for every runner of a Polygraphy
     ``--save-outputs`` RunResults JSON; an .npz gives one runner named "npz"."""
-    _must_exist(path)
-    if _is_npz(path):
-        return [("npz", _load_npz(path))]
-    data = _read_json(path)
+    must_exist(path)
+    if is_npz(path):
+        return [("npz", load_npz(path))]
+    data = read_json(path)
     if not isinstance(data, dict) or not isinstance(data.get("lst"), list):
         raise AgentError("bad_golden_file", "{}: expected Polygraphy RunResults JSON "
                          "({{\"lst\": [[runner, [iteration results]]]}}), found {}".format(
@@ -234,7 +98,7 @@ def load_run_results(path: str) -> List[Tuple[str, List[Feed]]]:
             if not isinstance(it, dict) or "outputs" not in it:
                 raise AgentError("bad_golden_file", "{}: expected an IterationResult with "
                                  "outputs".format(what))
-            outputs.append(_feed(it["outputs"], what))
+            outputs.append(as_feed(it["outputs"], what))
         runners.append((name, outputs))
     if not runners or not runners[0][1]:
         raise AgentError("bad_golden_file", "{}: RunResults holds no iteration".format(path))
@@ -258,7 +122,7 @@ def save_outputs(path: str, outputs: Sequence[Feed], runner: str = DEFAULT_RUNNE
                  runtime: Optional[float] = None) -> None:
     """Write outputs as Polygraphy ``--save-outputs`` RunResults JSON, or .npz by extension."""
     if path.endswith(".npz"):
-        _save_npz(path, outputs)
+        save_npz(path, outputs)
         return
     iterations = []
     for feed in outputs:

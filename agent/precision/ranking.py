@@ -6,7 +6,7 @@ layer gets a score from its input and output tensors, worst first (``rank_errors
 past the fp16 range, inf/NaN it introduced, and the growth of the normalized error from its
 inputs to its outputs. ``tensor_stats`` / ``merge_stats`` keep one small tuple per tensor,
 one input iteration at a time, so ranking never holds more than one iteration's tensors.
-``agent.precision.search`` orders its group tests by this ranking. ``instrumented_ranking`` runs
+``agent.precision.strategies`` order their tests by this ranking. ``instrumented_ranking`` runs
 the two instrumented engines it is given (backends and plans come in as arguments: importing this
 module pulls in no backend), and rankings are cached as JSON keyed by ``ranking_key``.
 

@@ -7,7 +7,7 @@ before, by this search or an earlier one), run every input iteration, compare wi
 precision, and the plan as asked; ``ranking.instrumented_ranking`` turns their tensors into the
 ranking and the per-layer sensitivity table (cached by ``ranking.ranking_key``). INT8 builds
 share one calibration cache (``build_engine`` defaults it), so calibration runs once per
-search.
+search. What it returns, and the sensitivity table and message in it, is ``search_result``.
 
 The search can be stopped (``should_stop()`` returns True, or KeyboardInterrupt): the result
 then holds what was found so far, flagged ``interrupted``; every engine it published is whole
@@ -35,8 +35,16 @@ from agent.engines.cache import EngineCache
 from agent.errors import AgentError
 from agent.precision import golden
 from agent.precision import ranking as scoring
-from agent.precision import search as strategies
-from agent.precision.compare import Comparison, compare_outputs
+from agent.precision.compare import compare_outputs
+from agent.precision.comparison import Comparison
+from agent.precision.search import Search, check_mode
+from agent.precision.search_result import (
+    SearchResult,
+    describe_needs,
+    output_stats,
+    result_message,
+    sensitivity_table,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,78 +55,6 @@ LOG_KEEP_MAX = 64
 
 class _Verified(Exception):
     """The pre-flight prediction passed: no search needed."""
-
-
-class SearchResult(object):
-    """What a search found (or had found when it was stopped)."""
-
-    def __init__(self) -> None:
-        self.model = ""
-        self.mode = ""
-        self.direction = ""
-        self.precision = ""
-        self.keep_precision = "float32"
-        self.candidates = 0
-        self.keep: List[str] = []
-        self.passed = False
-        self.complete = False
-        self.interrupted = False
-        self.exhausted = False
-        self.one_minimal = False  # every kept layer shown needed (not stopped by the budget)
-        self.budget: Optional[int] = None
-        self.ranking_cached = False
-        self.predicted: Optional[List[str]] = None  # pre-flight: the set verified first
-        self.prediction_passed: Optional[bool] = None
-        self.evaluations = 0
-        self.builds = 0
-        self.cache_hits = 0
-        self.iterations: List[Dict[str, Any]] = []
-        self.sensitivity: List[Dict[str, Any]] = []
-        self.ranking: List[str] = []
-        self.suspects = 0
-        self.engine_key: Optional[str] = None
-        self.engine_path: Optional[str] = None
-        self.comparison: Optional[Comparison] = None
-        self.seconds = 0.0
-        self.message = ""
-
-    @property
-    def layer_precisions(self) -> str:
-        """Ready to paste after ``--layer-precisions``, in graph order."""
-        return " ".join("{}:{}".format(name, self.keep_precision) for name in self.keep)
-
-    def to_dict(self) -> Dict[str, Any]:
-        return OrderedDict([
-            ("model", self.model),
-            ("mode", self.mode),
-            ("direction", self.direction),
-            ("precision", self.precision),
-            ("keep_precision", self.keep_precision),
-            ("candidates", self.candidates),
-            ("keep", list(self.keep)),
-            ("layer_precisions", self.layer_precisions),
-            ("passed", self.passed),
-            ("complete", self.complete),
-            ("interrupted", self.interrupted),
-            ("exhausted", self.exhausted),
-            ("partial", not self.complete),
-            ("one_minimal", self.one_minimal),
-            ("budget", self.budget),
-            ("ranking_cached", self.ranking_cached),
-            ("predicted", self.predicted),
-            ("prediction_passed", self.prediction_passed),
-            ("evaluations", self.evaluations),
-            ("builds", self.builds),
-            ("cache_hits", self.cache_hits),
-            ("seconds", round(self.seconds, 3)),
-            ("engine_key", self.engine_key),
-            ("engine", self.engine_path),
-            ("message", self.message),
-            ("comparison", self.comparison.to_dict()["outputs"] if self.comparison else None),
-            ("suspects", self.suspects),
-            ("iterations", self.iterations),
-            ("sensitivity", self.sensitivity),
-        ])
 
 
 def _quiet_builds(progress: Progress) -> Progress:
@@ -143,14 +79,6 @@ def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
             if assignment.get(name, keep_precision) != keep_precision
             and name not in plan.layer_precisions]
 
-
-def _stats(cmp: Comparison) -> Dict[str, Any]:
-    """Per output: pass, the minimum tolerances that would have passed, SQNR, cosine."""
-    out: Dict[str, Any] = OrderedDict()
-    for name, s in cmp.to_dict()["outputs"].items():
-        out[name] = OrderedDict((k, s.get(k)) for k in (
-            "passed", "required_atol", "required_rtol", "sqnr_db", "cosine"))
-    return out
 
 
 def run_search(
@@ -187,7 +115,7 @@ def run_search(
     ``reference_mismatch`` when even every candidate kept fails, ``golden_mismatch`` when the
     goldens do not fit the model's outputs."""
     started = time.monotonic()
-    strategies.check_mode(mode, direction)
+    check_mode(mode, direction)
     if plan.precision == "fp32":
         raise AgentError("bad_argument", "a precision search needs a reduced precision "
                          "(fp16, int8 or best), found fp32")
@@ -217,7 +145,7 @@ def run_search(
         return record
 
     scores: List[scoring.LayerScore] = []
-    search: Optional[strategies.Search] = None
+    search: Optional[Search] = None
     comparisons: Dict[frozenset, Comparison] = {}
 
     def evaluate(keep: List[str], index: int) -> Tuple[Comparison, Dict[str, Any]]:
@@ -235,7 +163,7 @@ def run_search(
             ("build_seconds", round(build_seconds, 3)),
             ("cache_hit", record.cache_hit),
             ("engine_key", record.key),
-            ("stats", _stats(cmp)),
+            ("stats", output_stats(cmp)),
         ])
         if len(keep) <= LOG_KEEP_MAX:
             entry["keep"] = list(keep)
@@ -290,7 +218,7 @@ def run_search(
             ranking = [s.name for s in scores]
             result.suspects = scoring.count_suspects(scores)
         result.ranking = ranking or []
-        search = strategies.Search(layers, mode=mode, direction=direction, ranking=ranking,
+        search = Search(layers, mode=mode, direction=direction, ranking=ranking,
                                    suspects=result.suspects, max_evaluations=max_evaluations)
         result.budget = search.max_evaluations
         progress("searching", 0, search.total)
@@ -305,7 +233,7 @@ def run_search(
             except AgentError as exc:
                 if exc.code == "reference_mismatch":
                     raise AgentError("reference_mismatch", "{}; with all kept: {}".format(
-                        exc.message, _describe(cmp)), {"comparison": cmp.to_dict()["outputs"]})
+                        exc.message, describe_needs(cmp)), {"comparison": cmp.to_dict()["outputs"]})
                 raise
             progress("searching", search.evaluations, search.total)
     except KeyboardInterrupt:
@@ -321,7 +249,7 @@ def run_search(
         best = search.best()
         result.keep = best if best is not None else []
         result.passed = best is not None
-    result.sensitivity = _sensitivity(scores, layers, result.keep, comparisons, mode)
+    result.sensitivity = sensitivity_table(scores, layers, result.keep, comparisons, mode)
     if result.passed:
         # The found set was evaluated, so this is a cache hit; it pins the answer's engine.
         try:
@@ -330,7 +258,7 @@ def run_search(
         except KeyboardInterrupt:
             result.interrupted = True
         result.comparison = comparisons.get(frozenset(result.keep))
-    result.message = _message(result)
+    result.message = result_message(result)
     result.seconds = time.monotonic() - started
     progress("searching", result.evaluations, result.evaluations)
     return result
@@ -348,62 +276,3 @@ def preflight(model_path: str, plan: BuildPlan, inputs: Sequence[Feed],
     host = get_backend("onnxruntime")
     return run_search(model_path, plan, inputs, goldens, host, cache, platform_fingerprint,
                       **kwargs)
-
-
-def _describe(cmp: Comparison) -> str:
-    parts = []
-    for name, s in cmp.summary().items():
-        parts.append("{} needs atol {} or rtol {}".format(
-            name, _fmt(s.get("required_atol")), _fmt(s.get("required_rtol"))))
-    return "; ".join(parts)
-
-
-def _fmt(x: Any) -> str:
-    return "n/a" if x is None else "{:.4g}".format(x)
-
-
-def _sensitivity(scores: List[scoring.LayerScore], layers: List[str], keep: List[str],
-                 comparisons: Dict[frozenset, Comparison], mode: str) -> List[Dict[str, Any]]:
-    """One row per candidate, worst first: the error it introduced in the instrumented run,
-    whether it is kept, and for kept layers what dropping it alone did (when that was built)."""
-    kept = set(keep)
-    rows: List[Dict[str, Any]] = []
-    order = [s.name for s in scores] if scores else list(layers)
-    by_name = {s.name: s for s in scores}
-    for rank, name in enumerate(order, 1):
-        row: Dict[str, Any] = OrderedDict([("layer", name), ("rank", rank),
-                                           ("kept", name in kept)])
-        if name in by_name:
-            row.update((k, v) for k, v in by_name[name].to_dict().items() if k != "layer")
-        if name in kept:
-            without = comparisons.get(frozenset(kept - {name}))
-            if without is not None:
-                row["without_it"] = OrderedDict([("passed", without.passed),
-                                                 ("stats", _stats(without))])
-        rows.append(row)
-    if not scores:
-        # Without a ranking only the kept layers carry information.
-        rows = [r for r in rows if r["kept"]]
-    return rows
-
-
-def _message(result: SearchResult) -> str:
-    how = "stopped" if result.interrupted else (
-        "stopped after {} evaluations (limit)".format(result.evaluations)
-        if result.exhausted else "done")
-    if not result.passed:
-        return "{}: no passing set found yet after {} evaluations".format(
-            how, result.evaluations)
-    if not result.keep:
-        return "{}: the model passes with no layer kept in higher precision ({} " \
-               "evaluation(s))".format(how, result.evaluations)
-    if result.prediction_passed:
-        how = "done: the predicted set passed"
-    text = "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
-        how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
-        result.layer_precisions)
-    if result.complete and not result.one_minimal and result.mode == "minimal" and \
-            result.budget is not None:
-        text += " (the budget of {} evaluations ended the shrinking: no more layers than " \
-                "bisect keeps; raise --max-evaluations for a smaller set)".format(result.budget)
-    return text

@@ -29,7 +29,8 @@ def accuracy_report(
 ) -> Dict[str, Any]:
     """Compare ``outputs`` with ``goldens`` under the job's gate; the summary the job status
     carries (worst values over outputs and iterations) plus the comparator's full report."""
-    from agent.precision.compare import compare_outputs, top1_agreement
+    from agent.precision.compare import compare_outputs
+    from agent.precision.metrics import top1_agreement
 
     cmp = compare_outputs(outputs, goldens, atol=gate.get("atol"), rtol=gate.get("rtol"),
                           check_error_stat=gate.get("check_error_stat"),

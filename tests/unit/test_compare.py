@@ -5,15 +5,8 @@ import numpy as np
 import pytest
 
 from agent.errors import AgentError
-from agent.precision.compare import (
-    EPSILON,
-    compare_arrays,
-    compare_outputs,
-    cosine_similarity,
-    parse_per_output,
-    sqnr_db,
-    top1_agreement,
-)
+from agent.precision.compare import EPSILON, compare_arrays, compare_outputs, parse_per_output
+from agent.precision.metrics import cosine_similarity, sqnr_db, top1_agreement
 
 GOLD = np.array([1.0, 2.0, 4.0, 8.0], dtype=np.float32)
 

@@ -5,12 +5,8 @@ import numpy as np
 import pytest
 
 from agent.errors import AgentError
-from agent.precision.search import (
-    Search,
-    count_suspects,
-    rank_layers,
-    tensor_error,
-)
+from agent.precision.ranking import count_suspects, rank_layers, tensor_error
+from agent.precision.search import Search
 
 LAYERS = ["L{}".format(i) for i in range(40)]
 

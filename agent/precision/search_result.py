@@ -1,0 +1,152 @@
+"""What a precision search found, and how it is told (worker side: Python 3.6).
+
+``SearchResult`` is what ``searcher.run_search`` returns (also when it was stopped midway);
+the helpers here turn comparisons into the per-evaluation stats, the sensitivity table and the
+one-line message. Pure: no backend, no build, so a report can be read and tested without one.
+"""
+
+from collections import OrderedDict
+from typing import Any, Dict, List, Optional
+
+from agent.precision.comparison import Comparison
+from agent.precision.ranking import LayerScore
+
+
+class SearchResult(object):
+    """What a search found (or had found when it was stopped)."""
+
+    def __init__(self) -> None:
+        self.model = ""
+        self.mode = ""
+        self.direction = ""
+        self.precision = ""
+        self.keep_precision = "float32"
+        self.candidates = 0
+        self.keep: List[str] = []
+        self.passed = False
+        self.complete = False
+        self.interrupted = False
+        self.exhausted = False
+        self.one_minimal = False  # every kept layer shown needed (not stopped by the budget)
+        self.budget: Optional[int] = None
+        self.ranking_cached = False
+        self.predicted: Optional[List[str]] = None  # pre-flight: the set verified first
+        self.prediction_passed: Optional[bool] = None
+        self.evaluations = 0
+        self.builds = 0
+        self.cache_hits = 0
+        self.iterations: List[Dict[str, Any]] = []
+        self.sensitivity: List[Dict[str, Any]] = []
+        self.ranking: List[str] = []
+        self.suspects = 0
+        self.engine_key: Optional[str] = None
+        self.engine_path: Optional[str] = None
+        self.comparison: Optional[Comparison] = None
+        self.seconds = 0.0
+        self.message = ""
+
+    @property
+    def layer_precisions(self) -> str:
+        """Ready to paste after ``--layer-precisions``, in graph order."""
+        return " ".join("{}:{}".format(name, self.keep_precision) for name in self.keep)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return OrderedDict([
+            ("model", self.model),
+            ("mode", self.mode),
+            ("direction", self.direction),
+            ("precision", self.precision),
+            ("keep_precision", self.keep_precision),
+            ("candidates", self.candidates),
+            ("keep", list(self.keep)),
+            ("layer_precisions", self.layer_precisions),
+            ("passed", self.passed),
+            ("complete", self.complete),
+            ("interrupted", self.interrupted),
+            ("exhausted", self.exhausted),
+            ("partial", not self.complete),
+            ("one_minimal", self.one_minimal),
+            ("budget", self.budget),
+            ("ranking_cached", self.ranking_cached),
+            ("predicted", self.predicted),
+            ("prediction_passed", self.prediction_passed),
+            ("evaluations", self.evaluations),
+            ("builds", self.builds),
+            ("cache_hits", self.cache_hits),
+            ("seconds", round(self.seconds, 3)),
+            ("engine_key", self.engine_key),
+            ("engine", self.engine_path),
+            ("message", self.message),
+            ("comparison", self.comparison.to_dict()["outputs"] if self.comparison else None),
+            ("suspects", self.suspects),
+            ("iterations", self.iterations),
+            ("sensitivity", self.sensitivity),
+        ])
+
+
+def output_stats(cmp: Comparison) -> Dict[str, Any]:
+    """Per output: pass, the minimum tolerances that would have passed, SQNR, cosine."""
+    out: Dict[str, Any] = OrderedDict()
+    for name, s in cmp.to_dict()["outputs"].items():
+        out[name] = OrderedDict((k, s.get(k)) for k in (
+            "passed", "required_atol", "required_rtol", "sqnr_db", "cosine"))
+    return out
+
+
+def describe_needs(cmp: Comparison) -> str:
+    parts = []
+    for name, s in cmp.summary().items():
+        parts.append("{} needs atol {} or rtol {}".format(
+            name, _fmt(s.get("required_atol")), _fmt(s.get("required_rtol"))))
+    return "; ".join(parts)
+
+
+def _fmt(x: Any) -> str:
+    return "n/a" if x is None else "{:.4g}".format(x)
+
+
+def sensitivity_table(scores: List[LayerScore], layers: List[str], keep: List[str],
+                 comparisons: Dict[frozenset, Comparison], mode: str) -> List[Dict[str, Any]]:
+    """One row per candidate, worst first: the error it introduced in the instrumented run,
+    whether it is kept, and for kept layers what dropping it alone did (when that was built)."""
+    kept = set(keep)
+    rows: List[Dict[str, Any]] = []
+    order = [s.name for s in scores] if scores else list(layers)
+    by_name = {s.name: s for s in scores}
+    for rank, name in enumerate(order, 1):
+        row: Dict[str, Any] = OrderedDict([("layer", name), ("rank", rank),
+                                           ("kept", name in kept)])
+        if name in by_name:
+            row.update((k, v) for k, v in by_name[name].to_dict().items() if k != "layer")
+        if name in kept:
+            without = comparisons.get(frozenset(kept - {name}))
+            if without is not None:
+                row["without_it"] = OrderedDict([("passed", without.passed),
+                                                 ("stats", output_stats(without))])
+        rows.append(row)
+    if not scores:
+        # Without a ranking only the kept layers carry information.
+        rows = [r for r in rows if r["kept"]]
+    return rows
+
+
+def result_message(result: SearchResult) -> str:
+    how = "stopped" if result.interrupted else (
+        "stopped after {} evaluations (limit)".format(result.evaluations)
+        if result.exhausted else "done")
+    if not result.passed:
+        return "{}: no passing set found yet after {} evaluations".format(
+            how, result.evaluations)
+    if not result.keep:
+        return "{}: the model passes with no layer kept in higher precision ({} " \
+               "evaluation(s))".format(how, result.evaluations)
+    if result.prediction_passed:
+        how = "done: the predicted set passed"
+    text = "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
+        how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
+        result.layer_precisions)
+    if result.complete and not result.one_minimal and result.mode == "minimal" and \
+            result.budget is not None:
+        text += " (the budget of {} evaluations ended the shrinking: no more layers than " \
+                "bisect keeps; raise --max-evaluations for a smaller set)".format(result.budget)
+    return text
