@@ -92,7 +92,9 @@ class _Broker:
         conf = os.path.join(workdir, "mosquitto.conf")
         with open(conf, "w") as f:
             f.write("listener {} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                    "max_queued_messages 100000\nmessage_size_limit 0\n".format(self.port))
+                    "max_queued_messages 100000\nmessage_size_limit 0\n"
+                    # as systemd/mosquitto/jetson-fleet.conf: Nagle off on client sockets
+                    "set_tcp_nodelay true\n".format(self.port))
         self.proc = subprocess.Popen([MOSQUITTO, "-c", conf], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         _wait_port(self.port)

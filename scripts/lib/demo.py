@@ -240,7 +240,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         conf = os.path.join(workdir, "mosquitto.conf")
         with open(conf, "w") as f:
             f.write("listener {} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                    "max_queued_messages 10000\n".format(port))
+                    "max_queued_messages 10000\nset_tcp_nodelay true\n".format(port))
         broker = "mqtt://127.0.0.1:{}".format(port)
         print("demo: Mosquitto on {}; agents {} on the onnxruntime backend (work dir {})".format(
             broker, " and ".join(DEVICES), workdir), flush=True)

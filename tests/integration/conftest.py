@@ -48,6 +48,7 @@ class Broker:
             f.write("allow_anonymous true\n")
             f.write("persistence false\n")
             f.write("max_queued_messages 10000\n")
+            f.write("set_tcp_nodelay true\n")  # as systemd/mosquitto/jetson-fleet.conf
             f.write("message_size_limit {}\n".format(message_size_limit))
         self.proc = None
 

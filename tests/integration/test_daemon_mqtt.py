@@ -3,6 +3,7 @@ relies on them), subscriptions restored after a broker restart, the Will on a dr
 connection, v5 request/response properties, and a clear error for an unreachable broker."""
 
 import queue
+import socket
 import time
 
 import pytest
@@ -60,6 +61,17 @@ def test_publish_ack_subscribe_and_will(mosquitto, protocol):
     assert next_event(ctl, MESSAGE, topic="t/status").payload == b"offline"
     dev.stop()
     ctl.stop()
+
+
+def test_nagle_is_off_on_the_connection(mosquitto):
+    # A 4-byte PUBACK or a block request must not wait for the broker's delayed ACK: with
+    # Nagle on, a block stream stalls for 40 ms many times a second (docs/benchmarks.md).
+    c = client(mosquitto, "nodelay")
+    c.start()
+    c.wait_connected(10)
+    sock = c._client.socket()  # paho's socket: the option is only visible there
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    c.stop()
 
 
 def test_subscriptions_and_queued_publishes_survive_a_broker_restart(mosquitto):
