@@ -41,13 +41,9 @@ class ArtifactDownloads:
                  shared: DaemonState, publisher: StatusPublisher,
                  launch: Callable[[Run], None], fail: Callable[[Run, AgentError], None]
                  ) -> None:
-        self.fetcher = fetcher
-        self.mqtt = mqtt
-        self.topics = topics
-        self.shared = shared
-        self.publisher = publisher
-        self.launch = launch
-        self.fail = fail
+        self.fetcher, self.mqtt, self.topics = fetcher, mqtt, topics
+        self.shared, self.publisher = shared, publisher
+        self.launch, self.fail = launch, fail  # the next stage, or the job's end
 
     def start(self, run: Run) -> None:
         self.fetcher.inject = self._inject_block

@@ -23,16 +23,10 @@ class DeviceCommands:
     def __init__(self, cfg: Config, device: str, topics: protocol.Topics, mqtt: Any,
                  journal: Any, platform: Any, shared: DaemonState, publisher: StatusPublisher,
                  telemetry: TelemetryPublisher, cancel: Callable[[str], str]) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.topics = topics
-        self.mqtt = mqtt
-        self.journal = journal
-        self.platform = platform
-        self.shared = shared
-        self.publisher = publisher
-        self.telemetry = telemetry
-        self.cancel = cancel
+        self.cfg, self.device, self.topics, self.mqtt = cfg, device, topics, mqtt
+        # What diag reports on, and where rollback and cancel go.
+        self.journal, self.platform, self.shared = journal, platform, shared
+        self.publisher, self.telemetry, self.cancel = publisher, telemetry, cancel
 
     def on_command(self, ev: Event) -> None:
         limit = min(protocol.MAX_BYTES["command"], self.cfg.limits.max_message_bytes)

@@ -34,13 +34,9 @@ class JobIntake:
     def __init__(self, cfg: Config, device: str, journal: Any, shared: DaemonState,
                  publisher: StatusPublisher, stop_worker: Callable[[Run], None],
                  ending: JobEnding) -> None:
-        self.cfg = cfg
-        self.device = device
-        self.journal = journal
-        self.shared = shared
-        self.publisher = publisher
-        self.stop_worker = stop_worker
-        self.ending = ending
+        self.cfg, self.device, self.journal = cfg, device, journal
+        self.shared, self.publisher = shared, publisher
+        self.stop_worker, self.ending = stop_worker, ending  # what a cancel needs
         self.trust = signing.TrustStore.from_entries(cfg.security.trusted_keys)
         self.job_bucket = TokenBucket(cfg.limits.jobs_per_minute / 60.0, cfg.limits.job_burst)
         # REJECTED jobs recorded per minute (60, bursts of 20), when a known job's status was

@@ -27,12 +27,8 @@ class TelemetryPublisher:
 
     def __init__(self, source: Any, interval_s: float, mqtt: Any, topics: protocol.Topics,
                  device: str, boot: int) -> None:
-        self.source = source
-        self.interval_s = interval_s
-        self.mqtt = mqtt
-        self.topics = topics
-        self.device = device
-        self.boot = boot
+        self.source, self.interval_s = source, interval_s
+        self.mqtt, self.topics, self.device, self.boot = mqtt, topics, device, boot
         self.last: Dict[str, Any] = {}  # the last sample, for diag
         self.next_at = 0.0
 
