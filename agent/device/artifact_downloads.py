@@ -1,51 +1,51 @@
-"""A job's artifacts: ask the block fetcher for them, report download progress, and launch the
-worker once every artifact is in the store."""
+"""Downloaded: a job's artifacts asked of the block fetcher (MQTT blocks, or HTTP), blocks in,
+download progress out, the worker launched once every artifact is in the store; partial downloads
+nobody needs any more reclaimed."""
 
 import logging
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
+from agent.device.daemon_state import DaemonState
 from agent.device.job_run import PROGRESS_EVERY_S, Run
-from agent.device.worker_supervisor import WorkerSupervisor
+from agent.device.status_publisher import StatusPublisher
 from agent.errors import AgentError
-from agent.wire import message_caps, protocol
+from agent.wire import protocol
+from agent.wire.artifacts import ArtifactStore
+from agent.wire.transfer import BlockFetcher
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
-MAX_LOGGED_ERROR_BYTES = 16 * 1024  # a job error as the log line and the journal keep it
+
+def reclaim_partials(store: ArtifactStore, max_partial_age_s: float, why: str,
+                     need_bytes: Optional[int] = None) -> None:
+    """Drop the partial downloads no unfinished job names (and those idle past
+    ``max_partial_age_s``, limits.max_partial_age_s): a job naming artifacts nobody serves must
+    not leave pre-allocated files that make every later job fail disk_full."""
+    store.max_partial_age_s = max_partial_age_s
+    try:
+        removed = store.reclaim_partials(need_bytes=need_bytes)
+    except OSError as exc:
+        log.warning("cannot reclaim partial downloads (%s): %s", why, exc)
+        return
+    if removed:
+        log.info("reclaimed %d partial download(s) at %s: %s", len(removed), why,
+                 ", ".join(sha[:12] for sha in removed))
 
 
-class ArtifactDownloads(WorkerSupervisor):
-    """Daemon layer: artifact blocks in, download progress out, partial downloads reclaimed."""
+class ArtifactDownloads:
+    """The job in hand's artifacts. ``launch(run)`` starts its worker once all are in;
+    ``fail(run, error)`` ends it (job_end)."""
 
-    def _set_state(self, run_or_id: Any, state: str, **kwargs: Any) -> None:
-        super()._set_state(run_or_id, state, **kwargs)
-        if protocol.is_terminal(state):
-            self._reclaim_partials("job end")
+    def __init__(self, fetcher: BlockFetcher, mqtt: Any, topics: protocol.Topics,
+                 shared: DaemonState, publisher: StatusPublisher,
+                 launch: Callable[[Run], None], fail: Callable[[Run, AgentError], None]
+                 ) -> None:
+        self.fetcher, self.mqtt, self.topics = fetcher, mqtt, topics
+        self.shared, self.publisher = shared, publisher
+        self.launch, self.fail = launch, fail  # the next stage, or the job's end
 
-    def _end(self, run: Run, state: str, error: Optional[Dict[str, Any]] = None,
-             result: Optional[Dict[str, Any]] = None) -> None:
-        # A worker's error may be megabytes (an output name, 30,000 output names): it is cut
-        # here, before the log line and the journal, as it is in the status.
-        if error is not None:
-            error = message_caps.fit_error(error, MAX_LOGGED_ERROR_BYTES)
-        super()._end(run, state, error=error, result=result)
-
-    def _reclaim_partials(self, why: str, need_bytes: Optional[int] = None) -> None:
-        """Drop the partial downloads no unfinished job names (and those idle past
-        limits.max_partial_age_s): a job naming artifacts nobody serves must not leave
-        pre-allocated files that make every later job fail disk_full."""
-        self.store.max_partial_age_s = self.cfg.limits.max_partial_age_s
-        try:
-            removed = self.store.reclaim_partials(need_bytes=need_bytes)
-        except OSError as exc:
-            log.warning("cannot reclaim partial downloads (%s): %s", why, exc)
-            return
-        if removed:
-            log.info("reclaimed %d partial download(s) at %s: %s", len(removed), why,
-                     ", ".join(sha[:12] for sha in removed))
-
-    def _start_downloads(self, run: Run) -> None:
+    def start(self, run: Run) -> None:
         self.fetcher.inject = self._inject_block
         self.fetcher.subscribe, self.fetcher.unsubscribe = self.mqtt.subscribe, \
             self.mqtt.unsubscribe  # shared (fan-out) block topics while fetching
@@ -59,7 +59,7 @@ class ArtifactDownloads(WorkerSupervisor):
             run.stage = "downloading"
             self._report_download(run, force=True)
         else:
-            self._launch(run)
+            self.launch(run)
 
     def _inject_block(self, topic: str, payload: bytes) -> None:
         """An artifact's last block fetched over HTTP (agent.wire.http_fetch), handed to the main
@@ -85,11 +85,11 @@ class ArtifactDownloads(WorkerSupervisor):
             return
         run.last_progress = now
         done, total = self._download_progress(run)
-        self._set_state(run, "IN_PROGRESS", stage="downloading",
-                        progress={"done": done, "of": total})
+        self.publisher.set_state(run, "IN_PROGRESS", stage="downloading",
+                                 progress={"done": done, "of": total})
 
-    def _on_block(self, topic: str, payload: bytes) -> None:
-        self.counters["blocks"] += 1
+    def on_block(self, topic: str, payload: bytes) -> None:
+        self.shared.counters["blocks"] += 1
         try:
             completed = self.fetcher.handle_block(topic, payload)
         except AgentError as exc:
@@ -98,7 +98,7 @@ class ArtifactDownloads(WorkerSupervisor):
             else:
                 log.debug("dropped block %s: %s", topic, exc)
             return
-        run = self.run_
+        run = self.shared.run
         if run is None or run.proc is not None:
             return
         if completed is not None:
@@ -109,15 +109,15 @@ class ArtifactDownloads(WorkerSupervisor):
             if not run.downloading:
                 self._report_download(run, force=True)
                 try:
-                    self._launch(run)
+                    self.launch(run)
                 except AgentError as exc:
-                    self._fail(run, exc)
+                    self.fail(run, exc)
                 return
         if run.downloading:
             self._report_download(run)
 
     def _on_bad_artifact(self, topic: str, exc: AgentError) -> None:
-        run = self.run_
+        run = self.shared.run
         try:
             sha = self.topics.parse(topic).sha256
         except AgentError:
@@ -125,4 +125,4 @@ class ArtifactDownloads(WorkerSupervisor):
         log.error("%s", exc)
         if run is not None and run.proc is None and any(
                 s == sha for s, _ in run.needed.values()):
-            self._fail(run, exc)
+            self.fail(run, exc)

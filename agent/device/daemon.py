@@ -12,41 +12,53 @@ from there; an outbox entry is deleted only on the broker's PUBACK, so no status
 disconnect or a crash. On restart, unfinished jobs resume: downloads from their block bitmaps;
 a job whose worker was running is run once more, and fails on the next interruption.
 
-The work is split into layers, one module each, stacked by inheritance (each calls only itself
-and the layers below): ``daemon_state`` (what the daemon knows), ``status_publisher`` (outbox,
-birth status, telemetry), ``worker_supervisor`` (the worker subprocess, how a job ends),
-``artifact_downloads`` (artifact blocks), ``job_intake`` (job documents in, cancels, scheduling)
-and ``device_commands`` (cancel, diag). This module is the top: the main loop, MQTT events,
-signals, sd_notify, start/stop.
+The daemon is a few parts, each handed what it uses in its constructor, none inheriting from
+another, wired in one place (``assemble``). A job passes through them in this order:
+
+    MQTT message in          ``Daemon._on_message`` routes it by topic
+    validated, queued        ``job_intake.JobIntake``  (the journal is the queue)
+    checked                  ``job_scheduler.JobScheduler``  (platform decision, limits)
+    downloaded               ``artifact_downloads.ArtifactDownloads``  (agent.wire.transfer)
+    worker                   ``worker_supervisor.WorkerSupervisor``  (the subprocess)
+    ended                    ``job_end.JobEnding``  (any stage, any outcome)
+    status out               ``status_publisher.StatusPublisher``  (the outbox, PUBACK-acked)
+
+beside them ``device_commands.DeviceCommands`` (cancel, diag, rollback) and
+``telemetry_publisher.TelemetryPublisher``; ``daemon_state`` holds the little they share (the
+job in hand, counters, the stop flag, the systemd status line). A part reaches the next one
+through a callable it was given (``launch``, ``fail``, ``start_downloads``...), never through
+the daemon. ``Daemon`` is the main loop: events routed to the part they are for, ticks,
+sd_notify, signals, start and stop.
 """
 
+import functools
 import logging
 import os
 import queue
-import shutil
 import signal
-import subprocess
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 from agent import __version__
 from agent.device import backend_check, state_lock
+from agent.device.artifact_downloads import ArtifactDownloads, reclaim_partials
 from agent.device.config import Config
+from agent.device.daemon_state import DaemonState, ServiceStatus
 from agent.device.device_commands import DeviceCommands
-from agent.device.job_run import Run
+from agent.device.job_end import JobEnding
+from agent.device.job_intake import JobIntake
+from agent.device.job_scheduler import JobScheduler
 from agent.device.journal import Journal
-from agent.device.status_publisher import fit_result
-from agent.device.worker_supervisor import (
-    KILL_GRACE_S,
-    WorkerEvent,
-    describe_exit,
-    signal_group,
-)
+from agent.device.sdnotify import Notifier
+from agent.device.status_publisher import StatusPublisher, status_platform
+from agent.device.telemetry_publisher import TelemetryPublisher, open_telemetry
+from agent.device.worker_process import WorkerEvent
+from agent.device.worker_supervisor import WorkerSupervisor, clean_work_dirs
 from agent.errors import AgentError
 from agent.wire import protocol, signing
 from agent.wire.artifacts import ArtifactStore
-from agent.wire.limits import TokenBucket
+from agent.wire.limits import ByteQueue
 from agent.wire.mqtt import (
     CONNECT_FAILED,
     CONNECTED,
@@ -61,10 +73,6 @@ from agent.wire.mqtt import (
 )
 from agent.wire.transfer import BlockFetcher
 
-# Names callers import from here (agent.cli, tests).
-__all__ = ["Daemon", "run_daemon", "journal_path", "describe_exit", "fit_result", "Run",
-           "WorkerEvent", "JOURNAL_FILE"]
-
 log = logging.getLogger("agent.device.daemon")
 
 JOURNAL_FILE = "journal.sqlite3"
@@ -76,92 +84,137 @@ def journal_path(state_dir: str) -> str:
     return os.path.join(state_dir, JOURNAL_FILE)
 
 
-class Daemon(DeviceCommands):
-    """The daemon: main loop, signals, sd_notify, start/stop (the layers below do the work)."""
+class Parts(NamedTuple):
+    """What ``assemble`` opened and wired: the main loop routes events and ticks to these."""
 
-    # ------------------------------------------------------------------------- set-up
+    topics: protocol.Topics
+    lock: Any  # the state directory's lock (agent.device.state_lock)
+    journal: Journal
+    mqtt: MqttClient
+    fetcher: BlockFetcher
+    intake: JobIntake
+    scheduler: JobScheduler
+    downloads: ArtifactDownloads
+    supervisor: WorkerSupervisor
+    publisher: StatusPublisher
+    commands: DeviceCommands
+    telemetry: TelemetryPublisher
+
+
+def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
+             status: ServiceStatus) -> Parts:
+    """Open the state directory, journal, artifact store and broker connection, and wire the
+    parts. A part is built before the parts that hand it the job, so the wiring below reads
+    from the end of a job's life (status out) back to its start (message in)."""
+    device, state_dir = cfg.device_id or "", cfg.state_dir or ""
+    topics = protocol.Topics(cfg.topic_prefix)
+    # One daemon per state directory (agent/device/state_lock.py); the error names the other PID.
+    lock = state_lock.acquire(state_dir, device)
+    journal = Journal(journal_path(state_dir))
+    boot = journal.next_boot()
+    journal.prune()
+    store = ArtifactStore(state_dir, journal, max_bytes=cfg.limits.max_store_bytes)
+    reclaim_partials(store, cfg.limits.max_partial_age_s, "start-up")
+    from agent import platform as platforms
+
+    platform = platforms.detect(cfg.platform_root)
+    # Can the worker's Python import it? Warned once; the birth message says so.
+    backend, backend_problem = backend_check.choose(cfg.backend, platform.backend,
+                                                    cfg.worker_python)
+    if backend_problem:
+        log.warning("%s", backend_problem)
+    platform_status = functools.partial(status_platform, platform, backend, backend_problem)
+
+    def publish_request(topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
+        mqtt.publish(topic, payload, qos=qos, retain=retain)  # block requests out
+
+    t = cfg.transfer
+    fetcher = BlockFetcher(store, publish_request, topics, device, block_size=t.block_size,
+                           window=t.window, timeout_s=t.timeout_s,
+                           max_timeout_s=max(60.0, t.timeout_s))
+    b = cfg.broker
+    tls = None
+    if b.tls.enabled:
+        tls = TlsOptions(b.tls.ca_file, b.tls.cert_file, b.tls.key_file, b.tls.insecure)
+    will = Will(topics.status(device),
+                protocol.encode(protocol.will_message(device, boot, platform_status())))
+    mqtt = MqttClient(
+        device, b.host, b.port, protocol=b.protocol, keepalive=b.keepalive,
+        username=b.username, password=b.password, tls=tls, will=will,
+        session_expiry=b.session_expiry,
+        max_packet_bytes=max(cfg.limits.max_message_bytes, t.block_size + 4096),
+        reconnect_min=b.reconnect_min, reconnect_max=b.reconnect_max, events=events)
+    for topic, qos in topics.device_subscriptions(device):
+        mqtt.subscribe(topic, qos)
+    clean_work_dirs(state_dir, journal)
+    telemetry_source = open_telemetry(cfg.platform_root)
+
+    def show_activity() -> None:
+        status.show("connected to {}; {}".format(mqtt.address, shared.activity()))
+
+    # Status out: every state change goes through the journal's outbox; a job's end reclaims
+    # the partial downloads no other job names.
+    publisher = StatusPublisher(
+        journal, mqtt, topics, device, boot, state_dir, platform_status, shared.counters,
+        on_job_end=lambda: reclaim_partials(store, cfg.limits.max_partial_age_s, "job end"))
+    telemetry = TelemetryPublisher(telemetry_source, cfg.telemetry_interval, mqtt, topics,
+                                   device, boot)
+    # Ended: whatever stage a job reached, it ends here (its downloads cancelled).
+    ending = JobEnding(shared, publisher, fetcher.cancel, show_activity)
+    # Worker: launched once the artifacts are in; its lines come back through the event queue.
+    supervisor = WorkerSupervisor(cfg, device, state_dir, store, journal, events, shared,
+                                  publisher, ending, show_activity)
+    # Downloaded: blocks in, progress out, then the worker.
+    downloads = ArtifactDownloads(fetcher, mqtt, topics, shared, publisher, supervisor.launch,
+                                  ending.fail)
+    # Validated and queued: job documents in; cancel jobs and cancel commands.
+    intake = JobIntake(cfg, device, journal, shared, publisher, supervisor.stop_worker, ending)
+    # Checked: the oldest queued job, when the daemon is free, then its downloads.
+    scheduler = JobScheduler(cfg, journal, platform, backend, backend_problem, shared,
+                             publisher, downloads.start, ending.fail, intake.run_cancel_job,
+                             show_activity)
+    commands = DeviceCommands(cfg, device, topics, mqtt, journal, platform, shared, publisher,
+                              telemetry, intake.cancel)
+    log.info("jetson-agent %s: device %s, boot %d, backend %s, platform %s, state %s",
+             __version__, device, boot, backend, platform.describe(), state_dir)
+    for problem in signing.posture(cfg)["problems"]:
+        log.warning("security: %s (%s)", problem["problem"], problem["fix"])
+    return Parts(topics, lock, journal, mqtt, fetcher, intake, scheduler, downloads, supervisor,
+                 publisher, commands, telemetry)
+
+
+class Daemon:
+    """The main loop: events routed to the parts, ticks, sd_notify, signals, start/stop."""
+
+    parts: Parts  # set by setup()
+
+    def __init__(self, cfg: Config, notifier: Optional[Notifier] = None) -> None:
+        self.cfg = cfg
+        self.device: str = cfg.device_id or ""
+        self.events: "queue.Queue[Any]" = ByteQueue()  # bounded by bytes, not count
+        self.shared = DaemonState()
+        self.status = ServiceStatus(notifier)
+        self.last_watchdog = 0.0
+        self.last_fetcher_tick = 0.0
+        self.last_connect_log = 0.0
 
     def setup(self) -> None:
-        # One daemon per state directory (agent/device/state_lock.py); the error names the other
-        # PID.
-        self.state_lock = state_lock.acquire(self.state_dir, self.device)
-        self.journal = Journal(journal_path(self.state_dir))
-        self.boot = self.journal.next_boot()
-        self.journal.prune()
-        self.store = ArtifactStore(self.state_dir, self.journal,
-                                   max_bytes=self.cfg.limits.max_store_bytes)
-        self._reclaim_partials("start-up")
-        from agent import platform
-
-        self.platform = platform.detect(self.cfg.platform_root)
-        # Can the worker's Python import it? Warned once; the birth message says so.
-        self.backend, self.backend_problem = backend_check.choose(
-            self.cfg.backend, self.platform.backend, self.cfg.worker_python)
-        if self.backend_problem:
-            log.warning("%s", self.backend_problem)
-        t = self.cfg.transfer
-        self.fetcher = BlockFetcher(self.store, self._publish_request, self.topics, self.device,
-                                    block_size=t.block_size, window=t.window,
-                                    timeout_s=t.timeout_s, max_timeout_s=max(60.0, t.timeout_s))
-        b = self.cfg.broker
-        tls = None
-        if b.tls.enabled:
-            tls = TlsOptions(b.tls.ca_file, b.tls.cert_file, b.tls.key_file, b.tls.insecure)
-        will = Will(self.topics.status(self.device),
-                    protocol.encode(protocol.will_message(self.device, self.boot,
-                                                          self._status_platform())))
-        self.mqtt = MqttClient(
-            self.device, b.host, b.port, protocol=b.protocol, keepalive=b.keepalive,
-            username=b.username, password=b.password, tls=tls, will=will,
-            session_expiry=b.session_expiry,
-            max_packet_bytes=max(self.cfg.limits.max_message_bytes, t.block_size + 4096),
-            reconnect_min=b.reconnect_min, reconnect_max=b.reconnect_max, events=self.events)
-        for topic, qos in self.topics.device_subscriptions(self.device):
-            self.mqtt.subscribe(topic, qos)
-        self._clean_work_dirs()
-        self._open_telemetry()
-        sec = self.cfg.security
-        self.trust = signing.TrustStore.from_entries(sec.trusted_keys)
-        self.job_bucket = TokenBucket(self.cfg.limits.jobs_per_minute / 60.0,
-                                      self.cfg.limits.job_burst)
-        log.info("jetson-agent %s: device %s, boot %d, backend %s, platform %s, state %s",
-                 __version__, self.device, self.boot, self.backend, self.platform.describe(),
-                 self.state_dir)
-        for problem in signing.posture(self.cfg)["problems"]:
-            log.warning("security: %s (%s)", problem["problem"], problem["fix"])
-
-    def _open_telemetry(self) -> None:
-        try:
-            from agent.device.telemetry import open_source
-
-            self.telemetry = open_source(self.cfg.platform_root)
-        except Exception as exc:  # noqa: BLE001 - telemetry is optional, jobs are not
-            log.warning("telemetry disabled: %s", exc)
-            self.telemetry = None
-
-    def _clean_work_dirs(self) -> None:
-        work = os.path.join(self.state_dir, "work")
-        if not os.path.isdir(work):
-            return
-        keep = {j["job_id"] for j in self.journal.unfinished_jobs()}
-        for name in os.listdir(work):
-            if name not in keep:
-                shutil.rmtree(os.path.join(work, name), ignore_errors=True)
+        self.parts = assemble(self.cfg, self.events, self.shared, self.status)
 
     # ------------------------------------------------------------------------- main loop
 
     def request_stop(self, *_: Any) -> None:
-        self.stop_requested = True
+        self.shared.stop_requested = True
 
     def run(self) -> int:
         self.setup()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.request_stop)
             signal.signal(signal.SIGINT, self.request_stop)
-        self.mqtt.start()
-        self._notify_status("connecting to {}".format(self.mqtt.address))
+        self.parts.mqtt.start()
+        self.status.show("connecting to {}".format(self.parts.mqtt.address))
         try:
-            while not self.stop_requested:
+            while not self.shared.stop_requested:
                 self._drain(TICK_S)
                 self._tick()
         finally:
@@ -177,19 +230,19 @@ class Daemon(DeviceCommands):
         while True:
             self._handle(event)
             handled += 1
-            if handled >= 500 or self.stop_requested:
+            if handled >= 500 or self.shared.stop_requested:
                 break
             try:
                 event = self.events.get_nowait()
             except queue.Empty:
                 break
-        self._flush_outbox()
+        self.parts.publisher.flush()
 
     def _handle(self, event: Any) -> None:
         """Any exception here is logged and the daemon carries on (bad input never kills it)."""
         try:
             if isinstance(event, WorkerEvent):
-                self._on_worker_event(event)
+                self.parts.supervisor.on_event(event)
             elif isinstance(event, Event):
                 self._on_mqtt_event(event)
         except AgentError as exc:
@@ -199,128 +252,106 @@ class Daemon(DeviceCommands):
 
     def _tick(self) -> None:
         now = time.monotonic()
-        for step in (self._schedule, self._check_run, self._fetcher_tick, self._telemetry_tick,
-                     self._flush_outbox):
+        p = self.parts
+        for step in (p.scheduler.schedule, p.supervisor.check_run, self._fetcher_tick,
+                     p.telemetry.tick, p.publisher.flush):
             try:
                 step()
             except Exception:  # noqa: BLE001
                 log.exception("error in %s", step.__name__)
-        if not self.ready and now - self.started > READY_WITHOUT_BROKER_S:
-            self.ready = True
-            self.notifier.ready("broker {} unreachable ({}); retrying".format(
-                self.mqtt.address, self.mqtt.last_error or "no answer"))
-        interval = self.notifier.watchdog_interval
+        if not self.status.ready and now - self.shared.started > READY_WITHOUT_BROKER_S:
+            self.status.ready = True
+            self.status.notifier.ready("broker {} unreachable ({}); retrying".format(
+                p.mqtt.address, p.mqtt.last_error or "no answer"))
+        interval = self.status.notifier.watchdog_interval
         if interval is not None and now - self.last_watchdog >= min(1.0, interval / 2):
-            self.notifier.watchdog()
+            self.status.notifier.watchdog()
             self.last_watchdog = now
 
     def _fetcher_tick(self) -> None:
         # The fetcher's tick flushes every transfer (fsync + journal commit) and re-asks timed
         # out blocks: about once per TICK_S, not after every burst of blocks the loop drains.
         now = time.monotonic()
-        if self.mqtt.connected and now - self.last_fetcher_tick >= TICK_S:
+        if self.parts.mqtt.connected and now - self.last_fetcher_tick >= TICK_S:
             self.last_fetcher_tick = now
-            self.fetcher.tick()
+            self.parts.fetcher.tick()
 
     # ------------------------------------------------------------------------- MQTT events
 
     def _on_mqtt_event(self, ev: Event) -> None:
+        p, status = self.parts, self.status
         if ev.kind == MESSAGE:
-            self.counters["messages"] += 1
+            self.shared.counters["messages"] += 1
             self._on_message(ev)
         elif ev.kind == PUBLISHED:
-            self._on_published(ev)
+            p.publisher.on_published(ev)
         elif ev.kind == CONNECTED:
-            log.info("connected to %s (session %s)", self.mqtt.address,
+            log.info("connected to %s (session %s)", p.mqtt.address,
                      "resumed" if ev.session_present else "new")
-            self._publish_birth()
-            self.fetcher.on_reconnect()
-            self.outbox_dirty = True
+            p.publisher.publish_birth()
+            p.fetcher.on_reconnect()
+            p.publisher.outbox_changed()
         elif ev.kind == SUBSCRIBED:
-            text = "connected to {}; {}".format(self.mqtt.address, self._activity())
-            if not self.ready:
-                self.ready = True
-                self.notifier.ready(text)
-                self.status_text = text
+            text = "connected to {}; {}".format(p.mqtt.address, self.shared.activity())
+            if not status.ready:
+                status.ready = True
+                status.notifier.ready(text)
+                status.text = text
             else:
-                self._notify_status(text)
+                status.show(text)
         elif ev.kind == DISCONNECTED:
-            log.warning("disconnected from %s: %s", self.mqtt.address, ev.reason)
-            self._connection_lost(ev)
-            self._notify_status("disconnected from {}: {}; reconnecting".format(
-                self.mqtt.address, ev.reason))
+            log.warning("disconnected from %s: %s", p.mqtt.address, ev.reason)
+            p.publisher.connection_lost(ev)
+            status.show("disconnected from {}: {}; reconnecting".format(
+                p.mqtt.address, ev.reason))
         elif ev.kind == CONNECT_FAILED:
             now = time.monotonic()
             if now - self.last_connect_log > 30:
                 self.last_connect_log = now
-                log.warning("broker_unreachable: %s: %s (retrying)", self.mqtt.address,
+                log.warning("broker_unreachable: %s: %s (retrying)", p.mqtt.address,
                             ev.reason)
-            self._notify_status("broker {} unreachable: {}; retrying".format(
-                self.mqtt.address, ev.reason))
+            status.show("broker {} unreachable: {}; retrying".format(p.mqtt.address,
+                                                                     ev.reason))
 
     def _on_message(self, ev: Event) -> None:
         try:
-            info = self.topics.parse(ev.topic)
+            info = self.parts.topics.parse(ev.topic)
         except AgentError as exc:
             log.debug("dropped message on %s: %s", ev.topic, exc)
             return
         if info.device != self.device and not (info.kind == "block" and not info.device):
             return  # another device's topic (a shared fan-out block has no device)
         if info.kind == "job":
-            self._on_job_doc(str(info.job_id), ev.payload)
+            self.parts.intake.on_job_doc(str(info.job_id), ev.payload)
         elif info.kind == "block":
-            self._on_block(ev.topic, ev.payload)
+            self.parts.downloads.on_block(ev.topic, ev.payload)
         elif info.kind == "command":
-            self._on_command(ev)
+            self.parts.commands.on_command(ev)
 
     # ------------------------------------------------------------------------- shutdown
 
     def shutdown(self) -> None:
-        self.notifier.stopping("stopping")
+        p = self.parts
+        self.status.notifier.stopping("stopping")
         log.info("stopping")
-        run = self.run_
-        if run is not None and run.proc is not None:
-            run.stopping_for_shutdown = True
-            proc = run.proc
-            signal_group(proc, signal.SIGTERM)
-            try:
-                proc.wait(KILL_GRACE_S)
-            except subprocess.TimeoutExpired:
-                signal_group(proc, signal.SIGKILL)
-                proc.wait(5)
-        fetcher = getattr(self, "fetcher", None)
-        if fetcher is not None:
-            fetcher.close()
-        mqtt = getattr(self, "mqtt", None)
-        if mqtt is not None:
-            if mqtt.connected:
-                self._flush_outbox()
-                offline = protocol.status_message(self.device, False, self.boot,
-                                                  agent_version=__version__, reason="shutdown",
-                                                  ts=time.time(),
-                                                  platform=self._status_platform())
-                handle = mqtt.publish(self.topics.status(self.device), protocol.encode(offline),
-                                      qos=1, retain=True)
-                deadline = time.monotonic() + 3.0
-                while time.monotonic() < deadline and (self.inflight or not handle.acked):
-                    try:
-                        ev = self.events.get(timeout=0.1)
-                    except queue.Empty:
-                        continue
-                    if isinstance(ev, Event) and ev.kind == PUBLISHED:
-                        self._handle(ev)
-            mqtt.stop()
-        if self.telemetry is not None:
-            try:
-                self.telemetry.close()
-            except Exception:  # noqa: BLE001
-                pass
-        journal = getattr(self, "journal", None)
-        if journal is not None:
-            journal.close()
-        if getattr(self, "state_lock", None) is not None:
-            self.state_lock.close()
-        self.notifier.close()
+        p.supervisor.stop_for_shutdown()
+        p.fetcher.close()
+        if p.mqtt.connected:
+            p.publisher.flush()
+            handle = p.publisher.publish_offline()
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and (p.publisher.inflight or not handle.acked):
+                try:
+                    ev = self.events.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if isinstance(ev, Event) and ev.kind == PUBLISHED:
+                    self._handle(ev)
+        p.mqtt.stop()
+        p.telemetry.close()
+        p.journal.close()
+        p.lock.close()
+        self.status.notifier.close()
 
 
 def run_daemon(cfg: Config) -> int:

@@ -1,83 +1,42 @@
-"""What the daemon knows: its configuration, connections, counters and the current job, shared by
-the layers that do the work (status_publisher, worker_supervisor, artifact_downloads, job_intake,
-device_commands, daemon), and the one-line status it shows systemd."""
+"""What more than one of the daemon's parts reads or writes: the job in hand, the counters ``diag``
+reports, the stop flag; and the one-line status systemd shows (``ServiceStatus``). Everything
+else a part needs is handed to it in its constructor (agent/device/daemon.py wires them)."""
 
-import queue
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import Dict, Optional
 
-from agent.device.config import Config
 from agent.device.job_run import Run
 from agent.device.sdnotify import Notifier
-from agent.wire import protocol
-from agent.wire.limits import ByteQueue, TokenBucket
-
-if TYPE_CHECKING:  # types only: the daemon opens these in Daemon.setup()
-    from agent.device.journal import Journal
-    from agent.platform.info import PlatformInfo
-    from agent.wire.artifacts import ArtifactStore
-    from agent.wire.mqtt import MqttClient
-    from agent.wire.signing import TrustStore
-    from agent.wire.transfer import BlockFetcher
 
 
 class DaemonState:
-    """The daemon's state; the connections below are opened by ``Daemon.setup()``."""
+    """The job in hand (the scheduler sets it, the job's end clears it; downloads, the worker
+    supervisor, cancels and diag read it), the counters, and whether the daemon is stopping."""
 
-    journal: "Journal"
-    boot: int
-    store: "ArtifactStore"
-    platform: "PlatformInfo"
-    backend: str
-    backend_problem: Optional[str] = None  # why the configured backend cannot run (start-up)
-    fetcher: "BlockFetcher"
-    mqtt: "MqttClient"
-    trust: "TrustStore"
-    job_bucket: "TokenBucket"
-
-    def __init__(self, cfg: Config, notifier: Optional[Notifier] = None) -> None:
-        self.cfg = cfg
-        self.device: str = cfg.device_id or ""
-        self.state_dir: str = cfg.state_dir or ""
-        self.notifier = notifier or Notifier()
-        self.topics = protocol.Topics(cfg.topic_prefix)
-        self.events: "queue.Queue[Any]" = ByteQueue()  # bounded by bytes, not count
+    def __init__(self) -> None:
+        self.run: Optional[Run] = None
         self.stop_requested = False
-        self.run_: Optional[Run] = None
-        self.inflight: Dict[int, Any] = {}
-        self.refusals: Dict[int, int] = {}
-        self.drops_in_flight: Dict[int, int] = {}  # outbox seq -> connections lost in flight
-        self.refused_bytes: Optional[int] = None  # outbox messages this large: refused
-        self.outbox_dirty = True
-        self.ready = False
-        self.counters = {"messages": 0, "rejected_messages": 0, "jobs": 0, "blocks": 0,
-                         "unauthenticated_jobs": 0, "rejections_dropped": 0,
-                         "session_taken_over": 0}
-        self.last_takeover_log = 0.0
-        self.quick_drops: List[float] = []  # when connections closed right after accepted
-        # Job intake: REJECTED jobs recorded per minute (60, bursts of 20), when a known job's
-        # status was last sent again, rate-limited log lines (key -> (last, not logged)).
-        self.reject_bucket = TokenBucket(1.0, 20)
-        self.republished: Dict[str, float] = {}
-        self.log_limits: Dict[str, Tuple[float, int]] = {}
         self.started = time.monotonic()
-        self.token = 0
-        self.telemetry: Any = None
-        self.last_telemetry: Dict[str, Any] = {}
-        self.next_telemetry = 0.0
-        self.last_watchdog = 0.0
-        self.last_fetcher_tick = 0.0
-        self.last_outbox_scan = 0.0
-        self.last_connect_log = 0.0
-        self.status_text = ""
+        self.counters: Dict[str, int] = {
+            "messages": 0, "rejected_messages": 0, "jobs": 0, "blocks": 0,
+            "unauthenticated_jobs": 0, "rejections_dropped": 0, "session_taken_over": 0}
 
-    def _notify_status(self, text: str) -> None:
-        if text != self.status_text:
-            self.status_text = text
-            self.notifier.status(text)
-
-    def _activity(self) -> str:
-        run = self.run_
+    def activity(self) -> str:
+        run = self.run
         if run is None:
             return "idle"
         return "job {} {}".format(run.job_id, run.stage or "starting")
+
+
+class ServiceStatus:
+    """The status line systemd shows (sent only when it changes), and whether READY was sent."""
+
+    def __init__(self, notifier: Optional[Notifier] = None) -> None:
+        self.notifier = notifier or Notifier()
+        self.text = ""
+        self.ready = False
+
+    def show(self, text: str) -> None:
+        if text != self.text:
+            self.text = text
+            self.notifier.status(text)

@@ -1,11 +1,15 @@
-"""Device commands (cancel, diag, rollback) and their replies."""
+"""Device commands on the command topic (cancel, diag, rollback), each answered with a reply on
+the topic the command names (or this device's reply topic)."""
 
 import logging
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 from agent import __version__
-from agent.device.job_intake import JobIntake
+from agent.device.config import Config
+from agent.device.daemon_state import DaemonState
+from agent.device.status_publisher import StatusPublisher
+from agent.device.telemetry_publisher import TelemetryPublisher
 from agent.errors import AgentError
 from agent.wire import message_caps, protocol, signing
 from agent.wire.mqtt import Event
@@ -13,27 +17,35 @@ from agent.wire.mqtt import Event
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
 
-class DeviceCommands(JobIntake):
-    """Daemon layer: the command topic."""
+class DeviceCommands:
+    """The command topic. ``cancel(job_id)`` cancels a job (intake) and returns its state."""
 
-    def _on_command(self, ev: Event) -> None:
+    def __init__(self, cfg: Config, device: str, topics: protocol.Topics, mqtt: Any,
+                 journal: Any, platform: Any, shared: DaemonState, publisher: StatusPublisher,
+                 telemetry: TelemetryPublisher, cancel: Callable[[str], str]) -> None:
+        self.cfg, self.device, self.topics, self.mqtt = cfg, device, topics, mqtt
+        # What diag reports on, and where rollback and cancel go.
+        self.journal, self.platform, self.shared = journal, platform, shared
+        self.publisher, self.telemetry, self.cancel = publisher, telemetry, cancel
+
+    def on_command(self, ev: Event) -> None:
         limit = min(protocol.MAX_BYTES["command"], self.cfg.limits.max_message_bytes)
         try:
             cmd = protocol.decode("command", ev.payload, max_bytes=limit)
         except AgentError as exc:
-            self.counters["rejected_messages"] += 1
+            self.shared.counters["rejected_messages"] += 1
             log.warning("bad command: %s", exc)
             self._reply(ev, {}, False, error=exc.to_dict())
             return
         try:
             if cmd["command"] == "cancel":
-                state = self._cancel(cmd["job_id"])
+                state = self.cancel(cmd["job_id"])
                 result: Dict[str, Any] = {"job_id": cmd["job_id"], "state": state}
             elif cmd["command"] == "rollback":
                 from agent.device import engine_rollback
 
                 result = engine_rollback.rollback(self.journal, cmd["model"])
-                self._publish_birth()  # the retained status lists the active engines
+                self.publisher.publish_birth()  # the retained status lists the active engines
             else:
                 result = self.diag()
         except AgentError as exc:
@@ -59,19 +71,19 @@ class DeviceCommands(JobIntake):
             counts[row["state"]] = counts.get(row["state"], 0) + 1
         return {
             "agent_version": __version__,
-            "boot": self.boot,
-            "uptime_s": round(time.monotonic() - self.started, 1),
+            "boot": self.publisher.boot,
+            "uptime_s": round(time.monotonic() - self.shared.started, 1),
             "rss_mb": rss_mb(),
-            "platform": self._status_platform(),
+            "platform": self.publisher.platform_status(),
             "problems": [dict(p) for p in self.platform.problems],
             "jobs": counts,
-            "current_job": self.run_.job_id if self.run_ else None,
+            "current_job": self.shared.run.job_id if self.shared.run else None,
             "outbox": self.journal.outbox_count(),
             "transfers": [{"sha256": t["sha256"], "size": t["size"]}
                           for t in self.journal.transfers()],
             "active_engines": self.journal.active_engines(),
-            "telemetry": self.last_telemetry,
-            "counters": dict(self.counters),
+            "telemetry": self.telemetry.last,
+            "counters": dict(self.shared.counters),
             "security": signing.posture(self.cfg),
         }
 

@@ -1,21 +1,24 @@
-"""Jobs in: decode, validate and verify incoming job documents (signature, sequence, topic, rate
-limit), drop duplicates (idempotency by job id), reject bad ones, run cancel jobs, and pick and
-check (platform decision, limits) the next job to run."""
+"""Message in -> validated -> queued: decode, validate and verify incoming job documents
+(signature, sequence, topic, rate limit), drop duplicates (idempotency by job id), reject bad
+ones, queue the rest in the journal (the QUEUED status goes out through the outbox); run cancel
+jobs and cancel commands. Picking the next queued job is ``job_scheduler``'s."""
 
 import logging
 import math
 import time
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Tuple
 
-from agent.device.artifact_downloads import ArtifactDownloads
+from agent.device.config import Config
+from agent.device.daemon_state import DaemonState
+from agent.device.job_end import JobEnding
 from agent.device.job_run import Run
-from agent.device.worker_supervisor import kill_orphan
+from agent.device.status_publisher import StatusPublisher
 from agent.errors import AgentError
 from agent.wire import protocol, signing
+from agent.wire.limits import TokenBucket
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
-MAX_ATTEMPTS = 2  # a job interrupted in its worker by an agent restart runs once more
 REPUBLISH_EVERY_S = 10.0  # a known job's status, sent again for a document naming it
 REJECTIONS_PER_MINUTE = 60  # REJECTED jobs recorded (a burst of 20), beyond: counted only
 LOG_EVERY_S = 10.0
@@ -25,10 +28,24 @@ NOT_ADDRESSED = ("wrong_target",)
 SIGNED_FOR_THIS_DEVICE = ("job_not_yet_valid", "job_expired", "job_replayed")
 
 
-class JobIntake(ArtifactDownloads):
-    """Daemon layer: incoming job documents, cancels and scheduling."""
+class JobIntake:
+    """Job documents and cancels. ``stop_worker(run)`` asks a running worker to stop."""
 
-    def _on_job_doc(self, job_id: str, payload: bytes) -> None:
+    def __init__(self, cfg: Config, device: str, journal: Any, shared: DaemonState,
+                 publisher: StatusPublisher, stop_worker: Callable[[Run], None],
+                 ending: JobEnding) -> None:
+        self.cfg, self.device, self.journal = cfg, device, journal
+        self.shared, self.publisher = shared, publisher
+        self.stop_worker, self.ending = stop_worker, ending  # what a cancel needs
+        self.trust = signing.TrustStore.from_entries(cfg.security.trusted_keys)
+        self.job_bucket = TokenBucket(cfg.limits.jobs_per_minute / 60.0, cfg.limits.job_burst)
+        # REJECTED jobs recorded per minute (60, bursts of 20), when a known job's status was
+        # last sent again, rate-limited log lines (key -> (last, not logged)).
+        self.reject_bucket = TokenBucket(1.0, 20)
+        self.republished: Dict[str, float] = {}
+        self.log_limits: Dict[str, Tuple[float, int]] = {}
+
+    def on_job_doc(self, job_id: str, payload: bytes) -> None:
         if not payload:
             return  # the controller cleared a finished job's retained document
         existing = self.journal.job(job_id)
@@ -62,18 +79,18 @@ class JobIntake(ArtifactDownloads):
         except AgentError as exc:
             self._refuse(job_id, payload, exc, authenticated)
             return
-        if not self.journal.add_job(doc, emit=self._emit):
+        if not self.journal.add_job(doc, emit=self.publisher.emit):
             row = self.journal.job(job_id)
             log.info("job %s: duplicate document ignored (state %s)", job_id,
                      row["state"] if row else "?")
             return
         if accepted is not None:
             self.journal.record_sequence(accepted.key_id, accepted.seq)
-        self.outbox_dirty = True
-        self.counters["jobs"] += 1
+        self.publisher.outbox_changed()
+        self.shared.counters["jobs"] += 1
         log.info("job %s (%s) QUEUED", job_id, doc["kind"])
         if doc["kind"] == "cancel":
-            self._run_cancel_job(doc)
+            self.run_cancel_job(doc)
 
     def _refuse(self, job_id: str, payload: bytes, exc: AgentError,
                 authenticated: bool) -> None:
@@ -82,21 +99,21 @@ class JobIntake(ArtifactDownloads):
         most REJECTIONS_PER_MINUTE of those: anything else never claims the job id (the
         genuine document may still come), costs no disk write, and is counted and logged
         (at most every LOG_EVERY_S)."""
-        self.counters["rejected_messages"] += 1
+        self.shared.counters["rejected_messages"] += 1
         if not authenticated or exc.code in NOT_ADDRESSED:
-            self.counters["unauthenticated_jobs"] += 1
+            self.shared.counters["unauthenticated_jobs"] += 1
             self._log_limited("unauthenticated", "job %s: ignored a document that proves "
                               "no trusted origin for this device and job id: %s", job_id, exc)
             return
         if not self.reject_bucket.take():
-            self.counters["rejections_dropped"] += 1
+            self.shared.counters["rejections_dropped"] += 1
             self._log_limited("rejections", "job %s: not recorded (more than %d rejections a "
                               "minute): %s", job_id, REJECTIONS_PER_MINUTE, exc)
             return
         log.warning("job %s REJECTED: %s", job_id, exc)
         self.journal.add_job({"job_id": job_id, "kind": kind_of(payload)}, "REJECTED",
-                             error=exc.to_dict(), emit=self._emit)
-        self.outbox_dirty = True
+                             error=exc.to_dict(), emit=self.publisher.emit)
+        self.publisher.outbox_changed()
 
     def _answer_known(self, row: Dict[str, Any]) -> None:
         now = time.monotonic()
@@ -108,7 +125,7 @@ class JobIntake(ArtifactDownloads):
             del self.republished[next(iter(self.republished))]
         log.info("job %s: document for a known job ignored (state %s)", row["job_id"],
                  row["state"])
-        self._republish(row)
+        self.publisher.republish(row)
 
     def _log_limited(self, key: str, fmt: str, *args: Any) -> None:
         """Log at most once every LOG_EVERY_S per ``key``, saying how many were not logged."""
@@ -121,20 +138,20 @@ class JobIntake(ArtifactDownloads):
         log.warning(fmt + ("" if not skipped else " (and {} more like it)".format(skipped)),
                     *args)
 
-    def _run_cancel_job(self, doc: Dict[str, Any]) -> None:
+    def run_cancel_job(self, doc: Dict[str, Any]) -> None:
         job_id = doc["job_id"]
         target = doc["cancel"]["job_id"]
         try:
             if target == job_id:
                 raise AgentError("bad_message", "cancel job {!r} names itself".format(job_id))
-            state = self._cancel(target)
+            state = self.cancel(target)
         except AgentError as exc:
-            self._set_state(job_id, "REJECTED", error=exc.to_dict())
+            self.publisher.set_state(job_id, "REJECTED", error=exc.to_dict())
             return
-        self._set_state(job_id, "IN_PROGRESS")
-        self._set_state(job_id, "SUCCEEDED", result={"job_id": target, "state": state})
+        self.publisher.set_state(job_id, "IN_PROGRESS")
+        self.publisher.set_state(job_id, "SUCCEEDED", result={"job_id": target, "state": state})
 
-    def _cancel(self, job_id: str) -> str:
+    def cancel(self, job_id: str) -> str:
         """Cancel a job; returns the state it ends in. AgentError unknown_job or
         bad_state_transition."""
         row = self.journal.job(job_id)
@@ -143,102 +160,19 @@ class JobIntake(ArtifactDownloads):
         if protocol.is_terminal(row["state"]):
             raise AgentError("bad_state_transition", "job {!r} has already ended {}".format(
                 job_id, row["state"]))
-        run = self.run_
+        run = self.shared.run
         error = AgentError("cancelled", "cancelled by the controller").to_dict()
         if run is not None and run.job_id == job_id:
             if run.proc is not None:
                 run.cancel_requested = True
-                self._stop_worker(run)
+                self.stop_worker(run)
                 log.info("job %s: cancelling, stopping its worker", job_id)
                 return "CANCELED"
-            self._end(run, "CANCELED", error=error)
+            self.ending.end(run, "CANCELED", error=error)
             return "CANCELED"
-        self._set_state(job_id, "CANCELED", error=error)
+        self.publisher.set_state(job_id, "CANCELED", error=error)
         log.info("job %s CANCELED while %s", job_id, row["state"])
         return "CANCELED"
-
-    # ------------------------------------------------------------------------- scheduling
-
-    def _schedule(self) -> None:
-        if self.run_ is not None or self.stop_requested:
-            return
-        for row in self.journal.unfinished_jobs():
-            if row["kind"] == "cancel":
-                # A cancel job interrupted before it finished: do it now.
-                self._run_cancel_job_row(row)
-                continue
-            self._begin(row)
-            return
-
-    def _run_cancel_job_row(self, row: Dict[str, Any]) -> None:
-        if row["state"] == "IN_PROGRESS":
-            self._set_state(row["job_id"], "FAILED", error=AgentError(
-                "internal_error", "the agent restarted during the cancel").to_dict())
-        else:
-            self._run_cancel_job(row["doc"])
-
-    def _timeout_for(self, doc: Dict[str, Any]) -> float:
-        value = doc.get("timeout_s")
-        return float(value) if isinstance(value, (int, float)) else self.cfg.limits.job_timeout_s
-
-    def _begin(self, row: Dict[str, Any]) -> None:
-        run = Run(row, self._timeout_for(row["doc"] or {}))
-        self.run_ = run
-        try:
-            if row["state"] == "IN_PROGRESS" and run.details.get("worker") == "started":
-                kill_orphan(run.details.get("worker_pid"), run.job_id)
-                if row["attempts"] >= MAX_ATTEMPTS:
-                    raise AgentError("worker_crashed", "the agent stopped while this job's worker "
-                                     "ran, {} times; not retrying".format(row["attempts"]))
-                attempt = self.journal.bump_attempts(run.job_id)
-                log.warning("job %s was running when the agent stopped: running it again "
-                            "(attempt %d)", run.job_id, attempt)
-                run.details["attempt"] = str(attempt)
-                run.details.pop("worker", None)
-                run.details.pop("worker_pid", None)
-            else:
-                run.details["attempt"] = str(max(1, row["attempts"] + (row["state"] == "QUEUED")))
-            run.stage = "checking"
-            self._set_state(run, "IN_PROGRESS", stage="checking", progress=None)
-            self._check(run)
-            self._start_downloads(run)
-        except AgentError as exc:
-            self._fail(run, exc)
-        except Exception as exc:  # noqa: BLE001 - the job ends with the reason, we carry on
-            log.exception("job %s: unexpected error", run.job_id)
-            self._fail(run, AgentError("internal_error", "{}: {}".format(
-                type(exc).__name__, exc)))
-        self._notify_status("connected to {}; {}".format(self.mqtt.address, self._activity()))
-
-    def _check(self, run: Run) -> None:
-        """Platform decision (before any download) and limits."""
-        from agent import platform
-
-        doc = run.doc
-        run.plan = protocol.plan_dict(doc)
-        request = [run.plan["precision"]] + list(doc.get("fallback") or [])
-        decision = platform.decide(request, self.platform, "reject", backend=self.backend)
-        decision.raise_if_rejected()
-        run.plan["precision"] = decision.plan_precision
-        run.details["precision"] = str(decision.precision)
-        run.details["backend"] = self.backend
-        if decision.emulated:
-            run.details["emulated"] = "true"
-        if decision.status == "fell_back":
-            run.fallback_reason = decision.reason
-            run.details["fallback"] = decision.reason[:200]
-            log.info("job %s: %s", run.job_id, decision.reason)
-        run.backend = self.backend
-        run.fingerprint = self.platform.fingerprint(self.backend)
-        limit = self.cfg.limits.max_artifact_bytes
-        for role, ref in sorted((doc.get("artifacts") or {}).items()):
-            if ref["size"] > limit:
-                raise AgentError("bad_argument", "artifact {} is {} bytes; this device accepts "
-                                 "at most {} (limits.max_artifact_bytes)".format(
-                                     role, ref["size"], limit))
-            run.needed[role] = (ref["sha256"], ref["size"])
-        if self.backend_problem:  # found at start-up; the other checks said their piece first
-            raise AgentError("backend_unavailable", self.backend_problem)
 
 
 def kind_of(payload: bytes) -> str:

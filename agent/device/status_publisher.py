@@ -1,16 +1,18 @@
-"""What the daemon publishes: job states through the journal's outbox (deleted on PUBACK, so
-nothing is lost on a disconnect or a crash), the retained birth status, and telemetry."""
+"""Job states out: every state change goes through the journal's outbox and is published from
+there, deleted on PUBACK, so nothing is lost on a disconnect or a crash; a message the broker
+refuses goes out in its short form. Also the retained birth status (and the offline one at
+shutdown), and a session takeover made visible. Handed the journal and the MQTT client; the other
+parts call ``set_state`` / ``emit`` and never touch the outbox themselves."""
 
 import logging
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from agent import __version__
-from agent.device.daemon_state import DaemonState
 from agent.device.job_run import Run
 from agent.wire import message_caps, protocol
-from agent.wire.mqtt import SESSION_TAKEN_OVER, Event
+from agent.wire.mqtt import SESSION_TAKEN_OVER, Event, PublishHandle
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -30,41 +32,71 @@ QUICK_DROPS = 3
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
-class StatusPublisher(DaemonState):
-    """Daemon layer: status, outbox and telemetry publication."""
+def status_platform(platform: Any, backend: str, backend_problem: Optional[str]) -> Dict[str, Any]:
+    """What the birth status, the Will and ``diag`` say of this device's platform and backend."""
+    p = platform
+    out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
+           "backend": backend, "precisions": p.supported_precisions, "kind": p.kind,
+           "l4t": p.l4t, "soc": p.soc}
+    if backend_problem:  # the truth: no backend that runs here
+        out["backend"] = None
+        out["backend_problem"] = backend_problem[:512]
+    return out
 
-    def _publish_request(self, topic: str, payload: bytes, qos: int = 1,
-                         retain: bool = False) -> None:
-        self.mqtt.publish(topic, payload, qos=qos, retain=retain)
 
-    def _status_platform(self) -> Dict[str, Any]:
-        p = self.platform
-        out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
-               "backend": self.backend, "precisions": p.supported_precisions, "kind": p.kind,
-               "l4t": p.l4t, "soc": p.soc}
-        if self.backend_problem:  # the truth: no backend that runs here
-            out["backend"] = None
-            out["backend_problem"] = self.backend_problem[:512]
-        return out
+class StatusPublisher:
+    """The outbox (job states), the birth status and connection loss."""
+
+    def __init__(self, journal: Any, mqtt: Any, topics: protocol.Topics, device: str, boot: int,
+                 state_dir: str, platform_status: Callable[[], Dict[str, Any]],
+                 counters: Dict[str, int], on_job_end: Callable[[], None] = lambda: None
+                 ) -> None:
+        """``platform_status()``: what the birth status says of the platform (status_platform);
+        ``on_job_end()``: called after a job's terminal state is recorded."""
+        self.journal = journal
+        self.mqtt = mqtt
+        self.topics = topics
+        self.device = device
+        self.boot = boot
+        self.state_dir = state_dir
+        self.platform_status = platform_status
+        self.counters = counters
+        self.on_job_end = on_job_end
+        self.inflight: Dict[int, Any] = {}
+        self.refusals: Dict[int, int] = {}
+        self.drops_in_flight: Dict[int, int] = {}  # outbox seq -> connections lost in flight
+        self.refused_bytes: Optional[int] = None  # outbox messages this large: refused
+        self.dirty = True  # the outbox may hold something unsent: scan it at the next flush
+        self.last_scan = 0.0
+        self.quick_drops: List[float] = []  # when connections closed right after accepted
+        self.last_takeover_log = 0.0
 
     def _birth(self) -> Dict[str, Any]:
         return protocol.status_message(
             self.device, True, self.boot, agent_version=__version__,
-            platform=self._status_platform(),
+            platform=self.platform_status(),
             active_engines=list(self.journal.active_engines()),  # type: ignore[arg-type]
             ts=time.time())
 
-    def _publish_birth(self) -> None:
+    def publish_birth(self) -> None:
         self.mqtt.publish(self.topics.status(self.device),
                           message_caps.encode_fitted("status", self._birth()), qos=1,
                           retain=True)
 
+    def publish_offline(self) -> PublishHandle:
+        """The retained offline status of a clean shutdown (the Will says it otherwise)."""
+        offline = protocol.status_message(self.device, False, self.boot,
+                                          agent_version=__version__, reason="shutdown",
+                                          ts=time.time(), platform=self.platform_status())
+        return self.mqtt.publish(self.topics.status(self.device), protocol.encode(offline),
+                                 qos=1, retain=True)
+
     # ------------------------------------------------------------------------- outbox
 
-    def _emit(self, row: Dict[str, Any]) -> protocol.Publication:
+    def emit(self, row: Dict[str, Any]) -> protocol.Publication:
         return protocol.job_status_publication(self.topics, self.device, row)
 
-    def _set_state(self, run_or_id: Any, state: str, **kwargs: Any) -> None:
+    def set_state(self, run_or_id: Any, state: str, **kwargs: Any) -> None:
         job_id = run_or_id.job_id if isinstance(run_or_id, Run) else run_or_id
         if isinstance(run_or_id, Run) and "details" not in kwargs:
             kwargs["details"] = run_or_id.details
@@ -73,30 +105,37 @@ class StatusPublisher(DaemonState):
                 kwargs[key] = message_caps.relative_paths(kwargs[key], self._state_root())
         if kwargs.get("error") is not None:
             kwargs["error"] = message_caps.fit_error(kwargs["error"], MAX_ERROR_BYTES)
-        self.journal.set_state(job_id, state, emit=self._emit, **kwargs)
-        self.outbox_dirty = True
+        self.journal.set_state(job_id, state, emit=self.emit, **kwargs)
+        self.dirty = True
+        if protocol.is_terminal(state):
+            self.on_job_end()
 
     def _state_root(self) -> str:
         return os.path.abspath(self.state_dir) if self.state_dir else ""
 
-    def _republish(self, row: Dict[str, Any]) -> None:
-        pub = self._emit(row)
-        self.journal.outbox_put(pub.topic, pub.payload, pub.qos, pub.retain, coalesce=True)
-        self.outbox_dirty = True
+    def outbox_changed(self) -> None:
+        """Something went into the outbox besides ``set_state`` (a job added with its status
+        by the journal): scan it at the next flush."""
+        self.dirty = True
 
-    def _flush_outbox(self) -> None:
+    def republish(self, row: Dict[str, Any]) -> None:
+        pub = self.emit(row)
+        self.journal.outbox_put(pub.topic, pub.payload, pub.qos, pub.retain, coalesce=True)
+        self.dirty = True
+
+    def flush(self) -> None:
         now = time.monotonic()
         if not self.mqtt.connected:
             return
-        if not self.outbox_dirty and now - self.last_outbox_scan < 5.0:
+        if not self.dirty and now - self.last_scan < 5.0:
             return
-        self.outbox_dirty = False
-        self.last_outbox_scan = now
+        self.dirty = False
+        self.last_scan = now
         for item in self.journal.outbox_pending(limit=OUTBOX_BATCH + len(self.inflight)):
             if item.seq in self.inflight:
                 continue
             if len(self.inflight) >= OUTBOX_BATCH:
-                self.outbox_dirty = True
+                self.dirty = True
                 break
             payload = item.payload
             refused = self.refused_bytes is not None and len(payload) >= self.refused_bytes
@@ -141,10 +180,10 @@ class StatusPublisher(DaemonState):
             self.mqtt.abandon(handle)
         self.inflight.pop(seq, None)
         self.refusals.pop(seq, None)
-        self.outbox_dirty = True
+        self.dirty = True
         return True
 
-    def _on_published(self, ev: Event) -> None:
+    def on_published(self, ev: Event) -> None:
         token = ev.token
         if not (isinstance(token, tuple) and token[0] == "outbox"):
             return
@@ -166,7 +205,7 @@ class StatusPublisher(DaemonState):
             self.journal.outbox_ack(seq)
             self.refusals.pop(seq, None)
         else:
-            self.outbox_dirty = True
+            self.dirty = True
 
     def _outbox_connection_lost(self) -> None:
         """The connection dropped: each message then in flight counts one try; one in flight
@@ -191,7 +230,7 @@ class StatusPublisher(DaemonState):
 
     # ------------------------------------------------------------------------- connection
 
-    def _connection_lost(self, ev: Event) -> None:
+    def connection_lost(self, ev: Event) -> None:
         """The connection dropped (``ev`` is the DISCONNECTED event): count the outbox's
         tries, and surface a session takeover (another client connected with this device's
         client id) in the log and in ``jetson-agent status``. A broker that says so sends
@@ -225,23 +264,6 @@ class StatusPublisher(DaemonState):
                       "reason 0x8E)" if confirmed else "keeps closing this connection right "
                       "after accepting it", count, self.device,
                       "" if confirmed else "; or it refuses a packet we send (see its log)")
-
-    # ------------------------------------------------------------------------- telemetry
-
-    def _telemetry_tick(self) -> None:
-        now = time.monotonic()
-        if self.telemetry is None or now < self.next_telemetry:
-            return
-        self.next_telemetry = now + self.cfg.telemetry_interval
-        sample = dict(self.telemetry.sample())
-        source = sample.pop("source", getattr(self.telemetry, "kind", "host"))
-        self.last_telemetry = sample
-        if not self.mqtt.connected:
-            return
-        msg = {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,
-               "ts": time.time(), "source": source, "metrics": sample}
-        self.mqtt.publish(self.topics.telemetry(self.device),
-                          message_caps.encode_fitted("telemetry", msg), qos=0)
 
 
 def fit_result(result: Dict[str, Any], limit: int = MAX_RESULT_BYTES) -> Dict[str, Any]:

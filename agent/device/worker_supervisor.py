@@ -1,6 +1,6 @@
 """The worker subprocess: launch it, read its JSON lines (progress, result, error), stop it on
-cancel, timeout or shutdown (SIGTERM, then SIGKILL), and end the job with the reason it gives or
-the way it died.
+cancel, timeout or shutdown (SIGTERM, then SIGKILL), and end the job (through ``job_end``) with
+the reason it gives or the way it died; a deployed engine is activated here.
 
 Memory: the worker gets an RLIMIT_DATA ceiling (``limits.worker_memory_bytes``, default three
 quarters of the device's memory) right after it starts, so a blow-up the artifact checks missed
@@ -12,20 +12,32 @@ kill of the worker (SIGKILL with the cgroup's oom_kill count raised) is ``out_of
 import json
 import logging
 import os
-import resource
+import queue
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict
 
+from agent.device.config import Config
+from agent.device.daemon_state import DaemonState
+from agent.device.job_end import REJECT_CODES, JobEnding
 from agent.device.job_run import PROGRESS_EVERY_S, Run
 from agent.device.status_publisher import StatusPublisher, fit_result
+from agent.device.worker_process import (
+    WorkerEvent,
+    describe_exit,
+    limit_memory,
+    oom_kills,
+    signal_group,
+    stderr_tail,
+)
 from agent.errors import CODES, AgentError
 from agent.fsio import atomic_write
 from agent.wire import protocol
+from agent.wire.artifacts import ArtifactStore
 from agent.worker import jobs
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
@@ -34,54 +46,35 @@ KILL_GRACE_S = 5.0  # SIGTERM to SIGKILL for a worker being stopped
 # What a native allocation failure leaves in the worker's stderr before it dies.
 MEMORY_MARKERS = ("MemoryError", "bad_alloc", "Cannot allocate memory", "Failed to allocate",
                   "out of memory")
-STDERR_TAIL = 2000
 WORKER_STAGES = ("calibrating", "building", "verifying", "searching", "benchmarking",
                  "activating")
-# Worker errors that mean "this job can never work here" (AWS IoT: REJECTED, not retryable).
-REJECT_CODES = frozenset(("bad_argument", "bad_model", "unsupported_model", "dynamic_shape",
-                          "unknown_layer", "bad_calibration_data", "empty_calibration_data",
-                          "golden_mismatch", "bad_golden_file", "unsupported_precision",
-                          "backend_unavailable", "unknown_job_kind", "bad_message"))
 AGENT_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKER_PACKAGES = ("agent", "calib")  # what the worker imports from this installation
-
-
 MAX_WORKER_LINE_BYTES = 4 << 20  # a worker's JSON line (results are capped far below)
 
-class WorkerEvent(NamedTuple):
-    kind: str  # "line" | "exit"
-    token: int
-    line: bytes = b""
-    returncode: int = 0
 
+class WorkerSupervisor:
+    """The worker subprocess of the job in hand. Its reader thread puts ``WorkerEvent``s on
+    ``events`` (the main loop's queue), which come back through ``on_event``."""
 
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = "signal {}".format(-returncode)
-        return "killed by {} ({})".format(name, -returncode)
-    return "exited with status {}".format(returncode)
+    def __init__(self, cfg: Config, device: str, state_dir: str, store: ArtifactStore,
+                 journal: Any, events: "queue.Queue[Any]", shared: DaemonState,
+                 publisher: StatusPublisher, ending: JobEnding,
+                 show_activity: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.state_dir = state_dir
+        self.store = store
+        self.journal = journal  # activates a deployed engine
+        self.events = events
+        self.shared = shared
+        self.publisher = publisher
+        self.ending = ending
+        self.show_activity = show_activity
+        self.token = 0  # tells this worker's events from an earlier one's
+        self.oom_kills_at_launch = 0  # the cgroup's OOM kill count when the worker started
 
-
-def stderr_tail(path: str, limit: int = STDERR_TAIL) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - limit))
-            return f.read().decode("utf-8", "replace")
-    except OSError:
-        return ""
-
-
-class WorkerSupervisor(StatusPublisher):
-    """Daemon layer: the worker subprocess of the current job, and how the job ends."""
-
-    _oom_kills_at_launch = 0  # the cgroup's OOM kill count when the current worker started
-
-    def _launch(self, run: Run) -> None:
+    def launch(self, run: Run) -> None:
         for sha, _ in run.needed.values():
             self.store.touch(sha)
         run.work_dir = os.path.join(self.state_dir, "work", run.job_id)
@@ -120,12 +113,12 @@ class WorkerSupervisor(StatusPublisher):
             raise AgentError("worker_crashed", "cannot start the worker with {} (worker_python):"
                              " {}".format(python, exc.strerror or exc))
         limit_memory(run.proc.pid, self.worker_memory_bytes())
-        self._oom_kills_at_launch = oom_kills()
+        self.oom_kills_at_launch = oom_kills()
         # Recorded with the stage change: a restarted agent knows the worker ran (and its pid).
         run.details["worker"] = "started"
         run.details["worker_pid"] = str(run.proc.pid)
         run.stage = "checking"  # the worker reads and checks the artifacts first
-        self._set_state(run, "IN_PROGRESS", stage=run.stage, progress=None)
+        self.publisher.set_state(run, "IN_PROGRESS", stage=run.stage, progress=None)
         threading.Thread(target=self._read_worker, args=(run.proc, run.token),
                          name="worker-reader", daemon=True).start()
         log.info("job %s: worker %d started (%s, %s)", run.job_id, run.proc.pid, run.kind,
@@ -179,8 +172,8 @@ class WorkerSupervisor(StatusPublisher):
         proc.stdout.close()
         self.events.put(WorkerEvent("exit", token, returncode=proc.wait()))
 
-    def _on_worker_event(self, ev: WorkerEvent) -> None:
-        run = self.run_
+    def on_event(self, ev: WorkerEvent) -> None:
+        run = self.shared.run
         if run is None or ev.token != run.token:
             return
         if ev.kind == "exit":
@@ -217,9 +210,8 @@ class WorkerSupervisor(StatusPublisher):
         run.last_progress = now
         if stage != run.stage:
             run.stage = stage
-            self._notify_status("connected to {}; {}".format(self.mqtt.address,
-                                                            self._activity()))
-        self._set_state(run, "IN_PROGRESS", stage=stage, progress=progress)
+            self.show_activity()
+        self.publisher.set_state(run, "IN_PROGRESS", stage=stage, progress=progress)
 
     def _on_worker_exit(self, run: Run, returncode: int) -> None:
         run.proc = None
@@ -228,10 +220,10 @@ class WorkerSupervisor(StatusPublisher):
         log.info("job %s: worker %s", run.job_id, describe_exit(returncode))
         if run.cancel_requested:
             details = {"partial_result": run.result} if run.result else None
-            self._end(run, "CANCELED", error=AgentError(
+            self.ending.end(run, "CANCELED", error=AgentError(
                 "cancelled", "cancelled by the controller", details).to_dict())
         elif run.timed_out:
-            self._end(run, "TIMED_OUT", error=AgentError(
+            self.ending.end(run, "TIMED_OUT", error=AgentError(
                 "job_timed_out", "the job ran longer than its timeout of {:g} s".format(
                     run.timeout_s)).to_dict())
         elif returncode == 0 and run.result is not None:
@@ -239,19 +231,19 @@ class WorkerSupervisor(StatusPublisher):
                 self._succeed(run, run.result)
             except Exception as exc:  # noqa: BLE001 - the job fails with the reason, we go on
                 log.exception("job %s: cannot record its result", run.job_id)
-                if self.run_ is run:
-                    self._end(run, "FAILED", error=AgentError("internal_error", "{}: {}".format(
-                        type(exc).__name__, exc)).to_dict())
+                if self.shared.run is run:
+                    self.ending.end(run, "FAILED", error=AgentError(
+                        "internal_error", "{}: {}".format(type(exc).__name__, exc)).to_dict())
         elif run.error is not None and returncode in (2, 3):
             code = run.error.get("code")
             if not isinstance(code, str) or code not in CODES:
                 run.error = {"code": "internal_error", "message": str(run.error)[:500]}
                 code = "internal_error"
             state = "REJECTED" if code in REJECT_CODES else "FAILED"
-            self._end(run, state, error=run.error)
+            self.ending.end(run, state, error=run.error)
         elif self._ran_out_of_memory(run, returncode):
             limit = self.worker_memory_bytes()
-            self._end(run, "FAILED", error=AgentError(
+            self.ending.end(run, "FAILED", error=AgentError(
                 "out_of_memory", "the worker {} after running out of memory: the job needs more "
                 "than its limit of {:,} bytes (limits.worker_memory_bytes) or the service's "
                 "MemoryMax=".format(describe_exit(returncode), limit),
@@ -259,7 +251,7 @@ class WorkerSupervisor(StatusPublisher):
                  "stderr_tail": stderr_tail(run.stderr_path, 500)}).to_dict())
         else:
             tail = stderr_tail(run.stderr_path)
-            self._end(run, "FAILED", error=AgentError(
+            self.ending.end(run, "FAILED", error=AgentError(
                 "worker_crashed", "the worker {} while running the job".format(
                     describe_exit(returncode)),
                 {"returncode": returncode, "stderr_tail": tail}).to_dict())
@@ -267,7 +259,7 @@ class WorkerSupervisor(StatusPublisher):
     def _ran_out_of_memory(self, run: Run, returncode: int) -> bool:
         """A worker death that was an allocation failure: the kernel's OOM killer (the cgroup
         counted a kill) or a native abort whose last words say so."""
-        if returncode == -signal.SIGKILL and oom_kills() > self._oom_kills_at_launch:
+        if returncode == -signal.SIGKILL and oom_kills() > self.oom_kills_at_launch:
             return True
         if returncode >= 0 and run.error is not None:
             return False
@@ -280,7 +272,7 @@ class WorkerSupervisor(StatusPublisher):
         engine_path = result.pop("engine", None)
         if activate and result.get("engine_key"):
             run.stage = "activating"
-            self._set_state(run, "IN_PROGRESS", stage="activating", progress=None)
+            self.publisher.set_state(run, "IN_PROGRESS", stage="activating", progress=None)
             model_sha = run.needed["model"][0]
             previous = self.journal.activate(
                 model_sha, result["engine_key"], result.get("precision"), run.job_id,
@@ -289,53 +281,19 @@ class WorkerSupervisor(StatusPublisher):
                       "throughput_qps": result.get("throughput_qps")})
             result["activated"] = True
             result["previous_engine"] = previous["engine_key"] if previous else None
-        self._end(run, "SUCCEEDED", result=fit_result(result))
+        self.ending.end(run, "SUCCEEDED", result=fit_result(result))
         if activate:
-            self._publish_birth()  # the retained status lists the active engines
+            self.publisher.publish_birth()  # the retained status lists the active engines
 
-    # ------------------------------------------------------------------------- ending
-
-    def _fail(self, run: Run, exc: AgentError) -> None:
-        state = "REJECTED" if exc.code in REJECT_CODES else "FAILED"
-        if exc.code == "cancelled":
-            state = "CANCELED"
-        self._end(run, state, error=exc.to_dict())
-
-    def _end(self, run: Run, state: str, error: Optional[Dict[str, Any]] = None,
-             result: Optional[Dict[str, Any]] = None) -> None:
-        for sha, _ in run.needed.values():
-            if run.downloading:
-                self.fetcher.cancel(sha)
-        run.details.pop("worker", None)
-        run.details.pop("worker_pid", None)
-        if error is not None:
-            run.details["error_code"] = str(error.get("code"))
-            if isinstance(error.get("details"), dict):
-                error = dict(error, details=fit_result(error["details"]))
-        try:
-            # A finished job is in no stage (a failed one keeps where it failed).
-            done: Dict[str, Any] = {"stage": None, "progress": None} if state == "SUCCEEDED" \
-                else {}
-            self._set_state(run, state, error=error, result=result, **done)
-            log.log(logging.INFO if state == "SUCCEEDED" else logging.WARNING, "job %s %s%s",
-                    run.job_id, state, "" if error is None else " [{}]: {}".format(
-                        error.get("code"), error.get("message")))
-        finally:  # whatever happens, the daemon moves on to the next job
-            if run.work_dir:
-                shutil.rmtree(run.work_dir, ignore_errors=True)
-            if self.run_ is run:
-                self.run_ = None
-        self._notify_status("connected to {}; {}".format(self.mqtt.address, self._activity()))
-
-    def _stop_worker(self, run: Run) -> None:
+    def stop_worker(self, run: Run) -> None:
         proc = run.proc
         if proc is None or run.kill_at is not None:
             return
         run.kill_at = time.monotonic() + KILL_GRACE_S
         signal_group(proc, signal.SIGTERM)
 
-    def _check_run(self) -> None:
-        run = self.run_
+    def check_run(self) -> None:
+        run = self.shared.run
         if run is None:
             return
         now = time.monotonic()
@@ -343,9 +301,9 @@ class WorkerSupervisor(StatusPublisher):
             run.timed_out = True
             log.warning("job %s: timed out after %g s", run.job_id, run.timeout_s)
             if run.proc is not None:
-                self._stop_worker(run)
+                self.stop_worker(run)
             else:
-                self._end(run, "TIMED_OUT", error=AgentError(
+                self.ending.end(run, "TIMED_OUT", error=AgentError(
                     "job_timed_out", "the job did not finish within its timeout of {:g} s "
                     "(stage {})".format(run.timeout_s, run.stage)).to_dict())
                 return
@@ -355,58 +313,27 @@ class WorkerSupervisor(StatusPublisher):
             signal_group(run.proc, signal.SIGKILL)
             run.kill_at = now + 3600  # one SIGKILL is enough
 
+    def stop_for_shutdown(self) -> None:
+        """The daemon is stopping: stop the worker (SIGTERM, then SIGKILL); its job stays
+        IN_PROGRESS and runs again after the restart."""
+        run = self.shared.run
+        if run is not None and run.proc is not None:
+            run.stopping_for_shutdown = True
+            proc = run.proc
+            signal_group(proc, signal.SIGTERM)
+            try:
+                proc.wait(KILL_GRACE_S)
+            except subprocess.TimeoutExpired:
+                signal_group(proc, signal.SIGKILL)
+                proc.wait(5)
 
-def limit_memory(pid: int, limit: int) -> None:
-    """Set the worker's RLIMIT_DATA from here (no preexec_fn: unsafe with the daemon's threads);
-    the worker is still importing when it applies."""
-    if limit <= 0:
+
+def clean_work_dirs(state_dir: str, journal: Any) -> None:
+    """At start-up: remove the work directories of jobs that have ended."""
+    work = os.path.join(state_dir, "work")
+    if not os.path.isdir(work):
         return
-    try:
-        resource.prlimit(pid, resource.RLIMIT_DATA, (limit, limit))
-    except (OSError, ValueError) as exc:
-        log.warning("cannot limit worker %d to %d bytes: %s", pid, limit, exc)
-
-
-def oom_kills() -> int:
-    """The kernel's OOM kills in this service's cgroup (v2 memory.events; 0 when unknown)."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            path = [line.split(":", 2)[2].strip() for line in f if line.startswith("0::")][0]
-        with open("/sys/fs/cgroup{}/memory.events".format(path.rstrip("/"))) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
-    except (OSError, IndexError, ValueError):
-        pass
-    return 0
-
-
-def signal_group(proc: "subprocess.Popen[bytes]", sig: int) -> None:
-    """Signal the worker and anything it started (it leads its own session)."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-
-def kill_orphan(pid_text: Optional[str], job_id: str) -> None:
-    """A worker left running by a daemon that was killed: stop it before running the job again
-    (it leads its own process group; only a process that is our worker for this job)."""
-    try:
-        pid = int(pid_text or "")
-        with open("/proc/{}/cmdline".format(pid), "rb") as f:
-            cmdline = f.read()
-    except (ValueError, OSError):
-        return
-    if b"agent.worker" in cmdline and os.path.join("work", job_id).encode() in cmdline:
-        log.warning("job %s: killing worker %d left by the previous agent", job_id, pid)
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
+    keep = {j["job_id"] for j in journal.unfinished_jobs()}
+    for name in os.listdir(work):
+        if name not in keep:
+            shutil.rmtree(os.path.join(work, name), ignore_errors=True)

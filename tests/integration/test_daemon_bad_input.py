@@ -9,7 +9,8 @@ fallback that is reported, an artifact over the size limit, and a worker that cr
 import os
 import stat
 
-from agent.device.daemon import describe_exit, fit_result
+from agent.device.status_publisher import fit_result
+from agent.device.worker_process import describe_exit
 from agent.wire import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
