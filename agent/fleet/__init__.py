@@ -20,7 +20,7 @@ Callers import every name from ``agent.fleet``; the submodules are how it is org
 May import: ``wire``, ``engines``, ``precision``, ``platform``, ``calib`` and the base modules;
 never ``worker``, and ``device``/``cli`` only in the two crossings listed in
 tests/unit/test_import_rules.py (``mqtt_edge`` -> ``device.config``, ``rollback`` ->
-``cli.fleet_serve``), to be moved.
+``cli.fleet_db``), to be moved.
 """
 
 from agent.fleet.documents import (
