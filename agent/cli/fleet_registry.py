@@ -43,6 +43,7 @@ def add_jobs_parser(fsub: Any) -> None:
 
 
 def age(ts: Any) -> str:
+    """How long ago ``ts`` (epoch seconds) was, for a table cell; "-" when unknown."""
     if not isinstance(ts, (int, float)):
         return "-"
     seconds = max(0.0, time.time() - ts)
