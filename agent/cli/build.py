@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from agent import fsio
 from agent import platform as plat
-from agent.device import config
+from agent.device import config, config_schema
 from agent.device.state_lock import check_state_dir
 from agent.engines.backends.base import (
     BACKENDS,
@@ -215,7 +215,7 @@ def open_cache(args: argparse.Namespace) -> Tuple[EngineCache, str]:
     budget_text = getattr(args, "cache_budget", None)
     if budget_text is not None:
         try:
-            budget = config.parse_size(budget_text, "--cache-budget")
+            budget = config_schema.parse_size(budget_text, "--cache-budget")
         except AgentError as exc:
             raise AgentError("bad_argument", exc.message)
     else:

@@ -2,10 +2,10 @@
 command-line flags (each layer overrides the one before).
 
 The schema is the dataclasses below: a nested dataclass is a YAML section, a field's type is
-the type the YAML value must have. Unknown keys and wrong types are ``bad_config`` errors that
-name the key and the line. Secrets never sit in the file: ``broker.password_file`` (and the TLS
-key) name files, resolved against systemd's ``$CREDENTIALS_DIRECTORY`` (``LoadCredential=``)
-when the name is relative.
+the type the YAML value must have (read and checked by ``config_schema``). Unknown keys and
+wrong types are ``bad_config`` errors that name the key and the line. Secrets never sit in the
+file: ``broker.password_file`` (and the TLS key) name files, resolved against systemd's
+``$CREDENTIALS_DIRECTORY`` (``LoadCredential=``) when the name is relative.
 """
 
 import dataclasses
@@ -13,12 +13,12 @@ import os
 import re
 import socket
 import sys
-import typing
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 import yaml
 
+from agent.device.config_schema import apply, as_dict, leaf_paths, nest, read_yaml
 from agent.errors import AgentError
 from agent.fsio import state_dir as default_state_dir
 
@@ -26,10 +26,8 @@ ENV_PREFIX = "JETSON_AGENT_"
 PROTOCOLS = ("v5", "v3.1.1")
 BACKEND_CHOICES = ("auto", "onnxruntime", "tensorrt")
 DEVICE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*$", re.I)
 
-# Field metadata keys: "choices" (allowed values), "size" (accepts 512MiB etc.),
-# "min" (lowest number allowed), "secret" (hidden by to_dict).
+# Field metadata: see agent.device.config_schema (choices, size, min, max, secret, internal).
 
 
 def _f(default: Any, **meta: Any) -> Any:
@@ -54,7 +52,9 @@ class BrokerConfig:
     session_expiry: int = _f(7 * 24 * 3600, min=0)  # seconds the broker keeps our session
     username: Optional[str] = None
     password_file: Optional[str] = None
-    password: Optional[str] = _f(None, secret=True, internal=True)  # read from password_file
+    password: Optional[str] = _f(  # read from password_file
+        None, secret=True, internal=True,
+        refused="put the secret in a file and name it in broker.password_file")
     reconnect_min: float = _f(1.0, min=0.05)
     reconnect_max: float = _f(30.0, min=0.1)
     tls: TlsConfig = dataclasses.field(default_factory=TlsConfig)
@@ -121,21 +121,8 @@ class Config:
         return self.cache.dir or self.state_dir or default_state_dir()
 
     def to_dict(self, show_secrets: bool = False) -> Dict[str, Any]:
-        return _as_dict(self, show_secrets)
+        return as_dict(self, show_secrets)
 
-
-def _as_dict(obj: Any, show_secrets: bool) -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for field in dataclasses.fields(obj):
-        value = getattr(obj, field.name)
-        if dataclasses.is_dataclass(value):
-            out[field.name] = _as_dict(value, show_secrets)
-        elif field.metadata.get("secret"):
-            if value is not None:
-                out[field.name] = value if show_secrets else "***"
-        else:
-            out[field.name] = value
-    return out
 
 
 def sanitize_device_id(name: str) -> str:
@@ -143,19 +130,6 @@ def sanitize_device_id(name: str) -> str:
     cleaned = re.sub(r"[^a-z0-9_.-]+", "-", name.strip().lower()).strip("-.")
     return (cleaned or "jetson")[:64]
 
-
-def parse_size(value: Any, where: str) -> int:
-    if isinstance(value, bool):
-        raise AgentError("bad_config", "{} expects a size, found {!r}".format(where, value))
-    if isinstance(value, int):
-        return value
-    m = SIZE_RE.match(str(value))
-    if not m:
-        raise AgentError("bad_config", "{} expects a size such as 1048576, 512MiB or 2GB, "
-                                       "found {!r}".format(where, value))
-    number, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    base = 1024 if binary else 1000
-    return int(number * base ** " KMGT".index(unit or " "))
 
 
 def parse_broker_url(url: str) -> Dict[Tuple[str, ...], Any]:
@@ -176,134 +150,6 @@ def parse_broker_url(url: str) -> Dict[Tuple[str, ...], Any]:
     return out
 
 
-# --- reading the YAML with line numbers -------------------------------------------------------
-
-def _line_index(node: Any, path: Tuple[str, ...], out: Dict[Tuple[str, ...], int]) -> None:
-    """path -> 1-based line of the key (or of the document for the root)."""
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            if isinstance(key_node, yaml.ScalarNode):
-                sub = path + (str(key_node.value),)
-                out[sub] = key_node.start_mark.line + 1
-                _line_index(value_node, sub, out)
-
-
-def _read_yaml(path: str) -> Tuple[Any, Dict[Tuple[str, ...], int]]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise AgentError("bad_config", "cannot read config file {}: {}".format(
-            path, exc.strerror or exc))
-    try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = " line {}".format(mark.line + 1) if mark is not None else ""
-        raise AgentError("bad_config", "{}{}: not valid YAML: {}".format(
-            path, where, getattr(exc, "problem", None) or exc))
-    lines: Dict[Tuple[str, ...], int] = {}
-    if node is not None:
-        _line_index(node, (), lines)
-    return data, lines
-
-
-# --- validation against the dataclass schema --------------------------------------------------
-
-def _type_name(value: Any) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
-            dict: "mapping", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _expected_name(tp: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(
-        tp, str(tp))
-
-
-def _unwrap_optional(tp: Any) -> Tuple[Any, bool]:
-    args = typing.get_args(tp)
-    if typing.get_origin(tp) is typing.Union and type(None) in args:
-        return [a for a in args if a is not type(None)][0], True
-    return tp, False
-
-
-def _check_value(field: "dataclasses.Field[Any]", tp: Any, value: Any, where: str) -> Any:
-    base, optional = _unwrap_optional(tp)
-    meta = field.metadata
-    if typing.get_origin(base) is list:  # a list of strings; one string is a list of one
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
-            raise AgentError("bad_config", "{} expects a list of strings, found {} {!r}".format(
-                where, _type_name(value), value))
-        return list(items)
-    if value is None:
-        if optional:
-            return None
-        raise AgentError("bad_config", "{} expects {}, found null".format(
-            where, _expected_name(base)))
-    if meta.get("size"):
-        value = parse_size(value, where)
-    elif base is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    elif base is str and isinstance(value, (int, float)) and not isinstance(value, bool):
-        value = str(value)  # e.g. a numeric device id
-    if not isinstance(value, base) or (base is not bool and isinstance(value, bool)):
-        raise AgentError("bad_config", "{} expects {}, found {} {!r}".format(
-            where, _expected_name(base), _type_name(value), value))
-    if "choices" in meta and value not in meta["choices"]:
-        raise AgentError("bad_config", "{} must be one of {}, found {!r}".format(
-            where, ", ".join(meta["choices"]), value))
-    if "min" in meta and value < meta["min"]:
-        raise AgentError("bad_config", "{} must be >= {}, found {!r}".format(
-            where, meta["min"], value))
-    if "max" in meta and value > meta["max"]:
-        raise AgentError("bad_config", "{} must be <= {}, found {!r}".format(
-            where, meta["max"], value))
-    return value
-
-
-def _hints(cls: Any) -> Dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _apply(obj: Any, data: Any, path: Tuple[str, ...], describe: Any) -> None:
-    """Set the fields of ``obj`` from mapping ``data``; ``describe(path)`` says where a key is."""
-    if not isinstance(data, dict):
-        raise AgentError("bad_config", "{} expects a mapping, found {} {!r}".format(
-            describe(path) if path else "the config file", _type_name(data), data))
-    fields = {f.name: f for f in dataclasses.fields(obj) if not f.metadata.get("internal")}
-    hints = _hints(type(obj))
-    for key, value in data.items():
-        sub = path + (str(key),)
-        if key == "password" and path == ("broker",):
-            raise AgentError("bad_config", "{}: broker.password is not accepted: put the secret "
-                                           "in a file and name it in broker.password_file".format(
-                                               describe(sub)))
-        if key not in fields:
-            raise AgentError("bad_config", "{}: unknown key {!r}; expected one of {}".format(
-                describe(sub), ".".join(sub), ", ".join(sorted(fields))))
-        field = fields[key]
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            _apply(getattr(obj, key), value if value is not None else {}, sub, describe)
-        else:
-            setattr(obj, key, _check_value(field, tp, value, describe(sub)))
-
-
-def _leaf_paths(cls: Any, prefix: Tuple[str, ...] = ()) -> List[Tuple[str, ...]]:
-    out: List[Tuple[str, ...]] = []
-    hints = _hints(cls)
-    for field in dataclasses.fields(cls):
-        if field.metadata.get("internal"):
-            continue
-        tp = hints[field.name]
-        if dataclasses.is_dataclass(tp):
-            out += _leaf_paths(tp, prefix + (field.name,))
-        else:
-            out.append(prefix + (field.name,))
-    return out
-
 
 def env_name(path: Tuple[str, ...]) -> str:
     return ENV_PREFIX + "_".join(path).upper()
@@ -313,7 +159,7 @@ def _env_overrides(env: Mapping[str, str]) -> Dict[Tuple[str, ...], Tuple[Any, s
     """Known JETSON_AGENT_<KEY> variables -> (value, variable name). Other JETSON_AGENT_*
     variables are left alone (tools share the prefix)."""
     out: Dict[Tuple[str, ...], Tuple[Any, str]] = {}
-    for path in _leaf_paths(Config):
+    for path in leaf_paths(Config):
         name = env_name(path)
         if name in env:
             raw = env[name]
@@ -326,12 +172,6 @@ def _env_overrides(env: Mapping[str, str]) -> Dict[Tuple[str, ...], Tuple[Any, s
             out[path] = (value, name)
     return out
 
-
-def _nest(path: Tuple[str, ...], value: Any) -> Dict[str, Any]:
-    out: Dict[str, Any] = {path[-1]: value}
-    for key in reversed(path[:-1]):
-        out = {key: out}
-    return out
 
 
 def _resolve_secret_path(name: Optional[str], base_dir: Optional[str],
@@ -367,7 +207,7 @@ def load(
     cfg = Config()
     base_dir = None
     if path:
-        data, lines = _read_yaml(path)
+        data, lines = read_yaml(path)
         base_dir = os.path.dirname(os.path.abspath(path))
 
         def in_file(p: Tuple[str, ...]) -> str:
@@ -375,13 +215,13 @@ def load(
             return "{} line {}: {}".format(path, line, ".".join(p)) if line else ".".join(p)
 
         if data is not None:
-            _apply(cfg, data, (), in_file)
+            apply(cfg, data, (), in_file)
         cfg.source = os.path.abspath(path)
     for p, (value, name) in _env_overrides(env).items():
-        _apply(cfg, _nest(p, value), (), lambda q, name=name: "{} ({})".format(
+        apply(cfg, nest(p, value), (), lambda q, name=name: "{} ({})".format(
             name, ".".join(q)))
     for p, value in (overrides or {}).items():
-        _apply(cfg, _nest(p, value), (), lambda q: "command-line override of " + ".".join(q))
+        apply(cfg, nest(p, value), (), lambda q: "command-line override of " + ".".join(q))
     return _finish(cfg, base_dir, env)
 
 

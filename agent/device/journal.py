@@ -4,10 +4,12 @@ WAL mode with ``synchronous=FULL``: every write is one transaction that is on di
 call returns, so a SIGKILL or a power cut leaves either the old or the new state, never half of
 one. One connection guarded by a lock serves every thread of the daemon; other processes (the
 ``status`` CLI) may read the same file concurrently.
+
+``Journal`` owns the connection, the lock and the transactions, and the jobs and small notes
+itself; the other tables are its parts: ``journal_schema`` (tables, version, opening),
+``journal_outbox``, ``journal_transfers`` (partial downloads) and ``journal_engines``.
 """
 
-import json
-import logging
 import os
 import sqlite3
 import threading
@@ -21,71 +23,16 @@ from typing import (
     Iterator,
     List,
     Mapping,
-    NamedTuple,
     Optional,
     Set,
     Tuple,
     Union,
 )
 
+from agent.device import journal_engines, journal_outbox, journal_schema, journal_transfers
+from agent.device.journal_schema import dumps, loads
 from agent.errors import AgentError
-from agent.wire import message_caps, protocol
-
-log = logging.getLogger("agent.device.journal")
-
-SCHEMA_VERSION = 1
-# The largest outbox message: a job status (agent.wire.message_caps keeps them under it).
-OUTBOX_MAX_BYTES = protocol.MAX_BYTES["job_status"]
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    job_id TEXT PRIMARY KEY,
-    kind TEXT NOT NULL,
-    doc TEXT,
-    state TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    stage TEXT,
-    progress_done INTEGER,
-    progress_of INTEGER,
-    details TEXT NOT NULL DEFAULT '{}',
-    result TEXT,
-    error TEXT,
-    received REAL NOT NULL,
-    updated REAL NOT NULL,
-    attempts INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
-CREATE TABLE IF NOT EXISTS transfers (
-    sha256 TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    block_size INTEGER NOT NULL,
-    bitmap BLOB NOT NULL,
-    updated REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS outbox (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    topic TEXT NOT NULL,
-    payload BLOB NOT NULL,
-    qos INTEGER NOT NULL,
-    retain INTEGER NOT NULL,
-    created REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS outbox_by_topic ON outbox (topic);
-CREATE TABLE IF NOT EXISTS engines (
-    model_sha TEXT NOT NULL,
-    slot TEXT NOT NULL CHECK (slot IN ('active', 'previous')),
-    engine_key TEXT NOT NULL,
-    precision TEXT,
-    activated REAL NOT NULL,
-    job_id TEXT,
-    info TEXT NOT NULL DEFAULT '{}',
-    PRIMARY KEY (model_sha, slot)
-);
-CREATE TABLE IF NOT EXISTS meta (
-    key TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-"""
+from agent.wire import protocol
 
 _JOB_COLUMNS = ("job_id, kind, doc, state, version, stage, progress_done, progress_of, details, "
                 "result, error, received, updated, attempts")
@@ -102,23 +49,6 @@ Progress = Union[Tuple[int, int], Mapping[str, int], None]
 Emit = Callable[[Dict[str, Any]], protocol.Publication]
 
 
-class OutboxItem(NamedTuple):
-    seq: int
-    topic: str
-    payload: bytes
-    qos: int
-    retain: bool
-    created: float
-
-
-def _dumps(value: Any) -> str:
-    return protocol.encode(value).decode("utf-8")
-
-
-def _loads(text: Optional[str]) -> Any:
-    return None if text is None else json.loads(text)
-
-
 class Journal(object):
     """The agent's durable state. Every method is thread-safe; every write is a transaction."""
 
@@ -129,21 +59,9 @@ class Journal(object):
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         try:
-            self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None,
-                                       check_same_thread=False)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=FULL")
+            self._db = journal_schema.connect(path)
             with self._tx() as db:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        db.execute(statement)
-                version = db.execute("PRAGMA user_version").fetchone()[0]
-                if version > SCHEMA_VERSION:
-                    raise AgentError(
-                        "internal_error",
-                        "journal {} has schema version {}, this agent knows up to {}".format(
-                            path, version, SCHEMA_VERSION))
-                db.execute("PRAGMA user_version={}".format(SCHEMA_VERSION))
+                journal_schema.create(db, path)
         except sqlite3.DatabaseError as exc:
             raise AgentError("internal_error", "cannot open the journal {}: {}".format(path, exc))
 
@@ -202,7 +120,7 @@ class Journal(object):
             cur = db.execute(
                 "INSERT OR IGNORE INTO jobs (job_id, kind, doc, state, version, details, error, "
                 "received, updated, attempts) VALUES (?, ?, ?, ?, 1, '{}', ?, ?, ?, 0)",
-                (job_id, kind, _dumps(doc), state, _dumps(error) if error else None, now, now),
+                (job_id, kind, dumps(doc), state, dumps(error) if error else None, now, now),
             )
             if cur.rowcount == 0:
                 return False
@@ -245,16 +163,16 @@ class Journal(object):
             args += [done, of]
         if details is not None:
             sets.append("details = ?")
-            args.append(_dumps({str(k): str(v) for k, v in details.items()}))
+            args.append(dumps({str(k): str(v) for k, v in details.items()}))
         if error is not None:
             if not isinstance(error.get("code"), str):
                 raise AgentError("bad_argument", "a job error needs a code, found {!r}".format(
                     error))
             sets.append("error = ?")
-            args.append(_dumps(error))
+            args.append(dumps(error))
         if result is not None:
             sets.append("result = ?")
-            args.append(_dumps(result))
+            args.append(dumps(result))
         with self._tx() as db:
             row = db.execute("SELECT state, version FROM jobs WHERE job_id = ?",
                              (job_id,)).fetchone()
@@ -275,7 +193,8 @@ class Journal(object):
         row = db.execute("SELECT {} FROM jobs WHERE job_id = ?".format(_JOB_COLUMNS),
                          (job_id,)).fetchone()
         pub = emit(_job_row(row))
-        self._outbox_insert(db, pub.topic, pub.payload, pub.qos, pub.retain, pub.retain)
+        journal_outbox.insert(db, pub.topic, pub.payload, pub.qos, pub.retain, pub.retain,
+                              self._clock())
 
     def bump_attempts(self, job_id: str) -> int:
         """Count one more attempt (a job re-run after an agent restart); returns the count."""
@@ -332,7 +251,6 @@ class Journal(object):
                     out.add(ref["sha256"])
         out.update(r[0] for r in self._read("SELECT DISTINCT model_sha FROM engines"))
         return out
-
     # ------------------------------------------------------------------------------- outbox
 
     def outbox_put(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
@@ -340,144 +258,75 @@ class Journal(object):
         """Queue a message until the broker acknowledges it; returns its seq. ``coalesce``
         first drops pending messages to the same topic (right for retained state)."""
         with self._tx() as db:
-            return self._outbox_insert(db, topic, payload, qos, retain, coalesce)
-
-    def _outbox_insert(self, db: sqlite3.Connection, topic: str, payload: bytes, qos: int,
-                       retain: bool, coalesce: bool) -> int:
-        payload = self._fits_outbox(topic, payload)
-        if coalesce:
-            db.execute("DELETE FROM outbox WHERE topic = ?", (topic,))
-        cur = db.execute(
-            "INSERT INTO outbox (topic, payload, qos, retain, created) VALUES (?, ?, ?, ?, ?)",
-            (topic, bytes(payload), int(qos), 1 if retain else 0, self._clock()))
-        return int(cur.lastrowid or 0)
-
-    def _fits_outbox(self, topic: str, payload: bytes) -> bytes:
-        """Checked before anything is stored: the outbox never holds a message over its
-        topic's limit (a broker would refuse it and drop the connection on every resend). An
-        oversized job status becomes its short form; anything else is refused."""
-        limit = OUTBOX_MAX_BYTES
-        if len(payload) <= limit:
-            return payload
-        short = message_caps.short_job_status_payload(payload)
-        if short is not None and len(short) <= limit:
-            log.warning("outbox: a %d-byte status on %s stored in its short form (%d bytes)",
-                        len(payload), topic[:200], len(short))
-            return short
-        raise AgentError("message_too_large", "an outbox message may be at most {} bytes, "
-                         "found {}".format(limit, len(payload)))
+            return journal_outbox.insert(db, topic, payload, qos, retain, coalesce,
+                                         self._clock())
 
     def outbox_replace(self, seq: int, payload: bytes) -> bool:
-        """Put ``payload`` in place of message ``seq`` (a short form the broker accepts); False
-        when ``seq`` is no longer pending."""
         with self._tx() as db:
-            row = db.execute("SELECT topic FROM outbox WHERE seq = ?", (int(seq),)).fetchone()
-            if row is None:
-                return False
-            payload = self._fits_outbox(row[0], payload)
-            return db.execute("UPDATE outbox SET payload = ? WHERE seq = ?",
-                              (bytes(payload), int(seq))).rowcount > 0
+            return journal_outbox.replace(db, seq, payload)
 
-    def outbox_pending(self, limit: Optional[int] = None) -> List[OutboxItem]:
-        """Unacknowledged messages in the order they were queued."""
-        sql = "SELECT seq, topic, payload, qos, retain, created FROM outbox ORDER BY seq"
-        args: List[Any] = []
-        if limit is not None:
-            sql += " LIMIT ?"
-            args.append(int(limit))
-        return [OutboxItem(int(r[0]), r[1], bytes(r[2]), int(r[3]), bool(r[4]), float(r[5]))
-                for r in self._read(sql, args)]
+    def outbox_pending(self, limit: Optional[int] = None) -> List[journal_outbox.OutboxItem]:
+        with self._lock:
+            return journal_outbox.pending(self._db, limit)
 
     def outbox_ack(self, seq: int) -> bool:
-        """The broker acknowledged message ``seq`` (PUBACK): forget it. False if unknown
-        (already acknowledged, or coalesced away)."""
         with self._tx() as db:
-            return db.execute("DELETE FROM outbox WHERE seq = ?", (int(seq),)).rowcount > 0
+            return journal_outbox.ack(db, seq)
 
     def outbox_count(self) -> int:
-        return int(self._read("SELECT COUNT(*) FROM outbox")[0][0])
+        with self._lock:
+            return journal_outbox.count(self._db)
 
     # ------------------------------------------------------------------------------- transfers
 
     def transfer_get(self, sha256: str) -> Optional[Dict[str, Any]]:
-        """A transfer in progress: sha256, size, block_size, bitmap (bit set = block received),
-        updated."""
-        rows = self._read("SELECT sha256, size, block_size, bitmap, updated FROM transfers "
-                          "WHERE sha256 = ?", (sha256,))
-        return _transfer_row(rows[0]) if rows else None
+        with self._lock:
+            return journal_transfers.get(self._db, sha256)
 
     def transfer_put(self, sha256: str, size: int, block_size: int, bitmap: bytes) -> None:
         with self._tx() as db:
-            db.execute("INSERT OR REPLACE INTO transfers (sha256, size, block_size, bitmap, "
-                       "updated) VALUES (?, ?, ?, ?, ?)",
-                       (sha256, int(size), int(block_size), bytes(bitmap), self._clock()))
+            journal_transfers.put(db, sha256, size, block_size, bitmap, self._clock())
 
     def transfer_update(self, sha256: str, bitmap: bytes) -> None:
         with self._tx() as db:
-            db.execute("UPDATE transfers SET bitmap = ?, updated = ? WHERE sha256 = ?",
-                       (bytes(bitmap), self._clock(), sha256))
+            journal_transfers.update(db, sha256, bitmap, self._clock())
 
     def transfer_delete(self, sha256: str) -> None:
         with self._tx() as db:
-            db.execute("DELETE FROM transfers WHERE sha256 = ?", (sha256,))
+            journal_transfers.delete(db, sha256)
 
     def transfers(self) -> List[Dict[str, Any]]:
-        return [_transfer_row(r) for r in self._read(
-            "SELECT sha256, size, block_size, bitmap, updated FROM transfers ORDER BY updated")]
+        with self._lock:
+            return journal_transfers.every(self._db)
 
     # ------------------------------------------------------------------------------- engines
 
     def activate(self, model_sha: str, engine_key: str, precision: Optional[str] = None,
                  job_id: Optional[str] = None,
                  info: Optional[Mapping[str, Any]] = None) -> Optional[Dict[str, Any]]:
-        """Make ``engine_key`` the active engine of a model; the engine it replaces becomes the
-        previous one (for rollback). Returns the previous engine (None if none).
-        Re-activating the active engine only refreshes its time, job and info."""
+        """Make ``engine_key`` the active engine of ``model_sha``; returns the one it replaced
+        (kept as the previous engine), see ``journal_engines.activate``."""
         now = self._clock()
         with self._tx() as db:
-            current = _engine(db, model_sha, "active")
-            if current is not None and current["engine_key"] == engine_key:
-                db.execute("UPDATE engines SET precision = ?, activated = ?, job_id = ?, "
-                           "info = ? WHERE model_sha = ? AND slot = 'active'",
-                           (precision, now, job_id, _dumps(info or {}), model_sha))
-                return _engine(db, model_sha, "previous")
-            if current is not None:
-                db.execute("DELETE FROM engines WHERE model_sha = ? AND slot = 'previous'",
-                           (model_sha,))
-                db.execute("UPDATE engines SET slot = 'previous' WHERE model_sha = ? AND "
-                           "slot = 'active'", (model_sha,))
-            db.execute("INSERT INTO engines (model_sha, slot, engine_key, precision, activated, "
-                       "job_id, info) VALUES (?, 'active', ?, ?, ?, ?, ?)",
-                       (model_sha, engine_key, precision, now, job_id, _dumps(info or {})))
-            return current
+            return journal_engines.activate(db, model_sha, engine_key, precision, job_id, info,
+                                            now)
 
     def rollback(self, model_sha: str) -> Optional[Dict[str, Any]]:
-        """Make the previous engine active again (the current one is dropped); returns the
-        restored engine, or None (nothing changes) when there is no previous one."""
+        """The previous engine active again; None (nothing changes) when there is none."""
         with self._tx() as db:
-            previous = _engine(db, model_sha, "previous")
-            if previous is None:
-                return None
-            db.execute("DELETE FROM engines WHERE model_sha = ? AND slot = 'active'",
-                       (model_sha,))
-            db.execute("UPDATE engines SET slot = 'active', activated = ? WHERE model_sha = ? "
-                       "AND slot = 'previous'", (self._clock(), model_sha))
-            return _engine(db, model_sha, "active")
+            return journal_engines.rollback(db, model_sha, self._clock())
 
     def active_engine(self, model_sha: str) -> Optional[Dict[str, Any]]:
         with self._lock:
-            return _engine(self._db, model_sha, "active")
+            return journal_engines.engine(self._db, model_sha, "active")
 
     def previous_engine(self, model_sha: str) -> Optional[Dict[str, Any]]:
         with self._lock:
-            return _engine(self._db, model_sha, "previous")
+            return journal_engines.engine(self._db, model_sha, "previous")
 
     def active_engines(self) -> List[Dict[str, Any]]:
-        """Active engine of every model: model, engine_key, precision, activated, job_id,
-        info; oldest activation first."""
-        return [_engine_row(r) for r in self._read(
-            "SELECT model_sha, engine_key, precision, activated, job_id, info FROM engines "
-            "WHERE slot = 'active' ORDER BY activated, model_sha")]
+        with self._lock:
+            return journal_engines.active(self._db)
 
     # ------------------------------------------------------------------------------- boot
 
@@ -497,11 +346,11 @@ class Journal(object):
         """Keep a small JSON note (``connection``: the last session takeover) for ``status``."""
         with self._tx() as db:
             db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
-                       ("note:" + key, _dumps(value)))
+                       ("note:" + key, dumps(value)))
 
     def note(self, key: str) -> Optional[Dict[str, Any]]:
         rows = self._read("SELECT value FROM meta WHERE key = ?", ("note:" + key,))
-        value = _loads(rows[0][0]) if rows else None
+        value = loads(rows[0][0]) if rows else None
         return value if isinstance(value, dict) else None
 
     # ------------------------------------------------------------------------------- signing
@@ -518,7 +367,6 @@ class Journal(object):
             if row is None or int(row[0]) < seq:
                 db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                            ("seq:" + key_id, str(int(seq))))
-
 
 def _progress(progress: Progress) -> Tuple[Optional[int], Optional[int]]:
     if progress is None:
@@ -538,31 +386,15 @@ def _job_row(r: Tuple[Any, ...]) -> Dict[str, Any]:
     return {
         "job_id": r[0],
         "kind": r[1],
-        "doc": _loads(r[2]),
+        "doc": loads(r[2]),
         "state": r[3],
         "version": int(r[4]),
         "stage": r[5],
         "progress": None if r[6] is None else {"done": int(r[6]), "of": int(r[7])},
-        "details": _loads(r[8]) or {},
-        "result": _loads(r[9]),
-        "error": _loads(r[10]),
+        "details": loads(r[8]) or {},
+        "result": loads(r[9]),
+        "error": loads(r[10]),
         "received": float(r[11]),
         "updated": float(r[12]),
         "attempts": int(r[13]),
     }
-
-
-def _transfer_row(r: Tuple[Any, ...]) -> Dict[str, Any]:
-    return {"sha256": r[0], "size": int(r[1]), "block_size": int(r[2]), "bitmap": bytes(r[3]),
-            "updated": float(r[4])}
-
-
-def _engine_row(r: Tuple[Any, ...]) -> Dict[str, Any]:
-    return {"model": r[0], "engine_key": r[1], "precision": r[2], "activated": float(r[3]),
-            "job_id": r[4], "info": _loads(r[5]) or {}}
-
-
-def _engine(db: sqlite3.Connection, model_sha: str, slot: str) -> Optional[Dict[str, Any]]:
-    row = db.execute("SELECT model_sha, engine_key, precision, activated, job_id, info FROM "
-                     "engines WHERE model_sha = ? AND slot = ?", (model_sha, slot)).fetchone()
-    return _engine_row(row) if row else None

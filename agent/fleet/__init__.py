@@ -7,22 +7,25 @@ Speaks only the protocol of docs/protocol.md. The pure policy comes first, the I
 - ``documents``: job documents (``job_document``) and ``prepare_rollout``, what devices would
   refuse, checked on the controller before anything is published;
 - ``rollout``: the ``Rollout`` state machine, fed job statuses, answering with ``Action``s;
+  ``device_run``: its record of one device (``DeviceRun``);
 - ``report``: the results (``result_row``, ``results_table``, ``rollout_report``) and the live
   progress view (``ProgressView``);
 - ``mqtt_edge``: ``FleetConnection`` and ``discover``, the MQTT I/O edge;
 - ``store`` (the database: devices, rollouts, jobs, history, artifacts, signing sequence,
-  outbox), ``durable`` (a ``Rollout`` saved and loaded), ``spec`` (a rollout's stored
-  specification, its job documents), ``service`` (``FleetService``: ``fleet serve``, and
-  ``fleet rollout`` embedded), ``bytequeue`` (the event queue that never blocks paho).
+  outbox; its tables in ``store_schema``), ``durable`` (a ``Rollout`` saved and loaded),
+  ``spec`` (a rollout's stored specification, its job documents), ``service``
+  (``FleetService``: ``fleet serve``, and ``fleet rollout`` embedded), ``bytequeue`` (the
+  event queue that never blocks paho).
 
 Callers import every name from ``agent.fleet``; the submodules are how it is organised.
 
 May import: ``wire``, ``engines``, ``precision``, ``platform``, ``calib`` and the base modules;
 never ``worker``, and ``device``/``cli`` only in the two crossings listed in
 tests/unit/test_import_rules.py (``mqtt_edge`` -> ``device.config``, ``rollback`` ->
-``cli.fleet_serve``), to be moved.
+``cli.fleet_db``), to be moved.
 """
 
+from agent.fleet.device_run import PENDING, DeviceRun
 from agent.fleet.documents import (
     LAYER_RANK,
     job_document,
@@ -53,10 +56,8 @@ from agent.fleet.report import (
 )
 from agent.fleet.rollout import (
     MAX_ROLLOUT_ID,
-    PENDING,
     SEARCH_SUFFIX,
     Action,
-    DeviceRun,
     DocFactory,
     Rollout,
     check_rollout_id,

@@ -5,8 +5,9 @@ import sys
 import time
 from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Sequence
 
+from agent.fleet.device_run import PENDING, DeviceRun
 from agent.fleet.preview import NOT_GATED
-from agent.fleet.rollout import PENDING, DeviceRun, Rollout
+from agent.fleet.rollout import Rollout
 
 # ============================================================================ results
 

@@ -41,7 +41,7 @@ def targets(args: argparse.Namespace, statuses: Dict[str, Dict[str, Any]]
             ) -> List[Tuple[str, str]]:
     """(device, model sha256) pairs to roll back."""
     if args.rollout:
-        from agent.cli.fleet_serve import db_url
+        from agent.cli.fleet_db import db_url
         from agent.fleet.store import Store
 
         store = Store(db_url(args))
@@ -133,7 +133,7 @@ def run(args: argparse.Namespace, connect: Any) -> int:
 
 
 def add_parser(fsub: Any, add_connection_args: Any, connect: Any) -> None:
-    from agent.cli.fleet_serve import add_db_args
+    from agent.cli.fleet_db import add_db_args
 
     b = fsub.add_parser("rollback", help="make devices go back to a model's previous engine",
                         description="Send the rollback command: each device makes the "

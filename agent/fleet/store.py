@@ -16,48 +16,12 @@ import time
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from agent.errors import AgentError
+from agent.fleet import store_schema
 from agent.fleet.db import Db, Tx, default_db_url, redact
 
 __all__ = ["ACTIVE", "Store", "default_db_url"]
 
 ACTIVE = ("running", "paused")  # rollout states a service drives
-SCHEMA_VERSION = 1
-
-_DDL = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
-CREATE TABLE IF NOT EXISTS devices (
-  device_id TEXT PRIMARY KEY, online INTEGER, boot BIGINT, board TEXT, platform TEXT,
-  status TEXT, reason TEXT, first_seen DOUBLE PRECISION, last_seen DOUBLE PRECISION,
-  telemetry TEXT, telemetry_ts DOUBLE PRECISION);
-CREATE TABLE IF NOT EXISTS rollouts (
-  rollout_id TEXT PRIMARY KEY, spec TEXT NOT NULL, state TEXT NOT NULL, outcome TEXT,
-  reason TEXT, current_stage INTEGER, halted INTEGER, paused INTEGER,
-  created DOUBLE PRECISION, deadline DOUBLE PRECISION, updated DOUBLE PRECISION,
-  finished DOUBLE PRECISION, owner TEXT, lease_until DOUBLE PRECISION, control TEXT);
-CREATE TABLE IF NOT EXISTS stages (
-  rollout_id TEXT NOT NULL, idx INTEGER NOT NULL, devices TEXT NOT NULL,
-  PRIMARY KEY (rollout_id, idx));
-CREATE TABLE IF NOT EXISTS jobs (
-  rollout_id TEXT NOT NULL, device_id TEXT NOT NULL, stage INTEGER NOT NULL,
-  state TEXT NOT NULL, data TEXT NOT NULL, updated DOUBLE PRECISION,
-  PRIMARY KEY (rollout_id, device_id));
-CREATE INDEX IF NOT EXISTS jobs_device ON jobs (device_id, state);
-CREATE TABLE IF NOT EXISTS job_history (
-  id {serial} PRIMARY KEY, rollout_id TEXT NOT NULL, device_id TEXT NOT NULL,
-  job_id TEXT NOT NULL, version BIGINT, state TEXT, stage TEXT, ts DOUBLE PRECISION,
-  received DOUBLE PRECISION);
-CREATE INDEX IF NOT EXISTS job_history_run ON job_history (rollout_id, device_id);
-CREATE TABLE IF NOT EXISTS artifacts (
-  sha256 TEXT PRIMARY KEY, size BIGINT NOT NULL, name TEXT, path TEXT NOT NULL,
-  added DOUBLE PRECISION);
-CREATE TABLE IF NOT EXISTS signing_seq (key_id TEXT PRIMARY KEY, seq BIGINT NOT NULL);
-CREATE TABLE IF NOT EXISTS outbox (
-  id {serial} PRIMARY KEY, rollout_id TEXT, topic TEXT NOT NULL, payload {blob},
-  retain INTEGER NOT NULL, created DOUBLE PRECISION);
-CREATE TABLE IF NOT EXISTS services (
-  instance TEXT PRIMARY KEY, heartbeat DOUBLE PRECISION, pid INTEGER, host TEXT,
-  started DOUBLE PRECISION);
-"""
 
 
 def _dumps(value: Any) -> Optional[str]:
@@ -74,16 +38,7 @@ class Store(object):
     def __init__(self, url: Optional[str] = None) -> None:
         self.url = url or default_db_url()
         self.db = Db(self.url)
-        serial = "BIGSERIAL" if self.db.dialect == "postgresql" else "INTEGER"
-        blob = "BYTEA" if self.db.dialect == "postgresql" else "BLOB"
-        with self.db.transaction():
-            if self.db.dialect == "postgresql":  # two services starting at once
-                self.db.execute("SELECT pg_advisory_xact_lock(7216)")
-            for stmt in _DDL.format(serial=serial, blob=blob).split(";"):
-                if stmt.strip():
-                    self.db.execute(stmt)
-            self.db.execute("INSERT INTO meta (key, value) VALUES ('schema', ?) ON CONFLICT "
-                            "(key) DO NOTHING", (str(SCHEMA_VERSION),))
+        store_schema.create(self.db)
 
     @property
     def dialect(self) -> str:

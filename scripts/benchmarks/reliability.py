@@ -1,6 +1,6 @@
 """The fault and abuse suite's figures (docs/reliability.md).
 
-Runs tests/integration/test_faults.py (real Mosquitto, real daemons with signing required, the
+Runs tests/integration/faults/ (real Mosquitto, real daemons with signing required, the
 onnxruntime backend): kill -9 of the agent at random points of its jobs, broker restarts
 during a transfer, a disk that fills during a cache write, fuzzed payloads on every subscribed
 topic, tampered blocks, replayed / forged / mis-targeted / expired jobs, a job flood. The
@@ -44,7 +44,7 @@ def run():
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-             os.path.join(ROOT, "tests", "integration", "test_faults.py")],
+             os.path.join(ROOT, "tests", "integration", "faults")],
             cwd=ROOT, env=env, capture_output=True, text=True)
         with open(report_path) as f:
             text = f.read()

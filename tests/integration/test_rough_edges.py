@@ -107,7 +107,7 @@ def test_telemetry_has_units_and_a_table():
 
 @pytest.mark.parametrize("metrics", [{}, {"cpu_percent": 1.0, "odd_new_key": 3}])
 def test_fleet_telemetry_prints_a_table(capsys, metrics):
-    from agent.cli.fleet import _print_telemetry
+    from agent.cli.fleet_commands import _print_telemetry
 
     _print_telemetry({"device": "nano-1", "ts": 0, "source": "jtop", "metrics": metrics}, False)
     out = capsys.readouterr().out.splitlines()
@@ -117,7 +117,7 @@ def test_fleet_telemetry_prints_a_table(capsys, metrics):
 
 
 def test_fleet_devices_column_uses_the_keys_the_daemon_sends():
-    from agent.cli.fleet import telemetry_summary
+    from agent.cli.fleet_registry import telemetry_summary
 
     metrics = {"cpu_percent": 3.0, "gpu_percent": 50.0, "ram_fraction": 0.5,
                "temp_gpu_c": 40.0, "power_total_mw": 5000, "jetson_clocks": None}

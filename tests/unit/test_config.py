@@ -2,7 +2,7 @@
 
 import pytest
 
-from agent.device import config
+from agent.device import config, config_schema
 from agent.errors import AgentError
 
 
@@ -143,11 +143,11 @@ def test_sanitize_device_id():
 
 
 def test_sizes():
-    assert config.parse_size("512MiB", "x") == 512 << 20
-    assert config.parse_size("2GB", "x") == 2_000_000_000
-    assert config.parse_size(10, "x") == 10
+    assert config_schema.parse_size("512MiB", "x") == 512 << 20
+    assert config_schema.parse_size("2GB", "x") == 2_000_000_000
+    assert config_schema.parse_size(10, "x") == 10
     with pytest.raises(AgentError):
-        config.parse_size(True, "x")
+        config_schema.parse_size(True, "x")
 
 
 def test_tls_files_resolved_and_checked(tmp_path):

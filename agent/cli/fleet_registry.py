@@ -1,0 +1,224 @@
+"""``fleet devices`` and ``fleet jobs``: read-only views of the fleet, from the registry of
+``fleet serve`` (its database) when one runs, else from what the broker retains (device
+statuses, telemetry, job statuses and pending job documents).
+"""
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional
+
+from agent import fleet
+from agent.cli.fleet_connect import add_connection_args, connect
+from agent.errors import AgentError
+from agent.wire import protocol
+
+EXIT_OK = 0
+
+
+def add_devices_parser(fsub: Any) -> None:
+    d = fsub.add_parser("devices", help="devices that reported to the broker")
+    add_connection_args(d)
+    d.add_argument("--wait", type=float, default=1.0, metavar="S",
+                   help="listen S seconds for telemetry (default 1)")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
+                   help="read the registry of 'fleet serve' from this database (every "
+                        "device ever heard of, last known board) instead of the broker; "
+                        "default: the default database when a service runs on it")
+    d.set_defaults(func=run_devices)
+
+
+def add_jobs_parser(fsub: Any) -> None:
+    j = fsub.add_parser("jobs", help="job statuses retained on the broker")
+    add_connection_args(j)
+    j.add_argument("--device", action="append", metavar="ID", help="only this device "
+                   "(repeatable)")
+    j.add_argument("--json", action="store_true")
+    j.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
+                   help="every per-device job of every rollout in the database of 'fleet "
+                        "serve' (the broker keeps nothing for finished jobs)")
+    j.set_defaults(func=run_jobs)
+
+
+def age(ts: Any) -> str:
+    """How long ago ``ts`` (epoch seconds) was, for a table cell; "-" when unknown."""
+    if not isinstance(ts, (int, float)):
+        return "-"
+    seconds = max(0.0, time.time() - ts)
+    if seconds < 120:
+        return "{:.0f}s ago".format(seconds)
+    if seconds < 7200:
+        return "{:.0f}m ago".format(seconds / 60)
+    return "{:.0f}h ago".format(seconds / 3600)
+
+
+def telemetry_summary(metrics: Any) -> str:
+    """The first telemetry rows with their units (agent/cli/telemetry_view.py)."""
+    from agent.cli import telemetry_view
+
+    return telemetry_view.summary(metrics if isinstance(metrics, dict) else {}, limit=4)
+
+
+def device_rows(directory: fleet.DeviceDirectory,
+                last_seen: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+    """``last_seen``: device -> when the registry last heard from it (default: the time of
+    its last status). An offline device keeps the board its last full status named."""
+    rows = []
+    for dev in directory.known():
+        st = directory.status[dev]
+        plat = st.get("platform") or {}
+        tele = directory.telemetry.get(dev)
+        rows.append({
+            "device": dev, "online": st.get("online"), "boot": st.get("boot"),
+            "since": st.get("ts"), "reason": st.get("reason"),
+            "board": plat.get("board"), "jetpack": plat.get("jetpack"),
+            "tensorrt": plat.get("tensorrt"), "backend": plat.get("backend"),
+            "precisions": plat.get("precisions"), "agent_version": st.get("agent_version"),
+            "active_engines": st.get("active_engines") or [],
+            "telemetry": tele,
+            "last_seen": (last_seen or {}).get(dev, st.get("ts")),
+        })
+    return rows
+
+
+def _db_directory(url: str) -> Any:
+    """(directory, device -> last seen) from the registry of 'fleet serve'."""
+    from agent.fleet.store import Store
+
+    store = Store(url)
+    try:
+        directory = fleet.DeviceDirectory()
+        seen: Dict[str, Any] = {}
+        for dev in store.devices():
+            directory.status[dev["device"]] = dev["status"]
+            seen[dev["device"]] = dev["last_seen"]
+            if dev["telemetry"]:
+                directory.telemetry[dev["device"]] = dev["telemetry"]
+        return directory, seen
+    finally:
+        store.close()
+
+
+def registry_db(args: argparse.Namespace) -> Optional[str]:
+    """--db, else the default database when a fleet service is running on it."""
+    from agent.cli.fleet_db import service_up
+    from agent.fleet.store import default_db_url
+
+    if args.db:
+        return str(args.db)
+    return default_db_url() if service_up(default_db_url()) else None
+
+
+def run_devices(args: argparse.Namespace) -> int:
+    url = registry_db(args)
+    seen = None
+    if url:
+        directory, seen = _db_directory(url)
+    else:
+        conn = connect(args)
+        try:
+            directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
+        finally:
+            conn.close()
+    rows = device_rows(directory, seen)
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+        return EXIT_OK
+    if not rows:
+        print("no device has reported to {} under {}/".format(args.broker, args.prefix))
+        return EXIT_OK
+    table = []
+    for r in rows:
+        online = "yes" if r["online"] else "no ({})".format(r["reason"] or "offline")
+        tele = r["telemetry"]
+        table.append([r["device"], online, str(r["board"] or "-"), str(r["jetpack"] or "-"),
+                      str(r["tensorrt"] or "-"), str(r["backend"] or "-"),
+                      ",".join(r["precisions"] or []) or "-", str(len(r["active_engines"])),
+                      age(r["last_seen"]),
+                      "{} ({})".format(telemetry_summary(tele.get("metrics")), age(tele.get(
+                          "ts"))) if tele else "-"])
+    print(fleet.format_table(["DEVICE", "ONLINE", "BOARD", "JETPACK", "TENSORRT", "BACKEND",
+                              "PRECISIONS", "ENGINES", "LAST SEEN", "TELEMETRY"], table))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------- jobs
+
+def retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
+    """(device, job id) -> {"status": last status or None, "document": pending doc or None}"""
+    found: Dict[Any, Dict[str, Any]] = {}
+
+    def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+        if info.kind == "job_status":
+            entry = found.setdefault((info.device, info.job_id), {"status": None,
+                                                                  "document": None})
+            if entry["status"] is None or msg.get("version", 0) > entry["status"].get(
+                    "version", 0):
+                entry["status"] = msg
+        elif info.kind == "job" and msg.payload:
+            try:
+                doc = protocol.decode("job", msg.payload)
+            except AgentError:
+                return
+            entry = found.setdefault((info.device, info.job_id), {"status": None,
+                                                                  "document": None})
+            entry["document"] = doc
+
+    base = conn.topics.prefix + "/devices/+"
+    conn.subscribe([base + "/status", base + "/jobs/+", base + "/jobs/+/status"])
+    conn.settle(on_message)
+    return found
+
+
+def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
+    from agent.fleet.store import Store
+
+    store = Store(url)
+    try:
+        found: Dict[Any, Dict[str, Any]] = {}
+        for j in store.device_jobs():
+            found[(j["device"], j["job_id"])] = {"status": {
+                "kind": j["phase"], "state": j["state"], "stage": j["job_stage"],
+                "ts": j["updated"], "error": j["error"]}, "document": None}
+        return found
+    finally:
+        store.close()
+
+
+def run_jobs(args: argparse.Namespace) -> int:
+    url = registry_db(args)
+    if url:
+        found = _db_jobs(url)
+    else:
+        conn = connect(args)
+        try:
+            found = retained_jobs(conn)
+        finally:
+            conn.close()
+    rows = []
+    for (dev, job_id), entry in sorted(found.items()):
+        if args.device and dev not in args.device:
+            continue
+        st = entry["status"] or {}
+        doc = entry["document"] or {}
+        state = st.get("state") or "SENT"
+        rows.append({"device": dev, "job_id": job_id, "kind": st.get("kind") or doc.get("kind"),
+                     "state": state, "stage": None if protocol.is_terminal(state) else
+                     st.get("stage"),  # a finished job's last stage (activating) is past
+                     "version": st.get("version"), "updated": st.get("ts"),
+                     "error": st.get("error"), "pending_document": bool(entry["document"])})
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+        return EXIT_OK
+    if not rows:
+        print("no retained jobs")
+        return EXIT_OK
+    table = [[r["device"], r["job_id"], str(r["kind"] or "?"), r["state"],
+              str(r["stage"] or "-"), age(r["updated"]),
+              "{}: {}".format(r["error"].get("code"), r["error"].get("message", ""))[:70]
+              if r["error"] else "-"] for r in rows]
+    print(fleet.format_table(["DEVICE", "JOB", "KIND", "STATE", "STAGE", "UPDATED", "ERROR"],
+                             table))
+    return EXIT_OK

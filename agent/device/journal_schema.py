@@ -1,0 +1,94 @@
+"""The journal's SQLite file: its tables, opening it (WAL, ``synchronous=FULL``), the schema
+version check, and the JSON columns' encoding that every part of the journal shares.
+"""
+
+import json
+import sqlite3
+from typing import Any, Optional
+
+from agent.errors import AgentError
+from agent.wire import protocol
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    doc TEXT,
+    state TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    stage TEXT,
+    progress_done INTEGER,
+    progress_of INTEGER,
+    details TEXT NOT NULL DEFAULT '{}',
+    result TEXT,
+    error TEXT,
+    received REAL NOT NULL,
+    updated REAL NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state);
+CREATE TABLE IF NOT EXISTS transfers (
+    sha256 TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    block_size INTEGER NOT NULL,
+    bitmap BLOB NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS outbox (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    topic TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    qos INTEGER NOT NULL,
+    retain INTEGER NOT NULL,
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS outbox_by_topic ON outbox (topic);
+CREATE TABLE IF NOT EXISTS engines (
+    model_sha TEXT NOT NULL,
+    slot TEXT NOT NULL CHECK (slot IN ('active', 'previous')),
+    engine_key TEXT NOT NULL,
+    precision TEXT,
+    activated REAL NOT NULL,
+    job_id TEXT,
+    info TEXT NOT NULL DEFAULT '{}',
+    PRIMARY KEY (model_sha, slot)
+);
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+
+def connect(path: str) -> sqlite3.Connection:
+    """One connection for every thread (the journal serialises them with its lock); WAL, so
+    other processes (the ``status`` CLI) read while the daemon writes."""
+    db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=FULL")
+    return db
+
+
+def create(db: sqlite3.Connection, path: str) -> None:
+    """Inside a write transaction: the missing tables, then the version stamp. A journal
+    written by a newer agent is refused rather than misread."""
+    for statement in _SCHEMA.split(";"):
+        if statement.strip():
+            db.execute(statement)
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version > SCHEMA_VERSION:
+        raise AgentError(
+            "internal_error",
+            "journal {} has schema version {}, this agent knows up to {}".format(
+                path, version, SCHEMA_VERSION))
+    db.execute("PRAGMA user_version={}".format(SCHEMA_VERSION))
+
+
+def dumps(value: Any) -> str:
+    return protocol.encode(value).decode("utf-8")
+
+
+def loads(text: Optional[str]) -> Any:
+    return None if text is None else json.loads(text)

@@ -1,0 +1,46 @@
+"""The fault suite's fixtures: signing keys (a trusted and a rogue one), the controller's
+signer, and ``fleet``: a controller and a factory of started, signing-required daemons, each
+stopped and folded into the report at the end."""
+
+
+import pytest
+
+from agent.wire import signing
+from tests.integration.faults.suite import finish, started
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    d = tmp_path_factory.mktemp("signing")
+    trusted = signing.generate_keypair(str(d), "fleet")
+    rogue = signing.generate_keypair(str(d), "rogue")
+    return {"trusted": trusted, "rogue": rogue, "dir": str(d),
+            "security": "  trusted_keys: [{}]\n".format(trusted["public_key"])}
+
+
+@pytest.fixture
+def signer(keys, tmp_path):
+    return signing.Signer(keys["trusted"]["private_key"], str(tmp_path / "sequence.json"))
+
+
+@pytest.fixture
+def fleet(mosquitto, agent_factory, keys, signer):
+    """(controller signing with the trusted key, make_agent(**kw) -> started agent)."""
+    from tests.integration.conftest import Controller
+
+    ctl = Controller(mosquitto, signer=signer)
+    agents = []
+
+    def make_agent(device="dev1", extra_config="", start=True):
+        agent = agent_factory(device, extra_config=extra_config, security=keys["security"])
+        agents.append(agent)
+        if start:
+            started(agent)
+        return agent
+
+    try:
+        yield ctl, make_agent
+    finally:
+        for agent in agents:
+            finish(agent)
+        ctl.close()
