@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional
 from agent import fleet
 from agent.errors import AgentError
 from agent.wire import protocol, signing
+from agent.wire.topics import DEFAULT_PREFIX, TopicInfo
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 ROLLOUT_EPILOG = (
@@ -50,7 +51,7 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
                    default=os.environ.get("JETSON_AGENT_FLEET_BROKER", "mqtt://localhost:1883"),
                    help="mqtt://HOST:PORT or mqtts://HOST:PORT (default $JETSON_AGENT_FLEET_BROKER "
                         "or mqtt://localhost:1883)")
-    g.add_argument("--prefix", default=protocol.DEFAULT_PREFIX,
+    g.add_argument("--prefix", default=DEFAULT_PREFIX,
                    help="topic prefix (default %(default)s)")
     g.add_argument("--username", help="MQTT user name")
     g.add_argument("--password-file", metavar="FILE", help="file holding the MQTT password")
@@ -536,7 +537,7 @@ def _retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
     """(device, job id) -> {"status": last status or None, "document": pending doc or None}"""
     found: Dict[Any, Dict[str, Any]] = {}
 
-    def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+    def on_message(info: TopicInfo, msg: Any) -> None:
         if info.kind == "job_status":
             entry = found.setdefault((info.device, info.job_id), {"status": None,
                                                                   "document": None})
@@ -640,7 +641,7 @@ def run_cancel(args: argparse.Namespace) -> int:
         final: Dict[Any, Dict[str, Any]] = {}  # (device, job) -> its own terminal status
         last: Dict[Any, Dict[str, Any]] = {}
 
-        def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+        def on_message(info: TopicInfo, msg: Any) -> None:
             if info.kind == "command_reply" and msg.get("request_id") in requests:
                 replies[msg["request_id"]] = msg
             elif info.kind == "job_status" and (info.device, info.job_id) in targets:
@@ -751,7 +752,7 @@ def run_telemetry(args: argparse.Namespace) -> int:
         status = conn.directory.status[args.device]
         rid = "d" + uuid.uuid4().hex[:10]
 
-        def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+        def on_message(info: TopicInfo, msg: Any) -> None:
             if info.device != args.device:
                 return
             if info.kind == "telemetry":

@@ -44,7 +44,7 @@ from agent.device.worker_supervisor import (
     signal_group,
 )
 from agent.errors import AgentError
-from agent.wire import protocol, signing
+from agent.wire import protocol, signing, status_messages
 from agent.wire.artifacts import ArtifactStore
 from agent.wire.limits import TokenBucket
 from agent.wire.mqtt import (
@@ -108,8 +108,8 @@ class Daemon(DeviceCommands):
         if b.tls.enabled:
             tls = TlsOptions(b.tls.ca_file, b.tls.cert_file, b.tls.key_file, b.tls.insecure)
         will = Will(self.topics.status(self.device),
-                    protocol.encode(protocol.will_message(self.device, self.boot,
-                                                          self._status_platform())))
+                    protocol.encode(status_messages.will_message(self.device, self.boot,
+                                                                 self._status_platform())))
         self.mqtt = MqttClient(
             self.device, b.host, b.port, protocol=b.protocol, keepalive=b.keepalive,
             username=b.username, password=b.password, tls=tls, will=will,
@@ -295,10 +295,10 @@ class Daemon(DeviceCommands):
         if mqtt is not None:
             if mqtt.connected:
                 self._flush_outbox()
-                offline = protocol.status_message(self.device, False, self.boot,
-                                                  agent_version=__version__, reason="shutdown",
-                                                  ts=time.time(),
-                                                  platform=self._status_platform())
+                offline = status_messages.status_message(self.device, False, self.boot,
+                                                         agent_version=__version__,
+                                                         reason="shutdown", ts=time.time(),
+                                                         platform=self._status_platform())
                 handle = mqtt.publish(self.topics.status(self.device), protocol.encode(offline),
                                       qos=1, retain=True)
                 deadline = time.monotonic() + 3.0

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from agent.device.config import Config
 from agent.device.job_run import Run
 from agent.device.sdnotify import Notifier
-from agent.wire import protocol
 from agent.wire.limits import ByteQueue, TokenBucket
+from agent.wire.topics import Topics
 
 if TYPE_CHECKING:  # types only: the daemon opens these in Daemon.setup()
     from agent.device.journal import Journal
@@ -40,7 +40,7 @@ class DaemonState:
         self.device: str = cfg.device_id or ""
         self.state_dir: str = cfg.state_dir or ""
         self.notifier = notifier or Notifier()
-        self.topics = protocol.Topics(cfg.topic_prefix)
+        self.topics = Topics(cfg.topic_prefix)
         self.events: "queue.Queue[Any]" = ByteQueue()  # bounded by bytes, not count
         self.stop_requested = False
         self.run_: Optional[Run] = None

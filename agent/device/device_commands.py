@@ -7,8 +7,9 @@ from typing import Any, Dict, Optional
 from agent import __version__
 from agent.device.job_intake import JobIntake
 from agent.errors import AgentError
-from agent.wire import message_caps, protocol, signing
+from agent.wire import message_caps, protocol, signing, status_messages
 from agent.wire.mqtt import Event
+from agent.wire.topics import reply_topic
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -45,11 +46,11 @@ class DeviceCommands(JobIntake):
                result: Optional[Dict[str, Any]] = None,
                error: Optional[Dict[str, Any]] = None) -> None:
         try:
-            topic = protocol.reply_topic(self.topics, self.device, cmd, ev.response_topic)
+            topic = reply_topic(self.topics, self.device, cmd, ev.response_topic)
         except AgentError as exc:
             log.warning("command reply goes to the default topic: %s", exc)
             topic = self.topics.command_reply(self.device)
-        msg = protocol.command_reply(self.device, cmd, ok, result=result, error=error)
+        msg = status_messages.command_reply(self.device, cmd, ok, result=result, error=error)
         self.mqtt.publish(topic, message_caps.encode_fitted("command_reply", msg), qos=1,
                           correlation=ev.correlation)
 

@@ -11,7 +11,7 @@ from agent.device.artifact_downloads import ArtifactDownloads
 from agent.device.job_run import Run
 from agent.device.worker_supervisor import kill_orphan
 from agent.errors import AgentError
-from agent.wire import protocol, signing
+from agent.wire import job_semantics, protocol, signing
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -49,10 +49,10 @@ class JobIntake(ArtifactDownloads):
                     max_skew_s=self.cfg.security.max_clock_skew_s)
             except AgentError as exc:
                 if exc.code in SIGNED_FOR_THIS_DEVICE:  # verified: refused for its time or seq
-                    protocol.check_job_topic(doc, self.device, job_id)
+                    job_semantics.check_job_topic(doc, self.device, job_id)
                     authenticated = True
                 raise
-            protocol.check_job_topic(doc, self.device, job_id)
+            job_semantics.check_job_topic(doc, self.device, job_id)
             authenticated = True  # a trusted key signed it for this device and job id
             if not self.job_bucket.take():
                 raise AgentError("rate_limited", "more than {:g} new jobs per minute (bursts of "
@@ -215,7 +215,7 @@ class JobIntake(ArtifactDownloads):
         from agent import platform
 
         doc = run.doc
-        run.plan = protocol.plan_dict(doc)
+        run.plan = job_semantics.plan_dict(doc)
         request = [run.plan["precision"]] + list(doc.get("fallback") or [])
         decision = platform.decide(request, self.platform, "reject", backend=self.backend)
         decision.raise_if_rejected()

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 from agent import __version__
 from agent.device.daemon_state import DaemonState
 from agent.device.job_run import Run
-from agent.wire import message_caps, protocol
+from agent.wire import message_caps, protocol, status_messages
 from agent.wire.mqtt import SESSION_TAKEN_OVER, Event
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
@@ -48,7 +48,7 @@ class StatusPublisher(DaemonState):
         return out
 
     def _birth(self) -> Dict[str, Any]:
-        return protocol.status_message(
+        return status_messages.status_message(
             self.device, True, self.boot, agent_version=__version__,
             platform=self._status_platform(),
             active_engines=list(self.journal.active_engines()),  # type: ignore[arg-type]
@@ -62,7 +62,7 @@ class StatusPublisher(DaemonState):
     # ------------------------------------------------------------------------- outbox
 
     def _emit(self, row: Dict[str, Any]) -> protocol.Publication:
-        return protocol.job_status_publication(self.topics, self.device, row)
+        return status_messages.job_status_publication(self.topics, self.device, row)
 
     def _set_state(self, run_or_id: Any, state: str, **kwargs: Any) -> None:
         job_id = run_or_id.job_id if isinstance(run_or_id, Run) else run_or_id

@@ -16,6 +16,7 @@ from agent.fleet.rollout import Action, DocFactory, Rollout
 from agent.fleet.spec import doc_factory, policy_of
 from agent.fleet.store import Store
 from agent.wire import protocol
+from agent.wire.topics import Topics
 
 FINAL_STATE = {"succeeded": "succeeded", "failed": "failed", "aborted": "aborted",
                "halted": "halted", "timed_out": "timed_out", "interrupted": "cancelled",
@@ -52,7 +53,7 @@ def load(store: Store, rollout_id: str, docs: Optional[DocFactory] = None
     return ro
 
 
-def messages(topics: protocol.Topics, ro: Rollout, actions: Sequence[Action]) -> List[Message]:
+def messages(topics: Topics, ro: Rollout, actions: Sequence[Action]) -> List[Message]:
     """What the actions publish. Clearing a job document also clears the device's retained
     status of a finished job (the database keeps it): the broker holds nothing for it."""
     out: List[Message] = []
@@ -95,7 +96,7 @@ def save(store: Store, ro: Rollout, out: Sequence[Message] = (),
     return ids
 
 
-def republish(topics: protocol.Topics, ro: Rollout) -> List[Message]:
+def republish(topics: Topics, ro: Rollout) -> List[Message]:
     """The retained documents of unfinished jobs, published again when a service takes the
     rollout over (a broker that lost its retained messages still gets them)."""
     out: List[Message] = []

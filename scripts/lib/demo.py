@@ -111,7 +111,7 @@ class WireRecorder(object):
         import queue
 
         from agent.wire.mqtt import MqttClient
-        from agent.wire.protocol import Topics
+        from agent.wire.topics import Topics
 
         self.topics = Topics()
         self.client = MqttClient("demo-recorder", "127.0.0.1", broker_port, clean_start=True,

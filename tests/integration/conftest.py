@@ -213,7 +213,7 @@ class Controller:
         import uuid
 
         from agent.wire.mqtt import MqttClient
-        from agent.wire.protocol import Topics
+        from agent.wire.topics import Topics
         from agent.wire.transfer import BlockServer
 
         self.device = device

@@ -19,11 +19,12 @@ import pytest
 from agent.errors import AgentError
 from agent.wire import protocol
 from agent.wire.mqtt import CONNECT_FAILED, MESSAGE, MqttClient, TlsOptions, Will
+from agent.wire.topics import Topics
 from tests.integration.conftest import MOSQUITTO
 from tests.integration.pki import FleetBroker, Pki, write_passwords
 
 USERS = {"dev-a": "pw-a", "dev-b": "pw-b", "controller": "pw-ctl"}
-T = protocol.Topics()
+T = Topics()
 DEV = T.prefix + "/devices/"
 
 

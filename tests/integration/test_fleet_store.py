@@ -9,7 +9,7 @@ from agent import fleet
 from agent.errors import AgentError
 from agent.fleet import durable
 from agent.fleet.store import Store
-from agent.wire import protocol
+from agent.wire.topics import Topics
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 
 
@@ -58,7 +58,7 @@ def test_a_rollout_round_trips_with_its_jobs_history_and_outbox(store):
         store.insert_rollout("ro-1", spec, [["c"]], deadline=9e9)
     assert err.value.code == "bad_argument"
     ro = durable.load(store, "ro-1", docs)
-    msgs = durable.messages(protocol.Topics(), ro, ro.start())
+    msgs = durable.messages(Topics(), ro, ro.start())
     ids = durable.save(store, ro, msgs)
     assert len(ids) == 1 and store.outbox()[0][1].endswith("/devices/a/jobs/ro-1")
     ro.on_job_status("a", status("ro-1", "a", "IN_PROGRESS", 2, stage="building"))
@@ -71,10 +71,10 @@ def test_a_rollout_round_trips_with_its_jobs_history_and_outbox(store):
     assert (run.state, run.job_stage, run.versions, run.published) == (
         "IN_PROGRESS", "building", {"ro-1": 2}, ["ro-1"])
     assert again.current == 0 and again.runs["b"].state == fleet.PENDING
-    assert durable.republish(protocol.Topics(), again)[0][0].endswith("/a/jobs/ro-1")
+    assert durable.republish(Topics(), again)[0][0].endswith("/a/jobs/ro-1")
     acts = again.on_job_status("a", status("ro-1", "a", "SUCCEEDED", 3, result={}))
     assert [a.kind for a in acts] == ["clear", "publish"]  # stage 2 starts
-    durable.save(store, again, durable.messages(protocol.Topics(), again, acts))
+    durable.save(store, again, durable.messages(Topics(), again, acts))
     history = store.job_history("ro-1")
     assert [(h["device"], h["version"], h["state"]) for h in history] == [
         ("a", 2, "IN_PROGRESS"), ("a", 3, "SUCCEEDED")]

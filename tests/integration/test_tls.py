@@ -17,10 +17,11 @@ import pytest
 from agent.errors import AgentError
 from agent.wire import protocol, signing
 from agent.wire.mqtt import CONNECT_FAILED, MqttClient, TlsOptions
+from agent.wire.topics import Topics
 from tests.integration.conftest import MOSQUITTO, ROOT, AgentProcess
 from tests.integration.pki import FleetBroker, Pki
 
-T = protocol.Topics()
+T = Topics()
 
 
 @pytest.fixture

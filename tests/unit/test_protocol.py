@@ -11,11 +11,12 @@ from agent.engines.backends import base
 from agent.errors import AgentError
 from agent.precision import compare
 from agent.precision import search as agent_search
-from agent.wire import protocol
+from agent.wire import job_semantics, json_schema, protocol, status_messages
+from agent.wire.topics import Topics, reply_topic
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHA = "0123456789abcdef" * 4
-T = protocol.Topics()
+T = Topics()
 
 
 def job_doc(**extra):
@@ -66,7 +67,7 @@ def test_topics_round_trip():
 
 
 def test_multi_level_prefix():
-    topics = protocol.Topics("site-a/fleet")
+    topics = Topics("site-a/fleet")
     assert topics.parse(topics.job_status("d", "j")).job_id == "j"
     with pytest.raises(AgentError):
         topics.parse(T.status("d"))
@@ -75,7 +76,7 @@ def test_multi_level_prefix():
 @pytest.mark.parametrize("prefix", ["", "a//b", "a/+", "#", "$SYS", "a/b/"])
 def test_bad_prefix_is_a_config_error(prefix):
     with pytest.raises(AgentError) as info:
-        protocol.Topics(prefix)
+        Topics(prefix)
     assert info.value.code == "bad_config"
 
 
@@ -198,10 +199,10 @@ def test_schema_violations_say_where_and_what(change, needle):
 
 def test_job_must_match_its_topic():
     doc = job_doc()
-    protocol.check_job_topic(doc, "nano-07", "deploy-42")
+    job_semantics.check_job_topic(doc, "nano-07", "deploy-42")
     for device, job_id in (("other", "deploy-42"), ("nano-07", "other")):
         with pytest.raises(AgentError) as info:
-            protocol.check_job_topic(doc, device, job_id)
+            job_semantics.check_job_topic(doc, device, job_id)
         assert info.value.code == "bad_message"
 
 
@@ -212,9 +213,9 @@ def test_pattern_anchoring_rejects_trailing_newline():
 
 def test_validator_refuses_unknown_keywords(tmp_path, monkeypatch):
     with pytest.raises(ValueError):
-        protocol._check_keywords({"type": "object", "dependentRequired": {}}, "x")
+        json_schema.check_keywords({"type": "object", "dependentRequired": {}}, "x")
     with pytest.raises(ValueError):
-        protocol._check_keywords({"properties": {"a": {"oneOf": []}}}, "x")
+        json_schema.check_keywords({"properties": {"a": {"oneOf": []}}}, "x")
 
 
 def test_fuzzed_payloads_only_raise_agent_errors():
@@ -319,16 +320,16 @@ def test_schema_files_agree_with_the_code():
 
 
 def test_plan_dict_builds_a_buildplan():
-    plan = base.BuildPlan.from_dict(protocol.plan_dict(job_doc()))
+    plan = base.BuildPlan.from_dict(job_semantics.plan_dict(job_doc()))
     assert plan.precision == "int8"
     assert plan.layer_precisions == {"Softmax:0": "float32"}
     assert plan.calibration is not None and plan.calibration.algorithm == "minmax"
     assert plan.calibration.data is None
     assert plan.shapes == {"x": ((1, 3), (4, 3), (8, 3))}
     # int8 without calibration settings gets the defaults; fp16 gets none
-    plan = base.BuildPlan.from_dict(protocol.plan_dict(job_doc(plan={"precision": "int8"})))
+    plan = base.BuildPlan.from_dict(job_semantics.plan_dict(job_doc(plan={"precision": "int8"})))
     assert plan.calibration is not None and plan.calibration.algorithm == "entropy2"
-    assert protocol.plan_dict(job_doc(plan={"precision": "fp16"}))["calibration"] is None
+    assert job_semantics.plan_dict(job_doc(plan={"precision": "fp16"}))["calibration"] is None
 
 
 # ----------------------------------------------------------------------------- states
@@ -346,16 +347,16 @@ def test_state_transitions():
 
 
 def test_late_will_is_stale():
-    will = protocol.will_message("d", 3)
+    will = status_messages.will_message("d", 3)
     protocol.validate("status", will)
-    assert not protocol.status_is_stale(None, will)
-    assert not protocol.status_is_stale(3, will)
-    assert protocol.status_is_stale(4, will)
-    assert protocol.status_is_stale(1, {"boot": "3"})
+    assert not status_messages.status_is_stale(None, will)
+    assert not status_messages.status_is_stale(3, will)
+    assert status_messages.status_is_stale(4, will)
+    assert status_messages.status_is_stale(1, {"boot": "3"})
 
 
 def test_builders_produce_valid_messages():
-    status = protocol.status_message(
+    status = status_messages.status_message(
         "d", True, 2, agent_version="0.1.0",
         platform={"board": "orin", "precisions": ["fp32", "fp16"], "cuda": "12.2"},
         active_engines=[{"model": SHA, "engine_key": "k", "precision": "int8",
@@ -366,15 +367,15 @@ def test_builders_produce_valid_messages():
            "result": {"accuracy": {"passed": True, "sqnr_db": float("inf")},
                       "latency_ms": {"p99": 1.5}, "layers_kept": {"Add": "float32"}},
            "updated": 10.0}
-    msg = protocol.job_status_message("d", row)
+    msg = status_messages.job_status_message("d", row)
     assert msg["statusDetails"] == {"n": "3", "stage": "searching"}
     decoded = protocol.decode("job_status", protocol.encode(msg))
     assert decoded["result"]["accuracy"]["sqnr_db"] is None
     failed = dict(row, state="FAILED", error={"code": "build_failed", "message": "x"})
-    msg = protocol.job_status_message("d", dict(failed, result=None))
+    msg = status_messages.job_status_message("d", dict(failed, result=None))
     assert "result" not in msg and msg["statusDetails"]["error_code"] == "build_failed"
     protocol.validate("job_status", msg)
-    pub = protocol.job_status_publication(T, "d", failed)
+    pub = status_messages.job_status_publication(T, "d", failed)
     assert pub.topic == T.job_status("d", "j") and pub.qos == 1 and pub.retain
     with pytest.raises(AgentError):  # FAILED needs an error
         protocol.validate("job_status", dict(msg, error=None))
@@ -383,25 +384,25 @@ def test_builders_produce_valid_messages():
 def test_commands_and_replies():
     cmd = protocol.decode("command", b'{"command":"cancel","job_id":"j","request_id":"r1",'
                           b'"correlation":"c"}')
-    reply = protocol.command_reply("d", cmd, True, result={"state": "CANCELED"})
+    reply = status_messages.command_reply("d", cmd, True, result={"state": "CANCELED"})
     assert reply["request_id"] == "r1" and reply["correlation"] == "c"
     protocol.validate("command_reply", reply)
-    bad = protocol.command_reply("d", {"command": 5}, False,
-                                 error=AgentError("unknown_job", "no job").to_dict())
+    bad = status_messages.command_reply("d", {"command": 5}, False,
+                                        error=AgentError("unknown_job", "no job").to_dict())
     protocol.validate("command_reply", bad)
     assert code_of("command", b'{"command":"cancel"}').code == "bad_message"
     assert code_of("command", b'{"command":"reboot"}').code == "bad_message"
-    assert protocol.reply_topic(T, "d", cmd) == T.command_reply("d")
+    assert reply_topic(T, "d", cmd) == T.command_reply("d")
     mine = T.command_reply("d") + "/r-18"
-    assert protocol.reply_topic(T, "d", {"reply_to": mine}) == mine
-    assert protocol.reply_topic(T, "d", {"reply_to": "ctl/r"}, mine) == mine
+    assert reply_topic(T, "d", {"reply_to": mine}) == mine
+    assert reply_topic(T, "d", {"reply_to": "ctl/r"}, mine) == mine
     assert T.parse(mine).kind == "command_reply"
     # Only the controller's reply topics: not another device's, not a job status, not elsewhere.
     for topic in ("ctl/#", "$SYS/x", "a/+/b", "x" * 300, "", "ctl/r", T.status("d"),
                   T.command_reply("e"), T.job_status("d", "j1"), mine + "/x",
                   T.command_reply("d") + "/"):
         with pytest.raises(AgentError):
-            protocol.reply_topic(T, "d", {"reply_to": topic})
+            reply_topic(T, "d", {"reply_to": topic})
 
 
 # ----------------------------------------------------------------------------- bitmaps
