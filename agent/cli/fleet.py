@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional
 
 from agent import fleet
 from agent.errors import AgentError
-from agent.wire import protocol, signing
+from agent.wire import job_signer, protocol
 from agent.wire.topics import DEFAULT_PREFIX, TopicInfo
 
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -238,7 +238,7 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     sg.add_argument("--sequence-file", metavar="F",
                     help="the signer's sequence numbers (default "
                          "$XDG_STATE_HOME/jetson-agent/fleet-sequence.json)")
-    sg.add_argument("--valid-for", type=float, default=signing.DEFAULT_VALIDITY_S,
+    sg.add_argument("--valid-for", type=float, default=job_signer.DEFAULT_VALIDITY_S,
                     metavar="S", help="devices refuse the jobs after S seconds (default "
                     "86400); devices offline longer never run them")
     o = r.add_argument_group("output")
@@ -329,7 +329,7 @@ def make_doc_factory(args: argparse.Namespace, artifacts: Dict[str, Dict[str, An
     return fleet.doc_factory(spec_from_args(args, artifacts, user_layers, args.timeout))
 
 
-def _signed(docs: fleet.DocFactory, signer: signing.Signer) -> fleet.DocFactory:
+def _signed(docs: fleet.DocFactory, signer: job_signer.Signer) -> fleet.DocFactory:
     """The same documents, signed; the dry run of the checks allocates no sequence."""
 
     def signed(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
@@ -383,7 +383,7 @@ def run_rollout(args: argparse.Namespace) -> int:
         docs = fleet.doc_factory(spec)
         signer = None
         if args.signing_key:
-            signer = signing.Signer(args.signing_key, args.sequence_file, args.valid_for)
+            signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
             docs = _signed(docs, signer)
         # Every document shape is checked now, before the broker sees anything.
         for kind in (["search"] if args.search else []) + ["deploy"]:
@@ -796,7 +796,7 @@ def run_telemetry(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- keygen
 
 def run_keygen(args: argparse.Namespace) -> int:
-    made = signing.generate_keypair(args.out, args.name)
+    made = job_signer.generate_keypair(args.out, args.name)
     if args.json:
         print(json.dumps(made, indent=2, sort_keys=True))
         return EXIT_OK

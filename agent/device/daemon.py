@@ -44,7 +44,7 @@ from agent.device.worker_supervisor import (
     signal_group,
 )
 from agent.errors import AgentError
-from agent.wire import protocol, signing, status_messages
+from agent.wire import protocol, security_posture, signing, status_messages
 from agent.wire.artifacts import ArtifactStore
 from agent.wire.limits import TokenBucket
 from agent.wire.mqtt import (
@@ -127,7 +127,7 @@ class Daemon(DeviceCommands):
         log.info("jetson-agent %s: device %s, boot %d, backend %s, platform %s, state %s",
                  __version__, self.device, self.boot, self.backend, self.platform.describe(),
                  self.state_dir)
-        for problem in signing.posture(self.cfg)["problems"]:
+        for problem in security_posture.posture(self.cfg)["problems"]:
             log.warning("security: %s (%s)", problem["problem"], problem["fix"])
 
     def _open_telemetry(self) -> None:

@@ -7,7 +7,7 @@ from typing import Any, Dict, Optional
 from agent import __version__
 from agent.device.job_intake import JobIntake
 from agent.errors import AgentError
-from agent.wire import message_caps, protocol, signing, status_messages
+from agent.wire import message_caps, protocol, security_posture, status_messages
 from agent.wire.mqtt import Event
 from agent.wire.topics import reply_topic
 
@@ -73,7 +73,7 @@ class DeviceCommands(JobIntake):
             "active_engines": self.journal.active_engines(),
             "telemetry": self.last_telemetry,
             "counters": dict(self.counters),
-            "security": signing.posture(self.cfg),
+            "security": security_posture.posture(self.cfg),
         }
 
 

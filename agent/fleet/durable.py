@@ -123,7 +123,7 @@ def factory_for(store: Store, rollout_id: str, signer: Any = None,
                share: Any = None) -> Dict[str, Any]:
         # Valid until the rollout's own deadline at least: a device offline for days still
         # runs its job when it returns (the signer's --valid-for is the floor).
-        from agent.wire.signing import sign_document
+        from agent.wire.job_signer import sign_document
 
         now = signer.clock()
         seq = signer.sequence.next(signer.key_id, int(now * 1000))
@@ -135,7 +135,7 @@ def factory_for(store: Store, rollout_id: str, signer: Any = None,
 
 
 class DbSequence(object):
-    """``signing.SequenceFile``'s interface over the database: numbers are reserved
+    """``job_signer.SequenceFile``'s interface over the database: numbers are reserved
     ``block`` at a time; within a block they are handed out from memory. ``mirror``: a
     ``SequenceFile`` kept at or above every reserved number (a one-off embedded rollout on a
     throw-away database still never goes below what the devices accepted)."""

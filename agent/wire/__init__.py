@@ -5,7 +5,8 @@ Owns ``protocol`` (vocabulary, ids, the message codec, artifact blocks) with ``j
 ``job_semantics`` (a job document beyond its schema) and ``status_messages`` (device, job and
 command-reply messages); ``message_caps`` (every message within its topic's limit), ``mqtt``
 (the MQTT edge, the only module that imports paho), resumable block ``transfer`` with
-``block_server`` and ``http_fetch``, the content-addressed ``artifacts`` store, ``signing``
+``block_server`` and ``http_fetch``, the content-addressed ``artifacts`` store (downloads
+assembled by ``block_assembly``), ``signing``
 (signed job manifests, replay protection) and ``limits`` (size and rate limits, the
 byte-bounded event queue).
 

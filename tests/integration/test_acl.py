@@ -215,10 +215,10 @@ def test_a_real_agent_works_under_the_acl(fleet_broker, tmp_path, digits_files):
     """Everything the protocol needs is granted: birth and Will, job documents, block
     requests and blocks, job statuses, telemetry, commands and replies. The password comes
     from a credentials file ($CREDENTIALS_DIRECTORY, as systemd's LoadCredential= gives it)."""
-    from agent.wire import signing
+    from agent.wire import job_signer
     from tests.integration.conftest import AgentProcess, Controller
 
-    keys = signing.generate_keypair(str(tmp_path / "keys"), "fleet")
+    keys = job_signer.generate_keypair(str(tmp_path / "keys"), "fleet")
     creds = tmp_path / "credentials"
     creds.mkdir()
     (creds / "mqtt-password").write_text(USERS["dev-a"] + "\n")
@@ -231,7 +231,7 @@ def test_a_real_agent_works_under_the_acl(fleet_broker, tmp_path, digits_files):
                      "    ca_file: {}\n".format(fleet_broker.pki.ca_file),
         extra_config="telemetry_interval: 0.5\n")
     agent.start(env_extra={"CREDENTIALS_DIRECTORY": str(creds)})
-    signer = signing.Signer(keys["private_key"], str(tmp_path / "seq.json"))
+    signer = job_signer.Signer(keys["private_key"], str(tmp_path / "seq.json"))
     ctl = Controller(fleet_broker, device="dev-a", signer=signer, username="controller",
                      password=USERS["controller"],
                      tls=TlsOptions(ca_file=fleet_broker.pki.ca_file))

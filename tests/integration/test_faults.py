@@ -34,7 +34,7 @@ import pytest
 
 from agent.device.daemon import journal_path
 from agent.engines.cache import EngineCache
-from agent.wire import protocol, signing
+from agent.wire import job_signer, protocol
 from tests.integration.fuzzing import WEIRD_VALUES, mutate_bytes, mutate_doc
 
 KILLS = int(os.environ.get("JETSON_AGENT_FAULT_KILLS", "20"))
@@ -56,15 +56,15 @@ REPORT = collections.OrderedDict([
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("signing")
-    trusted = signing.generate_keypair(str(d), "fleet")
-    rogue = signing.generate_keypair(str(d), "rogue")
+    trusted = job_signer.generate_keypair(str(d), "fleet")
+    rogue = job_signer.generate_keypair(str(d), "rogue")
     return {"trusted": trusted, "rogue": rogue, "dir": str(d),
             "security": "  trusted_keys: [{}]\n".format(trusted["public_key"])}
 
 
 @pytest.fixture
 def signer(keys, tmp_path):
-    return signing.Signer(keys["trusted"]["private_key"], str(tmp_path / "sequence.json"))
+    return job_signer.Signer(keys["trusted"]["private_key"], str(tmp_path / "sequence.json"))
 
 
 @pytest.fixture
@@ -633,11 +633,11 @@ def _forged(controller, keys, signer, job_id, device="dev1", seq=None, key="trus
            "artifacts": {"model": model}, "plan": {"precision": "fp32"},
            "bench": {"iterations": 5, "warmup": 0}}
     now = time.time()
-    private = signing.load_private_key(keys[key]["private_key"])
+    private = job_signer.load_private_key(keys[key]["private_key"])
     if seq is None:
         seq = signer.sequence.next(signer.key_id, int(now * 1000))
-    doc = signing.sign_document(doc, private, seq, now - 5 if not_before is None else not_before,
-                                now + 600 if expires is None else expires)
+    doc = job_signer.sign_document(doc, private, seq, now - 5 if not_before is None else not_before,
+                                   now + 600 if expires is None else expires)
     if tamper:
         tamper(doc)
     return doc

@@ -115,10 +115,10 @@ def test_leases_pass_to_another_instance_only_when_they_expire(store):
 def test_signed_documents_stay_valid_until_the_rollouts_deadline(store, tmp_path):
     import time
 
-    from agent.wire import signing
+    from agent.wire import job_signer, signing
 
-    keys = signing.generate_keypair(str(tmp_path / "keys"), "k")
-    signer = signing.Signer(keys["private_key"], str(tmp_path / "seq.json"), validity_s=3600)
+    keys = job_signer.generate_keypair(str(tmp_path / "keys"), "k")
+    signer = job_signer.Signer(keys["private_key"], str(tmp_path / "seq.json"), validity_s=3600)
     signer.sequence = durable.DbSequence(store, mirror=signer.sequence)
     deadline = time.time() + 5 * 86400  # a device may be offline for days
     spec = {"precision": "fp16", "policy": {}, "artifacts": {
