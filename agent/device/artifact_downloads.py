@@ -64,7 +64,8 @@ class ArtifactDownloads(WorkerSupervisor):
     def _inject_block(self, topic: str, payload: bytes) -> None:
         """An artifact's last block fetched over HTTP (agent.wire.http_fetch), handed to the main
         loop as if it came over MQTT: completion happens in one place."""
-        from agent.wire.mqtt import MESSAGE, Event
+        from agent.wire.mqtt import MESSAGE
+        from agent.wire.mqtt_types import Event
 
         self.mqtt.events.put(Event(MESSAGE, topic=topic, payload=payload))
 

@@ -54,11 +54,9 @@ from agent.wire.mqtt import (
     MESSAGE,
     PUBLISHED,
     SUBSCRIBED,
-    Event,
     MqttClient,
-    TlsOptions,
-    Will,
 )
+from agent.wire.mqtt_types import Event, TlsOptions, Will
 from agent.wire.transfer import BlockFetcher
 
 # Names callers import from here (agent.cli, tests).

@@ -8,7 +8,7 @@ from agent import __version__
 from agent.device.job_intake import JobIntake
 from agent.errors import AgentError
 from agent.wire import message_caps, protocol, security_posture, status_messages
-from agent.wire.mqtt import Event
+from agent.wire.mqtt_types import Event
 from agent.wire.topics import reply_topic
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon

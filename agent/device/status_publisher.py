@@ -10,7 +10,8 @@ from agent import __version__
 from agent.device.daemon_state import DaemonState
 from agent.device.job_run import Run
 from agent.wire import message_caps, protocol, status_messages
-from agent.wire.mqtt import SESSION_TAKEN_OVER, Event
+from agent.wire.mqtt import SESSION_TAKEN_OVER
+from agent.wire.mqtt_types import Event
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 

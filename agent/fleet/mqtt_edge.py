@@ -69,10 +69,10 @@ class FleetConnection(object):
         self._unacked: List[Any] = []
 
     def connect(self) -> "FleetConnection":
-        from agent.wire import mqtt
+        from agent.wire import mqtt, mqtt_types
 
-        tls = mqtt.TlsOptions(ca_file=self.ca_file, cert_file=self.cert_file,
-                              key_file=self.key_file) if self.tls else None
+        tls = mqtt_types.TlsOptions(ca_file=self.ca_file, cert_file=self.cert_file,
+                                    key_file=self.key_file) if self.tls else None
         # Never a count-bounded queue: paho's thread must not block (it carries the PUBACKs).
         self.client = mqtt.MqttClient(
             self.client_id, self.host, self.port,

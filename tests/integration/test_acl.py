@@ -18,7 +18,8 @@ import pytest
 
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.mqtt import CONNECT_FAILED, MESSAGE, MqttClient, TlsOptions, Will
+from agent.wire.mqtt import CONNECT_FAILED, MESSAGE, MqttClient
+from agent.wire.mqtt_types import TlsOptions, Will
 from agent.wire.topics import Topics
 from tests.integration.conftest import MOSQUITTO
 from tests.integration.pki import FleetBroker, Pki, write_passwords

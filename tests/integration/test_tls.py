@@ -16,7 +16,8 @@ import pytest
 
 from agent.errors import AgentError
 from agent.wire import job_signer, protocol
-from agent.wire.mqtt import CONNECT_FAILED, MqttClient, TlsOptions
+from agent.wire.mqtt import CONNECT_FAILED, MqttClient
+from agent.wire.mqtt_types import TlsOptions
 from agent.wire.topics import Topics
 from tests.integration.conftest import MOSQUITTO, ROOT, AgentProcess
 from tests.integration.pki import FleetBroker, Pki

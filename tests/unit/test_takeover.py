@@ -6,7 +6,8 @@ import logging
 from agent.device import config
 from agent.device.daemon import Daemon
 from agent.device.journal import Journal
-from agent.wire.mqtt import DISCONNECTED, SESSION_TAKEN_OVER, Event
+from agent.wire.mqtt import DISCONNECTED, SESSION_TAKEN_OVER
+from agent.wire.mqtt_types import Event
 
 
 class _Mqtt(object):
