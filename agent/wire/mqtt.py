@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import paho.mqtt.client as paho
 
 from agent.errors import AgentError
-from agent.wire.mqtt_errors import closed_before_connack, connect_failure
+from agent.wire.mqtt_errors import PahoLog, closed_before_connack, connect_failure
 from agent.wire.mqtt_types import Event, PublishHandle, TlsOptions, Will
 
 try:
@@ -46,21 +46,6 @@ MESSAGE = "message"  # .topic, .payload, .retain, .qos
 PUBLISHED = "published"  # .token, .ok, .reason
 
 SESSION_TAKEN_OVER = 0x8E  # MQTT v5 DISCONNECT: another client connected with our client id
-
-
-class _PahoLog(object):
-    """Stands in for paho's logger: keeps its last warning (the only place the reason for a
-    connection closed during the handshake appears); debug messages are not even formatted."""
-
-    def __init__(self, owner: "MqttClient") -> None:
-        self.owner = owner
-
-    def log(self, level: int, fmt: str, *args: Any) -> None:
-        if level >= logging.WARNING:
-            try:
-                self.owner._socket_error = (fmt % args)[:300]
-            except (TypeError, ValueError):
-                self.owner._socket_error = str(fmt)[:300]
 
 
 def _is_failure(rc: Any) -> bool:
@@ -149,7 +134,7 @@ class MqttClient:
         self._client.on_publish = self._on_publish
         self._client.on_subscribe = self._on_subscribe
         self._socket_error = ""  # paho's last socket-level warning (a TLS alert, a reset)
-        self._client.enable_logger(_PahoLog(self))  # type: ignore[arg-type]
+        self._client.enable_logger(PahoLog(self))  # type: ignore[arg-type]
 
     # --- owner's API --------------------------------------------------------------------------
 

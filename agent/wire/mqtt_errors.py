@@ -1,10 +1,30 @@
 """Why a connection to the broker failed, in words a user can act on (Python >= 3.8): the
 hints for a wrong CA file, a plain port dialled with TLS, and a client certificate the broker
-wants or refuses. Pure text from what ``mqtt`` saw (an exception, paho's last socket warning).
+wants or refuses. Pure text from what ``mqtt`` saw: an exception, or paho's last socket
+warning, which ``PahoLog`` keeps for it.
 """
 
+import logging
 import ssl
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:  # the client hands itself in
+    from agent.wire.mqtt import MqttClient
+
+
+class PahoLog(object):
+    """Stands in for paho's logger: keeps its last warning (the only place the reason for a
+    connection closed during the handshake appears); debug messages are not even formatted."""
+
+    def __init__(self, owner: "MqttClient") -> None:
+        self.owner = owner
+
+    def log(self, level: int, fmt: str, *args: Any) -> None:
+        if level >= logging.WARNING:
+            try:
+                self.owner._socket_error = (fmt % args)[:300]
+            except (TypeError, ValueError):
+                self.owner._socket_error = str(fmt)[:300]
 
 
 def connect_failure(exc: Optional[BaseException], tls_enabled: bool, port: int) -> str:
