@@ -22,7 +22,8 @@ if ROOT not in sys.path:
 
 import paho.mqtt.client as paho  # noqa: E402
 
-from agent.wire import protocol  # noqa: E402
+from agent.wire import protocol, status_messages  # noqa: E402
+from agent.wire.topics import DEFAULT_PREFIX, Topics  # noqa: E402
 
 PLATFORM = {"board": "Simulated Jetson", "backend": "simulated", "precisions": ["fp32", "fp16"]}
 WINDOW = 64
@@ -41,9 +42,9 @@ class SimulatedFleet(object):
     births; ``jobs`` (device -> [job ids]) and ``succeeded`` fill as jobs arrive and end."""
 
     def __init__(self, host: str, port: int, count: int, name: str = "sim",
-                 prefix: str = protocol.DEFAULT_PREFIX, fetch: bool = False,
+                 prefix: str = DEFAULT_PREFIX, fetch: bool = False,
                  fanout: bool = False) -> None:
-        self.topics = protocol.Topics(prefix)
+        self.topics = Topics(prefix)
         self.devices = ["{}-{:05d}".format(name, i) for i in range(count)]
         self.known = set(self.devices)
         self.fetch = fetch
@@ -73,7 +74,7 @@ class SimulatedFleet(object):
         self.client.subscribe([(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1),
                                (self.topics.prefix + "/artifacts/+/block/+", 1)])
         for dev in self.devices:
-            msg = protocol.status_message(dev, True, 1, "sim", PLATFORM, [], ts=time.time())
+            msg = status_messages.status_message(dev, True, 1, "sim", PLATFORM, [], ts=time.time())
             self.client.publish(self.topics.status(dev), protocol.encode(msg), 1, True)
 
     def stop(self) -> None:
@@ -89,7 +90,7 @@ class SimulatedFleet(object):
         row: Dict[str, Any] = {"job_id": job_id, "kind": kind, "state": state,
                                "version": version, "updated": time.time(),
                                "stage": stage or None, "result": result}
-        pub = protocol.job_status_publication(self.topics, dev, row)
+        pub = status_messages.job_status_publication(self.topics, dev, row)
         self.client.publish(pub.topic, pub.payload, 1, True)
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
@@ -179,7 +180,7 @@ def main() -> int:
     p.add_argument("--broker", default="mqtt://127.0.0.1:1883")
     p.add_argument("--count", type=int, default=100)
     p.add_argument("--name", default="sim")
-    p.add_argument("--prefix", default=protocol.DEFAULT_PREFIX)
+    p.add_argument("--prefix", default=DEFAULT_PREFIX)
     p.add_argument("--fetch", action="store_true", help="request every artifact's blocks")
     p.add_argument("--fanout", action="store_true", help="with --fetch: on the artifacts' "
                    "shared block topics")

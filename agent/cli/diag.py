@@ -123,9 +123,9 @@ def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] =
     security = None
     if config_path is not None:
         from agent.device import config
-        from agent.wire import signing
+        from agent.wire import security_posture
 
-        security = signing.posture(config.load(config_path))
+        security = security_posture.posture(config.load(config_path))
         add(security["problems"], "security")
     report = {
         "schema": SCHEMA,

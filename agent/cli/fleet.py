@@ -23,7 +23,7 @@ from typing import Any
 from agent.cli import fleet_commands, fleet_registry, fleet_rollout, fleet_serve
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.fleet import rollback
-from agent.wire import signing
+from agent.wire import job_signer
 
 EXIT_OK = 0
 
@@ -56,7 +56,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run_keygen(args: argparse.Namespace) -> int:
-    made = signing.generate_keypair(args.out, args.name)
+    made = job_signer.generate_keypair(args.out, args.name)
     if args.json:
         print(json.dumps(made, indent=2, sort_keys=True))
         return EXIT_OK

@@ -14,6 +14,7 @@ from agent.cli.fleet_connect import add_connection_args, connect
 from agent.cli.fleet_registry import age, retained_jobs
 from agent.errors import AgentError
 from agent.wire import protocol
+from agent.wire.topics import TopicInfo
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -69,7 +70,7 @@ def run_cancel(args: argparse.Namespace) -> int:
         final: Dict[Any, Dict[str, Any]] = {}  # (device, job) -> its own terminal status
         last: Dict[Any, Dict[str, Any]] = {}
 
-        def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+        def on_message(info: TopicInfo, msg: Any) -> None:
             if info.kind == "command_reply" and msg.get("request_id") in requests:
                 replies[msg["request_id"]] = msg
             elif info.kind == "job_status" and (info.device, info.job_id) in targets:
@@ -180,7 +181,7 @@ def run_telemetry(args: argparse.Namespace) -> int:
         status = conn.directory.status[args.device]
         rid = "d" + uuid.uuid4().hex[:10]
 
-        def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+        def on_message(info: TopicInfo, msg: Any) -> None:
             if info.device != args.device:
                 return
             if info.kind == "telemetry":

@@ -7,7 +7,7 @@ import os
 
 from agent import fleet
 from agent.errors import AgentError
-from agent.wire import protocol
+from agent.wire.topics import DEFAULT_PREFIX
 
 
 def add_connection_args(p: argparse.ArgumentParser) -> None:
@@ -16,7 +16,7 @@ def add_connection_args(p: argparse.ArgumentParser) -> None:
                    default=os.environ.get("JETSON_AGENT_FLEET_BROKER", "mqtt://localhost:1883"),
                    help="mqtt://HOST:PORT or mqtts://HOST:PORT (default $JETSON_AGENT_FLEET_BROKER "
                         "or mqtt://localhost:1883)")
-    g.add_argument("--prefix", default=protocol.DEFAULT_PREFIX,
+    g.add_argument("--prefix", default=DEFAULT_PREFIX,
                    help="topic prefix (default %(default)s)")
     g.add_argument("--username", help="MQTT user name")
     g.add_argument("--password-file", metavar="FILE", help="file holding the MQTT password")

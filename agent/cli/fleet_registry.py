@@ -13,6 +13,7 @@ from agent import fleet
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.errors import AgentError
 from agent.wire import protocol
+from agent.wire.topics import TopicInfo
 
 EXIT_OK = 0
 
@@ -150,7 +151,7 @@ def retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
     """(device, job id) -> {"status": last status or None, "document": pending doc or None}"""
     found: Dict[Any, Dict[str, Any]] = {}
 
-    def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+    def on_message(info: TopicInfo, msg: Any) -> None:
         if info.kind == "job_status":
             entry = found.setdefault((info.device, info.job_id), {"status": None,
                                                                   "document": None})

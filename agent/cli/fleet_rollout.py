@@ -16,7 +16,7 @@ from agent.cli import fleet_serve
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.cli.fleet_registry import registry_db
 from agent.errors import AgentError
-from agent.wire import protocol, signing
+from agent.wire import job_signer, protocol
 
 EXIT_OK = 0
 ROLLOUT_EPILOG = (
@@ -114,7 +114,7 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     sg.add_argument("--sequence-file", metavar="F",
                     help="the signer's sequence numbers (default "
                          "$XDG_STATE_HOME/jetson-agent/fleet-sequence.json)")
-    sg.add_argument("--valid-for", type=float, default=signing.DEFAULT_VALIDITY_S,
+    sg.add_argument("--valid-for", type=float, default=job_signer.DEFAULT_VALIDITY_S,
                     metavar="S", help="devices refuse the jobs after S seconds (default "
                     "86400); devices offline longer never run them")
     o = r.add_argument_group("output")
@@ -197,7 +197,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise AgentError("bad_argument", "--{} must be > 0, found {}".format(
                 name.replace("_", "-"), value))
 
-def _signed(docs: fleet.DocFactory, signer: signing.Signer) -> fleet.DocFactory:
+def _signed(docs: fleet.DocFactory, signer: job_signer.Signer) -> fleet.DocFactory:
     """The same documents, signed; the dry run of the checks allocates no sequence."""
 
     def signed(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]]
@@ -250,7 +250,7 @@ def run_rollout(args: argparse.Namespace) -> int:
         docs = fleet.doc_factory(spec)
         signer = None
         if args.signing_key:
-            signer = signing.Signer(args.signing_key, args.sequence_file, args.valid_for)
+            signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
             docs = _signed(docs, signer)
         # Every document shape is checked now, before the broker sees anything.
         for kind in (["search"] if args.search else []) + ["deploy"]:

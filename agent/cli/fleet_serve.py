@@ -27,7 +27,7 @@ from agent.errors import AgentError
 from agent.fleet import durable
 from agent.fleet.service import FleetService, busy_check
 from agent.fleet.store import Store
-from agent.wire import signing
+from agent.wire import job_signer
 
 log = logging.getLogger("agent.fleet")
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -195,7 +195,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         log.setLevel(logging.INFO)  # a service says what it does with its rollouts
     signer = None
     if args.signing_key:
-        signer = signing.Signer(args.signing_key, args.sequence_file, args.valid_for)
+        signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
     url = db_url(args)
     store = Store(url)
     stop = {"now": False}
@@ -344,7 +344,7 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
     s.add_argument("--signing-key", metavar="KEY",
                    default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"))
     s.add_argument("--sequence-file", metavar="F")
-    s.add_argument("--valid-for", type=float, default=signing.DEFAULT_VALIDITY_S, metavar="S")
+    s.add_argument("--valid-for", type=float, default=job_signer.DEFAULT_VALIDITY_S, metavar="S")
     from agent.fleet import web
 
     web.add_args(s)

@@ -12,6 +12,7 @@ from agent.device.status_publisher import StatusPublisher
 from agent.errors import AgentError
 from agent.wire import protocol
 from agent.wire.artifacts import ArtifactStore
+from agent.wire.topics import Topics
 from agent.wire.transfer import BlockFetcher
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
@@ -37,7 +38,7 @@ class ArtifactDownloads:
     """The job in hand's artifacts. ``launch(run)`` starts its worker once all are in;
     ``fail(run, error)`` ends it (job_end)."""
 
-    def __init__(self, fetcher: BlockFetcher, mqtt: Any, topics: protocol.Topics,
+    def __init__(self, fetcher: BlockFetcher, mqtt: Any, topics: Topics,
                  shared: DaemonState, publisher: StatusPublisher,
                  launch: Callable[[Run], None], fail: Callable[[Run, AgentError], None]
                  ) -> None:
@@ -64,7 +65,8 @@ class ArtifactDownloads:
     def _inject_block(self, topic: str, payload: bytes) -> None:
         """An artifact's last block fetched over HTTP (agent.wire.http_fetch), handed to the main
         loop as if it came over MQTT: completion happens in one place."""
-        from agent.wire.mqtt import MESSAGE, Event
+        from agent.wire.mqtt import MESSAGE
+        from agent.wire.mqtt_types import Event
 
         self.mqtt.events.put(Event(MESSAGE, topic=topic, payload=payload))
 

@@ -56,7 +56,7 @@ from agent.device.telemetry_publisher import TelemetryPublisher, open_telemetry
 from agent.device.worker_process import WorkerEvent
 from agent.device.worker_supervisor import WorkerSupervisor, clean_work_dirs
 from agent.errors import AgentError
-from agent.wire import protocol, signing
+from agent.wire import protocol, security_posture, status_messages
 from agent.wire.artifacts import ArtifactStore
 from agent.wire.limits import ByteQueue
 from agent.wire.mqtt import (
@@ -66,11 +66,10 @@ from agent.wire.mqtt import (
     MESSAGE,
     PUBLISHED,
     SUBSCRIBED,
-    Event,
     MqttClient,
-    TlsOptions,
-    Will,
 )
+from agent.wire.mqtt_types import Event, TlsOptions, Will
+from agent.wire.topics import Topics
 from agent.wire.transfer import BlockFetcher
 
 log = logging.getLogger("agent.device.daemon")
@@ -87,7 +86,7 @@ def journal_path(state_dir: str) -> str:
 class Parts(NamedTuple):
     """What ``assemble`` opened and wired: the main loop routes events and ticks to these."""
 
-    topics: protocol.Topics
+    topics: Topics
     lock: Any  # the state directory's lock (agent.device.state_lock)
     journal: Journal
     mqtt: MqttClient
@@ -107,7 +106,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     parts. A part is built before the parts that hand it the job, so the wiring below reads
     from the end of a job's life (status out) back to its start (message in)."""
     device, state_dir = cfg.device_id or "", cfg.state_dir or ""
-    topics = protocol.Topics(cfg.topic_prefix)
+    topics = Topics(cfg.topic_prefix)
     # One daemon per state directory (agent/device/state_lock.py); the error names the other PID.
     lock = state_lock.acquire(state_dir, device)
     journal = Journal(journal_path(state_dir))
@@ -137,7 +136,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     if b.tls.enabled:
         tls = TlsOptions(b.tls.ca_file, b.tls.cert_file, b.tls.key_file, b.tls.insecure)
     will = Will(topics.status(device),
-                protocol.encode(protocol.will_message(device, boot, platform_status())))
+                protocol.encode(status_messages.will_message(device, boot, platform_status())))
     mqtt = MqttClient(
         device, b.host, b.port, protocol=b.protocol, keepalive=b.keepalive,
         username=b.username, password=b.password, tls=tls, will=will,
@@ -177,7 +176,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
                               telemetry, intake.cancel)
     log.info("jetson-agent %s: device %s, boot %d, backend %s, platform %s, state %s",
              __version__, device, boot, backend, platform.describe(), state_dir)
-    for problem in signing.posture(cfg)["problems"]:
+    for problem in security_posture.posture(cfg)["problems"]:
         log.warning("security: %s (%s)", problem["problem"], problem["fix"])
     return Parts(topics, lock, journal, mqtt, fetcher, intake, scheduler, downloads, supervisor,
                  publisher, commands, telemetry)

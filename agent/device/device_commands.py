@@ -11,8 +11,9 @@ from agent.device.daemon_state import DaemonState
 from agent.device.status_publisher import StatusPublisher
 from agent.device.telemetry_publisher import TelemetryPublisher
 from agent.errors import AgentError
-from agent.wire import message_caps, protocol, signing
-from agent.wire.mqtt import Event
+from agent.wire import message_caps, protocol, security_posture, status_messages
+from agent.wire.mqtt_types import Event
+from agent.wire.topics import Topics, reply_topic
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -20,7 +21,7 @@ log = logging.getLogger("agent.device.daemon")  # one logger name for the whole 
 class DeviceCommands:
     """The command topic. ``cancel(job_id)`` cancels a job (intake) and returns its state."""
 
-    def __init__(self, cfg: Config, device: str, topics: protocol.Topics, mqtt: Any,
+    def __init__(self, cfg: Config, device: str, topics: Topics, mqtt: Any,
                  journal: Any, platform: Any, shared: DaemonState, publisher: StatusPublisher,
                  telemetry: TelemetryPublisher, cancel: Callable[[str], str]) -> None:
         self.cfg, self.device, self.topics, self.mqtt = cfg, device, topics, mqtt
@@ -57,11 +58,11 @@ class DeviceCommands:
                result: Optional[Dict[str, Any]] = None,
                error: Optional[Dict[str, Any]] = None) -> None:
         try:
-            topic = protocol.reply_topic(self.topics, self.device, cmd, ev.response_topic)
+            topic = reply_topic(self.topics, self.device, cmd, ev.response_topic)
         except AgentError as exc:
             log.warning("command reply goes to the default topic: %s", exc)
             topic = self.topics.command_reply(self.device)
-        msg = protocol.command_reply(self.device, cmd, ok, result=result, error=error)
+        msg = status_messages.command_reply(self.device, cmd, ok, result=result, error=error)
         self.mqtt.publish(topic, message_caps.encode_fitted("command_reply", msg), qos=1,
                           correlation=ev.correlation)
 
@@ -84,7 +85,7 @@ class DeviceCommands:
             "active_engines": self.journal.active_engines(),
             "telemetry": self.telemetry.last,
             "counters": dict(self.shared.counters),
-            "security": signing.posture(self.cfg),
+            "security": security_posture.posture(self.cfg),
         }
 
 

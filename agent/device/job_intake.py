@@ -14,7 +14,7 @@ from agent.device.job_end import JobEnding
 from agent.device.job_run import Run
 from agent.device.status_publisher import StatusPublisher
 from agent.errors import AgentError
-from agent.wire import protocol, signing
+from agent.wire import job_semantics, protocol, signing
 from agent.wire.limits import TokenBucket
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
@@ -66,10 +66,10 @@ class JobIntake:
                     max_skew_s=self.cfg.security.max_clock_skew_s)
             except AgentError as exc:
                 if exc.code in SIGNED_FOR_THIS_DEVICE:  # verified: refused for its time or seq
-                    protocol.check_job_topic(doc, self.device, job_id)
+                    job_semantics.check_job_topic(doc, self.device, job_id)
                     authenticated = True
                 raise
-            protocol.check_job_topic(doc, self.device, job_id)
+            job_semantics.check_job_topic(doc, self.device, job_id)
             authenticated = True  # a trusted key signed it for this device and job id
             if not self.job_bucket.take():
                 raise AgentError("rate_limited", "more than {:g} new jobs per minute (bursts of "

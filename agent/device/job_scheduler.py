@@ -13,7 +13,7 @@ from agent.device.job_run import Run
 from agent.device.status_publisher import StatusPublisher
 from agent.device.worker_process import kill_orphan
 from agent.errors import AgentError
-from agent.wire import protocol
+from agent.wire import job_semantics
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -99,7 +99,7 @@ class JobScheduler:
         from agent import platform
 
         doc = run.doc
-        run.plan = protocol.plan_dict(doc)
+        run.plan = job_semantics.plan_dict(doc)
         request = [run.plan["precision"]] + list(doc.get("fallback") or [])
         decision = platform.decide(request, self.platform, "reject", backend=self.backend)
         decision.raise_if_rejected()

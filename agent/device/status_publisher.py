@@ -11,8 +11,10 @@ from typing import Any, Callable, Dict, List, Optional
 
 from agent import __version__
 from agent.device.job_run import Run
-from agent.wire import message_caps, protocol
-from agent.wire.mqtt import SESSION_TAKEN_OVER, Event, PublishHandle
+from agent.wire import message_caps, protocol, status_messages
+from agent.wire.mqtt import SESSION_TAKEN_OVER
+from agent.wire.mqtt_types import Event, PublishHandle
+from agent.wire.topics import Topics
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -47,7 +49,7 @@ def status_platform(platform: Any, backend: str, backend_problem: Optional[str])
 class StatusPublisher:
     """The outbox (job states), the birth status and connection loss."""
 
-    def __init__(self, journal: Any, mqtt: Any, topics: protocol.Topics, device: str, boot: int,
+    def __init__(self, journal: Any, mqtt: Any, topics: Topics, device: str, boot: int,
                  state_dir: str, platform_status: Callable[[], Dict[str, Any]],
                  counters: Dict[str, int], on_job_end: Callable[[], None] = lambda: None
                  ) -> None:
@@ -72,7 +74,7 @@ class StatusPublisher:
         self.last_takeover_log = 0.0
 
     def _birth(self) -> Dict[str, Any]:
-        return protocol.status_message(
+        return status_messages.status_message(
             self.device, True, self.boot, agent_version=__version__,
             platform=self.platform_status(),
             active_engines=list(self.journal.active_engines()),  # type: ignore[arg-type]
@@ -85,7 +87,7 @@ class StatusPublisher:
 
     def publish_offline(self) -> PublishHandle:
         """The retained offline status of a clean shutdown (the Will says it otherwise)."""
-        offline = protocol.status_message(self.device, False, self.boot,
+        offline = status_messages.status_message(self.device, False, self.boot,
                                           agent_version=__version__, reason="shutdown",
                                           ts=time.time(), platform=self.platform_status())
         return self.mqtt.publish(self.topics.status(self.device), protocol.encode(offline),
@@ -94,7 +96,7 @@ class StatusPublisher:
     # ------------------------------------------------------------------------- outbox
 
     def emit(self, row: Dict[str, Any]) -> protocol.Publication:
-        return protocol.job_status_publication(self.topics, self.device, row)
+        return status_messages.job_status_publication(self.topics, self.device, row)
 
     def set_state(self, run_or_id: Any, state: str, **kwargs: Any) -> None:
         job_id = run_or_id.job_id if isinstance(run_or_id, Run) else run_or_id

@@ -7,6 +7,7 @@ import time
 from typing import Any, Dict
 
 from agent.wire import message_caps, protocol
+from agent.wire.topics import Topics
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -25,7 +26,7 @@ def open_telemetry(platform_root: str) -> Any:
 class TelemetryPublisher:
     """Samples ``source`` on ``tick()`` and publishes the sample."""
 
-    def __init__(self, source: Any, interval_s: float, mqtt: Any, topics: protocol.Topics,
+    def __init__(self, source: Any, interval_s: float, mqtt: Any, topics: Topics,
                  device: str, boot: int) -> None:
         self.source, self.interval_s = source, interval_s
         self.mqtt, self.topics, self.device, self.boot = mqtt, topics, device, boot

@@ -16,6 +16,7 @@ from agent.fleet.rollout import Action, DocFactory, Rollout
 from agent.fleet.spec import doc_factory, policy_of
 from agent.fleet.store import Store
 from agent.wire import protocol
+from agent.wire.topics import Topics
 
 FINAL_STATE = {"succeeded": "succeeded", "failed": "failed", "aborted": "aborted",
                "halted": "halted", "timed_out": "timed_out", "interrupted": "cancelled",
@@ -52,7 +53,7 @@ def load(store: Store, rollout_id: str, docs: Optional[DocFactory] = None
     return ro
 
 
-def messages(topics: protocol.Topics, ro: Rollout, actions: Sequence[Action]) -> List[Message]:
+def messages(topics: Topics, ro: Rollout, actions: Sequence[Action]) -> List[Message]:
     """What the actions publish. Clearing a job document also clears the device's retained
     status of a finished job (the database keeps it): the broker holds nothing for it."""
     out: List[Message] = []
@@ -95,7 +96,7 @@ def save(store: Store, ro: Rollout, out: Sequence[Message] = (),
     return ids
 
 
-def republish(topics: protocol.Topics, ro: Rollout) -> List[Message]:
+def republish(topics: Topics, ro: Rollout) -> List[Message]:
     """The retained documents of unfinished jobs, published again when a service takes the
     rollout over (a broker that lost its retained messages still gets them)."""
     out: List[Message] = []
@@ -122,7 +123,7 @@ def factory_for(store: Store, rollout_id: str, signer: Any = None,
                share: Any = None) -> Dict[str, Any]:
         # Valid until the rollout's own deadline at least: a device offline for days still
         # runs its job when it returns (the signer's --valid-for is the floor).
-        from agent.wire.signing import sign_document
+        from agent.wire.job_signer import sign_document
 
         now = signer.clock()
         seq = signer.sequence.next(signer.key_id, int(now * 1000))
@@ -134,7 +135,7 @@ def factory_for(store: Store, rollout_id: str, signer: Any = None,
 
 
 class DbSequence(object):
-    """``signing.SequenceFile``'s interface over the database: numbers are reserved
+    """``job_signer.SequenceFile``'s interface over the database: numbers are reserved
     ``block`` at a time; within a block they are handed out from memory. ``mirror``: a
     ``SequenceFile`` kept at or above every reserved number (a one-off embedded rollout on a
     throw-away database still never goes below what the devices accepted)."""

@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from agent.errors import AgentError
 from agent.fleet.bytequeue import ByteQueue
-from agent.wire import protocol
+from agent.wire import protocol, status_messages
+from agent.wire.topics import DEFAULT_PREFIX, TopicInfo, Topics
 
 log = logging.getLogger("agent.fleet")
 
@@ -28,7 +29,7 @@ class DeviceDirectory(object):
 
     def on_status(self, device: str, msg: Dict[str, Any]) -> bool:
         last = self.status.get(device)
-        if last is not None and protocol.status_is_stale(last.get("boot"), msg):
+        if last is not None and status_messages.status_is_stale(last.get("boot"), msg):
             return False
         self.status[device] = msg
         return True
@@ -44,7 +45,7 @@ class FleetConnection(object):
     """One MQTT connection for a controller command: connect (failing fast with
     ``broker_unreachable``), subscribe, publish, and hand messages to ``on_message``."""
 
-    def __init__(self, broker: str = "mqtt://localhost:1883", prefix: str = protocol.DEFAULT_PREFIX,
+    def __init__(self, broker: str = "mqtt://localhost:1883", prefix: str = DEFAULT_PREFIX,
                  username: Optional[str] = None, password: Optional[str] = None,
                  ca_file: Optional[str] = None, protocol_version: str = "v5",
                  connect_timeout: float = 5.0, cert_file: Optional[str] = None,
@@ -57,7 +58,7 @@ class FleetConnection(object):
         self.tls = bool(parsed.get(("broker", "tls", "enabled"))) or ca_file is not None \
             or cert_file is not None
         self.url = broker
-        self.topics = protocol.Topics(prefix)
+        self.topics = Topics(prefix)
         self.username, self.password, self.ca_file = username, password, ca_file
         self.cert_file, self.key_file = cert_file, key_file  # mutual TLS
         self.protocol_version = protocol_version
@@ -68,10 +69,10 @@ class FleetConnection(object):
         self._unacked: List[Any] = []
 
     def connect(self) -> "FleetConnection":
-        from agent.wire import mqtt
+        from agent.wire import mqtt, mqtt_types
 
-        tls = mqtt.TlsOptions(ca_file=self.ca_file, cert_file=self.cert_file,
-                              key_file=self.key_file) if self.tls else None
+        tls = mqtt_types.TlsOptions(ca_file=self.ca_file, cert_file=self.cert_file,
+                                    key_file=self.key_file) if self.tls else None
         # Never a count-bounded queue: paho's thread must not block (it carries the PUBACKs).
         self.client = mqtt.MqttClient(
             self.client_id, self.host, self.port,
@@ -129,7 +130,7 @@ class FleetConnection(object):
                                                                     wait))
         return handle
 
-    def pump(self, on_message: Callable[[protocol.TopicInfo, Any], None], timeout: float
+    def pump(self, on_message: Callable[[TopicInfo, Any], None], timeout: float
              ) -> bool:
         """Handle events for up to ``timeout`` s; True if a SUBSCRIBED event was among them.
         Status and telemetry messages update ``directory`` before ``on_message`` sees them."""
@@ -154,7 +155,7 @@ class FleetConnection(object):
             if time.monotonic() >= deadline:
                 return subscribed
 
-    def _dispatch(self, ev: Any, on_message: Callable[[protocol.TopicInfo, Any], None]) -> None:
+    def _dispatch(self, ev: Any, on_message: Callable[[TopicInfo, Any], None]) -> None:
         try:
             info = self.topics.parse(ev.topic)
         except AgentError:
@@ -176,7 +177,7 @@ class FleetConnection(object):
             self.directory.on_telemetry(info.device, msg)
         on_message(info, msg)
 
-    def settle(self, on_message: Callable[[protocol.TopicInfo, Any], None],
+    def settle(self, on_message: Callable[[TopicInfo, Any], None],
                quiet: float = 0.3, limit: float = 5.0) -> None:
         """Wait for the subscriptions to be acknowledged and the retained messages that follow
         them to arrive (until ``quiet`` s pass without one, at most ``limit`` s)."""
@@ -186,7 +187,7 @@ class FleetConnection(object):
             got_suback = self.pump(on_message, 0.1)
         seen = [0]
 
-        def counting(info: protocol.TopicInfo, msg: Any) -> None:
+        def counting(info: TopicInfo, msg: Any) -> None:
             seen[0] += 1
             on_message(info, msg)
 
@@ -197,7 +198,7 @@ class FleetConnection(object):
                 return
 
 
-def _ignore(info: protocol.TopicInfo, msg: Any) -> None:
+def _ignore(info: TopicInfo, msg: Any) -> None:
     return None
 
 

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from agent.errors import AgentError
 from agent.wire import protocol
+from agent.wire.topics import TopicInfo
 
 EXIT_OK, EXIT_FAILED = 0, 1
 
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace, connect: Any) -> int:
     replies: Dict[str, Dict[str, Any]] = {}
     requests: Dict[str, Tuple[str, str]] = {}
     try:
-        def on_message(info: protocol.TopicInfo, msg: Any) -> None:
+        def on_message(info: TopicInfo, msg: Any) -> None:
             if info.kind == "command_reply" and msg.get("request_id") in requests:
                 replies[msg["request_id"]] = msg
 

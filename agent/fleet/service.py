@@ -24,6 +24,7 @@ from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
 from agent.wire import protocol
+from agent.wire.topics import TopicInfo
 
 log = logging.getLogger("agent.fleet")
 
@@ -256,7 +257,7 @@ class FleetService(object):
             self.share_group) if q == 1])
         self.conn.subscribe([self.topics.prefix + "/devices/+/telemetry"], 0)
 
-    def on_message(self, info: protocol.TopicInfo, msg: Any) -> None:
+    def on_message(self, info: TopicInfo, msg: Any) -> None:
         if info.kind == "artifact_request":
             try:
                 self.server.handle_request(msg.topic, msg.payload)

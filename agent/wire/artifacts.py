@@ -1,10 +1,10 @@
-"""Content-addressed artifact store with resumable block assembly.
+"""Content-addressed artifact store: paths, resumable downloads, the size budget.
 
 Complete artifacts live at ``<state_dir>/artifacts/<sha[:2]>/<sha>`` (read-only); a download in
-progress is ``<state_dir>/artifacts/partial/<sha>.part``, written block by block at each block's
-offset, with the bitmap of received blocks persisted in the journal after every fsync'd batch.
-File names are hashes only: no string from the wire ever becomes a path. Memory stays bounded by
-one block (writes) or one hashing chunk (verification).
+progress is ``<state_dir>/artifacts/partial/<sha>.part``, assembled block by block by a
+``block_assembly.Transfer``. File names are hashes only: no string from the wire ever becomes a
+path. Under pressure the store reclaims idle partial downloads, then evicts the least recently
+used artifacts nothing references.
 """
 
 import errno
@@ -17,149 +17,15 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 from agent.errors import AgentError
 from agent.fsio import fsync_dir
 from agent.wire import protocol
+from agent.wire.block_assembly import HASH_CHUNK, Transfer, disk_full
 
 if TYPE_CHECKING:  # the daemon's journal is handed in; wire never imports the device at run time
     from agent.device.journal import Journal
 
-HASH_CHUNK = 1 << 20
 DEFAULT_RESERVE = 64 << 20  # keep this much disk free for the journal, logs and engines
 # A partial download idle this long is reclaimed under store pressure and at start-up even
 # when an unfinished job still names it (it downloads again from scratch if that job runs).
 DEFAULT_PARTIAL_AGE_S = 24 * 3600.0
-
-
-def _disk_full(what: str, needed: int, free: int) -> AgentError:
-    return AgentError(
-        "disk_full",
-        "{} needs {} bytes, found {} bytes free".format(what, needed, free),
-        {"needed": needed, "free": free},
-    )
-
-
-class Transfer(object):
-    """One artifact being assembled from blocks (see ``ArtifactStore.begin``)."""
-
-    def __init__(self, store: "ArtifactStore", sha256: str, size: int, block_size: int,
-                 have: bytearray, done_path: Optional[str] = None) -> None:
-        self.sha256 = sha256
-        self.size = size
-        self.block_size = block_size
-        self.blocks = protocol.block_count(size, block_size)
-        self._store = store
-        self._have = have
-        self._count = protocol.bitmap_count(have, self.blocks)
-        self._dirty = 0
-        self._done_path = done_path
-        self._fd: Optional[int] = None
-        if done_path is None:
-            self._fd = os.open(store.partial_path(sha256), os.O_RDWR | os.O_CREAT, 0o600)
-
-    def missing(self) -> bytes:
-        """Bitmap of the blocks still missing (bit set = missing)."""
-        if self._done_path is not None:
-            return bytes(protocol.bitmap_new(self.blocks))
-        full = protocol.bitmap_new(self.blocks, fill=True)
-        return bytes(a & ~b & 0xFF for a, b in zip(full, self._have))
-
-    def missing_indices(self, limit: Optional[int] = None) -> List[int]:
-        return protocol.bitmap_indices(self.missing(), self.blocks, limit)
-
-    def received(self) -> int:
-        return self.blocks if self._done_path is not None else self._count
-
-    def has_block(self, index: int) -> bool:
-        return self._done_path is not None or (
-            0 <= index < self.blocks and protocol.bitmap_get(self._have, index))
-
-    def write_block(self, index: int, data: bytes) -> bool:
-        """Store block ``index``. False (nothing written) for an index out of range or a length
-        other than the block's; a block already held is accepted and not rewritten."""
-        if not isinstance(index, int) or not 0 <= index < self.blocks:
-            return False
-        if len(data) != protocol.block_length(self.size, self.block_size, index):
-            return False
-        if self.has_block(index):
-            return True
-        assert self._fd is not None
-        offset = index * self.block_size
-        view = memoryview(data)
-        try:
-            while view:
-                written = os.pwrite(self._fd, view, offset)
-                view = view[written:]
-                offset += written
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                raise _disk_full("block {} of artifact {}".format(index, self.sha256),
-                                 len(data), self._store.free_bytes())
-            raise
-        protocol.bitmap_set(self._have, index)
-        self._count += 1
-        self._dirty += 1
-        if self._dirty >= self._store.flush_every:
-            self.flush()
-        return True
-
-    def flush(self) -> None:
-        """Make received blocks durable: fsync the data first, then record them in the journal
-        (the journal never claims a block that is not on disk)."""
-        if self._dirty and self._fd is not None:
-            os.fsync(self._fd)
-            self._store.journal.transfer_update(self.sha256, bytes(self._have))
-            self._dirty = 0
-
-    def complete(self) -> bool:
-        return self.received() == self.blocks
-
-    def finish(self) -> str:
-        """Verify size and sha256 and move the file into the store; returns its path. A
-        mismatch discards the partial file (AgentError hash_mismatch)."""
-        if self._done_path is not None:
-            return self._done_path
-        if not self.complete():
-            raise AgentError("internal_error", "artifact {} is missing {} of {} blocks".format(
-                self.sha256, self.blocks - self._count, self.blocks))
-        assert self._fd is not None
-        self.flush()
-        digest = hashlib.sha256()
-        size = 0
-        offset = 0
-        while True:
-            chunk = os.pread(self._fd, HASH_CHUNK, offset)
-            if not chunk:
-                break
-            digest.update(chunk)
-            size += len(chunk)
-            offset += len(chunk)
-        found = digest.hexdigest()
-        if found != self.sha256 or size != self.size:
-            self.abort()
-            raise AgentError(
-                "hash_mismatch",
-                "artifact expected sha256 {} and {} bytes, found sha256 {} and {} bytes; the "
-                "download was discarded".format(self.sha256, self.size, found, size),
-                {"expected": self.sha256, "found": found},
-            )
-        path = self._store.publish_partial(self.sha256)
-        self._close()
-        self._done_path = path
-        return path
-
-    def abort(self) -> None:
-        """Drop the partial file and its journal record."""
-        self._close()
-        self._store.discard_partial(self.sha256)
-
-    def close(self) -> None:
-        """Persist what was received and release the file (the transfer can resume later)."""
-        self.flush()
-        self._close()
-
-    def _close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self._store.forget(self.sha256, self)
 
 
 class ArtifactStore(object):
@@ -285,8 +151,8 @@ class ArtifactStore(object):
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 transfer.abort()
-                raise _disk_full("artifact {}".format(transfer.sha256), transfer.size,
-                                 self.free_bytes())
+                raise disk_full("artifact {}".format(transfer.sha256), transfer.size,
+                                self.free_bytes())
             if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # filesystems without fallocate
                 os.ftruncate(fd, transfer.size)
             else:
@@ -399,7 +265,7 @@ class ArtifactStore(object):
             except OSError as exc:
                 _unlink(tmp)
                 if exc.errno == errno.ENOSPC:
-                    raise _disk_full("importing {}".format(src), size, self.free_bytes())
+                    raise disk_full("importing {}".format(src), size, self.free_bytes())
                 raise
         found = digest.hexdigest()
         if sha256 is not None and found != sha256:
@@ -506,7 +372,7 @@ class ArtifactStore(object):
             self.evict(needed + self.reserve_bytes - free, keep)
             free = self.free_bytes()
         if needed + self.reserve_bytes > free:
-            raise _disk_full("artifact {} (with a reserve of {} bytes)".format(
+            raise disk_full("artifact {} (with a reserve of {} bytes)".format(
                 sha256 or "import", self.reserve_bytes), needed + self.reserve_bytes, free)
 
 

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from agent.errors import AgentError
 from agent.fsio import sha256_file
 from agent.wire import protocol
-from agent.wire.protocol import Topics
+from agent.wire.topics import Topics
 
 Publish = Callable[..., Any]  # publish(topic: str, payload: bytes, qos: int, retain: bool)
 

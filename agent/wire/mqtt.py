@@ -7,7 +7,9 @@
 - ``publish`` returns a ``PublishHandle``: wait on it, or pass a ``token`` and receive a
   ``published`` event when the broker acknowledges (PUBACK) - the daemon acks its outbox then.
 - Everything paho reports becomes an ``Event`` on ``events`` (a queue the owner drains): no work
-  happens in paho's network thread.
+  happens in paho's network thread. ``Event`` and the other values the client takes and gives
+  live in ``mqtt_types`` (no paho there), the texts explaining a failed connection in
+  ``mqtt_errors``.
 
 paho-mqtt 2.x is used with its VERSION2 callbacks; 1.6 (no CallbackAPIVersion) works too.
 """
@@ -24,6 +26,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import paho.mqtt.client as paho
 
 from agent.errors import AgentError
+from agent.wire.mqtt_errors import PahoLog, closed_before_connack, connect_failure
+from agent.wire.mqtt_types import Event, PublishHandle, TlsOptions, Will
 
 try:
     from paho.mqtt.enums import CallbackAPIVersion  # paho >= 2.0
@@ -53,90 +57,6 @@ def _no_delay(sock: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except (AttributeError, OSError):  # not a TCP socket (a test double, a Unix socket)
         pass
-
-
-class _PahoLog(object):
-    """Stands in for paho's logger: keeps its last warning (the only place the reason for a
-    connection closed during the handshake appears); debug messages are not even formatted."""
-
-    def __init__(self, owner: "MqttClient") -> None:
-        self.owner = owner
-
-    def log(self, level: int, fmt: str, *args: Any) -> None:
-        if level >= logging.WARNING:
-            try:
-                self.owner._socket_error = (fmt % args)[:300]
-            except (TypeError, ValueError):
-                self.owner._socket_error = str(fmt)[:300]
-
-
-class Event:
-    __slots__ = ("kind", "topic", "payload", "retain", "qos", "token", "ok", "reason",
-                 "session_present", "response_topic", "correlation", "code", "held_s")
-
-    def __init__(self, kind: str, topic: str = "", payload: bytes = b"", retain: bool = False,
-                 qos: int = 0, token: Any = None, ok: bool = True, reason: str = "",
-                 session_present: bool = False, response_topic: Optional[str] = None,
-                 correlation: Optional[bytes] = None, code: Optional[int] = None,
-                 held_s: Optional[float] = None) -> None:
-        self.kind = kind
-        self.topic = topic
-        self.payload = payload
-        self.retain = retain
-        self.qos = qos
-        self.token = token
-        self.ok = ok
-        self.reason = reason
-        self.session_present = session_present
-        self.response_topic = response_topic  # MQTT v5 request/response properties
-        self.correlation = correlation
-        self.code = code  # the reason code of a DISCONNECT the broker sent (v5), else None
-        self.held_s = held_s  # how long the connection a DISCONNECTED event ends had lasted
-
-    def nbytes(self) -> int:
-        """Memory this event holds, roughly (the daemon bounds its queue by it)."""
-        return len(self.payload) + len(self.topic) + 200
-
-    def __repr__(self) -> str:
-        return "Event({}, topic={!r}, {} bytes, token={!r}, reason={!r})".format(
-            self.kind, self.topic, len(self.payload), self.token, self.reason)
-
-
-class Will:
-    def __init__(self, topic: str, payload: bytes, qos: int = 1, retain: bool = True) -> None:
-        self.topic, self.payload, self.qos, self.retain = topic, payload, qos, retain
-
-
-class TlsOptions:
-    def __init__(self, ca_file: Optional[str] = None, cert_file: Optional[str] = None,
-                 key_file: Optional[str] = None, insecure: bool = False) -> None:
-        self.ca_file, self.cert_file, self.key_file = ca_file, cert_file, key_file
-        self.insecure = insecure
-
-
-class PublishHandle:
-    """One publish. ``wait(timeout)`` -> True once the broker acknowledged it (QoS 0: once it
-    was written to the socket); ``ok`` is False when the broker refused it (v5 reason code)."""
-
-    def __init__(self, topic: str, token: Any) -> None:
-        self.topic = topic
-        self.token = token
-        self.mid = 0
-        self.size = 0  # payload bytes
-        self.ok = False
-        self.reason = ""
-        self._done = threading.Event()
-
-    @property
-    def acked(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: Optional[float] = None) -> bool:
-        return self._done.wait(timeout)
-
-    def _finish(self, ok: bool, reason: str) -> None:
-        self.ok, self.reason = ok, reason
-        self._done.set()
 
 
 def _is_failure(rc: Any) -> bool:
@@ -225,7 +145,7 @@ class MqttClient:
         self._client.on_publish = self._on_publish
         self._client.on_subscribe = self._on_subscribe
         self._socket_error = ""  # paho's last socket-level warning (a TLS alert, a reset)
-        self._client.enable_logger(_PahoLog(self))  # type: ignore[arg-type]
+        self._client.enable_logger(PahoLog(self))  # type: ignore[arg-type]
 
     # --- owner's API --------------------------------------------------------------------------
 
@@ -410,17 +330,7 @@ class MqttClient:
 
     def _on_connect_fail(self, client: Any, userdata: Any) -> None:
         # paho calls this from inside its ``except OSError`` block: the error is current.
-        exc = sys.exc_info()[1]
-        self.last_error = "{}: {}".format(type(exc).__name__, exc) if exc else "connect failed"
-        if isinstance(exc, ssl.SSLCertVerificationError):
-            self.last_error += (" (check the CA file: broker.tls.ca_file or --ca-file must hold "
-                                "the CA that signed the broker's certificate)")
-        elif self.tls_enabled and isinstance(exc, (ConnectionResetError, ssl.SSLError,
-                                                   BrokenPipeError)):
-            # A plain MQTT listener drops a TLS ClientHello: a reset, EOF or "wrong version".
-            self.last_error += (" (TLS handshake failed: is port {} a TLS listener? mqtts:// "
-                                "needs one, 8883 by convention; use mqtt:// for a plain "
-                                "port)".format(self.port))
+        self.last_error = connect_failure(sys.exc_info()[1], self.tls_enabled, self.port)
         self._attempted.set()
         self._put(Event(CONNECT_FAILED, reason=self.last_error))
 
@@ -445,19 +355,8 @@ class MqttClient:
                             held_s=time.monotonic() - self._connected_at))
         elif not self._closing and self._socket_error:
             # Closed before CONNACK: with TLS 1.3 a refused client certificate shows up here.
-            self.last_error = "the broker closed the connection before accepting it: {}".format(
-                self._socket_error)
-            upper = self._socket_error.upper()
-            # TLS 1.3 sends the refusal after the handshake: the client may read the alert or,
-            # if the broker closed first, only an EOF. Without a certificate, say what's missing.
-            if "CERTIFICATE_REQUIRED" in upper or (
-                    self.tls_enabled and not self._has_client_cert
-                    and ("EOF" in upper or "RESET" in upper)):
-                self.last_error += (" (the broker requires a client certificate: "
-                                    "broker.tls.cert_file / --cert-file)")
-            elif "UNKNOWN_CA" in upper or "CERTIFICATE" in upper:
-                self.last_error += (" (the broker refused the client certificate: is it signed "
-                                    "by the CA the broker trusts, and still valid?)")
+            self.last_error = closed_before_connack(self._socket_error, self.tls_enabled,
+                                                    self._has_client_cert)
             self._socket_error = ""
             self._attempted.set()
             self._put(Event(CONNECT_FAILED, reason=self.last_error))

@@ -18,9 +18,10 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.artifacts import ArtifactStore, Transfer
+from agent.wire.artifacts import ArtifactStore
+from agent.wire.block_assembly import Transfer
 from agent.wire.block_server import BlockServer, Publish, block_digests, sha256_file
-from agent.wire.protocol import Topics
+from agent.wire.topics import Topics
 
 __all__ = ["BlockFetcher", "BlockServer", "block_digests", "sha256_file"]
 

@@ -126,10 +126,11 @@ def _start_agent(workdir, port):
 class _Controller:
     def __init__(self, port):
         from agent.wire import mqtt, protocol
+        from agent.wire.topics import Topics
         from agent.wire.transfer import BlockServer
 
         self.mqtt, self.protocol = mqtt, protocol
-        self.topics = protocol.Topics()
+        self.topics = Topics()
         self.client = mqtt.MqttClient("bench-ctl", "127.0.0.1", port, events=queue.Queue())
         self.server = BlockServer(lambda t, p, q=1, r=False: self.client.publish(t, p, q, r),
                                   self.topics)

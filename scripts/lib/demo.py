@@ -111,7 +111,7 @@ class WireRecorder(object):
         import queue
 
         from agent.wire.mqtt import MqttClient
-        from agent.wire.protocol import Topics
+        from agent.wire.topics import Topics
 
         self.topics = Topics()
         self.client = MqttClient("demo-recorder", "127.0.0.1", broker_port, clean_start=True,
@@ -247,9 +247,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         wait_accepting(port, children.start("mosquitto", [mosquitto_binary(), "-c", conf]))
         recorder = WireRecorder(port)
         # A throw-away signing key: the agents run only jobs signed with it (docs/security.md).
-        from agent.wire import signing
+        from agent.wire import job_signer
 
-        key = signing.generate_keypair(os.path.join(workdir, "keys"), "demo")
+        key = job_signer.generate_keypair(os.path.join(workdir, "keys"), "demo")
         agent_conf = os.path.join(workdir, "agent.yaml")
         with open(agent_conf, "w") as f:
             f.write("security:\n  trusted_keys: [{}]\n".format(key["public_key"]))

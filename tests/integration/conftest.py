@@ -214,11 +214,11 @@ class Controller:
         import uuid
 
         from agent.wire.mqtt import MqttClient
-        from agent.wire.protocol import Topics
+        from agent.wire.topics import Topics
         from agent.wire.transfer import BlockServer
 
         self.device = device
-        self.signer = signer  # agent.wire.signing.Signer: send_job signs the documents
+        self.signer = signer  # agent.wire.job_signer.Signer: send_job signs the documents
         self.topics = Topics()
         self.client = MqttClient("ctl-" + uuid.uuid4().hex[:8], broker.host, broker.port,
                                  reconnect_min=0.2, reconnect_max=1.0, events=queue.Queue(),

@@ -18,12 +18,14 @@ import pytest
 
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.mqtt import CONNECT_FAILED, MESSAGE, MqttClient, TlsOptions, Will
+from agent.wire.mqtt import CONNECT_FAILED, MESSAGE, MqttClient
+from agent.wire.mqtt_types import TlsOptions, Will
+from agent.wire.topics import Topics
 from tests.integration.conftest import MOSQUITTO
 from tests.integration.pki import FleetBroker, Pki, write_passwords
 
 USERS = {"dev-a": "pw-a", "dev-b": "pw-b", "controller": "pw-ctl"}
-T = protocol.Topics()
+T = Topics()
 DEV = T.prefix + "/devices/"
 
 
@@ -214,10 +216,10 @@ def test_a_real_agent_works_under_the_acl(fleet_broker, tmp_path, digits_files):
     """Everything the protocol needs is granted: birth and Will, job documents, block
     requests and blocks, job statuses, telemetry, commands and replies. The password comes
     from a credentials file ($CREDENTIALS_DIRECTORY, as systemd's LoadCredential= gives it)."""
-    from agent.wire import signing
+    from agent.wire import job_signer
     from tests.integration.conftest import AgentProcess, Controller
 
-    keys = signing.generate_keypair(str(tmp_path / "keys"), "fleet")
+    keys = job_signer.generate_keypair(str(tmp_path / "keys"), "fleet")
     creds = tmp_path / "credentials"
     creds.mkdir()
     (creds / "mqtt-password").write_text(USERS["dev-a"] + "\n")
@@ -230,7 +232,7 @@ def test_a_real_agent_works_under_the_acl(fleet_broker, tmp_path, digits_files):
                      "    ca_file: {}\n".format(fleet_broker.pki.ca_file),
         extra_config="telemetry_interval: 0.5\n")
     agent.start(env_extra={"CREDENTIALS_DIRECTORY": str(creds)})
-    signer = signing.Signer(keys["private_key"], str(tmp_path / "seq.json"))
+    signer = job_signer.Signer(keys["private_key"], str(tmp_path / "seq.json"))
     ctl = Controller(fleet_broker, device="dev-a", signer=signer, username="controller",
                      password=USERS["controller"],
                      tls=TlsOptions(ca_file=fleet_broker.pki.ca_file))

@@ -9,15 +9,8 @@ import time
 import pytest
 
 from agent.errors import AgentError
-from agent.wire.mqtt import (
-    CONNECT_FAILED,
-    CONNECTED,
-    MESSAGE,
-    PUBLISHED,
-    SUBSCRIBED,
-    MqttClient,
-    Will,
-)
+from agent.wire.mqtt import CONNECT_FAILED, CONNECTED, MESSAGE, PUBLISHED, SUBSCRIBED, MqttClient
+from agent.wire.mqtt_types import Will
 
 from .conftest import free_port
 

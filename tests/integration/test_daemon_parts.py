@@ -17,8 +17,8 @@ from agent.device.journal import Journal
 from agent.device.status_publisher import StatusPublisher, status_platform
 from agent.device.telemetry_publisher import TelemetryPublisher
 from agent.errors import AgentError
-from agent.wire import protocol
 from agent.wire.mqtt import MESSAGE, PUBLISHED, MqttClient
+from agent.wire.topics import Topics
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def device(mosquitto, tmp_path):
     events = queue.Queue()
     mqtt = MqttClient("dev1", mosquitto.host, mosquitto.port, reconnect_min=0.2,
                       reconnect_max=1.0, events=events)
-    topics = protocol.Topics()
+    topics = Topics()
     for topic, qos in topics.device_subscriptions("dev1"):
         mqtt.subscribe(topic, qos)
     mqtt.start()

@@ -9,7 +9,7 @@ import threading
 
 from agent import fleet
 from agent.cli import main
-from agent.wire import protocol
+from agent.wire import protocol, status_messages
 from tests.integration.conftest import free_port
 from tests.integration.test_fleet_rollout import DIGITS, FP16, ROOT, wait_status
 
@@ -98,7 +98,7 @@ BAD_INPUT = [
 def test_bad_input_is_caught_before_anything_is_published(mosquitto, capsys):
     sniffer = JobSniffer(mosquitto)
     try:
-        status = protocol.encode(protocol.status_message("d1", True, 1))
+        status = protocol.encode(status_messages.status_message("d1", True, 1))
         sniffer.conn.publish(sniffer.conn.topics.status("d1"), status, retain=True, wait=5)
         for argv, code, words in BAD_INPUT:
             rc, out, err = run_cli(capsys, *(argv + ["--broker", mosquitto.url, "--json"]))

@@ -13,7 +13,7 @@ import paho.mqtt.publish as mqtt_publish
 
 from agent.engines import share as engine_share
 from agent.fleet.store import Store
-from agent.wire import protocol
+from agent.wire.topics import Topics
 from tests.integration.test_fleet_rollout import retained_jobs, wait_status
 from tests.integration.test_fleet_service import (
     Service,
@@ -85,7 +85,7 @@ def test_one_build_two_adoptions_then_a_tampered_engine_falls_back(
                                      method="PUT")
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert resp.status == 201
-        topic = protocol.Topics().job_status("sh-0", "ro-bad")
+        topic = Topics().job_status("sh-0", "ro-bad")
         status = {"protocol": 1, "job_id": "ro-bad", "device": "sh-0", "kind": "deploy",
                   "state": "SUCCEEDED", "version": 1, "ts": time.time(), "statusDetails": {},
                   "result": {"engine_key": key, "share": {"mode": "built", "offered": True}}}

@@ -9,7 +9,7 @@ from agent import fleet
 from agent.errors import AgentError
 from agent.fleet import durable
 from agent.fleet.store import Store
-from agent.wire import protocol
+from agent.wire.topics import Topics
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 
 
@@ -58,7 +58,7 @@ def test_a_rollout_round_trips_with_its_jobs_history_and_outbox(store):
         store.insert_rollout("ro-1", spec, [["c"]], deadline=9e9)
     assert err.value.code == "bad_argument"
     ro = durable.load(store, "ro-1", docs)
-    msgs = durable.messages(protocol.Topics(), ro, ro.start())
+    msgs = durable.messages(Topics(), ro, ro.start())
     ids = durable.save(store, ro, msgs)
     assert len(ids) == 1 and store.outbox()[0][1].endswith("/devices/a/jobs/ro-1")
     ro.on_job_status("a", status("ro-1", "a", "IN_PROGRESS", 2, stage="building"))
@@ -71,10 +71,10 @@ def test_a_rollout_round_trips_with_its_jobs_history_and_outbox(store):
     assert (run.state, run.job_stage, run.versions, run.published) == (
         "IN_PROGRESS", "building", {"ro-1": 2}, ["ro-1"])
     assert again.current == 0 and again.runs["b"].state == fleet.PENDING
-    assert durable.republish(protocol.Topics(), again)[0][0].endswith("/a/jobs/ro-1")
+    assert durable.republish(Topics(), again)[0][0].endswith("/a/jobs/ro-1")
     acts = again.on_job_status("a", status("ro-1", "a", "SUCCEEDED", 3, result={}))
     assert [a.kind for a in acts] == ["clear", "publish"]  # stage 2 starts
-    durable.save(store, again, durable.messages(protocol.Topics(), again, acts))
+    durable.save(store, again, durable.messages(Topics(), again, acts))
     history = store.job_history("ro-1")
     assert [(h["device"], h["version"], h["state"]) for h in history] == [
         ("a", 2, "IN_PROGRESS"), ("a", 3, "SUCCEEDED")]
@@ -115,10 +115,10 @@ def test_leases_pass_to_another_instance_only_when_they_expire(store):
 def test_signed_documents_stay_valid_until_the_rollouts_deadline(store, tmp_path):
     import time
 
-    from agent.wire import signing
+    from agent.wire import job_signer, signing
 
-    keys = signing.generate_keypair(str(tmp_path / "keys"), "k")
-    signer = signing.Signer(keys["private_key"], str(tmp_path / "seq.json"), validity_s=3600)
+    keys = job_signer.generate_keypair(str(tmp_path / "keys"), "k")
+    signer = job_signer.Signer(keys["private_key"], str(tmp_path / "seq.json"), validity_s=3600)
     signer.sequence = durable.DbSequence(store, mirror=signer.sequence)
     deadline = time.time() + 5 * 86400  # a device may be offline for days
     spec = {"precision": "fp16", "policy": {}, "artifacts": {

@@ -15,12 +15,14 @@ import uuid
 import pytest
 
 from agent.errors import AgentError
-from agent.wire import protocol, signing
-from agent.wire.mqtt import CONNECT_FAILED, MqttClient, TlsOptions
+from agent.wire import job_signer, protocol
+from agent.wire.mqtt import CONNECT_FAILED, MqttClient
+from agent.wire.mqtt_types import TlsOptions
+from agent.wire.topics import Topics
 from tests.integration.conftest import MOSQUITTO, ROOT, AgentProcess
 from tests.integration.pki import FleetBroker, Pki
 
-T = protocol.Topics()
+T = Topics()
 
 
 @pytest.fixture
@@ -134,7 +136,7 @@ def test_daemon_and_fleet_cli_over_mutual_tls_with_signed_jobs(mtls, tmp_path, t
     from tests.integration.conftest import Controller
 
     pki = mtls.pki
-    keys = signing.generate_keypair(str(tmp_path / "keys"), "fleet")
+    keys = job_signer.generate_keypair(str(tmp_path / "keys"), "fleet")
     # The device's certificate and key as systemd credentials (LoadCredential=): the config
     # names them relative to $CREDENTIALS_DIRECTORY.
     creds = tmp_path / "credentials"
@@ -149,7 +151,7 @@ def test_daemon_and_fleet_cli_over_mutual_tls_with_signed_jobs(mtls, tmp_path, t
         text = f.read()
     assert "port: {}".format(mtls.port) in text
     agent.start(env_extra={"CREDENTIALS_DIRECTORY": str(creds)})
-    signer = signing.Signer(keys["private_key"], str(tmp_path / "seq.json"))
+    signer = job_signer.Signer(keys["private_key"], str(tmp_path / "seq.json"))
     ctl_cert, ctl_key = pki.client("controller")
     ctl = Controller(mtls, device="dev-a", signer=signer,
                      tls=TlsOptions(ca_file=pki.ca_file, cert_file=ctl_cert, key_file=ctl_key))
@@ -196,7 +198,7 @@ def test_the_daemon_reports_a_wrong_ca_in_its_log(mtls, tmp_path, tls_agents):
 
 
 def test_diag_reports_the_security_posture(tmp_path):
-    keys = signing.generate_keypair(str(tmp_path), "fleet")
+    keys = job_signer.generate_keypair(str(tmp_path), "fleet")
     pki = Pki(tmp_path / "pki")
     lab = tmp_path / "lab.yaml"
     lab.write_text("security:\n  allow_unsigned: true\n")
@@ -239,7 +241,7 @@ def test_fleet_keygen_and_a_signed_rollout_over_mutual_tls(mtls, tmp_path, tls_a
     assert oct(os.stat(made["private_key"]).st_mode & 0o777) == "0o600"
     again = cli("fleet", "keygen", "--out", str(tmp_path / "keys"), "--name", "fleet")
     assert again.returncode == 2 and "already exists" in again.stderr
-    other = signing.generate_keypair(str(tmp_path / "keys"), "other")
+    other = job_signer.generate_keypair(str(tmp_path / "keys"), "other")
     pki = mtls.pki
     agents = []
     for device, key in (("dev-a", made["public_key"]), ("dev-b", other["public_key"])):

@@ -16,6 +16,7 @@ from agent.device.journal import Journal
 from agent.device.status_publisher import StatusPublisher, status_platform
 from agent.wire import protocol
 from agent.wire.mqtt import MqttClient
+from agent.wire.topics import Topics
 
 SHA = "ab" * 32
 
@@ -28,7 +29,7 @@ def parts(tmp_path):
     shared = DaemonState()
     host = platform.detect(str(tmp_path / "no-root"))  # a CPU host: onnxruntime
     publisher = StatusPublisher(journal, MqttClient("dev1", "127.0.0.1", 1),
-                                protocol.Topics(cfg.topic_prefix), "dev1", 1, str(tmp_path),
+                                Topics(cfg.topic_prefix), "dev1", 1, str(tmp_path),
                                 lambda: status_platform(host, "onnxruntime", None),
                                 shared.counters)
     stopped, cancelled, started = [], [], []
@@ -53,7 +54,7 @@ def deploy(job_id, size=100):
 
 
 def outbox_states(journal, job_id):
-    topic = protocol.Topics("jetson-agent").job_status("dev1", job_id)
+    topic = Topics("jetson-agent").job_status("dev1", job_id)
     return [protocol.decode("job_status", item.payload)["state"]
             for item in journal.outbox_pending() if item.topic == topic]
 

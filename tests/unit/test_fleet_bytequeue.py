@@ -7,7 +7,8 @@ import threading
 import pytest
 
 from agent.fleet.bytequeue import ByteQueue
-from agent.wire.mqtt import MESSAGE, Event
+from agent.wire.mqtt import MESSAGE
+from agent.wire.mqtt_types import Event
 
 
 def msg(topic, size):

@@ -11,15 +11,16 @@ import pytest
 
 from agent.device.journal import Journal
 from agent.errors import AgentError
-from agent.wire import protocol
+from agent.wire import protocol, status_messages
+from agent.wire.topics import Topics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHA = "ab" * 32
-T = protocol.Topics()
+T = Topics()
 
 
 def emit(row):
-    return protocol.job_status_publication(T, "dev", row)
+    return status_messages.job_status_publication(T, "dev", row)
 
 
 def doc(job_id="j1", kind="deploy", sha=SHA):
@@ -204,7 +205,7 @@ def test_activate_and_rollback(journal):
     restored = journal.rollback(m)
     assert restored["engine_key"] == "e1" and restored["precision"] == "fp16"
     assert journal.previous_engine(m) is None and journal.rollback(m) is None
-    status = protocol.status_message("dev", True, 1, active_engines=journal.active_engines())
+    status = status_messages.status_message("dev", True, 1, active_engines=journal.active_engines())
     protocol.validate("status", status)
 
 
@@ -234,9 +235,11 @@ WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {root!r})
     from agent.wire import protocol
+    from agent.wire import status_messages
+    from agent.wire.topics import Topics
     from agent.device.journal import Journal
     j = Journal({path!r})
-    t = protocol.Topics()
+    t = Topics()
     # not retained: every status stays in the outbox, so versions can be counted
     emit = lambda row: protocol.Publication(t.job_status("dev", row["job_id"]),
                                             protocol.encode(row["details"]), 1, False)

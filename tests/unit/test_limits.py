@@ -7,6 +7,7 @@ from agent.errors import AgentError
 from agent.wire import protocol
 from agent.wire.artifacts import ArtifactStore
 from agent.wire.limits import TokenBucket
+from agent.wire.topics import Topics
 
 
 def test_bucket_allows_a_burst_then_the_rate():
@@ -71,7 +72,7 @@ def test_job_and_device_ids_cannot_name_a_path(value):
 
 
 def test_topics_with_path_like_levels_are_refused():
-    topics = protocol.Topics()
+    topics = Topics()
     for topic in ("jetson-agent/devices/dev1/artifacts/../../x/block/0",
                   "jetson-agent/devices/dev1/artifacts/{}/block/-1".format("a" * 64),
                   "jetson-agent/devices/../jobs/x", "jetson-agent/devices/dev1/jobs/.."):

@@ -6,9 +6,10 @@ import pytest
 from agent.device.journal import Journal
 from agent.errors import AgentError
 from agent.wire import message_caps as caps
-from agent.wire import protocol
+from agent.wire import protocol, status_messages
+from agent.wire.topics import Topics, reply_topic
 
-T = protocol.Topics()
+T = Topics()
 NAMES = ["output_{}".format(i) for i in range(30000)]
 
 
@@ -30,7 +31,7 @@ def rows():
 
 @pytest.mark.parametrize("row", list(rows()), ids=lambda r: r["job_id"])
 def test_job_statuses_fit_by_construction(row):
-    pub = protocol.job_status_publication(T, "dev1", row)
+    pub = status_messages.job_status_publication(T, "dev1", row)
     assert len(pub.payload) <= protocol.MAX_BYTES["job_status"] - caps.ENVELOPE
     msg = protocol.decode("job_status", pub.payload)  # valid for the controller too
     assert (msg["job_id"], msg["state"], msg["version"]) == (row["job_id"], row["state"],
@@ -47,7 +48,7 @@ def test_job_statuses_fit_by_construction(row):
 def test_small_messages_are_untouched():
     row = {"job_id": "j", "kind": "deploy", "state": "FAILED", "version": 2, "updated": 1.0,
            "error": {"code": "disk_full", "message": "no room", "details": {"free": 1}}}
-    msg = protocol.job_status_message("dev1", row)
+    msg = status_messages.job_status_message("dev1", row)
     assert msg["error"] == row["error"]
     assert caps.cut_text("short", 10) == "short"
     cut = caps.cut_text("x" * 1000, 100)
@@ -83,20 +84,21 @@ def test_paths_under_the_state_dir_become_relative():
 
 def test_reply_topics_are_the_controllers_only():
     cmd = {"command": "diag", "reply_to": T.command_reply("dev1") + "/r-1"}
-    assert protocol.reply_topic(T, "dev1", cmd) == T.command_reply("dev1") + "/r-1"
+    assert reply_topic(T, "dev1", cmd) == T.command_reply("dev1") + "/r-1"
     for topic in (T.job_status("dev1", "j1"), T.status("dev2"), "ctl/replies"):
         with pytest.raises(AgentError):
-            protocol.reply_topic(T, "dev1", {"command": "diag", "reply_to": topic})
+            reply_topic(T, "dev1", {"command": "diag", "reply_to": topic})
 
 
 def test_every_other_message_the_daemon_publishes_fits_too():
     engines = [{"model": "{:064x}".format(i), "engine_key": "k" * 200, "precision": "int8",
                 "activated": 1.0, "job_id": "j{}".format(i)} for i in range(3000)]
-    birth = protocol.status_message("dev1", True, 3, agent_version="1", active_engines=engines)
-    reply = protocol.command_reply("dev1", {"command": "diag", "request_id": "r1"}, True,
-                                   result={"transfers": [{"sha256": "a" * 64, "size": i}
-                                                         for i in range(50000)],
-                                           "log": "y" * 500000})
+    birth = status_messages.status_message("dev1", True, 3, agent_version="1",
+                                           active_engines=engines)
+    reply = status_messages.command_reply("dev1", {"command": "diag", "request_id": "r1"}, True,
+                                          result={"transfers": [{"sha256": "a" * 64, "size": i}
+                                                                for i in range(50000)],
+                                                  "log": "y" * 500000})
     telemetry = {"protocol": 1, "device": "dev1", "ts": 1.0, "source": "host",
                  "metrics": {"m{}".format(i): float(i) for i in range(5000)}}
     for kind, msg in (("status", birth), ("command_reply", reply), ("telemetry", telemetry)):
@@ -104,5 +106,5 @@ def test_every_other_message_the_daemon_publishes_fits_too():
         assert len(payload) <= protocol.MAX_BYTES[kind], kind
         decoded = protocol.decode(kind, payload)
         assert decoded["device"] == "dev1"
-    small = protocol.command_reply("dev1", {"command": "diag"}, True, result={"a": 1})
+    small = status_messages.command_reply("dev1", {"command": "diag"}, True, result={"a": 1})
     assert caps.encode_fitted("command_reply", small) == protocol.encode(small)

@@ -11,113 +11,10 @@ from agent.engines.backends import base
 from agent.errors import AgentError
 from agent.precision import compare
 from agent.precision import search as agent_search
-from agent.wire import protocol
+from agent.wire import json_schema, protocol
+from tests.unit.wire_samples import SHA, code_of, job_doc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHA = "0123456789abcdef" * 4
-T = protocol.Topics()
-
-
-def job_doc(**extra):
-    doc = {
-        "protocol": 1,
-        "job_id": "deploy-42",
-        "kind": "deploy",
-        "device": "nano-07",
-        "created": 1717171717.0,
-        "timeout_s": 3600,
-        "artifacts": {"model": {"sha256": SHA, "size": 1234, "name": "m.onnx"},
-                      "calibration": {"sha256": "f" * 64, "size": 99}},
-        "plan": {"precision": "int8", "layer_precisions": {"Softmax:0": "float32"},
-                 "precision_constraints": "obey",
-                 "calibration": {"algorithm": "minmax", "batch_size": 4},
-                 "shapes": {"x": [[1, 3], [4, 3], [8, 3]]}},
-        "fallback": ["fp16", "fp32"],
-        "gate": {"atol": 0.01, "rtol": 0.001, "check_error_stat": "elemwise", "min_top1": 0.99},
-        "bench": {"iterations": 100, "warmup": 10},
-    }
-    doc.update(extra)
-    return doc
-
-
-def code_of(kind, payload, **kw):
-    with pytest.raises(AgentError) as info:
-        protocol.decode(kind, payload, **kw)
-    return info.value
-
-
-# ----------------------------------------------------------------------------- topics
-
-def test_topics_round_trip():
-    cases = [
-        (T.status("nano-07"), ("status", "nano-07", None, None, None)),
-        (T.telemetry("d"), ("telemetry", "d", None, None, None)),
-        (T.commands("d"), ("command", "d", None, None, None)),
-        (T.command_reply("d"), ("command_reply", "d", None, None, None)),
-        (T.job("d", "j.1"), ("job", "d", "j.1", None, None)),
-        (T.job_status("d", "j_2"), ("job_status", "d", "j_2", None, None)),
-        (T.artifact_request("d", SHA), ("artifact_request", "d", None, SHA, None)),
-        (T.block("d", SHA, 0), ("block", "d", None, SHA, 0)),
-        (T.block("d", SHA, 1048575), ("block", "d", None, SHA, 1048575)),
-    ]
-    for topic, expected in cases:
-        assert tuple(T.parse(topic)) == expected
-    assert T.job("d", "j") == "jetson-agent/devices/d/jobs/j"
-
-
-def test_multi_level_prefix():
-    topics = protocol.Topics("site-a/fleet")
-    assert topics.parse(topics.job_status("d", "j")).job_id == "j"
-    with pytest.raises(AgentError):
-        topics.parse(T.status("d"))
-
-
-@pytest.mark.parametrize("prefix", ["", "a//b", "a/+", "#", "$SYS", "a/b/"])
-def test_bad_prefix_is_a_config_error(prefix):
-    with pytest.raises(AgentError) as info:
-        protocol.Topics(prefix)
-    assert info.value.code == "bad_config"
-
-
-@pytest.mark.parametrize("topic", [
-    "other/devices/d/status",
-    "jetson-agent/devices/d",
-    "jetson-agent/devices/d/status/extra",
-    "jetson-agent/devices/../status",
-    "jetson-agent/devices/-rf/status",
-    "jetson-agent/devices/" + "x" * 65 + "/status",
-    "jetson-agent/devices/d/jobs/a b",
-    "jetson-agent/devices/d/jobs/j/status/x",
-    "jetson-agent/devices/d/artifacts/" + SHA.upper() + "/request",
-    "jetson-agent/devices/d/artifacts/" + SHA[:-1] + "/request",
-    "jetson-agent/devices/d/artifacts/" + SHA + "/block/01",
-    "jetson-agent/devices/d/artifacts/" + SHA + "/block/-1",
-    "jetson-agent/devices/d/artifacts/" + SHA + "/block/1048576",
-    "jetson-agent/devices/d/artifacts/" + SHA + "/block/1e3",
-    "jetson-agent/devices/d/artifacts/../../etc/passwd",
-])
-def test_bad_topics_are_rejected(topic):
-    with pytest.raises(AgentError) as info:
-        T.parse(topic)
-    assert info.value.code == "bad_message"
-    assert "expected" in info.value.message or "must" in info.value.message
-
-
-def test_builders_validate_ids():
-    for call in (lambda: T.job("d", "../x"), lambda: T.status("a/b"),
-                 lambda: T.artifact_request("d", "abc"), lambda: T.block("d", SHA, -1)):
-        with pytest.raises(AgentError):
-            call()
-
-
-def test_subscriptions():
-    dev = T.device_subscriptions("d")
-    assert ("jetson-agent/devices/d/jobs/+", 1) in dev
-    assert ("jetson-agent/devices/d/artifacts/+/block/+", 1) in dev
-    ctl = dict(T.controller_subscriptions(share_group="servers"))
-    assert ctl["$share/servers/jetson-agent/devices/+/artifacts/+/request"] == 1
-    assert "jetson-agent/devices/+/status" in ctl  # retained state is never shared
-    assert not any("request" in f for f, _ in T.controller_subscriptions(serve_blocks=False))
 
 
 # ----------------------------------------------------------------------------- encode / decode
@@ -196,15 +93,6 @@ def test_schema_violations_say_where_and_what(change, needle):
     assert needle in err.message, err.message
 
 
-def test_job_must_match_its_topic():
-    doc = job_doc()
-    protocol.check_job_topic(doc, "nano-07", "deploy-42")
-    for device, job_id in (("other", "deploy-42"), ("nano-07", "other")):
-        with pytest.raises(AgentError) as info:
-            protocol.check_job_topic(doc, device, job_id)
-        assert info.value.code == "bad_message"
-
-
 def test_pattern_anchoring_rejects_trailing_newline():
     err = code_of("job", protocol.encode(job_doc(job_id="abc\n")))
     assert err.code == "bad_message"
@@ -212,9 +100,9 @@ def test_pattern_anchoring_rejects_trailing_newline():
 
 def test_validator_refuses_unknown_keywords(tmp_path, monkeypatch):
     with pytest.raises(ValueError):
-        protocol._check_keywords({"type": "object", "dependentRequired": {}}, "x")
+        json_schema.check_keywords({"type": "object", "dependentRequired": {}}, "x")
     with pytest.raises(ValueError):
-        protocol._check_keywords({"properties": {"a": {"oneOf": []}}}, "x")
+        json_schema.check_keywords({"properties": {"a": {"oneOf": []}}}, "x")
 
 
 def test_fuzzed_payloads_only_raise_agent_errors():
@@ -318,19 +206,6 @@ def test_schema_files_agree_with_the_code():
         assert sch["properties"]["protocol"] == {"const": protocol.PROTOCOL_VERSION}
 
 
-def test_plan_dict_builds_a_buildplan():
-    plan = base.BuildPlan.from_dict(protocol.plan_dict(job_doc()))
-    assert plan.precision == "int8"
-    assert plan.layer_precisions == {"Softmax:0": "float32"}
-    assert plan.calibration is not None and plan.calibration.algorithm == "minmax"
-    assert plan.calibration.data is None
-    assert plan.shapes == {"x": ((1, 3), (4, 3), (8, 3))}
-    # int8 without calibration settings gets the defaults; fp16 gets none
-    plan = base.BuildPlan.from_dict(protocol.plan_dict(job_doc(plan={"precision": "int8"})))
-    assert plan.calibration is not None and plan.calibration.algorithm == "entropy2"
-    assert protocol.plan_dict(job_doc(plan={"precision": "fp16"}))["calibration"] is None
-
-
 # ----------------------------------------------------------------------------- states
 
 def test_state_transitions():
@@ -343,65 +218,6 @@ def test_state_transitions():
         assert protocol.is_terminal(terminal)
         assert not any(ok(terminal, s) for s in protocol.STATES)
     assert not ok("IN_PROGRESS", "PAUSED")
-
-
-def test_late_will_is_stale():
-    will = protocol.will_message("d", 3)
-    protocol.validate("status", will)
-    assert not protocol.status_is_stale(None, will)
-    assert not protocol.status_is_stale(3, will)
-    assert protocol.status_is_stale(4, will)
-    assert protocol.status_is_stale(1, {"boot": "3"})
-
-
-def test_builders_produce_valid_messages():
-    status = protocol.status_message(
-        "d", True, 2, agent_version="0.1.0",
-        platform={"board": "orin", "precisions": ["fp32", "fp16"], "cuda": "12.2"},
-        active_engines=[{"model": SHA, "engine_key": "k", "precision": "int8",
-                         "activated": 1.0, "job_id": None, "info": {}}], ts=5.0)
-    protocol.validate("status", status)
-    row = {"job_id": "j", "kind": "search", "state": "SUCCEEDED", "version": 4, "stage":
-           "searching", "progress": {"done": 3, "of": 3}, "details": {"n": 3}, "error": None,
-           "result": {"accuracy": {"passed": True, "sqnr_db": float("inf")},
-                      "latency_ms": {"p99": 1.5}, "layers_kept": {"Add": "float32"}},
-           "updated": 10.0}
-    msg = protocol.job_status_message("d", row)
-    assert msg["statusDetails"] == {"n": "3", "stage": "searching"}
-    decoded = protocol.decode("job_status", protocol.encode(msg))
-    assert decoded["result"]["accuracy"]["sqnr_db"] is None
-    failed = dict(row, state="FAILED", error={"code": "build_failed", "message": "x"})
-    msg = protocol.job_status_message("d", dict(failed, result=None))
-    assert "result" not in msg and msg["statusDetails"]["error_code"] == "build_failed"
-    protocol.validate("job_status", msg)
-    pub = protocol.job_status_publication(T, "d", failed)
-    assert pub.topic == T.job_status("d", "j") and pub.qos == 1 and pub.retain
-    with pytest.raises(AgentError):  # FAILED needs an error
-        protocol.validate("job_status", dict(msg, error=None))
-
-
-def test_commands_and_replies():
-    cmd = protocol.decode("command", b'{"command":"cancel","job_id":"j","request_id":"r1",'
-                          b'"correlation":"c"}')
-    reply = protocol.command_reply("d", cmd, True, result={"state": "CANCELED"})
-    assert reply["request_id"] == "r1" and reply["correlation"] == "c"
-    protocol.validate("command_reply", reply)
-    bad = protocol.command_reply("d", {"command": 5}, False,
-                                 error=AgentError("unknown_job", "no job").to_dict())
-    protocol.validate("command_reply", bad)
-    assert code_of("command", b'{"command":"cancel"}').code == "bad_message"
-    assert code_of("command", b'{"command":"reboot"}').code == "bad_message"
-    assert protocol.reply_topic(T, "d", cmd) == T.command_reply("d")
-    mine = T.command_reply("d") + "/r-18"
-    assert protocol.reply_topic(T, "d", {"reply_to": mine}) == mine
-    assert protocol.reply_topic(T, "d", {"reply_to": "ctl/r"}, mine) == mine
-    assert T.parse(mine).kind == "command_reply"
-    # Only the controller's reply topics: not another device's, not a job status, not elsewhere.
-    for topic in ("ctl/#", "$SYS/x", "a/+/b", "x" * 300, "", "ctl/r", T.status("d"),
-                  T.command_reply("e"), T.job_status("d", "j1"), mine + "/x",
-                  T.command_reply("d") + "/"):
-        with pytest.raises(AgentError):
-            protocol.reply_topic(T, "d", {"reply_to": topic})
 
 
 # ----------------------------------------------------------------------------- bitmaps

@@ -14,7 +14,7 @@ from agent.fleet.http_source import HttpSource
 from agent.fleet.sharing import ShareBoard
 from agent.fleet.store import Store
 from agent.wire.block_server import BlockServer, sha256_file
-from agent.wire.protocol import Topics
+from agent.wire.topics import Topics
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.errors import AgentError
-from agent.wire import protocol, signing
+from agent.wire import job_signer, protocol, signing
 
 NOW = 1_750_000_000.0
 SHA = "ab" * 32
@@ -32,14 +32,14 @@ def doc(job_id="deploy-1", device="dev1", **extra):
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("keys")
-    a = signing.generate_keypair(str(d), "a")
-    b = signing.generate_keypair(str(d), "b")
+    a = job_signer.generate_keypair(str(d), "a")
+    b = job_signer.generate_keypair(str(d), "b")
     return {"a": a, "b": b, "dir": str(d)}
 
 
 def signed(keys, name="a", seq=10, not_before=NOW - 10, expires=NOW + 3600, **kw):
-    key = signing.load_private_key(keys[name]["private_key"])
-    return signing.sign_document(doc(**kw), key, seq, not_before, expires)
+    key = job_signer.load_private_key(keys[name]["private_key"])
+    return job_signer.sign_document(doc(**kw), key, seq, not_before, expires)
 
 
 def check(d, trust, last=0, now=NOW, allow_unsigned=False, device="dev1"):
@@ -104,7 +104,7 @@ def test_keygen_writes_a_private_file_0600_and_refuses_to_overwrite(keys):
     with open(a["public_key"]) as f:
         assert f.read().startswith("-----BEGIN PUBLIC KEY-----")
     with pytest.raises(AgentError) as exc:
-        signing.generate_keypair(keys["dir"], "a")
+        job_signer.generate_keypair(keys["dir"], "a")
     assert exc.value.code == "bad_argument" and "already exists" in exc.value.message
 
 
@@ -117,7 +117,7 @@ def test_public_keys_in_every_accepted_form(keys, tmp_path):
     b64file = tmp_path / "k.b64"
     b64file.write_text(inline + "\n")
     assert signing.load_trusted_key("k.b64", base_dir=str(tmp_path)) == (kid, raw)
-    private = signing.load_private_key(keys["a"]["private_key"])
+    private = job_signer.load_private_key(keys["a"]["private_key"])
     ssh = private.public_key().public_bytes(serialization.Encoding.OpenSSH,
                                             serialization.PublicFormat.OpenSSH)
     assert signing.parse_public_key(ssh.decode() + " comment") == raw
@@ -153,10 +153,10 @@ def test_a_private_key_or_an_rsa_key_is_not_a_public_key(keys, tmp_path):
 
 def test_load_private_key_errors(tmp_path, keys):
     with pytest.raises(AgentError) as exc:
-        signing.load_private_key(str(tmp_path / "missing.key"))
+        job_signer.load_private_key(str(tmp_path / "missing.key"))
     assert exc.value.code == "file_not_found"
     with pytest.raises(AgentError) as exc:
-        signing.load_private_key(keys["a"]["public_key"])
+        job_signer.load_private_key(keys["a"]["public_key"])
     assert exc.value.code == "bad_argument"
 
 
@@ -269,8 +269,8 @@ def test_the_order_of_checks_tells_the_truth(keys):
 def test_signer_numbers_documents_from_a_sequence_file(keys, tmp_path):
     clock = [NOW]
     seqfile = str(tmp_path / "state" / "seq.json")
-    signer = signing.Signer(keys["a"]["private_key"], seqfile, validity_s=600,
-                            clock=lambda: clock[0])
+    signer = job_signer.Signer(keys["a"]["private_key"], seqfile, validity_s=600,
+                               clock=lambda: clock[0])
     first = signer.sign(doc("j1"))
     second = signer.sign(doc("j2"))
     assert second["signature"]["seq"] == first["signature"]["seq"] + 1
@@ -291,7 +291,7 @@ def test_signer_numbers_documents_from_a_sequence_file(keys, tmp_path):
 
 
 def test_sequence_file_is_safe_under_concurrent_signers(tmp_path):
-    seq = signing.SequenceFile(str(tmp_path / "seq.json"))
+    seq = job_signer.SequenceFile(str(tmp_path / "seq.json"))
     got = []
     lock = threading.Lock()
 
@@ -314,7 +314,7 @@ def test_corrupt_sequence_file_is_a_clear_error(tmp_path):
     p = tmp_path / "seq.json"
     p.write_text("{not json")
     with pytest.raises(AgentError) as exc:
-        signing.SequenceFile(str(p)).next("k")
+        job_signer.SequenceFile(str(p)).next("k")
     assert exc.value.code == "bad_argument" and str(p) in exc.value.message
 
 

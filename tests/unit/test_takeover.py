@@ -6,8 +6,9 @@ import logging
 from agent.device.daemon_state import DaemonState
 from agent.device.journal import Journal
 from agent.device.status_publisher import StatusPublisher
-from agent.wire import protocol
-from agent.wire.mqtt import DISCONNECTED, SESSION_TAKEN_OVER, Event
+from agent.wire.mqtt import DISCONNECTED, SESSION_TAKEN_OVER
+from agent.wire.mqtt_types import Event
+from agent.wire.topics import Topics
 
 
 class _Mqtt(object):
@@ -17,7 +18,7 @@ class _Mqtt(object):
 def _daemon(tmp_path):
     """The daemon's status publisher alone (it sees the connection drop), over a real journal."""
     journal = Journal(str(tmp_path / "journal.sqlite3"))
-    return StatusPublisher(journal, _Mqtt(), protocol.Topics("jetson-agent"), "dev1", 1,
+    return StatusPublisher(journal, _Mqtt(), Topics("jetson-agent"), "dev1", 1,
                            str(tmp_path), dict, DaemonState().counters)
 
 

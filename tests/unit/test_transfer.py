@@ -12,10 +12,11 @@ from agent.device.journal import Journal
 from agent.errors import AgentError
 from agent.wire import protocol
 from agent.wire.artifacts import ArtifactStore
+from agent.wire.topics import Topics
 from agent.wire.transfer import BlockFetcher, BlockServer
 
 BS = 1024
-T = protocol.Topics()
+T = Topics()
 
 
 class Clock(object):

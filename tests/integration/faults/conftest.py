@@ -5,22 +5,22 @@ stopped and folded into the report at the end."""
 
 import pytest
 
-from agent.wire import signing
+from agent.wire import job_signer
 from tests.integration.faults.suite import finish, started
 
 
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     d = tmp_path_factory.mktemp("signing")
-    trusted = signing.generate_keypair(str(d), "fleet")
-    rogue = signing.generate_keypair(str(d), "rogue")
+    trusted = job_signer.generate_keypair(str(d), "fleet")
+    rogue = job_signer.generate_keypair(str(d), "rogue")
     return {"trusted": trusted, "rogue": rogue, "dir": str(d),
             "security": "  trusted_keys: [{}]\n".format(trusted["public_key"])}
 
 
 @pytest.fixture
 def signer(keys, tmp_path):
-    return signing.Signer(keys["trusted"]["private_key"], str(tmp_path / "sequence.json"))
+    return job_signer.Signer(keys["trusted"]["private_key"], str(tmp_path / "sequence.json"))
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from agent.engines.cache import EngineCache
-from agent.wire import protocol, signing
+from agent.wire import job_signer, protocol
 
 KILLS = int(os.environ.get("JETSON_AGENT_FAULT_KILLS", "20"))
 SEED = int(os.environ.get("JETSON_AGENT_FAULT_SEED", "7"))
@@ -195,10 +195,10 @@ def _forged(controller, keys, signer, job_id, device="dev1", seq=None, key="trus
            "artifacts": {"model": model}, "plan": {"precision": "fp32"},
            "bench": {"iterations": 5, "warmup": 0}}
     now = time.time()
-    private = signing.load_private_key(keys[key]["private_key"])
+    private = job_signer.load_private_key(keys[key]["private_key"])
     if seq is None:
         seq = signer.sequence.next(signer.key_id, int(now * 1000))
-    doc = signing.sign_document(doc, private, seq, now - 5 if not_before is None else not_before,
+    doc = job_signer.sign_document(doc, private, seq, now - 5 if not_before is None else not_before,
                                 now + 600 if expires is None else expires)
     if tamper:
         tamper(doc)
