@@ -217,7 +217,8 @@ def test_a_real_agent_works_under_the_acl(fleet_broker, tmp_path, digits_files):
     requests and blocks, job statuses, telemetry, commands and replies. The password comes
     from a credentials file ($CREDENTIALS_DIRECTORY, as systemd's LoadCredential= gives it)."""
     from agent.wire import job_signer
-    from tests.integration.conftest import AgentProcess, Controller
+    from tests.integration.conftest import AgentProcess
+    from tests.integration.controller import Controller
 
     keys = job_signer.generate_keypair(str(tmp_path / "keys"), "fleet")
     creds = tmp_path / "credentials"

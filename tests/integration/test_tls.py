@@ -133,7 +133,7 @@ def test_a_wrong_ca_is_a_clear_broker_unreachable(mtls, tmp_path):
 
 def test_daemon_and_fleet_cli_over_mutual_tls_with_signed_jobs(mtls, tmp_path, tls_agents,
                                                                digits_files):
-    from tests.integration.conftest import Controller
+    from tests.integration.controller import Controller
 
     pki = mtls.pki
     keys = job_signer.generate_keypair(str(tmp_path / "keys"), "fleet")

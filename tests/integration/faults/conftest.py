@@ -26,7 +26,7 @@ def signer(keys, tmp_path):
 @pytest.fixture
 def fleet(mosquitto, agent_factory, keys, signer):
     """(controller signing with the trusted key, make_agent(**kw) -> started agent)."""
-    from tests.integration.conftest import Controller
+    from tests.integration.controller import Controller
 
     ctl = Controller(mosquitto, signer=signer)
     agents = []

@@ -140,7 +140,7 @@ def test_a_status_the_broker_keeps_refusing_goes_out_short(mosquitto, agent_fact
     """A broker whose max_packet_size is below a (valid, 20 KB) status and that advertises
     none (MQTT 3.1.1): it drops the connection on every try; after a bounded number of tries
     the outbox sends the status's short form, and the device works on."""
-    from tests.integration.conftest import Controller
+    from tests.integration.controller import Controller
 
     limit_packets(mosquitto, 8000)
     controller = Controller(mosquitto, signer=signer)
