@@ -103,8 +103,8 @@ class Parts(NamedTuple):
 def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
              status: ServiceStatus) -> Parts:
     """Open the state directory, journal, artifact store and broker connection, and wire the
-    parts. A part is built before the parts that hand it the job, so the wiring below reads
-    from the end of a job's life (status out) back to its start (message in)."""
+    parts: first where every stage reports (status out, a job's end), then the stages in the
+    order a job passes them (message in -> queued -> checked -> downloaded -> worker)."""
     device, state_dir = cfg.device_id or "", cfg.state_dir or ""
     topics = Topics(cfg.topic_prefix)
     # One daemon per state directory (agent/device/state_lock.py); the error names the other PID.
@@ -151,27 +151,33 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     def show_activity() -> None:
         status.show("connected to {}; {}".format(mqtt.address, shared.activity()))
 
-    # Status out: every state change goes through the journal's outbox; a job's end reclaims
-    # the partial downloads no other job names.
+    # Where every stage reports. Status out: each state change goes through the journal's
+    # outbox (deleted on PUBACK); a job's end reclaims the partial downloads no job names.
     publisher = StatusPublisher(
         journal, mqtt, topics, device, boot, state_dir, platform_status, shared.counters,
         on_job_end=lambda: reclaim_partials(store, cfg.limits.max_partial_age_s, "job end"))
-    telemetry = TelemetryPublisher(telemetry_source, cfg.telemetry_interval, mqtt, topics,
-                                   device, boot)
     # Ended: whatever stage a job reached, it ends here (its downloads cancelled).
     ending = JobEnding(shared, publisher, fetcher.cancel, show_activity)
-    # Worker: launched once the artifacts are in; its lines come back through the event queue.
+
+    # A job's life, in order. A stage hands the job on through a callable; where the next
+    # stage is built further down, a lambda looks it up when it is called.
+    # Message in -> validated -> queued (the journal is the queue); cancel jobs and cancels.
+    intake = JobIntake(cfg, device, journal, shared, publisher,
+                       lambda run: supervisor.stop_worker(run), ending)
+    # Queued -> checked: the oldest queued job when the daemon is free, then its downloads.
+    scheduler = JobScheduler(cfg, journal, platform, backend, backend_problem, shared,
+                             publisher, lambda run: downloads.start(run), ending.fail,
+                             intake.run_cancel_job, show_activity)
+    # Checked -> downloaded: artifact blocks in, progress out, then the worker.
+    downloads = ArtifactDownloads(fetcher, mqtt, topics, shared, publisher,
+                                  lambda run: supervisor.launch(run), ending.fail)
+    # Downloaded -> worker -> ended: the subprocess; its lines come back through the events.
     supervisor = WorkerSupervisor(cfg, device, state_dir, store, journal, events, shared,
                                   publisher, ending, show_activity)
-    # Downloaded: blocks in, progress out, then the worker.
-    downloads = ArtifactDownloads(fetcher, mqtt, topics, shared, publisher, supervisor.launch,
-                                  ending.fail)
-    # Validated and queued: job documents in; cancel jobs and cancel commands.
-    intake = JobIntake(cfg, device, journal, shared, publisher, supervisor.stop_worker, ending)
-    # Checked: the oldest queued job, when the daemon is free, then its downloads.
-    scheduler = JobScheduler(cfg, journal, platform, backend, backend_problem, shared,
-                             publisher, downloads.start, ending.fail, intake.run_cancel_job,
-                             show_activity)
+
+    # Beside the job's life: telemetry out, and the device commands (cancel, diag, rollback).
+    telemetry = TelemetryPublisher(telemetry_source, cfg.telemetry_interval, mqtt, topics,
+                                   device, boot)
     commands = DeviceCommands(cfg, device, topics, mqtt, journal, platform, shared, publisher,
                               telemetry, intake.cancel)
     log.info("jetson-agent %s: device %s, boot %d, backend %s, platform %s, state %s",

@@ -26,7 +26,13 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import paho.mqtt.client as paho
 
 from agent.errors import AgentError
-from agent.wire.mqtt_errors import PahoLog, closed_before_connack, connect_failure
+from agent.wire.mqtt_errors import (
+    PahoLog,
+    closed_before_connack,
+    connect_failure,
+    is_failure,
+    reason_text,
+)
 from agent.wire.mqtt_types import Event, PublishHandle, TlsOptions, Will
 
 try:
@@ -57,18 +63,6 @@ def _no_delay(sock: Any) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except (AttributeError, OSError):  # not a TCP socket (a test double, a Unix socket)
         pass
-
-
-def _is_failure(rc: Any) -> bool:
-    if hasattr(rc, "is_failure"):
-        return bool(rc.is_failure)
-    return bool(rc)
-
-
-def _reason_text(rc: Any) -> str:
-    if isinstance(rc, int) and not hasattr(rc, "is_failure"):
-        return paho.connack_string(rc)
-    return str(rc)
 
 
 class MqttClient:
@@ -298,8 +292,8 @@ class MqttClient:
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any,
                     properties: Any = None) -> None:
-        if _is_failure(rc):
-            self.last_error = "connection refused: " + _reason_text(rc)
+        if is_failure(rc):
+            self.last_error = "connection refused: " + reason_text(rc)
             self._attempted.set()
             self._put(Event(CONNECT_FAILED, reason=self.last_error))
             return
@@ -339,16 +333,16 @@ class MqttClient:
         rc = args[1] if self._v2 else args[0]
         was_connected = self._connected.is_set()
         self._connected.clear()
-        reason = _reason_text(rc) if _is_failure(rc) else "disconnected"
+        reason = reason_text(rc) if is_failure(rc) else "disconnected"
         flags = args[0] if self._v2 else None
         from_server = bool(getattr(flags, "is_disconnect_packet_from_server", False))
         code = getattr(rc, "value", None) if from_server else None
         if from_server:
-            reason = "the broker disconnected us: " + _reason_text(rc)
-        elif _is_failure(rc):
+            reason = "the broker disconnected us: " + reason_text(rc)
+        elif is_failure(rc):
             reason = "connection closed without a DISCONNECT from the broker"
         if was_connected:
-            if _is_failure(rc):
+            if is_failure(rc):
                 self.last_error = "connection lost: " + reason
             self._put(Event(DISCONNECTED, reason=reason,
                             code=code if isinstance(code, int) else None,
@@ -389,7 +383,7 @@ class MqttClient:
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, *args: Any) -> None:
         rc = args[0] if args else 0
-        ok, reason = not _is_failure(rc), _reason_text(rc) if args else "Success"
+        ok, reason = not is_failure(rc), reason_text(rc) if args else "Success"
         with self._lock:
             handle = self._pending.pop(mid, None)
             if handle is None:

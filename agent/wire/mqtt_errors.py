@@ -8,8 +8,23 @@ import logging
 import ssl
 from typing import TYPE_CHECKING, Any, Optional
 
+import paho.mqtt.client as paho
+
 if TYPE_CHECKING:  # the client hands itself in
     from agent.wire.mqtt import MqttClient
+
+
+def is_failure(rc: Any) -> bool:
+    """A reason code (paho 2) or an int return code (paho 1) that says the operation failed."""
+    if hasattr(rc, "is_failure"):
+        return bool(rc.is_failure)
+    return bool(rc)
+
+
+def reason_text(rc: Any) -> str:
+    if isinstance(rc, int) and not hasattr(rc, "is_failure"):
+        return paho.connack_string(rc)
+    return str(rc)
 
 
 class PahoLog(object):
