@@ -42,6 +42,7 @@ class Transfer(object):
         self._store = store
         self._have = have
         self._count = protocol.bitmap_count(have, self.blocks)
+        self._scan_from = 0  # every block below this byte of the bitmap has arrived
         self._dirty = 0
         self._done_path = done_path
         self._fd: Optional[int] = None
@@ -56,7 +57,29 @@ class Transfer(object):
         return bytes(a & ~b & 0xFF for a, b in zip(full, self._have))
 
     def missing_indices(self, limit: Optional[int] = None) -> List[int]:
-        return protocol.bitmap_indices(self.missing(), self.blocks, limit)
+        """The blocks still missing, lowest first, at most ``limit``. Blocks are only ever
+        added, so the scan starts past the bitmap's leading full bytes (remembered): asking
+        for the next window costs about the window, not the whole bitmap."""
+        if self._done_path is not None:
+            return []
+        have, out = self._have, []  # type: bytearray, List[int]
+        start = self._scan_from
+        while start < len(have) and have[start] == 0xFF:
+            start += 1
+        self._scan_from = start
+        for byte_index in range(start, len(have)):
+            byte = have[byte_index]
+            if byte == 0xFF:
+                continue
+            for bit in range(8):
+                index = byte_index * 8 + bit
+                if index >= self.blocks:
+                    return out
+                if not byte >> bit & 1:
+                    out.append(index)
+                    if limit is not None and len(out) >= limit:
+                        return out
+        return out
 
     def received(self) -> int:
         return self.blocks if self._done_path is not None else self._count

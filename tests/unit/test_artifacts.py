@@ -86,6 +86,20 @@ def test_out_of_order_assembly(state, journal):
     assert again.complete() and again.missing() == bytes(2) and again.finish() == path
 
 
+def test_missing_indices_follow_arrivals_in_any_order(state, journal):
+    # The scan resumes past the blocks already in (a remembered cursor): it must still name
+    # exactly the missing blocks, lowest first, whatever order they arrive in.
+    data = blob(70 * BS + 5)
+    t = make_store(state, journal).begin(sha(data), len(data), BS)
+    order = list(range(t.blocks))
+    random.Random(7).shuffle(order)
+    for n, i in enumerate(order):
+        assert t.write_block(i, blocks_of(data)[i])
+        left = sorted(order[n + 1:])
+        assert t.missing_indices() == left
+        assert t.missing_indices(5) == left[:5]
+
+
 def test_bad_blocks_are_refused(state, journal):
     data = blob(3 * BS + 10)
     t = make_store(state, journal).begin(sha(data), len(data), BS)
