@@ -49,13 +49,6 @@ class Transfer(object):
         if done_path is None:
             self._fd = os.open(store.partial_path(sha256), os.O_RDWR | os.O_CREAT, 0o600)
 
-    def missing(self) -> bytes:
-        """Bitmap of the blocks still missing (bit set = missing)."""
-        if self._done_path is not None:
-            return bytes(protocol.bitmap_new(self.blocks))
-        full = protocol.bitmap_new(self.blocks, fill=True)
-        return bytes(a & ~b & 0xFF for a, b in zip(full, self._have))
-
     def missing_indices(self, limit: Optional[int] = None) -> List[int]:
         """The blocks still missing, lowest first, at most ``limit``. Blocks are only ever
         added, so the scan starts past the bitmap's leading full bytes (remembered): asking
