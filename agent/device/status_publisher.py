@@ -272,13 +272,15 @@ def fit_result(result: Dict[str, Any], limit: int = MAX_RESULT_BYTES) -> Dict[st
     """Drop the largest entries of a result until its JSON fits ``limit`` bytes; the names of
     the dropped entries are listed under ``truncated`` (the worker's log has everything)."""
     result = dict(result)
-    dropped = []
-    while len(protocol.encode(result)) > limit and result:
-        sizes = {k: len(protocol.encode({k: v})) for k, v in result.items() if k != "truncated"}
-        if not sizes:
-            break
-        biggest = max(sizes, key=lambda k: sizes[k])
-        del result[biggest]
-        dropped.append(biggest)
+    if len(protocol.encode(result)) <= limit:
+        return result
+    # Each entry's size is measured once: dropping one does not change the others'.
+    sizes = {k: len(protocol.encode({k: v})) for k, v in result.items() if k != "truncated"}
+    dropped: List[str] = []
+    for key in sorted(sizes, key=lambda k: sizes[k], reverse=True):
+        del result[key]
+        dropped.append(key)
         result["truncated"] = sorted(dropped)
+        if len(protocol.encode(result)) <= limit:
+            break
     return result
