@@ -190,7 +190,7 @@ class Build(object):
             self.details["skipped_layers"] = [list(s) for s in skipped]
         feeder = None
         if self.settings.int8_source in ("calibrator", "ranges"):
-            feeder = self._implicit_int8(net, config, profile, order)
+            feeder = self._implicit_int8(net, config, profile, model)
         timing = self._timing_cache()
         timing.attach(config)
         try:
@@ -284,8 +284,7 @@ class Build(object):
                                   max_samples=settings.max_samples)
 
     def _implicit_int8(self, net: _Network, config: "tensorrt.IBuilderConfig",
-                       profile: ProfileShapes,
-                       order: Sequence[str]) -> Any:
+                       profile: ProfileShapes, model: Any) -> Any:
         from calib.calibrators import BatchFeeder, calibration_dtypes, make_calibrator
 
         settings = self._calibration()
@@ -294,7 +293,7 @@ class Build(object):
         self.calibration_cache = path
         if algorithm == "percentile":
             # No TensorRT calibrator: ranges measured here, handed over as dynamic ranges.
-            amax = self._amax(net.inputs, profile, settings, path)
+            amax = self._amax(net.inputs, profile, settings, path, model)
             self.details["dynamic_ranges"] = _set_dynamic_ranges(net.network, amax)
             return None
         existing = self._existing_cache(path, algorithm, check_version=True)
@@ -322,13 +321,13 @@ class Build(object):
         return feeder
 
     def _amax(self, inputs: Sequence[TensorSpec], profile: ProfileShapes,
-              settings: CalibrationSettings, path: str) -> Dict[str, float]:
+              settings: CalibrationSettings, path: str, model: Any) -> Dict[str, float]:
         """amax per tensor: from a compatible cache, else measured on this device by running
-        an fp32 engine with every layer output marked (``mark_layerwise``) through
+        an fp32 engine of ``model`` (the build's ONNX model, already loaded: not read twice on
+        a small board) with every layer output marked (``mark_layerwise``) through
         ``calib.ranges``, float outputs only (the cache is then written for the next build)."""
         import tensorrt as trt
 
-        from agent.engines.backends import onnx_model
         from calib import cache as calib_cache
         from calib.ranges import RangeCollector
 
@@ -340,7 +339,6 @@ class Build(object):
         batch, shapes, notes = calibration_shapes(inputs, profile, settings.batch_size)
         self.details["notes"].extend(notes)
         dataset = self._dataset(settings, inputs, batch)
-        model = onnx_model.load_model(self.model_path)
         fp32 = BuildPlan(precision="fp32", workspace_bytes=self.plan.workspace_bytes,
                          shapes=range_profile(shapes, profile))
         sub = Build(self.backend, self.ctx, self.model_path, fp32, self.engine_path,
@@ -380,7 +378,8 @@ class Build(object):
             path = self._cache_path(settings)
             self.calibration_cache = path
             inputs = self._parse(model).inputs  # the fp32 network's inputs, for the profile
-            amax = self._amax(inputs, profile_shapes(inputs, plan.shapes), settings, path)
+            amax = self._amax(inputs, profile_shapes(inputs, plan.shapes), settings, path,
+                              model)
         assignment, mismatches, ignored = layer_precisions.resolve_precisions(
             model, plan.precision, plan.layer_precisions, amax=amax, emulate=False)
         self.graph_mismatches = list(mismatches)
