@@ -120,6 +120,7 @@ def entropy_threshold(counts: np.ndarray, start_bin: int = QUANT_LEVELS) -> int:
     suffix = np.concatenate([np.cumsum(hist[::-1])[::-1], [0.0]])
     nz = hist > 0
     h = np.where(nz, hist, 1.0)
+
     def pre(x):
         return np.concatenate([[0.0], np.cumsum(np.where(nz, x, 0.0))])
     C1 = pre(hist)

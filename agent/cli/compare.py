@@ -17,15 +17,13 @@ import os
 import sys
 from typing import Any, Dict, List, Tuple
 
+from agent.cli import EXIT_FAILED, EXIT_OK
 from agent.cli.build import add_build_arguments, parse_shapes, plan_from_args
 from agent.engines.backends.base import Backend, TensorSpec, get_backend
 from agent.precision import golden
 from agent.precision.compare import ERROR_STATS, compare_outputs, parse_per_output
 from agent.precision.comparison import Comparison
 from agent.progress import ProgressBar
-
-EXIT_OK, EXIT_FAILED = 0, 1
-
 
 # ---------------------------------------------------------------------------------------------
 # shared argument groups

@@ -20,12 +20,10 @@ import argparse
 import json
 from typing import Any
 
-from agent.cli import fleet_commands, fleet_registry, fleet_rollout, fleet_serve
+from agent.cli import EXIT_OK, fleet_commands, fleet_registry, fleet_rollout, fleet_serve
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.fleet import rollback
 from agent.wire import job_signer
-
-EXIT_OK = 0
 
 
 def add_parser(sub: Any) -> None:

@@ -10,13 +10,12 @@ import uuid
 from typing import Any, Dict, List, Optional
 
 from agent import fleet
+from agent.cli import EXIT_FAILED, EXIT_OK
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.cli.fleet_registry import age, retained_jobs
 from agent.errors import AgentError
 from agent.wire import protocol
 from agent.wire.topics import TopicInfo
-
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def add_cancel_parser(fsub: Any) -> None:

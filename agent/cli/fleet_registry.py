@@ -10,12 +10,11 @@ import time
 from typing import Any, Dict, List, Optional
 
 from agent import fleet
+from agent.cli import EXIT_OK
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.errors import AgentError
 from agent.wire import protocol
 from agent.wire.topics import TopicInfo
-
-EXIT_OK = 0
 
 
 def add_devices_parser(fsub: Any) -> None:

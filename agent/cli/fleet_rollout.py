@@ -12,13 +12,12 @@ import tempfile
 from typing import Any, Dict, List, Optional
 
 from agent import fleet
-from agent.cli import fleet_serve
+from agent.cli import EXIT_OK, fleet_serve
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.cli.fleet_registry import registry_db
 from agent.errors import AgentError
 from agent.wire import job_signer, protocol
 
-EXIT_OK = 0
 ROLLOUT_EPILOG = (
     "exit status: 0 every device SUCCEEDED; 1 otherwise; 2 bad input (nothing published); "
     "130 Ctrl-C. Ctrl-C with a fleet service (--submit, or one is up on --db): detaches, the "
@@ -196,6 +195,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         if value is not None and not value > 0:
             raise AgentError("bad_argument", "--{} must be > 0, found {}".format(
                 name.replace("_", "-"), value))
+
 
 def _signed(docs: fleet.DocFactory, signer: job_signer.Signer) -> fleet.DocFactory:
     """The same documents, signed; the dry run of the checks allocates no sequence."""

@@ -15,6 +15,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from agent import fleet
+from agent.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from agent.cli.fleet_db import (
     SERVICE_FRESH_S,
     add_db_args,
@@ -30,7 +31,6 @@ from agent.fleet.store import Store
 from agent.wire import job_signer
 
 log = logging.getLogger("agent.fleet")
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 # ---------------------------------------------------------------------------- fleet rollout

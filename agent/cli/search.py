@@ -14,6 +14,7 @@ import argparse
 import json
 from typing import Any, Dict, List
 
+from agent.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from agent.cli.build import plan_from_args
 from agent.cli.compare import (
     Setup,
@@ -26,8 +27,6 @@ from agent.cli.compare import (
 )
 from agent.errors import AgentError
 from agent.precision.search import DIRECTIONS, MODES
-
-EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
 def add_parser(sub: Any) -> None:

@@ -124,12 +124,10 @@ class Config:
         return as_dict(self, show_secrets)
 
 
-
 def sanitize_device_id(name: str) -> str:
     """A host name made fit for an MQTT topic level and a client id."""
     cleaned = re.sub(r"[^a-z0-9_.-]+", "-", name.strip().lower()).strip("-.")
     return (cleaned or "jetson")[:64]
-
 
 
 def parse_broker_url(url: str) -> Dict[Tuple[str, ...], Any]:
@@ -148,7 +146,6 @@ def parse_broker_url(url: str) -> Dict[Tuple[str, ...], Any]:
     if tls:
         out[("broker", "tls", "enabled")] = True
     return out
-
 
 
 def env_name(path: Tuple[str, ...]) -> str:
@@ -171,7 +168,6 @@ def _env_overrides(env: Mapping[str, str]) -> Dict[Tuple[str, ...], Tuple[Any, s
                 value = raw
             out[path] = (value, name)
     return out
-
 
 
 def _resolve_secret_path(name: Optional[str], base_dir: Optional[str],

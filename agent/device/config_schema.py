@@ -79,7 +79,6 @@ def read_yaml(path: str) -> Tuple[Any, Dict[Tuple[str, ...], int]]:
     return data, lines
 
 
-
 def _type_name(value: Any) -> str:
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
             dict: "mapping", type(None): "null"}.get(type(value), type(value).__name__)
@@ -173,7 +172,6 @@ def leaf_paths(cls: Any, prefix: Tuple[str, ...] = ()) -> List[Tuple[str, ...]]:
         else:
             out.append(prefix + (field.name,))
     return out
-
 
 
 def nest(path: Tuple[str, ...], value: Any) -> Dict[str, Any]:

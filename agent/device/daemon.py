@@ -102,9 +102,10 @@ class Parts(NamedTuple):
 
 def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
              status: ServiceStatus) -> Parts:
-    """Open the state directory, journal, artifact store and broker connection, and wire the
-    parts: first where every stage reports (status out, a job's end), then the stages in the
-    order a job passes them (message in -> queued -> checked -> downloaded -> worker)."""
+    """Open the state directory, journal and artifact store, build the broker client (``run``
+    connects it), and wire the parts: first where every stage reports (status out, a job's
+    end), then the stages in the order a job passes them (message in -> queued -> checked ->
+    downloaded -> worker)."""
     device, state_dir = cfg.device_id or "", cfg.state_dir or ""
     topics = Topics(cfg.topic_prefix)
     # One daemon per state directory (agent/device/state_lock.py); the error names the other PID.

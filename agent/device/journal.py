@@ -26,16 +26,12 @@ from typing import (
     Optional,
     Set,
     Tuple,
-    Union,
 )
 
 from agent.device import journal_engines, journal_outbox, journal_schema, journal_transfers
-from agent.device.journal_schema import dumps, loads
+from agent.device.journal_schema import Progress, dumps, loads
 from agent.errors import AgentError
 from agent.wire import protocol
-
-_JOB_COLUMNS = ("job_id, kind, doc, state, version, stage, progress_done, progress_of, details, "
-                "result, error, received, updated, attempts")
 
 
 class _Unset(object):
@@ -45,7 +41,6 @@ class _Unset(object):
 
 UNSET: Any = _Unset()  # "leave this field as it is" in set_state
 
-Progress = Union[Tuple[int, int], Mapping[str, int], None]
 Emit = Callable[[Dict[str, Any]], protocol.Publication]
 
 
@@ -158,7 +153,7 @@ class Journal(object):
             sets.append("stage = ?")
             args.append(stage)
         if progress is not UNSET:
-            done, of = _progress(progress)
+            done, of = journal_schema.progress_columns(progress)
             sets += ["progress_done = ?", "progress_of = ?"]
             args += [done, of]
         if details is not None:
@@ -190,9 +185,9 @@ class Journal(object):
             return int(row[1]) + 1
 
     def _emit(self, db: sqlite3.Connection, emit: Emit, job_id: str) -> None:
-        row = db.execute("SELECT {} FROM jobs WHERE job_id = ?".format(_JOB_COLUMNS),
+        row = db.execute("SELECT {} FROM jobs WHERE job_id = ?".format(journal_schema.JOB_COLUMNS),
                          (job_id,)).fetchone()
-        pub = emit(_job_row(row))
+        pub = emit(journal_schema.job_row(row))
         journal_outbox.insert(db, pub.topic, pub.payload, pub.qos, pub.retain, pub.retain,
                               self._clock())
 
@@ -207,13 +202,14 @@ class Journal(object):
                                   (job_id,)).fetchone()[0])
 
     def job(self, job_id: str) -> Optional[Dict[str, Any]]:
-        rows = self._read("SELECT {} FROM jobs WHERE job_id = ?".format(_JOB_COLUMNS), (job_id,))
-        return _job_row(rows[0]) if rows else None
+        rows = self._read("SELECT {} FROM jobs WHERE job_id = ?".format(
+            journal_schema.JOB_COLUMNS), (job_id,))
+        return journal_schema.job_row(rows[0]) if rows else None
 
     def jobs(self, states: Optional[Iterable[str]] = None,
              limit: Optional[int] = None) -> List[Dict[str, Any]]:
         """Jobs, oldest received first, optionally only those in ``states``."""
-        sql = "SELECT {} FROM jobs".format(_JOB_COLUMNS)
+        sql = "SELECT {} FROM jobs".format(journal_schema.JOB_COLUMNS)
         args: List[Any] = []
         if states is not None:
             wanted = list(states)
@@ -223,7 +219,7 @@ class Journal(object):
         if limit is not None:
             sql += " LIMIT ?"
             args.append(int(limit))
-        return [_job_row(r) for r in self._read(sql, args)]
+        return [journal_schema.job_row(r) for r in self._read(sql, args)]
 
     def unfinished_jobs(self) -> List[Dict[str, Any]]:
         """QUEUED and IN_PROGRESS jobs, oldest first: what a restarted agent must pick up."""
@@ -251,6 +247,7 @@ class Journal(object):
                     out.add(ref["sha256"])
         out.update(r[0] for r in self._read("SELECT DISTINCT model_sha FROM engines"))
         return out
+
     # ------------------------------------------------------------------------------- outbox
 
     def outbox_put(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
@@ -367,34 +364,3 @@ class Journal(object):
             if row is None or int(row[0]) < seq:
                 db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                            ("seq:" + key_id, str(int(seq))))
-
-def _progress(progress: Progress) -> Tuple[Optional[int], Optional[int]]:
-    if progress is None:
-        return None, None
-    if isinstance(progress, Mapping):
-        done, of = progress.get("done"), progress.get("of")
-    else:
-        done, of = progress
-    if not isinstance(done, int) or not isinstance(of, int) or done < 0 or of < 0:
-        raise AgentError("bad_argument",
-                         "progress must be (done, of) non-negative integers, found {!r}".format(
-                             progress))
-    return done, of
-
-
-def _job_row(r: Tuple[Any, ...]) -> Dict[str, Any]:
-    return {
-        "job_id": r[0],
-        "kind": r[1],
-        "doc": loads(r[2]),
-        "state": r[3],
-        "version": int(r[4]),
-        "stage": r[5],
-        "progress": None if r[6] is None else {"done": int(r[6]), "of": int(r[7])},
-        "details": loads(r[8]) or {},
-        "result": loads(r[9]),
-        "error": loads(r[10]),
-        "received": float(r[11]),
-        "updated": float(r[12]),
-        "attempts": int(r[13]),
-    }

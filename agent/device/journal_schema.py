@@ -4,12 +4,16 @@ version check, and the JSON columns' encoding that every part of the journal sha
 
 import json
 import sqlite3
-from typing import Any, Optional
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 from agent.errors import AgentError
 from agent.wire import protocol
 
 SCHEMA_VERSION = 1
+JOB_COLUMNS = ("job_id, kind, doc, state, version, stage, progress_done, progress_of, details, "
+                "result, error, received, updated, attempts")
+
+Progress = Union[Tuple[int, int], Mapping[str, int], None]  # (done, of), a dict, or none
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -92,3 +96,36 @@ def dumps(value: Any) -> str:
 
 def loads(text: Optional[str]) -> Any:
     return None if text is None else json.loads(text)
+
+
+def progress_columns(progress: Progress) -> Tuple[Optional[int], Optional[int]]:
+    """A job's progress as its two columns (done, of); AgentError bad_argument."""
+    if progress is None:
+        return None, None
+    if isinstance(progress, Mapping):
+        done, of = progress.get("done"), progress.get("of")
+    else:
+        done, of = progress
+    if not isinstance(done, int) or not isinstance(of, int) or done < 0 or of < 0:
+        raise AgentError("bad_argument",
+                         "progress must be (done, of) non-negative integers, found {!r}".format(
+                             progress))
+    return done, of
+
+
+def job_row(r: Tuple[Any, ...]) -> Dict[str, Any]:
+    return {
+        "job_id": r[0],
+        "kind": r[1],
+        "doc": loads(r[2]),
+        "state": r[3],
+        "version": int(r[4]),
+        "stage": r[5],
+        "progress": None if r[6] is None else {"done": int(r[6]), "of": int(r[7])},
+        "details": loads(r[8]) or {},
+        "result": loads(r[9]),
+        "error": loads(r[10]),
+        "received": float(r[11]),
+        "updated": float(r[12]),
+        "attempts": int(r[13]),
+    }

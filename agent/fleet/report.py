@@ -11,6 +11,7 @@ from agent.fleet.rollout import Rollout
 
 # ============================================================================ results
 
+
 def _pct(value: Any) -> str:
     return "{:.1%}".format(value) if isinstance(value, (int, float)) else "-"
 

@@ -80,7 +80,6 @@ def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
             and name not in plan.layer_precisions]
 
 
-
 def run_search(
     model_path: str,
     plan: BuildPlan,

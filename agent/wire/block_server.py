@@ -27,7 +27,6 @@ def block_digests(path: str, block_size: int) -> bytes:
     return b"".join(out)
 
 
-
 class BlockServer(object):
     """Controller side: serves the blocks of local files, known by sha256.
 

@@ -97,7 +97,6 @@ def job_status_publication(topics: Topics, device: str, row: Mapping[str, Any]) 
                        encode(job_status_message(device, row)), 1, True)
 
 
-
 def command_reply(
     device: str,
     command: Mapping[str, Any],

@@ -168,7 +168,6 @@ class Topics(object):
         )
 
 
-
 def reply_topic(topics: Topics, device: str, command: Mapping[str, Any],
                 response_topic: Optional[str] = None) -> str:
     """Where a command reply goes: the MQTT v5 response topic, else the command's ``reply_to``

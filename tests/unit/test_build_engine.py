@@ -22,6 +22,7 @@ from tests.unit.test_engine_cache_locks import in_two_processes
 
 # --- build_engine with the real onnxruntime backend ----------------------------------------
 
+
 class CountingBackend(OnnxRuntimeBackend):
     """The real backend, counting its builds (and optionally slowed down, so that two
     processes overlap)."""

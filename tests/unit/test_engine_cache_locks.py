@@ -13,6 +13,7 @@ from tests.unit.test_engine_cache import _hex
 
 # --- two processes, one build --------------------------------------------------------------
 
+
 def _build_once(root, key, marker_dir, barrier):
     """What engine.build_engine does: check, lock, re-check, build, publish."""
     cache = EngineCache(root)

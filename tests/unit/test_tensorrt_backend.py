@@ -17,6 +17,7 @@ from calib.calibrators import BatchFeeder, read_cache_bytes, write_cache_bytes
 
 # -- caches ----------------------------------------------------------------------------------
 
+
 def test_calibration_cache_header_tag_and_version_check(tmp_path):
     assert calib_cache.trt_version_tag("8.6.1.6") == "8601"
     assert calib_cache.trt_version_tag("8.2.1.8") == "8201"

@@ -208,7 +208,6 @@ def _value_infos(model: onnx.ModelProto) -> Dict[str, onnx.ValueInfoProto]:
     return {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.output)}
 
 
-
 def subgraph_reads(model: onnx.ModelProto) -> Set[str]:
     """Tensor names read by nodes inside subgraphs (outer-scope references)."""
     names: Set[str] = set()
@@ -229,7 +228,6 @@ def subgraph_reads(model: onnx.ModelProto) -> Set[str]:
             for g in attr.graphs:
                 walk(g)
     return names
-
 
 
 def mark_outputs(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:

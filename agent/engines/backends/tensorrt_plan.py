@@ -278,7 +278,6 @@ def apply_builder_settings(trt: Any, config: "tensorrt.IBuilderConfig",
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
 
 
-
 def plan_floor(precision: str) -> Optional[str]:
     """The lowest precision a plan allows the layers it does not name (None: any)."""
     return _PLAN_FLOOR.get(precision)

@@ -41,6 +41,9 @@ GATE = {"atol": 0.5, "rtol": 0.5, "check_error_stat": "mean", "min_top1": 0.9}
 SMALL_BLOCKS = "transfer:\n  block_size: 1024\n  window: 8\n  timeout_s: 2\n"
 
 FAULTS = collections.Counter()
+# What the suite asserts is 0 (after each scenario file, and in the report).
+MUST_BE_ZERO = ("data_lost", "corrupt_cache_entries", "daemon_crashes", "unexpected_errors",
+                "devices_out_of_service")
 REPORT = collections.OrderedDict([
     ("runs", 0), ("faults_injected", 0), ("jobs_submitted", 0), ("jobs_completed", 0),
     ("jobs_failed_with_reason", 0), ("jobs_refused", 0), ("data_lost", 0),

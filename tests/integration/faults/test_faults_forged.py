@@ -8,6 +8,7 @@ from tests.integration.faults.suite import MODEL, _forged, _send_raw_job, audit,
 
 # ---------------------------------------------------------------------------- forged jobs
 
+
 def test_replayed_forged_and_mistargeted_jobs(fleet, keys, signer, digits_files):
     controller, make_agent = fleet
     MODEL[:] = [digits_files["model"]]
