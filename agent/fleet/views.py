@@ -51,46 +51,57 @@ def _dict(value: Any) -> Dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def job_rows(store: Store, device: Optional[str] = None, rollout_id: Optional[str] = None
-             ) -> List[Dict[str, Any]]:
-    """Per-device jobs (of one device, one rollout or all; oldest rollout first), with result
-    and error."""
+def _job_query(store: Store, device: Optional[str] = None,
+               rollouts: Optional[Sequence[str]] = None,
+               states: Optional[Sequence[str]] = None) -> List[Tuple[Any, ...]]:
+    """Raw job rows (oldest rollout first), not yet decoded: callers decode only the ones they
+    show."""
     sql = ("SELECT j.rollout_id, j.device_id, j.stage, j.state, j.data, j.updated, r.created "
            "FROM jobs j JOIN rollouts r ON r.rollout_id = j.rollout_id WHERE 1 = 1")
     params: List[Any] = []
     if device is not None:
         sql += " AND j.device_id = ?"
         params.append(device)
-    if rollout_id is not None:
-        sql += " AND j.rollout_id = ?"
-        params.append(rollout_id)
-    out = []
-    for rid, dev, stage, state, data, updated, created in store.db.query(
-            sql + " ORDER BY r.created, j.rollout_id", params):
-        loaded = json.loads(data) if data else {}
-        item: Dict[str, Any] = loaded if isinstance(loaded, dict) else {}
-        result = _dict(item.get("result"))
-        error = _dict(item.get("error"))
-        latency = _dict(result.get("latency_ms"))
-        accuracy = result.get("accuracy")
-        if accuracy is None and isinstance(error.get("details"), dict):
-            accuracy = error["details"].get("accuracy")
-        out.append({
-            "rollout_id": rid, "device": dev, "stage": int(stage) + 1, "state": state,
-            "job_id": item.get("job_id") or rid, "phase": item.get("phase"),
-            "job_stage": item.get("job_stage"), "progress": item.get("progress"),
-            "precision": result.get("precision"),
-            "throughput_qps": _num(result.get("throughput_qps")),
-            "latency_p50_ms": _num(latency.get("median", latency.get("p50"))),
-            "latency_p99_ms": _num(latency.get("p99")),
-            "accuracy": accuracy if isinstance(accuracy, dict) else None,
-            "accuracy_text": accuracy_summary(accuracy if isinstance(accuracy, dict) else None),
-            "engine_key": result.get("engine_key"), "cache_hit": result.get("cache_hit"),
-            "error_code": error.get("code"), "error_message": error.get("message"),
-            "note": item.get("note") or "", "started": _num(item.get("started")),
-            "finished": _num(item.get("finished")), "updated": _num(updated),
-            "created": _num(created)})
-    return out
+    for column, values in (("j.rollout_id", rollouts), ("j.state", states)):
+        if values is not None:
+            sql += " AND {} IN ({})".format(column, ", ".join("?" for _ in values) or "NULL")
+            params += list(values)
+    return store.db.query(sql + " ORDER BY r.created, j.rollout_id", params)
+
+
+def job_rows(store: Store, device: Optional[str] = None, rollout_id: Optional[str] = None
+             ) -> List[Dict[str, Any]]:
+    """Per-device jobs (of one device, one rollout or all; oldest rollout first), with result
+    and error."""
+    return [_job(*r) for r in _job_query(
+        store, device, None if rollout_id is None else [rollout_id])]
+
+
+def _job(rid: str, dev: str, stage: int, state: str, data: Optional[str], updated: Any,
+         created: Any) -> Dict[str, Any]:
+    loaded = json.loads(data) if data else {}
+    item: Dict[str, Any] = loaded if isinstance(loaded, dict) else {}
+    result = _dict(item.get("result"))
+    error = _dict(item.get("error"))
+    latency = _dict(result.get("latency_ms"))
+    accuracy = result.get("accuracy")
+    if accuracy is None and isinstance(error.get("details"), dict):
+        accuracy = error["details"].get("accuracy")
+    return {
+        "rollout_id": rid, "device": dev, "stage": int(stage) + 1, "state": state,
+        "job_id": item.get("job_id") or rid, "phase": item.get("phase"),
+        "job_stage": item.get("job_stage"), "progress": item.get("progress"),
+        "precision": result.get("precision"),
+        "throughput_qps": _num(result.get("throughput_qps")),
+        "latency_p50_ms": _num(latency.get("median", latency.get("p50"))),
+        "latency_p99_ms": _num(latency.get("p99")),
+        "accuracy": accuracy if isinstance(accuracy, dict) else None,
+        "accuracy_text": accuracy_summary(accuracy if isinstance(accuracy, dict) else None),
+        "engine_key": result.get("engine_key"), "cache_hit": result.get("cache_hit"),
+        "error_code": error.get("code"), "error_message": error.get("message"),
+        "note": item.get("note") or "", "started": _num(item.get("started")),
+        "finished": _num(item.get("finished")), "updated": _num(updated),
+        "created": _num(created)}
 
 
 def failure_reason(job: Mapping[str, Any]) -> str:
@@ -128,12 +139,32 @@ def health(device: Mapping[str, Any], last_job: Optional[Mapping[str, Any]],
     return "ok", ""
 
 
+def _engine_job(done: Sequence[Tuple[Any, ...]], active: Optional[Mapping[str, Any]]
+                ) -> Optional[Dict[str, Any]]:
+    """Of a device's SUCCEEDED jobs (raw, oldest first): the one that activated its engine
+    (it carries the engine's figures), else the newest that measured throughput. Decoded
+    newest first until found: one or two per device, not its whole history."""
+    fallback = None
+    for row in reversed(done):
+        job = _job(*row)
+        if active is not None and job["job_id"] == active.get("job_id"):
+            return job
+        if fallback is None and job["throughput_qps"] is not None:
+            fallback = job
+            if active is None:
+                break
+    return fallback
+
+
 def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] = None
                ) -> List[Dict[str, Any]]:
     """One row per device, sorted by id (``device``: only that one, [] if unknown)."""
-    jobs: Dict[str, List[Dict[str, Any]]] = {}
-    for job in job_rows(store, device=device):
-        jobs.setdefault(job["device"], []).append(job)
+    last: Dict[str, Tuple[Any, ...]] = {}
+    done: Dict[str, List[Tuple[Any, ...]]] = {}
+    for raw in _job_query(store, device=device):
+        last[raw[1]] = raw
+        if raw[3] == "SUCCEEDED":
+            done.setdefault(raw[1], []).append(raw)
     out = []
     if device is None:
         devices = store.devices()
@@ -143,41 +174,43 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
     for dev in devices:
         status = dev.get("status") or {}
         platform = dev.get("platform") or status.get("platform") or {}
-        mine = jobs.get(dev["device"], [])
+        last_job = _job(*last[dev["device"]]) if dev["device"] in last else None
         active = _active_engine(status)
-        engine_job = None
-        if active is not None:  # the job that activated the engine carries its figures
-            engine_job = next((j for j in reversed(mine) if j["job_id"] == active.get(
-                "job_id") and j["state"] == "SUCCEEDED"), None)
-        if engine_job is None:
-            engine_job = next((j for j in reversed(mine) if j["state"] == "SUCCEEDED"
-                               and j["throughput_qps"] is not None), None)
+        engine_job = _engine_job(done.get(dev["device"], []), active)
         metrics = (dev.get("telemetry") or {}).get("metrics") or {}
         temps = temperatures(metrics)
-        word, why = health(dev, mine[-1] if mine else None, now)
+        word, why = health(dev, last_job, now)
         out.append({
             "device": dev["device"], "online": dev["online"], "board": dev.get("board"),
             "jetpack": platform.get("jetpack"), "tensorrt": platform.get("tensorrt"),
             "backend": platform.get("backend"), "agent_version": status.get("agent_version"),
-            "active_engine": active, "engine_job": engine_job,
-            "last_job": mine[-1] if mine else None, "last_seen": dev.get("last_seen"),
-            "health": word, "health_reason": why, "metrics": metrics,
-            "max_temp_c": max(temps.values()) if temps else None,
+            "active_engine": active, "engine_job": engine_job, "last_job": last_job,
+            "last_seen": dev.get("last_seen"), "health": word, "health_reason": why,
+            "metrics": metrics, "max_temp_c": max(temps.values()) if temps else None,
             "power_mw": power_rails(metrics).get("total")})
     return out
 
 
-def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS) -> List[Dict[str, Any]]:
-    """The newest ``limit`` rollouts, newest first, with their failures (device, state,
-    reason)."""
-    return [rollout_detail(store, row) for row in store.rollouts()[:limit]]
+def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS, offset: int = 0,
+                 states: Optional[Sequence[str]] = None, failures: bool = True
+                 ) -> List[Dict[str, Any]]:
+    """The newest ``limit`` rollouts (from ``offset``; ``states``: only those), newest first,
+    with their failures (device, state, reason; ``failures`` False: none read). One query for
+    the failures of the whole page."""
+    rows = store.rollouts(states=states, limit=limit, offset=offset)
+    failed: Dict[str, List[Dict[str, Any]]] = {r["rollout_id"]: [] for r in rows}
+    if failures and rows:
+        for raw in _job_query(store, rollouts=list(failed), states=FAILED_STATES):
+            failed[raw[0]].append(_job(*raw))
+    return [rollout_summary(row, sorted(failed[row["rollout_id"]],
+                                        key=lambda j: (j["stage"], j["device"])))
+            for row in rows]
 
 
-def rollout_detail(store: Store, row: Mapping[str, Any],
-                   jobs: Optional[Sequence[Mapping[str, Any]]] = None) -> Dict[str, Any]:
-    rid = row["rollout_id"]
-    if jobs is None:
-        jobs = job_rows_of(store, rid)
+def rollout_summary(row: Mapping[str, Any], jobs: Sequence[Mapping[str, Any]]
+                    ) -> Dict[str, Any]:
+    """The row with its failures (of ``jobs``, in their order), progress, model and
+    precision."""
     failures = [{"device": j["device"], "stage": j["stage"], "state": j["state"],
                  "reason": failure_reason(j)} for j in jobs if j["state"] in FAILED_STATES]
     total = sum(len(s) for s in row.get("stages") or [])
@@ -187,7 +220,15 @@ def rollout_detail(store: Store, row: Mapping[str, Any],
     model = (spec.get("artifacts") or {}).get("model") or {}
     return dict(row, failures=failures, total=total, done=done,
                 model_name=model.get("name"), model_sha=model.get("sha256"),
-                precision=spec.get("precision"), jobs=list(jobs))
+                precision=spec.get("precision"))
+
+
+def rollout_detail(store: Store, row: Mapping[str, Any],
+                   jobs: Optional[Sequence[Mapping[str, Any]]] = None) -> Dict[str, Any]:
+    """One rollout's page: the summary and every device's job."""
+    if jobs is None:
+        jobs = job_rows_of(store, row["rollout_id"])
+    return dict(rollout_summary(row, jobs), jobs=list(jobs))
 
 
 def job_rows_of(store: Store, rollout_id: str) -> List[Dict[str, Any]]:
