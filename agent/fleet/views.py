@@ -51,18 +51,18 @@ def _dict(value: Any) -> Dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _job_query(store: Store, device: Optional[str] = None,
+def _job_query(store: Store, devices: Optional[Sequence[str]] = None,
                rollouts: Optional[Sequence[str]] = None,
-               states: Optional[Sequence[str]] = None) -> List[Tuple[Any, ...]]:
-    """Raw job rows (oldest rollout first), not yet decoded: callers decode only the ones they
-    show."""
-    sql = ("SELECT j.rollout_id, j.device_id, j.stage, j.state, j.data, j.updated, r.created "
-           "FROM jobs j JOIN rollouts r ON r.rollout_id = j.rollout_id WHERE 1 = 1")
+               states: Optional[Sequence[str]] = None,
+               columns: str = "j.stage, j.state, j.data, j.updated, r.created"
+               ) -> List[Tuple[Any, ...]]:
+    """Raw job rows (rollout, device, ``columns``; oldest rollout first), not decoded: callers
+    decode only the ones they show."""
+    sql = ("SELECT j.rollout_id, j.device_id, {} FROM jobs j JOIN rollouts r ON "
+           "r.rollout_id = j.rollout_id WHERE 1 = 1".format(columns))
     params: List[Any] = []
-    if device is not None:
-        sql += " AND j.device_id = ?"
-        params.append(device)
-    for column, values in (("j.rollout_id", rollouts), ("j.state", states)):
+    for column, values in (("j.device_id", devices), ("j.rollout_id", rollouts),
+                           ("j.state", states)):
         if values is not None:
             sql += " AND {} IN ({})".format(column, ", ".join("?" for _ in values) or "NULL")
             params += list(values)
@@ -73,8 +73,22 @@ def job_rows(store: Store, device: Optional[str] = None, rollout_id: Optional[st
              ) -> List[Dict[str, Any]]:
     """Per-device jobs (of one device, one rollout or all; oldest rollout first), with result
     and error."""
-    return [_job(*r) for r in _job_query(
-        store, device, None if rollout_id is None else [rollout_id])]
+    return [_job(*r) for r in _job_query(store, None if device is None else [device],
+                                         None if rollout_id is None else [rollout_id])]
+
+
+def _jobs_of(store: Store, keys: Sequence[Tuple[str, str]]
+             ) -> Dict[Tuple[str, str], Dict[str, Any]]:
+    """The decoded jobs of these (rollout, device) pairs: a query per rollout they are in."""
+    by_rollout: Dict[str, List[str]] = {}
+    for rid, dev in sorted(set(keys)):
+        by_rollout.setdefault(rid, []).append(dev)
+    out = {}
+    for rid, devs in by_rollout.items():
+        for i in range(0, len(devs), 500):
+            for raw in _job_query(store, devs[i:i + 500], [rid]):
+                out[(raw[0], raw[1])] = _job(*raw)
+    return out
 
 
 def _job(rid: str, dev: str, stage: int, state: str, data: Optional[str], updated: Any,
@@ -139,44 +153,55 @@ def health(device: Mapping[str, Any], last_job: Optional[Mapping[str, Any]],
     return "ok", ""
 
 
-def _engine_job(done: Sequence[Tuple[Any, ...]], active: Optional[Mapping[str, Any]]
-                ) -> Optional[Dict[str, Any]]:
-    """Of a device's SUCCEEDED jobs (raw, oldest first): the one that activated its engine
-    (it carries the engine's figures), else the newest that measured throughput. Decoded
-    newest first until found: one or two per device, not its whole history."""
+def _engine_job(jobs: Sequence[Dict[str, Any]], active: Optional[Mapping[str, Any]]
+                ) -> Tuple[Optional[Dict[str, Any]], bool]:
+    """Of a device's SUCCEEDED jobs, newest first: (the one that activated its engine (it
+    carries the engine's figures), else the newest that measured throughput; whether that is
+    certain without older jobs)."""
     fallback = None
-    for row in reversed(done):
-        job = _job(*row)
+    for job in jobs:
         if active is not None and job["job_id"] == active.get("job_id"):
-            return job
+            return job, True
         if fallback is None and job["throughput_qps"] is not None:
             fallback = job
             if active is None:
-                break
-    return fallback
+                return job, True
+    return fallback, False
 
 
 def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] = None
                ) -> List[Dict[str, Any]]:
-    """One row per device, sorted by id (``device``: only that one, [] if unknown)."""
-    last: Dict[str, Tuple[Any, ...]] = {}
-    done: Dict[str, List[Tuple[Any, ...]]] = {}
-    for raw in _job_query(store, device=device):
-        last[raw[1]] = raw
-        if raw[3] == "SUCCEEDED":
-            done.setdefault(raw[1], []).append(raw)
-    out = []
+    """One row per device, sorted by id (``device``: only that one, [] if unknown). Only the
+    jobs shown are read whole: each device's last job and its newest SUCCEEDED ones (the
+    older ones only when those do not say which job activated its engine)."""
     if device is None:
         devices = store.devices()
     else:
         one = store.device(device)
         devices = [one] if one is not None else []
+    names = {d["device"] for d in devices}
+    last: Dict[str, Tuple[str, str]] = {}
+    done: Dict[str, List[Tuple[str, str]]] = {}  # device -> SUCCEEDED jobs, newest first
+    for rid, dev, state in _job_query(store, None if device is None else [device],
+                                      columns="j.state"):
+        if dev in names:
+            last[dev] = (rid, dev)
+            if state == "SUCCEEDED":
+                done.setdefault(dev, []).append((rid, dev))
+    for keys in done.values():
+        keys.reverse()
+    jobs = _jobs_of(store, list(last.values()) + [k[0] for k in done.values()])
+    actives = {d["device"]: _active_engine(d.get("status") or {}) for d in devices}
+    engines = {d: _engine_job([jobs[k[0]]], actives[d]) for d, k in done.items()}
+    older = [d for d, (_, sure) in engines.items() if not sure and len(done[d]) > 1]
+    jobs.update(_jobs_of(store, [k for d in older for k in done[d][1:]]))
+    for d in older:
+        engines[d] = _engine_job([jobs[k] for k in done[d]], actives[d])
+    out = []
     for dev in devices:
         status = dev.get("status") or {}
         platform = dev.get("platform") or status.get("platform") or {}
-        last_job = _job(*last[dev["device"]]) if dev["device"] in last else None
-        active = _active_engine(status)
-        engine_job = _engine_job(done.get(dev["device"], []), active)
+        last_job = jobs[last[dev["device"]]] if dev["device"] in last else None
         metrics = (dev.get("telemetry") or {}).get("metrics") or {}
         temps = temperatures(metrics)
         word, why = health(dev, last_job, now)
@@ -184,7 +209,8 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
             "device": dev["device"], "online": dev["online"], "board": dev.get("board"),
             "jetpack": platform.get("jetpack"), "tensorrt": platform.get("tensorrt"),
             "backend": platform.get("backend"), "agent_version": status.get("agent_version"),
-            "active_engine": active, "engine_job": engine_job, "last_job": last_job,
+            "active_engine": actives[dev["device"]],
+            "engine_job": engines.get(dev["device"], (None, True))[0], "last_job": last_job,
             "last_seen": dev.get("last_seen"), "health": word, "health_reason": why,
             "metrics": metrics, "max_temp_c": max(temps.values()) if temps else None,
             "power_mw": power_rails(metrics).get("total")})
