@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agent.fleet.report import accuracy_summary
+from agent.fleet.rollout import SEARCH_SUFFIX
 from agent.fleet.store import Store
 
 FAILED_STATES = ("FAILED", "REJECTED", "TIMED_OUT", "CANCELED")
@@ -153,50 +154,52 @@ def health(device: Mapping[str, Any], last_job: Optional[Mapping[str, Any]],
     return "ok", ""
 
 
-def _engine_job(jobs: Sequence[Dict[str, Any]], active: Optional[Mapping[str, Any]]
-                ) -> Tuple[Optional[Dict[str, Any]], bool]:
-    """Of a device's SUCCEEDED jobs, newest first: (the one that activated its engine (it
-    carries the engine's figures), else the newest that measured throughput; whether that is
-    certain without older jobs)."""
-    fallback = None
-    for job in jobs:
-        if active is not None and job["job_id"] == active.get("job_id"):
-            return job, True
-        if fallback is None and job["throughput_qps"] is not None:
-            fallback = job
-            if active is None:
-                return job, True
-    return fallback, False
+def _engine_jobs(store: Store, done: Dict[str, List[Tuple[str, str]]],
+                 actives: Mapping[str, Optional[Mapping[str, Any]]],
+                 jobs: Dict[Tuple[str, str], Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """device -> of its SUCCEEDED jobs (``done``: (rollout, device), newest first): the one
+    that activated its engine (it carries the engine's figures), else the newest that measured
+    throughput. Only what decides is decoded (into ``jobs``): a job id is its rollout's id or
+    that id and a suffix (agent.fleet.rollout), so only those rollouts can hold the first; the
+    newest job usually measured throughput, the older ones are read only when it did not."""
+    wanted = {d: str((a or {}).get("job_id") or "") for d, a in actives.items()}
+    homes = {d: {j, j[:-len(SEARCH_SUFFIX)] if j.endswith(SEARCH_SUFFIX) else j}
+             for d, j in wanted.items() if j}
+    match = {d: [k for k in keys if k[0] in homes.get(d, ())] for d, keys in done.items()}
+    jobs.update(_jobs_of(store, [k for d, keys in done.items() for k in match[d] + keys[:1]]))
+    older = [d for d in done if jobs[done[d][0]]["throughput_qps"] is None]
+    jobs.update(_jobs_of(store, [k for d in older for k in done[d][1:]]))
+    out = {}
+    for d, keys in done.items():
+        found = next((jobs[k] for k in match[d] if jobs[k]["job_id"] == wanted[d]), None) or \
+            next((jobs[k] for k in keys if jobs[k]["throughput_qps"] is not None), None)
+        if found is not None:
+            out[d] = found
+    return out
 
 
 def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] = None
                ) -> List[Dict[str, Any]]:
     """One row per device, sorted by id (``device``: only that one, [] if unknown). Only the
-    jobs shown are read whole: each device's last job and its newest SUCCEEDED ones (the
-    older ones only when those do not say which job activated its engine)."""
+    jobs shown are decoded (each device's last one and its engine's), not its history."""
     if device is None:
         devices = store.devices()
     else:
         one = store.device(device)
         devices = [one] if one is not None else []
-    names = {d["device"] for d in devices}
+    actives = {d["device"]: _active_engine(d.get("status") or {}) for d in devices}
     last: Dict[str, Tuple[str, str]] = {}
     done: Dict[str, List[Tuple[str, str]]] = {}  # device -> SUCCEEDED jobs, newest first
     for rid, dev, state in _job_query(store, None if device is None else [device],
                                       columns="j.state"):
-        if dev in names:
+        if dev in actives:
             last[dev] = (rid, dev)
             if state == "SUCCEEDED":
                 done.setdefault(dev, []).append((rid, dev))
     for keys in done.values():
         keys.reverse()
-    jobs = _jobs_of(store, list(last.values()) + [k[0] for k in done.values()])
-    actives = {d["device"]: _active_engine(d.get("status") or {}) for d in devices}
-    engines = {d: _engine_job([jobs[k[0]]], actives[d]) for d, k in done.items()}
-    older = [d for d, (_, sure) in engines.items() if not sure and len(done[d]) > 1]
-    jobs.update(_jobs_of(store, [k for d in older for k in done[d][1:]]))
-    for d in older:
-        engines[d] = _engine_job([jobs[k] for k in done[d]], actives[d])
+    jobs = _jobs_of(store, list(last.values()))
+    engines = _engine_jobs(store, done, actives, jobs)
     out = []
     for dev in devices:
         status = dev.get("status") or {}
@@ -209,8 +212,8 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
             "device": dev["device"], "online": dev["online"], "board": dev.get("board"),
             "jetpack": platform.get("jetpack"), "tensorrt": platform.get("tensorrt"),
             "backend": platform.get("backend"), "agent_version": status.get("agent_version"),
-            "active_engine": actives[dev["device"]],
-            "engine_job": engines.get(dev["device"], (None, True))[0], "last_job": last_job,
+            "active_engine": actives[dev["device"]], "engine_job": engines.get(dev["device"]),
+            "last_job": last_job,
             "last_seen": dev.get("last_seen"), "health": word, "health_reason": why,
             "metrics": metrics, "max_temp_c": max(temps.values()) if temps else None,
             "power_mw": power_rails(metrics).get("total")})
