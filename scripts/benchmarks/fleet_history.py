@@ -1,9 +1,10 @@
 """Read paths of a long-running fleet service against months of history: a SQLite fleet
 database with 1,000 devices, ``FLEET_HISTORY`` (2,000) finished rollouts of 50 devices with
 results (every 50th with failures; the newest 200 finished within the day) and one running
-rollout of 1,000 devices; the time of the rollouts page, the fleet page and one ``/metrics``
-scrape over HTTP (median of 3), and of one service tick driving the running rollout (median of
-5), next to the plain read every view starts from (``Store.devices()``).
+rollout of ``FLEET_RUNNING`` (1,000) devices; the time of the rollouts page, the fleet page
+and one ``/metrics`` scrape over HTTP (median of 3), and of one service tick driving the
+running rollout (median of 5), next to the plain read every view starts from
+(``Store.devices()``).
 
 Only public names that the parent revisions have too: the same script measures the code before
 a change (run it with the older tree on PYTHONPATH).
@@ -19,8 +20,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _fleet_db import MODEL, median_ms, page_rows, register  # noqa: E402 - shared helpers
 
-DEVICES, PER_ROLLOUT, RUNNING = 1000, 50, 1000
+DEVICES, PER_ROLLOUT = 1000, 50
 FINISHED = int(os.environ.get("FLEET_HISTORY", "2000"))
+RUNNING = int(os.environ.get("FLEET_RUNNING", "1000"))  # above DEVICES: unregistered ones
 RECENT = 200  # finished within the day: /metrics keeps their series
 
 
@@ -55,9 +57,10 @@ def fill(url):
                 d: (0 if d in devs[:5] else 1, "FAILED" if d in failed else "SUCCEEDED",
                     dict(_result(rid), error={"code": "accuracy_gate", "message": "too far"})
                     if d in failed else _result(rid)) for d in devs})
-    store.insert_rollout("ro-running", spec, [names[:10], names[10:RUNNING]], now + 9e9)
+    running = ["dev-{:04d}".format(i) for i in range(RUNNING)]
+    store.insert_rollout("ro-running", spec, [running[:10], running[10:]], now + 9e9)
     store.save_rollout("ro-running", {"current_stage": 1},
-                       {d: (0, "SUCCEEDED", _result("ro-running")) for d in names[:10]})
+                       {d: (0, "SUCCEEDED", _result("ro-running")) for d in running[:10]})
     store.close()
 
 
