@@ -180,9 +180,8 @@ class Store(object):
 
     def rollouts(self, states: Optional[Sequence[str]] = None, limit: Optional[int] = None,
                  offset: int = 0) -> List[Dict[str, Any]]:
-        """Rollouts, newest first (``states``: only those; ``limit``/``offset``: one page),
-        each with per-state device counts and stage progress. A few queries for the whole
-        page, however many rollouts it lists."""
+        """Rollouts, newest first (``states``: only those; ``limit``/``offset``: one page), with
+        per-state device counts and stage progress: a few queries however many it lists."""
         sql, params = "", list(states or ())  # type: Tuple[str, List[Any]]
         if states is not None:
             if not states:
