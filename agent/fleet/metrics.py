@@ -13,7 +13,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from agent.fleet import views
-from agent.fleet.store import Store
+from agent.fleet.store import ACTIVE, Store
 
 MAX_LABEL = 64
 FINISHED_KEPT_S = 86400.0  # finished rollouts stay in /metrics for a day
@@ -117,27 +117,45 @@ class FleetCollector(object):
         stages = gauge("rollout_stages", "stages of the rollout", ["rollout"])
         info = gauge("rollout_active", "1 while the rollout runs or is paused",
                      ["rollout", "state"])
-        now = time.time()
-        for row in self.store.rollouts():
-            if row["state"] not in ("running", "paused") and \
-                    (row["finished"] or row["updated"] or 0) < now - FINISHED_KEPT_S:
-                continue  # finished long ago: its series end instead of growing forever
-            rid = _label(row["rollout_id"])
-            total = sum(len(s) for s in row["stages"])
-            done = sum(n for s, n in row["counts"].items()
+        for rid, state, current, counts, n_stages in rollout_gauges(
+                self.store, time.time() - FINISHED_KEPT_S):
+            rid = _label(rid)
+            total = sum(counts.values())  # one job per device of every stage
+            done = sum(n for s, n in counts.items()
                        if s in views.FAILED_STATES + ("SUCCEEDED",))
-            for state, n in sorted(row["counts"].items()):
-                per_state.add_metric([rid, _label(state)], n)
+            for job_state, n in sorted(counts.items()):
+                per_state.add_metric([rid, _label(job_state)], n)
             progress.add_metric([rid], done / float(total) if total else 1.0)
-            stage.add_metric([rid], max(0, int(row["current_stage"] or 0) + 1))
-            stages.add_metric([rid], len(row["stages"]))
-            info.add_metric([rid, _label(row["state"])],
-                            1.0 if row["state"] in ("running", "paused") else 0.0)
+            stage.add_metric([rid], max(0, int(current or 0) + 1))
+            stages.add_metric([rid], n_stages)
+            info.add_metric([rid, _label(state)], 1.0 if state in ACTIVE else 0.0)
         yield per_state
         yield progress
         yield stage
         yield stages
         yield info
+
+
+def rollout_gauges(store: Store, since: float
+                   ) -> List[Tuple[str, str, Optional[int], Dict[str, int], int]]:
+    """(rollout, state, current stage, job state -> devices, stages) of the running and paused
+    rollouts and those finished since ``since``, newest first: three grouped queries, however
+    many rollouts the database keeps (finished long ago: their series end)."""
+    where = ("r.state IN ('running', 'paused') OR "
+             "COALESCE(NULLIF(r.finished, 0), NULLIF(r.updated, 0), 0) >= ?")
+    rows = store.db.query("SELECT r.rollout_id, r.state, r.current_stage FROM rollouts r WHERE "
+                          + where + " ORDER BY r.created DESC, r.rollout_id", (since,))
+    counts: Dict[str, Dict[str, int]] = {r[0]: {} for r in rows}
+    for rid, state, n in store.db.query(
+            "SELECT j.rollout_id, j.state, COUNT(*) FROM jobs j JOIN rollouts r ON "
+            "r.rollout_id = j.rollout_id WHERE " + where + " GROUP BY j.rollout_id, j.state",
+            (since,)):
+        counts.setdefault(rid, {})[state] = int(n)
+    stages = dict(store.db.query(
+        "SELECT s.rollout_id, COUNT(*) FROM stages s JOIN rollouts r ON r.rollout_id = "
+        "s.rollout_id WHERE " + where + " GROUP BY s.rollout_id", (since,)))
+    return [(rid, state, current, counts[rid], int(stages.get(rid, 0)))
+            for rid, state, current in rows]
 
 
 ACCURACY_KEYS = ("label_accuracy", "golden_label_accuracy", "top1_agreement",

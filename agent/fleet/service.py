@@ -213,12 +213,13 @@ class FleetService(object):
                 except AgentError as exc:
                     log.error("rollout %s cannot be driven: %s", rid, exc)
         self._take_offers()
+        rows = self.store.rollout_states(self.rollouts)  # control and deadline: a few columns
         for rid, ro in list(self.rollouts.items()):
             if ro.sharing is not None:  # waits that timed out; engines that came
                 actions = ro.release_waiting()
                 if actions or ro.dirty:
                     self.commit(ro, actions)
-            row = self.store.rollout(rid) or {}
+            row = rows.get(rid) or {}
             control = row.get("control")
             if control:
                 self._control(ro, control)
@@ -336,7 +337,7 @@ class FleetService(object):
         self.store.release(self.instance)
 
     def finished(self, rollout_id: str) -> bool:
-        row = self.store.rollout(rollout_id)
+        row = self.store.rollout_states([rollout_id]).get(rollout_id)
         return row is None or row["state"] not in ("running", "paused")
 
 

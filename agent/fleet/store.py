@@ -6,7 +6,8 @@ PostgreSQL with ``postgresql://...`` (``pip install psycopg[binary]``) for large
 several controllers. Both run the same SQL through ``Db``, a tiny adapter: ``?`` parameters,
 ``INSERT ... ON CONFLICT`` upserts, and a handful of dialect words in the DDL.
 
-Read API (for the CLI and dashboards): ``devices``, ``device``, ``rollouts``, ``rollout``,
+Read API (for the CLI and dashboards): ``devices``, ``device``, ``rollouts`` (a page, newest
+first), ``rollout``, ``rollout_states`` (the few columns a service's tick reads),
 ``rollout_jobs``, ``job_history``, ``artifacts``, ``services``. Writes come from the service
 (``agent.fleet.service``) and from ``fleet rollout`` / ``fleet rollouts`` (submit, control).
 """
@@ -22,6 +23,9 @@ from agent.fleet.db import Db, Tx, default_db_url, redact
 __all__ = ["ACTIVE", "Store", "default_db_url"]
 
 ACTIVE = ("running", "paused")  # rollout states a service drives
+_ROLLOUT_SELECT = ("SELECT rollout_id, spec, state, outcome, reason, current_stage, halted, "
+                   "paused, created, deadline, updated, finished, owner, lease_until, control "
+                   "FROM rollouts")
 
 
 def _dumps(value: Any) -> Optional[str]:
@@ -30,6 +34,12 @@ def _dumps(value: Any) -> Optional[str]:
 
 def _loads(text: Any) -> Any:
     return None if text is None else json.loads(text)
+
+
+def _batches(ids: List[str], size: int = 500) -> Iterable[Tuple[List[str], str]]:
+    """(ids, "?, ?, ...") of at most ``size`` ids: an ``IN`` list within any SQLite's limit."""
+    for i in range(0, len(ids), size):
+        yield ids[i:i + size], ", ".join("?" for _ in ids[i:i + size])
 
 
 class Store(object):
@@ -168,42 +178,70 @@ class Store(object):
         terminal = ("SUCCEEDED", "FAILED", "REJECTED", "CANCELED", "TIMED_OUT")
         return {d: r for d, r, s in rows if d in wanted and r != exclude and s not in terminal}
 
-    def rollouts(self, states: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
-        """Rollouts, newest first, each with per-state device counts and stage progress."""
-        rows = self.db.query("SELECT rollout_id FROM rollouts ORDER BY created DESC, "
-                             "rollout_id")
-        out = []
-        for (rid,) in rows:
-            r = self.rollout(rid)
-            if r is not None and (states is None or r["state"] in states):
-                out.append(r)
-        return out
+    def rollouts(self, states: Optional[Sequence[str]] = None, limit: Optional[int] = None,
+                 offset: int = 0) -> List[Dict[str, Any]]:
+        """Rollouts, newest first (``states``: only those; ``limit``/``offset``: one page), with
+        per-state device counts and stage progress: a few queries however many it lists."""
+        sql, params = "", list(states or ())  # type: Tuple[str, List[Any]]
+        if states is not None:
+            if not states:
+                return []
+            sql = " WHERE state IN ({})".format(", ".join("?" for _ in states))
+        sql += " ORDER BY created DESC, rollout_id"
+        if limit is not None:
+            sql += " LIMIT ? OFFSET ?"
+            params += [max(0, int(limit)), max(0, int(offset))]
+        return self._with_progress(self.db.query(_ROLLOUT_SELECT + sql, params))
 
     def rollout(self, rollout_id: str) -> Optional[Dict[str, Any]]:
-        rows = self.db.query("SELECT rollout_id, spec, state, outcome, reason, current_stage, "
-                             "halted, paused, created, deadline, updated, finished, owner, "
-                             "lease_until, control FROM rollouts WHERE rollout_id = ?",
-                             (rollout_id,))
-        if not rows:
-            return None
-        r = rows[0]
-        stages = [_loads(s[0]) for s in self.db.query(
-            "SELECT devices FROM stages WHERE rollout_id = ? ORDER BY idx", (rollout_id,))]
-        counts: Dict[str, int] = {}
-        per_stage: List[Dict[str, int]] = [{} for _ in stages]
-        for stage, state, n in self.db.query(
-                "SELECT stage, state, COUNT(*) FROM jobs WHERE rollout_id = ? "
-                "GROUP BY stage, state", (rollout_id,)):
-            counts[state] = counts.get(state, 0) + int(n)
-            if 0 <= stage < len(per_stage):
-                per_stage[stage][state] = int(n)
-        return {"rollout_id": r[0], "spec": _loads(r[1]), "state": r[2], "outcome": r[3],
+        rows = self._with_progress(self.db.query(_ROLLOUT_SELECT + " WHERE rollout_id = ?",
+                                                 (rollout_id,)))
+        return rows[0] if rows else None
+
+    def _with_progress(self, rows: Sequence[Sequence[Any]]) -> List[Dict[str, Any]]:
+        """Rollout rows with their stages and job counts: two queries per 500 rollouts (the
+        counts grouped in SQL), not per rollout."""
+        stages: Dict[str, List[Any]] = {r[0]: [] for r in rows}
+        counts: Dict[str, Dict[Tuple[int, str], int]] = {r[0]: {} for r in rows}
+        for chunk, marks in _batches(list(stages)):
+            for rid, devices in self.db.query(
+                    "SELECT rollout_id, devices FROM stages WHERE rollout_id IN ({}) "
+                    "ORDER BY rollout_id, idx".format(marks), chunk):
+                stages[rid].append(_loads(devices))
+            for rid, stage, state, n in self.db.query(
+                    "SELECT rollout_id, stage, state, COUNT(*) FROM jobs WHERE rollout_id IN "
+                    "({}) GROUP BY rollout_id, stage, state".format(marks), chunk):
+                counts[rid][(int(stage), state)] = int(n)
+        out = []
+        for r in rows:
+            total: Dict[str, int] = {}
+            per_stage: List[Dict[str, int]] = [{} for _ in stages[r[0]]]
+            for (stage, state), n in sorted(counts[r[0]].items()):
+                total[state] = total.get(state, 0) + n
+                if 0 <= stage < len(per_stage):
+                    per_stage[stage][state] = n
+            out.append({
+                "rollout_id": r[0], "spec": _loads(r[1]), "state": r[2], "outcome": r[3],
                 "reason": r[4], "current_stage": r[5], "halted": bool(r[6]),
                 "paused": bool(r[7]), "created": r[8], "deadline": r[9], "updated": r[10],
                 "finished": r[11], "owner": r[12], "lease_until": r[13], "control": r[14],
-                "stages": stages, "counts": counts,
+                "stages": stages[r[0]], "counts": total,
                 "stage_progress": [{"stage": i + 1, "devices": len(s), "counts": per_stage[i]}
-                                   for i, s in enumerate(stages)]}
+                                   for i, s in enumerate(stages[r[0]])]})
+        return out
+
+    def rollout_states(self, ids: Iterable[str]) -> Dict[str, Dict[str, Any]]:
+        """rollout id -> what a service decides on each tick (state, control, deadline,
+        created, owner, lease_until): one light query, no spec, stages or jobs."""
+        out: Dict[str, Dict[str, Any]] = {}
+        for chunk, marks in _batches(sorted(set(ids))):
+            for r in self.db.query(
+                    "SELECT rollout_id, state, control, deadline, created, owner, lease_until "
+                    "FROM rollouts WHERE rollout_id IN ({})".format(marks), chunk):
+                out[r[0]] = {"rollout_id": r[0], "state": r[1], "control": r[2],
+                             "deadline": r[3], "created": r[4], "owner": r[5],
+                             "lease_until": r[6]}
+        return out
 
     def rollout_jobs(self, rollout_id: str) -> List[Dict[str, Any]]:
         """Per-device jobs of a rollout in stage order: the ``DeviceRun`` fields."""

@@ -17,6 +17,7 @@ CREATE TABLE IF NOT EXISTS rollouts (
   reason TEXT, current_stage INTEGER, halted INTEGER, paused INTEGER,
   created DOUBLE PRECISION, deadline DOUBLE PRECISION, updated DOUBLE PRECISION,
   finished DOUBLE PRECISION, owner TEXT, lease_until DOUBLE PRECISION, control TEXT);
+CREATE INDEX IF NOT EXISTS rollouts_created ON rollouts (created);
 CREATE TABLE IF NOT EXISTS stages (
   rollout_id TEXT NOT NULL, idx INTEGER NOT NULL, devices TEXT NOT NULL,
   PRIMARY KEY (rollout_id, idx));

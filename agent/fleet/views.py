@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agent.fleet.report import accuracy_summary
+from agent.fleet.rollout import SEARCH_SUFFIX
 from agent.fleet.store import Store
 
 FAILED_STATES = ("FAILED", "REJECTED", "TIMED_OUT", "CANCELED")
@@ -51,46 +52,71 @@ def _dict(value: Any) -> Dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
+def _job_query(store: Store, devices: Optional[Sequence[str]] = None,
+               rollouts: Optional[Sequence[str]] = None,
+               states: Optional[Sequence[str]] = None,
+               columns: str = "j.stage, j.state, j.data, j.updated, r.created"
+               ) -> List[Tuple[Any, ...]]:
+    """Raw job rows (rollout, device, ``columns``; oldest rollout first), not decoded: callers
+    decode only the ones they show."""
+    sql = ("SELECT j.rollout_id, j.device_id, {} FROM jobs j JOIN rollouts r ON "
+           "r.rollout_id = j.rollout_id WHERE 1 = 1".format(columns))
+    params: List[Any] = []
+    for column, values in (("j.device_id", devices), ("j.rollout_id", rollouts),
+                           ("j.state", states)):
+        if values is not None:
+            sql += " AND {} IN ({})".format(column, ", ".join("?" for _ in values) or "NULL")
+            params += list(values)
+    return store.db.query(sql + " ORDER BY r.created, j.rollout_id", params)
+
+
 def job_rows(store: Store, device: Optional[str] = None, rollout_id: Optional[str] = None
              ) -> List[Dict[str, Any]]:
     """Per-device jobs (of one device, one rollout or all; oldest rollout first), with result
     and error."""
-    sql = ("SELECT j.rollout_id, j.device_id, j.stage, j.state, j.data, j.updated, r.created "
-           "FROM jobs j JOIN rollouts r ON r.rollout_id = j.rollout_id WHERE 1 = 1")
-    params: List[Any] = []
-    if device is not None:
-        sql += " AND j.device_id = ?"
-        params.append(device)
-    if rollout_id is not None:
-        sql += " AND j.rollout_id = ?"
-        params.append(rollout_id)
-    out = []
-    for rid, dev, stage, state, data, updated, created in store.db.query(
-            sql + " ORDER BY r.created, j.rollout_id", params):
-        loaded = json.loads(data) if data else {}
-        item: Dict[str, Any] = loaded if isinstance(loaded, dict) else {}
-        result = _dict(item.get("result"))
-        error = _dict(item.get("error"))
-        latency = _dict(result.get("latency_ms"))
-        accuracy = result.get("accuracy")
-        if accuracy is None and isinstance(error.get("details"), dict):
-            accuracy = error["details"].get("accuracy")
-        out.append({
-            "rollout_id": rid, "device": dev, "stage": int(stage) + 1, "state": state,
-            "job_id": item.get("job_id") or rid, "phase": item.get("phase"),
-            "job_stage": item.get("job_stage"), "progress": item.get("progress"),
-            "precision": result.get("precision"),
-            "throughput_qps": _num(result.get("throughput_qps")),
-            "latency_p50_ms": _num(latency.get("median", latency.get("p50"))),
-            "latency_p99_ms": _num(latency.get("p99")),
-            "accuracy": accuracy if isinstance(accuracy, dict) else None,
-            "accuracy_text": accuracy_summary(accuracy if isinstance(accuracy, dict) else None),
-            "engine_key": result.get("engine_key"), "cache_hit": result.get("cache_hit"),
-            "error_code": error.get("code"), "error_message": error.get("message"),
-            "note": item.get("note") or "", "started": _num(item.get("started")),
-            "finished": _num(item.get("finished")), "updated": _num(updated),
-            "created": _num(created)})
+    return [_job(*r) for r in _job_query(store, None if device is None else [device],
+                                         None if rollout_id is None else [rollout_id])]
+
+
+def _jobs_of(store: Store, keys: Sequence[Tuple[str, str]]
+             ) -> Dict[Tuple[str, str], Dict[str, Any]]:
+    """The decoded jobs of these (rollout, device) pairs: a query per rollout they are in."""
+    by_rollout: Dict[str, List[str]] = {}
+    for rid, dev in sorted(set(keys)):
+        by_rollout.setdefault(rid, []).append(dev)
+    out = {}
+    for rid, devs in by_rollout.items():
+        for i in range(0, len(devs), 500):
+            for raw in _job_query(store, devs[i:i + 500], [rid]):
+                out[(raw[0], raw[1])] = _job(*raw)
     return out
+
+
+def _job(rid: str, dev: str, stage: int, state: str, data: Optional[str], updated: Any,
+         created: Any) -> Dict[str, Any]:
+    loaded = json.loads(data) if data else {}
+    item: Dict[str, Any] = loaded if isinstance(loaded, dict) else {}
+    result = _dict(item.get("result"))
+    error = _dict(item.get("error"))
+    latency = _dict(result.get("latency_ms"))
+    accuracy = result.get("accuracy")
+    if accuracy is None and isinstance(error.get("details"), dict):
+        accuracy = error["details"].get("accuracy")
+    return {
+        "rollout_id": rid, "device": dev, "stage": int(stage) + 1, "state": state,
+        "job_id": item.get("job_id") or rid, "phase": item.get("phase"),
+        "job_stage": item.get("job_stage"), "progress": item.get("progress"),
+        "precision": result.get("precision"),
+        "throughput_qps": _num(result.get("throughput_qps")),
+        "latency_p50_ms": _num(latency.get("median", latency.get("p50"))),
+        "latency_p99_ms": _num(latency.get("p99")),
+        "accuracy": accuracy if isinstance(accuracy, dict) else None,
+        "accuracy_text": accuracy_summary(accuracy if isinstance(accuracy, dict) else None),
+        "engine_key": result.get("engine_key"), "cache_hit": result.get("cache_hit"),
+        "error_code": error.get("code"), "error_message": error.get("message"),
+        "note": item.get("note") or "", "started": _num(item.get("started")),
+        "finished": _num(item.get("finished")), "updated": _num(updated),
+        "created": _num(created)}
 
 
 def failure_reason(job: Mapping[str, Any]) -> str:
@@ -128,56 +154,92 @@ def health(device: Mapping[str, Any], last_job: Optional[Mapping[str, Any]],
     return "ok", ""
 
 
+def _engine_jobs(store: Store, done: Dict[str, List[Tuple[str, str]]],
+                 actives: Mapping[str, Optional[Mapping[str, Any]]],
+                 jobs: Dict[Tuple[str, str], Dict[str, Any]]) -> Dict[str, Dict[str, Any]]:
+    """device -> of its SUCCEEDED jobs (``done``: (rollout, device), newest first): the one
+    that activated its engine (it carries the engine's figures), else the newest that measured
+    throughput. Only what decides is decoded (into ``jobs``): a job id is its rollout's id or
+    that id and a suffix (agent.fleet.rollout), so only those rollouts can hold the first; the
+    newest job usually measured throughput, the older ones are read only when it did not."""
+    wanted = {d: str((a or {}).get("job_id") or "") for d, a in actives.items()}
+    homes = {d: {j, j[:-len(SEARCH_SUFFIX)] if j.endswith(SEARCH_SUFFIX) else j}
+             for d, j in wanted.items() if j}
+    match = {d: [k for k in keys if k[0] in homes.get(d, ())] for d, keys in done.items()}
+    jobs.update(_jobs_of(store, [k for d, keys in done.items() for k in match[d] + keys[:1]]))
+    older = [d for d in done if jobs[done[d][0]]["throughput_qps"] is None]
+    jobs.update(_jobs_of(store, [k for d in older for k in done[d][1:]]))
+    out = {}
+    for d, keys in done.items():
+        found = next((jobs[k] for k in match[d] if jobs[k]["job_id"] == wanted[d]), None) or \
+            next((jobs[k] for k in keys if jobs[k]["throughput_qps"] is not None), None)
+        if found is not None:
+            out[d] = found
+    return out
+
+
 def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] = None
                ) -> List[Dict[str, Any]]:
-    """One row per device, sorted by id (``device``: only that one, [] if unknown)."""
-    jobs: Dict[str, List[Dict[str, Any]]] = {}
-    for job in job_rows(store, device=device):
-        jobs.setdefault(job["device"], []).append(job)
-    out = []
+    """One row per device, sorted by id (``device``: only that one, [] if unknown). Only the
+    jobs shown are decoded (each device's last one and its engine's), not its history."""
     if device is None:
         devices = store.devices()
     else:
         one = store.device(device)
         devices = [one] if one is not None else []
+    actives = {d["device"]: _active_engine(d.get("status") or {}) for d in devices}
+    last: Dict[str, Tuple[str, str]] = {}
+    done: Dict[str, List[Tuple[str, str]]] = {}  # device -> SUCCEEDED jobs, newest first
+    for rid, dev, state in _job_query(store, None if device is None else [device],
+                                      columns="j.state"):
+        if dev in actives:
+            last[dev] = (rid, dev)
+            if state == "SUCCEEDED":
+                done.setdefault(dev, []).append((rid, dev))
+    for keys in done.values():
+        keys.reverse()
+    jobs = _jobs_of(store, list(last.values()))
+    engines = _engine_jobs(store, done, actives, jobs)
+    out = []
     for dev in devices:
         status = dev.get("status") or {}
         platform = dev.get("platform") or status.get("platform") or {}
-        mine = jobs.get(dev["device"], [])
-        active = _active_engine(status)
-        engine_job = None
-        if active is not None:  # the job that activated the engine carries its figures
-            engine_job = next((j for j in reversed(mine) if j["job_id"] == active.get(
-                "job_id") and j["state"] == "SUCCEEDED"), None)
-        if engine_job is None:
-            engine_job = next((j for j in reversed(mine) if j["state"] == "SUCCEEDED"
-                               and j["throughput_qps"] is not None), None)
+        last_job = jobs[last[dev["device"]]] if dev["device"] in last else None
         metrics = (dev.get("telemetry") or {}).get("metrics") or {}
         temps = temperatures(metrics)
-        word, why = health(dev, mine[-1] if mine else None, now)
+        word, why = health(dev, last_job, now)
         out.append({
             "device": dev["device"], "online": dev["online"], "board": dev.get("board"),
             "jetpack": platform.get("jetpack"), "tensorrt": platform.get("tensorrt"),
             "backend": platform.get("backend"), "agent_version": status.get("agent_version"),
-            "active_engine": active, "engine_job": engine_job,
-            "last_job": mine[-1] if mine else None, "last_seen": dev.get("last_seen"),
-            "health": word, "health_reason": why, "metrics": metrics,
-            "max_temp_c": max(temps.values()) if temps else None,
+            "active_engine": actives[dev["device"]], "engine_job": engines.get(dev["device"]),
+            "last_job": last_job,
+            "last_seen": dev.get("last_seen"), "health": word, "health_reason": why,
+            "metrics": metrics, "max_temp_c": max(temps.values()) if temps else None,
             "power_mw": power_rails(metrics).get("total")})
     return out
 
 
-def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS) -> List[Dict[str, Any]]:
-    """The newest ``limit`` rollouts, newest first, with their failures (device, state,
-    reason)."""
-    return [rollout_detail(store, row) for row in store.rollouts()[:limit]]
+def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS, offset: int = 0,
+                 states: Optional[Sequence[str]] = None, failures: bool = True
+                 ) -> List[Dict[str, Any]]:
+    """The newest ``limit`` rollouts (from ``offset``; ``states``: only those), newest first,
+    with their failures (device, state, reason; ``failures`` False: none read). One query for
+    the failures of the whole page."""
+    rows = store.rollouts(states=states, limit=limit, offset=offset)
+    failed: Dict[str, List[Dict[str, Any]]] = {r["rollout_id"]: [] for r in rows}
+    if failures and rows:
+        for raw in _job_query(store, rollouts=list(failed), states=FAILED_STATES):
+            failed[raw[0]].append(_job(*raw))
+    return [rollout_summary(row, sorted(failed[row["rollout_id"]],
+                                        key=lambda j: (j["stage"], j["device"])))
+            for row in rows]
 
 
-def rollout_detail(store: Store, row: Mapping[str, Any],
-                   jobs: Optional[Sequence[Mapping[str, Any]]] = None) -> Dict[str, Any]:
-    rid = row["rollout_id"]
-    if jobs is None:
-        jobs = job_rows_of(store, rid)
+def rollout_summary(row: Mapping[str, Any], jobs: Sequence[Mapping[str, Any]]
+                    ) -> Dict[str, Any]:
+    """The row with its failures (of ``jobs``, in their order), progress, model and
+    precision."""
     failures = [{"device": j["device"], "stage": j["stage"], "state": j["state"],
                  "reason": failure_reason(j)} for j in jobs if j["state"] in FAILED_STATES]
     total = sum(len(s) for s in row.get("stages") or [])
@@ -187,7 +249,15 @@ def rollout_detail(store: Store, row: Mapping[str, Any],
     model = (spec.get("artifacts") or {}).get("model") or {}
     return dict(row, failures=failures, total=total, done=done,
                 model_name=model.get("name"), model_sha=model.get("sha256"),
-                precision=spec.get("precision"), jobs=list(jobs))
+                precision=spec.get("precision"))
+
+
+def rollout_detail(store: Store, row: Mapping[str, Any],
+                   jobs: Optional[Sequence[Mapping[str, Any]]] = None) -> Dict[str, Any]:
+    """One rollout's page: the summary and every device's job."""
+    if jobs is None:
+        jobs = job_rows_of(store, row["rollout_id"])
+    return dict(rollout_summary(row, jobs), jobs=list(jobs))
 
 
 def job_rows_of(store: Store, rollout_id: str) -> List[Dict[str, Any]]:

@@ -98,6 +98,12 @@ def test_pages_render_and_escape_what_devices_reported(dash):
     assert "ro-1" in body and "2/2" in body  # the active rollout, its stage and progress
     _, _, body = get(dash, "/rollouts")
     assert "unsupported_precision: int8 &lt;needs&gt; DLA" in body
+    assert "older rollouts" not in body  # one page holds them all
+    _, _, body = get(dash, "/rollouts?limit=1")
+    assert "ro-1" in body and "/rollouts?limit=1&amp;offset=1" in body
+    _, _, body = get(dash, "/rollouts?limit=1&offset=1")
+    assert "/rollouts/ro-1" not in body and "newer rollouts" in body
+    assert get(dash, "/rollouts?limit=x&offset=-5")[2] == get(dash, "/rollouts")[2]
     _, _, body = get(dash, "/rollouts/ro-1")
     assert "Cancel rollout" in body and "/rollouts/ro-1/pause" in body
     _, _, body = get(dash, "/devices/orin-1")

@@ -130,3 +130,88 @@ def test_signed_documents_stay_valid_until_the_rollouts_deadline(store, tmp_path
     accepted = signing.check_job(doc, "dev", trust, allow_unsigned=False,
                                  last_seq=lambda kid: 0, now=deadline - 60)
     assert accepted.seq == doc["signature"]["seq"] >= int(time.time() * 1000) - 60000
+
+
+def _history(store, now):
+    """Five rollouts of two stages, newest first: e (running), d (paused), c (failed an hour
+    ago), b (succeeded two days ago), a (succeeded three days ago)."""
+    jobs = {"a": "SUCCEEDED", "b": "SUCCEEDED", "c": "FAILED", "d": "IN_PROGRESS",
+            "e": "PENDING"}
+    for age, rid in enumerate("edcba"):
+        store.insert_rollout("ro-" + rid, {"precision": "fp16", "artifacts": {}},
+                             [["x-" + rid], ["y-" + rid, "z-" + rid]], deadline=now + 60)
+        state = {"e": "running", "d": "paused", "c": "failed"}.get(rid, "succeeded")
+        fields = {"created": now - 86400 * age, "state": state, "current_stage": 1}
+        if state not in ("running", "paused"):
+            fields["finished"] = now - 3600 if rid == "c" else now - 86400 * age
+        result = {"result": {"throughput_qps": 100.0 + age}, "job_id": "ro-" + rid}
+        if jobs[rid] == "FAILED":
+            result["error"] = {"code": "accuracy_gate", "message": "too far"}
+        store.save_rollout("ro-" + rid, fields, {
+            "x-" + rid: (0, "SUCCEEDED", result), "y-" + rid: (1, jobs[rid], result)})
+
+
+def test_rollouts_are_paged_newest_first_with_their_counts_in_few_queries(store):
+    import time
+
+    from agent.fleet import views
+
+    _history(store, time.time())
+    assert [r["rollout_id"] for r in store.rollouts()] == ["ro-e", "ro-d", "ro-c", "ro-b",
+                                                          "ro-a"]
+    page = store.rollouts(limit=2, offset=1)
+    assert [r["rollout_id"] for r in page] == ["ro-d", "ro-c"]
+    assert page == [store.rollout("ro-d"), store.rollout("ro-c")]
+    assert page[1]["counts"] == {"SUCCEEDED": 1, "FAILED": 1, "PENDING": 1}
+    assert [s["counts"] for s in page[1]["stage_progress"]] == [
+        {"SUCCEEDED": 1}, {"FAILED": 1, "PENDING": 1}]
+    assert page[1]["stages"] == [["x-c"], ["y-c", "z-c"]]
+    assert [r["rollout_id"] for r in store.rollouts(states=("running", "paused"))] == [
+        "ro-e", "ro-d"]
+    assert store.rollouts(states=()) == [] and store.rollouts(limit=3, offset=5) == []
+    assert store.rollout("nope") is None
+    states = store.rollout_states(["ro-e", "ro-c", "nope"])
+    assert sorted(states) == ["ro-c", "ro-e"]
+    assert (states["ro-e"]["state"], states["ro-e"]["control"]) == ("running", None)
+    store.request_control("ro-e", "pause")
+    assert store.rollout_states(["ro-e"])["ro-e"]["control"] == "pause"
+    # The list's failures (one query for the page) are the rollout page's.
+    rows = views.rollout_rows(store, limit=3)
+    assert [r["failures"] for r in rows] == [
+        views.rollout_detail(store, store.rollout(r["rollout_id"]))["failures"] for r in rows]
+    assert rows[2]["failures"] == [{"device": "y-c", "stage": 2, "state": "FAILED",
+                                    "reason": "accuracy_gate: too far"}]
+    assert (rows[2]["done"], rows[2]["total"]) == (2, 3)
+
+
+def test_metrics_of_rollouts_and_engines_say_what_the_database_holds(store):
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from agent.fleet import metrics
+
+    now = time.time()
+    _history(store, now)
+    store.upsert_devices({"x-a": {"online": True, "active_engines": [
+        {"job_id": "ro-a", "activated": now}]}, "x-b": {"online": True}})
+    samples = {}
+    for fam in text_string_to_metric_families(metrics.exposition(store)[0].decode()):
+        for s in fam.samples:
+            if s.name.startswith("jetson_fleet_rollout") or "throughput" in s.name:
+                samples[(s.name[13:],) + tuple(sorted(s.labels.values()))] = s.value
+    # ro-b and ro-a finished days ago: their series ended. x-a's engine came from ro-a.
+    assert samples == {
+        ("rollout_devices", "PENDING", "ro-e"): 2, ("rollout_devices", "SUCCEEDED", "ro-e"): 1,
+        ("rollout_devices", "IN_PROGRESS", "ro-d"): 1,
+        ("rollout_devices", "PENDING", "ro-d"): 1, ("rollout_devices", "SUCCEEDED", "ro-d"): 1,
+        ("rollout_devices", "FAILED", "ro-c"): 1, ("rollout_devices", "PENDING", "ro-c"): 1,
+        ("rollout_devices", "SUCCEEDED", "ro-c"): 1,
+        ("rollout_progress_ratio", "ro-e"): 1 / 3.0, ("rollout_progress_ratio", "ro-d"): 1 / 3.0,
+        ("rollout_progress_ratio", "ro-c"): 2 / 3.0,
+        ("rollout_stage", "ro-e"): 2, ("rollout_stage", "ro-d"): 2, ("rollout_stage", "ro-c"): 2,
+        ("rollout_stages", "ro-e"): 2, ("rollout_stages", "ro-d"): 2,
+        ("rollout_stages", "ro-c"): 2,
+        ("rollout_active", "ro-e", "running"): 1, ("rollout_active", "paused", "ro-d"): 1,
+        ("rollout_active", "failed", "ro-c"): 0,
+        ("engine_throughput_qps", "", "x-a"): 104.0, ("engine_throughput_qps", "", "x-b"): 103.0}

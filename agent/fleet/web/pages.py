@@ -152,7 +152,8 @@ def _failures(failures: Sequence[Mapping[str, Any]]) -> str:
         cls="failures")
 
 
-def rollouts_page(rollouts: List[Dict[str, Any]], actions: bool) -> bytes:
+def rollouts_page(rollouts: List[Dict[str, Any]], actions: bool,
+                  limit: int = views.MAX_ROLLOUTS, offset: int = 0) -> bytes:
     rows = [['<a href="/rollouts/{}">{}</a>'.format(_u(r["rollout_id"]), _e(r["rollout_id"])),
              badge(r["state"]), _e(r["model_name"] or "-"), _e(r["precision"] or "-"),
              "{}/{}".format(max(r["current_stage"] + 1, 0), len(r["stages"])),
@@ -160,6 +161,15 @@ def rollouts_page(rollouts: List[Dict[str, Any]], actions: bool) -> bytes:
              _e(r["reason"] or "")] for r in rollouts]
     body = table(["rollout", "state", "model", "precision", "stage", "progress", "devices",
                   "created", "reason"], rows, cls="rollouts")
+    links = []  # a page is at most ``limit`` rollouts; these lead to the others
+    if offset:
+        links.append('<a href="/rollouts?limit={:d}&amp;offset={:d}">newer rollouts</a>'.format(
+            limit, max(0, offset - limit)))
+    if len(rollouts) >= limit:
+        links.append('<a href="/rollouts?limit={:d}&amp;offset={:d}">older rollouts</a>'.format(
+            limit, offset + limit))
+    if links:
+        body += '<p class="pager">{}</p>'.format(" | ".join(links))
     failed = [r for r in rollouts if r["failures"]]
     for r in failed:
         body += '<h2>Failures of <a href="/rollouts/{}">{}</a></h2>'.format(

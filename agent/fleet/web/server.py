@@ -83,8 +83,8 @@ class Dashboard(object):
         actions = self.token is not None
         notice = _notice(query)
         if not parts:
-            return _html(pages.fleet_page(views.fleet_rows(self.store),
-                                          views.rollout_rows(self.store), actions))
+            return _html(pages.fleet_page(views.fleet_rows(self.store), views.rollout_rows(
+                self.store, states=pages.ACTIVE, failures=False), actions))
         if parts == ["metrics"]:
             body, ctype = metrics.exposition(self.store)
             return 200, ctype, body
@@ -94,8 +94,11 @@ class Dashboard(object):
             with open(self.static[parts[1]], "rb") as f:
                 ext = os.path.splitext(parts[1])[1] or parts[1]
                 return 200, TYPES.get(ext, "application/octet-stream"), f.read()
-        if parts == ["rollouts"]:
-            return _html(pages.rollouts_page(views.rollout_rows(self.store), actions))
+        if parts == ["rollouts"]:  # a page of the newest (?limit=N&offset=M: older ones)
+            limit = _int(query.get("limit"), views.MAX_ROLLOUTS, 1, 1000)
+            offset = _int(query.get("offset"), 0, 0, 10 ** 9)
+            return _html(pages.rollouts_page(views.rollout_rows(self.store, limit, offset),
+                                             actions, limit, offset))
         if len(parts) == 2 and parts[0] == "rollouts" and protocol.valid_id(parts[1]):
             row = self.store.rollout(parts[1])
             if row is not None:
@@ -156,6 +159,14 @@ def _notice(query: Dict[str, str]) -> str:
     text = NOTICES.get(query.get("done", ""), "")
     request = query.get("request", "")
     return text.format(request if protocol.valid_id(request) else "-") if text else ""
+
+
+def _int(text: Optional[str], default: int, low: int, high: int) -> int:
+    """A bounded number from the query string; the default when absent or not a number."""
+    try:
+        return min(high, max(low, int(text or "")))
+    except ValueError:
+        return default
 
 
 class _Refused(Exception):
