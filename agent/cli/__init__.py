@@ -38,6 +38,8 @@ COMMANDS = {
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+STATE_DIR_HELP = ("state and caches (default $JETSON_AGENT_STATE_DIR, systemd's StateDirectory, "
+                  "else ~/.cache/jetson-agent)")
 
 
 class Parser(argparse.ArgumentParser):

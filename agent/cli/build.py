@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from agent import fsio
 from agent import platform as plat
+from agent.cli import STATE_DIR_HELP
 from agent.device import config, config_schema
 from agent.device.state_lock import check_state_dir
 from agent.engines.backends.base import (
@@ -116,9 +117,7 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
                             "or fail (reject)")
         g.add_argument("--threads", type=int, metavar="N",
                        help="intra-op threads of the onnxruntime backend (default: its own)")
-    g.add_argument("--state-dir", metavar="DIR",
-                   help="state and caches (default $JETSON_AGENT_STATE_DIR, systemd's "
-                        "StateDirectory, else ~/.cache/jetson-agent)")
+    g.add_argument("--state-dir", metavar="DIR", help=STATE_DIR_HELP)
     g.add_argument("--cache-budget", metavar="SIZE",
                    help="engine cache size budget, e.g. 2GiB (default: the config's "
                         "cache.engine_budget_bytes)")

@@ -14,6 +14,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent import fsio
+from agent.cli import STATE_DIR_HELP
 from agent.device import config
 from agent.device.state_lock import check_state_dir
 from agent.engines.cache import EngineCache
@@ -31,9 +32,7 @@ def add_parser(sub: Any) -> None:
     which.add_argument("--older-than", type=float, metavar="DAYS",
                        help="purge: entries not used for DAYS days")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--state-dir", metavar="DIR",
-                       help="state and caches (default $JETSON_AGENT_STATE_DIR, systemd's "
-                            "StateDirectory, else ~/.cache/jetson-agent)")
+    where.add_argument("--state-dir", metavar="DIR", help=STATE_DIR_HELP)
     where.add_argument("--config", metavar="FILE",
                        help="the daemon's YAML config: its engine cache and budget, e.g. "
                             "/etc/jetson-agent/config.yaml")

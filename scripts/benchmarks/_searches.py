@@ -1,6 +1,7 @@
 """Shared by the real-model benchmarks: ``minimal`` against ``bisect`` on one model and plan,
 and the two rows that check the bound (no more layers than bisect, in at most 2x bisect's
-evaluations + 4). Not a benchmark itself (the leading underscore keeps it out of the list)."""
+evaluations + 4); each plan built with faithful and with naive emulation. Not a benchmark
+itself (the leading underscore keeps it out of the list)."""
 
 import os
 import sys
@@ -33,3 +34,22 @@ def minimal_vs_bisect(label, path, plan, feeds, goldens, backend, work, compare_
              "ours": len(m.keep), "baseline": len(b.keep),
              "goal": "<= bisect: {}".format("met" if len(m.keep) <= len(b.keep) else "MISSED")}]
     return found, rows
+
+
+def emulation_engines(path, plans, work):
+    """(plan name, naive, engine path) for each of ``plans`` built with the faithful emulation
+    and with the naive one (``JETSON_AGENT_NAIVE_EMULATION=1``, still set while the caller
+    measures that engine)."""
+    from agent.engines.backends.onnxruntime import create
+
+    try:
+        for name, plan in plans.items():
+            for naive in (False, True):
+                os.environ.pop("JETSON_AGENT_NAIVE_EMULATION", None)
+                if naive:
+                    os.environ["JETSON_AGENT_NAIVE_EMULATION"] = "1"
+                engine = os.path.join(work, "{}-{}.onnx".format(name, naive))
+                create(threads=2).build(path, plan, engine)
+                yield name, naive, engine
+    finally:
+        os.environ.pop("JETSON_AGENT_NAIVE_EMULATION", None)

@@ -172,15 +172,12 @@ class _Controller:
         self.client.stop()
 
 
-def _transfer_ours(workdir, ctl, index):
-    path = os.path.join(workdir, "artifact-{}.bin".format(index))
-    with open(path, "wb") as f:
-        f.write(os.urandom(TRANSFER_MB << 20))
-    sha = ctl.server.add_file(path)
-    stored = os.path.join(workdir, "state", "artifacts", sha[:2], sha)
+def timed_transfer(workdir, ctl, job_id, ref):
+    """Send a bench job for the artifact ``ref``; the seconds from the job document to the
+    verified file in the daemon's store."""
+    stored = os.path.join(workdir, "state", "artifacts", ref["sha256"][:2], ref["sha256"])
     started = time.perf_counter()
-    ctl.send_job({"job_id": "xfer-{}".format(index), "kind": "bench",
-                  "artifacts": {"model": {"sha256": sha, "size": TRANSFER_MB << 20}},
+    ctl.send_job({"job_id": job_id, "kind": "bench", "artifacts": {"model": ref},
                   "plan": {"precision": "fp32"}})
     deadline = time.monotonic() + 300
     while not os.path.exists(stored):
@@ -188,9 +185,19 @@ def _transfer_ours(workdir, ctl, index):
             raise RuntimeError("the transfer did not finish")
         time.sleep(0.005)
     seconds = time.perf_counter() - started
-    os.unlink(path)
-    while "xfer-{}".format(index) not in ctl.ended and time.monotonic() < deadline:
+    while job_id not in ctl.ended and time.monotonic() < deadline:
         time.sleep(0.05)  # the (random) model is then rejected: wait for the daemon to idle
+    return seconds
+
+
+def _transfer_ours(workdir, ctl, index):
+    path = os.path.join(workdir, "artifact-{}.bin".format(index))
+    with open(path, "wb") as f:
+        f.write(os.urandom(TRANSFER_MB << 20))
+    sha = ctl.server.add_file(path)
+    seconds = timed_transfer(workdir, ctl, "xfer-{}".format(index),
+                             {"sha256": sha, "size": TRANSFER_MB << 20})
+    os.unlink(path)
     return (TRANSFER_MB << 20) / seconds / 1e6
 
 

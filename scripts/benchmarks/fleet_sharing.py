@@ -9,7 +9,6 @@ for a TensorRT build, each build of the benchmark's agents first sleeps SHARING_
 seconds (default 10: a worker wrapper patches the backend's ``build``; nothing else changes).
 """
 
-import importlib.util
 import json
 import os
 import shutil
@@ -41,11 +40,11 @@ EXAMPLE = os.path.join(ROOT, "examples", "fp16_max")
 
 
 def _daemon_bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_daemon_helpers", os.path.join(ROOT, "scripts", "benchmarks", "daemon.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/benchmarks/daemon.py (its broker, agent and controller set-up) as a module."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "lib"))
+    from bench import load  # the benchmark runner's loader
+
+    return load("daemon")
 
 
 def _agent(workdir, port, name, worker):

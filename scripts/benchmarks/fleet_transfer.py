@@ -13,7 +13,6 @@ same broker (no blocks, no resume, no verification). Best of REPEATS each.
 """
 
 import hashlib
-import importlib.util
 import os
 import sys
 import time
@@ -26,11 +25,11 @@ REPEATS = int(os.environ.get("FLEET_TRANSFER_REPEATS", "3"))
 
 
 def _daemon_bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_daemon_helpers", os.path.join(ROOT, "scripts", "benchmarks", "daemon.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """scripts/benchmarks/daemon.py (its broker, agent and controller set-up) as a module."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts", "lib"))
+    from bench import load  # the benchmark runner's loader
+
+    return load("daemon")
 
 
 def _transfer(bd, workdir, ctl, index, http=None):
@@ -50,19 +49,7 @@ def _transfer(bd, workdir, ctl, index, http=None):
            "blocks": {"block_size": 128 * 1024, "sha256": hashlib.sha256(digests).hexdigest()}}
     if http is not None:
         ref["url"] = "http://127.0.0.1:{}/artifacts/{}".format(http.port, sha)
-    stored = os.path.join(workdir, "state", "artifacts", sha[:2], sha)
-    job_id = "fx-{}".format(index)
-    started = time.perf_counter()
-    ctl.send_job({"job_id": job_id, "kind": "bench", "artifacts": {"model": ref},
-                  "plan": {"precision": "fp32"}})
-    deadline = time.monotonic() + 300
-    while not os.path.exists(stored):
-        if time.monotonic() > deadline:
-            raise RuntimeError("the transfer did not finish")
-        time.sleep(0.005)
-    seconds = time.perf_counter() - started
-    while job_id not in ctl.ended and time.monotonic() < deadline:
-        time.sleep(0.05)
+    seconds = bd.timed_transfer(workdir, ctl, "fx-{}".format(index), ref)
     os.unlink(path)
     return size / seconds / 1e6
 

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _searches import minimal_vs_bisect  # noqa: E402 - the shared search rows
+from _searches import emulation_engines, minimal_vs_bisect  # noqa: E402 - shared rows
 
 SIZE = 416
 SEARCH_IMAGES = 3
@@ -149,18 +149,11 @@ def run():
                 rows.append({"name": "detector {}: searched plan, false / missed boxes of {} "
                              "fp32 boxes".format(name, total), "ours": false,
                              "baseline": missed, "unit": "boxes"})
-        for name, plan in plans.items():
-            for naive in (False, True):
-                os.environ.pop("JETSON_AGENT_NAIVE_EMULATION", None)
-                if naive:
-                    os.environ["JETSON_AGENT_NAIVE_EMULATION"] = "1"
-                engine = os.path.join(work, "{}-{}.onnx".format(name, naive))
-                create(threads=2).build(path, plan, engine)
-                false, missed = metric(backend, engine, eval_feeds, reference)
-                rows.append({"name": "detector {}{}: false / missed boxes of {} fp32 "
-                             "boxes".format(name, " naive emulation" if naive else "", total),
-                             "ours": false, "baseline": missed, "unit": "boxes"})
-            os.environ.pop("JETSON_AGENT_NAIVE_EMULATION", None)
+        for name, naive, engine in emulation_engines(path, plans, work):
+            false, missed = metric(backend, engine, eval_feeds, reference)
+            rows.append({"name": "detector {}{}: false / missed boxes of {} fp32 "
+                         "boxes".format(name, " naive emulation" if naive else "", total),
+                         "ours": false, "baseline": missed, "unit": "boxes"})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return rows

@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _searches import minimal_vs_bisect  # noqa: E402 - the shared search rows
+from _searches import emulation_engines, minimal_vs_bisect  # noqa: E402 - shared rows
 
 LABELS = "0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZ_"
 SEARCH_IMAGES = 4
@@ -165,20 +165,13 @@ def run():
                              "plan, {} images".format(name, EVAL_IMAGES), "ours": text,
                              "baseline": 1.0, "unit": "fraction",
                              "goal": "per-step top-1 {:.4f}".format(step)})
-        for name, plan in plans.items():
-            for naive in (False, True):
-                os.environ.pop("JETSON_AGENT_NAIVE_EMULATION", None)
-                if naive:
-                    os.environ["JETSON_AGENT_NAIVE_EMULATION"] = "1"
-                engine = os.path.join(work, "{}-{}.onnx".format(name, naive))
-                create(threads=2).build(path, plan, engine)
-                text, step = agreement(backend, engine, eval_feeds, eval_ref)
-                rows.append({"name": "crnn {}{}: text / per-step top-1 agreement with fp32, "
-                             "{} images".format(name, " naive emulation" if naive else "",
-                                                EVAL_IMAGES),
-                             "ours": text, "baseline": 1.0, "unit": "fraction",
-                             "goal": "per-step top-1 {:.4f}".format(step)})
-            os.environ.pop("JETSON_AGENT_NAIVE_EMULATION", None)
+        for name, naive, engine in emulation_engines(path, plans, work):
+            text, step = agreement(backend, engine, eval_feeds, eval_ref)
+            rows.append({"name": "crnn {}{}: text / per-step top-1 agreement with fp32, "
+                         "{} images".format(name, " naive emulation" if naive else "",
+                                            EVAL_IMAGES),
+                         "ours": text, "baseline": 1.0, "unit": "fraction",
+                         "goal": "per-step top-1 {:.4f}".format(step)})
         rss = {}
         os.remove(ranges)
         for n in (CALIB_IMAGES, 10 * CALIB_IMAGES):
