@@ -10,13 +10,27 @@ as_root() {
     echo "need root to run: $*" >&2; return 1; fi
 }
 
+# Another apt (an unattended upgrade, a second session) may hold the dpkg lock: wait for it
+# up to APT_LOCK_WAIT_S seconds instead of failing, then say what held us up.
+APT_LOCK_WAIT_S="${APT_LOCK_WAIT_S:-300}"
+
+apt_get() {
+  if ! as_root apt-get -o DPkg::Lock::Timeout="$APT_LOCK_WAIT_S" "$@"; then
+    if command -v fuser >/dev/null && fuser /var/lib/dpkg/lock-frontend >/dev/null 2>&1; then
+      echo "apt-get $1: another process still holds the dpkg lock after ${APT_LOCK_WAIT_S} s" \
+           "(/var/lib/dpkg/lock-frontend); wait for it or raise APT_LOCK_WAIT_S" >&2
+    fi
+    return 1
+  fi
+}
+
 ensure_apt() {  # ensure_apt COMMAND PACKAGE...
   local cmd=$1; shift
   command -v "$cmd" >/dev/null && return 0
   echo "installing $* (apt)" >&2
   export DEBIAN_FRONTEND=noninteractive
-  as_root apt-get install -y -q "$@" >/dev/null 2>&1 \
-    || { as_root apt-get update -q >/dev/null && as_root apt-get install -y -q "$@" >/dev/null; }
+  apt_get install -y -q "$@" >/dev/null 2>&1 \
+    || { apt_get update -q >/dev/null && apt_get install -y -q "$@" >/dev/null; }
 }
 
 ensure_venv() {
