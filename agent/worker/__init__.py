@@ -34,6 +34,9 @@ if TYPE_CHECKING:
     from agent.errors import AgentError
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERNAL = 0, 2, 3
+# One protocol line, well under what the daemon reads as one line (4 MiB): a longer error keeps
+# its code with a cut message and no details, so it is never mistaken for a crash.
+MAX_LINE_BYTES = 1 << 20
 
 
 def _plain(value: Any) -> Any:
@@ -60,8 +63,27 @@ class Channel(object):
         sys.stdout = sys.stderr
 
     def emit(self, message: Dict[str, Any]) -> None:
-        self._out.write(json.dumps(_plain(message), sort_keys=True, allow_nan=False) + "\n")
+        self._out.write(fit_line(message) + "\n")
         self._out.flush()
+
+
+def fit_line(message: Dict[str, Any]) -> str:
+    """The JSON line of a protocol message within MAX_LINE_BYTES: an oversized error keeps its
+    code; any other oversized message becomes an ``internal_error`` that says so."""
+    line = json.dumps(_plain(message), sort_keys=True, allow_nan=False)
+    if len(line) <= MAX_LINE_BYTES:
+        return line
+    error = message.get("error") if message.get("type") == "error" else None
+    if isinstance(error, dict) and error.get("code"):
+        text = str(error.get("message", ""))
+        cut = {"code": error["code"], "message": text[:8192] + (
+            " ... ({:,} characters cut)".format(len(text) - 8192) if len(text) > 8192 else ""),
+            "details": {"cut": "the details were {:,} bytes".format(len(line))}}
+    else:
+        cut = {"code": "internal_error", "message": "the worker's {} message was {:,} bytes, "
+               "over the protocol line limit of {:,}".format(message.get("type"), len(line),
+                                                             MAX_LINE_BYTES)}
+    return json.dumps({"type": "error", "error": cut}, sort_keys=True)
 
 
 class StopFlag(object):

@@ -9,6 +9,11 @@ from typing import Any, Dict, List, Optional
 
 from agent.errors import AgentError
 
+# A model may have tens of thousands of outputs: the report names at most this many (the failed
+# ones first, then the least accurate), with the count of the rest, so the worker's result or
+# error line stays small whatever the model.
+MAX_OUTPUTS_LISTED = 32
+
 
 def _concat_outputs(iterations: List[Dict[str, Any]], name: str) -> Any:
     import numpy as np
@@ -46,10 +51,13 @@ def accuracy_report(
         values = [r.get(key) for r in results if r.get(key) is not None]
         return min(values) if values else None
 
+    failed = cmp.failed_outputs()
+    per_output = cmp.to_dict()["outputs"]
     report: Dict[str, Any] = {
         "passed": cmp.passed,
         "comparator_passed": cmp.passed,
-        "failed_outputs": cmp.failed_outputs(),
+        "failed_outputs": failed[:MAX_OUTPUTS_LISTED],
+        "failed_output_count": len(failed),
         "max_abs_error": worst("absdiff", "max"),
         "max_rel_error": worst("reldiff", "max"),
         "mean_abs_error": worst("absdiff", "mean"),
@@ -57,7 +65,8 @@ def accuracy_report(
         "cosine": lowest("cosine"),
         "top1_agreement": None,
         "iterations": cmp.iterations,
-        "outputs": cmp.to_dict()["outputs"],
+        "outputs": _listed_outputs(per_output, failed),
+        "output_count": len(per_output),
     }
     first = goldens[0]
     classifier = [n for n in first if _is_classifier_output(first[n])]
@@ -87,11 +96,35 @@ def accuracy_report(
     return report
 
 
+def _listed_outputs(per_output: Dict[str, Dict[str, Any]], failed: List[str]
+                    ) -> Dict[str, Dict[str, Any]]:
+    """At most MAX_OUTPUTS_LISTED outputs' figures: the failed ones first, then the lowest SQNR."""
+    if len(per_output) <= MAX_OUTPUTS_LISTED:
+        return per_output
+
+    def sqnr(name: str) -> float:
+        value = per_output[name].get("sqnr_db")
+        return value if isinstance(value, (int, float)) else float("inf")
+
+    first = failed[:MAX_OUTPUTS_LISTED]
+    chosen = set(first)
+    rest = sorted((n for n in per_output if n not in chosen), key=sqnr)
+    names = first + rest[:MAX_OUTPUTS_LISTED - len(first)]
+    return {n: per_output[n] for n in names}
+
+
+def _named(names: List[str], count: int, shown: int = 8) -> str:
+    text = ", ".join(names[:shown])
+    return text + (" and {:,} more".format(count - shown) if count > shown else "")
+
+
 def gate_failure(report: Dict[str, Any]) -> AgentError:
     why = []
     if not report["comparator_passed"]:
         why.append("output(s) {} outside atol/rtol (max abs error {}, max rel error {})".format(
-            report["failed_outputs"], report["max_abs_error"], report["max_rel_error"]))
+            _named(report["failed_outputs"], report.get("failed_output_count",
+                                                        len(report["failed_outputs"]))),
+            report["max_abs_error"], report["max_rel_error"]))
     if report.get("min_top1") is not None and report["top1_agreement"] < report["min_top1"]:
         why.append("top-1 agreement {:.4f} below the required {:.4f}".format(
             report["top1_agreement"], report["min_top1"]))
