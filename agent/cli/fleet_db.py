@@ -8,7 +8,11 @@ import os
 import shutil
 from typing import Any, Dict
 
+from agent.errors import AgentError
+from agent.fleet.db import redact, sqlite_path
 from agent.fleet.store import Store, default_db_url
+
+DB_SCHEMES = ("sqlite:", "postgresql://", "postgres://")
 
 SERVICE_FRESH_S = 15.0  # a service whose heartbeat is older is taken for dead
 
@@ -23,8 +27,23 @@ def add_db_args(p: argparse.ArgumentParser) -> None:
                         "fleet-artifacts next to a SQLite database; $JETSON_AGENT_FLEET_STORE)")
 
 
-def db_url(args: argparse.Namespace) -> str:
-    return args.db or default_db_url()
+def db_url(args: argparse.Namespace, existing: bool = False) -> str:
+    """``--db`` (else the default), checked: a scheme the store speaks; with ``existing`` (the
+    commands that only read or change what a service recorded), a SQLite file that is there,
+    so a typo is an error instead of a new empty database that says "no rollouts"."""
+    return check_db_url(args.db or default_db_url(), existing)
+
+
+def check_db_url(url: str, existing: bool = False) -> str:
+    if not url.startswith(DB_SCHEMES):
+        raise AgentError("bad_argument", "--db expects sqlite:///PATH or postgresql://..., "
+                         "found {!r}".format(redact(url)))
+    if existing and url.startswith("sqlite:"):
+        path = os.path.abspath(sqlite_path(url))
+        if not os.path.isfile(path):
+            raise AgentError("bad_argument", "--db {}: no fleet database at {} (expected the "
+                             "file `fleet serve` writes; check the path)".format(url, path))
+    return url
 
 
 def store_dir(args: argparse.Namespace, url: str) -> str:

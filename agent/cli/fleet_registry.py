@@ -103,11 +103,11 @@ def _db_directory(url: str) -> Any:
 
 def registry_db(args: argparse.Namespace) -> Optional[str]:
     """--db, else the default database when a fleet service is running on it."""
-    from agent.cli.fleet_db import service_up
+    from agent.cli.fleet_db import check_db_url, service_up
     from agent.fleet.store import default_db_url
 
     if args.db:
-        return str(args.db)
+        return check_db_url(str(args.db), existing=True)
     return default_db_url() if service_up(default_db_url()) else None
 
 

@@ -266,7 +266,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
 # ---------------------------------------------------------------------------- fleet rollouts
 
 def run_rollouts(args: argparse.Namespace) -> int:
-    store = Store(db_url(args))
+    store = Store(db_url(args, existing=True))
     try:
         if args.action == "ls":
             rows = store.rollouts()

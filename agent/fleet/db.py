@@ -15,6 +15,12 @@ def default_db_url() -> str:
     return "sqlite:///" + os.path.join(base, "jetson-agent", "fleet.db")
 
 
+def sqlite_path(url: str) -> str:
+    """The file of a ``sqlite:///PATH`` (or ``sqlite:PATH``) URL."""
+    return url[len("sqlite:///"):] if url.startswith("sqlite:///") else (
+        url[len("sqlite:"):] if url.startswith("sqlite:") else url)
+
+
 class Db(object):
     """One connection, one dialect. ``execute`` takes ``?`` parameters on both databases."""
 
@@ -37,8 +43,7 @@ class Db(object):
         else:
             import sqlite3
 
-            path = url[len("sqlite:///"):] if url.startswith("sqlite:///") else (
-                url[len("sqlite:"):] if url.startswith("sqlite:") else url)
+            path = sqlite_path(url)
             if path != ":memory:":
                 os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
             try:

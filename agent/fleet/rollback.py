@@ -45,7 +45,7 @@ def targets(args: argparse.Namespace, statuses: Dict[str, Dict[str, Any]]
         from agent.cli.fleet_db import db_url
         from agent.fleet.store import Store
 
-        store = Store(db_url(args))
+        store = Store(db_url(args, existing=True))
         try:
             row = store.rollout(args.rollout)
             if row is None:
