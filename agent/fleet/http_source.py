@@ -12,8 +12,10 @@ CDN or object store in the job document instead).
 import logging
 import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, Optional, Tuple
+
+from agent.fleet.http_bounds import BoundedHTTPServer
 
 log = logging.getLogger("agent.fleet")
 _PATH = re.compile(r"^/artifacts/([0-9a-f]{64})$")
@@ -45,8 +47,7 @@ class HttpSource(object):
             def do_PUT(self) -> None:
                 source._upload(self)
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = BoundedHTTPServer((host, port), Handler)
         self.thread: Optional[threading.Thread] = None
 
     @property

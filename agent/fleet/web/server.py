@@ -11,12 +11,13 @@ import hmac
 import logging
 import os
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, quote, urlsplit
 
 from agent.errors import AgentError
 from agent.fleet import history, metrics, views
+from agent.fleet.http_bounds import BoundedHTTPServer
 from agent.fleet.store import Store
 from agent.fleet.web import pages
 from agent.wire import protocol
@@ -50,12 +51,11 @@ class Dashboard(object):
             dashboard = app
 
         try:
-            self.httpd = ThreadingHTTPServer((host, int(port)), Handler)
+            self.httpd = BoundedHTTPServer((host, int(port)), Handler)
         except OSError as exc:
             self.store.close()
             raise AgentError("bad_argument", "--dashboard {}:{}: cannot listen there: {}".format(
                 host, port, exc.strerror or exc))
-        self.httpd.daemon_threads = True
         self.thread: Optional[threading.Thread] = None
 
     @property
