@@ -110,8 +110,8 @@ def property_keys(version: ModelVersion, batch_size: int = 1, gpu_id: int = 0,
             ("network-mode", str(NETWORK_MODE[precision])),
             ("batch-size", str(batch_size)), ("gpu-id", str(gpu_id))]
     if precision == "int8":
-        calib = os.path.join(version.path, CALIBRATION_FILE)
-        calib = calib if os.path.isfile(calib) else int8_calib_file
+        in_folder = os.path.join(version.path, CALIBRATION_FILE)
+        calib = in_folder if os.path.isfile(in_folder) else int8_calib_file
         if calib:
             keys.append(("int8-calib-file", calib))
     dla = (version.meta.get("portability") or {}).get("dla_core")
