@@ -104,6 +104,7 @@ class Load:
         self.thread.join(30)
 
 
+@pytest.mark.slow
 def test_versions_switch_under_load_and_a_broken_one_is_refused(triton, tmp_path):
     models = tmp_path / "models"
     v1 = make_version(models, "v1", scale_model(1.0).SerializeToString())
