@@ -78,10 +78,20 @@ CODES = {
     "job_not_yet_valid": "The signed job's not-before time is in the future (check the clock).",
     "job_expired": "The signed job's expiry time has passed.",
     "job_replayed": "The signed job's sequence is not above the last one accepted from its key.",
-    "rate_limited": "Too many new jobs in a short time; send it again later under a new id.",
+    "rate_limited": "Too many new jobs in a short time (send it again later under a new id), or "
+    "too many requests from one user on the app socket (ask again later).",
     "unauthorized": "A dashboard action came without the service's token, or the dashboard is "
     "read-only (no --dashboard-token-file).",
     "no_previous_engine": "A rollback names a model with no previous engine on the device.",
+    "bad_model_name": "A model name is not ^[a-z0-9][a-z0-9_.-]{0,63}$.",
+    "bad_model_version": "A model version is not ^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$ (or is . "
+    "or ..).",
+    "agent_unreachable": "The agent's app socket does not answer (the daemon is not running, or "
+    "the socket path is wrong).",
+    "handoff_failed": "Handing a model version to the application failed before the switch "
+    "(repository or config files, the app's API); the previous version stays.",
+    "app_not_allowed": "A process that is not the configured app user or group (nor root, nor "
+    "the agent itself) spoke on the app socket.",
     "internal_error": "An unexpected error; the message carries the details.",
 }
 

@@ -1,0 +1,254 @@
+"""The app socket (SO_PEERCRED checks, one bounded JSON line, rate limit, connection cap) and the
+client library (current, watch, report_health, commit) against a real AF_UNIX socket and a
+temporary models_dir."""
+
+import json
+import os
+import queue
+import re
+import shutil
+import socket
+import tempfile
+
+import pytest
+
+from agent import client
+from agent.device.app_socket import AppSocket, TokenBucket, groups_of
+from agent.errors import CODES, AgentError
+
+NOBODY = 65534
+
+
+def echo(request, peer):
+    if request.get("name") == "boom":
+        raise AgentError("bad_argument", "expected another name, found boom")
+    return {"ok": True, "op": request["op"], "uid": peer["uid"], "request": request}
+
+
+@pytest.fixture
+def sock_dir():
+    # Traversable by another uid (pytest's tmp_path is 0700 under root's folder).
+    path = tempfile.mkdtemp(prefix="appsock-", dir="/tmp")
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def ask(path, payload, shut=False):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(path)
+        try:
+            s.sendall(payload)
+        except BrokenPipeError:
+            pass  # refused before reading: the refusal is there to read
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    return json.loads(data)
+
+
+def test_allowed_request_reaches_the_handler_and_the_socket_file_is_0660(sock_dir):
+    path = os.path.join(sock_dir, "app.sock")
+    open(path, "w").close()
+    os.unlink(path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(path)  # a stale socket from a killed daemon: replaced at start
+    stale.close()
+    with AppSocket(path, [], [os.getgid()], echo):
+        st = os.stat(path)
+        assert oct(st.st_mode & 0o777) == "0o660" and st.st_gid == os.getgid()
+        reply = ask(path, b'{"op": "list"}\n')
+        assert reply["ok"] and reply["uid"] == os.getuid()
+        reply = ask(path, b'{"op": "commit", "name": "boom"}\n')
+        assert reply == {"ok": False, "error": {"code": "bad_argument",
+                                                "message": "expected another name, found boom"}}
+    assert not os.path.exists(path)
+
+
+def test_a_regular_file_in_the_way_is_not_removed(sock_dir):
+    path = os.path.join(sock_dir, "app.sock")
+    open(path, "w").close()
+    with pytest.raises(AgentError) as info:
+        AppSocket(path, [], [], echo).start()
+    assert info.value.code == "bad_config" and os.path.isfile(path)
+
+
+@pytest.mark.parametrize("payload, needle", [
+    (b"x" * 5000, "at most 4096 bytes"),
+    (b"[1, 2]\n", "expected a JSON object"),
+    (b"{\"op\": \"reboot\"}\n", "expected op to be one of"),
+    (b"{\"op\": \"health\", \"name\": \"det\", \"version\": \"v1\", \"ok\": \"yes\"}\n",
+     "expected \"ok\": true or false"),
+    (b"{\"op\": \"commit\"}\n", "expected a model name"),
+    (b"{nope\n", "does not parse"),
+    (b"\n", "empty"),
+])
+def test_bad_lines_are_refused(sock_dir, payload, needle):
+    path = os.path.join(sock_dir, "app.sock")
+    with AppSocket(path, [], [], echo):
+        reply = ask(path, payload)
+    assert reply["ok"] is False and reply["error"]["code"] == "bad_message"
+    assert needle in reply["error"]["message"]
+
+
+def test_half_sent_line_hits_the_read_deadline(sock_dir):
+    path = os.path.join(sock_dir, "app.sock")
+    with AppSocket(path, [], [], echo, read_timeout_s=0.3):
+        reply = ask(path, b'{"op": "li')
+    assert reply["error"]["code"] == "bad_message"
+    assert "within 0.3 s, found 10 bytes" in reply["error"]["message"]
+
+
+def test_rate_limit_per_uid_and_connection_cap(sock_dir):
+    path = os.path.join(sock_dir, "app.sock")
+    with AppSocket(path, [], [], echo, rate_per_s=0.001, burst=3):
+        codes = [ask(path, b'{"op": "list"}\n').get("error", {}).get("code") for _ in range(5)]
+    assert codes == [None, None, None, "rate_limited", "rate_limited"]
+    with AppSocket(path, [], [], echo, max_concurrent=1, read_timeout_s=5) as app:
+        holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        holder.connect(path)
+        holder.sendall(b'{"op": ')  # holds the only slot until its deadline
+        reply = ask(path, b'{"op": "list"}\n')
+        assert reply["error"]["code"] == "rate_limited" and "at once" in \
+            reply["error"]["message"]
+        holder.sendall(b'"list"}\n')
+        assert json.loads(holder.makefile("rb").readline())["ok"] is True
+        holder.close()
+        assert app.counts["refused"] == 1
+
+
+def test_token_bucket_refills():
+    bucket = TokenBucket(rate_per_s=2, burst=2)
+    assert [bucket.take(7, now=0.0) for _ in range(3)] == [True, True, False]
+    assert bucket.take(7, now=0.5) is True and bucket.take(7, now=0.5) is False
+    assert bucket.take(8, now=0.5) is True  # per uid
+
+
+def as_other_user(path, uid, gid):
+    """A forked child drops to uid/gid (no supplementary groups), asks, and pipes back the
+    reply (only raw socket and os calls in the child: safe after fork)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        status = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(b'{"op": "list"}\n')
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            os.write(write_end, data)
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        data = f.read()
+    _pid, status = os.waitpid(pid, 0)
+    assert status == 0, "the child failed"
+    return json.loads(data)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="running a client as another uid needs root "
+                    "(setuid); the same-uid path is covered above")
+def test_peers_are_checked_by_uid_and_group(sock_dir):
+    path = os.path.join(sock_dir, "app.sock")
+    other_gid = 54321
+    with AppSocket(path, [], [other_gid], echo, socket_gid=other_gid):
+        os.chmod(path, 0o666)  # let the stranger reach the check itself
+        refused = as_other_user(path, NOBODY, NOBODY)
+        assert refused["error"]["code"] == "app_not_allowed"
+        assert "found uid {} (gid {})".format(NOBODY, NOBODY) in refused["error"]["message"]
+        allowed = as_other_user(path, NOBODY, other_gid)  # the app's group as primary gid
+        assert allowed["ok"] is True and allowed["uid"] == NOBODY
+    with AppSocket(path, [NOBODY], [], echo):
+        os.chmod(path, 0o666)
+        assert as_other_user(path, NOBODY, NOBODY)["ok"] is True
+
+
+def test_groups_of_includes_the_primary_group():
+    assert os.getgid() in groups_of(os.getuid(), os.getgid())
+    assert groups_of(2 ** 31 - 7, 4242) == [4242]  # no passwd entry: the primary group only
+
+
+# --- the client library -----------------------------------------------------------------
+
+def deploy(models, name, version, k):
+    folder = models / name / version
+    folder.mkdir(parents=True)
+    (folder / "model.engine").write_bytes(b"engine-" + version.encode())
+    (folder / "meta.json").write_text(json.dumps({"name": name, "version": version, "k": k}))
+    link = models / name / "current"
+    tmp = models / name / ".current.tmp"
+    os.symlink(version, str(tmp))
+    os.replace(str(tmp), str(link))  # new link + rename, as the daemon switches
+
+
+def test_current_resolves_link_engine_and_meta_together(tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    deploy(models, "det", "v1", 1)
+    found = client.current("det", str(models))
+    assert found == client.Current("det", "v1", str(models / "det" / "v1" / "model.engine"),
+                                   {"name": "det", "version": "v1", "k": 1})
+    monkeypatch.setenv("JETSON_AGENT_MODELS_DIR", str(models))
+    assert client.current("det").version == "v1"
+    with pytest.raises(client.ClientError) as info:
+        client.current("other")
+    assert info.value.code == "file_not_found"
+    with pytest.raises(client.ClientError) as info:
+        client.current("../etc")
+    assert info.value.code == "bad_model_name"
+
+
+def test_watch_calls_back_on_each_switch(tmp_path):
+    models = tmp_path / "models"
+    deploy(models, "det", "v1", 1)
+    seen = queue.Queue()
+    with client.watch("det", seen.put, str(models), interval_s=0.02):
+        deploy(models, "det", "v2", 2)
+        switched = seen.get(timeout=10)
+        assert (switched.version, switched.meta["k"]) == ("v2", 2)
+        deploy(models, "det", "v3", 3)
+        assert seen.get(timeout=10).version == "v3"
+    assert seen.empty()
+
+
+def test_health_and_commit_go_through_the_socket(sock_dir):
+    path = os.path.join(sock_dir, "app.sock")
+    with AppSocket(path, [], [], echo):
+        reply = client.report_health("det", "v2", False, "outputs off", socket_path=path)
+        assert reply["request"] == {"op": "health", "name": "det", "version": "v2", "ok": False,
+                                    "detail": "outputs off"}
+        assert client.commit("det", socket_path=path)["request"] == {"op": "commit",
+                                                                     "name": "det"}
+        with pytest.raises(client.ClientError) as info:
+            client.commit("boom", socket_path=path)
+        assert (info.value.code, info.value.message) == (
+            "bad_argument", "expected another name, found boom")
+        with pytest.raises(client.ClientError) as info:
+            client.report_health("det", "..", True, socket_path=path)
+        assert info.value.code == "bad_model_version"
+    with pytest.raises(client.ClientError) as info:
+        client.commit("det", socket_path=path)
+    assert info.value.code == "agent_unreachable"
+
+
+def test_every_code_the_client_raises_is_documented():
+    with open(client.__file__) as f:
+        used = set(re.findall(r'ClientError\("([a-z_]+)"', f.read()))
+    assert used and used <= set(CODES), used - set(CODES)
