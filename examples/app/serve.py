@@ -30,7 +30,8 @@ import signal
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from socketserver import ThreadingMixIn
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -45,6 +46,12 @@ from agent import client  # noqa: E402
 MAX_BODY = 1 << 20  # request bodies (64 floats a row: thousands of rows)
 MAX_ROWS = 4096
 CHECKS = os.path.join(HERE, "checks.npz")
+
+
+class ThreadingHTTPServer(ThreadingMixIn, HTTPServer):
+    """http.server's own is Python 3.7+; this app also runs on JetPack 4.6's Python 3.6."""
+
+    daemon_threads = True
 
 
 class Loaded(object):

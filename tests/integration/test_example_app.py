@@ -91,3 +91,49 @@ def test_app_refuses_an_engine_that_is_not_whole(tmp_path, models_dir):
     finally:
         app.stop()
         sock.close()
+
+
+def test_demo_flow_with_a_stand_in_agent(tmp_path, capsys):
+    """demo_flow.run_app_flow (what ./scripts/demo runs once the agent has named models), its
+    ``jetson-agent`` commands played by a stand-in that installs and activates each version on
+    two devices the daemon's way and rolls v3 back when the app reports it unhealthy."""
+    devices = {}
+    recorders = {}
+    for dev in ("jetson-a", "jetson-b"):
+        d = tmp_path / dev
+        d.mkdir()
+        devices[dev] = {"models_dir": str(d / "models"), "socket": str(d / "app.sock")}
+        recorders[dev] = fake_agent.SocketRecorder(devices[dev]["socket"])
+    commands = []
+
+    def run_cli(argv, env):
+        commands.append(argv)
+        version = argv[argv.index("--version") + 1]
+        folder = argv[argv.index("--model") + 1]
+        for where in devices.values():
+            fake_agent.install_version(where["models_dir"], "digits", version, folder)
+            fake_agent.activate(where["models_dir"], "digits", version)
+        verdicts = [recorders[dev].wait_for(lambda r: r.get("version") == version)["ok"]
+                    for dev in devices]
+        if all(verdicts):
+            return 0
+        for where in devices.values():  # the agent's automatic rollback
+            fake_agent.activate(where["models_dir"], "digits", "v2")
+        return 1
+
+    try:
+        codes = demo_flow.run_app_flow("mqtt://127.0.0.1:1", devices, ["--devices", "x"],
+                                       run_cli, {}, str(tmp_path))
+    finally:
+        for rec in recorders.values():
+            rec.close()
+    out = capsys.readouterr().out
+    assert codes == [0, 0], out
+    assert [c[c.index("--version") + 1] for c in commands] == ["v1", "v2", "v3"]
+    assert commands[2][-2:] == ["--abort-failure-rate", "1"]
+    assert "--labels" not in commands[2] and "--labels" in commands[1]
+    rows = [line.split() for line in out.splitlines() if line.startswith("jetson-")]
+    assert [r[:3] for r in rows] == [["jetson-a", "digits@v2", "v2"],
+                                     ["jetson-b", "digits@v2", "v2"]], out
+    for r in rows:
+        assert r[3] == "1" and r[-2] == "0" and r[-1] == "v3", out  # switches, failed, rejected
