@@ -8,7 +8,7 @@ the running interpreter's base Python whose ``.pth`` file adds the running (shar
 site-packages, and ``pip install --no-deps --no-build-isolation`` of the export into it. Only
 ``agent``/``calib`` differ from the shared venv; every third-party package is the shared one.
 The cache: ``$JETSON_AGENT_COMPAT_CACHE`` or ``<repo>/.compat/<commit>``, reused while its
-``ready`` marker names the commit.
+``ready`` marker names the commit and the site-packages it borrows.
 """
 
 import fcntl
@@ -99,10 +99,11 @@ def install(commit: str = PREVIOUS_RELEASE, root: Optional[str] = None) -> Previ
     check_history(commit)
     root = root or cache_dir(commit)
     marker = os.path.join(root, "ready")
+    stamp = "\n".join([commit] + shared_site_packages()) + "\n"
     os.makedirs(os.path.dirname(root) or ".", exist_ok=True)
     with open(root + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # parallel test processes build it once
-        if _ready(marker, commit):
+        if _ready(marker, stamp):
             return PreviousRelease(root, commit)
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
@@ -131,13 +132,13 @@ def install(commit: str = PREVIOUS_RELEASE, root: Optional[str] = None) -> Previ
             raise RuntimeError("the previous release's venv imports agent from {}, expected "
                                "its own site-packages {}".format(where, purelib))
         with open(marker, "w") as f:
-            f.write(commit + "\n")
+            f.write(stamp)
         return release
 
 
-def _ready(marker: str, commit: str) -> bool:
+def _ready(marker: str, stamp: str) -> bool:
     try:
         with open(marker) as f:
-            return f.read().strip() == commit
+            return f.read() == stamp
     except OSError:
         return False
