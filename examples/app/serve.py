@@ -150,7 +150,7 @@ class App(object):
         with self.switch_lock:
             try:
                 cur = client.current(self.name, self.models_dir)
-            except client.ClientError as exc:
+            except Exception as exc:  # noqa: BLE001 - no link yet, or a half-made layout
                 log("no current version of {}: {}".format(self.name, exc))
                 return
             serving = self.serving
@@ -183,7 +183,7 @@ class App(object):
         try:
             client.report_health(self.name, version, ok, detail, socket_path=self.socket_path)
             entry["sent"] = True
-        except client.ClientError as exc:
+        except Exception as exc:  # noqa: BLE001 - the daemon refused or is not there
             entry["sent"] = False
             entry["error"] = str(exc)
             log("health report for {}@{} not taken: {}".format(self.name, version, exc))
@@ -307,7 +307,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="seconds between looks at the current link (default 0.05)")
     args = parser.parse_args(argv)
 
-    app = App(args.name, client.models_dir_default(args.models_dir), args.socket,
+    # The client's own defaults (contract): $JETSON_AGENT_MODELS_DIR, else the service's.
+    models_dir = args.models_dir or os.environ.get("JETSON_AGENT_MODELS_DIR") \
+        or "/var/lib/jetson-agent/models"
+    app = App(args.name, models_dir, args.socket,
               load_checks(args.checks), args.min_accuracy, report=not args.no_report)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), handler_for(app))
     server.daemon_threads = True
