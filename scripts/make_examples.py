@@ -8,6 +8,11 @@ with the same library versions).
 - ``examples/digits/``: an MLP trained on scikit-learn's digits (1797 real 8x8 images, 70/30
   split), its calibration shards (training rows), inputs and fp32 goldens from the held-out
   rows, and the held-out labels; the fp32 accuracy goes into ``examples/README.md``.
+- ``examples/digits_v2/``: a second version of the classifier (64-96-32-10, same split) and its
+  fp32 goldens on the same inputs; ``examples/digits_v3_broken/``: v2 with its output classes
+  rotated by one (every digit d is answered as d-1) and goldens made from itself, so it passes the
+  agent's accuracy gate (top-1 agreement with its goldens) while the example app's own stored
+  checks (``examples/app/checks.npz``: held-out rows with their true labels) fail on it.
 
 Usage: ``python scripts/make_examples.py [--out DIR] [--check]``. ``--check`` regenerates into a
 temporary directory and lists the files that differ from the committed ones (exit 1 if any).
@@ -90,6 +95,47 @@ def make_fp16_max(out: str) -> Dict[str, Any]:
     return {"iterations": len(inputs)}
 
 
+APP_CHECK_ROWS = 50  # held-out rows the example app checks each new version on
+V2_HIDDEN = (96, 32)
+
+
+def rotate_classes(model, shift: int = 1):
+    """The classifier with its output classes rotated: logit j becomes the old logit
+    (j + shift) % 10, so a digit d is answered as d - shift. Same graph, same tensor names."""
+    from onnx import numpy_helper
+
+    broken = type(model)()
+    broken.CopyFrom(model)
+    for init in broken.graph.initializer:
+        if init.name in ("fc_out.weight", "fc_out.bias"):
+            arr = numpy_helper.to_array(init)
+            order = (np.arange(arr.shape[-1]) + shift) % arr.shape[-1]
+            init.CopyFrom(numpy_helper.from_array(
+                np.ascontiguousarray(arr[..., order]).astype(np.float32), init.name))
+    return broken
+
+
+def make_digits_versions(out: str) -> Dict[str, Any]:
+    """digits_v2 (retrained, wider) and digits_v3_broken (v2 with rotated classes), each with
+    fp32 goldens on examples/digits/inputs.json; the app's stored checks."""
+    model, (_x_train, _y_train, x_test, y_test) = digits_classifier(hidden=V2_HIDDEN)
+    inputs = golden.load_inputs(os.path.join(out, "digits", "inputs.json"))
+    info: Dict[str, Any] = {}
+    for name, version in (("digits_v2", model), ("digits_v3_broken", rotate_classes(model))):
+        d = os.path.join(out, name)
+        model_path = os.path.join(d, "model.onnx")
+        save_model(model_path, version)
+        outputs = fp32_outputs(model_path, inputs)
+        golden.save_outputs(os.path.join(d, "golden.json"), outputs)
+        logits = np.concatenate([o["logits"] for o in outputs], axis=0)
+        truth = y_test[:len(logits)]
+        info[name] = {"fp32_accuracy": float(np.mean(np.argmax(logits, axis=-1) == truth))}
+    save_npz(os.path.join(out, "app", "checks.npz"),
+             {"input": x_test[:APP_CHECK_ROWS].astype(np.float32),
+              "label": y_test[:APP_CHECK_ROWS].astype(np.int64)})
+    return info
+
+
 def make_digits(out: str) -> Dict[str, Any]:
     d = os.path.join(out, "digits")
     model, (x_train, _y_train, x_test, y_test) = digits_classifier()
@@ -165,24 +211,62 @@ jetson-agent fleet rollout --model examples/digits/model.onnx --calib examples/d
     --labels examples/digits/labels.npy --precision int8 --min-top1 0.95 \\
     --atol 0.5 --rtol 0.5 --check-error-stat mean --all
 ```
+
+## `digits_v2/` and `digits_v3_broken/`: later versions of the classifier for the app demo
+
+Named versions of the same model (`--name digits`) for `./scripts/demo`'s application part:
+the example inference app (`app/`, see its README) serves `digits` and checks every new version
+on its own stored rows before it takes it.
+
+| dir | what | fp32 accuracy on the held-out rows |
+|---|---|---|
+| `digits/` | v1 | {fp32_accuracy:.2%} |
+| `digits_v2/` | v2: retrained, 64-96-32-10, same split | {v2_accuracy:.2%} |
+| `digits_v3_broken/` | v3: v2 with its classes rotated (d answered d-1) | {v3_accuracy:.2%} |
+
+Each holds `model.onnx` and `golden.json` (its own fp32 logits on `digits/inputs.json`); they use
+`digits/`'s inputs, calibration and labels. v3's goldens come from v3 itself, so it passes the
+agent's gate (top-1 agreement with the goldens) like any other version; `app/checks.npz`
+({check_rows} held-out rows and their true labels) is what the app checks, and v3 fails there:
+the app reports it unhealthy and the agent rolls the device back to v2.
+
+```bash
+jetson-agent fleet rollout --name digits --version v3 \
+    --model examples/digits_v3_broken/model.onnx --calib examples/digits/calib \
+    --inputs examples/digits/inputs.json --golden examples/digits_v3_broken/golden.json \
+    --precision int8 --min-top1 0.95 --atol 0.5 --rtol 0.5 --check-error-stat mean --all
+```
 """
 
 
 def generate(out: str) -> Dict[str, Any]:
     fp16 = make_fp16_max(out)
     digits = make_digits(out)
+    versions = make_digits_versions(out)
     eval_rows, accuracy = int(digits["eval_rows"]), float(digits["fp32_accuracy"])
     text = README.format(
         fp16_iterations=fp16["iterations"], train_rows=digits["train_rows"],
         test_rows=1797 - int(digits["train_rows"]), calib_rows=digits["calib_rows"],
         calib_shards=DIGITS_CALIB_SHARDS, eval_rows=eval_rows,
         digits_iterations=digits["iterations"], iteration_rows=DIGITS_ITERATION_ROWS,
-        fp32_accuracy=accuracy, correct=int(round(accuracy * eval_rows)))
+        fp32_accuracy=accuracy, correct=int(round(accuracy * eval_rows)),
+        v2_accuracy=versions["digits_v2"]["fp32_accuracy"],
+        v3_accuracy=versions["digits_v3_broken"]["fp32_accuracy"],
+        check_rows=APP_CHECK_ROWS)
     write_bytes(os.path.join(out, "README.md"), text.encode("utf-8"))
     for dirpath, _, names in os.walk(out):  # atomic writes leave 0600; these are for sharing
         for name in names:
             os.chmod(os.path.join(dirpath, name), 0o644)
-    return {"fp16_max": fp16, "digits": digits}
+    return {"fp16_max": fp16, "digits": digits, "versions": versions}
+
+
+def generated(rel: str) -> bool:
+    """Whether a file under examples/ is this script's (the app's code and docs are written by
+    hand; compiled Python is nobody's)."""
+    parts = rel.split(os.sep)
+    if "__pycache__" in parts:
+        return False
+    return not (parts[0] == "app" and not rel.endswith(".npz"))
 
 
 def tree_digests(root: str) -> Dict[str, str]:
@@ -190,6 +274,8 @@ def tree_digests(root: str) -> Dict[str, str]:
     for dirpath, _, names in os.walk(root):
         for name in names:
             path = os.path.join(dirpath, name)
+            if not generated(os.path.relpath(path, root)):
+                continue
             with open(path, "rb") as f:
                 out[os.path.relpath(path, root)] = hashlib.sha256(f.read()).hexdigest()
     return out

@@ -5,7 +5,12 @@ bundled examples through ``jetson-agent fleet``:
 1. the digits classifier in int8 (calibrated on the device, gated on top-1 agreement with the
    fp32 goldens; the table shows its label accuracy next to fp32's);
 2. the FP16_MAX model in fp16 with a ``minimal`` precision search (the table shows the layers
-   kept in fp32).
+   kept in fp32);
+3. where the agent supports named models and the app socket (``examples/app/demo_flow.py``
+   ``supported``), the example inference app on each device under load: ``digits`` v1, then
+   v2 (committed by the app), then a broken v3 the app reports unhealthy and the agent rolls
+   back to v2; the table shows each device's ``name@version`` and the app's switch times and
+   failed requests (``--no-app`` leaves this part out).
 
 Everything it starts is stopped on the way out, also on Ctrl-C or a failure. Exit status 0
 when both rollouts succeeded on both devices.
@@ -30,6 +35,7 @@ if ROOT not in sys.path:
 
 DEVICES = ("jetson-a", "jetson-b")
 EXAMPLES = os.path.join(ROOT, "examples")
+APP = os.path.join(EXAMPLES, "app")
 
 
 def free_port() -> int:
@@ -217,7 +223,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="precision search mode for the FP16_MAX model (default minimal)")
     parser.add_argument("--timeout", type=float, default=90.0,
                         help="rollout timeout in seconds (default 90)")
+    parser.add_argument("--no-app", action="store_true",
+                        help="leave out the example app's part (v1 -> v2 -> broken v3)")
     args = parser.parse_args(argv)
+    if APP not in sys.path:
+        sys.path.insert(0, APP)
+    import demo_flow
+
+    with_app = not args.no_app and demo_flow.supported(ROOT)
 
     started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="jetson-agent-demo-")
@@ -253,6 +266,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         agent_conf = os.path.join(workdir, "agent.yaml")
         with open(agent_conf, "w") as f:
             f.write("security:\n  trusted_keys: [{}]\n".format(key["public_key"]))
+            if with_app:
+                f.write(demo_flow.app_config())
         for dev in DEVICES:
             children.start(dev, [sys.executable, "-m", "agent", "run", "--config", agent_conf,
                                  "--broker", broker, "--device-id", dev, "--state-dir",
@@ -280,6 +295,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             "--golden", os.path.join(fp16, "golden.json"),
             "--precision", "fp16", "--search", args.search, "--check-error-stat", "median",
             ] + common, env))
+        if with_app:
+            codes.extend(demo_flow.run_app_flow(
+                broker, {dev: {"models_dir": os.path.join(workdir, dev, "models"),
+                               "socket": os.path.join(workdir, dev, "app.sock")}
+                         for dev in DEVICES}, common, run_cli, env, workdir))
+        else:
+            print("\ndemo: the example app's part is left out ({})".format(
+                "--no-app" if args.no_app else "this agent has no named models or app "
+                "socket yet"))
         recorder.close()
         print("\nMessages on the wire during the demo (payload and topic bytes; an MQTT "
               "PUBLISH adds a few bytes of header):")

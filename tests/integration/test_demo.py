@@ -59,9 +59,11 @@ def test_demo_rolls_out_both_examples_and_cleans_up():
     assert "demo: OK: every device SUCCEEDED in both rollouts" in out
 
     tables = table_rows(out)
-    assert len(tables) == 2, out
-    digits, fp16 = tables
-    for rows in tables:
+    # The example app's part runs where the agent has named models (three more rollouts).
+    app_part = "The app on each device" in out
+    assert len(tables) == (5 if app_part else 2), out
+    digits, fp16 = tables[:2]
+    for rows in tables[:2]:
         assert [r.split()[0] for r in rows] == ["jetson-a", "jetson-b"], rows
         assert all(" SUCCEEDED " in r for r in rows), rows
     for row in digits:
@@ -72,6 +74,14 @@ def test_demo_rolls_out_both_examples_and_cleans_up():
     for row in fp16:
         assert " fp16* " in row and " Add,Sub:fp32 " in row, row
     assert "rollout digits-" in out and "rollout fp16_max-" in out
+    if app_part:  # each device back on v2 after the broken v3, no request failed
+        app_rows = [line.split() for line in out.split("The app on each device")[1].splitlines()
+                    if line.startswith("jetson-")]
+        assert [r[:3] for r in app_rows] == [["jetson-a", "digits@v2", "v2"],
+                                             ["jetson-b", "digits@v2", "v2"]], out
+        assert all(r[-2] == "0" and r[-1] == "v3" for r in app_rows), out
+    else:
+        assert "the example app's part is left out" in out
 
     # Message sizes were measured.
     assert re.search(r"^block\s+\d+", out, re.M) and re.search(r"^job_status\s+\d+", out, re.M)

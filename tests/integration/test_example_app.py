@@ -1,0 +1,139 @@
+"""The example app (examples/app/) on a models_dir laid out as the daemon lays it out, under load
+from its load generator: v1 -> v2 without a failed request, each version checked on the app's
+stored rows and reported healthy over the (stand-in) app socket; the broken v3 reported
+unhealthy and never served, v2 kept; the agent's rollback to v2 changes nothing for it."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+APP = os.path.join(ROOT, "examples", "app")
+EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, APP)
+
+import demo_flow  # noqa: E402
+import fake_agent  # noqa: E402
+from loadgen import LoadGen  # noqa: E402
+
+
+@pytest.fixture
+def models_dir(tmp_path):
+    d = str(tmp_path / "models")
+    for version, folder in demo_flow.VERSIONS:
+        fake_agent.install_version(d, "digits", version,
+                                   os.path.join(EXAMPLES, folder, "model.onnx"),
+                                   {"job_id": "job-" + version})
+    return d
+
+
+def test_app_switches_without_failing_and_reports_health(tmp_path, models_dir):
+    sock = fake_agent.SocketRecorder(str(tmp_path / "app.sock"))
+    app = demo_flow.AppProcess(str(tmp_path / "app"), "digits", models_dir, sock.path)
+    gen = None
+    try:
+        t_v1 = fake_agent.activate(models_dir, "digits", "v1")
+        app.start()
+        gen = LoadGen(app.url, threads=3).start()
+        first = app.wait_serving("v1", 30)
+        assert first["activated"] == pytest.approx(t_v1)
+        sock.wait_for(lambda r: r.get("version") == "v1" and r.get("ok") is True)
+
+        fake_agent.activate(models_dir, "digits", "v2")
+        switch = app.wait_serving("v2", 30)
+        assert 0 < switch["switch_s"] < 10
+        health = sock.wait_for(lambda r: r.get("version") == "v2")
+        assert health == {"op": "health", "name": "digits", "version": "v2", "ok": True,
+                          "detail": "50 stored rows answered correctly"}
+
+        fake_agent.activate(models_dir, "digits", "v3")
+        bad = sock.wait_for(lambda r: r.get("version") == "v3")
+        assert bad["ok"] is False
+        assert "expected label accuracy >= 90% on 50 stored rows, found" in bad["detail"]
+        stats = app.stats()
+        assert stats["serving"] == "v2"
+        assert [r["version"] for r in stats["rejected"]] == ["v3"]
+
+        fake_agent.activate(models_dir, "digits", "v2")  # the agent's rollback
+        served_before = app.stats()["requests"]
+        app.wait(lambda s: s["requests"] > served_before + 20, 30, "more requests")
+        summary = gen.stop()
+        gen = None
+    finally:
+        if gen is not None:
+            gen.stop()
+        final = app.stop()
+        sock.close()
+    assert summary["failed"] == 0, summary["failures"]
+    assert set(summary["by_version"]) == {"v1", "v2"}
+    assert final["failed"] == 0 and final["serving"] == "v2"
+    assert [w["version"] for w in final["switches"]] == ["v1", "v2"]
+    # every health report reached the socket
+    assert all(r["sent"] for r in final["reports"])
+    assert [(r["version"], r["ok"]) for r in final["reports"]] == [
+        ("v1", True), ("v2", True), ("v3", False)]
+
+
+def test_app_refuses_an_engine_that_is_not_whole(tmp_path, models_dir):
+    """meta.json's engine size is the check: a truncated engine is reported, not served."""
+    vdir = os.path.join(models_dir, "digits", "v1")
+    with open(os.path.join(vdir, "model.engine"), "r+b") as f:
+        f.truncate(100)
+    sock = fake_agent.SocketRecorder(str(tmp_path / "app.sock"))
+    app = demo_flow.AppProcess(str(tmp_path / "app"), "digits", models_dir, sock.path)
+    try:
+        fake_agent.activate(models_dir, "digits", "v1")
+        app.start()
+        bad = sock.wait_for(lambda r: r.get("version") == "v1")
+        assert bad["ok"] is False and "bytes (meta.json), found 100" in bad["detail"]
+        assert app.stats()["serving"] is None
+    finally:
+        app.stop()
+        sock.close()
+
+
+def test_demo_flow_with_a_stand_in_agent(tmp_path, capsys):
+    """demo_flow.run_app_flow (what ./scripts/demo runs once the agent has named models), its
+    ``jetson-agent`` commands played by a stand-in that installs and activates each version on
+    two devices the daemon's way and rolls v3 back when the app reports it unhealthy."""
+    devices = {}
+    recorders = {}
+    for dev in ("jetson-a", "jetson-b"):
+        d = tmp_path / dev
+        d.mkdir()
+        devices[dev] = {"models_dir": str(d / "models"), "socket": str(d / "app.sock")}
+        recorders[dev] = fake_agent.SocketRecorder(devices[dev]["socket"])
+    commands = []
+
+    def run_cli(argv, env):
+        commands.append(argv)
+        version = argv[argv.index("--version") + 1]
+        folder = argv[argv.index("--model") + 1]
+        for where in devices.values():
+            fake_agent.install_version(where["models_dir"], "digits", version, folder)
+            fake_agent.activate(where["models_dir"], "digits", version)
+        verdicts = [recorders[dev].wait_for(lambda r: r.get("version") == version)["ok"]
+                    for dev in devices]
+        if all(verdicts):
+            return 0
+        for where in devices.values():  # the agent's automatic rollback
+            fake_agent.activate(where["models_dir"], "digits", "v2")
+        return 1
+
+    try:
+        codes = demo_flow.run_app_flow("mqtt://127.0.0.1:1", devices, ["--devices", "x"],
+                                       run_cli, {}, str(tmp_path))
+    finally:
+        for rec in recorders.values():
+            rec.close()
+    out = capsys.readouterr().out
+    assert codes == [0, 0], out
+    assert [c[c.index("--version") + 1] for c in commands] == ["v1", "v2", "v3"]
+    assert commands[2][-2:] == ["--abort-failure-rate", "1"]
+    assert "--labels" not in commands[2] and "--labels" in commands[1]
+    rows = [line.split() for line in out.splitlines() if line.startswith("jetson-")]
+    assert [r[:3] for r in rows] == [["jetson-a", "digits@v2", "v2"],
+                                     ["jetson-b", "digits@v2", "v2"]], out
+    for r in rows:
+        assert r[3] == "1" and r[-2] == "0" and r[-1] == "v3", out  # switches, failed, rejected
