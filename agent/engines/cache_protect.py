@@ -44,13 +44,15 @@ def budget_report(cache: "EngineCache", entries: List[CacheEntry],
     """The sizes after an eviction: ``bytes`` (the entries the budget bounds),
     ``protected_bytes`` and ``protected`` (key, bytes, users), ``protected_over_budget``
     (logged as a warning: the protected entries alone exceed the budget; they stay)."""
+    kept = [e for e in entries if e.key in protected]
     held = [{"key": e.key, "bytes": e.size, "users": protected[e.key]}
-            for e in entries if e.key in protected]
-    held_bytes = sum(p["bytes"] for p in held)
+            for e in kept]  # type: List[Dict[str, Any]]
+    held_bytes = sum(e.size for e in kept)
     over = cache.budget_bytes is not None and held_bytes > cache.budget_bytes
     if over:
         log.warning("the engines in use (%s) alone take %d bytes, more than the cache budget "
-                    "of %d bytes; they stay", ", ".join(u for p in held for u in p["users"]),
+                    "of %d bytes; they stay", ", ".join(u for e in kept
+                                                        for u in protected[e.key]),
                     held_bytes, cache.budget_bytes)
     return {"budget_bytes": cache.budget_bytes, "bytes": unprotected_bytes,
             "protected_bytes": held_bytes, "protected": held, "evicted": evicted,
