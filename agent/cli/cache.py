@@ -177,13 +177,19 @@ def run(args: argparse.Namespace) -> int:
                     "  [in use: {}]".format(", ".join(e["in_use_by"])) if e["in_use_by"]
                     else ""))
     elif args.action == "verify":
+        users = cache.protected_users()
         out = cache.verify(load=engine_loader())
+        for bad in out["corrupt"]:
+            bad["in_use_by"] = users.get(bad["key"], [])
         if not args.json:
             print("checked {checked}: {ok} ok, {dropped} corrupt dropped, {stale_staging_removed}"
                   " stale staging directories removed".format(**out))
             for bad in out["corrupt"]:
-                print("corrupt {}: {}{}".format(bad["key"][:16], bad["problem"],
-                                                "" if bad["dropped"] else " (in use: kept)"))
+                print("corrupt {}: {}{}{}".format(
+                    bad["key"][:16], bad["problem"], "" if bad["dropped"] else " (in use: kept)",
+                    "; used by {}: deploy it again (`jetson-agent diag --verify` checks the "
+                    "deployed copy)".format(", ".join(bad["in_use_by"])) if bad["in_use_by"]
+                    else ""))
     elif args.action == "purge":
         key = _resolve_key([e.key for e in cache.ls()], args.key) if args.key else None
         out = cache.purge(everything=args.all, key=key, older_than_days=args.older_than,

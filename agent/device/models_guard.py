@@ -209,6 +209,18 @@ def protection(models_dir: Optional[str]) -> Callable[[], Dict[str, List[str]]]:
     return protected
 
 
+def worker_spec_fields(models_dir: Optional[str], group: Optional[str] = None
+                       ) -> Dict[str, Any]:
+    """What the daemon adds to a worker's job spec so that the job's builds never evict an
+    engine a version uses (``agent.worker.context.protected_from_spec``) and publish files the
+    app's group can read: ``protected_engines`` (key -> users) and ``engine_group``."""
+    out: Dict[str, Any] = {"protected_engines": protected_engines(models_dir)
+                           if models_dir else {}}
+    if group:
+        out["engine_group"] = group
+    return out
+
+
 def _digest(path: str, st: os.stat_result) -> str:
     ident = _identity(st)
     with _lock:

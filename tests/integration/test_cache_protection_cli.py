@@ -111,3 +111,15 @@ def test_diag_reports_a_missing_or_corrupt_deployed_engine_with_its_fix(device):
     text = cli("diag", "--no-jtop", "--models-dir", models, "--verify").stdout
     assert "[engine_missing]" in text and "[engine_sha256_mismatch]" in text
     assert "fix: the engine's bytes changed on disk: deploy detector@v1 again" in text
+
+
+def test_a_corrupt_engine_in_use_is_named_by_cache_verify_and_diag(device):
+    state, models, keys = device
+    with open(str(models / "detector" / "v2" / "model.engine"), "r+b") as f:
+        f.truncate(1000)  # a hard link: the cache entry is the same file
+    text = cli("cache", "verify", "--state-dir", state, expect=1).stdout
+    assert "corrupt {}".format(keys["v2"][:16]) in text
+    assert "used by detector@v2 (current): deploy it again" in text
+    report = json.loads(cli("diag", "--no-jtop", "--models-dir", models, "--json").stdout)
+    (bad,) = [p for p in report["problems"] if p["source"] == "models"]
+    assert bad["code"] == "engine_size_mismatch" and "detector@v2 has 1000 bytes" in bad["problem"]

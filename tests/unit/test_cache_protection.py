@@ -209,3 +209,22 @@ def test_an_app_user_in_the_group_reads_the_deployed_engine():
         assert _read_as(app_uid, 54999, [app_group], entry.engine_path) == 0
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_worker_job_keeps_the_engines_its_spec_names(setup, tmp_path):
+    # The daemon puts models_guard.worker_spec_fields into the job spec (JSON) it hands the
+    # worker, which cannot read the models directory's rules itself.
+    import json
+
+    from agent.worker.context import protected_from_spec
+
+    cache, models, protected = setup
+    spec = json.loads(json.dumps(models_guard.worker_spec_fields(str(models), group="0")))
+    assert spec["engine_group"] == "0"
+    worker_cache = EngineCache(cache.root, budget_bytes=0, clock=Clock(),
+                               protected=protected_from_spec(spec),
+                               group=spec["engine_group"])
+    new = _put(worker_cache, _hex(70), 10).key
+    assert {e.key for e in worker_cache.ls()} == set(protected) | {new}
+    assert protected_from_spec({"protected_engines": [protected[0]]})() == {protected[0]: []}
+    assert protected_from_spec({})() == {}
