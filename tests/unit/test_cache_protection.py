@@ -228,3 +228,18 @@ def test_a_worker_job_keeps_the_engines_its_spec_names(setup, tmp_path):
     assert {e.key for e in worker_cache.ls()} == set(protected) | {new}
     assert protected_from_spec({"protected_engines": [protected[0]]})() == {protected[0]: []}
     assert protected_from_spec({})() == {}
+
+
+def test_the_models_directory_is_found_like_the_daemon_finds_it():
+    from types import SimpleNamespace
+
+    from agent.cli.models_location import models_dir, models_group
+
+    args = SimpleNamespace(models_dir=None)
+    assert models_dir(args, "/s") == "/s/models"
+    assert models_dir(args, "/s", SimpleNamespace()) == "/s/models"  # a config without models
+    cfg = SimpleNamespace(models=SimpleNamespace(dir="/m", group="app"))
+    assert models_dir(args, "/s", cfg) == "/m" and models_group(cfg) == "app"
+    assert models_dir(args, "/s", SimpleNamespace(models={"dir": "/d"})) == "/d"
+    assert models_dir(SimpleNamespace(models_dir="/x"), "/s", cfg) == "/x"
+    assert models_group(SimpleNamespace(models=SimpleNamespace(dir=None))) is None
