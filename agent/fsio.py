@@ -39,12 +39,31 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the directory."""
+def current_umask() -> int:
+    """The process's umask, read without changing it where /proc says it (Linux >= 4.7)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def atomic_write(path: str, data: bytes, mode: Optional[int] = None) -> None:
+    """Write ``data`` to ``path`` atomically: temp file, fsync, rename, fsync of the directory.
+    The file is 0600 (the temporary file's mode) unless ``mode`` is given: then ``mode``
+    less the umask, as ``open`` would create it (0o644 under the service's UMask=0027: 0640,
+    readable by its group)."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode & ~current_umask() & 0o7777)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -18,7 +18,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from agent import fsio
 from agent import platform as plat
 from agent.cli import STATE_DIR_HELP
-from agent.device import config, config_schema
+from agent.cli.models_location import add_models_dir_arg, models_dir
+from agent.device import config, config_schema, models_guard
 from agent.device.state_lock import check_state_dir
 from agent.engines.backends.base import (
     BACKENDS,
@@ -120,7 +121,9 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
     g.add_argument("--state-dir", metavar="DIR", help=STATE_DIR_HELP)
     g.add_argument("--cache-budget", metavar="SIZE",
                    help="engine cache size budget, e.g. 2GiB (default: the config's "
-                        "cache.engine_budget_bytes)")
+                        "cache.engine_budget_bytes); the engines of the models directory's "
+                        "versions count outside it and are never evicted")
+    add_models_dir_arg(g)
 
 
 def parse_shapes(items: List[str]) -> Dict[str, Tuple[Shape, Shape, Shape]]:
@@ -219,7 +222,9 @@ def open_cache(args: argparse.Namespace) -> Tuple[EngineCache, str]:
             raise AgentError("bad_argument", exc.message)
     else:
         budget = config.CacheConfig().engine_budget_bytes
-    return EngineCache(os.path.join(state, "engines"), budget_bytes=budget), state
+    protected = models_guard.protection(models_dir(args, state))
+    return EngineCache(os.path.join(state, "engines"), budget_bytes=budget,
+                       protected=protected), state
 
 
 def progress_for(args: argparse.Namespace) -> ProgressBar:
@@ -279,7 +284,21 @@ def report(record: EngineRecord, backend: Backend, decision: plat.Decision) -> D
         "decision": decision.to_dict(),
         "details": result.get("details", {}),
     }
+    if record.budget_report:
+        out["cache_budget"] = record.budget_report
     return out
+
+
+def budget_note(budget: Dict[str, Any]) -> Optional[str]:
+    """The line that says the engines in use alone exceed the cache budget (None if not)."""
+    if not budget.get("protected_over_budget"):
+        return None
+    users = [u for p in budget["protected"] for u in p["users"]]
+    return ("note: the engines in use ({}: {}) alone take {} bytes, more than the cache budget "
+            "of {} bytes; they are kept (they count outside the budget)".format(
+                len(budget["protected"]), ", ".join(users[:6]) + (", ..." if len(users) > 6
+                                                                  else ""),
+                budget["protected_bytes"], budget["budget_bytes"]))
 
 
 def print_human(out: Dict[str, Any]) -> None:
@@ -307,6 +326,9 @@ def print_human(out: Dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     record, backend, decision = build_from_args(args, args.model)
     out = report(record, backend, decision)
+    note = budget_note(out.get("cache_budget") or {})
+    if note:
+        print(note, file=sys.stderr)
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:

@@ -1,7 +1,9 @@
 """``jetson-agent diag``: what this machine is, what it can run, and what to fix.
 
 Board, versions, support-matrix row and precisions, which backends are importable here, the
-telemetry source with one sample, and one line per problem with its fix. Problems are reported,
+telemetry source with one sample, the models directory's health (a dangling ``current``, a
+missing or truncated engine; ``--verify`` also checks each engine's sha256), and one line per
+problem with its fix. Problems are reported,
 not raised: the exit status is 0 whenever the inputs could be read. ``--json`` prints the report
 documented in docs/platform.md. ``--root DIR`` reads a recorded tree instead of this machine
 (backends are still this machine's).
@@ -16,6 +18,7 @@ from typing import Any, Dict, List, Optional
 from agent import __version__
 from agent import platform as plat
 from agent.cli import telemetry_view
+from agent.cli.models_location import add_models_dir_arg, models_dir
 from agent.device import telemetry
 
 # The daemon warns at start-up with the same fixes.
@@ -45,6 +48,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--config", metavar="FILE",
                    help="the daemon's config: report its security posture (TLS, signing); "
                         "default {} when it exists".format(DEFAULT_CONFIG))
+    add_models_dir_arg(p)
+    p.add_argument("--verify", action="store_true",
+                   help="also compare every deployed engine's sha256 with its meta.json "
+                        "(reads each engine once)")
     p.set_defaults(func=run)
 
 
@@ -92,8 +99,18 @@ def default_backend(info: plat.PlatformInfo, backends: Dict[str, Dict[str, Any]]
     return "onnxruntime" if backends["onnxruntime"]["usable"] else None
 
 
+def models_report(path: str, verify: bool = False) -> Dict[str, Any]:
+    """The models directory's health (``agent.device.models_guard.check_models``)."""
+    from agent.device import models_guard
+
+    problems = models_guard.check_models(path, verify=verify)
+    return {"dir": path, "exists": os.path.isdir(path), "verified": verify,
+            "problems": problems}
+
+
 def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] = None,
-            config_path: Optional[str] = None) -> Dict[str, Any]:
+            config_path: Optional[str] = None, models_path: Optional[str] = None,
+            verify: bool = False) -> Dict[str, Any]:
     """The diag report (see docs/platform.md). Raises AgentError only for unreadable inputs."""
     if not os.path.isdir(root):
         raise AgentError("file_not_found",
@@ -113,6 +130,8 @@ def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] =
     def add(items: List[Dict[str, str]], where: str) -> None:
         for item in items:
             entry = {"problem": item["problem"], "fix": item["fix"], "source": where}
+            if item.get("code"):
+                entry["code"] = item["code"]
             if not any(p["problem"] == entry["problem"] for p in problems):
                 problems.append(entry)
 
@@ -127,6 +146,10 @@ def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] =
 
         security = security_posture.posture(config.load(config_path))
         add(security["problems"], "security")
+    models = None
+    if models_path is not None:
+        models = models_report(models_path, verify)
+        add(models["problems"], "models")
     report = {
         "schema": SCHEMA,
         "agent_version": __version__,
@@ -141,6 +164,8 @@ def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] =
     }
     if security is not None:
         report["security"] = security
+    if models is not None:
+        report["models"] = models
     return report
 
 
@@ -201,6 +226,10 @@ def render(report: Dict[str, Any]) -> str:
             if sec["client_certificate"] else "") if sec["tls"] else "OFF"))
         rows.append(("job signing", "{}{}".format(sec["signing"], " (keys {})".format(
             ", ".join(sec["trusted_keys"])) if sec["trusted_keys"] else " (no trusted key)")))
+    models = report.get("models")
+    if models is not None:
+        rows.append(("models", "{}{}".format(models["dir"], "" if models["exists"]
+                                              else " (none deployed yet)")))
     width = max(len(k) for k, _ in rows)
     lines = ["jetson-agent {} diag{}".format(report["agent_version"],
                                              "  (root " + report["root"] + ")"
@@ -215,10 +244,29 @@ def render(report: Dict[str, Any]) -> str:
     if report["problems"]:
         lines.append("problems ({}):".format(len(report["problems"])))
         for prob in report["problems"]:
-            lines.append("  - {}\n      fix: {}".format(prob["problem"], prob["fix"]))
+            lines.append("  - {}{}\n      fix: {}".format(
+                prob["problem"], " [{}]".format(prob["code"]) if prob.get("code") else "",
+                prob["fix"]))
     else:
         lines.append("no problems found")
     return "\n".join(lines)
+
+
+def _models_path(args: argparse.Namespace, config_path: Optional[str]) -> Optional[str]:
+    """--models-dir, else the daemon's (from its config), else the default state directory's;
+    None for a recorded --root tree (its models are not on this machine)."""
+    if args.models_dir:
+        return os.path.abspath(args.models_dir)
+    if args.root not in ("/", "") and os.path.abspath(args.root) != "/":
+        return None
+    if config_path is not None:
+        from agent.cli.status import daemon_dirs
+
+        cfg, state, _cache = daemon_dirs(config_path)
+        return models_dir(args, state, cfg)
+    from agent import fsio
+
+    return models_dir(args, fsio.state_dir())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,7 +274,8 @@ def run(args: argparse.Namespace) -> int:
     if config_path is None and os.path.isfile(DEFAULT_CONFIG):
         config_path = DEFAULT_CONFIG
     report = collect(args.root, use_jtop=not args.no_jtop, matrix_path=args.matrix,
-                     config_path=config_path)
+                     config_path=config_path, models_path=_models_path(args, config_path),
+                     verify=args.verify)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=False, default=str))
     else:

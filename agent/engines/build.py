@@ -49,6 +49,9 @@ class EngineRecord(object):
         self.cache_hit = cache_hit
         self.result = result
         self.seconds = seconds
+        # The cache's budget report after publishing this engine (empty on a hit): sizes,
+        # evicted keys, and the protected entries when they alone exceed the budget.
+        self.budget_report = {}  # type: Dict[str, Any]
 
     def to_dict(self) -> Dict[str, Any]:
         return {
@@ -267,5 +270,7 @@ def build_engine(
     result_dict = dict(result_dict)
     result_dict["engine"] = entry.engine_path
     log.info("built engine %s in %.2f s", final_key[:16], time.monotonic() - started)
-    return EngineRecord(final_key, entry.engine_path, False, result_dict,
-                        time.monotonic() - started)
+    record = EngineRecord(final_key, entry.engine_path, False, result_dict,
+                          time.monotonic() - started)
+    record.budget_report = dict(cache.budget_report)
+    return record

@@ -14,6 +14,10 @@ size and sha256 of every file against meta.json; a corrupt entry is dropped so t
 rebuilds it. After each publish, least-recently-used entries are evicted down to the budget,
 skipping the entry just published and any entry whose lock is held.
 
+Protected entries (``cache_protect``: the versions of the daemon's models directory, passed in
+as ``protected``, and engines hard-linked from outside) are never evicted, nor purged without
+``force``; they count outside the budget. Published files are readable by the service's group.
+
 Beside it: ``cache_key`` (the key), ``cache_entry`` (an entry's files and checks),
 ``cache_lock`` (flock), ``cache_files`` (fsync'd writes, ``disk_full``) and ``cache_upkeep``
 (``verify``, stale staging, ``engine_loader``).
@@ -29,10 +33,10 @@ import os
 import shutil
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from agent import fsio
-from agent.engines import cache_lock, cache_upkeep
+from agent.engines import cache_lock, cache_protect, cache_upkeep
 from agent.engines.cache_entry import (
     ENGINE,
     META,
@@ -43,11 +47,22 @@ from agent.engines.cache_entry import (
     load_entry,
     read_meta,
 )
-from agent.engines.cache_files import copy_file, dir_size, disk_full_errors, make_dirs, write_file
+from agent.engines.cache_files import (
+    copy_file,
+    dir_size,
+    disk_full_errors,
+    make_dirs,
+    resolve_group,
+    share,
+    write_file,
+)
 from agent.engines.cache_key import FORMAT, canonical_json
 from agent.errors import AgentError
 
 log = logging.getLogger(__name__)
+
+# key -> who uses it ("name@version (current)", ...): what eviction and purge must keep.
+Protected = Callable[[], Mapping[str, Sequence[str]]]
 
 
 class EngineCache(object):
@@ -59,6 +74,8 @@ class EngineCache(object):
         budget_bytes: Optional[int] = None,
         clock: Optional[Callable[[], float]] = None,
         lock_timeout: Optional[float] = None,
+        protected: Optional[Protected] = None,
+        group: Union[None, int, str] = None,
     ) -> None:
         self.root = os.path.abspath(root or os.path.join(fsio.state_dir(), "engines"))
         if budget_bytes is not None and budget_bytes < 0:
@@ -67,6 +84,9 @@ class EngineCache(object):
         self.budget_bytes = budget_bytes
         self.clock = clock or time.time
         self.lock_timeout = lock_timeout
+        self.protected = protected
+        self.gid = resolve_group(group)
+        self.budget_report: Dict[str, Any] = {}  # the last eviction's (see ``evict``)
         self.counters = {"hits": 0, "misses": 0, "corrupt": 0, "evicted": 0, "published": 0}
         for sub in ("tmp", "locks"):
             make_dirs(os.path.join(self.root, sub), exist_ok=True)
@@ -197,6 +217,7 @@ class EngineCache(object):
         write_file(os.path.join(stage.path, META), canonical_json(meta))
         write_file(os.path.join(stage.path, STAMP), b"")
         os.utime(os.path.join(stage.path, STAMP), (now, now))
+        share(stage.path, self.gid)
         fsio.fsync_dir(stage.path)
         final = self.entry_dir(key)
         os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -277,18 +298,31 @@ class EngineCache(object):
         entries.sort(key=lambda e: e.last_used, reverse=True)
         return entries
 
+    def protected_users(self, entries: Optional[List[CacheEntry]] = None
+                        ) -> Dict[str, List[str]]:
+        """key -> who uses it, for the entries that must stay (``cache_protect``)."""
+        return cache_protect.protected_users(self, self.ls() if entries is None else entries)
+
     def evict(self, keep: Optional[str] = None) -> List[str]:
-        """Drop least-recently-used entries until the total fits the budget. Never drops
-        ``keep`` or an entry whose lock someone holds."""
+        """Drop least-recently-used entries until the unprotected ones fit the budget. Never
+        drops ``keep``, a protected entry or one whose lock someone holds. ``budget_report``
+        then holds the sizes and the protected entries (``protected_over_budget`` when they
+        alone exceed the budget)."""
         if self.budget_bytes is None:
             return []
         entries = self.ls()
-        total = sum(e.size for e in entries)
-        evicted = []
+        try:
+            protected = self.protected_users(entries)
+        except (OSError, ValueError, AgentError) as exc:  # unknown what is in use: keep all
+            log.warning("not evicting: cannot tell which engines are in use (%s)", exc)
+            self.budget_report = {"budget_bytes": self.budget_bytes, "error": str(exc)}
+            return []
+        total = sum(e.size for e in entries if e.key not in protected)
+        evicted: List[str] = []
         for entry in reversed(entries):  # oldest first
             if total <= self.budget_bytes:
                 break
-            if entry.key == keep:
+            if entry.key == keep or entry.key in protected:
                 continue
             if self.drop_if_unlocked(entry.key):
                 total -= entry.size
@@ -296,6 +330,7 @@ class EngineCache(object):
                 self.counters["evicted"] += 1
                 log.info("evicted engine %s (%d bytes) to fit the cache budget of %d bytes",
                          entry.key[:16], entry.size, self.budget_bytes)
+        self.budget_report = cache_protect.budget_report(self, entries, protected, total, evicted)
         return evicted
 
     def verify(self, load: Optional[Callable[[CacheEntry], None]] = None
@@ -308,36 +343,59 @@ class EngineCache(object):
         everything: bool = False,
         key: Optional[str] = None,
         older_than_days: Optional[float] = None,
-    ) -> Dict[str, List[str]]:
+        force: bool = False,
+    ) -> Dict[str, Any]:
         """Remove all entries, one key, or those unused for ``older_than_days``. Entries in
-        use are skipped and reported."""
+        use by a build are skipped (``skipped_in_use``); protected ones are kept
+        (``kept_protected``: key, bytes, users) unless ``force`` (then removed with a warning
+        and listed in ``forced_protected``)."""
         if not everything and key is None and older_than_days is None:
             raise AgentError("bad_argument", "purge needs --all, --key KEY or --older-than DAYS")
         cutoff = None if older_than_days is None else self.clock() - older_than_days * 86400.0
         removed: List[str] = []
         skipped: List[str] = []
+        kept: List[Dict[str, Any]] = []
+        forced: List[Dict[str, Any]] = []
         if key is not None and not os.path.isdir(self.entry_dir(key)):
             raise AgentError("bad_argument", "no cache entry has key {!r}".format(key))
-        for entry in self.ls():
+        entries = self.ls()
+        protected = self.protected_users(entries)
+        for entry in entries:
             if key is not None and entry.key != key:
                 continue
             if cutoff is not None and entry.last_used >= cutoff:
                 continue
+            users = protected.get(entry.key)
+            held = {"key": entry.key, "bytes": entry.size, "users": users}
+            if users and not force:
+                kept.append(held)
+                continue
             if self.drop_if_unlocked(entry.key):
                 removed.append(entry.key)
+                if users:
+                    forced.append(held)
+                    log.warning("removed engine %s although %s use%s it (--force)",
+                                entry.key[:16], ", ".join(users), "s" if len(users) == 1
+                                else "")
             else:
                 skipped.append(entry.key)
         if everything:
             cache_upkeep.clean_staging(self)
-        return {"removed": removed, "skipped_in_use": skipped}
+        return {"removed": removed, "skipped_in_use": skipped, "kept_protected": kept,
+                "forced_protected": forced}
 
     def stats(self) -> Dict[str, Any]:
         entries = self.ls()
+        protected = self.protected_users(entries)
+        held = sum(e.size for e in entries if e.key in protected)
         out: Dict[str, Any] = {
             "root": self.root,
             "entries": len(entries),
             "bytes": sum(e.size for e in entries),
             "budget_bytes": self.budget_bytes,
+            "protected_entries": sum(1 for e in entries if e.key in protected),
+            "protected_bytes": held,
+            "protected_over_budget": self.budget_bytes is not None and held > self.budget_bytes,
         }
         out.update(self.counters)
         return out

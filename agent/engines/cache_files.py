@@ -1,5 +1,7 @@
-"""Files written into the engine cache: fsync'd, streamed a block at a time, and a full disk
-reported as ``disk_full`` (the stable code a controller can act on) instead of an OSError.
+"""Files written into the engine cache: fsync'd, streamed a block at a time, a full disk
+reported as ``disk_full`` (the stable code a controller can act on) instead of an OSError, and
+readable by the service's group (``share``: 0640 files / 0750 directories of a configured
+group, else 0644 less the umask, whatever mode the backend wrote them with).
 
 Worker side: Python >= 3.6.
 """
@@ -7,9 +9,11 @@ Worker side: Python >= 3.6.
 import contextlib
 import errno
 import os
-from typing import Iterable, Iterator
+import stat
+from typing import Iterable, Iterator, Optional, Union
 
 from agent.errors import AgentError
+from agent.fsio import current_umask
 
 _CHUNK = 1 << 20
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -71,3 +75,43 @@ def dir_size(path: str) -> int:
         except OSError:
             pass
     return total
+
+
+def resolve_group(group: Union[None, int, str]) -> Optional[int]:
+    """A group id from a gid or a group name (None: no group configured)."""
+    if group is None or group == "":
+        return None
+    if isinstance(group, int) or str(group).isdigit():
+        return int(group)
+    import grp
+
+    try:
+        return grp.getgrnam(str(group)).gr_gid
+    except KeyError:
+        raise AgentError("bad_argument", "expected the name or id of an existing group for the "
+                         "engine files, found {!r}".format(group))
+
+
+def share(path: str, gid: Optional[int] = None) -> None:
+    """Make the files directly in ``path`` (and ``path``) readable by the group: with ``gid``
+    files 0640 and the directory 0750 of that group, else files 0644 less the umask (the
+    backends write through temporary files, which are 0600)."""
+    mask = current_umask()
+    with os.scandir(path) as it:
+        for item in it:
+            if item.is_symlink() or not item.is_file():
+                continue
+            _set(item.path, 0o640 if gid is not None else 0o644 & ~mask, gid)
+    if gid is not None:
+        _set(path, 0o750, gid)
+
+
+def _set(path: str, mode: int, gid: Optional[int]) -> None:
+    st = os.lstat(path)
+    if gid is not None and st.st_gid != gid:
+        try:
+            os.chown(path, -1, gid)
+        except OSError:
+            pass  # not a member of the group: the mode still applies to the current group
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)

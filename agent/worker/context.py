@@ -24,6 +24,18 @@ MAX_LISTED = 20  # list entries kept in a job result (evaluations, layers)
 PROGRESS_INTERVAL_S = 0.25
 
 
+def protected_from_spec(spec: Dict[str, Any]) -> Callable[[], Dict[str, List[str]]]:
+    """The engines this job's builds must not evict: the spec's ``protected_engines`` (key ->
+    users, or a list of keys), which the daemon reads from its models directory
+    (``agent.device.models_guard.protected_engines``) when it starts the job."""
+    given = spec.get("protected_engines") or {}
+    table = dict(given) if isinstance(given, dict) else {str(k): [] for k in given}
+
+    def protected() -> Dict[str, List[str]]:
+        return {str(k): [str(u) for u in (v or [])] for k, v in table.items()}
+    return protected
+
+
 class Progress(object):
     """``progress(stage, done, total)`` -> rate-limited progress lines."""
 
@@ -118,7 +130,9 @@ class JobContext(object):
             raise AgentError("empty_calibration_data", "plan precision {} needs calibration data: "
                              "send a 'calibration' artifact".format(self.plan.precision))
         self.backend = get_backend(spec["backend"])
-        self.cache = EngineCache(spec["cache_dir"], spec.get("engine_budget_bytes"))
+        self.cache = EngineCache(spec["cache_dir"], spec.get("engine_budget_bytes"),
+                                 protected=protected_from_spec(spec),
+                                 group=spec.get("engine_group"))
         self.share = {}  # type: Dict[str, Any]  # fleet engine sharing: built or adopted
 
     def build(self, use_shared: bool = True) -> Any:

@@ -201,7 +201,8 @@ def test_purge_all_key_and_older_than(tmp_path):
         cache.purge(key=b)
     assert err.value.code == "bad_argument"
     with cache.pin(c):
-        assert cache.purge(everything=True) == {"removed": [], "skipped_in_use": [c]}
+        assert cache.purge(everything=True) == {"removed": [], "skipped_in_use": [c],
+                                                "kept_protected": [], "forced_protected": []}
     assert cache.purge(everything=True)["removed"] == [c]
     assert cache.ls() == []
     with pytest.raises(AgentError):
