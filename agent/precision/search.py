@@ -83,10 +83,15 @@ class Search(object):
         suspects: int = 0,
         max_evaluations: Optional[int] = None,
         prior: Optional[Sequence[Tuple[FrozenSet[str], bool, Dict[str, Any]]]] = None,
-        stall: int = strategies.STALL_LIMIT,
+        stall: Optional[int] = None,
     ) -> None:
         """``prior``: evaluations the driver ran before the search (the check of the plan as
-        asked, before any instrumented build): they count, and are never built again."""
+        asked, before any instrumented build): they count, and are never built again.
+        ``stall``: ``minimal`` stops shrinking after this many evaluations in a row removed
+        nothing; default ``strategies.STALL_LIMIT`` with the default budget, and no such stop
+        when the caller gives ``max_evaluations`` (that budget is spent as asked)."""
+        if stall is None:
+            stall = strategies.STALL_LIMIT if max_evaluations is None else 1 << 30
         check_mode(mode, direction)
         if len(set(layers)) != len(layers):
             raise AgentError("bad_argument", "layer names must be unique")

@@ -382,3 +382,23 @@ def test_rank_layers_puts_the_layers_that_introduce_error_first():
     assert row["layer"] == "B" and row["nonfinite_introduced"] == 1.0
     # int8 has no fixed range: only growth counts.
     assert [s.name for s in rank_layers(layers, ref, low, precision="int8")][0] == "B"
+
+
+def test_evaluation_lines_are_rate_limited_in_the_log(caplog):
+    import logging
+
+    from agent.precision.searcher import RateLimitedLog, evaluation_line
+
+    now = [0.0]
+    limited = RateLimitedLog(interval=10.0, clock=lambda: now[0])
+    entry = {"size": 3, "passed": False, "seconds": 1.25, "cache_hit": False}
+    with caplog.at_level(logging.INFO, logger="agent.precision.searcher"):
+        for i in range(1, 8):  # one evaluation every 3 s
+            limited(evaluation_line("minimal", i, 26, entry))
+            now[0] += 3.0
+        limited.flush()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "search minimal: evaluation 1/26: 3 layer(s) kept -> fail (1.25 s)"
+    assert lines[1].startswith("search minimal: evaluation 5/26") and "(3 more" in lines[1]
+    assert lines[-1].startswith("search minimal: evaluation 7/26") and "(1 more" in lines[-1]
+    assert len(lines) == 3
