@@ -12,6 +12,7 @@ completed, 1 when ``--max-evaluations`` stopped it first.
 
 import argparse
 import json
+import sys
 from typing import Any, Dict, List
 
 from agent.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
@@ -45,8 +46,9 @@ def add_parser(sub: Any) -> None:
                    "(no ranking; more evaluations)")
     p.add_argument("--max-evaluations", type=int, metavar="N",
                    help="evaluation budget: minimal shrinks its set with what is left after "
-                   "its bisect-bounded phase (default 2x bisect's + 4); other modes stop "
-                   "after N (the result is then partial)")
+                   "replaying worst-first and bisect (default 3x bisect's + 4, and it stops "
+                   "once 8 evaluations in a row removed nothing; a given N is spent as "
+                   "asked); other modes stop after N (the result is then partial)")
     p.add_argument("--preflight", action="store_true",
                    help="search on the host emulation first, then verify its set with one "
                    "build on the chosen backend, searching there only if it fails")
@@ -77,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         mode=args.mode, direction=args.direction, compare_options=opts,
         progress=progress_bar(args), max_evaluations=args.max_evaluations,
         keep_precision=args.keep_precision, calibration_dir=setup.calibration_dir,
-        instrument=not args.no_instrument)
+        instrument=not args.no_instrument, report=evaluation_lines(args))
     host = None
     try:
         if args.preflight:
@@ -101,6 +103,20 @@ def run(args: argparse.Namespace) -> int:
     if result.interrupted:
         return EXIT_INTERRUPTED
     return EXIT_OK if result.complete else EXIT_FAILED
+
+
+def evaluation_lines(args: argparse.Namespace) -> Any:
+    """One stderr line per evaluation (layers kept, verdict, time) when stderr is not a
+    terminal (a terminal gets the progress bar); nothing with -q."""
+    if getattr(args, "quiet", False):
+        return lambda line: None
+    if sys.stderr.isatty():
+        return lambda line: None
+
+    def write(line: str) -> None:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    return write
 
 
 def _g(x: Any) -> str:

@@ -110,7 +110,9 @@ def result_row(run: DeviceRun, status: Optional[Mapping[str, Any]] = None,
         "cache_hit": result.get("cache_hit"),
         "share": share_of(run, result),
         "search": ({k: run.search.get(k) for k in ("mode", "keep", "evaluations", "builds",
-                                                   "seconds", "passed", "prediction_passed")}
+                                                   "seconds", "passed", "prediction_passed",
+                                                   "one_minimal", "untested_removals",
+                                                   "untested_removals_count")}
                    if run.search else None),
         "seconds": (round(run.finished - run.started, 2)
                     if run.finished is not None and run.started is not None else None),

@@ -18,19 +18,22 @@ Modes:
 - ``worst-first``: layers ranked by the error each introduces (``agent.precision.ranking``, from the
   instrumented runs); the smallest passing prefix of that ranking, found by doubling then
   bisection;
-- ``minimal`` (default): bounded by bisect. Within a budget (``--max-evaluations``, by
-  default twice the fewest evaluations bisect needs on N layers, plus 4): the smallest passing
-  prefix of the ranking (galloping from the number of suspects, from the top when nearly all
-  must be kept), then one build that proves the set no larger than bisect's answer (or a
-  bisection inside the shorter prefix), then shrinking with what is left of the budget (group
-  testing, least suspicious first, then a 1-minimal check verified by builds). Never more
-  layers than bisect; with a good ranking the exact set (6 among 127 in <= 16 builds).
+- ``minimal`` (default): within a budget (``--max-evaluations``, by default three times the
+  fewest evaluations bisect needs on N layers, plus 4), worst-first's steps and bisect's
+  steps, sharing every evaluation (so its answer is never larger than either's), then
+  shrinking the smaller answer (group testing, least suspicious first, then one member at a
+  time) until the budget ends or ``strategies.STALL_LIMIT`` evaluations in a row removed
+  nothing.
+
+``one_minimal`` is computed, in every mode, from what was built: true only when the build
+without each member of the answer was evaluated and failed; ``untested_removals`` lists the
+members whose removal was never built.
 
 Worker side: Python 3.6.
 """
 
 import math
-from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence
+from typing import Any, Dict, FrozenSet, Iterable, List, Optional, Sequence, Tuple
 
 from agent.errors import AgentError
 from agent.precision import strategies
@@ -79,7 +82,16 @@ class Search(object):
         ranking: Optional[Sequence[str]] = None,
         suspects: int = 0,
         max_evaluations: Optional[int] = None,
+        prior: Optional[Sequence[Tuple[FrozenSet[str], bool, Dict[str, Any]]]] = None,
+        stall: Optional[int] = None,
     ) -> None:
+        """``prior``: evaluations the driver ran before the search (the check of the plan as
+        asked, before any instrumented build): they count, and are never built again.
+        ``stall``: ``minimal`` stops shrinking after this many evaluations in a row removed
+        nothing; default ``strategies.STALL_LIMIT`` with the default budget, and no such stop
+        when the caller gives ``max_evaluations`` (that budget is spent as asked)."""
+        if stall is None:
+            stall = strategies.STALL_LIMIT if max_evaluations is None else 1 << 30
         check_mode(mode, direction)
         if len(set(layers)) != len(layers):
             raise AgentError("bad_argument", "layer names must be unique")
@@ -87,6 +99,7 @@ class Search(object):
         self.mode = mode
         self.direction = direction
         self._index = {name: i for i, name in enumerate(self.layers)}
+        self.ranked = ranking is not None
         if ranking is None:
             ranking = self.layers if direction == "forward" else self.layers[::-1]
         unknown = [r for r in ranking if r not in self._index]
@@ -97,7 +110,7 @@ class Search(object):
         self.suspects = suspects
         self.budget = Budget(None)
         if mode == "minimal":
-            # The bounded default: a budget of twice bisect's evaluations + 4, or the caller's.
+            # The bounded default: three times bisect's evaluations + 4, or the caller's.
             if max_evaluations is None:
                 max_evaluations = strategies.default_budget(len(self.layers))
             self.budget = Budget(max_evaluations)
@@ -108,6 +121,11 @@ class Search(object):
         self.answer: Optional[List[str]] = None
         self.exhausted = False  # stopped by max_evaluations
         self._pending: Optional[FrozenSet[str]] = None
+        for keep, passed, info in prior or ():
+            keep = frozenset(keep)
+            if keep not in self.memo:
+                self.memo[keep] = bool(passed)
+                self.history.append(Evaluation(len(self.history) + 1, keep, bool(passed), info))
         if mode == "bisect":
             self._gen: Strategy = strategies.bisect(self.layers, direction)
         elif mode == "linear":
@@ -116,7 +134,7 @@ class Search(object):
             self._gen = strategies.worst_first(self.ranking)
         else:
             self._gen = strategies.minimal(self.ranking, self.layers, max(0, int(suspects)),
-                                           self.budget)
+                                           self.budget, ranked=self.ranked, stall=stall)
         self._started = False
         self._advance(None)
 
@@ -185,11 +203,20 @@ class Search(object):
         return self.answer is not None
 
     @property
+    def untested_removals(self) -> List[str]:
+        """Members of the answer (or of the best set so far) whose removal was never built."""
+        best = self.best() or []
+        kept = frozenset(best)
+        return [x for x in best if kept - {x} not in self.memo]
+
+    @property
     def one_minimal(self) -> bool:
-        """``minimal``: every member of the answer was shown needed (the budget did not stop
-        the shrinking first)."""
-        return self.complete and (self.mode != "minimal" or self.budget.phase == "done"
-                                  or not self.answer)
+        """Every member of the answer shown needed by a build: the answer without it was
+        evaluated and failed (any mode; the empty answer trivially)."""
+        if not self.complete or self.answer is None:
+            return False
+        kept = frozenset(self.answer)
+        return all(self.memo.get(kept - {x}) is False for x in kept)
 
     @property
     def total(self) -> int:

@@ -27,7 +27,9 @@ class SearchResult(object):
         self.complete = False
         self.interrupted = False
         self.exhausted = False
-        self.one_minimal = False  # every kept layer shown needed (not stopped by the budget)
+        self.one_minimal = False  # every removal from the answer built, and each failed
+        self.untested_removals: List[str] = []  # members whose removal was never built
+        self.out_of_reach: List[Dict[str, Any]] = []  # nodes with subgraphs, not searchable
         self.budget: Optional[int] = None
         self.ranking_cached = False
         self.predicted: Optional[List[str]] = None  # pre-flight: the set verified first
@@ -66,6 +68,8 @@ class SearchResult(object):
             ("exhausted", self.exhausted),
             ("partial", not self.complete),
             ("one_minimal", self.one_minimal),
+            ("untested_removals", list(self.untested_removals)),
+            ("out_of_reach", list(self.out_of_reach)),
             ("budget", self.budget),
             ("ranking_cached", self.ranking_cached),
             ("predicted", self.predicted),
@@ -137,16 +141,22 @@ def result_message(result: SearchResult) -> str:
     if not result.passed:
         return "{}: no passing set found yet after {} evaluations".format(
             how, result.evaluations)
+    reach = ""
+    if result.out_of_reach:
+        reach = "; nested subgraphs out of the search's reach: {}".format(", ".join(
+            "{} {!r} ({} nodes)".format(r["op"], r["node"], r["nodes_inside"])
+            for r in result.out_of_reach[:5]))
     if not result.keep:
         return "{}: the model passes with no layer kept in higher precision ({} " \
-               "evaluation(s))".format(how, result.evaluations)
+               "evaluation(s)){}".format(how, result.evaluations, reach)
     if result.prediction_passed:
         how = "done: the predicted set passed"
     text = "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
         how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
         result.layer_precisions)
-    if result.complete and not result.one_minimal and result.mode == "minimal" and \
-            result.budget is not None:
-        text += " (the budget of {} evaluations ended the shrinking: no more layers than " \
-                "bisect keeps; raise --max-evaluations for a smaller set)".format(result.budget)
-    return text
+    if result.complete and not result.one_minimal and result.untested_removals:
+        text += " (not shown 1-minimal: the removal of {} of them was never built{})".format(
+            len(result.untested_removals),
+            "; no more layers than bisect and worst-first keep, raise --max-evaluations "
+            "for a smaller set" if result.mode == "minimal" else "")
+    return text + reach

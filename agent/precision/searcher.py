@@ -33,7 +33,7 @@ from agent.engines.backends.base import (
 from agent.engines.build import EngineRecord, build_engine
 from agent.engines.cache import EngineCache
 from agent.errors import AgentError
-from agent.precision import golden
+from agent.precision import golden, strategies
 from agent.precision import ranking as scoring
 from agent.precision.compare import compare_outputs
 from agent.precision.comparison import Comparison
@@ -51,6 +51,50 @@ log = logging.getLogger(__name__)
 Feed = Dict[str, np.ndarray]
 # Iteration logs list the kept layers when there are at most this many (else only the size).
 LOG_KEEP_MAX = 64
+# Without a ``report`` callback, per-evaluation lines go to this module's log at most once per
+# this many seconds (the device worker's log): the skipped ones are counted in the next line.
+LOG_EVERY_S = 10.0
+Report = Callable[[str], None]
+
+
+class RateLimitedLog(object):
+    """``log.info`` of evaluation lines, at most one per ``interval`` seconds; the last line of
+    a search is always written (``flush``)."""
+
+    def __init__(self, interval: float = LOG_EVERY_S, clock: Callable[[], float] = time.monotonic
+                 ) -> None:
+        self.interval = interval
+        self.clock = clock
+        self._last: Optional[float] = None
+        self._skipped = 0
+        self._pending: Optional[str] = None
+
+    def __call__(self, line: str) -> None:
+        now = self.clock()
+        if self._last is not None and now - self._last < self.interval:
+            self._skipped += 1
+            self._pending = line
+            return
+        self._write(line)
+        self._last = now
+
+    def _write(self, line: str) -> None:
+        if self._skipped:
+            line = "{} ({} more evaluation(s) since the last line)".format(line, self._skipped)
+        log.info("%s", line)
+        self._skipped, self._pending = 0, None
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            self._skipped -= 1
+            self._write(self._pending)
+
+
+def evaluation_line(mode: str, index: int, total: int, entry: Dict[str, Any]) -> str:
+    """One line per evaluation: layers kept, verdict, time (progress without a terminal)."""
+    return "search {}: evaluation {}/{}: {} layer(s) kept -> {} ({:.2f} s{})".format(
+        mode, index, total, entry["size"], "pass" if entry["passed"] else "fail",
+        entry["seconds"], ", cached" if entry.get("cache_hit") else "")
 
 
 class _Verified(Exception):
@@ -71,13 +115,49 @@ def _run(backend: Backend, record: EngineRecord, inputs: Sequence[Feed]) -> List
 
 
 def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
-    """Float nodes that the plan runs in something other than ``keep_precision`` (keeping the
-    others changes nothing), in topological order."""
+    """Nodes that the plan runs in something other than ``keep_precision`` (keeping the others
+    changes nothing), in topological order: every node the build rounds, output nodes and
+    type-only nodes (an Identity after an If, a Cast) included."""
     assignment, _, _ = layer_precisions.resolve_precisions(model, plan.precision,
                                                            plan.layer_precisions)
-    return [name for name in layer_precisions.float_nodes(model)
-            if assignment.get(name, keep_precision) != keep_precision
-            and name not in plan.layer_precisions]
+    return [n.name for n in model.graph.node
+            if n.name in assignment and assignment[n.name] != keep_precision
+            and n.name not in plan.layer_precisions]
+
+
+def out_of_reach(model: Any) -> List[Dict[str, Any]]:
+    """Nodes with nested subgraphs (If / Loop / Scan): the search pins top-level nodes only,
+    so the nodes inside are out of its reach (the host emulation runs them in fp32)."""
+    found: List[Dict[str, Any]] = []
+
+    def count(graph: Any) -> int:
+        total = 0
+        for node in graph.node:
+            total += 1
+            for attr in node.attribute:
+                for g in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+                    total += count(g)
+        return total
+
+    for node in model.graph.node:
+        graphs = [a.g for a in node.attribute if a.HasField("g")] + \
+            [g for a in node.attribute for g in a.graphs]
+        if graphs:
+            found.append(OrderedDict([("node", node.name), ("op", node.op_type),
+                                      ("nodes_inside", sum(count(g) for g in graphs))]))
+    return found
+
+
+def _unreachable_text(reach: List[Dict[str, Any]], pinned: List[str]) -> str:
+    parts = []
+    if reach:
+        parts.append("out of the search's reach: the nodes inside {}".format(", ".join(
+            "{} {!r} ({} nodes)".format(r["op"], r["node"], r["nodes_inside"])
+            for r in reach[:5])))
+    if pinned:
+        parts.append("pinned by --layer-precisions to reduced precision, so never offered: "
+                     "{}".format(", ".join(pinned[:8])))
+    return "; ".join(parts)
 
 
 def run_search(
@@ -99,6 +179,7 @@ def run_search(
     instrument: bool = True,
     ranking_dir: Optional[str] = None,
     predicted: Optional[Sequence[str]] = None,
+    report: Optional[Report] = None,
 ) -> SearchResult:
     """Search which layers of ``model_path`` must run in ``keep_precision`` for ``plan`` (fp16,
     int8, or best = int8 with fp16 fallback) to pass the goldens.
@@ -112,7 +193,9 @@ def run_search(
     repeated search skips the instrumented runs. ``predicted`` (pre-flight, ``preflight``): a
     set to verify first with one build; the search runs only when it fails. Raises
     ``reference_mismatch`` when even every candidate kept fails, ``golden_mismatch`` when the
-    goldens do not fit the model's outputs."""
+    goldens do not fit the model's outputs. ``report``: called with one line per evaluation
+    (layers kept, verdict, time); default: this module's log, rate-limited
+    (``LOG_EVERY_S``)."""
     started = time.monotonic()
     check_mode(mode, direction)
     if plan.precision == "fp32":
@@ -134,6 +217,12 @@ def run_search(
     result.precision, result.keep_precision = plan.precision, keep_precision
     layers = _candidates(model, plan, keep_precision)
     result.candidates = len(layers)
+    result.out_of_reach = out_of_reach(model)
+    limited = RateLimitedLog() if report is None else None
+    # The total shown before the search exists (the check, the pre-flight build).
+    first_total = max_evaluations or (strategies.default_budget(len(layers))
+                                      if mode == "minimal" else 1)
+    say: Report = report if report is not None else limited  # type: ignore[assignment]
     build_progress = _quiet_builds(progress)
 
     def build(p: BuildPlan) -> EngineRecord:
@@ -167,9 +256,8 @@ def run_search(
         if len(keep) <= LOG_KEEP_MAX:
             entry["keep"] = list(keep)
         result.iterations.append(entry)
-        log.info("search %s: %d layer(s) kept -> %s (%.2f s%s)", mode, len(keep),
-                 "pass" if cmp.passed else "fail", entry["seconds"],
-                 ", cached" if record.cache_hit else "")
+        say(evaluation_line(mode, index, search.total if search is not None else first_total,
+                            entry))
         return cmp, entry
 
     try:
@@ -197,8 +285,20 @@ def run_search(
                 result.complete = result.passed = True
                 result.keep = keep0
                 raise _Verified()
+        prior: List[Tuple[frozenset, bool, Dict[str, Any]]] = []
+        if result.predicted is not None:  # it failed: the search never builds it again
+            prior.append((frozenset(result.predicted), False, result.iterations[-1]))
+        if layers and result.predicted != []:
+            # Check first: the plan as asked (nothing kept), before any instrumented build
+            # (at int8 this build calibrates once; every later one reuses the cache).
+            progress("checking", 0, 1)
+            cmp_e, entry_e = evaluate([], 1 + len(result.iterations))
+            progress("checking", 1, 1)
+            prior.append((frozenset(), cmp_e.passed, entry_e))
         ranking: Optional[List[str]] = None
-        if (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
+        if any(p[1] for p in prior):
+            pass  # it passes as asked: nothing to rank
+        elif (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
             if ranking_dir is None and calibration_dir:
                 ranking_dir = os.path.join(os.path.dirname(calibration_dir), "rankings")
             cached_path = os.path.join(ranking_dir, scoring.ranking_key(
@@ -218,7 +318,7 @@ def run_search(
             result.suspects = scoring.count_suspects(scores)
         result.ranking = ranking or []
         search = Search(layers, mode=mode, direction=direction, ranking=ranking,
-                                   suspects=result.suspects, max_evaluations=max_evaluations)
+                        suspects=result.suspects, max_evaluations=max_evaluations, prior=prior)
         result.budget = search.max_evaluations
         progress("searching", 0, search.total)
         while not search.done:
@@ -231,8 +331,13 @@ def run_search(
                 search.observe(cmp.passed, entry)
             except AgentError as exc:
                 if exc.code == "reference_mismatch":
-                    raise AgentError("reference_mismatch", "{}; with all kept: {}".format(
-                        exc.message, describe_needs(cmp)), {"comparison": cmp.to_dict()["outputs"]})
+                    pinned = [n for n, p in plan.layer_precisions.items() if p != keep_precision]
+                    extra = _unreachable_text(result.out_of_reach, pinned)
+                    raise AgentError("reference_mismatch", "{}; with all kept: {}{}".format(
+                        exc.message, describe_needs(cmp),
+                        "; " + extra if extra else ""),
+                        {"comparison": cmp.to_dict()["outputs"],
+                         "out_of_reach": result.out_of_reach, "pinned": pinned})
                 raise
             progress("searching", search.evaluations, search.total)
     except KeyboardInterrupt:
@@ -241,9 +346,10 @@ def run_search(
         pass
 
     if search is not None:
-        result.evaluations = search.evaluations + (1 if result.predicted is not None else 0)
+        result.evaluations = search.evaluations
         result.complete = search.complete and not result.interrupted
         result.one_minimal = search.one_minimal and not result.interrupted
+        result.untested_removals = search.untested_removals
         result.exhausted = search.exhausted
         best = search.best()
         result.keep = best if best is not None else []
@@ -258,6 +364,8 @@ def run_search(
             result.interrupted = True
         result.comparison = comparisons.get(frozenset(result.keep))
     result.message = result_message(result)
+    if limited is not None:
+        limited.flush()
     result.seconds = time.monotonic() - started
     progress("searching", result.evaluations, result.evaluations)
     return result

@@ -8,7 +8,8 @@ algorithm readable top to bottom; ``search.Search`` drives them and adds what ev
 - ``bisect`` / ``linear``: Polygraphy's ``debug precision`` markers (forward = a prefix of the
   layers from the inputs, reverse = a suffix);
 - ``worst_first``: the smallest passing prefix of the error ranking (``ranking``);
-- ``minimal``: bounded by bisect, then shrunk by group testing within a ``Budget``.
+- ``minimal``: worst-first's and bisect's steps with shared evaluations (never a larger
+  answer than either), then shrunk by group testing within a ``Budget`` until it stalls.
 """
 
 import math
@@ -120,8 +121,13 @@ def bisect_evaluations(n: int, direction: str = "forward") -> int:
 
 
 def default_budget(n: int) -> int:
-    """``minimal``'s default evaluation budget: twice bisect's plus four."""
-    return 2 * bisect_evaluations(n) + 4
+    """``minimal``'s default evaluation budget: three times bisect's plus four."""
+    return 3 * bisect_evaluations(n) + 4
+
+
+# ``minimal`` stops shrinking after this many evaluations in a row removed nothing (memo hits
+# do not count): past that point the budget rarely buys a smaller set.
+STALL_LIMIT = 8
 
 
 class Budget(object):
@@ -131,121 +137,108 @@ class Budget(object):
     def __init__(self, limit: Optional[int]) -> None:
         self.limit = limit
         self.spent = lambda: 0
-        self.bounded = False  # the answer keeps no more layers than bisect would
+        self.bounded = False  # the answer keeps no more layers than bisect and worst-first
         self.phase = "sanity"
 
     def left(self) -> float:
         return float("inf") if self.limit is None else self.limit - self.spent()
 
 
-def _prefix_from(order: Sequence[str], estimate: Optional[int], cap: float
-                 ) -> Generator[FrozenSet[str], bool, int]:
-    """Smallest passing prefix of ``order`` (the empty prefix fails, the full one passes).
-    With an ``estimate`` it gallops from there: steps of 1, 2, 4, ... down while prefixes
-    pass (from the top when most layers must be kept: a search of the complement), up while
-    they fail, then bisects; without one it bisects. Stops after ``cap`` evaluations with
-    the smallest prefix known to pass."""
-    n = len(order)
-    bad, good, spent = 0, n, 0
-    if estimate is not None and n > 1 and spent < cap:
-        mid = min(max(1, estimate), n - 1)
-        spent += 1
-        down = yield frozenset(order[:mid])
-        if down:
-            good = mid
+def _bisect_size(layers: Sequence[str], cutoff: int) -> Generator[FrozenSet[str], bool,
+                                                                   Optional[int]]:
+    """``bisect(layers, "forward")`` after its sanity steps, step for step, stopped as soon as
+    its answer can no longer hold fewer than ``cutoff`` layers (every prefix it would still
+    try is longer). Returns the size of its answer, or None when stopped so."""
+    n = len(layers)
+    good, bad, num = n + 1, 0, n
+    while True:
+        passed = yield frozenset(layers[:num])
+        if passed:
+            good = num
+            new = int(math.floor((good + bad) / 2.0))
         else:
-            bad = mid
-        step = 1
-        while good - bad > 1 and spent < cap:
-            mid = good - step if down else bad + step
-            mid = min(max(mid, bad + 1), good - 1)
-            spent += 1
-            passed = yield frozenset(order[:mid])
-            if passed:
-                good = mid
-            else:
-                bad = mid
-            if passed != down:
-                break  # crossed the boundary: bisect what lies between
-            step *= 2
-    while good - bad > 1 and spent < cap:
-        mid = (good + bad) // 2
-        spent += 1
-        if (yield frozenset(order[:mid])):
-            good = mid
-        else:
-            bad = mid
-    return good
+            bad = num
+            new = int(math.ceil((good + bad) / 2.0))
+        if new == num or abs(good - bad) <= 1 or new > n:
+            return min(good, n)
+        if bad + 1 >= min(cutoff, good):
+            return None  # what is left lies above bad: no smaller answer than cutoff
+        num = new
 
 
-def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget: Budget
-             ) -> Strategy:
-    """A small passing set, bounded: never more layers than ``bisect`` keeps (under the
-    monotonicity bisect assumes), in at most ``budget`` evaluations.
+def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget: Budget,
+            ranked: bool = True, stall: int = STALL_LIMIT) -> Strategy:
+    """The smallest passing set it can find, never larger than what ``worst_first`` (on the
+    same ranking) and ``bisect`` (forward) answer, whatever the accuracy does.
 
-    1. Smallest passing prefix of the ranking, galloping from the number of suspects (a
-       good ranking finds it in about 2 builds; "keep nearly all" is found from the top, the
-       complement), capped at log2(N) + 1 builds.
-    2. The bisect bound: build the forward prefix of the topological order one shorter than
-       the set found. If it fails, bisect's answer is no smaller (bisect returns the smallest
-       passing prefix of a monotonic search). If it passes, binary search that prefix down
-       and continue inside it.
-    3. Shrink with what is left of the budget: generalized binary splitting (Hwang's adaptive
-       group testing) over the set, least suspicious layers first, then a check that
-       dropping any single member fails (1-minimal, verified by builds). The budget may stop
-       this step: the answer is then the smallest passing set, still bounded by step 2.
+    1. ``worst_first``'s steps exactly (with a ranking): its answer is a passing set.
+    2. ``bisect``'s steps exactly, sharing every evaluation (a set built before is never built
+       again), stopped once bisect can no longer beat the set in hand (usually 1-3 builds).
+    3. Shrink the smaller answer with what is left of the budget: generalized binary splitting
+       (Hwang's adaptive group testing) over the set, least suspicious first, then a build
+       without each member in turn. Stops when the budget ends or when ``stall``
+       evaluations in a row removed nothing.
     """
     if (yield from _sanity(ranking)):
         return []
-    n = len(ranking)
     rank = {name: i for i, name in enumerate(ranking)}
 
     def by_rank(names: Iterable[str]) -> List[str]:
         return sorted(names, key=lambda x: rank[x])
 
-    budget.phase = "ranked prefix"
-    # Where to start: the number of suspects; all of them suspect = keep nearly all (start
-    # from the top); none = no useful ranking (bisect).
-    estimate = suspects if 0 < suspects < n else (n - 1 if suspects >= n else None)
-    cap = int(math.ceil(math.log2(n + 1))) + 1
-    m = yield from _prefix_from(ranking, estimate, cap)
-    keep: Set[str] = set(ranking[:m])
-    budget.phase = "bisect bound"
-    size = len(keep)
-    if size > 1:
-        shorter = list(layers[:size - 1])
-        if (yield frozenset(shorter)):
-            p = yield from _prefix_from(shorter, None, float("inf"))
-            keep = set(shorter[:p])
+    best: List[str] = list(ranking)
+    if ranked:
+        budget.phase = "worst-first"
+        m = yield from _smallest_prefix(ranking)
+        best = list(ranking[:m])
+    budget.phase = "bisect"
+    p = yield from _bisect_size(layers, len(best))
+    if p is not None and p < len(best):
+        best = list(layers[:p])
     budget.bounded = True
     budget.phase = "shrinking"
-    keep = yield from _shrink(keep, by_rank, set(ranking[:suspects]), budget)
+    keep = yield from _shrink(set(best), by_rank, set(ranking[:suspects]), budget, stall)
     return by_rank(keep)
 
 
-def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget
+def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, stall: int
             ) -> Generator[FrozenSet[str], bool, Set[str]]:
-    """Drop what can be dropped from the passing set ``keep`` while the budget lasts: group
-    testing (a passing build drops a whole group), then one member at a time."""
+    """Drop what can be dropped from the passing set ``keep`` while the budget lasts and
+    fewer than ``stall`` evaluations in a row removed nothing: group testing (a passing build
+    drops a whole group), then one member at a time (least suspicious first)."""
     keep = set(keep)
     confirmed: Set[str] = set()
+    state = {"stalled": 0}
+
+    def probe(cand: Set[str]) -> Generator[FrozenSet[str], bool, bool]:
+        before = budget.spent()
+        passed = yield frozenset(cand)
+        if budget.spent() > before:  # a real evaluation, not a memo hit
+            state["stalled"] = 0 if passed else state["stalled"] + 1
+        return passed
+
+    def go_on() -> bool:
+        if state["stalled"] >= stall:
+            budget.phase = "stalled"
+            return False
+        return budget.left() > 0
+
     # Expected number of needed layers: the suspects still kept (at least 1).
     expected = max(1, len(keep & suspects))
-
-    while budget.left() > 0:
+    while go_on():
         pool = by_rank(keep - confirmed)
         d = max(1, expected)
-        if not pool or (expected > 0 and len(pool) <= max(2, 2 * d - 2)):
+        if not pool or len(pool) <= max(2, 2 * d - 2):
             break  # dense or small: one at a time is cheaper
         size = 2 ** int(math.floor(math.log2(max(1.0, (len(pool) - d + 1) / float(d)))))
-        group = pool[-size:] if expected > 0 else pool
-        if (yield frozenset(keep - set(group))):
+        group = pool[-size:]
+        if (yield from probe(keep - set(group))):
             keep.difference_update(group)
             continue
-        while len(group) > 1 and budget.left() > 0:
+        while len(group) > 1 and go_on():
             half = (len(group) + 1) // 2
             top, low = group[:half], group[half:]
-            if (yield frozenset(keep - set(low))):
+            if (yield from probe(keep - set(low))):
                 keep.difference_update(low)
                 group = top
             else:
@@ -256,18 +249,17 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget
         expected -= 1
 
     checked: Set[str] = set()
-    while budget.left() > 0:
+    while True:
         for name in reversed(by_rank(keep)):  # least suspicious first: drops come early
             if name in checked:
                 continue
-            if budget.left() <= 0:
+            if not go_on():
                 return keep
-            if (yield frozenset(keep - {name})):
+            if (yield from probe(keep - {name})):
                 keep.discard(name)
                 checked = set()  # accuracy is not always monotonic: check the rest again
                 break
             checked.add(name)
         else:
             budget.phase = "done"
-            break
-    return keep
+            return keep

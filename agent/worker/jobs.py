@@ -28,7 +28,8 @@ from agent.worker.context import MAX_LISTED, SPEC_VERSION, Emit, JobContext, Sho
 SEARCH_SUMMARY_KEYS = ("mode", "direction", "precision", "keep_precision", "candidates", "keep",
                        "layer_precisions", "passed", "complete", "interrupted", "exhausted",
                        "evaluations", "builds", "cache_hits", "seconds", "engine_key", "message",
-                       "comparison", "suspects", "prediction_passed")
+                       "comparison", "suspects", "prediction_passed", "one_minimal",
+                       "out_of_reach")
 
 
 def make_spec(
@@ -153,6 +154,9 @@ def run_search(job: JobContext) -> Dict[str, Any]:
                                                     "cache_hit")}
                             for it in (full.get("iterations") or [])[-MAX_LISTED:]]
     result["sensitivity"] = (full.get("sensitivity") or [])[:MAX_LISTED]
+    untested = full.get("untested_removals") or []
+    result["untested_removals"] = untested[:MAX_LISTED]
+    result["untested_removals_count"] = len(untested)
     result["layers_kept"] = {name: full.get("keep_precision", "float32")
                              for name in (full.get("keep") or [])}
     result["fallback_reason"] = job.spec.get("fallback_reason")

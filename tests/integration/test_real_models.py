@@ -53,3 +53,55 @@ def test_emulated_fp16_crnn_reads_the_same_text(tmp_path, feeds):
     with backend.open(result.engine_path) as runner:
         logits = runner.infer(feeds[0])["logits"]
     assert np.isfinite(logits).all()
+
+
+def _search_models():
+    import search_models
+    return search_models
+
+
+def test_default_search_on_a_real_vad_with_if_subgraphs(tmp_path):
+    # Silero VAD (silero-vad's wheel): the network lives inside an If's subgraphs and its
+    # outputs pass through Identity nodes that the fp16 build rounds. They are the
+    # candidates, the If is named out of reach, and the default keeps fewer layers than
+    # bisect (which keeps its whole prefix), proving each one needed.
+    sm = _search_models()
+    path = sm.model_path("vad")
+    if path is None:
+        pytest.skip("silero-vad is not installed (requirements-models.txt)")
+    from agent.engines.cache import EngineCache
+    from agent.precision import golden
+    from agent.precision.searcher import run_search
+
+    backend = create()
+    feeds = sm.feeds("vad", 4, 0)
+    goldens = golden.reference_outputs(path, feeds, backend)
+    found = {}
+    for mode in ("minimal", "bisect", "worst-first"):
+        found[mode] = run_search(path, BuildPlan("fp16"), feeds, goldens, backend,
+                                 EngineCache(str(tmp_path / mode)), {"kind": "host"}, mode=mode,
+                                 compare_options={"atol": 1e-4, "rtol": 1e-4},
+                                 calibration_dir=str(tmp_path / "cal"), report=lambda x: None)
+    m, b, w = found["minimal"], found["bisect"], found["worst-first"]
+    assert m.candidates == 2 and m.passed and m.one_minimal and m.untested_removals == []
+    assert len(m.keep) <= min(len(b.keep), len(w.keep)) and len(m.keep) < len(b.keep)
+    assert m.evaluations <= 3 * b.evaluations + 4
+    assert not b.one_minimal and b.untested_removals  # honest: bisect's prefix is not proven
+    assert m.out_of_reach and m.out_of_reach[0]["op"] == "If" and "If_0" in m.message
+
+
+def test_a_real_model_that_passes_as_asked_takes_one_evaluation(tmp_path, feeds):
+    # The CRNN passes fp16 with a median 0.05 check: one evaluation, no instrumented build.
+    from agent.engines.cache import EngineCache
+    from agent.precision import golden
+    from agent.precision.searcher import run_search
+
+    backend = create()
+    goldens = golden.reference_outputs(MODEL, feeds, backend)
+    r = run_search(MODEL, BuildPlan("fp16"), feeds, goldens, backend,
+                   EngineCache(str(tmp_path / "engines")), {"kind": "host"},
+                   compare_options={"atol": 0.05, "rtol": 0.05, "check_error_stat": "median"},
+                   calibration_dir=str(tmp_path / "cal"), report=lambda x: None)
+    assert r.keep == [] and r.evaluations == 1 and r.one_minimal
+    # The check, then the final lookup of the same engine (a cache hit); no instrumented build.
+    assert r.builds == 2 and r.cache_hits == 1 and not r.ranking

@@ -50,6 +50,17 @@ def test_seed_workflow_goldens_then_compare_then_search(tmp_path, capsys, fp16_m
     assert doc["keep"] == ["Add", "Sub"] and doc["passed"] and doc["evaluations"] <= 6
     assert doc["layer_precisions"] == "Add:float32 Sub:float32"
     assert "searching" in err  # progress on stderr, never on stdout
+    # Without a terminal: one line per evaluation (layers kept, verdict, time).
+    lines = [x for x in err.splitlines() if x.startswith("search minimal: evaluation ")]
+    assert len(lines) == doc["evaluations"]
+    assert lines[0].startswith("search minimal: evaluation 1/") and "0 layer(s) kept -> fail" \
+        in lines[0] and lines[0].endswith((" s)", "cached)"))
+    assert "/{}: ".format(doc["budget"]) in lines[0]
+    assert doc["one_minimal"] and doc["untested_removals"] == [] and doc["out_of_reach"] == []
+    code, out, err = cli(capsys, "search", fp16_max, "--fp16", "--load-inputs", inputs,
+                         "--load-outputs", outputs, "--check-error-stat", "median", "--json",
+                         "-q")
+    assert code == 0 and err == ""  # -q: silent
     # Pasting the answer makes the comparison pass.
     code, out, _ = cli(capsys, "compare", fp16_max, "--fp16", "--layer-precisions",
                        "Add:float32", "Sub:float32", "--load-inputs", inputs, "--load-outputs",

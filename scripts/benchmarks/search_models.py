@@ -1,0 +1,257 @@
+"""The default search against bisect and worst-first on five real pretrained models from wheels.
+
+Every model is an ``.onnx`` file shipped inside a PyPI wheel (nothing is downloaded at run
+time; ``pip install --no-deps`` each, see ``MODELS``): captcha-whisperer's CRNN, ddddocr's
+YOLOX detector, RapidOCR's PP-OCRv4 text detector (a DBNet segmentation model: a per-pixel text
+probability map) and recogniser (SVTR: transformer blocks of attention, MatMul and Softmax),
+and Silero VAD (the whole network inside an If's two subgraphs, outputs through Identity).
+Inputs: crops of scikit-learn's sample photographs (``load_sample_images``), synthetic audio
+for the VAD. Each (model, precision, mode) search runs in a fresh process with an empty engine
+cache (int8: one calibration cache shared by the three modes, made beforehand), on the host
+emulation; the process reports its wall time and peak RSS, then measures the task metric of
+the answer's engine on inputs the search never saw.
+
+Goals per row: the default keeps <= min(bisect, worst-first) layers, in <= 3x bisect's
+evaluations + 4; when nothing needs keeping, one evaluation. Overall: strictly fewer layers
+than bisect on at least half of the rows where bisect keeps something.
+
+Run: ``python scripts/lib/bench.py search_models`` (``SEARCH_MODELS=crnn,vad`` picks models).
+"""
+
+import importlib.util
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+for p in (ROOT, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+MODES = ("minimal", "bisect", "worst-first")
+ELEMENTWISE = {"atol": 1e-3, "rtol": 1e-3}
+
+MEDIAN = {"atol": 0.05, "rtol": 0.05, "check_error_stat": "median"}
+MEAN = {"atol": 0.02, "rtol": 0.02, "check_error_stat": "mean"}
+
+# name: (wheel, version, file inside the package, package, kind, tolerances by precision)
+MODELS = {
+    "crnn": ("captcha-whisperer", "0.1.0", "models/captcha_crnn.onnx", "captcha_whisperer",
+             "CRNN (conv + bidirectional LSTM)", {"fp16": ELEMENTWISE, "int8": MEDIAN}),
+    "yolox": ("ddddocr", "1.6.1", "common_det.onnx", "ddddocr", "YOLOX detector",
+              {"fp16": ELEMENTWISE, "int8": {"atol": 0.05, "rtol": 0.05}}),
+    "ppocr-det": ("rapidocr-onnxruntime", "1.4.4", "models/ch_PP-OCRv4_det_infer.onnx",
+                  "rapidocr_onnxruntime", "DBNet text segmentation",
+                  {"fp16": ELEMENTWISE, "int8": MEAN}),
+    "ppocr-rec": ("rapidocr-onnxruntime", "1.4.4", "models/ch_PP-OCRv4_rec_infer.onnx",
+                  "rapidocr_onnxruntime", "SVTR recogniser (transformer blocks)",
+                  {"fp16": ELEMENTWISE, "int8": MEAN}),
+    "vad": ("silero-vad", "6.2.3", "data/silero_vad.onnx", "silero_vad",
+            "Silero VAD (If subgraphs)", {"fp16": {"atol": 1e-4, "rtol": 1e-4},
+                                          "int8": {"atol": 1e-4, "rtol": 1e-4}}),
+}
+
+
+def model_path(name):
+    spec = importlib.util.find_spec(MODELS[name][3])
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(list(spec.submodule_search_locations)[0], MODELS[name][2])
+    return path if os.path.isfile(path) else None
+
+
+def _photos(count, seed, h, w):
+    from sklearn.datasets import load_sample_images
+
+    images = load_sample_images().images
+    rng = np.random.RandomState(seed)
+    out = []
+    for i in range(count):
+        img = images[i % len(images)]
+        y, x = rng.randint(0, img.shape[0] - h), rng.randint(0, img.shape[1] - w)
+        out.append(img[y:y + h, x:x + w].astype(np.float32))
+    return out
+
+
+def _normalized(crops, mean, std):
+    return [np.ascontiguousarray(((c / 255.0 - mean) / std).transpose(2, 0, 1))[None]
+            .astype(np.float32) for c in crops]
+
+
+def feeds(name, count, seed):
+    """Input feeds of ``count`` samples."""
+    if name == "crnn":
+        import real_models
+        return [{"image": x} for x in real_models.crops(count, seed)]
+    if name == "yolox":
+        import real_detector
+        return [{"images": x} for x in real_detector.images(count, seed + 1)]
+    if name == "ppocr-det":
+        mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
+        return [{"x": x} for x in _normalized(_photos(count, seed, 224, 224), mean, std)]
+    if name == "ppocr-rec":
+        return [{"x": x} for x in _normalized(_photos(count, seed, 48, 320), 0.5, 0.5)]
+    rng = np.random.RandomState(seed)
+    out = []
+    for i in range(count):  # tones with an envelope plus noise, or noise alone
+        t = np.arange(512) / 16000.0
+        voiced = i % 2 == 0
+        sig = sum(np.sin(2 * np.pi * f * t) / (k + 1)
+                  for k, f in enumerate((140 + 20 * i, 280, 560, 1100))) if voiced else 0
+        sig = 0.3 * sig * np.hanning(512) + 0.02 * rng.randn(512)
+        out.append({"input": np.asarray(sig, np.float32)[None],
+                    "state": np.zeros((2, 1, 128), np.float32),
+                    "sr": np.array(16000, np.int64)})
+    return out
+
+
+def metric(name, backend, engine, reference_engine, eval_feeds):
+    """(task metric text, value) of ``engine`` against the fp32 ``reference_engine``."""
+    def outs(path):
+        with backend.open(path) as runner:
+            return [list(runner.infer(dict(f)).values()) for f in eval_feeds]
+    got, ref = outs(engine), outs(reference_engine)
+    if name == "crnn":
+        import real_models
+        same = [real_models.decode(g[0]) == real_models.decode(r[0]) for g, r in zip(got, ref)]
+        return "text agreement", float(np.mean(same))
+    if name == "yolox":
+        import real_detector
+        pairs = [real_detector.compare(real_detector.boxes(g[0]), real_detector.boxes(r[0]))
+                 for g, r in zip(got, ref)]
+        return "false/missed boxes", "{}/{}".format(sum(p[0] for p in pairs),
+                                                    sum(p[1] for p in pairs))
+    if name == "ppocr-det":
+        ious = []
+        for g, r in zip(got, ref):
+            a, b = np.asarray(g[0]) > 0.3, np.asarray(r[0]) > 0.3
+            union = np.logical_or(a, b).sum()
+            ious.append(1.0 if union == 0 else np.logical_and(a, b).sum() / union)
+        return "text-mask IoU", round(float(np.mean(ious)), 4)
+    if name == "ppocr-rec":
+        same = [(np.asarray(g[0]).argmax(-1) == np.asarray(r[0]).argmax(-1)).mean()
+                for g, r in zip(got, ref)]
+        return "per-step top-1 agreement", round(float(np.mean(same)), 4)
+    same = [(float(np.asarray(g[0]).ravel()[0]) > 0.5) == (float(np.asarray(r[0]).ravel()[0])
+                                                            > 0.5) for g, r in zip(got, ref)]
+    worst = max(abs(float(np.asarray(g[0]).ravel()[0]) - float(np.asarray(r[0]).ravel()[0]))
+                for g, r in zip(got, ref))
+    return "speech decision agreement (max |dp|)", "{:.3f} ({:.1e})".format(
+        float(np.mean(same)), worst)
+
+
+SIZES = {"crnn": (3, 8), "yolox": (2, 4), "ppocr-det": (2, 4), "ppocr-rec": (3, 8),
+         "vad": (8, 32)}
+
+
+def child(name, precision, mode, work):
+    """One search in this (fresh) process; prints a JSON line."""
+    from agent.engines.backends.base import BuildPlan, CalibrationSettings
+    from agent.engines.backends.onnxruntime import create
+    from agent.engines.cache import EngineCache
+    from agent.precision import golden
+    from agent.precision.searcher import run_search
+
+    path = model_path(name)
+    backend = create(threads=2)
+    n_search, n_eval = SIZES[name]
+    search_feeds = feeds(name, n_search, 0)
+    goldens = golden.reference_outputs(path, search_feeds, backend)
+    plan = BuildPlan("fp16")
+    if precision == "int8":
+        plan = BuildPlan("int8", calibration=CalibrationSettings(
+            data=os.path.join(work, name + "-calib.npz"), batch_size=1,
+            cache=os.path.join(work, name + ".calib")))
+    cache = EngineCache(os.path.join(work, "engines-{}-{}-{}".format(name, precision, mode)))
+    t = time.monotonic()
+    r = run_search(path, plan, search_feeds, goldens, backend, cache, {"kind": "host"},
+                   mode=mode, compare_options=MODELS[name][5][precision],
+                   calibration_dir=os.path.join(work, "cal-{}-{}".format(name, mode)),
+                   report=lambda line: None)
+    wall = time.monotonic() - t
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    task = None
+    if r.engine_path:
+        fp32 = backend.build(path, BuildPlan("fp32"), os.path.join(work, name + "-fp32.onnx"))
+        task = metric(name, backend, r.engine_path, fp32.engine_path, feeds(name, n_eval, 7))
+    print(json.dumps({"evaluations": r.evaluations, "kept": len(r.keep),
+                      "candidates": r.candidates, "one_minimal": r.one_minimal,
+                      "untested": len(r.untested_removals), "passed": r.passed,
+                      "wall": round(wall, 1), "rss_mib": round(rss, 1), "task": task,
+                      "out_of_reach": r.out_of_reach}))
+
+
+def _calibration(name, work):
+    import onnx
+
+    from agent.engines.backends import onnx_model
+
+    data = feeds(name, 8, 3)
+    model = onnx.load(model_path(name))
+    keys = [s.name for s in onnx_model.input_specs(model)]
+    np.savez(os.path.join(work, name + "-calib.npz"),
+             **{k: np.concatenate([np.asarray(f[k])[None] if np.asarray(f[k]).ndim == 0
+                                   else np.asarray(f[k]) for f in data], axis=0)
+                if np.asarray(data[0][k]).ndim else np.asarray(data[0][k]) for k in keys})
+
+
+def run():
+    chosen = [m for m in os.environ.get("SEARCH_MODELS", ",".join(MODELS)).split(",") if m]
+    rows = []
+    work = tempfile.mkdtemp(prefix="bench-search-models-")
+    try:
+        for name in chosen:
+            if model_path(name) is None:
+                rows.append({"name": "{} ({} not installed)".format(name, MODELS[name][0]),
+                             "goal": "pip install --no-deps {}=={}".format(*MODELS[name][:2])})
+                continue
+            _calibration(name, work)
+            for precision in ("fp16", "int8"):
+                found = {}
+                for mode in ("bisect", "worst-first", "minimal"):
+                    proc = subprocess.run(
+                        [sys.executable, "-c", "import sys; sys.path[:0] = [{!r}, {!r}]; "
+                         "import search_models as s; s.child(*sys.argv[1:])".format(ROOT, HERE),
+                         name, precision, mode, work],
+                        capture_output=True, text=True)
+                    if proc.returncode != 0:
+                        found[mode] = {"error": proc.stderr.strip().splitlines()[-1:]}
+                    else:
+                        found[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+                    print("  {} {} {}: {}".format(name, precision, mode, found[mode]),
+                          file=sys.stderr)
+                rows.append(_row(name, precision, found))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def _row(name, precision, found):
+    m, b, w = found["minimal"], found["bisect"], found["worst-first"]
+    row = {"name": "{} {}: layers kept, default vs bisect / worst-first".format(name, precision),
+           "model": name, "precision": precision, "wheel": "{} {}".format(*MODELS[name][:2]),
+           "file": MODELS[name][2], "found": found}
+    if any("error" in x for x in (m, b, w)):
+        row["goal"] = "ERROR"
+        return row
+    bound = 3 * b["evaluations"] + 4
+    ok_layers = m["kept"] <= min(b["kept"], w["kept"])
+    ok_evals = m["evaluations"] <= bound and (b["kept"] > 0 or m["evaluations"] == 1)
+    row.update({"ours": m["kept"], "baseline": b["kept"], "unit": "layers",
+                "goal": "<= min({}, {}) layers: {}; {} <= 3x{}+4 = {} evaluations: {}".format(
+                    b["kept"], w["kept"], "met" if ok_layers else "MISSED", m["evaluations"],
+                    b["evaluations"], bound, "met" if ok_evals else "MISSED")})
+    return row
+
+
+if __name__ == "__main__":
+    for r in run():
+        print(json.dumps(r))
