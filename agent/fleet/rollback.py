@@ -90,10 +90,12 @@ def plan_one(device: str, status: Optional[Mapping[str, Any]],
                        if name is None or m["name"] == name})
         if len(shas) != 1:
             raise AgentError("bad_argument", "device {} does not list the feature named_models "
-                             "and has {} active engines{} ({}); choose one with --model "
-                             "SHA256".format(device, len(shas), " named " + name if name
-                                             else "", ", ".join(s[:12] for s in shas) or
-                                             "none"))
+                             "(an earlier release) and has {} active engines{} ({}); choose "
+                             "one with --model SHA256{}".format(
+                                 device, len(shas), " named " + name if name else "",
+                                 ", ".join(s[:12] for s in shas) or "none",
+                                 " (or --rollout ID, or --db with the rollout that deployed "
+                                 "it)" if name else ""))
         model = shas[0]
     return {"device": device, "name": None, "version": None, "model": _check_sha(model)}
 

@@ -231,7 +231,7 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
     return out
 
 
-def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS, offset: int = 0,
+def rollout_rows(store: Store, limit: Optional[int] = MAX_ROLLOUTS, offset: int = 0,
                  states: Optional[Sequence[str]] = None, failures: bool = True
                  ) -> List[Dict[str, Any]]:
     """The newest ``limit`` rollouts (from ``offset``; ``states``: only those), newest first,
