@@ -190,6 +190,14 @@ def test_rollout_by_name_and_rollback_by_name_through_the_service(mosquitto, tmp
         bad = fleet_cli(["rollout"] + fp16_args() + ["--name", "Detector", "--devices",
                                                      "new-1", "--db", db, "--dry-run"])
         assert bad.returncode == 2 and "bad_model_name" in bad.stderr
+        dry = fleet_cli(["rollout"] + fp16_args() + ["--name", "detector", "--devices",
+                                                     "new-1", "old-1", "--db", db, "--dry-run",
+                                                     "--json"])
+        plan = json.loads(dry.stdout)
+        assert (plan["model_name"], plan["model_version"]) == (
+            "detector", doc_old["artifacts"]["model"]["sha256"][:12])
+        assert [(d["device"], d["named"]) for d in plan["devices"]] == [("new-1", True),
+                                                                       ("old-1", False)]
         # The service stored the models message the device published after the job.
         deadline = time.monotonic() + 20
         while True:
