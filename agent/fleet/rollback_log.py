@@ -11,6 +11,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from agent.fleet.rollout import SEARCH_SUFFIX
+from agent.wire import model_names
 
 _COLUMNS = ("request_id, rollout_id, device_id, model, name, version, sent, replied, ok, "
             "error_code, error_message, result, origin")
@@ -66,7 +67,10 @@ def rollout_for(store: Any, device: str, name: Optional[str] = None,
     for rid, spec_text in rows:
         spec = json.loads(spec_text) if spec_text else {}
         model = ((spec.get("artifacts") or {}).get("model") or {}).get("sha256")
-        if (name and spec.get("model_name") == name) or (sha and not name and model == sha):
+        given = spec.get("model_name") or (model_names.derived_name(model)
+                                           if isinstance(model, str) and len(model) == 64
+                                           else None)  # the name devices give it
+        if (name and given == name) or (sha and not name and model == sha):
             return str(rid)
     return None
 

@@ -130,6 +130,11 @@ def test_views_name_every_model_and_record_rollbacks(db):
             ("device", "new-1"), ("model", "detector"), ("precision", "fp16")))] == 50.0
         assert samples[("jetson_fleet_devices_by_health", (("health", "unhealthy"),))] == 1
 
+        # Which rollout a rollback undoes: by the job that activated it, the name, the sha256.
+        assert rollback_log.rollout_for(store, "new-1", "detector") == "det-v2"
+        assert rollback_log.rollout_for(store, "old-1", None, V2) == "det-v2"
+        assert rollback_log.rollout_for(store, "old-1", job_id="det-v2.search") == "det-v2"
+        assert rollback_log.rollout_for(store, "old-1", "classifier") is None
         # The dashboard's rollback: by name to the new device, by sha256 to the old one.
         code, _ = _post(dash, "/devices/new-1/rollback", {"token": TOKEN, "name": "detector"})
         assert code == 303
