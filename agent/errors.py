@@ -22,6 +22,10 @@ CODES = {
     "with (8.0.1).",
     # models and builds
     "bad_model": "The model bytes are not a valid ONNX model.",
+    "bad_model_name": "A model name is not 1-64 characters of [a-z0-9_.-] starting with a "
+    "lower-case letter or digit.",
+    "bad_model_version": "A model version is not 1-64 characters of [A-Za-z0-9_.+-] starting "
+    "with a letter or digit.",
     "unsupported_model": "The model uses an operator, type or shape the backend cannot build.",
     "dynamic_shape": "The model has dynamic dimensions and no shape profile was given.",
     "build_failed": "The backend failed to build an engine.",

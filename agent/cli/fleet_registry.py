@@ -13,6 +13,7 @@ from agent import fleet
 from agent.cli import EXIT_OK
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.errors import AgentError
+from agent.fleet import device_models
 from agent.wire import protocol
 from agent.wire.topics import TopicInfo
 
@@ -69,6 +70,7 @@ def device_rows(directory: fleet.DeviceDirectory,
     for dev in directory.known():
         st = directory.status[dev]
         plat = st.get("platform") or {}
+        models = device_models.entries(st, directory.models.get(dev))
         tele = directory.telemetry.get(dev)
         rows.append({
             "device": dev, "online": st.get("online"), "boot": st.get("boot"),
@@ -77,6 +79,9 @@ def device_rows(directory: fleet.DeviceDirectory,
             "tensorrt": plat.get("tensorrt"), "backend": plat.get("backend"),
             "precisions": plat.get("precisions"), "agent_version": st.get("agent_version"),
             "active_engines": st.get("active_engines") or [],
+            "features": sorted(device_models.features(st)),
+            "models": models,
+            "models_text": device_models.text(models),
             "telemetry": tele,
             "last_seen": (last_seen or {}).get(dev, st.get("ts")),
         })
@@ -90,6 +95,7 @@ def _db_directory(url: str) -> Any:
     store = Store(url)
     try:
         directory = fleet.DeviceDirectory()
+        directory.models.update(device_models.load(store))
         seen: Dict[str, Any] = {}
         for dev in store.devices():
             directory.status[dev["device"]] = dev["status"]
@@ -135,12 +141,12 @@ def run_devices(args: argparse.Namespace) -> int:
         tele = r["telemetry"]
         table.append([r["device"], online, str(r["board"] or "-"), str(r["jetpack"] or "-"),
                       str(r["tensorrt"] or "-"), str(r["backend"] or "-"),
-                      ",".join(r["precisions"] or []) or "-", str(len(r["active_engines"])),
+                      ",".join(r["precisions"] or []) or "-", r["models_text"],
                       age(r["last_seen"]),
                       "{} ({})".format(telemetry_summary(tele.get("metrics")), age(tele.get(
                           "ts"))) if tele else "-"])
     print(fleet.format_table(["DEVICE", "ONLINE", "BOARD", "JETPACK", "TENSORRT", "BACKEND",
-                              "PRECISIONS", "ENGINES", "LAST SEEN", "TELEMETRY"], table))
+                              "PRECISIONS", "MODELS", "LAST SEEN", "TELEMETRY"], table))
     return EXIT_OK
 
 

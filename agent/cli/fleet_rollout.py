@@ -42,6 +42,14 @@ def add_parser(fsub: Any) -> None:
 def add_rollout_args(r: argparse.ArgumentParser) -> None:
     a = r.add_argument_group("what to deploy")
     a.add_argument("--model", required=True, metavar="M.onnx")
+    a.add_argument("--name", metavar="NAME",
+                   help="the model's name on the devices ([a-z0-9][a-z0-9_.-]{0,63}): a new "
+                        "version of a name replaces the old one there, different names live "
+                        "side by side (sent to devices whose status lists the feature "
+                        "named_models; older devices name it sha-<12 hex of the model>)")
+    a.add_argument("--version", metavar="V",
+                   help="with --name: this version ([A-Za-z0-9][A-Za-z0-9_.+-]{0,63}; "
+                        "default: the first 12 hex digits of the model's sha256)")
     a.add_argument("--precision", required=True, choices=("fp32", "fp16", "int8", "best"))
     a.add_argument("--fallback", choices=("allow", "reject"), default="reject",
                    help="where a device lacks --precision: fall back to a wider one (allow) or "
@@ -216,13 +224,17 @@ def run_rollout(args: argparse.Namespace) -> int:
     from agent.fleet.spec import spec_from_args
 
     _check_numbers(args)
+    from agent.fleet.spec import model_name_version
+
+    model_name_version(args.name, args.version, "0" * 64)  # checked before any work
     fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
                                     args.min_executed))
     user_layers = parse_layer_precisions(args.layer_precisions)
     if args.share_group is not None and not protocol.valid_id(args.share_group):
         raise AgentError("bad_argument", "--share-group must be 1-64 characters of "
                          "[A-Za-z0-9._-], found {!r}".format(args.share_group))
-    rollout_id = fleet.check_rollout_id(args.rollout_id or fleet.new_rollout_id(args.model))
+    rollout_id = fleet.check_rollout_id(args.rollout_id or fleet.new_rollout_id(
+        args.model, base=args.name))
     with tempfile.TemporaryDirectory(prefix="jetson-agent-rollout-") as work:
         files = fleet.prepare_rollout(
             args.model, args.precision, work, calib=args.calib, inputs=args.inputs,

@@ -269,17 +269,19 @@ def run_rollouts(args: argparse.Namespace) -> int:
     store = Store(db_url(args, existing=True))
     try:
         if args.action == "ls":
-            rows = store.rollouts()
+            from agent.fleet import views
+
+            rows = views.rollout_rows(store, limit=None, failures=False)
             if args.json:
                 print(json.dumps(rows, indent=2, sort_keys=True, default=str))
                 return EXIT_OK
-            table = [[r["rollout_id"], r["state"], "{}/{}".format(
+            table = [[r["rollout_id"], r["state_text"], r["model_name"] or "-", "{}/{}".format(
                 max(r["current_stage"] + 1, 0), len(r["stages"])),
                 ", ".join("{} {}".format(n, s) for s, n in sorted(r["counts"].items())),
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"] or 0)),
                 (r["reason"] or "-")[:60]] for r in rows]
-            print(fleet.format_table(["ROLLOUT", "STATE", "STAGE", "DEVICES", "CREATED",
-                                      "REASON"], table) if table else "no rollouts")
+            print(fleet.format_table(["ROLLOUT", "STATE", "MODEL", "STAGE", "DEVICES",
+                                      "CREATED", "REASON"], table) if table else "no rollouts")
             return EXIT_OK
         if not args.rollout_id:
             raise AgentError("bad_argument", "fleet rollouts {} needs a rollout id".format(
@@ -295,17 +297,27 @@ def run_rollouts(args: argparse.Namespace) -> int:
         if ro is None:
             raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
                 args.rollout_id))
+        from agent.fleet import views
+
         row = store.rollout(args.rollout_id) or {}
+        summary = views.rollout_detail(store, row, jobs=[]) if row else {}
         report = fleet.rollout_report(ro, store.statuses(), {
             "state": row.get("state"), "stage_progress": row.get("stage_progress"),
+            "model": summary.get("model_name"), "rollbacks": summary.get("rollbacks"),
+            "rolled_back": summary.get("rolled_back"),
             "history": store.job_history(args.rollout_id) if args.history else None})
         if args.json:
             print(json.dumps(report, indent=2, sort_keys=True, default=str))
         else:
-            print("rollout {}: {} (stage {}/{})".format(ro.rollout_id, row.get("state"),
-                                                        max(ro.current + 1, 0), len(ro.stages)))
+            print("rollout {}: {} (stage {}/{}); model {}".format(
+                ro.rollout_id, summary.get("state_text") or row.get("state"),
+                max(ro.current + 1, 0), len(ro.stages), summary.get("model_name") or "-"))
             print(fleet.results_table(report["devices"]))
             print(fleet.summary_line(ro))
+            for b in summary.get("rollbacks") or []:
+                print("rollback of {} ({}, request {}): {}".format(
+                    b["device"], b["name"] or (b["model"] or "")[:12], b["request_id"],
+                    b["outcome"]))
         return EXIT_OK
     finally:
         store.close()

@@ -19,10 +19,11 @@ LAYER_RANK = {"int8": 0, "float16": 1, "float32": 2}
 
 # ============================================================================ job documents
 
-def new_rollout_id(model_path: str, clock: Callable[[], float] = time.time) -> str:
-    """``<name>-<time><random>``: the model's file stem (its directory when the file is
-    called model.onnx), made fit for a job id."""
-    base = os.path.splitext(os.path.basename(model_path))[0]
+def new_rollout_id(model_path: str, clock: Callable[[], float] = time.time,
+                   base: Optional[str] = None) -> str:
+    """``<name>-<time><random>``: ``base`` (the model's name) or the model's file stem (its
+    directory when the file is called model.onnx), made fit for a job id."""
+    base = base or os.path.splitext(os.path.basename(model_path))[0]
     if base in ("model", "") and os.path.dirname(os.path.abspath(model_path)):
         base = os.path.basename(os.path.dirname(os.path.abspath(model_path))) or base
     clean = "".join(c if c.isalnum() or c in "-_" else "-" for c in base).strip("-_")
@@ -35,9 +36,11 @@ def job_document(job_id: str, kind: str, device: str, artifacts: Mapping[str, An
                  gate: Optional[Mapping[str, Any]] = None,
                  search: Optional[Mapping[str, Any]] = None,
                  bench: Optional[Mapping[str, Any]] = None,
-                 timeout_s: Optional[float] = None, created: Optional[float] = None
-                 ) -> Dict[str, Any]:
-    """A job document, checked against the schema and the 32 KiB limit (bad_argument)."""
+                 timeout_s: Optional[float] = None, created: Optional[float] = None,
+                 names: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+    """A job document, checked against the schema and the 32 KiB limit (bad_argument).
+    ``names``: ``model_name`` / ``model_version`` (only for devices with the feature
+    ``named_models``: a device of an earlier release refuses keys it does not know)."""
     doc: Dict[str, Any] = {"protocol": protocol.PROTOCOL_VERSION, "job_id": job_id,
                            "kind": kind, "device": device,
                            "created": time.time() if created is None else created,
@@ -53,6 +56,9 @@ def job_document(job_id: str, kind: str, device: str, artifacts: Mapping[str, An
         doc["bench"] = dict(bench)
     if timeout_s is not None:
         doc["timeout_s"] = timeout_s
+    for key, value in (names or {}).items():
+        if key in ("model_name", "model_version") and value:
+            doc[key] = value
     try:
         protocol.validate("job", doc)
     except AgentError as exc:

@@ -111,10 +111,18 @@ def republish(topics: Topics, ro: Rollout) -> List[Message]:
 
 
 def factory_for(store: Store, rollout_id: str, signer: Any = None,
-                url_for: Any = None, offer_url: Any = None) -> DocFactory:
+                url_for: Any = None, offer_url: Any = None, features: Any = None
+                ) -> DocFactory:
+    """``features``: device -> the features its status lists (the model's name and version
+    go only to devices with ``named_models``); None: read from the database's statuses."""
     row = store.rollout(rollout_id)
     assert row is not None
-    docs = doc_factory(row["spec"] or {}, url_for, offer_url)
+    if features is None:
+        from agent.fleet.device_models import features as features_of
+
+        statuses = store.statuses()
+        features = lambda device: features_of(statuses.get(device))  # noqa: E731
+    docs = doc_factory(row["spec"] or {}, url_for, offer_url, features)
     if signer is None:
         return docs
     deadline = float(row.get("deadline") or 0)

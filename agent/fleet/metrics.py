@@ -4,8 +4,10 @@ fleet and nothing is kept in memory between scrapes.
 
 Families (all gauges): devices by state and board, per-device online/last seen, rollout
 progress (devices per state, stage, fraction finished; running and paused rollouts and those
-finished within a day), the active engine's throughput, latency and accuracy per device,
-temperatures, power, GPU/CPU load and memory per device.
+finished within a day), every model a device holds (``device_model_info`` with its version
+and state, ``device_model_healthy``: one series per name the device holds, at most 256), the
+newest engine's throughput, latency and accuracy per device (labelled with its ``model``
+name), temperatures, power, GPU/CPU load and memory per device.
 Label values come from devices: they are cut to ``MAX_LABEL`` characters.
 """
 
@@ -47,10 +49,16 @@ class FleetCollector(object):
         seen = gauge("device_last_seen_timestamp_seconds", "when the device was last heard of",
                      ["device"])
         tput = gauge("engine_throughput_qps", "active engine throughput (inferences/s)",
-                     ["device", "precision"])
-        lat = gauge("engine_latency_ms", "active engine latency", ["device", "quantile"])
+                     ["device", "model", "precision"])
+        lat = gauge("engine_latency_ms", "active engine latency", ["device", "model",
+                                                                   "quantile"])
         acc = gauge("engine_accuracy", "active engine accuracy against the goldens",
-                    ["device", "metric"])
+                    ["device", "model", "metric"])
+        info = gauge("device_model_info", "1 per model a device holds (its version and "
+                     "state: pending, committed; active: an older daemon)",
+                     ["device", "model", "version", "state"])
+        healthy = gauge("device_model_healthy", "1 if the device reports the model healthy",
+                        ["device", "model"])
         temp = gauge("device_temperature_celsius", "device temperature", ["device", "sensor"])
         power = gauge("device_power_watts", "device power draw", ["device", "rail"])
         load = gauge("device_load_percent", "GPU/CPU/EMC load", ["device", "unit"])
@@ -63,17 +71,24 @@ class FleetCollector(object):
             online.add_metric([dev, board], 1.0 if r["online"] else 0.0)
             if r["last_seen"]:
                 seen.add_metric([dev], float(r["last_seen"]))
+            for m in r["models"]:
+                info.add_metric([dev, _label(m["name"]), _label(m["version"]),
+                                 _label(m["state"])], 1.0)
+                healthy.add_metric([dev, _label(m["name"])], 1.0 if m["health"] == "ok"
+                                   else 0.0)
             job = r["engine_job"]
             if job is not None:
+                model = _label(engine_model(r["models"], job))
                 if job["throughput_qps"] is not None:
-                    tput.add_metric([dev, _label(job["precision"])], job["throughput_qps"])
+                    tput.add_metric([dev, model, _label(job["precision"])],
+                                    job["throughput_qps"])
                 for q, k in (("0.5", "latency_p50_ms"), ("0.99", "latency_p99_ms")):
                     if job[k] is not None:
-                        lat.add_metric([dev, q], job[k])
+                        lat.add_metric([dev, model, q], job[k])
                 for name, value in sorted((job["accuracy"] or {}).items()):
                     v = views._num(value)
                     if v is not None and name in ACCURACY_KEYS:
-                        acc.add_metric([dev, name], v)
+                        acc.add_metric([dev, model, name], v)
             metrics = r["metrics"]
             for sensor, c in sorted(views.temperatures(metrics).items()):
                 temp.add_metric([dev, _label(sensor)], c)
@@ -99,6 +114,8 @@ class FleetCollector(object):
         yield online
         yield seen
         yield from self._rollouts(gauge)
+        yield info
+        yield healthy
         yield tput
         yield lat
         yield acc
@@ -134,6 +151,15 @@ class FleetCollector(object):
         yield stage
         yield stages
         yield info
+
+
+def engine_model(models: List[Dict[str, Any]], job: Dict[str, Any]) -> str:
+    """The name of the model whose engine ``job`` measured: the model the job activated, else
+    the device's only model, else ""."""
+    for m in models:
+        if m.get("job_id") and m["job_id"] == job.get("job_id"):
+            return str(m["name"])
+    return str(models[0]["name"]) if len(models) == 1 else ""
 
 
 def rollout_gauges(store: Store, since: float

@@ -21,10 +21,11 @@ log = logging.getLogger("agent.fleet")
 
 class DeviceDirectory(object):
     """Devices as their retained status shows them (a late Will of an older boot is dropped),
-    plus the last telemetry seen."""
+    their retained models message (named models) and the last telemetry seen."""
 
     def __init__(self) -> None:
         self.status: Dict[str, Dict[str, Any]] = {}
+        self.models: Dict[str, Dict[str, Any]] = {}
         self.telemetry: Dict[str, Dict[str, Any]] = {}
 
     def on_status(self, device: str, msg: Dict[str, Any]) -> bool:
@@ -32,6 +33,14 @@ class DeviceDirectory(object):
         if last is not None and status_messages.status_is_stale(last.get("boot"), msg):
             return False
         self.status[device] = msg
+        return True
+
+    def on_models(self, device: str, msg: Dict[str, Any]) -> bool:
+        from agent.fleet import device_models
+
+        if not device_models.newer(self.models.get(device), msg):
+            return False
+        self.models[device] = msg
         return True
 
     def on_telemetry(self, device: str, msg: Dict[str, Any]) -> None:
@@ -173,6 +182,10 @@ class FleetConnection(object):
         if info.kind == "status":
             if not self.directory.on_status(info.device, msg):
                 return
+        elif info.kind == "models":
+            if msg.get("device") != info.device or not self.directory.on_models(info.device,
+                                                                               msg):
+                return
         elif info.kind == "telemetry":
             self.directory.on_telemetry(info.device, msg)
         on_message(info, msg)
@@ -203,8 +216,10 @@ def _ignore(info: TopicInfo, msg: Any) -> None:
 
 
 def discover(conn: FleetConnection, telemetry_wait: float = 0.0) -> DeviceDirectory:
-    """Retained device statuses (and telemetry heard within ``telemetry_wait`` s)."""
-    conn.subscribe([conn.topics.prefix + "/devices/+/status"])
+    """Retained device statuses and models messages (and telemetry heard within
+    ``telemetry_wait`` s)."""
+    conn.subscribe([conn.topics.prefix + "/devices/+/status",
+                    conn.topics.prefix + "/devices/+/models"])
     if telemetry_wait > 0:
         conn.subscribe([conn.topics.prefix + "/devices/+/telemetry"], 0)
     conn.settle(_ignore)

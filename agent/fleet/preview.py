@@ -91,12 +91,15 @@ def dry_run_plan(rollout_id: str, spec: Mapping[str, Any], stages: Sequence[Sequ
             devices.append({"device": dev, "stage": i + 1, "board": plat.get("board"),
                             "online": status.get("online"), "last_seen": seen,
                             "last_seen_ago": _age(seen, now),
-                            "decision": device_decision(precision, fallback, plat)})
+                            "decision": device_decision(precision, fallback, plat),
+                            # gets model_name/model_version (its status lists named_models)
+                            "named": "named_models" in (plat.get("features") or [])})
     artifacts = {role: {k: ref.get(k) for k in ("sha256", "size", "name", "url")
                         if ref.get(k) is not None}
                  for role, ref in (spec.get("artifacts") or {}).items()}
     return {"dry_run": True, "published": False, "rollout_id": rollout_id,
             "job_ids": list(job_ids), "model_path": spec.get("model_path"),
+            "model_name": spec.get("model_name"), "model_version": spec.get("model_version"),
             "precision": precision, "fallback": fallback, "search": spec.get("search"),
             "artifacts": artifacts, "gate": gate_of(spec), "policy": spec.get("policy"),
             "stages": [list(s) for s in stages], "devices": devices}
@@ -109,6 +112,11 @@ def dry_run_text(plan: Mapping[str, Any]) -> str:
              "model:     {} ({}, fallback {}{})".format(
                  plan.get("model_path"), plan["precision"], plan["fallback"],
                  ", search " + str(plan["search"]) if plan.get("search") else ""),
+             "name:      {}".format("{}@{} (to the devices that list named_models; the "
+                                    "others name it sha-<12 hex>)".format(
+                                        plan["model_name"], plan.get("model_version"))
+                                    if plan.get("model_name") else "none (devices name it "
+                                    "sha-<12 hex of the model>)"),
              "jobs:      {}".format(", ".join(plan["job_ids"])),
              "gate:      {}".format(gate_text(plan["gate"])), "artifacts:"]
     for role, ref in sorted(plan["artifacts"].items()):

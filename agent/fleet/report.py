@@ -108,6 +108,8 @@ def result_row(run: DeviceRun, status: Optional[Mapping[str, Any]] = None,
         "note": run.note,
         "job_id": run.job_id,
         "cache_hit": result.get("cache_hit"),
+        # named models: {name, version, previous, state} as the device activated it
+        "model": result.get("model") if isinstance(result.get("model"), dict) else None,
         "share": share_of(run, result),
         "search": ({k: run.search.get(k) for k in ("mode", "keep", "evaluations", "builds",
                                                    "seconds", "passed", "prediction_passed",

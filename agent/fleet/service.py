@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
-from agent.fleet import durable
+from agent.fleet import device_models, durable, rollback_log
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
@@ -54,6 +54,9 @@ class FleetService(object):
         self.server = BlockServer(self._publish_block, self.topics)
         self.unacked: List[Tuple[Any, int]] = []  # (publish handle, outbox id)
         self.devices_dirty: Dict[str, Dict[str, Any]] = {}
+        self.models_dirty: Dict[str, Dict[str, Any]] = {}  # device -> its models message
+        self.features: Dict[str, frozenset] = {}  # device -> its last status's features
+        self._stored_features: Optional[Dict[str, frozenset]] = None  # of the database's
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
         # device -> telemetry message, at each flush (agent.fleet.history keeps the series)
         self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
@@ -107,7 +110,8 @@ class FleetService(object):
     def _adopt(self, rollout_id: str) -> None:
         ro = durable.load(self.store, rollout_id, durable.factory_for(
             self.store, rollout_id, self.signer, self._url_for,
-            self._offer_url(rollout_id) if self.sharing is not None else None))
+            self._offer_url(rollout_id) if self.sharing is not None else None,
+            self.features_of))
         if ro is None:
             return
         if self.sharing is not None and ro.search_id is None:
@@ -156,6 +160,16 @@ class FleetService(object):
         self.commit(ro, actions, more=more)
         log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,
                  ro.current + 1, len(ro.stages))
+
+    def features_of(self, device: str) -> frozenset:
+        """What the device's last status says it understands (named models, ...): the
+        statuses heard since the start, over those in the database."""
+        if device in self.features:
+            return self.features[device]
+        if self._stored_features is None:
+            self._stored_features = {d: device_models.features(st)
+                                     for d, st in self.store.statuses().items()}
+        return self._stored_features.get(device, frozenset())
 
     def _url_for(self, ref: Dict[str, Any]) -> Optional[str]:
         if self.http_base is None or int(ref.get("size") or 0) < self.http_min_bytes:
@@ -245,6 +259,9 @@ class FleetService(object):
         if self.devices_dirty:
             self.store.upsert_devices(self.devices_dirty)
             self.devices_dirty = {}
+        if self.models_dirty:
+            device_models.save(self.store, self.models_dirty)
+            self.models_dirty = {}
         if self.telemetry_dirty:
             self.store.touch_devices(self.telemetry_dirty)
             if self.on_telemetry is not None:
@@ -266,6 +283,13 @@ class FleetService(object):
                 log.debug("block request from %s not answered: %s", info.device, exc)
         elif info.kind == "status":
             self.devices_dirty[info.device] = msg
+            if msg.get("platform") is not None:  # a Will has none: the last birth's stand
+                self.features[info.device] = device_models.features(msg)
+        elif info.kind == "models":
+            self.models_dirty[info.device] = msg
+        elif info.kind == "command_reply":
+            if msg.get("command") in (None, "rollback"):  # recorded by rollback_log, if ours
+                rollback_log.on_reply(self.store, info.device, msg)
         elif info.kind == "telemetry":
             self.telemetry_dirty[info.device] = msg
         elif info.kind == "job_status":

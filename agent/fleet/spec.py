@@ -2,7 +2,7 @@
 how, enough to rebuild the job documents after a restart (``doc_factory``) and the policy.
 ``fleet rollout`` builds it from its arguments (``spec_from_args``)."""
 
-from typing import Any, Callable, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 from agent.fleet.documents import job_document
 from agent.fleet.policy import Policy
@@ -14,9 +14,33 @@ DOC_KEYS = ("precision", "fallback", "atol", "rtol", "check_error_stat", "min_to
             "max_evaluations", "bench_iterations", "bench_warmup", "job_timeout", "predicted")
 
 
+Features = Callable[[str], Any]  # device -> the features its status lists (a set of strings)
+
+
+def model_name_version(name: Any, version: Any, model_sha: str
+                       ) -> Tuple[Optional[str], Optional[str]]:
+    """``--name`` / ``--version`` checked (bad_model_name, bad_model_version); the version
+    defaults to the first 12 hex digits of the model's sha256. No name: (None, None), the
+    devices name the model ``sha-<12 hex>`` themselves."""
+    from agent.errors import AgentError
+    from agent.wire import model_names
+
+    if name is None:
+        if version is not None:
+            raise AgentError("bad_argument", "--version names a version of a model: expected "
+                             "--name NAME with it, found none")
+        return None, None
+    return (model_names.validate_name(name),
+            model_names.validate_version(version) if version is not None
+            else model_names.default_version(model_sha))
+
+
 def spec_from_args(args: Any, artifacts: Mapping[str, Mapping[str, Any]],
                    user_layers: Mapping[str, str], timeout: float) -> Dict[str, Any]:
     spec: Dict[str, Any] = {k: getattr(args, k, None) for k in DOC_KEYS}
+    spec["model_name"], spec["model_version"] = model_name_version(
+        getattr(args, "name", None), getattr(args, "version", None),
+        str(artifacts["model"]["sha256"]))
     spec.update({"artifacts": {k: dict(v) for k, v in artifacts.items()},
                  "layer_precisions": dict(user_layers), "timeout": float(timeout),
                  "model_path": getattr(args, "model", None),
@@ -34,12 +58,16 @@ def policy_of(spec: Mapping[str, Any]) -> Policy:
 
 def doc_factory(spec: Mapping[str, Any],
                 url_for: Optional[Callable[[Mapping[str, Any]], Optional[str]]] = None,
-                offer_url: Optional[Callable[[str], Optional[str]]] = None) -> DocFactory:
+                offer_url: Optional[Callable[[str], Optional[str]]] = None,
+                features: Optional[Features] = None) -> DocFactory:
     """device, job id, kind, layers -> an unsigned job document for ``spec``. ``url_for``:
     an artifact reference -> the HTTP(S) URL devices may fetch it from, or None.
     ``offer_url``: device -> the one-time URL a builder uploads its engine to (engine
-    sharing), or None."""
+    sharing), or None. ``features``: device -> what its status says it understands; the
+    model's name and version go only to devices with ``named_models`` (None: to every device,
+    as for the "check" documents built before anything is sent)."""
     from agent.platform import FALLBACK_CHAINS
+    from agent.wire.model_names import FEATURE
 
     precision = str(spec["precision"])
     artifacts = {role: dict(ref) for role, ref in dict(spec["artifacts"]).items()}
@@ -64,6 +92,8 @@ def doc_factory(spec: Mapping[str, Any],
     bench = {k: v for k, v in (("iterations", spec.get("bench_iterations")),
                                ("warmup", spec.get("bench_warmup"))) if v is not None}
 
+    names = {k: spec[k] for k in ("model_name", "model_version") if spec.get(k)}
+
     def docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]],
              share: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
         plan: Dict[str, Any] = {"precision": precision}
@@ -84,7 +114,9 @@ def doc_factory(spec: Mapping[str, Any],
         doc = job_document(
             job_id, kind, device, arts, plan, fallback=fallback, gate=gate,
             search=search if kind == "search" else None,
-            bench=bench if kind == "deploy" else None, timeout_s=spec.get("job_timeout"))
+            bench=bench if kind == "deploy" else None, timeout_s=spec.get("job_timeout"),
+            names=names if names and (features is None or FEATURE in features(device))
+            else None)
         url = offer_url(device) if share and share.get("offer") and offer_url else None
         if url:
             doc["share"] = {"offer": url}

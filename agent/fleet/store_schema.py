@@ -38,6 +38,14 @@ CREATE TABLE IF NOT EXISTS signing_seq (key_id TEXT PRIMARY KEY, seq BIGINT NOT 
 CREATE TABLE IF NOT EXISTS outbox (
   id {serial} PRIMARY KEY, rollout_id TEXT, topic TEXT NOT NULL, payload {blob},
   retain INTEGER NOT NULL, created DOUBLE PRECISION);
+CREATE TABLE IF NOT EXISTS device_models (
+  device_id TEXT PRIMARY KEY, boot BIGINT, message TEXT NOT NULL, updated DOUBLE PRECISION);
+CREATE TABLE IF NOT EXISTS rollbacks (
+  request_id TEXT PRIMARY KEY, rollout_id TEXT, device_id TEXT NOT NULL, model TEXT,
+  name TEXT, version TEXT, sent DOUBLE PRECISION NOT NULL, replied DOUBLE PRECISION,
+  ok INTEGER, error_code TEXT, error_message TEXT, result TEXT, origin TEXT);
+CREATE INDEX IF NOT EXISTS rollbacks_rollout ON rollbacks (rollout_id, sent);
+CREATE INDEX IF NOT EXISTS rollbacks_device ON rollbacks (device_id, sent);
 CREATE TABLE IF NOT EXISTS services (
   instance TEXT PRIMARY KEY, heartbeat DOUBLE PRECISION, pid INTEGER, host TEXT,
   started DOUBLE PRECISION);

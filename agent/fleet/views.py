@@ -1,7 +1,8 @@
 """Read models over the fleet database for the dashboard and ``/metrics``: the fleet (one row
-per device with its platform, active engine and that engine's accuracy and throughput, health),
-rollouts with per-stage progress and the reason of every failure, and one device's job
-history. Read-only: nothing here writes.
+per device with its platform, every model it holds (``name@version (state)``, from its models
+message or, for an older daemon, its active engines), the newest engine's accuracy and
+throughput, health), rollouts with per-stage progress, the reason of every failure and the
+rollbacks recorded against them, and one device's job history. Read-only: nothing here writes.
 
 Everything a device reported is untrusted text: callers escape it (HTML) or bound it (labels).
 """
@@ -10,6 +11,7 @@ import json
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from agent.fleet import device_models, rollback_log
 from agent.fleet.report import accuracy_summary
 from agent.fleet.rollout import SEARCH_SUFFIX
 from agent.fleet.store import Store
@@ -137,8 +139,10 @@ def _active_engine(status: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
 
 
 def health(device: Mapping[str, Any], last_job: Optional[Mapping[str, Any]],
-           now: Optional[float] = None) -> Tuple[str, str]:
-    """(word, why): offline, stale, hot, failing or ok."""
+           now: Optional[float] = None, models: Sequence[Mapping[str, Any]] = ()
+           ) -> Tuple[str, str]:
+    """(word, why): offline, stale, hot, unhealthy (a model the device holds has a health
+    problem: its models message says which), failing or ok."""
     now = time.time() if now is None else now
     if not device.get("online"):
         return "offline", str(device.get("reason") or "no birth status since its Will")
@@ -149,6 +153,9 @@ def health(device: Mapping[str, Any], last_job: Optional[Mapping[str, Any]],
     if temps and max(temps.values()) >= HOT_C:
         hot = max(temps, key=lambda k: temps[k])
         return "hot", "{} at {:.0f} C".format(hot, temps[hot])
+    problems = device_models.problems(models)
+    if problems:
+        return "unhealthy", "; ".join(problems)[:1024]
     if last_job is not None and last_job.get("state") in FAILED_STATES:
         return "failing", "last job {}: {}".format(last_job["state"], failure_reason(last_job))
     return "ok", ""
@@ -188,6 +195,7 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
         one = store.device(device)
         devices = [one] if one is not None else []
     actives = {d["device"]: _active_engine(d.get("status") or {}) for d in devices}
+    held = device_models.load(store, None if device is None else [device])
     last: Dict[str, Tuple[str, str]] = {}
     done: Dict[str, List[Tuple[str, str]]] = {}  # device -> SUCCEEDED jobs, newest first
     for rid, dev, state in _job_query(store, None if device is None else [device],
@@ -207,12 +215,15 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
         last_job = jobs[last[dev["device"]]] if dev["device"] in last else None
         metrics = (dev.get("telemetry") or {}).get("metrics") or {}
         temps = temperatures(metrics)
-        word, why = health(dev, last_job, now)
+        models = device_models.entries(status, held.get(dev["device"]))
+        word, why = health(dev, last_job, now, models)
         out.append({
             "device": dev["device"], "online": dev["online"], "board": dev.get("board"),
             "jetpack": platform.get("jetpack"), "tensorrt": platform.get("tensorrt"),
             "backend": platform.get("backend"), "agent_version": status.get("agent_version"),
             "active_engine": actives[dev["device"]], "engine_job": engines.get(dev["device"]),
+            "models": models, "models_text": device_models.text(models),
+            "named_models": device_models.named(status),
             "last_job": last_job,
             "last_seen": dev.get("last_seen"), "health": word, "health_reason": why,
             "metrics": metrics, "max_temp_c": max(temps.values()) if temps else None,
@@ -220,7 +231,7 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
     return out
 
 
-def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS, offset: int = 0,
+def rollout_rows(store: Store, limit: Optional[int] = MAX_ROLLOUTS, offset: int = 0,
                  states: Optional[Sequence[str]] = None, failures: bool = True
                  ) -> List[Dict[str, Any]]:
     """The newest ``limit`` rollouts (from ``offset``; ``states``: only those), newest first,
@@ -231,15 +242,40 @@ def rollout_rows(store: Store, limit: int = MAX_ROLLOUTS, offset: int = 0,
     if failures and rows:
         for raw in _job_query(store, rollouts=list(failed), states=FAILED_STATES):
             failed[raw[0]].append(_job(*raw))
+    rollbacks = rollback_log.of_rollouts(store, list(failed)) if rows else {}
     return [rollout_summary(row, sorted(failed[row["rollout_id"]],
-                                        key=lambda j: (j["stage"], j["device"])))
+                                        key=lambda j: (j["stage"], j["device"])),
+                            rollbacks.get(row["rollout_id"], []))
             for row in rows]
 
 
-def rollout_summary(row: Mapping[str, Any], jobs: Sequence[Mapping[str, Any]]
-                    ) -> Dict[str, Any]:
-    """The row with its failures (of ``jobs``, in their order), progress, model and
-    precision."""
+def model_label(spec: Mapping[str, Any]) -> Optional[str]:
+    """``name@version`` of a rollout's model; for a rollout without a name, the name and
+    version devices give it (``sha-<12 hex>@<12 hex>``); None without a model."""
+    from agent.wire import model_names
+
+    sha = ((spec.get("artifacts") or {}).get("model") or {}).get("sha256")
+    if spec.get("model_name"):
+        return model_names.label(spec["model_name"], spec.get("model_version") or (
+            model_names.default_version(sha) if isinstance(sha, str) and len(sha) == 64
+            else None))
+    if isinstance(sha, str) and len(sha) == 64:
+        return model_names.label(model_names.derived_name(sha),
+                                 model_names.default_version(sha))
+    return None
+
+
+def state_text(state: str, rolled: Mapping[str, Sequence[str]]) -> str:
+    """A rollout's state as shown: ``succeeded`` alone only when nothing was rolled back."""
+    done = len(rolled.get("rolled_back") or ())
+    return "{}, rolled back on {} device{}".format(state, done, "" if done == 1 else "s") \
+        if done else state
+
+
+def rollout_summary(row: Mapping[str, Any], jobs: Sequence[Mapping[str, Any]],
+                    rollbacks: Sequence[Mapping[str, Any]] = ()) -> Dict[str, Any]:
+    """The row with its failures (of ``jobs``, in their order), progress, model
+    (``name@version``) and precision, and the rollbacks recorded against it."""
     failures = [{"device": j["device"], "stage": j["stage"], "state": j["state"],
                  "reason": failure_reason(j)} for j in jobs if j["state"] in FAILED_STATES]
     total = sum(len(s) for s in row.get("stages") or [])
@@ -247,9 +283,13 @@ def rollout_summary(row: Mapping[str, Any], jobs: Sequence[Mapping[str, Any]]
                if s in FAILED_STATES + ("SUCCEEDED",))
     spec = row.get("spec") or {}
     model = (spec.get("artifacts") or {}).get("model") or {}
+    rolled = rollback_log.summary(rollbacks)
     return dict(row, failures=failures, total=total, done=done,
-                model_name=model.get("name"), model_sha=model.get("sha256"),
-                precision=spec.get("precision"))
+                model_name=model_label(spec) or model.get("name"),
+                model_file=model.get("name"), model_sha=model.get("sha256"),
+                precision=spec.get("precision"), rollbacks=list(rollbacks),
+                rolled_back=rolled["rolled_back"], rollback_refused=rolled["refused"],
+                state_text=state_text(str(row.get("state")), rolled))
 
 
 def rollout_detail(store: Store, row: Mapping[str, Any],
@@ -257,7 +297,8 @@ def rollout_detail(store: Store, row: Mapping[str, Any],
     """One rollout's page: the summary and every device's job."""
     if jobs is None:
         jobs = job_rows_of(store, row["rollout_id"])
-    return dict(rollout_summary(row, jobs), jobs=list(jobs))
+    rollbacks = rollback_log.of_rollouts(store, [row["rollout_id"]])[row["rollout_id"]]
+    return dict(rollout_summary(row, jobs, rollbacks), jobs=list(jobs))
 
 
 def job_rows_of(store: Store, rollout_id: str) -> List[Dict[str, Any]]:

@@ -28,7 +28,7 @@ STAGES = ("downloading", "checking", "calibrating", "building", "verifying", "se
 COMMANDS = ("cancel", "diag", "rollback")
 
 MESSAGE_KINDS = ("status", "job", "job_status", "artifact_request", "telemetry", "command",
-                 "command_reply")
+                 "command_reply", "models")
 # Largest accepted payload per message kind (AWS IoT Jobs caps job documents at 32 KB).
 MAX_BYTES = {
     "status": 64 * 1024,
@@ -38,6 +38,7 @@ MAX_BYTES = {
     "telemetry": 64 * 1024,
     "command": 8 * 1024,
     "command_reply": 256 * 1024,
+    "models": 64 * 1024,  # at most 256 names (agent/data/schemas/models.json)
 }
 MAX_DEPTH = 32  # nesting of JSON containers; deeper payloads are rejected before validation
 

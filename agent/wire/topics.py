@@ -94,6 +94,10 @@ class Topics(object):
     def telemetry(self, device: str) -> str:
         return self._dev(device) + "/telemetry"
 
+    def models(self, device: str) -> str:
+        """The retained per-name models state of a device (named models)."""
+        return self._dev(device) + "/models"
+
     def commands(self, device: str) -> str:
         return self._dev(device) + "/commands"
 
@@ -113,7 +117,8 @@ class Topics(object):
         shared subscription so that several controller workers split them; the retained status
         topics are never shared (brokers send no retained messages to shared subscriptions)."""
         base = self.prefix + "/devices/+"
-        subs = [(base + "/status", 1), (base + "/jobs/+/status", 1), (base + "/telemetry", 0),
+        subs = [(base + "/status", 1), (base + "/models", 1), (base + "/jobs/+/status", 1),
+                (base + "/telemetry", 0),
                 (base + "/commands/reply", 1), (base + "/commands/reply/+", 1)]
         if serve_blocks:
             requests = base + "/artifacts/+/request"
@@ -143,6 +148,8 @@ class Topics(object):
             return TopicInfo("status", device)
         if rest == ["telemetry"]:
             return TopicInfo("telemetry", device)
+        if rest == ["models"]:
+            return TopicInfo("models", device)
         if rest == ["commands"]:
             return TopicInfo("command", device)
         if rest == ["commands", "reply"] or (rest[:2] == ["commands", "reply"] and len(rest) == 3
@@ -162,10 +169,15 @@ class Topics(object):
             return TopicInfo("block", device, sha256=sha, block=int(rest[3]))
         raise AgentError(
             "bad_message",
-            "expected status, telemetry, commands[/reply], jobs/ID[/status], "
+            "expected status, models, telemetry, commands[/reply], jobs/ID[/status], "
             "artifacts/SHA/request or artifacts/SHA/block/N after the device id, found {}".format(
                 short("/".join(rest))),
         )
+
+
+def models_topic(prefix: str, device: str) -> str:
+    """``{prefix}/devices/{device}/models``: the retained per-name models state (QoS 1)."""
+    return Topics(prefix).models(device)
 
 
 def reply_topic(topics: Topics, device: str, command: Mapping[str, Any],

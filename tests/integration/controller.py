@@ -30,6 +30,7 @@ class Controller:
         self.job_status = {}  # job_id -> list of status messages, arrival order
         self.device_status = []
         self.telemetry = []
+        self.models = []
         self.replies = []
         self.requests = []  # decoded artifact requests
         self.blocks_sent = {}  # (sha, index) -> times sent
@@ -85,6 +86,8 @@ class Controller:
                         self.device_status.append(msg)
                     elif info.kind == "telemetry":
                         self.telemetry.append(msg)
+                    elif info.kind == "models":  # named models: the retained per-name state
+                        self.models.append(msg)
                     elif info.kind == "command_reply":
                         self.replies.append(msg)
                     self.cond.notify_all()

@@ -108,6 +108,7 @@ def test_pages_render_and_escape_what_devices_reported(dash):
     assert "Cancel rollout" in body and "/rollouts/ro-1/pause" in body
     _, _, body = get(dash, "/devices/orin-1")
     assert 'id="chart-data"' in body and "Roll back to the previous engine" in body
+    assert "sha-" + MODEL[:12] in body  # its models, by the name a newer daemon gives them
     assert '"label":"cpu"' in body and "uPlot.iife.min.js" in body
     for path in ("/devices/nope", "/rollouts/..", "/static/../server.py"):
         with pytest.raises(urllib.error.HTTPError) as err:
@@ -128,12 +129,17 @@ def test_metrics_parse_with_prometheus_client(dash):
     assert samples[("jetson_fleet_rollout_progress_ratio", (("rollout", "ro-1"),))] == 1.0
     assert samples[("jetson_fleet_rollout_devices", (("rollout", "ro-1"),
                                                      ("state", "REJECTED")))] == 1
-    assert samples[("jetson_fleet_engine_throughput_qps", (("device", "orin-1"),
+    # An older daemon's engine carries the name its model gets on a newer one.
+    name = ("model", "sha-" + MODEL[:12])
+    assert samples[("jetson_fleet_engine_throughput_qps", (("device", "orin-1"), name,
                                                            ("precision", "fp16")))] == 812.5
-    assert samples[("jetson_fleet_engine_latency_ms", (("device", "orin-1"),
+    assert samples[("jetson_fleet_engine_latency_ms", (("device", "orin-1"), name,
                                                        ("quantile", "0.99")))] == 2.5
     assert samples[("jetson_fleet_engine_accuracy", (("device", "orin-1"),
-                                                     ("metric", "max_abs_error")))] == 0.002
+                                                     ("metric", "max_abs_error"), name))] == 0.002
+    assert samples[("jetson_fleet_device_model_info", (("device", "orin-1"), name,
+                                                       ("state", "active"),
+                                                       ("version", MODEL[:12])))] == 1
     assert samples[("jetson_fleet_device_temperature_celsius", (("device", "orin-1"),
                                                                 ("sensor", "cpu")))] == 91.5
     assert samples[("jetson_fleet_device_power_watts", (("device", "orin-1"),

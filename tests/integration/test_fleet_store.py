@@ -214,4 +214,6 @@ def test_metrics_of_rollouts_and_engines_say_what_the_database_holds(store):
         ("rollout_stages", "ro-c"): 2,
         ("rollout_active", "ro-e", "running"): 1, ("rollout_active", "paused", "ro-d"): 1,
         ("rollout_active", "failed", "ro-c"): 0,
-        ("engine_throughput_qps", "", "x-a"): 104.0, ("engine_throughput_qps", "", "x-b"): 103.0}
+        # (model and precision unknown: the statuses name no model)
+        ("engine_throughput_qps", "", "", "x-a"): 104.0,
+        ("engine_throughput_qps", "", "", "x-b"): 103.0}

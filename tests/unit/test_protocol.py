@@ -151,6 +151,8 @@ def _doc_examples():
 
 
 def _kind_of(example):
+    if "models" in example:
+        return "models"
     if "metrics" in example:
         return "telemetry"
     if "want" in example:

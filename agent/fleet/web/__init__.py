@@ -6,7 +6,7 @@ uPlot 1.6.32 (MIT, ``uPlot.LICENSE``) as published on npm, and the dashboard's o
 import argparse
 import logging
 import os
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from agent.errors import AgentError
 
@@ -59,8 +59,9 @@ def read_token(path: Optional[str]) -> Optional[str]:
 def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
     """Record telemetry history on ``service`` and, with ``--dashboard``, start the dashboard
     (returns it; ``stop()`` at exit)."""
-    from agent.fleet import history, rollback
+    from agent.fleet import history
     from agent.fleet.web.server import Dashboard
+    from agent.wire import protocol
 
     days = getattr(args, "telemetry_retention", history.RETENTION_S / 86400)
     if days is not None and days > 0:
@@ -70,8 +71,9 @@ def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
         return None
     host, port = parse_hostport(args.dashboard)
 
-    def send_rollback(device: str, model: str) -> str:
-        return rollback.send(service.conn, device, model)
+    def send_rollback(device: str, cmd: Dict[str, Any]) -> None:
+        service.conn.client.publish(service.conn.topics.commands(device),
+                                    protocol.encode(cmd), qos=1)
 
     dash = Dashboard(url, host, port, read_token(args.dashboard_token_file), send_rollback)
     return dash.start()

@@ -99,6 +99,47 @@ def _engine(row: Mapping[str, Any]) -> str:
                                                  _e(str(eng.get("engine_key") or "")[:12]))
 
 
+def models_cell(row: Mapping[str, Any]) -> str:
+    """Every model the device holds: ``name@version (state)``, one per line; a model with a
+    health problem says it."""
+    items = row.get("models") or []
+    if not items:
+        return "-"
+    return "<br>".join('<span class="model" title="{}">{}@{} ({}){}</span>'.format(
+        _e("engine {} {}".format(m.get("engine_key") or "-", m.get("precision") or "")),
+        _e(m["name"]), _e(m["version"]), _e(m["state"]),
+        "" if m.get("health") in (None, "ok") else " " + badge("unhealthy", str(m["health"])))
+        for m in items)
+
+
+def rollout_state(r: Mapping[str, Any]) -> str:
+    """The state badge, and "rolled back on N devices" when rollbacks succeeded."""
+    extra = ""
+    if r.get("rolled_back"):
+        extra += " " + badge("rolled back", "{} device(s): {}".format(
+            len(r["rolled_back"]), ", ".join(r["rolled_back"][:20])))
+    if r.get("rollback_refused"):
+        extra += " " + badge("rollback refused", ", ".join(r["rollback_refused"][:20]))
+    return badge(r["state"], str(r.get("state_text") or "")) + extra
+
+
+def rollbacks_table(items: Sequence[Mapping[str, Any]], device_column: bool = True) -> str:
+    """Rollbacks sent and what the devices answered (a refusal's reason included)."""
+    header = (["device"] if device_column else []) + ["sent", "from", "model", "rollout",
+                                                      "request", "outcome"]
+    rows = []
+    for b in items:
+        what = (b["name"] + ("@" + b["version"] if b.get("version") else "")) if b.get("name") \
+            else (b.get("model") or "")[:12]
+        rollout = '<a href="/rollouts/{}">{}</a>'.format(_u(b["rollout_id"]), _e(
+            b["rollout_id"])) if b.get("rollout_id") else "-"
+        rows.append(([('<a href="/devices/{}">{}</a>'.format(_u(b["device"]), _e(
+            b["device"])))] if device_column else []) + [
+            _e(when(b["sent"])), _e(b.get("origin") or "-"), _e(what), rollout,
+            _e(b["request_id"]), _e(b["outcome"])])
+    return table(header, rows, cls="rollbacks")
+
+
 def progress(done: int, total: int) -> str:
     return '<progress value="{:d}" max="{:d}"></progress> {:d}/{:d}'.format(
         done, max(total, 1), done, total)
@@ -129,13 +170,13 @@ def fleet_page(rows: List[Dict[str, Any]], rollouts: List[Dict[str, Any]],
              progress(r["done"], r["total"]), counts_text(r["counts"])] for r in running]))
     parts.append("<h2>Devices</h2>")
     parts.append(table(
-        ["device", "online", "board", "JetPack", "TensorRT", "backend", "active engine",
+        ["device", "online", "board", "JetPack", "TensorRT", "backend", "models",
          "accuracy", "throughput (qps)", "latency p50 (ms)", "temp max (C)", "power (W)",
          "last seen", "health"],
         [['<a href="/devices/{}">{}</a>'.format(_u(r["device"]), _e(r["device"])),
           badge("online" if r["online"] else "offline"), _e(r["board"] or "-"),
           _e(r["jetpack"] or "-"), _e(r["tensorrt"] or "-"), _e(r["backend"] or "-"),
-          _engine(r), _e((r["engine_job"] or {}).get("accuracy_text") or "-"),
+          models_cell(r), _e((r["engine_job"] or {}).get("accuracy_text") or "-"),
           _num((r["engine_job"] or {}).get("throughput_qps"), "{:.1f}"),
           _num((r["engine_job"] or {}).get("latency_p50_ms")),
           _num(r["max_temp_c"], "{:.1f}"),
@@ -155,7 +196,7 @@ def _failures(failures: Sequence[Mapping[str, Any]]) -> str:
 def rollouts_page(rollouts: List[Dict[str, Any]], actions: bool,
                   limit: int = views.MAX_ROLLOUTS, offset: int = 0) -> bytes:
     rows = [['<a href="/rollouts/{}">{}</a>'.format(_u(r["rollout_id"]), _e(r["rollout_id"])),
-             badge(r["state"]), _e(r["model_name"] or "-"), _e(r["precision"] or "-"),
+             rollout_state(r), _e(r["model_name"] or "-"), _e(r["precision"] or "-"),
              "{}/{}".format(max(r["current_stage"] + 1, 0), len(r["stages"])),
              progress(r["done"], r["total"]), counts_text(r["counts"]), _e(when(r["created"])),
              _e(r["reason"] or "")] for r in rollouts]
@@ -190,11 +231,12 @@ def _action_form(url: str, label: str, fields: Optional[Mapping[str, str]] = Non
 def rollout_page(r: Dict[str, Any], actions: bool, notice: str = "") -> bytes:
     parts = ['<p class="notice">{}</p>'.format(_e(notice))] if notice else []
     parts.append('<dl class="facts"><dt>state</dt><dd>{}</dd><dt>model</dt><dd>{} <code>{}'
-                 '</code></dd><dt>precision</dt><dd>{}</dd><dt>created</dt><dd>{}</dd>'
+                 '</code> {}</dd><dt>precision</dt><dd>{}</dd><dt>created</dt><dd>{}</dd>'
                  '<dt>finished</dt><dd>{}</dd><dt>reason</dt><dd>{}</dd><dt>progress</dt>'
                  '<dd>{}</dd></dl>'.format(
-                     badge(r["state"]), _e(r["model_name"] or "-"),
-                     _e((r["model_sha"] or "")[:12]), _e(r["precision"] or "-"),
+                     rollout_state(r), _e(r["model_name"] or "-"),
+                     _e((r["model_sha"] or "")[:12]), _e(r.get("model_file") or ""),
+                     _e(r["precision"] or "-"),
                      _e(when(r["created"])), _e(when(r["finished"])), _e(r["reason"] or "-"),
                      progress(r["done"], r["total"])))
     if actions and r["state"] in ACTIVE:
@@ -221,6 +263,8 @@ def rollout_page(r: Dict[str, Any], actions: bool, notice: str = "") -> bytes:
         for j in r["jobs"]], cls="jobs"))
     if r["failures"]:
         parts.append("<h2>Failures</h2>" + _failures(r["failures"]))
+    if r.get("rollbacks"):
+        parts.append("<h2>Rollbacks</h2>" + rollbacks_table(r["rollbacks"]))
     return page("Rollout " + r["rollout_id"], "".join(parts), "rollouts", actions,
                 refresh=5 if r["state"] in ACTIVE else None)
 
@@ -261,22 +305,39 @@ def chart_data(series: Sequence[Any], jobs: Sequence[Mapping[str, Any]]) -> Dict
 
 def device_page(row: Dict[str, Any], jobs: List[Dict[str, Any]], series: Sequence[Any],
                 actions: bool, notice: str = "",
-                statuses: Sequence[Mapping[str, Any]] = ()) -> bytes:
+                statuses: Sequence[Mapping[str, Any]] = (),
+                rollbacks: Sequence[Mapping[str, Any]] = ()) -> bytes:
     parts = ['<p class="notice">{}</p>'.format(_e(notice))] if notice else []
     eng = row.get("active_engine") or {}
     parts.append('<dl class="facts"><dt>online</dt><dd>{}</dd><dt>health</dt><dd>{} {}</dd>'
                  '<dt>board</dt><dd>{}</dd><dt>JetPack / TensorRT</dt><dd>{} / {}</dd>'
-                 '<dt>backend</dt><dd>{}</dd><dt>agent</dt><dd>{}</dd><dt>active engine</dt>'
+                 '<dt>backend</dt><dd>{}</dd><dt>agent</dt><dd>{}</dd><dt>newest engine</dt>'
                  '<dd>{} (job {})</dd><dt>last seen</dt><dd>{}</dd></dl>'.format(
                      badge("online" if row["online"] else "offline"), badge(row["health"]),
                      _e(row["health_reason"]), _e(row["board"] or "-"),
                      _e(row["jetpack"] or "-"), _e(row["tensorrt"] or "-"),
                      _e(row["backend"] or "-"), _e(row["agent_version"] or "-"), _engine(row),
                      _e(eng.get("job_id") or "-"), _e(age(row["last_seen"]))))
-    if actions and eng.get("model"):
-        parts.append('<div class="actions">{}</div>'.format(_action_form(
-            "/devices/{}/rollback".format(_u(row["device"])), "Roll back to the previous "
-            "engine", {"model": str(eng["model"])}, danger=True)))
+    models = row.get("models") or []
+    parts.append("<h2>Models</h2>")
+    parts.append(table(["model", "version", "state", "previous", "precision", "engine",
+                        "job", "activated", "health"] + (["action"] if actions else []), [
+        [_e(m["name"]), _e(m["version"]), badge(m["state"]), _e(m.get("previous") or "-"),
+         _e(m.get("precision") or "-"), '<code title="{}">{}</code>'.format(
+             _e(m.get("engine_key")), _e(str(m.get("engine_key") or "-")[:12])),
+         _e(m.get("job_id") or "-"), _e(when(m.get("activated"))),
+         badge("ok" if m["health"] == "ok" else "unhealthy", str(m["health"])) +
+         ("" if m["health"] == "ok" else " " + _e(m["health"]))] +
+        ([_action_form("/devices/{}/rollback".format(_u(row["device"])),
+                       "Roll back to the previous " + ("engine" if m.get("legacy")
+                                                       else "version"),
+                       {"name": str(m["name"])} if row.get("named_models") else
+                       {"model": str(m.get("model") or "")}, danger=True)]
+         if actions and (row.get("named_models") or m.get("model")) else
+         ([""] if actions else []))
+        for m in models], cls="models"))
+    if rollbacks:
+        parts.append("<h2>Rollbacks</h2>" + rollbacks_table(rollbacks, device_column=False))
     data = json.dumps(chart_data(series, jobs), separators=(",", ":"))
     # JSON inside <script>: "</" must not close the element.
     parts.append('<script type="application/json" id="chart-data">{}</script>'.format(

@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, quote, urlsplit
 
 from agent.errors import AgentError
-from agent.fleet import history, metrics, views
+from agent.fleet import device_models, history, metrics, rollback, rollback_log, views
 from agent.fleet.http_bounds import BoundedHTTPServer
 from agent.fleet.store import Store
 from agent.fleet.web import pages
@@ -31,8 +31,8 @@ TYPES = {".js": "application/javascript", ".css": "text/css", ".svg": "image/svg
          ".LICENSE": "text/plain; charset=utf-8"}
 ROLLOUT_CONTROLS = ("pause", "resume", "cancel")
 
-# rollback(device, model_sha256) -> the request id of the command sent
-Rollback = Callable[[str, str], str]
+# rollback(device, command) -> publishes the rollback command (agent.fleet.rollback.command)
+Rollback = Callable[[str, Dict[str, Any]], None]
 
 
 class Dashboard(object):
@@ -110,7 +110,8 @@ class Dashboard(object):
                 return _html(pages.device_page(
                     rows[0], views.job_rows(self.store, device=parts[1]),
                     history.series(self.store, parts[1]), actions, notice,
-                    views.status_history(self.store, parts[1])))
+                    views.status_history(self.store, parts[1]),
+                    rollback_log.of_device(self.store, parts[1])))
         return 404, "text/html; charset=utf-8", pages.message_page(
             "Not found", "nothing at {}".format(path[:200]), actions)
 
@@ -131,17 +132,30 @@ class Dashboard(object):
             return 303, "/rollouts/{}?done={}".format(quote(parts[1]), parts[2]), b""
         if len(parts) == 3 and parts[0] == "devices" and protocol.valid_id(parts[1]) and \
                 parts[2] == "rollback":
-            model = form.get("model", "")
-            if not protocol.valid_sha256(model):
-                raise AgentError("bad_argument", "rollback needs the model's sha256 (64 hex "
-                                 "digits), found {!r}".format(model[:80]))
-            if self.store.device(parts[1]) is None:
+            model, name = form.get("model") or None, form.get("name") or None
+            if name is None and not protocol.valid_sha256(model):
+                raise AgentError("bad_argument", "rollback needs the model's name or its sha256 "
+                                 "(64 hex digits), found {!r}".format((model or "")[:80]))
+            device = self.store.device(parts[1])
+            if device is None:
                 raise AgentError("unknown_device", "no device {!r} in the fleet database"
                                  .format(parts[1]))
             if self.rollback is None:
                 raise _Refused(503, "broker_unreachable", "this dashboard has no MQTT connection "
                                "to send the rollback command")
-            request_id = self.rollback(parts[1], model)
+            models = device_models.load(self.store, [parts[1]]).get(parts[1])
+            plan = rollback.plan_one(parts[1], device["status"], models, name=name, model=model)
+            cmd = rollback.command(plan["model"], name=plan["name"])
+            request_id = str(cmd["request_id"])
+            held = {m["name"]: m for m in device_models.entries(device["status"], models)}
+            job_id = (held.get(plan["name"] or "") or {}).get("job_id") or next(
+                (m.get("job_id") for m in held.values() if m.get("model") == plan["model"]),
+                None)
+            rollback_log.record(self.store, [dict(
+                plan, request_id=request_id, origin="dashboard",
+                rollout_id=rollback_log.rollout_for(self.store, parts[1], plan["name"],
+                                                    plan["model"], job_id=job_id))])
+            self.rollback(parts[1], cmd)
             return 303, "/devices/{}?done=rollback&request={}".format(
                 quote(parts[1]), quote(request_id)), b""
         raise _Refused(404, "bad_argument", "no action at {}".format(path[:200]))
@@ -151,7 +165,8 @@ NOTICES = {  # the page after an action says what was done; no text from the URL
     "pause": "pause requested; the service applies it within a second",
     "resume": "resume requested; the service applies it within a second",
     "cancel": "cancel requested; the service applies it within a second",
-    "rollback": "rollback sent (request {}); the device's status shows the engine it restored",
+    "rollback": "rollback sent (request {}); the device's answer shows under Rollbacks below "
+                "(refused: with its reason), its models what it runs now",
 }
 
 
