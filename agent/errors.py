@@ -87,9 +87,6 @@ CODES = {
     "unauthorized": "A dashboard action came without the service's token, or the dashboard is "
     "read-only (no --dashboard-token-file).",
     "no_previous_engine": "A rollback names a model with no previous engine on the device.",
-    "bad_model_name": "A model name is not ^[a-z0-9][a-z0-9_.-]{0,63}$.",
-    "bad_model_version": "A model version is not ^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$ (or is . "
-    "or ..).",
     "agent_unreachable": "The agent's app socket does not answer (the daemon is not running, or "
     "the socket path is wrong).",
     "handoff_failed": "Handing a model version to the application failed before the switch "
