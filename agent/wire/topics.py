@@ -94,6 +94,10 @@ class Topics(object):
     def telemetry(self, device: str) -> str:
         return self._dev(device) + "/telemetry"
 
+    def models(self, device: str) -> str:
+        """The retained per-name models state (named models: its schema is ``models.json``)."""
+        return self._dev(device) + "/models"
+
     def commands(self, device: str) -> str:
         return self._dev(device) + "/commands"
 
@@ -143,6 +147,8 @@ class Topics(object):
             return TopicInfo("status", device)
         if rest == ["telemetry"]:
             return TopicInfo("telemetry", device)
+        if rest == ["models"]:
+            return TopicInfo("models", device)
         if rest == ["commands"]:
             return TopicInfo("command", device)
         if rest == ["commands", "reply"] or (rest[:2] == ["commands", "reply"] and len(rest) == 3
@@ -162,7 +168,7 @@ class Topics(object):
             return TopicInfo("block", device, sha256=sha, block=int(rest[3]))
         raise AgentError(
             "bad_message",
-            "expected status, telemetry, commands[/reply], jobs/ID[/status], "
+            "expected status, telemetry, models, commands[/reply], jobs/ID[/status], "
             "artifacts/SHA/request or artifacts/SHA/block/N after the device id, found {}".format(
                 short("/".join(rest))),
         )
