@@ -86,7 +86,11 @@ class ModelSwitch(object):
                  events: Any, shared: Any, end: Callable[..., None],
                  set_stage: Callable[[Run, str], None], changed: Callable[[], None],
                  platform_status: Callable[[], Dict[str, Any]],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 on_step: Callable[[str], None] = lambda step: None) -> None:
+        """``on_step(step)``: after "pending_recorded" (the journal holds the pending version)
+        and "pending" (hand-off done, waiting): a hook for fault tests and timings."""
+        self.on_step = on_step
         self.cfg, self.journal, self.models, self.entries = cfg, journal, models, entries
         self.events, self.shared, self.end, self.set_stage = events, shared, end, set_stage
         self.changed, self.platform_status, self.clock = changed, platform_status, clock
@@ -224,6 +228,7 @@ class ModelSwitch(object):
         run.details["commit"] = "pending"
         run.stage = "committing"
         self.set_stage(run, "committing")
+        self.on_step("pending_recorded")
         self.changed()
         self._track(run, name, version, previous, deadline, need)
         self.pending.result = result  # type: ignore[union-attr]
@@ -341,6 +346,7 @@ class ModelSwitch(object):
                 return
             p.phase = "waiting"
             p.state.on_handoff(ev.value if ev.error is None else [], ev.error)
+            self.on_step("pending")
         elif ev.kind == "probe":
             p.probe_running = False
             p.state.on_probe(bool(ev.value))
