@@ -43,6 +43,18 @@ def reply_to(controller, cmd, rid):
         20, "reply " + rid)
 
 
+def cli(*args):
+    import subprocess
+
+    from tests.integration.conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "agent"] + list(args), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT),
+                         timeout=60)
+    assert out.returncode == 0, out.stderr.decode()
+    return json.loads(out.stdout.decode())
+
+
 def test_versions_replace_live_side_by_side_and_roll_back(controller, agent_factory,
                                                           digits_files):
     controller.client.subscribe(MODELS_TOPIC, 1)
@@ -80,6 +92,14 @@ def test_versions_replace_live_side_by_side_and_roll_back(controller, agent_fact
     assert models["det"]["state"] == "committed" and models["cls"]["version"] == "2024.1"
     controller.wait_for(lambda: len(controller.device_status[-1].get("active_engines") or [])
                         == 2, 20, "status with two active engines (one per name)")
+
+    out = cli("models", "ls", "--state-dir", agent.state_dir, "--json")
+    assert {m["name"]: m["version"] for m in out["models"]} == {"det": "v2", "cls": "2024.1"}
+    out = cli("models", "show", "det", "--state-dir", agent.state_dir, "--json")
+    assert out["current"] == "v2" and out["problem"] is None and out["meta"]["version"] == "v2"
+    assert [v["version"] for v in out["versions"]] == ["v2", "v1"]
+    out = cli("status", "--state-dir", agent.state_dir, "--json")
+    assert sorted(m["name"] for m in out["models"]) == ["cls", "det"]
 
     reply = reply_to(controller, {"command": "rollback", "name": "det"}, "rb1")
     assert reply["ok"] and reply["result"]["version"] == "v1", reply
