@@ -19,7 +19,7 @@ def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
     layers_kept, io, accuracy, throughput_qps, backend); ``platform``: the birth status's
     platform (board, jetpack, tensorrt); ``fingerprint``: the platform fingerprint (gpu,
     compute_capability, cuda, tensorrt)."""
-    io = result.get("io") if isinstance(result.get("io"), dict) else {}
+    io: Dict[str, Any] = result["io"] if isinstance(result.get("io"), dict) else {}
     accuracy = result.get("accuracy") if isinstance(result.get("accuracy"), dict) else None
     gate: Dict[str, Any] = {"passed": None if accuracy is None else bool(accuracy.get("passed"))}
     for key, value in (accuracy or {}).items():

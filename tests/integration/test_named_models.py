@@ -48,8 +48,8 @@ def cli(*args):
 
     from tests.integration.conftest import ROOT
 
-    out = subprocess.run([sys.executable, "-m", "agent"] + list(args), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT),
+    out = subprocess.run([sys.executable, "-m", "agent"] + list(args), capture_output=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT),
                          timeout=60)
     assert out.returncode == 0, out.stderr.decode()
     return json.loads(out.stdout.decode())

@@ -24,8 +24,8 @@ def drive(state_dir, version=None, kill_at=""):
     if version:
         cmd += ["--version", version, "--kill-at", kill_at]
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, timeout=120)
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True,
+                          timeout=120)
 
 
 def check_current(models):
