@@ -119,12 +119,36 @@ class ModelSwitch(object):
         active: Dict[str, str] = {}
         kept: Dict[str, List[str]] = {}
         for row in self.journal.model_versions():
+            self._materialise(row)
             kept.setdefault(row["name"], []).append(row["version"])
             if row["active"]:
                 expired = row["state"] == "pending" and (row["deadline"] or 0) <= now
                 active[row["name"]] = row["previous"] if expired and row["previous"] \
                     else row["version"]
         self.models.reconcile(active, kept)
+
+    def _materialise(self, row: Dict[str, Any]) -> None:
+        """A kept version without its directory (a journal upgraded from the release before
+        named models): written from the engine cache's file when that is still there."""
+        if os.path.isdir(self.models.version_dir(row["name"], row["version"])):
+            return
+        engine = (row["info"] or {}).get("engine")
+        if not isinstance(engine, str) or not os.path.isfile(engine):
+            return
+        result = {"engine_key": row["engine_key"], "precision": row["precision"],
+                  "throughput_qps": (row["info"] or {}).get("throughput_qps"),
+                  "backend": (row["info"] or {}).get("backend")}
+        platform = self.platform_status()
+
+        def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
+            return model_meta.build(row["name"], row["version"], row["model"], result, platform,
+                                    {}, row["job_id"], row["activated"], row["state"],
+                                    engine_sha, engine_size)
+
+        try:
+            self.models.write_version(row["name"], row["version"], engine, None, meta_for)
+        except AgentError as exc:
+            log.warning("model %s@%s: %s", row["name"], row["version"], exc)
 
     def resume(self, run: Run) -> None:
         """A job found IN_PROGRESS with its version pending at start-up (scheduler)."""

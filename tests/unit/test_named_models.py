@@ -58,6 +58,18 @@ def test_journal_v1_upgrades_in_place(tmp_path):
         assert len(j.model_versions()) == 3
 
 
+def test_upgraded_versions_get_their_directories(tmp_path):
+    engine = tmp_path / "cache-engine"
+    engine.write_bytes(b"plan")
+    with Journal(str(tmp_path / "journal.sqlite3")) as j:
+        j.activate_version("sha-" + A[:12], A[:12], A, "e1", "fp16", "j1",
+                           info={"engine": str(engine)})
+    h = Harness(tmp_path)
+    assert h.current("sha-" + A[:12]) == A[:12]
+    path = os.path.join(h.cfg.models_dir, "sha-" + A[:12], A[:12])
+    assert version_problem(path) is None
+
+
 def test_names_and_versions():
     assert validate_name("detector-v1.2_x") == "detector-v1.2_x"
     assert validate_version("2.0.1+build.7") == "2.0.1+build.7"
