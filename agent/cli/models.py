@@ -1,4 +1,4 @@
-"""``jetson-agent models``: the named models on this device (docs/using-models.md).
+"""``jetson-agent models``: the named models on this device (docs/daemon.md).
 
     models ls [--json]                 every name: version, state, previous, precision, engine
     models show NAME [--json]          its kept versions, meta.json of the current one, rejections

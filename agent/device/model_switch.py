@@ -1,5 +1,5 @@
 """Named models on the device: a deployed engine becomes a version of its model name, reaches
-the app, and is committed or rolled back (docs/using-models.md).
+the app, and is committed or rolled back (docs/daemon.md, "Named models, hand-off, commit").
 
 A switch, in order (each step durable before the next, so a kill -9 anywhere leaves ``current``
 on a complete version and nothing pending for ever):
@@ -163,8 +163,8 @@ class ModelSwitch(object):
                                        "the version was rolled back while the agent stopped")
             return
         self._track(run, name, version, row["previous"], row["deadline"] or 0.0)
-        run.stage = "committing"
-        self.set_stage(run, "committing")
+        run.stage = committing_stage(run)
+        self.set_stage(run, run.stage)
         if (row["deadline"] or 0.0) <= self.clock():
             self._rollback(self.pending, row["info"].get("rollback_reason") or  # type: ignore
                            "no confirmation within {:g} s (the agent restarted)".format(
@@ -250,8 +250,8 @@ class ModelSwitch(object):
             self._succeed(run, name, version, previous, result)
             return
         run.details["commit"] = "pending"
-        run.stage = "committing"
-        self.set_stage(run, "committing")
+        run.stage = committing_stage(run)
+        self.set_stage(run, run.stage)
         self.on_step("pending_recorded")
         self.changed()
         self._track(run, name, version, previous, deadline, need)
@@ -599,6 +599,13 @@ class ModelSwitch(object):
                         "health": self.health.get(row["name"], "ok"),
                         "rejected": rejected.get(row["name"], [])[-16:]})
         return out[:256]
+
+
+def committing_stage(run: Run) -> str:
+    """The stage of a job whose version is pending: ``committing``; for a job without a model
+    name (a controller of the release before named models, whose schema knows no such stage)
+    ``activating``, with ``commit: pending`` in its details either way."""
+    return "committing" if run.doc.get("model_name") is not None else "activating"
 
 
 def _text(exc: BaseException) -> str:

@@ -1,5 +1,5 @@
 """The models directory (config ``models.dir``, default ``<state_dir>/models``): the stable place
-where applications find the deployed engines (docs/using-models.md). The I/O edge of the named
+where applications find the deployed engines (docs/daemon.md). The I/O edge of the named
 models: the journal says which version is active, this module makes the disk say the same.
 
     <models_dir>/<name>/<version>/model.engine   hard link to the engine cache's file

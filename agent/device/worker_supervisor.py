@@ -292,7 +292,7 @@ class WorkerSupervisor:
         if run is None:
             return
         now = time.monotonic()
-        if run.stage == "committing":
+        if run.details.get("commit") == "pending":
             return  # the model switch's commit timeout governs (models.commit_timeout_s)
         if not run.timed_out and not run.cancel_requested and now > run.deadline:
             run.timed_out = True
