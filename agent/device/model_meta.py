@@ -1,5 +1,5 @@
-"""``meta.json`` of a model version in the models directory (docs/daemon.md, "Named models, hand-off, commit"): what an app
-needs to know about the engine it loads, and whether it may load it here (the portability
+"""``meta.json`` of a model version in the models directory (docs/daemon.md): what an app needs
+to know about the engine it loads, and whether it may load it here (the portability
 record). Pure: built from the worker's result, the platform and the facts the caller measured
 (the engine's sha256 and size), so anyone can check that ``model.engine`` is whole."""
 
