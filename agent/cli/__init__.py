@@ -34,6 +34,7 @@ COMMANDS = {
     "run": "run the device daemon (MQTT jobs, worker, telemetry)",
     "status": "local state of the device daemon",
     "jobs": "jobs the device daemon received",
+    "models": "named models on this device: list, show, commit, roll back",
     "fleet": "controller: devices, staged rollouts, jobs, telemetry",
 }
 

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from agent import fsio
@@ -47,6 +48,9 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("build", help="build an engine (through the engine cache)",
                        description=__doc__.split("\n\n")[1] if __doc__ else None)
     add_build_arguments(p, model_help="ONNX model file")
+    p.add_argument("--save-engine", metavar="FILE",
+                   help="also write the engine to FILE (atomically; trtexec's --saveEngine), "
+                   "with its meta.json as FILE.json beside it")
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(func=run)
 
@@ -323,14 +327,66 @@ def print_human(out: Dict[str, Any]) -> None:
         print("mismatch:    {} asked {}, runs {}".format(layer, asked, got))
 
 
+def save_engine(path: str, model: str, record: EngineRecord, backend: Backend) -> str:
+    """The engine copied to ``path`` atomically (temporary file, fsync, rename) and its
+    meta.json (``agent.device.model_meta``) written to ``path + ".json"``, the same way."""
+    import re
+    import shutil
+    import tempfile
+
+    from agent.device import model_meta
+    from agent.fsio import atomic_write, fsync_dir, sha256_file
+
+    path = os.path.abspath(path)
+    directory = os.path.dirname(path)
+    if not os.path.isdir(directory):
+        raise AgentError("file_not_found", "--save-engine: expected an existing directory for "
+                         "{}, found none".format(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as dst, open(record.engine_path, "rb") as src:
+            shutil.copyfileobj(src, dst, 1 << 20)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+        fsync_dir(directory)
+    except OSError as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise AgentError("disk_full" if exc.errno == 28 else "file_not_found",
+                         "--save-engine: cannot write {}: {}".format(path, exc.strerror or exc))
+    io: Dict[str, Any] = {}
+    try:
+        with backend.open(path) as runner:
+            io = {"inputs": [t.to_dict() for t in runner.inputs],
+                  "outputs": [t.to_dict() for t in runner.outputs]}
+    except AgentError:
+        pass
+    info = plat.detect()
+    sha = sha256_file(model)
+    label = re.sub(r"[^a-z0-9_.-]+", "-", os.path.splitext(model_label(model))[0].lower())
+    result = dict(record.result or {}, engine_key=record.key, io=io, backend=backend.name,
+                  layers_kept=(record.result or {}).get("layer_precisions") or {})
+    meta = model_meta.build(label.strip("-.")[:64] or "model", sha[:12], sha, result,
+                            info.to_dict(), info.fingerprint(backend.name), None, time.time(),
+                            "committed", sha256_file(path), os.path.getsize(path))
+    atomic_write(path + ".json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     record, backend, decision = build_from_args(args, args.model)
     out = report(record, backend, decision)
     note = budget_note(out.get("cache_budget") or {})
     if note:
         print(note, file=sys.stderr)
+    if args.save_engine:
+        out["saved_engine"] = save_engine(args.save_engine, args.model, record, backend)
+        out["saved_meta"] = out["saved_engine"] + ".json"
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
         print_human(out)
+        if args.save_engine:
+            print("saved:       {} (+ .json)".format(out["saved_engine"]))
     return 0

@@ -1,6 +1,7 @@
 """``jetson-agent status``: the device's local state, read from the daemon's journal.
 
-Jobs by state, the job in progress, active engines, the outbox (status messages not yet
+Jobs by state, the job in progress, the named models (per name: version, state, previous
+version, precision, engine key), the outbox (status messages not yet
 acknowledged by the broker), partial downloads, and session takeovers (another client that
 connected with this device's client id). Works while the daemon runs.
 """
@@ -114,6 +115,9 @@ def summary(journal: Any) -> Dict[str, Any]:
         "unfinished": running,
         "recent": recent,
         "active_engines": journal.active_engines(),
+        "models": [{k: r[k] for k in ("name", "version", "state", "previous", "precision",
+                                      "engine_key", "job_id", "activated")}
+                   for r in journal.active_versions()],
         "outbox": journal.outbox_count(),
         "transfers": partials(journal),
         "connection": journal.note("connection") or {},
@@ -184,11 +188,11 @@ def run(args: argparse.Namespace) -> int:
         print("  {:<24} {:<7} {:<11} {}{}".format(
             row["job_id"], row["kind"], row["state"], row["stage"] or "",
             " {}/{}".format(prog["done"], prog["of"]) if prog else ""))
-    print("active engines: {}".format(len(s["active_engines"])))
-    for e in s["active_engines"]:
-        print("  model {}  engine {}  {}  job {}  since {}".format(
-            e["model"][:12], e["engine_key"][:12], e["precision"], e["job_id"],
-            when(e["activated"])))
+    print("models: {}".format(len(s["models"])))
+    for m in s["models"]:
+        print("  {}@{} ({})  previous {}  {}  engine {}  job {}  since {}".format(
+            m["name"], m["version"], m["state"], m["previous"] or "-", m["precision"],
+            m["engine_key"][:12], m["job_id"], when(m["activated"])))
     print("outbox: {} message(s) waiting for the broker".format(s["outbox"]))
     if s["transfers"]:
         print("partial downloads: {} ({} bytes of the store budget)".format(

@@ -100,6 +100,22 @@ class SecurityConfig:
 
 
 @dataclasses.dataclass
+class ModelsConfig:
+    dir: Optional[str] = None  # None: <state_dir>/models
+    group: Optional[str] = None  # the app's group: files 0640, directories 0750 in it
+    keep_versions: int = _f(2, min=2, max=16)  # per name, the active one included
+    commit_timeout_s: float = _f(300.0, min=1, max=24 * 3600)
+    # A command that says the new version works (exit 0), retried until the commit timeout.
+    probe: List[str] = dataclasses.field(default_factory=list)
+    probe_timeout_s: float = _f(30.0, min=1, max=3600)  # one probe run
+    # The app confirms: a version stays pending until the app reports it healthy or commits.
+    app_confirms: bool = False
+    app_users: List[str] = dataclasses.field(default_factory=list)  # may use the app socket
+    app_group: Optional[str] = None
+    socket: Optional[str] = None  # None: <state_dir>/app.sock
+
+
+@dataclasses.dataclass
 class Config:
     device_id: Optional[str] = None  # None: the host name, sanitised
     topic_prefix: str = "jetson-agent"
@@ -113,7 +129,19 @@ class Config:
     limits: LimitsConfig = dataclasses.field(default_factory=LimitsConfig)
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
+    models: ModelsConfig = dataclasses.field(default_factory=ModelsConfig)
+    # Hand-off adapters: [{type: triton|deepstream|command, models: ["*"] | [names], ...}]
+    handoff: List[Dict[str, Any]] = _f(None, entries=True)
     source: Optional[str] = _f(None, internal=True)  # the file it came from
+
+    @property
+    def models_dir(self) -> str:
+        return self.models.dir or os.path.join(self.state_dir or default_state_dir(), "models")
+
+    @property
+    def app_socket(self) -> str:
+        return self.models.socket or os.path.join(self.state_dir or default_state_dir(),
+                                                  "app.sock")
 
     @property
     def cache_dir(self) -> str:
@@ -242,6 +270,7 @@ def _finish(cfg: Config, base_dir: Optional[str], env: Mapping[str, str]) -> Con
     if cfg.cache.dir:
         cfg.cache.dir = os.path.abspath(os.path.expanduser(cfg.cache.dir))
     cfg.worker_python = cfg.worker_python or sys.executable
+    _finish_models(cfg)
     cfg.security.trusted_keys = [_trusted_key(k, base_dir) for k in cfg.security.trusted_keys]
     broker = cfg.broker
     broker.password_file = _resolve_secret_path(broker.password_file, base_dir, env)
@@ -263,6 +292,41 @@ def _finish(cfg: Config, base_dir: Optional[str], env: Mapping[str, str]) -> Con
     if tls.ca_file or tls.cert_file:
         tls.enabled = True
     return cfg
+
+
+def _finish_models(cfg: Config) -> None:
+    """The models section and the hand-off list, checked now (bad_config naming the key)."""
+    from agent.device import handoff
+    from agent.device.handoff.command import check_argv
+
+    m = cfg.models
+    if m.dir:
+        m.dir = os.path.abspath(os.path.expanduser(m.dir))
+    if m.socket:
+        m.socket = os.path.abspath(os.path.expanduser(m.socket))
+    if m.probe:
+        m.probe = check_argv(m.probe, "models.probe")
+    for user in m.app_users:
+        _check_account("models.app_users", user, "getpwnam")
+    if m.app_group:
+        _check_account("models.app_group", m.app_group, "getgrnam")
+    if m.group:
+        _check_account("models.group", m.group, "getgrnam")
+    cfg.handoff = cfg.handoff or []
+    handoff.parse(cfg.handoff, "handoff")  # checked now; the daemon parses it again
+
+
+def _check_account(where: str, name: str, lookup: str) -> None:
+    import grp
+    import pwd
+
+    if name.isdigit():
+        return
+    try:
+        getattr(pwd if lookup == "getpwnam" else grp, lookup)(name)
+    except KeyError:
+        raise AgentError("bad_config", "{}: expected a {} of this system, found {!r}".format(
+            where, "user" if lookup == "getpwnam" else "group", name))
 
 
 def _trusted_key(entry: str, base_dir: Optional[str]) -> str:

@@ -4,8 +4,10 @@ have, field metadata adds the rules below. Every error is ``bad_config`` and nam
 from a file, its line. Generic: it knows no key of the daemon's config.
 
 Field metadata keys: "choices" (allowed values), "size" (accepts 512MiB etc.), "min"/"max"
-(bounds), "secret" (hidden by ``as_dict``), "internal" (not settable: no YAML key, no variable;
-with "refused", the message that says why a key of that name is not accepted).
+(bounds), "secret" (hidden by ``as_dict``), "entries" (a list of mappings, taken as it is
+and checked by the section's own parser: the daemon's ``handoff:`` list), "internal" (not
+settable: no YAML key, no variable; with "refused", the message that says why a key of that
+name is not accepted).
 """
 
 import dataclasses
@@ -99,6 +101,13 @@ def _unwrap_optional(tp: Any) -> Tuple[Any, bool]:
 def _check_value(field: "dataclasses.Field[Any]", tp: Any, value: Any, where: str) -> Any:
     base, optional = _unwrap_optional(tp)
     meta = field.metadata
+    if meta.get("entries"):  # a list of mappings, checked later by its own parser
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(i, dict) for i in value):
+            raise AgentError("bad_config", "{} expects a list of mappings, found {} {!r}".format(
+                where, _type_name(value), value))
+        return list(value)
     if typing.get_origin(base) is list:  # a list of strings; one string is a list of one
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(i, str) for i in items):

@@ -20,11 +20,15 @@ another, wired in one place (``assemble``). A job passes through them in this or
     checked                  ``job_scheduler.JobScheduler``  (platform decision, limits)
     downloaded               ``artifact_downloads.ArtifactDownloads``  (agent.wire.transfer)
     worker                   ``worker_supervisor.WorkerSupervisor``  (the subprocess)
+    activated, committed     ``model_switch.ModelSwitch``  (a deployed engine becomes a version of
+                             its name in the models directory, handed to the app, committed or
+                             rolled back; ``handoff`` adapters, ``commit_logic``)
     ended                    ``job_end.JobEnding``  (any stage, any outcome)
     status out               ``status_publisher.StatusPublisher``  (the outbox, PUBACK-acked)
 
-beside them ``device_commands.DeviceCommands`` (cancel, diag, rollback) and
-``telemetry_publisher.TelemetryPublisher``; ``daemon_state`` holds the little they share (the
+beside them ``device_commands.DeviceCommands`` (cancel, diag, rollback),
+``telemetry_publisher.TelemetryPublisher`` and the app socket (``app_requests``: the app's health
+reports and commits, answered on the main loop); ``daemon_state`` holds the little they share (the
 job in hand, counters, the stop flag, the systemd status line). A part reaches the next one
 through a callable it was given (``launch``, ``fail``, ``start_downloads``...), never through
 the daemon. ``Daemon`` is the main loop: events routed to the part they are for, ticks,
@@ -41,7 +45,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from agent import __version__
-from agent.device import backend_check, state_lock
+from agent.device import app_requests, backend_check, handoff, state_lock
 from agent.device.artifact_downloads import ArtifactDownloads, reclaim_partials
 from agent.device.config import Config
 from agent.device.daemon_state import DaemonState, ServiceStatus
@@ -50,6 +54,8 @@ from agent.device.job_end import JobEnding
 from agent.device.job_intake import JobIntake
 from agent.device.job_scheduler import JobScheduler
 from agent.device.journal import Journal
+from agent.device.model_switch import ModelSwitch, SwitchEvent
+from agent.device.models_dir import ModelsDir
 from agent.device.sdnotify import Notifier
 from agent.device.status_publisher import StatusPublisher, status_platform
 from agent.device.telemetry_publisher import TelemetryPublisher, open_telemetry
@@ -98,6 +104,8 @@ class Parts(NamedTuple):
     publisher: StatusPublisher
     commands: DeviceCommands
     telemetry: TelemetryPublisher
+    switch: ModelSwitch
+    app_socket: Any  # agent.device.app_socket.AppSocket, or None
 
 
 def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
@@ -168,25 +176,41 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     # Queued -> checked: the oldest queued job when the daemon is free, then its downloads.
     scheduler = JobScheduler(cfg, journal, platform, backend, backend_problem, shared,
                              publisher, lambda run: downloads.start(run), ending.fail,
-                             intake.run_cancel_job, show_activity)
+                             intake.run_cancel_job, show_activity,
+                             lambda doc, sha: switch.check_job(doc, sha),
+                             lambda run: switch.resume(run))
     # Checked -> downloaded: artifact blocks in, progress out, then the worker.
     downloads = ArtifactDownloads(fetcher, mqtt, topics, shared, publisher,
                                   lambda run: supervisor.launch(run), ending.fail)
-    # Downloaded -> worker -> ended: the subprocess; its lines come back through the events.
+    # Downloaded -> worker -> activated: the subprocess; its lines come back through the
+    # events. A deployed engine becomes a version of its model name (the models directory),
+    # handed to the app and committed or rolled back; its steps run on threads that post
+    # SwitchEvents back.
+    def set_stage(run: Any, stage: str) -> None:
+        publisher.set_state(run, "IN_PROGRESS", stage=stage, progress=None)
+        show_activity()
+
+    switch = ModelSwitch(cfg, journal, ModelsDir(cfg.models_dir, cfg.models.group),
+                         handoff.parse(cfg.handoff, "handoff"), events, shared, ending.end,
+                         set_stage, publisher.publish_birth, platform_status)
+    publisher.models_state = switch.models_list
+    switch.reconcile()
     supervisor = WorkerSupervisor(cfg, device, state_dir, store, journal, events, shared,
-                                  publisher, ending, show_activity)
+                                  publisher, ending, show_activity, switch.activate)
 
     # Beside the job's life: telemetry out, and the device commands (cancel, diag, rollback).
     telemetry = TelemetryPublisher(telemetry_source, cfg.telemetry_interval, mqtt, topics,
                                    device, boot)
     commands = DeviceCommands(cfg, device, topics, mqtt, journal, platform, shared, publisher,
-                              telemetry, intake.cancel)
+                              telemetry, intake.cancel, switch)
+    # The app's health reports and commits (SO_PEERCRED-checked, rate-limited).
+    app_socket = app_requests.open_socket(cfg, events)
     log.info("jetson-agent %s: device %s, boot %d, backend %s, platform %s, state %s",
              __version__, device, boot, backend, platform.describe(), state_dir)
     for problem in security_posture.posture(cfg)["problems"]:
         log.warning("security: %s (%s)", problem["problem"], problem["fix"])
     return Parts(topics, lock, journal, mqtt, fetcher, intake, scheduler, downloads, supervisor,
-                 publisher, commands, telemetry)
+                 publisher, commands, telemetry, switch, app_socket)
 
 
 class Daemon:
@@ -249,6 +273,10 @@ class Daemon:
         try:
             if isinstance(event, WorkerEvent):
                 self.parts.supervisor.on_event(event)
+            elif isinstance(event, SwitchEvent):
+                self.parts.switch.on_event(event)
+            elif isinstance(event, app_requests.AppRequest):
+                app_requests.answer(self.parts.switch, event)
             elif isinstance(event, Event):
                 self._on_mqtt_event(event)
         except AgentError as exc:
@@ -259,7 +287,8 @@ class Daemon:
     def _tick(self) -> None:
         now = time.monotonic()
         p = self.parts
-        for step in (p.scheduler.schedule, p.supervisor.check_run, self._fetcher_tick,
+        for step in (p.scheduler.schedule, p.supervisor.check_run, p.switch.tick,
+                     self._fetcher_tick,
                      p.telemetry.tick, p.publisher.flush):
             try:
                 step()
@@ -341,6 +370,8 @@ class Daemon:
         self.status.notifier.stopping("stopping")
         log.info("stopping")
         p.supervisor.stop_for_shutdown()
+        if p.app_socket is not None:
+            p.app_socket.close()
         p.fetcher.close()
         if p.mqtt.connected:
             p.publisher.flush()

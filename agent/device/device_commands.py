@@ -23,11 +23,13 @@ class DeviceCommands:
 
     def __init__(self, cfg: Config, device: str, topics: Topics, mqtt: Any,
                  journal: Any, platform: Any, shared: DaemonState, publisher: StatusPublisher,
-                 telemetry: TelemetryPublisher, cancel: Callable[[str], str]) -> None:
+                 telemetry: TelemetryPublisher, cancel: Callable[[str], str],
+                 switch: Any = None) -> None:
         self.cfg, self.device, self.topics, self.mqtt = cfg, device, topics, mqtt
         # What diag reports on, and where rollback and cancel go.
         self.journal, self.platform, self.shared = journal, platform, shared
         self.publisher, self.telemetry, self.cancel = publisher, telemetry, cancel
+        self.switch = switch  # named models: rollback (agent.device.model_switch)
 
     def on_command(self, ev: Event) -> None:
         limit = min(protocol.MAX_BYTES["command"], self.cfg.limits.max_message_bytes)
@@ -45,8 +47,7 @@ class DeviceCommands:
             elif cmd["command"] == "rollback":
                 from agent.device import engine_rollback
 
-                result = engine_rollback.rollback(self.journal, cmd["model"])
-                self.publisher.publish_birth()  # the retained status lists the active engines
+                result = engine_rollback.rollback(self.journal, self.switch, cmd)
             else:
                 result = self.diag()
         except AgentError as exc:
@@ -83,6 +84,7 @@ class DeviceCommands:
             "transfers": [{"sha256": t["sha256"], "size": t["size"]}
                           for t in self.journal.transfers()],
             "active_engines": self.journal.active_engines(),
+            "models": self.switch.models_list() if self.switch is not None else [],
             "telemetry": self.telemetry.last,
             "counters": dict(self.shared.counters),
             "security": security_posture.posture(self.cfg),

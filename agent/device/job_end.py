@@ -20,7 +20,8 @@ MAX_LOGGED_ERROR_BYTES = 16 * 1024  # a job error as the log line and the journa
 REJECT_CODES = frozenset(("bad_argument", "bad_model", "unsupported_model", "dynamic_shape",
                           "unknown_layer", "bad_calibration_data", "empty_calibration_data",
                           "golden_mismatch", "bad_golden_file", "unsupported_precision",
-                          "backend_unavailable", "unknown_job_kind", "bad_message"))
+                          "backend_unavailable", "unknown_job_kind", "bad_message",
+                          "bad_model_name", "bad_model_version", "version_rejected"))
 
 
 class JobEnding:

@@ -16,6 +16,7 @@ from agent.device.status_publisher import StatusPublisher
 from agent.errors import AgentError
 from agent.wire import job_semantics, protocol, signing
 from agent.wire.limits import TokenBucket
+from agent.wire.model_names import validate_name, validate_version
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -71,6 +72,10 @@ class JobIntake:
                 raise
             job_semantics.check_job_topic(doc, self.device, job_id)
             authenticated = True  # a trusted key signed it for this device and job id
+            if doc.get("model_name") is not None:  # path components: checked where they enter
+                validate_name(doc["model_name"])
+            if doc.get("model_version") is not None:
+                validate_version(doc["model_version"])
             if not self.job_bucket.take():
                 raise AgentError("rate_limited", "more than {:g} new jobs per minute (bursts of "
                                  "{}); retry in {:.0f} s under a new job id".format(

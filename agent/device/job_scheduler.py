@@ -30,7 +30,9 @@ class JobScheduler:
                  publisher: StatusPublisher, start_downloads: Callable[[Run], None],
                  fail: Callable[[Run, AgentError], None],
                  run_cancel_job: Callable[[Dict[str, Any]], None],
-                 show_activity: Callable[[], None]) -> None:
+                 show_activity: Callable[[], None],
+                 check_model: Callable[[Dict[str, Any], str], None] = lambda doc, sha: None,
+                 resume_commit: Optional[Callable[[Run], None]] = None) -> None:
         self.cfg = cfg
         self.journal = journal
         self.platform = platform
@@ -42,6 +44,8 @@ class JobScheduler:
         self.fail = fail
         self.run_cancel_job = run_cancel_job
         self.show_activity = show_activity
+        self.check_model = check_model  # names valid, version not rejected (model_switch)
+        self.resume_commit = resume_commit  # a job whose version was pending at a restart
 
     def schedule(self) -> None:
         if self.shared.run is not None or self.shared.stop_requested:
@@ -69,6 +73,11 @@ class JobScheduler:
         run = Run(row, self._timeout_for(row["doc"] or {}))
         self.shared.run = run
         try:
+            if row["state"] == "IN_PROGRESS" and run.details.get("commit") == "pending" and \
+                    self.resume_commit is not None:
+                self.resume_commit(run)  # the worker had finished: only the commit is left
+                self.show_activity()
+                return
             if row["state"] == "IN_PROGRESS" and run.details.get("worker") == "started":
                 kill_orphan(run.details.get("worker_pid"), run.job_id)
                 if row["attempts"] >= MAX_ATTEMPTS:
@@ -121,5 +130,7 @@ class JobScheduler:
                                  "at most {} (limits.max_artifact_bytes)".format(
                                      role, ref["size"], limit))
             run.needed[role] = (ref["sha256"], ref["size"])
+        if doc["kind"] == "deploy" and "model" in run.needed:
+            self.check_model(doc, run.needed["model"][0])
         if self.backend_problem:  # found at start-up; the other checks said their piece first
             raise AgentError("backend_unavailable", self.backend_problem)

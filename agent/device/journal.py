@@ -1,4 +1,4 @@
-"""Durable agent state in SQLite: jobs, artifact transfers, the outbox, active engines, boot.
+"""Durable agent state in SQLite: jobs, artifact transfers, the outbox, named models, boot.
 
 WAL mode with ``synchronous=FULL``: every write is one transaction that is on disk when the
 call returns, so a SIGKILL or a power cut leaves either the old or the new state, never half of
@@ -7,7 +7,8 @@ one. One connection guarded by a lock serves every thread of the daemon; other p
 
 ``Journal`` owns the connection, the lock and the transactions, and the jobs and small notes
 itself; the other tables are its parts: ``journal_schema`` (tables, version, opening),
-``journal_outbox``, ``journal_transfers`` (partial downloads) and ``journal_engines``.
+``journal_outbox``, ``journal_transfers`` (partial downloads) and ``journal_models`` (named
+models, their versions and rejections).
 """
 
 import os
@@ -28,7 +29,7 @@ from typing import (
     Tuple,
 )
 
-from agent.device import journal_engines, journal_outbox, journal_schema, journal_transfers
+from agent.device import journal_models, journal_outbox, journal_schema, journal_transfers
 from agent.device.journal_schema import Progress, dumps, loads
 from agent.errors import AgentError
 from agent.wire import protocol
@@ -245,7 +246,7 @@ class Journal(object):
             for ref in ((job["doc"] or {}).get("artifacts") or {}).values():
                 if isinstance(ref, dict) and protocol.valid_sha256(ref.get("sha256")):
                     out.add(ref["sha256"])
-        out.update(r[0] for r in self._read("SELECT DISTINCT model_sha FROM engines"))
+        out.update(r[0] for r in self._read("SELECT DISTINCT model_sha FROM models"))
         return out
 
     # ------------------------------------------------------------------------------- outbox
@@ -296,34 +297,86 @@ class Journal(object):
         with self._lock:
             return journal_transfers.every(self._db)
 
-    # ------------------------------------------------------------------------------- engines
+    # ------------------------------------------------------------------------------- models
 
-    def activate(self, model_sha: str, engine_key: str, precision: Optional[str] = None,
-                 job_id: Optional[str] = None,
-                 info: Optional[Mapping[str, Any]] = None) -> Optional[Dict[str, Any]]:
-        """Make ``engine_key`` the active engine of ``model_sha``; returns the one it replaced
-        (kept as the previous engine), see ``journal_engines.activate``."""
+    def activate_version(self, name: str, version: str, model_sha: str, engine_key: str,
+                         precision: Optional[str] = None, job_id: Optional[str] = None,
+                         info: Optional[Mapping[str, Any]] = None, state: str = "committed",
+                         deadline: Optional[float] = None, keep: int = 2
+                         ) -> Tuple[Optional[Dict[str, Any]], List[str]]:
+        """Make ``version`` the active version of ``name``; returns (the version it replaced,
+        versions no longer kept), see ``journal_models.activate``."""
         now = self._clock()
         with self._tx() as db:
-            return journal_engines.activate(db, model_sha, engine_key, precision, job_id, info,
-                                            now)
+            return journal_models.activate(db, name, version, model_sha, engine_key, precision,
+                                           job_id, info or {}, now, state, deadline, keep)
 
-    def rollback(self, model_sha: str) -> Optional[Dict[str, Any]]:
-        """The previous engine active again; None (nothing changes) when there is none."""
+    def commit_version(self, name: str, version: str, keep: int = 2) -> List[str]:
         with self._tx() as db:
-            return journal_engines.rollback(db, model_sha, self._clock())
+            return journal_models.commit(db, name, version, keep)
+
+    def expire_pending(self, name: str, version: str, reason: str) -> None:
+        with self._tx() as db:
+            journal_models.expire(db, name, version, reason)
+
+    def restore_version(self, name: str, to_version: Optional[str],
+                        reject_reason: Optional[str] = None) -> Optional[Dict[str, Any]]:
+        """The kept ``to_version`` active again; returns the dropped active row."""
+        with self._tx() as db:
+            return journal_models.restore(db, name, to_version, self._clock(), reject_reason)
+
+    def reject_version(self, name: str, version: str, model_sha: Optional[str],
+                       reason: str) -> None:
+        with self._tx() as db:
+            journal_models.reject(db, name, version, model_sha, reason, self._clock())
+
+    def forget_rejected(self, name: str, version: str) -> bool:
+        with self._tx() as db:
+            return journal_models.forget_rejected(db, name, version)
+
+    def rejected_versions(self, name: Optional[str] = None) -> List[Dict[str, Any]]:
+        with self._lock:
+            return journal_models.rejected(self._db, name)
+
+    def active_version(self, name: str) -> Optional[Dict[str, Any]]:
+        with self._lock:
+            return journal_models.active(self._db, name)
+
+    def model_version(self, name: str, version: str) -> Optional[Dict[str, Any]]:
+        with self._lock:
+            return journal_models.version(self._db, name, version)
+
+    def model_versions(self, name: Optional[str] = None) -> List[Dict[str, Any]]:
+        """Kept versions of ``name`` (active first), or of every name."""
+        with self._lock:
+            if name is None:
+                return journal_models.every(self._db)
+            return journal_models.versions(self._db, name)
+
+    def active_versions(self) -> List[Dict[str, Any]]:
+        with self._lock:
+            return journal_models.every_active(self._db)
+
+    def pending_versions(self) -> List[Dict[str, Any]]:
+        return [r for r in self.active_versions() if r["state"] == "pending"]
+
+    # Today's per-model-sha view (status ``active_engines``, ``rollback`` by ``model``).
+
+    def active_engines(self) -> List[Dict[str, Any]]:
+        """The active version of every name as today's engine rows (``model`` = its sha)."""
+        return [_engine_row(r) for r in self.active_versions()]
 
     def active_engine(self, model_sha: str) -> Optional[Dict[str, Any]]:
         with self._lock:
-            return journal_engines.engine(self._db, model_sha, "active")
+            row = journal_models.by_model(self._db, model_sha)
+        return _engine_row(row) if row else None
 
     def previous_engine(self, model_sha: str) -> Optional[Dict[str, Any]]:
         with self._lock:
-            return journal_engines.engine(self._db, model_sha, "previous")
-
-    def active_engines(self) -> List[Dict[str, Any]]:
-        with self._lock:
-            return journal_engines.active(self._db)
+            row = journal_models.by_model(self._db, model_sha)
+            prev = (journal_models.version(self._db, row["name"], row["previous"])
+                    if row and row["previous"] else None)
+        return _engine_row(prev) if prev else None
 
     # ------------------------------------------------------------------------------- boot
 
@@ -364,3 +417,9 @@ class Journal(object):
             if row is None or int(row[0]) < seq:
                 db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
                            ("seq:" + key_id, str(int(seq))))
+
+
+def _engine_row(r: Mapping[str, Any]) -> Dict[str, Any]:
+    return {"model": r["model"], "engine_key": r["engine_key"], "precision": r["precision"],
+            "activated": r["activated"], "job_id": r["job_id"], "info": r["info"],
+            "name": r["name"], "version": r["version"], "state": r["state"]}

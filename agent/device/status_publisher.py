@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from agent import __version__
 from agent.device.job_run import Run
+from agent.errors import AgentError
 from agent.wire import message_caps, protocol, status_messages
 from agent.wire.mqtt import SESSION_TAKEN_OVER
 from agent.wire.mqtt_types import Event, PublishHandle
@@ -31,6 +32,8 @@ MAX_ERROR_BYTES = 64 * 1024  # a job error as the journal keeps it
 # a minute, without a DISCONNECT saying why: a suspected session takeover.
 QUICK_DROP_S = 5.0
 QUICK_DROPS = 3
+FEATURES = ("named_models",)
+MAX_MODELS_BYTES = 64 * 1024
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
@@ -39,7 +42,10 @@ def status_platform(platform: Any, backend: str, backend_problem: Optional[str])
     p = platform
     out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
            "backend": backend, "precisions": p.supported_precisions, "kind": p.kind,
-           "l4t": p.l4t, "soc": p.soc}
+           "l4t": p.l4t, "soc": p.soc,
+           # What this daemon understands beyond the first release (the controller sends
+           # model_name/model_version and rollback by name only where it is listed).
+           "features": list(FEATURES)}
     if backend_problem:  # the truth: no backend that runs here
         out["backend"] = None
         out["backend_problem"] = backend_problem[:512]
@@ -72,6 +78,8 @@ class StatusPublisher:
         self.last_scan = 0.0
         self.quick_drops: List[float] = []  # when connections closed right after accepted
         self.last_takeover_log = 0.0
+        # The per-name models state (agent.device.model_switch), set once it is built.
+        self.models_state: Callable[[], List[Dict[str, Any]]] = lambda: []
 
     def _birth(self) -> Dict[str, Any]:
         return status_messages.status_message(
@@ -81,9 +89,31 @@ class StatusPublisher:
             ts=time.time())
 
     def publish_birth(self) -> None:
+        """The retained status (with ``active_engines``) and the retained models state."""
         self.mqtt.publish(self.topics.status(self.device),
                           message_caps.encode_fitted("status", self._birth()), qos=1,
                           retain=True)
+        self.publish_models()
+
+    def models_message(self) -> Dict[str, Any]:
+        return {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,
+                "ts": time.time(), "models": self.models_state()}
+
+    def publish_models(self) -> None:
+        """The retained ``{p}/devices/{id}/models`` (at birth and on every change), and the
+        status with today's ``active_engines`` for controllers of the previous release."""
+        msg = self.models_message()
+        payload = protocol.encode(msg)
+        while len(payload) > MAX_MODELS_BYTES and msg["models"]:
+            msg["models"] = msg["models"][:len(msg["models"]) // 2]  # never over the cap
+            payload = protocol.encode(msg)
+        try:
+            protocol.validate("models", msg)
+        except (ValueError, OSError):
+            pass  # no models schema in this installation: published unchecked
+        except AgentError as exc:
+            log.error("models message does not match its schema: %s", exc)
+        self.mqtt.publish(self.topics.models(self.device), payload, qos=1, retain=True)
 
     def publish_offline(self) -> PublishHandle:
         """The retained offline status of a clean shutdown (the Will says it otherwise)."""

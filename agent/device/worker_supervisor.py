@@ -1,6 +1,6 @@
 """The worker subprocess: launch it, read its JSON lines (progress, result, error), stop it on
 cancel, timeout or shutdown (SIGTERM, then SIGKILL), and end the job (through ``job_end``) with
-the reason it gives or the way it died; a deployed engine is activated here.
+the reason it gives or the way it died; a deployed engine goes to the model switch.
 
 Memory: the worker gets an RLIMIT_DATA ceiling (``limits.worker_memory_bytes``, default three
 quarters of the device's memory) right after it starts, so a blow-up the artifact checks missed
@@ -60,12 +60,14 @@ class WorkerSupervisor:
     def __init__(self, cfg: Config, device: str, state_dir: str, store: ArtifactStore,
                  journal: Any, events: "queue.Queue[Any]", shared: DaemonState,
                  publisher: StatusPublisher, ending: JobEnding,
-                 show_activity: Callable[[], None]) -> None:
+                 show_activity: Callable[[], None],
+                 activate_model: Callable[[Run, Dict[str, Any], str], None]) -> None:
         self.cfg = cfg
         self.device = device
         self.state_dir = state_dir
         self.store = store
-        self.journal = journal  # activates a deployed engine
+        self.journal = journal
+        self.activate_model = activate_model  # a deployed engine becomes a model version
         self.events = events
         self.shared = shared
         self.publisher = publisher
@@ -270,20 +272,13 @@ class WorkerSupervisor:
         result = dict(result)
         activate = result.pop("activate", False)
         engine_path = result.pop("engine", None)
-        if activate and result.get("engine_key"):
-            run.stage = "activating"
-            self.publisher.set_state(run, "IN_PROGRESS", stage="activating", progress=None)
-            model_sha = run.needed["model"][0]
-            previous = self.journal.activate(
-                model_sha, result["engine_key"], result.get("precision"), run.job_id,
-                info={"engine": engine_path, "backend": run.backend,
-                      "accuracy_passed": (result.get("accuracy") or {}).get("passed"),
-                      "throughput_qps": result.get("throughput_qps")})
-            result["activated"] = True
-            result["previous_engine"] = previous["engine_key"] if previous else None
+        if activate and result.get("engine_key") and engine_path:
+            # The model switch ends the job: now, or when its version is committed or rolled
+            # back (agent/device/model_switch.py).
+            self.activate_model(run, result, engine_path)
+            return
+        result.pop("io", None)
         self.ending.end(run, "SUCCEEDED", result=fit_result(result))
-        if activate:
-            self.publisher.publish_birth()  # the retained status lists the active engines
 
     def stop_worker(self, run: Run) -> None:
         proc = run.proc
@@ -297,6 +292,8 @@ class WorkerSupervisor:
         if run is None:
             return
         now = time.monotonic()
+        if run.details.get("commit") == "pending":
+            return  # the model switch's commit timeout governs (models.commit_timeout_s)
         if not run.timed_out and not run.cancel_requested and now > run.deadline:
             run.timed_out = True
             log.warning("job %s: timed out after %g s", run.job_id, run.timeout_s)

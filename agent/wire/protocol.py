@@ -24,7 +24,7 @@ ARTIFACT_ROLES = ("model", "calibration", "inputs", "goldens", "labels", "engine
 STATES = ("QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "REJECTED", "CANCELED", "TIMED_OUT")
 TERMINAL_STATES = frozenset(("SUCCEEDED", "FAILED", "REJECTED", "CANCELED", "TIMED_OUT"))
 STAGES = ("downloading", "checking", "calibrating", "building", "verifying", "searching",
-          "benchmarking", "activating")
+          "benchmarking", "activating", "committing")
 COMMANDS = ("cancel", "diag", "rollback")
 
 MESSAGE_KINDS = ("status", "job", "job_status", "artifact_request", "telemetry", "command",

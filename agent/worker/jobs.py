@@ -100,6 +100,10 @@ def run_deploy(job: JobContext) -> Dict[str, Any]:
             if job.should_stop():
                 raise AgentError("cancelled", "stopped after verifying the engine")
             result.update(job.bench(runner, feeds))
+            # The engine's inputs and outputs, for the model version's meta.json (the daemon
+            # takes them out of the job's result).
+            result["io"] = {"inputs": [t.to_dict() for t in runner.inputs],
+                            "outputs": [t.to_dict() for t in runner.outputs]}
     result["activate"] = True
     result["engine"] = record.engine_path
     _share_result(job, record, result)

@@ -32,6 +32,7 @@ class Controller:
         self.telemetry = []
         self.models = []
         self.replies = []
+        self.models = []  # retained per-name models messages (named models), arrival order
         self.requests = []  # decoded artifact requests
         self.blocks_sent = {}  # (sha, index) -> times sent
         self.serve = True  # False: requests are recorded but not answered
@@ -77,6 +78,13 @@ class Controller:
                         self.server.handle_request(ev.topic, ev.payload)
                     continue
                 if not ev.payload:
+                    continue
+                if info.kind == "models":
+                    import json
+
+                    with self.cond:
+                        self.models.append(json.loads(ev.payload.decode("utf-8")))
+                        self.cond.notify_all()
                     continue
                 msg = protocol.decode(info.kind, ev.payload)
                 with self.cond:

@@ -161,3 +161,22 @@ def test_bad_input_gives_a_clear_error(work, tmp_path, args, code):
     out = cli_json(args, tmp_path, expect=2)
     assert out["error"]["code"] == code, out
     assert cli_json(["cache", "ls"], tmp_path)["entries"] == []  # nothing partial published
+
+
+def test_save_engine_writes_engine_and_meta(work, tmp_path):
+    target = tmp_path / "out" / "digits.engine"
+    target.parent.mkdir()
+    out = cli_json(["build", work["digits"], "--fp16", "--save-engine", target], tmp_path)
+    assert out["saved_engine"] == str(target) and out["saved_meta"] == str(target) + ".json"
+    with open(out["engine"], "rb") as a, open(str(target), "rb") as b:
+        assert a.read() == b.read()
+    meta = json.loads((tmp_path / "out" / "digits.engine.json").read_text())
+    assert meta["engine_key"] == out["key"] and meta["precision"] == "fp16"
+    assert meta["engine_size"] == target.stat().st_size and meta["inputs"][0]["name"] == "input"
+    assert meta["name"] == "digits" and len(meta["version"]) == 12
+    assert sorted(os.listdir(str(tmp_path / "out"))) == ["digits.engine", "digits.engine.json"]
+    y = run_engine(str(target), {"input": work["x_test"][:4]})
+    assert y["logits"].shape == (4, 10)
+    proc = cli(["build", work["digits"], "--save-engine", tmp_path / "nowhere" / "x"],
+               tmp_path, expect=2)
+    assert "expected an existing directory" in proc.stderr

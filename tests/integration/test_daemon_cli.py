@@ -115,7 +115,7 @@ def test_status_and_jobs_views(controller, agent_factory, digits_files, cli):
     assert status["outbox"] == 0 and status["boot"] == 1
     assert [e["job_id"] for e in status["active_engines"]] == ["fp32-1"]
     proc = cli("status", *state)
-    assert proc.returncode == 0 and "active engines: 1" in proc.stdout
+    assert proc.returncode == 0 and "models: 1" in proc.stdout
     proc = cli("jobs", "ls", *state)
     assert proc.returncode == 0 and "fp32-1" in proc.stdout and "bad_message" in proc.stdout
     proc = cli("jobs", "ls", "--json", "--state", "SUCCEEDED", *state)

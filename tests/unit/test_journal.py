@@ -129,7 +129,7 @@ def test_queries(journal):
     assert [j["job_id"] for j in journal.jobs(["CANCELED"])] == ["j2"]
     assert journal.jobs([]) == []
     assert len(journal.jobs(limit=2)) == 2
-    journal.activate("c" * 64, "engine-c")
+    journal.activate_version("sha-cccccccccccc", "cccccccccccc", "c" * 64, "engine-c")
     refs = journal.referenced_artifacts()
     assert refs == {"{:064x}".format(i) for i in (0, 1, 3)} | {"c" * 64}
 
@@ -168,7 +168,7 @@ def test_state_survives_reopen(tmp_path):
         j.add_job(doc(), emit=emit)
         j.set_state("j1", "IN_PROGRESS", stage="calibrating", progress=(1, 8), emit=emit)
         j.transfer_put(SHA, 1000, 1024, b"\x01")
-        j.activate("d" * 64, "e1", "int8", job_id="j1")
+        j.activate_version("det", "v1", "d" * 64, "e1", "int8", job_id="j1")
         assert j.next_boot() == 1
     with Journal(path) as j:
         row = j.job("j1")
@@ -190,21 +190,29 @@ def test_transfers(journal):
     assert journal.transfers() == []
 
 
-def test_activate_and_rollback(journal):
+def test_versions_activate_commit_and_restore(journal):
     m = "d" * 64
-    assert journal.rollback(m) is None
-    assert journal.activate(m, "e1", "fp16", job_id="j1") is None
-    previous = journal.activate(m, "e2", "int8", job_id="j2", info={"cache_hit": False})
-    assert previous["engine_key"] == "e1"
+    assert journal.active_version("det") is None
+    replaced, dropped = journal.activate_version("det", "v1", m, "e1", "fp16", job_id="j1")
+    assert replaced is None and dropped == []
+    replaced, dropped = journal.activate_version("det", "v2", m, "e2", "int8", job_id="j2",
+                                                 state="pending", deadline=5.0)
+    assert replaced["version"] == "v1" and dropped == []
+    assert journal.pending_versions()[0]["version"] == "v2"
     assert journal.previous_engine(m)["engine_key"] == "e1"
-    # re-activating the active engine keeps the previous one
-    journal.activate(m, "e2", "int8", job_id="j3")
-    assert journal.previous_engine(m)["engine_key"] == "e1"
+    # re-activating the active version keeps its previous one
+    journal.activate_version("det", "v2", m, "e2", "int8", job_id="j3")
+    assert journal.active_version("det")["previous"] == "v1"
     assert journal.active_engine(m)["job_id"] == "j3"
     assert [e["engine_key"] for e in journal.active_engines()] == ["e2"]
-    restored = journal.rollback(m)
-    assert restored["engine_key"] == "e1" and restored["precision"] == "fp16"
-    assert journal.previous_engine(m) is None and journal.rollback(m) is None
+    # a third version: keep 2 drops v1
+    _, dropped = journal.activate_version("det", "v3", m, "e3", "int8", keep=2)
+    assert dropped == ["v1"]
+    dropped_row = journal.restore_version("det", "v2", reject_reason="unhealthy")
+    assert dropped_row["version"] == "v3"
+    assert journal.active_version("det")["version"] == "v2"
+    assert [r["version"] for r in journal.rejected_versions("det")] == ["v3"]
+    assert journal.forget_rejected("det", "v3") and journal.rejected_versions() == []
     status = status_messages.status_message("dev", True, 1, active_engines=journal.active_engines())
     protocol.validate("status", status)
 

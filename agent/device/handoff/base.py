@@ -1,13 +1,14 @@
-"""The hand-off adapter interface (the seam between the daemon and each adapter type).
+"""The hand-off interface: how a model version reaches the application that serves it (the
+contract between the daemon's model switch and the adapters ``command``, ``triton`` and
+``deepstream``). An adapter module defines a subclass of ``Adapter`` and ``from_config(section,
+where)``; ``agent.device.handoff`` finds the module by the entry's ``type``.
 
-``ModelVersion`` names one version folder under models_dir; an ``Adapter`` hands it to the app
-in four steps: ``prepare`` (write files, touch nothing being served), ``switch`` (the step that
-makes the app take it), ``confirm`` (True ready, False failed, None no opinion) and ``revert``.
-Methods may block up to the adapter's own timeout; errors are AgentError("handoff_failed").
+Methods may block (up to the adapter's own timeout): the daemon runs them off its main thread
+and posts the outcome back. Failures raise AgentError("handoff_failed", ...).
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Mapping, Optional
 
 
 @dataclass(frozen=True)
@@ -19,17 +20,27 @@ class ModelVersion:
     meta: Dict[str, Any]  # meta.json's content
 
 
-class Adapter:
-    kind = "adapter"
+class Adapter(object):
+    """One configured hand-off entry."""
+
+    kind = "..."  # "triton" | "deepstream" | "command"
 
     def prepare(self, new: ModelVersion, previous: Optional[ModelVersion]) -> None:
-        raise NotImplementedError
+        """Write repository/config files; never touches what the app is serving now."""
 
     def switch(self, new: ModelVersion, previous: Optional[ModelVersion]) -> None:
-        raise NotImplementedError
+        """The step that makes the app take ``new`` (Triton: load API; command: run it)."""
 
     def confirm(self, new: ModelVersion) -> Optional[bool]:
-        raise NotImplementedError
+        """True = ready/healthy (commit), False = failed, None = no opinion (wait for the app
+        or the probe)."""
+        return None
 
     def revert(self, previous: Optional[ModelVersion], failed: ModelVersion) -> None:
-        raise NotImplementedError
+        """Hand the previous version back (or unload when there is none)."""
+
+
+def from_config(section: Mapping[str, Any], where: str) -> Adapter:  # pragma: no cover
+    """Per adapter module: build the adapter of one ``handoff:`` entry; validates its own keys
+    (AgentError bad_config naming ``where``.key)."""
+    raise NotImplementedError

@@ -1,0 +1,186 @@
+"""``jetson-agent models``: the named models on this device (docs/daemon.md).
+
+    models ls [--json]                 every name: version, state, previous, precision, engine
+    models show NAME [--json]          its kept versions, meta.json of the current one, rejections
+    models commit NAME [--version V]   commit the pending version (the app socket)
+    models rollback NAME [--version V] back to a kept version (the app socket)
+    models retry NAME VERSION          let a version the app rejected be activated again
+
+``ls`` and ``show`` read the daemon's journal and the models directory (the daemon may run);
+``commit``, ``rollback`` and ``retry`` ask the running daemon over its app socket, which takes
+them from root, the service user and the configured app users/group only.
+"""
+
+import argparse
+import json
+import os
+import socket
+import time
+from typing import Any, Dict, List
+
+from agent.cli.status import add_state_args, daemon_dirs, open_journal, when
+from agent.errors import AgentError
+from agent.wire.model_names import validate_name, validate_version
+
+MAX_REPLY_BYTES = 1 << 20
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("models", help="named models on this device: list, show, commit, "
+                       "roll back", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    ms = p.add_subparsers(dest="models_command", metavar="ls|show|commit|rollback|retry")
+    ms.required = True
+    for name, helptext in (("ls", "every model name and its active version"),
+                           ("show", "one name: kept versions, meta.json, rejections"),
+                           ("commit", "commit a pending version"),
+                           ("rollback", "go back to a kept version"),
+                           ("retry", "forget that the app rejected a version")):
+        q = ms.add_parser(name, help=helptext)
+        add_state_args(q)
+        q.add_argument("--json", action="store_true", help="machine-readable output")
+        if name != "ls":
+            q.add_argument("name", help="the model name")
+        if name == "retry":
+            q.add_argument("version", help="the rejected version")
+        elif name in ("commit", "rollback"):
+            q.add_argument("--version", help="a specific version (default: the pending one / "
+                           "the previous one)")
+        q.set_defaults(func=globals()["run_" + name])
+
+
+def _list(journal: Any) -> List[Dict[str, Any]]:
+    rejected: Dict[str, List[str]] = {}
+    for r in journal.rejected_versions():
+        rejected.setdefault(r["name"], []).append(r["version"])
+    return [{"name": r["name"], "version": r["version"], "state": r["state"],
+             "previous": r["previous"], "precision": r["precision"],
+             "engine_key": r["engine_key"], "job_id": r["job_id"], "activated": r["activated"],
+             "rejected": rejected.get(r["name"], [])} for r in journal.active_versions()]
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    with open_journal(args) as journal:
+        rows = _list(journal)
+    if args.json:
+        print(json.dumps({"models": rows}, indent=2, sort_keys=True))
+        return 0
+    if not rows:
+        print("no models on this device")
+        return 0
+    print("{:<24} {:<16} {:<10} {:<16} {:<9} {}".format("NAME", "VERSION", "STATE", "PREVIOUS",
+                                                         "PRECISION", "ENGINE"))
+    for r in rows:
+        print("{:<24} {:<16} {:<10} {:<16} {:<9} {}".format(
+            r["name"], r["version"], r["state"], r["previous"] or "-", r["precision"] or "-",
+            r["engine_key"][:16]))
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    from agent.device.models_dir import ModelsDir, read_meta, version_problem
+
+    name = validate_name(args.name)
+    cfg, _, _ = daemon_dirs(args.config, args.state_dir)
+    with open_journal(args) as journal:
+        versions = journal.model_versions(name)
+        rejected = journal.rejected_versions(name)
+    if not versions and not rejected:
+        raise AgentError("bad_argument", "expected a model name this device holds, found "
+                         "{!r} (jetson-agent models ls lists them)".format(name))
+    models = ModelsDir(cfg.models_dir)
+    current = models.current(name)
+    meta: Dict[str, Any] = {}
+    problem = None
+    if current:
+        path = models.version_dir(name, current)
+        problem = version_problem(path)
+        try:
+            meta = read_meta(path)
+        except (OSError, ValueError):
+            meta = {}
+    out = {"name": name, "current": current, "dir": models.name_dir(name),
+           "problem": problem, "meta": meta,
+           "versions": [{k: v[k] for k in ("version", "active", "state", "precision",
+                                            "engine_key", "job_id", "activated", "previous")}
+                        for v in versions],
+           "rejected": rejected}
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return 0
+    print("{}: current {} ({})".format(name, current or "none", out["dir"]))
+    if problem:
+        print("  problem: {}".format(problem))
+    for v in out["versions"]:
+        print("  {:<16} {:<10} {:<9} engine {}  job {}  since {}{}".format(
+            v["version"], v["state"] if v["active"] else "kept", v["precision"] or "-",
+            v["engine_key"][:16], v["job_id"], when(v["activated"]),
+            "  (active)" if v["active"] else ""))
+    for r in rejected:
+        print("  rejected {}: {} ({})".format(r["version"], r["reason"], when(r["at"])))
+    if meta:
+        print("  meta.json: {} {}, inputs {}, outputs {}".format(
+            meta.get("precision"), meta.get("backend"),
+            ", ".join(t["name"] for t in meta.get("inputs") or []),
+            ", ".join(t["name"] for t in meta.get("outputs") or [])))
+    return 0
+
+
+def ask(path: str, request: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:
+    """One request to the daemon's app socket; AgentError with the daemon's code."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+        s.sendall(json.dumps(request).encode("utf-8") + b"\n")
+        data = b""
+        while not data.endswith(b"\n") and len(data) < MAX_REPLY_BYTES:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except OSError as exc:
+        raise AgentError("file_not_found", "expected the daemon's app socket at {}, found: {} "
+                         "(is the daemon running, and may this user use it?)".format(
+                             path, exc.strerror or exc))
+    finally:
+        s.close()
+    try:
+        reply = json.loads(data.decode("utf-8"))
+    except ValueError:
+        raise AgentError("internal_error", "the daemon's answer is not JSON: {!r}".format(
+            data[:200]))
+    if not reply.get("ok"):
+        err = reply.get("error") or {}
+        raise AgentError(str(err.get("code") or "internal_error"),
+                         str(err.get("message") or reply))
+    return reply
+
+
+def _socket_op(args: argparse.Namespace, op: str) -> int:
+    cfg, state_dir, _ = daemon_dirs(args.config, args.state_dir)
+    request: Dict[str, Any] = {"op": op, "name": validate_name(args.name)}
+    version = getattr(args, "version", None)
+    if version is not None:
+        request["version"] = validate_version(version)
+    started = time.monotonic()
+    reply = ask(cfg.models.socket or os.path.join(state_dir, "app.sock"), request)
+    if args.json:
+        print(json.dumps(reply, indent=2, sort_keys=True))
+    else:
+        print("{} {}: {} ({:.1f} s)".format(op, args.name, ", ".join(
+            "{} {}".format(k, v) for k, v in sorted(reply.items()) if k not in ("ok", "name")),
+            time.monotonic() - started))
+    return 0
+
+
+def run_commit(args: argparse.Namespace) -> int:
+    return _socket_op(args, "commit")
+
+
+def run_rollback(args: argparse.Namespace) -> int:
+    return _socket_op(args, "rollback")
+
+
+def run_retry(args: argparse.Namespace) -> int:
+    return _socket_op(args, "retry")

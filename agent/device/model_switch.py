@@ -1,0 +1,620 @@
+"""Named models on the device: a deployed engine becomes a version of its model name, reaches
+the app, and is committed or rolled back (docs/daemon.md, "Named models, hand-off, commit").
+
+A switch, in order (each step durable before the next, so a kill -9 anywhere leaves ``current``
+on a complete version and nothing pending for ever):
+
+    1. version directory written (temporary name, fsync, rename)     thread
+    2. journal: the version active, ``pending`` with its deadline      main loop
+       (``committed`` at once when nothing has to confirm it)
+    3. hand-off ``prepare`` of every adapter serving the name         thread
+    4. ``current`` -> the version (new link + rename)                  thread
+    5. hand-off ``switch``, then ``confirm``                          thread
+    6. wait: probe runs, the app's report or commit (app socket)       main loop + probe thread
+    7. commit (journal), or roll back: the journal marks the version expired, ``current`` back,
+       adapters ``revert``, the journal restores the previous version and remembers this one
+       as rejected; the job ends SUCCEEDED, or FAILED ``handoff_rolled_back``
+
+On restart (``reconcile`` then ``resume``): temporary leftovers go, ``current`` follows the
+journal, a pending version whose deadline passed is rolled back, another resumes its wait (the
+hand-off runs again for it). The daemon holds the job (stage ``committing``) while its version
+is pending: other jobs wait at most ``models.commit_timeout_s`` (one switch at a time is the
+simple, safe choice on a device).
+
+The decision is ``commit_logic``'s (pure); adapter steps and probes run on threads that post a
+``SwitchEvent`` back to the main loop; this module is where they meet the journal, the models
+directory and the job.
+"""
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+from agent.device import commit_logic, model_meta
+from agent.device.handoff import Entry, adapters_for
+from agent.device.handoff.base import Adapter, ModelVersion
+from agent.device.job_run import Run
+from agent.device.models_dir import ENGINE, ModelsDir, read_meta
+from agent.device.status_publisher import fit_result
+from agent.errors import AgentError
+from agent.wire.model_names import validate_name, validate_version
+
+log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
+
+PROBE_EVERY_S = 2.0
+
+
+class SwitchEvent(NamedTuple):
+    """A thread's outcome, handled on the main loop."""
+
+    token: int
+    kind: str  # "written" | "handoff" | "probe" | "reverted" | "restored"
+    value: Any = None
+    error: Optional[str] = None
+
+
+def names_for(doc: Dict[str, Any], model_sha: str) -> Tuple[str, str]:
+    """A job's model name and version: its ``model_name`` / ``model_version``, else
+    ``sha-<first 12 hex>`` and the first 12 hex of the model. AgentError bad_model_*."""
+    name = doc.get("model_name")
+    version = doc.get("model_version")
+    name = validate_name(name) if name is not None else "sha-" + model_sha[:12]
+    version = validate_version(version) if version is not None else model_sha[:12]
+    return name, version
+
+
+class Pending(object):
+    """The switch in hand (one at a time)."""
+
+    def __init__(self, token: int, name: str, version: str, previous: Optional[str],
+                 run: Optional[Run], state: commit_logic.CommitState) -> None:
+        self.token, self.name, self.version, self.previous = token, name, version, previous
+        self.run, self.state = run, state
+        self.result: Optional[Dict[str, Any]] = None  # the worker's, for the job's result
+        self.phase = "handoff"  # handoff | waiting | rolling_back
+        self.probe_running = False
+        self.last_probe = 0.0
+
+
+class ModelSwitch(object):
+    """``end(run, state, error=, result=)`` ends a job (job_end); ``set_stage(run, stage)``
+    records its stage; ``published()`` tells the status publisher the models changed."""
+
+    def __init__(self, cfg: Any, journal: Any, models: ModelsDir, entries: List[Entry],
+                 events: Any, shared: Any, end: Callable[..., None],
+                 set_stage: Callable[[Run, str], None], changed: Callable[[], None],
+                 platform_status: Callable[[], Dict[str, Any]],
+                 clock: Callable[[], float] = time.time,
+                 on_step: Callable[[str], None] = lambda step: None) -> None:
+        """``on_step(step)``: after "pending_recorded" (the journal holds the pending version)
+        and "pending" (hand-off done, waiting): a hook for fault tests and timings."""
+        self.on_step = on_step
+        self.cfg, self.journal, self.models, self.entries = cfg, journal, models, entries
+        self.events, self.shared, self.end, self.set_stage = events, shared, end, set_stage
+        self.changed, self.platform_status, self.clock = changed, platform_status, clock
+        self.m = cfg.models
+        self.token = 0
+        self.pending: Optional[Pending] = None
+        self.health: Dict[str, str] = {}  # name -> "ok" | the app's last problem
+        self.writing: Dict[int, Tuple[Run, Dict[str, Any]]] = {}
+
+    # ------------------------------------------------------------------ intake and start-up
+
+    def check_job(self, doc: Dict[str, Any], model_sha: str) -> None:
+        """Before any download: names valid, and not a version the app rejected here."""
+        name, version = names_for(doc, model_sha)
+        for row in self.journal.rejected_versions(name):
+            if row["version"] == version:
+                raise AgentError("version_rejected", "{}@{} was rejected on this device ({}); "
+                                 "expected a new version, or an operator's retry (jetson-agent "
+                                 "models retry {} {})".format(name, version, row["reason"],
+                                                             name, version))
+
+    def reconcile(self) -> None:
+        """At start-up, before the main loop: the models directory made to match the journal
+        (``current`` of a version whose rollback is due goes straight back)."""
+        now = self.clock()
+        active: Dict[str, str] = {}
+        kept: Dict[str, List[str]] = {}
+        for row in self.journal.model_versions():
+            self._materialise(row)
+            kept.setdefault(row["name"], []).append(row["version"])
+            if row["active"]:
+                expired = row["state"] == "pending" and (row["deadline"] or 0) <= now
+                active[row["name"]] = row["previous"] if expired and row["previous"] \
+                    else row["version"]
+        self.models.reconcile(active, kept)
+
+    def _materialise(self, row: Dict[str, Any]) -> None:
+        """A kept version without its directory (a journal upgraded from the release before
+        named models): written from the engine cache's file when that is still there."""
+        if os.path.isdir(self.models.version_dir(row["name"], row["version"])):
+            return
+        engine = (row["info"] or {}).get("engine")
+        if not isinstance(engine, str) or not os.path.isfile(engine):
+            return
+        result = {"engine_key": row["engine_key"], "precision": row["precision"],
+                  "throughput_qps": (row["info"] or {}).get("throughput_qps"),
+                  "backend": (row["info"] or {}).get("backend")}
+        platform = self.platform_status()
+
+        def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
+            return model_meta.build(row["name"], row["version"], row["model"], result, platform,
+                                    {}, row["job_id"], row["activated"], row["state"],
+                                    engine_sha, engine_size)
+
+        try:
+            self.models.write_version(row["name"], row["version"], engine, None, meta_for)
+        except AgentError as exc:
+            log.warning("model %s@%s: %s", row["name"], row["version"], exc)
+
+    def resume(self, run: Run) -> None:
+        """A job found IN_PROGRESS with its version pending at start-up (scheduler)."""
+        name, version = run.details.get("model_name", ""), run.details.get("model_version", "")
+        row = self.journal.model_version(name, version) if name and version else None
+        if row is None or not row["active"] or row["state"] != "pending":
+            active = self.journal.active_version(name) if name else None
+            if row is not None and row["active"]:
+                self._succeed(run, name, version, row["previous"])
+            else:
+                self._fail_rolled_back(run, name, version, active["version"] if active else None,
+                                       "the version was rolled back while the agent stopped")
+            return
+        self._track(run, name, version, row["previous"], row["deadline"] or 0.0)
+        run.stage = committing_stage(run)
+        self.set_stage(run, run.stage)
+        if (row["deadline"] or 0.0) <= self.clock():
+            self._rollback(self.pending, row["info"].get("rollback_reason") or  # type: ignore
+                           "no confirmation within {:g} s (the agent restarted)".format(
+                               self.m.commit_timeout_s))
+        else:
+            log.info("model %s@%s: still pending after a restart; handing it off again "
+                     "(%.0f s left)", name, version, (row["deadline"] or 0) - self.clock())
+            self._start_handoff(self.pending)  # type: ignore[arg-type]
+
+    def orphans(self) -> None:
+        """Pending versions no unfinished job waits for (its job gone): rolled back."""
+        waiting = {(j["details"].get("model_name"), j["details"].get("model_version"))
+                   for j in self.journal.unfinished_jobs()}
+        for row in self.journal.pending_versions():
+            if (row["name"], row["version"]) not in waiting and self.pending is None:
+                self._track(None, row["name"], row["version"], row["previous"], 0.0)
+                self._rollback(self.pending, "its job ended while the agent stopped")  # type: ignore
+                return  # one at a time; the next after this one ends
+
+    # ------------------------------------------------------------------ activation
+
+    def activate(self, run: Run, result: Dict[str, Any], engine: str) -> None:
+        """The worker built and gated an engine: make it a version of its name (the job ends
+        here, now or when the version is committed or rolled back)."""
+        model_sha = run.needed["model"][0]
+        name, version = names_for(run.doc, model_sha)
+        key = str(result["engine_key"])
+        held = self.journal.model_version(name, version)
+        if held is not None and held["engine_key"] != key:
+            version = "{}+{}".format(version[:55], key[:8])  # a second engine of one version
+        run.details.update(model_name=name, model_version=version)
+        run.stage = "activating"
+        self.set_stage(run, "activating")
+        self.token += 1
+        token = self.token
+        onnx = run.paths.get("model")
+        platform, fingerprint = self.platform_status(), dict(run.fingerprint)
+        activated = self.clock()
+
+        def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
+            return model_meta.build(name, version, model_sha, result, platform, fingerprint,
+                                    run.job_id, activated, "pending", engine_sha, engine_size)
+
+        self.writing[token] = (run, result)
+
+        def write() -> None:
+            try:
+                path = self.models.write_version(name, version, engine, onnx, meta_for)
+                self.events.put(SwitchEvent(token, "written", (name, version, path)))
+            except Exception as exc:  # noqa: BLE001 - reported on the job
+                self.events.put(SwitchEvent(token, "written", (name, version, None),
+                                            error=_text(exc)))
+
+        threading.Thread(target=write, name="model-write", daemon=True).start()
+
+    def _on_written(self, ev: SwitchEvent) -> None:
+        run, result = self.writing.pop(ev.token)
+        name, version, path = ev.value
+        if ev.error is not None:
+            self.end(run, "FAILED", error=AgentError(
+                "handoff_failed", "cannot write {}@{} to the models directory: {}".format(
+                    name, version, ev.error)).to_dict())
+            return
+        adapters = adapters_for(self.entries, name)
+        need = commit_logic.needs(bool(adapters), bool(self.m.probe), self.m.app_confirms)
+        meta = read_meta(path)
+        info = {"engine": os.path.join(path, ENGINE), "backend": run.backend,
+                "accuracy_passed": (result.get("accuracy") or {}).get("passed"),
+                "throughput_qps": result.get("throughput_qps")}
+        active = self.journal.active_version(name)
+        if active is not None and active["version"] == version and \
+                active["engine_key"] == meta.get("engine_key") and active["state"] == "committed":
+            need = frozenset()  # the same version again: refreshed, nothing to hand off
+        deadline = self.clock() + self.m.commit_timeout_s
+        replaced, dropped = self.journal.activate_version(
+            name, version, meta["model_sha256"], str(meta.get("engine_key")),
+            meta.get("precision"), run.job_id, info, "pending" if need else "committed",
+            deadline if need else None, self.m.keep_versions)
+        previous = replaced["version"] if replaced else (active or {}).get("previous")
+        if not need:
+            self.models.set_current(name, version)
+            self._drop_dirs(name, dropped)
+            self._succeed(run, name, version, previous, result)
+            return
+        run.details["commit"] = "pending"
+        run.stage = committing_stage(run)
+        self.set_stage(run, run.stage)
+        self.on_step("pending_recorded")
+        self.changed()
+        self._track(run, name, version, previous, deadline, need)
+        self.pending.result = result  # type: ignore[union-attr]
+        self._start_handoff(self.pending)  # type: ignore[arg-type]
+
+    def _track(self, run: Optional[Run], name: str, version: str, previous: Optional[str],
+               deadline: float, need: Optional[frozenset] = None) -> None:
+        if need is None:
+            need = commit_logic.needs(bool(adapters_for(self.entries, name)),
+                                      bool(self.m.probe), self.m.app_confirms)
+        self.token += 1
+        self.pending = Pending(self.token, name, version, previous, run,
+                               commit_logic.CommitState(need, deadline, self.m.commit_timeout_s))
+
+    # ------------------------------------------------------------------ hand-off (threads)
+
+    def _mv(self, name: str, version: Optional[str]) -> Optional[ModelVersion]:
+        if version is None:
+            return None
+        path = self.models.version_dir(name, version)
+        try:
+            meta = read_meta(path)
+        except (OSError, ValueError):
+            meta = {}
+        return ModelVersion(name, version, path, os.path.join(path, ENGINE), meta)
+
+    def _start_handoff(self, p: Pending) -> None:
+        adapters = adapters_for(self.entries, p.name)
+        new, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
+        assert new is not None
+
+        def work() -> None:
+            step = "prepare"
+            try:
+                for a in adapters:
+                    a.prepare(new, prev)
+                step = "switch"
+                self.models.set_current(p.name, p.version)
+                for a in adapters:
+                    a.switch(new, prev)
+                confirms = [a.confirm(new) for a in adapters]
+                self.events.put(SwitchEvent(p.token, "handoff", confirms))
+            except Exception as exc:  # noqa: BLE001 - the switch fails with the reason
+                self.events.put(SwitchEvent(p.token, "handoff", step, error=_text(exc)))
+
+        threading.Thread(target=work, name="model-handoff", daemon=True).start()
+
+    def _start_probe(self, p: Pending) -> None:
+        from agent.device.handoff.command import model_env, run
+
+        p.probe_running, p.last_probe = True, time.monotonic()
+        new, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
+        assert new is not None
+        argv, timeout = list(self.m.probe), self.m.probe_timeout_s
+
+        def work() -> None:
+            try:
+                run(argv, model_env(new, prev, "probe"), timeout)
+                self.events.put(SwitchEvent(p.token, "probe", True))
+            except Exception as exc:  # noqa: BLE001 - not yet: tried again
+                self.events.put(SwitchEvent(p.token, "probe", False, error=_text(exc)))
+
+        threading.Thread(target=work, name="model-probe", daemon=True).start()
+
+    def _rollback(self, p: Pending, reason: str) -> None:
+        """Mark the version expired (journal), then on a thread: ``current`` back, adapters
+        revert; ``_on_reverted`` restores the journal and ends the job."""
+        if p.phase == "rolling_back":
+            return
+        p.phase = "rolling_back"
+        p.state.failure = p.state.failure or reason
+        log.warning("model %s@%s: rolling back to %s: %s", p.name, p.version,
+                    p.previous or "nothing", reason)
+        self.journal.expire_pending(p.name, p.version, reason)
+        adapters = adapters_for(self.entries, p.name)
+        failed, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
+        assert failed is not None
+
+        def work() -> None:
+            errors = []
+            try:
+                if prev is not None and os.path.isdir(prev.path):
+                    self.models.set_current(p.name, prev.version)
+                else:
+                    _unlink(os.path.join(self.models.name_dir(p.name), "current"))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(_text(exc))
+            for a in adapters:
+                try:
+                    a.revert(prev, failed)
+                except Exception as exc:  # noqa: BLE001 - the others still revert
+                    errors.append("{}: {}".format(a.kind, _text(exc)))
+            self.events.put(SwitchEvent(p.token, "reverted", errors))
+
+        threading.Thread(target=work, name="model-revert", daemon=True).start()
+
+    # ------------------------------------------------------------------ events (main loop)
+
+    def on_event(self, ev: SwitchEvent) -> None:
+        if ev.kind == "written":
+            self._on_written(ev)
+            return
+        if ev.kind == "restored":
+            if ev.error:
+                log.warning("%s", ev.error)
+                self.health[ev.value] = ev.error[:200]
+            self.changed()
+            return
+        p = self.pending
+        if p is None or ev.token != p.token:
+            return
+        if ev.kind == "handoff" and p.phase == "handoff":
+            if ev.error is not None and ev.value == "prepare":
+                self._handoff_failed(p, ev.error)
+                return
+            p.phase = "waiting"
+            p.state.on_handoff(ev.value if ev.error is None else [], ev.error)
+            self.on_step("pending")
+        elif ev.kind == "probe":
+            p.probe_running = False
+            p.state.on_probe(bool(ev.value))
+            if not ev.value:
+                log.info("model %s@%s: probe not yet: %s", p.name, p.version, ev.error)
+        elif ev.kind == "reverted":
+            self._on_reverted(p, ev.value or [])
+            return
+        self._decide(p)
+
+    def tick(self) -> None:
+        p = self.pending
+        if p is None:
+            if self.shared.run is None:
+                self.orphans()
+            return
+        if p.phase == "waiting" and "probe" in p.state.need and "probe" not in \
+                p.state.confirmed and not p.probe_running and \
+                time.monotonic() - p.last_probe >= PROBE_EVERY_S:
+            self._start_probe(p)
+        self._decide(p)
+
+    def _decide(self, p: Pending) -> None:
+        if p.phase == "rolling_back":
+            return
+        if p.phase == "handoff" and p.state.failure is None and p.state.committed_by is None \
+                and p.state.deadline > self.clock():
+            return  # the adapters' switch is still running
+        decision = p.state.decide(self.clock())
+        if decision.action == commit_logic.COMMIT:
+            dropped = self.journal.commit_version(p.name, p.version, self.m.keep_versions)
+            self._drop_dirs(p.name, dropped)
+            self.pending = None
+            self.health[p.name] = "ok"
+            log.info("model %s@%s committed (%s)", p.name, p.version, decision.reason)
+            if p.run is not None:
+                self._succeed(p.run, p.name, p.version, p.previous, p.result)
+            else:
+                self.changed()
+        elif decision.action == commit_logic.ROLLBACK:
+            self._rollback(p, decision.reason)
+
+    def _handoff_failed(self, p: Pending, error: str) -> None:
+        """``prepare`` failed: nothing was switched; the previous version stays active."""
+        self.journal.restore_version(p.name, p.previous)
+        self.pending = None
+        if p.previous is None:
+            _unlink(os.path.join(self.models.name_dir(p.name), "current"))
+        self._drop_dirs(p.name, [p.version])
+        if p.run is not None:
+            self._end(p.run, "FAILED", error=AgentError(
+                "handoff_failed", "handing {}@{} to the app failed before the switch: {}".format(
+                    p.name, p.version, error),
+                {"name": p.name, "version": p.version, "previous": p.previous}).to_dict())
+        self.changed()
+
+    def _on_reverted(self, p: Pending, errors: List[str]) -> None:
+        reason = p.state.failure or "rolled back"
+        self.journal.restore_version(p.name, p.previous, reject_reason=reason)
+        self.pending = None
+        self._drop_dirs(p.name, [p.version])
+        self.health[p.name] = "rolled back from {}: {}".format(p.version, reason)[:200]
+        if errors:
+            log.warning("model %s: revert problems: %s", p.name, "; ".join(errors))
+        if p.run is not None:
+            self._fail_rolled_back(p.run, p.name, p.version, p.previous, reason, errors)
+        else:
+            self.changed()
+
+    # ------------------------------------------------------------------ the job's end
+
+    def _succeed(self, run: Run, name: str, version: str, previous: Optional[str],
+                 result: Optional[Dict[str, Any]] = None) -> None:
+        out = dict(result or {})
+        for key in ("io", "activate", "engine"):
+            out.pop(key, None)
+        prev_row = self.journal.model_version(name, previous) if previous else None
+        out["activated"] = True
+        out["previous_engine"] = prev_row["engine_key"] if prev_row else None
+        out["model"] = {"name": name, "version": version, "previous": previous,
+                        "state": "committed"}
+        run.details.pop("commit", None)
+        self._end(run, "SUCCEEDED", result=fit_result(out))
+        self.changed()
+
+    def _fail_rolled_back(self, run: Run, name: str, version: str, previous: Optional[str],
+                          reason: str, errors: Optional[List[str]] = None) -> None:
+        run.details.pop("commit", None)
+        details: Dict[str, Any] = {"name": name, "version": version, "previous": previous,
+                                   "reason": reason}
+        if errors:
+            details["revert_errors"] = errors[:5]
+        self._end(run, "FAILED", error=AgentError(
+            "handoff_rolled_back", "{}@{} was rolled back to {}: {}".format(
+                name, version, previous or "no version", reason), details).to_dict())
+        self.changed()
+
+    def _end(self, run: Run, state: str, **kwargs: Any) -> None:
+        row = self.journal.job(run.job_id)
+        if row is None or row["state"] != "IN_PROGRESS":
+            return  # cancelled meanwhile: the version went its own way
+        self.end(run, state, **kwargs)
+
+    def _drop_dirs(self, name: str, versions: List[str]) -> None:
+        for version in versions:
+            self.models.remove_version(name, version)
+
+    # ------------------------------------------------------------------ commands
+
+    def commit(self, name: str, version: Optional[str], by: str) -> Dict[str, Any]:
+        p = self._pending_for(name, version)
+        p.state.on_commit(by)
+        self._decide(p)
+        return {"name": name, "version": p.version, "state": "committed"}
+
+    def report_health(self, name: str, version: Optional[str], ok: bool,
+                      detail: str) -> Dict[str, Any]:
+        p = self.pending
+        if p is not None and p.name == name and version in (None, p.version):
+            p.state.on_health(ok, detail)
+            self._decide(p)
+            return {"name": name, "version": p.version, "state": "pending" if ok else
+                    "rolling_back"}
+        active = self.journal.active_version(validate_name(name))
+        if active is None or (version is not None and version != active["version"]):
+            raise AgentError("not_pending", "expected a health report on {}'s active version "
+                             "{}, found version {!r}".format(
+                                 name, active["version"] if active else "(none)", version))
+        self.health[name] = "ok" if ok else (detail or "unhealthy")[:200]
+        self.changed()
+        return {"name": name, "version": active["version"], "state": active["state"]}
+
+    def _pending_for(self, name: str, version: Optional[str]) -> Pending:
+        validate_name(name)
+        p = self.pending
+        if p is None or p.name != name or (version is not None and version != p.version) \
+                or p.phase == "rolling_back":
+            raise AgentError("not_pending", "expected a pending version of {}, found {}".format(
+                name, "{}@{} ({})".format(p.name, p.version, p.phase) if p else "none pending"))
+        return p
+
+    def rollback(self, name: str, version: Optional[str] = None) -> Dict[str, Any]:
+        """Back to a kept version (the previous one unless ``version``): the journal and
+        ``current`` at once, the hand-off of the restored version on a thread.
+        AgentError no_previous_version."""
+        validate_name(name)
+        if version is not None:
+            validate_version(version)
+        p = self.pending
+        if p is not None and p.name == name:
+            if p.phase != "rolling_back":
+                self._rollback(p, "rolled back by an operator")
+            return {"name": name, "version": p.previous, "replaced": p.version,
+                    "state": "rolling_back"}
+        active = self.journal.active_version(name)
+        kept = [r for r in self.journal.model_versions(name) if not r["active"]]
+        if version is not None:
+            kept = [r for r in kept if r["version"] == version]
+        elif active is not None and active["previous"]:
+            kept.sort(key=lambda r: r["version"] != active["previous"])
+        if active is None or not kept:
+            raise AgentError("no_previous_version", "expected a kept version of {} to go back "
+                             "to{}, found {}".format(
+                                 name, " ({})".format(version) if version else "",
+                                 "no model of that name" if active is None else
+                                 "only {} (kept: {})".format(active["version"], ", ".join(
+                                     r["version"] for r in self.journal.model_versions(name)))))
+        target = kept[0]["version"]
+        problem = None if os.path.isdir(self.models.version_dir(name, target)) else "missing"
+        if problem:
+            raise AgentError("no_previous_version", "expected {}@{} in the models directory, "
+                             "found it {}".format(name, target, problem))
+        self.journal.restore_version(name, target)
+        self.models.set_current(name, target)
+        self.models.remove_version(name, active["version"])
+        self._restore_handoff(name, target, active["version"])
+        self.changed()
+        restored = self.journal.active_version(name) or {}
+        return {"name": name, "version": target, "replaced": active["version"],
+                "model": restored.get("model"), "engine_key": restored.get("engine_key"),
+                "precision": restored.get("precision"), "job_id": restored.get("job_id")}
+
+    def _restore_handoff(self, name: str, version: str, replaced: str) -> None:
+        adapters: List[Adapter] = adapters_for(self.entries, name)
+        if not adapters:
+            return
+        new = self._mv(name, version)
+        assert new is not None
+        prev = ModelVersion(name, replaced, self.models.version_dir(name, replaced), "", {})
+
+        def work() -> None:
+            error = None
+            try:
+                for a in adapters:
+                    a.prepare(new, prev)
+                for a in adapters:
+                    a.switch(new, prev)
+            except Exception as exc:  # noqa: BLE001 - reported as the name's health
+                error = "hand-off of {}@{} after a rollback failed: {}".format(
+                    name, version, _text(exc))
+            self.events.put(SwitchEvent(0, "restored", name, error=error))
+
+        threading.Thread(target=work, name="model-restore", daemon=True).start()
+
+    def retry(self, name: str, version: str) -> Dict[str, Any]:
+        """An operator lets a rejected version be activated again."""
+        validate_name(name)
+        validate_version(version)
+        forgotten = self.journal.forget_rejected(name, version)
+        self.changed()
+        return {"name": name, "version": version, "forgotten": forgotten}
+
+    # ------------------------------------------------------------------ reports
+
+    def models_list(self) -> List[Dict[str, Any]]:
+        """Per name, what the models message and ``models ls`` show."""
+        out = []
+        rejected: Dict[str, List[str]] = {}
+        for r in self.journal.rejected_versions():
+            rejected.setdefault(r["name"], []).append(r["version"])
+        for row in self.journal.active_versions():
+            out.append({"name": row["name"], "version": row["version"], "state": row["state"],
+                        "previous": row["previous"], "precision": row["precision"],
+                        "engine_key": row["engine_key"], "job_id": row["job_id"],
+                        "activated": row["activated"],
+                        "health": self.health.get(row["name"], "ok"),
+                        "rejected": rejected.get(row["name"], [])[-16:]})
+        return out[:256]
+
+
+def committing_stage(run: Run) -> str:
+    """The stage of a job whose version is pending: ``committing``; for a job without a model
+    name (a controller of the release before named models, whose schema knows no such stage)
+    ``activating``, with ``commit: pending`` in its details either way."""
+    return "committing" if run.doc.get("model_name") is not None else "activating"
+
+
+def _text(exc: BaseException) -> str:
+    return exc.message if isinstance(exc, AgentError) else "{}: {}".format(
+        type(exc).__name__, exc)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

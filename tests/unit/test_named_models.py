@@ -1,0 +1,380 @@
+"""Named models on the device, below the daemon: the journal's in-place upgrade from the previous
+release's schema, names and versions, meta.json, the models directory, the hand-off list and the
+``command`` adapter, the commit state machine, and the model switch driven as the main loop
+drives it (its threads' events pumped here): commit, unhealthy report, timeout, a failing
+hand-off, a restart while pending, rollback by name, a rejected version refused."""
+
+import os
+import queue
+import sqlite3
+import sys
+import time
+
+import pytest
+
+from agent.device import app_requests, commit_logic, config, handoff, model_meta
+from agent.device.job_run import Run
+from agent.device.journal import Journal
+from agent.device.model_switch import ModelSwitch, names_for
+from agent.device.models_dir import ModelsDir, version_problem
+from agent.errors import AgentError
+from agent.wire.model_names import validate_name, validate_version
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "journal")
+A, B = "a" * 64, "b" * 64
+
+
+def test_journal_v1_upgrades_in_place(tmp_path):
+    path = str(tmp_path / "journal.sqlite3")
+    db = sqlite3.connect(path)
+    with open(os.path.join(FIXTURES, "journal_v1.sql")) as f:
+        db.executescript(f.read())
+    db.execute("PRAGMA user_version=1")
+    db.commit()
+    db.close()
+    with Journal(path) as j:
+        # jobs, outbox, transfers, boot, notes, sequences: all there
+        assert [r["job_id"] for r in j.jobs()] == ["deploy-1", "deploy-2"]
+        assert j.job("deploy-1")["result"] == {"engine_key": "k1"}
+        assert len(j.outbox_pending()) == 1 and j.transfers()[0]["sha256"] == A
+        assert j.boot() == 1 and j.note("connection") == {"x": 1}
+        assert j.last_sequence("key1") == 5
+        # engines -> versions of sha-<12 hex>
+        rows = {(r["name"], r["version"]): r for r in j.model_versions()}
+        active = rows[("sha-" + A[:12], A[:12])]
+        assert active["active"] and active["state"] == "committed"
+        assert active["engine_key"].startswith("e2") and active["precision"] == "int8"
+        previous = rows[("sha-" + A[:12], A[:12] + "+e1000000")]
+        assert not previous["active"] and previous["info"]["engine"] == "/x/e1"
+        assert active["previous"] == previous["version"]
+        assert rows[("sha-" + B[:12], B[:12])]["engine_key"].startswith("f1")
+        assert j.previous_engine(A)["engine_key"].startswith("e1")
+        assert sorted(e["model"] for e in j.active_engines()) == [A, B]
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 2
+    assert db.execute("SELECT COUNT(*) FROM engines").fetchone()[0] == 3  # nothing dropped
+    db.close()
+    with Journal(path) as j:  # opening again changes nothing
+        assert len(j.model_versions()) == 3
+
+
+def test_upgraded_versions_get_their_directories(tmp_path):
+    engine = tmp_path / "cache-engine"
+    engine.write_bytes(b"plan")
+    with Journal(str(tmp_path / "journal.sqlite3")) as j:
+        j.activate_version("sha-" + A[:12], A[:12], A, "e1", "fp16", "j1",
+                           info={"engine": str(engine)})
+    h = Harness(tmp_path)
+    assert h.current("sha-" + A[:12]) == A[:12]
+    path = os.path.join(h.cfg.models_dir, "sha-" + A[:12], A[:12])
+    assert version_problem(path) is None
+
+
+def test_names_and_versions():
+    assert validate_name("detector-v1.2_x") == "detector-v1.2_x"
+    assert validate_version("2.0.1+build.7") == "2.0.1+build.7"
+    for bad in ("", "Det", ".x", "a/b", "a" * 65, None, 3):
+        with pytest.raises(AgentError) as e:
+            validate_name(bad)
+        assert e.value.code == "bad_model_name" and "expected" in e.value.message
+    for bad in (".", "..", "-x", "a/b", "a b", "v" * 65):
+        with pytest.raises(AgentError) as e:
+            validate_version(bad)
+        assert e.value.code == "bad_model_version"
+    assert names_for({}, A) == ("sha-" + A[:12], A[:12])
+    assert names_for({"model_name": "det", "model_version": "v2"}, A) == ("det", "v2")
+
+
+def test_meta_json_keys():
+    meta = model_meta.build(
+        "det", "v1", A, {"engine_key": "k", "precision": "int8", "layers_kept": {"fc": "fp32"},
+                         "io": {"inputs": [{"name": "x", "shape": [1, 3], "dtype": "float32"}],
+                                "outputs": [{"name": "y", "shape": [1], "dtype": "float32"}]},
+                         "accuracy": {"passed": True, "top1_agreement": 0.99},
+                         "throughput_qps": 12.5},
+        {"board": "orin", "jetpack": "6.0", "tensorrt": "8.6"},
+        {"gpu": "orin", "cuda": "12.2", "tensorrt": "8.6", "backend": "tensorrt"}, "j1", 5.0,
+        "pending", "e" * 64, 100)
+    assert set(meta) == set(model_meta.META_KEYS)
+    assert meta["gate"] == {"passed": True, "top1_agreement": 0.99}
+    assert meta["portability"]["cuda"] == "12.2" and meta["inputs"][0]["name"] == "x"
+
+
+def test_commit_logic():
+    s = commit_logic.CommitState(commit_logic.needs(True, False, True), 10.0, 10.0)
+    assert s.decide(1.0).action == commit_logic.WAIT
+    s.on_handoff([None, True])
+    assert s.decide(1.0).action == commit_logic.WAIT
+    s.on_health(True)
+    assert s.decide(1.0).action == commit_logic.COMMIT
+    s = commit_logic.CommitState(commit_logic.needs(False, True, False), 10.0, 10.0)
+    assert s.decide(10.0) == (commit_logic.ROLLBACK, "no confirmation (probe) within 10 s")
+    s = commit_logic.CommitState(commit_logic.needs(True, False, False), 10.0, 10.0)
+    s.on_handoff([False])
+    s.on_commit("x")  # too late: the failure wins
+    assert s.decide(1.0).action == commit_logic.ROLLBACK
+    assert commit_logic.CommitState(frozenset(), 0, 0).decide(0).action == commit_logic.COMMIT
+
+
+def test_handoff_list_is_checked():
+    entries = handoff.parse([{"type": "command", "models": ["det"], "command": ["true"]}])
+    assert entries[0].adapter.kind == "command" and entries[0].serves("det")
+    assert not entries[0].serves("other")
+    bad = [[{"type": "nope", "command": ["x"]}], [{"type": "command", "command": "true"}],
+           [{"type": "command", "command": ["x"], "shell": True}],
+           [{"type": "command", "models": ["Bad Name"], "command": ["x"]}], ["x"]]
+    for entry in bad:
+        with pytest.raises(AgentError) as e:
+            handoff.parse(entry)
+        assert e.value.code == "bad_config" and "handoff[0]" in e.value.message, entry
+
+
+def test_config_models_section(tmp_path):
+    path = tmp_path / "agent.yaml"
+    path.write_text("state_dir: {}\nmodels:\n  keep_versions: 3\n  probe: [\"true\"]\n"
+                    "handoff:\n  - type: command\n    command: [\"true\"]\n".format(tmp_path))
+    cfg = config.load(str(path), env={})
+    assert cfg.models.keep_versions == 3 and cfg.models.probe == ["true"]
+    assert cfg.models_dir == os.path.join(str(tmp_path), "models")
+    assert cfg.handoff[0]["type"] == "command"
+    path.write_text("models:\n  keep_versions: 1\n")
+    with pytest.raises(AgentError) as e:
+        config.load(str(path), env={})
+    assert "keep_versions" in e.value.message
+
+
+def test_models_dir_writes_whole_versions(tmp_path):
+    engine = tmp_path / "engine.bin"
+    engine.write_bytes(b"E" * 1000)
+    md = ModelsDir(str(tmp_path / "models"))
+    steps = []
+    md.on_step = steps.append
+
+    def meta_for(sha, size):
+        return {"engine_sha256": sha, "engine_size": size}
+
+    path = md.write_version("det", "v1", str(engine), None, meta_for)
+    assert version_problem(path) is None
+    assert os.stat(path + "/model.engine").st_ino == engine.stat().st_ino  # a hard link
+    assert oct(os.stat(path + "/model.engine").st_mode & 0o777) == "0o640"
+    md.set_current("det", "v1")
+    assert os.readlink(str(tmp_path / "models/det/current")) == "v1"
+    assert steps == ["version_written", "link_switched"]
+    md.write_version("det", "v2", str(engine), None, meta_for)
+    md.set_current("det", "v2")
+    assert not md.remove_version("det", "v2")  # current: never removed
+    os.makedirs(str(tmp_path / "models/det/.tmp-v3"))
+    md.reconcile({"det": "v1"}, {"det": ["v1"]})
+    assert md.current("det") == "v1" and md.versions("det") == ["v1"]
+    assert not os.path.exists(str(tmp_path / "models/det/.tmp-v3"))
+
+
+# --------------------------------------------------------------------------- the switch
+
+class Harness:
+    """A ModelSwitch on a real journal and models directory; ``pump`` plays the main loop."""
+
+    def __init__(self, tmp_path, handoff_list=(), **models):
+        overrides = {("state_dir",): str(tmp_path)}
+        for key, value in models.items():
+            overrides[("models", key)] = value
+        self.cfg = config.load(None, overrides=overrides, env={})
+        self.tmp = tmp_path
+        self.journal = Journal(str(tmp_path / "journal.sqlite3"))
+        self.events = queue.Queue()
+        self.ended = {}
+        self.changes = 0
+        self.switch = self._switch(list(handoff_list))
+
+    def _switch(self, handoff_list):
+        class Shared:
+            run = None
+
+        def end(run, state, error=None, result=None):
+            self.journal.set_state(run.job_id, state, error=error, result=result)
+            self.ended[run.job_id] = (state, error, result)
+
+        def changed():
+            self.changes += 1
+
+        sw = ModelSwitch(self.cfg, self.journal, ModelsDir(self.cfg.models_dir),
+                         handoff.parse(handoff_list), self.events, Shared(), end,
+                         lambda run, stage: self.journal.set_state(
+                             run.job_id, "IN_PROGRESS", stage=stage, details=run.details),
+                         changed, lambda: {"board": "test"})
+        sw.reconcile()
+        return sw
+
+    def restart(self, handoff_list=()):
+        self.events = queue.Queue()
+        self.switch = self._switch(list(handoff_list))
+
+    def deploy(self, job_id, name, version, engine_bytes, sha=A):
+        engine = self.tmp / (job_id + ".engine")
+        engine.write_bytes(engine_bytes)
+        self.journal.add_job({"job_id": job_id, "kind": "deploy"})
+        self.journal.set_state(job_id, "IN_PROGRESS")
+        run = Run({"job_id": job_id, "kind": "deploy", "details": {},
+                   "doc": {"model_name": name, "model_version": version}}, 60)
+        run.needed["model"] = (sha, 1)
+        self.switch.activate(run, {"engine_key": "key-" + job_id, "precision": "fp16"},
+                             str(engine))
+        return run
+
+    def pump(self, until, timeout=15.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = until()
+            if value:
+                return value
+            try:
+                ev = self.events.get(timeout=0.05)
+            except queue.Empty:
+                self.switch.tick()
+                continue
+            if isinstance(ev, app_requests.AppRequest):
+                app_requests.answer(self.switch, ev)
+            else:
+                self.switch.on_event(ev)
+        raise AssertionError("timed out; ended: {}".format(self.ended))
+
+    def current(self, name):
+        return self.switch.models.current(name)
+
+
+def test_no_handoff_commits_at_once_and_names_live_side_by_side(tmp_path):
+    h = Harness(tmp_path)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(lambda: "j1" in h.ended)
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(lambda: "j2" in h.ended)
+    h.deploy("j3", "cls", "v1", b"three", sha=B)
+    h.pump(lambda: "j3" in h.ended)
+    state, _, result = h.ended["j2"]
+    assert state == "SUCCEEDED"
+    assert result["model"] == {"name": "det", "version": "v2", "previous": "v1",
+                               "state": "committed"}
+    assert h.current("det") == "v2" and h.current("cls") == "v1"
+    with open(os.path.join(h.cfg.models_dir, "det", "current", "model.engine"), "rb") as f:
+        assert f.read() == b"two"
+    listed = {m["name"]: m for m in h.switch.models_list()}
+    assert listed["det"]["previous"] == "v1" and listed["det"]["state"] == "committed"
+    # rollback by name: v1 back, v2's directory gone, nothing left to go back to
+    out = h.switch.rollback("det")
+    assert out["version"] == "v1" and out["replaced"] == "v2"
+    assert h.current("det") == "v1" and h.switch.models.versions("det") == ["v1"]
+    with pytest.raises(AgentError) as e:
+        h.switch.rollback("det")
+    assert e.value.code == "no_previous_version" and "expected" in e.value.message
+
+
+def test_app_unhealthy_report_rolls_back_and_rejects(tmp_path):
+    h = Harness(tmp_path, app_confirms=True, commit_timeout_s=30)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(lambda: h.switch.pending is not None and h.switch.pending.phase == "waiting")
+    reply = h.switch.commit("det", None, "the app")  # the app commits v1
+    assert reply["state"] == "committed" and h.ended["j1"][0] == "SUCCEEDED"
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(lambda: h.current("det") == "v2" and h.switch.pending.phase == "waiting")
+    assert h.journal.job("j2")["stage"] == "committing"
+    assert h.journal.active_version("det")["state"] == "pending"
+    # the app's report, through the socket's handler as its thread would send it
+    handle = app_requests.handler(h.events)
+    import threading
+
+    answers = []
+    t = threading.Thread(target=lambda: answers.append(handle(
+        {"op": "health", "name": "det", "version": "v2", "ok": False,
+         "detail": "outputs wrong on 3 of 5 stored inputs"}, {"uid": os.getuid()})))
+    t.start()
+    h.pump(lambda: "j2" in h.ended)
+    t.join(5)
+    assert answers[0]["ok"] is True
+    state, error, _ = h.ended["j2"]
+    assert state == "FAILED" and error["code"] == "handoff_rolled_back"
+    assert error["details"]["version"] == "v2" and error["details"]["previous"] == "v1"
+    assert "outputs wrong" in error["message"]
+    assert h.current("det") == "v1" and h.switch.models.versions("det") == ["v1"]
+    assert [r["version"] for r in h.journal.rejected_versions("det")] == ["v2"]
+    with pytest.raises(AgentError) as e:
+        h.switch.check_job({"model_name": "det", "model_version": "v2"}, A)
+    assert e.value.code == "version_rejected"
+    h.switch.check_job({"model_name": "det", "model_version": "v3"}, A)  # a newer one: fine
+    h.switch.retry("det", "v2")
+    h.switch.check_job({"model_name": "det", "model_version": "v2"}, A)  # retried: fine
+
+
+def test_probe_timeout_rolls_back(tmp_path):
+    h = Harness(tmp_path, probe=[sys.executable, "-c", "raise SystemExit(1)"],
+                commit_timeout_s=2)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(lambda: "j1" in h.ended)
+    assert h.ended["j1"][0] == "FAILED"  # the first version too: no previous, no current
+    assert h.current("det") is None and h.journal.active_version("det") is None
+    assert "no confirmation (probe) within 2 s" in h.ended["j1"][1]["message"]
+
+
+def test_command_adapter_gets_the_model_and_its_failure_rolls_back(tmp_path):
+    log = tmp_path / "handoff.log"
+    script = tmp_path / "reload.py"
+    script.write_text(
+        "import os, sys\n"
+        "e = os.environ\n"
+        "open({!r}, 'a').write(' '.join(e['JETSON_AGENT_MODEL_' + k] for k in ('EVENT', "
+        "'NAME', 'VERSION', 'PREVIOUS_VERSION')) + '\\n')\n"
+        "assert os.path.exists(e['JETSON_AGENT_MODEL_ENGINE'])\n"
+        "assert os.path.exists(e['JETSON_AGENT_MODEL_META'])\n"
+        "sys.exit(3 if e['JETSON_AGENT_MODEL_VERSION'] == 'v3' and "
+        "e['JETSON_AGENT_MODEL_EVENT'] == 'switch' else 0)\n".format(str(log)))
+    entries = [{"type": "command", "models": ["det"],
+                "command": [sys.executable, str(script)], "timeout_s": 20}]
+    h = Harness(tmp_path, entries)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(lambda: "j1" in h.ended)
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(lambda: "j2" in h.ended)
+    h.deploy("j3", "det", "v3", b"three")
+    h.pump(lambda: "j3" in h.ended)
+    assert [h.ended[j][0] for j in ("j1", "j2", "j3")] == ["SUCCEEDED", "SUCCEEDED", "FAILED"]
+    assert h.ended["j3"][1]["code"] == "handoff_rolled_back"
+    assert "exited with status 3" in h.ended["j3"][1]["message"]
+    assert log.read_text().splitlines() == ["switch det v1 ", "switch det v2 v1",
+                                            "switch det v3 v2", "revert det v2 v3"]
+    assert h.current("det") == "v2"
+
+
+def test_restart_while_pending_resumes_or_rolls_back(tmp_path):
+    flag = tmp_path / "healthy"
+    probe = [sys.executable, "-c", "import os, sys; sys.exit(0 if os.path.exists({!r}) else 1)"
+             .format(str(flag))]
+    h = Harness(tmp_path, probe=probe, commit_timeout_s=60)
+    flag.write_text("")
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(lambda: "j1" in h.ended)
+    flag.unlink()
+    run = h.deploy("j2", "det", "v2", b"two")
+    h.pump(lambda: h.current("det") == "v2" and h.switch.pending.phase == "waiting")
+    # the daemon dies here; a new one resumes the job the scheduler hands it
+    h.restart()
+    assert h.current("det") == "v2"
+    row = h.journal.job("j2")
+    assert row["details"]["commit"] == "pending"
+    h.switch.resume(Run(row, 60))
+    flag.write_text("")
+    h.pump(lambda: "j2" in h.ended)
+    assert h.ended["j2"][0] == "SUCCEEDED" and h.current("det") == "v2"
+    # pending again, and the deadline passes while the daemon is down: rolled back on restart
+    flag.unlink()
+    h.deploy("j3", "det", "v3", b"three")
+    h.pump(lambda: h.current("det") == "v3" and h.switch.pending.phase == "waiting")
+    db = sqlite3.connect(str(tmp_path / "journal.sqlite3"))
+    db.execute("UPDATE models SET deadline = 1 WHERE version = 'v3'")
+    db.commit()
+    db.close()
+    h.restart()
+    assert h.current("det") == "v2"  # straight back, before anything else runs
+    h.switch.resume(Run(h.journal.job("j3"), 60))
+    h.pump(lambda: "j3" in h.ended)
+    assert h.ended["j3"][1]["code"] == "handoff_rolled_back"
+    assert h.journal.active_version("det")["version"] == "v2"
+    assert run.job_id == "j2"
