@@ -94,18 +94,12 @@ CODES = {
     "app_not_allowed": "A process that is not the configured app user or group (nor root, nor "
     "the agent itself) spoke on the app socket.",
     "internal_error": "An unexpected error; the message carries the details.",
-    # named models (issue 21)
-    "bad_model_name": "A model name is not 1-64 lower-case letters, digits, '_', '.' or '-'.",
-    "bad_model_version": "A model version is not 1-64 letters, digits, '_', '.', '+' or '-'.",
-    "handoff_failed": "Handing a model version to the application failed before the switch.",
     "handoff_rolled_back": "The application did not confirm a new model version (unhealthy "
     "report or commit timeout); the device went back to the previous version.",
     "version_rejected": "The application rejected this model version on this device before; "
     "it is not activated again until an operator retries it.",
     "no_previous_version": "A rollback names a model with no kept version to go back to.",
     "not_pending": "A commit or health report names a version that is not pending.",
-    "app_not_allowed": "A local process not configured as the application asked the app "
-    "socket.",
 }
 
 

@@ -33,7 +33,6 @@ MAX_ERROR_BYTES = 64 * 1024  # a job error as the journal keeps it
 QUICK_DROP_S = 5.0
 QUICK_DROPS = 3
 FEATURES = ("named_models",)
-MAX_MODELS_BYTES = 64 * 1024
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
@@ -104,15 +103,14 @@ class StatusPublisher:
         status with today's ``active_engines`` for controllers of the previous release."""
         msg = self.models_message()
         payload = protocol.encode(msg)
-        while len(payload) > MAX_MODELS_BYTES and msg["models"]:
+        while len(payload) > protocol.MAX_BYTES["models"] and msg["models"]:
             msg["models"] = msg["models"][:len(msg["models"]) // 2]  # never over the cap
             payload = protocol.encode(msg)
         try:
             protocol.validate("models", msg)
-        except (ValueError, OSError):
-            pass  # no models schema in this installation: published unchecked
-        except AgentError as exc:
-            log.error("models message does not match its schema: %s", exc)
+        except AgentError as exc:  # a controller would drop it: say so here instead
+            log.error("models message does not match its schema, not published: %s", exc)
+            return
         self.mqtt.publish(self.topics.models(self.device), payload, qos=1, retain=True)
 
     def publish_offline(self) -> PublishHandle:
