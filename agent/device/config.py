@@ -108,8 +108,9 @@ class ModelsConfig:
     # A command that says the new version works (exit 0), retried until the commit timeout.
     probe: List[str] = dataclasses.field(default_factory=list)
     probe_timeout_s: float = _f(30.0, min=1, max=3600)  # one probe run
-    # The app confirms: a version stays pending until the app reports it healthy or commits.
-    app_confirms: bool = False
+    # The models whose app confirms (["*"]: all): a new version of one stays pending until the
+    # app reports it healthy or commits it.
+    app_confirms: List[str] = dataclasses.field(default_factory=list)
     app_users: List[str] = dataclasses.field(default_factory=list)  # may use the app socket
     app_group: Optional[str] = None
     socket: Optional[str] = None  # None: <state_dir>/app.sock

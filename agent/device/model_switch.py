@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from agent.device import commit_logic, model_meta
+from agent.device import commit_logic, model_meta, models_guard
 from agent.device.handoff import Entry, adapters_for
 from agent.device.handoff.base import Adapter, ModelVersion
 from agent.device.job_run import Run
@@ -44,6 +44,7 @@ from agent.wire.model_names import validate_name, validate_version
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
 PROBE_EVERY_S = 2.0
+DISK_CHECK_EVERY_S = 30.0  # the files of the active versions: engine there, whole
 
 
 class SwitchEvent(NamedTuple):
@@ -98,6 +99,10 @@ class ModelSwitch(object):
         self.token = 0
         self.pending: Optional[Pending] = None
         self.health: Dict[str, str] = {}  # name -> "ok" | the app's last problem
+        # name -> what the last models list said of its files (models_guard): a version whose
+        # engine went missing or corrupt is a health problem, rechecked every DISK_CHECK_EVERY_S.
+        self.disk_health: Dict[str, str] = {}
+        self.last_disk_check = time.monotonic()
         self.writing: Dict[int, Tuple[Run, Dict[str, Any]]] = {}
 
     # ------------------------------------------------------------------ intake and start-up
@@ -229,7 +234,8 @@ class ModelSwitch(object):
                     name, version, ev.error)).to_dict())
             return
         adapters = adapters_for(self.entries, name)
-        need = commit_logic.needs(bool(adapters), bool(self.m.probe), self.m.app_confirms)
+        need = commit_logic.needs(bool(adapters), bool(self.m.probe),
+                                  self._app_confirms(name))
         meta = read_meta(path)
         info = {"engine": os.path.join(path, ENGINE), "backend": run.backend,
                 "accuracy_passed": (result.get("accuracy") or {}).get("passed"),
@@ -258,11 +264,14 @@ class ModelSwitch(object):
         self.pending.result = result  # type: ignore[union-attr]
         self._start_handoff(self.pending)  # type: ignore[arg-type]
 
+    def _app_confirms(self, name: str) -> bool:
+        return "*" in self.m.app_confirms or name in self.m.app_confirms
+
     def _track(self, run: Optional[Run], name: str, version: str, previous: Optional[str],
                deadline: float, need: Optional[frozenset] = None) -> None:
         if need is None:
             need = commit_logic.needs(bool(adapters_for(self.entries, name)),
-                                      bool(self.m.probe), self.m.app_confirms)
+                                      bool(self.m.probe), self._app_confirms(name))
         self.token += 1
         self.pending = Pending(self.token, name, version, previous, run,
                                commit_logic.CommitState(need, deadline, self.m.commit_timeout_s))
@@ -382,6 +391,11 @@ class ModelSwitch(object):
         self._decide(p)
 
     def tick(self) -> None:
+        if time.monotonic() - self.last_disk_check >= DISK_CHECK_EVERY_S:
+            before = dict(self.disk_health)
+            self.models_list()
+            if self.disk_health != before:
+                self.changed()  # the status and the models message say so
         p = self.pending
         if p is None:
             if self.shared.run is None:
@@ -591,12 +605,18 @@ class ModelSwitch(object):
         rejected: Dict[str, List[str]] = {}
         for r in self.journal.rejected_versions():
             rejected.setdefault(r["name"], []).append(r["version"])
+        problems = models_guard.check_models(self.models.root)
+        self.last_disk_check = time.monotonic()
+        self.disk_health = {}
         for row in self.journal.active_versions():
+            on_disk = models_guard.health(problems, row["name"], row["version"])
+            self.disk_health[row["name"]] = on_disk
+            app = self.health.get(row["name"], "ok")
             out.append({"name": row["name"], "version": row["version"], "state": row["state"],
                         "previous": row["previous"], "precision": row["precision"],
                         "engine_key": row["engine_key"], "job_id": row["job_id"],
                         "activated": row["activated"],
-                        "health": self.health.get(row["name"], "ok"),
+                        "health": (app if app != "ok" else on_disk)[:1024],
                         "rejected": rejected.get(row["name"], [])[-16:]})
         return out[:256]
 

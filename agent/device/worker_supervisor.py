@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Dict
 
+from agent.device import models_guard
 from agent.device.config import Config
 from agent.device.daemon_state import DaemonState
 from agent.device.job_end import REJECT_CODES, JobEnding
@@ -92,6 +93,9 @@ class WorkerSupervisor:
         spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
         spec["device"] = self.device
         spec["share"] = dict(run.doc.get("share") or {})  # fleet engine sharing: offer URL
+        # The job's builds never evict an engine a kept model version uses, and publish files
+        # the app's group can read.
+        spec.update(models_guard.worker_spec_fields(self.cfg.models_dir, self.cfg.models.group))
         spec_path = os.path.join(run.work_dir, "job.json")
         atomic_write(spec_path, json.dumps(spec, sort_keys=True).encode("utf-8"))
         env = dict(os.environ)

@@ -31,31 +31,13 @@ if HERE not in sys.path:
 NAME = "digits"
 VERSIONS = (("v1", "digits"), ("v2", "digits_v2"), ("v3", "digits_v3_broken"))
 
-# The agents' config for the app part (appended to the demo's agent.yaml): the app (this uid)
-# may use the socket, and a new version stays pending until the app reports on it; no report
-# within the timeout rolls back. The keys follow the daemon's config as issue 21 describes it;
-# the integrator checks them against core21's parser.
+# The agents' config for the app part (appended to the demo's agent.yaml): a new version stays
+# pending until the app reports on it (the app runs as the agent's own user, which the socket
+# always lets in); no report within the timeout rolls back.
 AGENT_APP_CONFIG = """models:
   commit_timeout_s: 60
-app:
-  allowed_uids: [{uid}]
-  wait_for_health: true
+  app_confirms: [digits]
 """
-
-
-def supported(root: str = ROOT) -> bool:
-    """Whether the agent in ``root`` has what the app part needs: named rollouts (``fleet
-    rollout --name``) and the app socket. Until then scripts/lib/demo.py skips it."""
-    if not os.path.exists(os.path.join(root, "agent", "device", "app_socket.py")):
-        return False
-    proc = subprocess.run([sys.executable, "-m", "agent", "fleet", "rollout", "--help"],
-                          cwd=root, capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, PYTHONPATH=root))
-    return proc.returncode == 0 and "--name" in proc.stdout
-
-
-def app_config(uid: Optional[int] = None) -> str:
-    return AGENT_APP_CONFIG.format(uid=os.getuid() if uid is None else uid)
 
 
 class AppProcess(object):

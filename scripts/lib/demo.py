@@ -6,14 +6,13 @@ bundled examples through ``jetson-agent fleet``:
    fp32 goldens; the table shows its label accuracy next to fp32's);
 2. the FP16_MAX model in fp16 with a ``minimal`` precision search (the table shows the layers
    kept in fp32);
-3. where the agent supports named models and the app socket (``examples/app/demo_flow.py``
-   ``supported``), the example inference app on each device under load: ``digits`` v1, then
-   v2 (committed by the app), then a broken v3 the app reports unhealthy and the agent rolls
-   back to v2; the table shows each device's ``name@version`` and the app's switch times and
-   failed requests (``--no-app`` leaves this part out).
+3. the example inference app (``examples/app``, driven by ``examples/app/demo_flow.py``) on
+   each device under load: ``digits`` v1, then v2 (committed by the app), then a broken v3
+   the app reports unhealthy and the agent rolls back to v2; the table shows each device's
+   ``name@version`` and the app's switch times and failed requests (``--no-app``: without).
 
 Everything it starts is stopped on the way out, also on Ctrl-C or a failure. Exit status 0
-when both rollouts succeeded on both devices.
+when the rollouts ended as planned on both devices (v3 rolled back).
 """
 
 import argparse
@@ -230,7 +229,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.path.insert(0, APP)
     import demo_flow
 
-    with_app = not args.no_app and demo_flow.supported(ROOT)
+    with_app = not args.no_app
 
     started = time.monotonic()
     workdir = tempfile.mkdtemp(prefix="jetson-agent-demo-")
@@ -267,7 +266,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         with open(agent_conf, "w") as f:
             f.write("security:\n  trusted_keys: [{}]\n".format(key["public_key"]))
             if with_app:
-                f.write(demo_flow.app_config())
+                f.write(demo_flow.AGENT_APP_CONFIG)
         for dev in DEVICES:
             children.start(dev, [sys.executable, "-m", "agent", "run", "--config", agent_conf,
                                  "--broker", broker, "--device-id", dev, "--state-dir",

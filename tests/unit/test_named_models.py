@@ -269,7 +269,7 @@ def test_no_handoff_commits_at_once_and_names_live_side_by_side(tmp_path):
 
 
 def test_app_unhealthy_report_rolls_back_and_rejects(tmp_path):
-    h = Harness(tmp_path, app_confirms=True, commit_timeout_s=30)
+    h = Harness(tmp_path, app_confirms=["det"], commit_timeout_s=30)
     h.deploy("j1", "det", "v1", b"one")
     h.pump(lambda: h.switch.pending is not None and h.switch.pending.phase == "waiting")
     reply = h.switch.commit("det", None, "the app")  # the app commits v1
