@@ -202,11 +202,14 @@ def run_app_flow(broker: str, devices: Dict[str, Dict[str, str]], common: List[s
         codes.append(run_cli(rollout_argv("v2", broker, common), env))
         for dev in sorted(apps):
             apps[dev].wait_serving("v2", 60)
-        # Every device gets v3 (its failures are the point: no abort after the first).
-        code = run_cli(rollout_argv("v3", broker, common) + ["--abort-failure-rate", "1"], env)
-        if code == 0:
-            print("demo: v3 was expected to be rolled back, but its rollout succeeded",
-                  file=sys.stderr)
+        # Every device gets v3 in one stage (its failures are the point: no abort after the
+        # first), and the rollout ends FAILED (exit 1) when the devices roll it back.
+        everyone = str(len(devices))
+        code = run_cli(rollout_argv("v3", broker, common) + [
+            "--batch", everyone, "--min-executed", everyone], env)
+        if code != 1:
+            print("demo: v3's rollout was expected to end FAILED (rolled back by the devices), "
+                  "found exit status {}".format(code), file=sys.stderr)
             codes.append(1)
         for dev in sorted(apps):  # the agent's automatic rollback puts v2 back
             deadline = time.monotonic() + 90

@@ -300,9 +300,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                                "socket": os.path.join(workdir, dev, "app.sock")}
                          for dev in DEVICES}, common, run_cli, env, workdir))
         else:
-            print("\ndemo: the example app's part is left out ({})".format(
-                "--no-app" if args.no_app else "this agent has no named models or app "
-                "socket yet"))
+            print("\ndemo: the example app's part is left out (--no-app)")
         recorder.close()
         print("\nMessages on the wire during the demo (payload and topic bytes; an MQTT "
               "PUBLISH adds a few bytes of header):")
@@ -326,7 +324,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         else:
             shutil.rmtree(workdir, ignore_errors=True)
     failed = [c for c in codes if c != 0]
-    verdict = ("OK: every device SUCCEEDED in both rollouts" if not failed else
+    verdict = (("OK: every device SUCCEEDED in both rollouts" + (
+                   "; the app committed digits v2 and v3 was rolled back to v2"
+                   if with_app else "")) if not failed else
                "interrupted" if 130 in failed else "FAILED")
     print("\ndemo: {} in {:.0f} s".format(verdict, time.monotonic() - started))
     if 130 in failed:
