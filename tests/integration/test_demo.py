@@ -1,6 +1,7 @@
 """The demo end to end (what ./scripts/demo runs once the venv and Mosquitto are there): both
 devices SUCCEEDED in both rollouts, the classifier's int8 accuracy next to fp32, the FP16_MAX
-model's kept layers, and nothing left running afterwards."""
+model's kept layers, the example app taking digits v1 and v2 and refusing the broken v3 (rolled
+back on every device, no request failed), and nothing left running afterwards."""
 
 import os
 import re
@@ -59,9 +60,9 @@ def test_demo_rolls_out_both_examples_and_cleans_up():
     assert "demo: OK: every device SUCCEEDED in both rollouts" in out
 
     tables = table_rows(out)
-    # The example app's part runs where the agent has named models (three more rollouts).
-    app_part = "The app on each device" in out
-    assert len(tables) == (5 if app_part else 2), out
+    # The example app's part: three more rollouts (digits v1, v2, and the broken v3).
+    assert "The app on each device" in out
+    assert len(tables) == 5, out
     digits, fp16 = tables[:2]
     for rows in tables[:2]:
         assert [r.split()[0] for r in rows] == ["jetson-a", "jetson-b"], rows
@@ -74,14 +75,16 @@ def test_demo_rolls_out_both_examples_and_cleans_up():
     for row in fp16:
         assert " fp16* " in row and " Add,Sub:fp32 " in row, row
     assert "rollout digits-" in out and "rollout fp16_max-" in out
-    if app_part:  # each device back on v2 after the broken v3, no request failed
-        app_rows = [line.split() for line in out.split("The app on each device")[1].splitlines()
-                    if line.startswith("jetson-")]
-        assert [r[:3] for r in app_rows] == [["jetson-a", "digits@v2", "v2"],
-                                             ["jetson-b", "digits@v2", "v2"]], out
-        assert all(r[-2] == "0" and r[-1] == "v3" for r in app_rows), out
-    else:
-        assert "the example app's part is left out" in out
+    # v3 passed the agent's gate, the app reported it unhealthy, each device rolled it back.
+    for row in tables[4]:
+        assert " FAILED " in row and "handoff_rolled_back" in row, row
+    assert "digits@v3 was rolled back to v2: the app reported it unhealthy" in out
+    # Each device back on v2 after the broken v3, no request failed during the switches.
+    app_rows = [line.split() for line in out.split("The app on each device")[1].splitlines()
+                if line.startswith("jetson-")]
+    assert [r[:3] for r in app_rows] == [["jetson-a", "digits@v2", "v2"],
+                                         ["jetson-b", "digits@v2", "v2"]], out
+    assert all(r[-2] == "0" and r[-1] == "v3" for r in app_rows), out
 
     # Message sizes were measured.
     assert re.search(r"^block\s+\d+", out, re.M) and re.search(r"^job_status\s+\d+", out, re.M)
