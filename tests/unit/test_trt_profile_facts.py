@@ -90,3 +90,36 @@ def test_profiles_are_what_the_headers_say():
         found = facts.facts(repo, profile["headers_tag"])
         for enum, key in facts.PROFILE_KEYS.items():
             assert profile[key] == found[enum], (name, enum)
+
+
+def _vt(text):
+    return tuple(int(p) for p in text.split(".") if p.isdigit())
+
+
+def _within(version, spec):
+    """``spec`` is ``A`` or ``A-B`` (prefixes, ``32.7.x``): is ``version`` inside it?"""
+    lo, _, hi = spec.partition("-")
+    lo, hi = _vt(lo), _vt(hi or lo)
+    return lo <= version[:len(lo)] and version[:len(hi)] <= hi
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_jetpack_and_l4t_agree_with_the_matrix(name):
+    """Issue 24 defect 11: the 11.x profile called L4T 38.4 "JetPack 7.2" (38.4 is 7.1)."""
+    import re
+
+    from agent.platform.matrix import load_matrix
+
+    profile = load_profile(name)
+    m = re.match(r"^([\d.\-x]+) \(L4T ([\d.\-x]+)[,)]", profile["jetpack"])
+    if not m:
+        assert profile["jetpack"].startswith("none"), profile["jetpack"]
+        return
+    jetpacks, l4ts = m.group(1), m.group(2)
+    releases = [r for r in load_matrix().releases if _within(_vt(r["l4t"]), l4ts)]
+    assert releases, "no L4T {} in the matrix".format(l4ts)
+    trt = _vt(profile["version"])[:2]
+    for release in releases:
+        assert _within(_vt(release["jetpack"]), jetpacks), (release, profile["jetpack"])
+        if release.get("tensorrt"):
+            assert _vt(release["tensorrt"])[:2] == trt, (release, profile["version"])
