@@ -51,6 +51,19 @@ class Matrix(object):
         self.releases: List[Dict[str, str]] = data["jetpack_releases"]
         self.dla_tensorrt: List[Dict[str, Any]] = list(data.get("dla_tensorrt") or [])
 
+    def tensorrt_min_cc_for(self, tensorrt: str) -> Optional[str]:
+        """The oldest compute capability TensorRT ``tensorrt`` builds for: the
+        ``tensorrt_min_cc`` entry with the greatest key at or below it (``10.5`` covers 10.5 -
+        10.x, ``10`` covers 10.0 - 10.4), or None when no key is that old."""
+        have = version_key(tensorrt)
+        best: Optional[Tuple[int, ...]] = None
+        need = None
+        for key, cc in self.tensorrt_min_cc.items():
+            k = version_key(key)
+            if have[:len(k)] >= k and (best is None or k > best):
+                best, need = k, cc
+        return need
+
     def dla_available(self, tensorrt: str, family: Optional[str]) -> bool:
         """Whether TensorRT ``tensorrt`` can use the DLA cores of ``family`` (a matrix without
         ``dla_tensorrt`` says yes: the board's count decides)."""

@@ -124,11 +124,11 @@ def dla_available(tensorrt: str, family: Optional[str], matrix: Optional[Any] = 
 
 
 def _check_tensorrt_cc(info: PlatformInfo) -> None:
-    """TensorRT 10 dropped GPUs below CC 7.0 (8.x: 5.0): say so instead of failing a build."""
+    """TensorRT 10 dropped GPUs below CC 7.0 and 10.5 Volta (8.x: 5.0): say so instead of
+    failing a build."""
     if not info.tensorrt or not info.compute_capability:
         return
-    major = str(version_key(info.tensorrt)[0])
-    need = info.matrix.tensorrt_min_cc.get(major)
+    need = info.matrix.tensorrt_min_cc_for(info.tensorrt)
     if need and version_key(info.compute_capability) < version_key(need):
         info.add_problem(
             "TensorRT {} needs compute capability >= {}; this GPU has {}".format(
