@@ -135,3 +135,17 @@ def _check_tensorrt_cc(info: PlatformInfo) -> None:
                 info.tensorrt, need, info.compute_capability),
             "use the TensorRT release of this board's last JetPack ({})".format(
                 (info.matrix_row.get("tensorrt") or {}).get("last", "see the support matrix")))
+
+
+def _check_precision_types(info: PlatformInfo) -> None:
+    """The matrix rates a board's precisions; the installed TensorRT must also have the type
+    (bf16 on Orin needs TensorRT >= 9.0, not JetPack 6.0's 8.6.2). Those become ``none``, with
+    the reason as the row's note, so ``decide`` and ``diag`` say it."""
+    if info.backend != "tensorrt" or not info.tensorrt:
+        return
+    row = info.matrix_row
+    for precision, level in list(row["precisions"].items()):
+        why = info.matrix.tensorrt_lacks(precision, info.tensorrt)
+        if why and level == "native":
+            row["precisions"] = dict(row["precisions"], **{precision: "none"})
+            row["precision_notes"] = dict(row.get("precision_notes") or {}, **{precision: why})
