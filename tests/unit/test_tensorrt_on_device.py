@@ -92,6 +92,38 @@ def test_calibration_batches_are_float32_for_float_inputs(monkeypatch, tmp_path)
     assert result.calibrated and uploads and set(uploads) == {np.dtype(np.float32)}
 
 
+def _uint8_input_model():
+    nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT, name="Cast_0"),
+             helper.make_node("Relu", ["xf"], ["y"], name="Relu_0")]
+    graph = helper.make_graph(nodes, "bytes",
+                              [helper.make_tensor_value_info("x", TensorProto.UINT8, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("profile", ["8.5", "8.6", "10.3"])
+def test_calibration_batches_of_uint8_inputs_are_float32(monkeypatch, tmp_path, profile):
+    """Issue 24 defect 2: uint8 / int8 inputs were uploaded in their own type, but TensorRT
+    reads every non-index calibration input (all but float32, int32, int64, bool) as float32:
+    it read four times the buffer's bytes. Profiles with calibrators and a UINT8 type."""
+    from calib.calibrators import calibration_dtypes
+    from agent.engines.backends.base import TensorSpec
+
+    data = str(tmp_path / "calib.npz")
+    np.savez(data, x=np.random.RandomState(0).randint(0, 255, (6, 4)).astype(np.uint8))
+    trt, cuda = fake_trt.install(monkeypatch, profile)
+    uploads = []
+    monkeypatch.setattr(cuda, "memcpy_htod", lambda ptr, host: uploads.append(host.dtype))
+    backend = trt_backend.TensorRTBackend(trt.__version__)
+    plan = BuildPlan(precision="int8", calibration=CalibrationSettings(data, "entropy2",
+                                                                       batch_size=2))
+    result = backend.build(_save(_uint8_input_model(), tmp_path), plan, str(tmp_path / "e"))
+    assert result.calibrated and uploads and set(uploads) == {np.dtype(np.float32)}
+    kept = calibration_dtypes([TensorSpec(n, d, (2,)) for n, d in (
+        ("i32", np.int32), ("i64", np.int64), ("b", np.bool_), ("i8", np.int8))])
+    assert kept == {"i32": np.int32, "i64": np.int64, "b": np.bool_, "i8": np.float32}
+
+
 # -- 10: stream and events freed while the context is current --------------------------------
 
 @pytest.mark.parametrize("profile", ["8.2", "10.3"])
