@@ -303,6 +303,8 @@ def add_builder(trt, p, drv):
             plan = {"version": p["version"], "layers": layers, "io": io, "dla_core": dla,
                     "flags": sorted(str(f) for f in config.flags),
                     "workspace": config.workspace,
+                    "profiles": [{n: [list(x) for x in v] for n, v in prof.shapes.items()}
+                                 for prof in config.profiles],
                     "detailed": config.profiling_verbosity is not None}
             drv.builds.append(plan)
             return HostMemory(json.dumps(plan).encode())

@@ -186,3 +186,31 @@ def test_percentile_int8_through_the_range_engine(monkeypatch, tmp_path, profile
     assert result.calibrated and result.details["calibration"] == "percentile"
     assert result.details["range_outputs"] == 4  # every layer's output, y included once
     assert [b["detailed"] for b in trt._driver.builds] == [True, True]
+
+
+# -- issue 24 defect 7: the runner checks TensorRT's boolean answers ----------------------------
+
+def _dynamic_relu_model():
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="Relu_0")]
+    graph = helper.make_graph(nodes, "dyn",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("profile", fake_trt.PROFILES)
+def test_a_shape_outside_the_profile_is_named_not_called_data_dependent(monkeypatch, tmp_path,
+                                                                        profile):
+    """``set_input_shape`` / ``set_binding_shape`` answer False for a shape outside the
+    optimization profile; the runner ignored it and then called the unresolved output shape
+    "data-dependent" (8.0 - 11: the bindings API on 8.0 / 8.2, tensor names from 8.5)."""
+    plan = BuildPlan(precision="fp32", shapes={"x": ((1, 4), (2, 4), (4, 4))})
+    backend, result, _, _ = _build(monkeypatch, tmp_path, profile, plan,
+                                   model=_dynamic_relu_model())
+    with backend.open(result.engine_path) as runner:
+        assert runner.infer({"x": np.ones((3, 4), np.float32)})["y"].shape == (3, 4)
+        with pytest.raises(AgentError) as err:
+            runner.infer({"x": np.ones((8, 4), np.float32)})
+    assert err.value.code == "bad_argument"
+    assert "optimization profile" in str(err.value) and "[8, 4]" in str(err.value)
+    assert "data-dependent" not in str(err.value)
