@@ -39,7 +39,7 @@ def status_platform(platform: Any, backend: str, backend_problem: Optional[str])
     p = platform
     out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
            "backend": backend, "precisions": p.supported_precisions, "kind": p.kind,
-           "l4t": p.l4t, "soc": p.soc}
+           "l4t": p.l4t, "soc": p.soc, "engine_class": p.engine_class(backend)}
     if backend_problem:  # the truth: no backend that runs here
         out["backend"] = None
         out["backend_problem"] = backend_problem[:512]

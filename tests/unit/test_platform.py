@@ -228,8 +228,8 @@ def test_this_machine_is_a_cpu_host_with_emulated_precisions():
 
 
 def test_fingerprint_keys_and_values():
-    keys = {"kind", "soc", "gpu", "compute_capability", "cuda", "tensorrt", "cudnn", "backend",
-            "backend_version"}
+    keys = {"kind", "soc", "module", "gpu", "compute_capability", "dla_cores", "cuda",
+            "tensorrt", "cudnn", "backend", "backend_version"}
     nano = plat.detect(fixture("nano")).fingerprint()
     orin = plat.detect(fixture("agx-orin")).fingerprint()
     assert set(nano) == set(orin) == keys

@@ -32,6 +32,7 @@ from agent.engines.backends.tensorrt_network import (
     _set_dynamic_ranges,
     _set_profile_shape,
     _write_dla_core,
+    write_platform,
     apply_layer_precisions,
     inspect_engine,
     mark_layerwise,
@@ -212,6 +213,7 @@ class Build(object):
         # weights go first, so a 2-4 GB board does not hold both at once.
         del net, config, feeder
         _write_dla_core(self.engine_path, self.settings.dla_core)
+        write_platform(self.engine_path, self.backend.engine_platform(self.settings.dla_core))
         if self.settings.dla_core is not None:
             self.details["dla_core"] = self.settings.dla_core
         got, mismatches = self._read_back(serialized, order)

@@ -118,6 +118,14 @@ class BuilderSettings(object):
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(self).items())}
 
 
+# The engine-compatibility settings of TensorRT 8.6+ this backend builds with: neither the
+# hardware-compatibility level (AMPERE_PLUS lets an engine run on other Ampere+ GPUs) nor the
+# VERSION_COMPATIBLE flag is set, so an engine runs only on the GPU, SM count and TensorRT it
+# was built with. They enter the engine's key and platform record all the same, so a build
+# that sets them one day gets other keys.
+HARDWARE_COMPATIBILITY = "none"
+VERSION_COMPATIBLE = False
+
 # The workspace a plan without --workspace gets where TensorRT's own default is 0 bytes (before
 # 8.4, NvInfer.h: "By default the workspace size is 0"): trtexec's and Polygraphy's 8.2
 # default. From 8.4 the default is the device's memory, and the plan leaves it alone.
