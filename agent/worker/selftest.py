@@ -49,7 +49,7 @@ EXAMPLES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
 # overrides (fp16_max needs Add and Sub in float32 in fp16: that is the example);
 # ``tolerance``: the comparison with the goldens; ``top1``: the least share of held-out
 # rows whose top class must match the true label.
-EXAMPLES = {
+EXAMPLES: Dict[str, Dict[str, Any]] = {
     "fp16_max": {
         "layers": {"fp16": {"Add": "float32", "Sub": "float32"}},
         "tolerance": {"atol": 1e-2, "rtol": 1e-2, "check_error_stat": "elemwise"},

@@ -9,9 +9,10 @@ v8.6.1, v10.3.0, v10.13.3, v11.1, ...). Prints JSON: the Python names and values
 ``BuilderFlag``, ``NetworkDefinitionCreationFlag``, ``LayerType`` and ``DataType`` as declared in
 ``include/*.h`` at TAG (``kFP16`` -> ``FP16``; values counted as the compiler does, explicit
 ``= N`` and aliases ``= kOTHER`` honoured: ``kWEIGHTLESS = kSTRIP_PLAN`` has STRIP_PLAN's value
-and the next member counts on from it; any other initializer is an error, never a guess), and the aliases ``trt.nptype`` maps (from ``python/packaging``), with
-whether it still spells ``np.bool`` (gone in NumPy 1.24). The profiles' other facts (which
-calls exist) are written by hand with their sources; this script only reads what is regular.
+and the next member counts on from it; any other initializer is an error, never a guess), and
+the aliases ``trt.nptype`` maps (from ``python/packaging``), with whether it still spells
+``np.bool`` (gone in NumPy 1.24). The profiles' other facts (which calls exist) are written
+by hand with their sources; this script only reads what is regular.
 ``--update`` writes the enums and the nptype table into an existing profile (its hand-written
 facts are kept): that is how tests/trt_profiles/ are regenerated.
 

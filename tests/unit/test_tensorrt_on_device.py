@@ -106,8 +106,8 @@ def test_calibration_batches_of_uint8_inputs_are_float32(monkeypatch, tmp_path, 
     """Issue 24 defect 2: uint8 / int8 inputs were uploaded in their own type, but TensorRT
     reads every non-index calibration input (all but float32, int32, int64, bool) as float32:
     it read four times the buffer's bytes. Profiles with calibrators and a UINT8 type."""
-    from calib.calibrators import calibration_dtypes
     from agent.engines.backends.base import TensorSpec
+    from calib.calibrators import calibration_dtypes
 
     data = str(tmp_path / "calib.npz")
     np.savez(data, x=np.random.RandomState(0).randint(0, 255, (6, 4)).astype(np.uint8))

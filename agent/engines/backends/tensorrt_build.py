@@ -32,10 +32,10 @@ from agent.engines.backends.tensorrt_network import (
     _set_dynamic_ranges,
     _set_profile_shape,
     _write_dla_core,
-    write_platform,
     apply_layer_precisions,
     inspect_engine,
     mark_layerwise,
+    write_platform,
 )
 from agent.engines.backends.tensorrt_plan import (
     apply_builder_settings,
