@@ -34,6 +34,17 @@ def test_context_reports_the_device(cuda_context_info):
     assert cuda_context_info["driver"].count(".") == 1
 
 
+def test_context_reports_sm_count_and_cuda_version(cuda_device):
+    """What the engine platform record (issue 24) reads from CUDA: the SM count and the CUDA
+    version pycuda was built against."""
+    from agent.engines.backends.cuda_buffers import CudaContext, cuda_version
+
+    with CudaContext(0) as ctx:
+        assert ctx.sm_count() > 0
+    major, minor = (int(p) for p in cuda_version().split("."))
+    assert major >= 10 and minor >= 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_device_buffers_round_trip_every_shape(cuda_device, dtype):
     from agent.engines.backends.cuda_buffers import DeviceBuffers
