@@ -169,11 +169,12 @@ def test_readme_first_screen_and_the_docs_give_one_recipe():
     assert head[2:6] == ["```bash", head[3], head[4], "```"]
     assert head[3].startswith("./scripts/demo ") and head[4].startswith("./scripts/test ")
     readme = _recipe_block("README.md", "On a Jetson")
-    assert len(readme) == 5
+    assert len(readme) == 6
     assert _recipe_block("docs/platform.md", "## Installing on a Jetson") == readme
     assert readme[1].startswith("./scripts/install-jetson --dry-run")
     assert readme[2].startswith("./scripts/install-jetson ")
     assert readme[4].startswith("jetson-agent diag")  # on PATH: install-jetson links it
+    assert readme[5].startswith("jetson-agent selftest")  # the first run on a new board
     with open(os.path.join(ROOT, "docs", "daemon.md")) as f:
         daemon = f.read()
     assert "pip install jetson-agent" not in daemon and "python3 -m venv" not in daemon
