@@ -30,6 +30,8 @@ CODES = {
     "dynamic_shape": "The model has dynamic dimensions and no shape profile was given.",
     "build_failed": "The backend failed to build an engine.",
     "bad_engine": "An engine file is corrupt or was built for another backend or platform.",
+    "engine_platform_mismatch": "An engine's recorded platform (TensorRT, GPU, SM count, CUDA, "
+    "DLA core) differs from this device's: refused, not loaded (rebuild it here).",
     "shared_engine_rejected": "A shared engine (fleet engine sharing) is not a valid engine "
                               "container; the device builds its own engine instead.",
     "unknown_layer": "A layer named in --layer-precisions is not a node of the model.",

@@ -35,15 +35,22 @@ LEGACY_QUANTILE = 0.9999
 LEGACY_REGRESSION_CUTOFF = 0.5
 
 
+# Inputs TensorRT reads in their own type during calibration (index inputs); every other input
+# (float16, uint8, int8, ...) is read as float32 (Polygraphy's calibrator: "TensorRT requires
+# non-index calibration inputs to be provided in float32", for all but FLOAT32, INT32, INT64
+# and BOOL).
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64), np.dtype(np.bool_))
+
+
 def calibration_dtypes(inputs: Sequence[Any]) -> Dict[str, Any]:
-    """The dtype each network input is fed in during calibration: float32 for every float
-    input (TensorRT calibrates the float network and reads non-index inputs as float32 whatever
-    the input's type, as Polygraphy's data loader does), the input's own type for index
-    (integer / bool) inputs. ``inputs`` are ``TensorSpec``s."""
+    """The dtype each network input is fed in during calibration: the input's own type for
+    index inputs (int32, int64, bool), float32 for every other (a uint8 image input too: fed
+    in its own type, TensorRT would read four times its bytes as floats). ``inputs`` are
+    ``TensorSpec``s."""
     out: Dict[str, Any] = {}
     for spec in inputs:
         dtype = np.dtype(spec.dtype)
-        out[spec.name] = np.float32 if dtype.kind == "f" else dtype.type
+        out[spec.name] = dtype.type if dtype in INDEX_DTYPES else np.float32
     return out
 
 

@@ -8,7 +8,7 @@ import types
 import numpy as np
 
 
-def make_pycuda(devices=("Orin (nvgpu)",), cc=(8, 7)):
+def make_pycuda(devices=("Orin (nvgpu)",), cc=(8, 7), sm_count=16, cuda_version=(12, 6, 0)):
     """``(pycuda package, pycuda.driver)``. ``driver.leaked`` lists the streams and events that
     were destroyed when their context was no longer current (pycuda then skips
     cuStreamDestroy / cuEventDestroy: a leak). Device time is a clock that each queued copy
@@ -25,6 +25,9 @@ def make_pycuda(devices=("Orin (nvgpu)",), cc=(8, 7)):
         cuda.clock_ms[0] += cuda.cost_ms[kind]
 
     cuda.advance = advance
+    cuda.sm_count = sm_count  # tests change it to stand for another module
+    cuda.device_attribute = types.SimpleNamespace(MULTIPROCESSOR_COUNT=16)
+    cuda.get_version = lambda: tuple(cuda_version)
 
     class Error(Exception):
         pass
@@ -57,6 +60,11 @@ def make_pycuda(devices=("Orin (nvgpu)",), cc=(8, 7)):
 
         def compute_capability(self):
             return cc
+
+        def get_attribute(self, attribute):
+            if attribute == cuda.device_attribute.MULTIPROCESSOR_COUNT:
+                return cuda.sm_count
+            raise Error("attribute {} not faked".format(attribute))
 
         def retain_primary_context(self):
             return self.ctx

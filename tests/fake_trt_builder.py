@@ -171,6 +171,9 @@ def add_builder(trt, p, drv):
             self.profiles = []
             self.calibration_profile = None
             self.profiling_verbosity = None
+            # NvInfer.h: 0 bytes before 8.4 (no scratch memory: tactics needing it are
+            # skipped), the device's memory from 8.4.
+            self.workspace = p.get("workspace_default", "device memory")
 
         def set_flag(self, flag):
             self.flags.add(flag)
@@ -200,9 +203,15 @@ def add_builder(trt, p, drv):
             return self.timing
 
     if api["memory_pool"]:
-        Config.set_memory_pool_limit = lambda self, pool, size: None
+        def set_memory_pool_limit(self, pool, size):
+            if pool == trt.MemoryPoolType.WORKSPACE:
+                self.workspace = size
+
+        Config.set_memory_pool_limit = set_memory_pool_limit
     if api["max_workspace_size"]:
-        Config.max_workspace_size = 0
+        Config.max_workspace_size = property(
+            lambda self: self.workspace if isinstance(self.workspace, int) else 0,
+            lambda self, size: setattr(self, "workspace", int(size)))
 
     class Profile(object):
         def __init__(self):
@@ -293,6 +302,9 @@ def add_builder(trt, p, drv):
                    else None)
             plan = {"version": p["version"], "layers": layers, "io": io, "dla_core": dla,
                     "flags": sorted(str(f) for f in config.flags),
+                    "workspace": config.workspace,
+                    "profiles": [{n: [list(x) for x in v] for n, v in prof.shapes.items()}
+                                 for prof in config.profiles],
                     "detailed": config.profiling_verbosity is not None}
             drv.builds.append(plan)
             return HostMemory(json.dumps(plan).encode())

@@ -40,19 +40,47 @@ def add_runtime(trt, p, drv):
                                insp["io_key"]: [t["name"] for t in self.plan["io"]]})
 
     class Context(object):
+        """Shapes as TensorRT treats them: an input shape outside the first optimization
+        profile is refused (False, an error logged) and leaves the outputs' dynamic dimensions
+        unresolved (-1); an output's dynamic dimensions follow the first input's set shape."""
+
         def __init__(self, engine):
             self.engine = engine
             self.shapes = {}
             self.addresses = {}
 
         def set_input_shape(self, name, shape):
-            self.shapes[name] = tuple(shape)
+            shape = tuple(int(d) for d in shape)
+            profiles = self.engine.plan.get("profiles") or [{}]
+            limits = profiles[0].get(name)
+            if limits is not None:
+                lo, _, hi = limits
+                if len(shape) != len(lo) or any(not a <= d <= b for a, d, b in
+                                                zip(lo, shape, hi)):
+                    emit(Severity.ERROR, "IExecutionContext::setInputShape: Error Code 3: API "
+                         "Usage Error (Parameter check failed, condition: "
+                         "satisfyProfile(bindingIndex, dimensions))")
+                    self.shapes.pop(name, None)
+                    return False
+            self.shapes[name] = shape
             return True
 
+        def _resolved(self, io):
+            shape = list(io["shape"])
+            if io["input"]:
+                return Dims(self.shapes.get(io["name"], shape))
+            first = [t for t in self.engine.order if t["input"]]
+            given = self.shapes.get(first[0]["name"]) if first else None
+            if given is not None and len(given) == len(shape):
+                shape = [g if d < 0 else d for d, g in zip(shape, given)]
+            return Dims(shape)
+
         def get_tensor_shape(self, name):
-            return Dims(self.engine.io[name]["shape"])
+            return self._resolved(self.engine.io[name])
 
         def set_tensor_address(self, name, ptr):
+            if name not in self.engine.io or not int(ptr):
+                return False
             self.addresses[name] = ptr
             return True
 
@@ -60,10 +88,10 @@ def add_runtime(trt, p, drv):
             return drv.execute()
 
         def set_binding_shape(self, index, shape):
-            return True
+            return self.set_input_shape(self.engine.order[index]["name"], shape)
 
         def get_binding_shape(self, index):
-            return Dims(self.engine.order[index]["shape"])
+            return self._resolved(self.engine.order[index])
 
         def execute_async_v2(self, bindings, handle):
             return drv.execute()

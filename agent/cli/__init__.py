@@ -26,6 +26,7 @@ from agent.log import setup_logging, stderr_is_journal
 # Only the chosen one is imported, so `run` (the daemon) and `diag` stay small.
 COMMANDS = {
     "diag": "show the board, versions, supported precisions and problems to fix",
+    "selftest": "acceptance run: build, check and time the bundled examples on this board",
     "build": "build an engine (through the engine cache)",
     "bench": "measure latency and throughput of a model or engine",
     "cache": "list, verify or purge the engine cache",

@@ -106,11 +106,13 @@ class JobScheduler:
     def _check(self, run: Run) -> None:
         """Platform decision (before any download) and limits."""
         from agent import platform
+        from agent.engines.backends.base import BUILDABLE
 
         doc = run.doc
         run.plan = job_semantics.plan_dict(doc)
         request = [run.plan["precision"]] + list(doc.get("fallback") or [])
-        decision = platform.decide(request, self.platform, "reject", backend=self.backend)
+        decision = platform.decide(request, self.platform, "reject", backend=self.backend,
+                                   buildable=BUILDABLE)
         decision.raise_if_rejected()
         run.plan["precision"] = decision.plan_precision
         run.details["precision"] = str(decision.precision)

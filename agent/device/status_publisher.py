@@ -41,7 +41,7 @@ def status_platform(platform: Any, backend: str, backend_problem: Optional[str])
     p = platform
     out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
            "backend": backend, "precisions": p.supported_precisions, "kind": p.kind,
-           "l4t": p.l4t, "soc": p.soc,
+           "l4t": p.l4t, "soc": p.soc, "engine_class": p.engine_class(backend),
            # What this daemon understands beyond the first release (the controller sends
            # model_name/model_version and rollback by name only where it is listed).
            "features": list(FEATURES)}

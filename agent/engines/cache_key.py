@@ -6,9 +6,16 @@ Worker side: Python >= 3.6.
 
 import hashlib
 import json
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-FORMAT = 1  # of the key document and of meta.json: bump to orphan every old entry
+# Of the key document and of meta.json: bump to orphan every old entry. 2: the backend
+# fingerprint carries the SM count, the CUDA runtime and the compatibility flags, the platform
+# fingerprint the module and DLA cores (issue 24). Entries of format 1 stay on disk under their
+# old keys (an active engine a journal names still resolves, and runs after the platform
+# check); a build computes a format-2 key, misses, and rebuilds on first use; the old entries
+# age out with the cache's eviction. They are not re-keyed: format 1 never recorded the SM
+# count or the CUDA runtime an engine was built with, so no key could prove them portable.
+FORMAT = 2
 # Plan fields that name files: the key holds digests of their content instead.
 _CALIBRATION_PATH_FIELDS = ("data", "cache")
 
@@ -44,3 +51,53 @@ def cache_key(
         "platform": dict(platform_fingerprint),
     }
     return hashlib.sha256(canonical_json(doc)).hexdigest()
+
+
+# What a serialized TensorRT engine depends on (NVIDIA: "serialized engines are not portable
+# across platforms or TensorRT versions"; the same GPU model with another SM count, another
+# CUDA, or a DLA core the device lacks counts as another platform). Recorded beside the engine
+# at build time and compared before it is deserialized. Values are strings ("" when unknown);
+# ``dla_core`` is the core a DLA engine was built for, compared with the device's
+# ``dla_cores`` (its count) rather than for equality.
+PLATFORM_FIELDS = ("tensorrt", "gpu", "compute_capability", "sm_count", "cuda_runtime",
+                   "cuda_driver", "dla_core", "hardware_compatibility", "version_compatible")
+# Fields the hardware-compatibility level of TensorRT 8.6+ (AMPERE_PLUS, SAME_COMPUTE_CAPABILITY)
+# lets differ, and the one the version-compatible flag lets differ (within a major version).
+_HW_COMPAT_FREE = {"ampere_plus": ("gpu", "compute_capability", "sm_count"),
+                   "same_compute_capability": ("gpu", "sm_count")}
+
+
+# Settings of the engine, not properties of a device: they relax the comparison above.
+_ENGINE_SETTINGS = ("hardware_compatibility", "version_compatible")
+
+
+def platform_mismatches(recorded: Dict[str, str], here: Dict[str, str]
+                        ) -> List[Tuple[str, str, str]]:
+    """(field, this device's value, the engine's value) for each field of ``PLATFORM_FIELDS``
+    where an engine built on ``recorded`` cannot run ``here``. Unknown values ("") are not
+    mismatches, a newer CUDA driver here is not one (drivers run older CUDA), and a
+    version-compatible engine runs on a later TensorRT of the same major version."""
+    free = set(_HW_COMPAT_FREE.get(str(recorded.get("hardware_compatibility") or ""), ()))
+    out = []
+    for field in PLATFORM_FIELDS:
+        want, found = str(here.get(field) or ""), str(recorded.get(field) or "")
+        if field == "dla_core":
+            count = str(here.get("dla_cores") or "")
+            if found.isdigit() and count.isdigit() and int(found) >= int(count):
+                out.append((field, "a core below {} (this device's DLA cores)".format(count),
+                            found))
+            continue
+        if field in free or field in _ENGINE_SETTINGS or want == found or not want or \
+                not found:
+            continue
+        if field == "cuda_driver" and _vkey(want) >= _vkey(found):
+            continue
+        if field == "tensorrt" and str(recorded.get("version_compatible")) == "true" and \
+                _vkey(want)[:1] == _vkey(found)[:1] and _vkey(want) >= _vkey(found):
+            continue
+        out.append((field, want, found or "-"))
+    return out
+
+
+def _vkey(text: str) -> Tuple[int, ...]:
+    return tuple(int(p) for p in text.split(".") if p.isdigit())

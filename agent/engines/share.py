@@ -11,6 +11,12 @@ the calibration inputs, the backend and its version (TensorRT) and the platform 
 (compute capability, CUDA, cuDNN: the JetPack), so two devices compute the same key exactly
 when one's engine is valid on the other. TensorRT's timing cache is not carried: an adopted
 engine needs no build, and a fallback build should not take tactic timings from the fleet.
+The small files a backend keeps beside an engine travel in the header (``sidecars``): the DLA
+core a DLA engine was built for (``.dla-core``; without it the adopter's runtime would open the
+engine on its default core) and the platform it was built on (``.platform.json``: TensorRT,
+GPU, SM count, CUDA, DLA core). The adopter writes them beside the engine before opening it,
+so ``backend.open`` refuses an engine of another platform by name (and a DLA core the device
+lacks), and stores them in its cache entry with the engine.
 
 A container reaches another device only as the ``engine`` artifact of a controller-signed job
 document (its sha256 and per-block hashes are signed, and checked by the artifact store). The
@@ -32,6 +38,30 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"JAENGINE1\n"
 MAX_HEADER = 256 * 1024
+# Files kept beside an engine (``<engine><suffix>``) that travel with it.
+SIDECARS = (".dla-core", ".platform.json")
+MAX_SIDECAR = 16 * 1024
+
+
+def read_sidecars(engine_path: str) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for suffix in SIDECARS:
+        try:
+            with open(engine_path + suffix, "rb") as f:
+                out[suffix] = f.read(MAX_SIDECAR).decode("utf-8", "replace")
+        except OSError:
+            continue
+    return out
+
+
+def write_sidecars(engine_path: str, sidecars: Any) -> None:
+    """Write the header's sidecars beside ``engine_path`` (known names only, bounded)."""
+    if not isinstance(sidecars, dict):
+        return
+    for suffix, text in sorted(sidecars.items()):
+        if suffix in SIDECARS and isinstance(text, str) and len(text) <= MAX_SIDECAR:
+            with open(engine_path + suffix, "wb") as f:
+                f.write(text.encode("utf-8"))
 QUICK_CHECK_INPUTS = 8
 OFFER_TIMEOUT_S = 300.0
 
@@ -42,6 +72,7 @@ def write_container(out_path: str, engine_key: str, engine_path: str,
     calib = calibration_cache if calibration_cache and os.path.isfile(calibration_cache) \
         else None
     header = json.dumps({"engine_key": engine_key, "info": info, "device": device,
+                         "sidecars": read_sidecars(engine_path),
                          "engine_size": os.path.getsize(engine_path),
                          "calibration_size": os.path.getsize(calib) if calib else 0},
                         sort_keys=True, default=str).encode("utf-8")
@@ -144,14 +175,20 @@ def adopt(container: str, key: str, cache: Any, backend: Any) -> Tuple[Optional[
     try:
         engine = os.path.join(tmpdir, "engine")
         _extract(container, engine)
+        write_sidecars(engine, header.get("sidecars"))
         try:
             with backend.open(engine):
-                pass  # deserializes: the bytes are an engine this backend can load
+                pass  # deserializes on the recorded DLA core, after the platform check
         except Exception as exc:  # noqa: BLE001 - any failure means: build it here
-            return None, "the shared engine does not load here: {}".format(str(exc)[:200])
+            code = getattr(exc, "code", None)
+            return None, "the shared engine does not load here: {}{}".format(
+                "[{}] ".format(code) if code else "", str(exc)[:300])
         info = dict(header.get("info") or {})
         info["shared_from"] = str(header.get("device") or "")[:64]
-        entry = cache.put(key, engine, info)
+        with cache.staging(key) as stage:
+            shutil.copyfile(engine, stage.engine_path)  # maybe another file system
+            write_sidecars(stage.engine_path, header.get("sidecars"))
+            entry = cache.publish(stage, info)
     except (AgentError, OSError) as exc:
         return None, "the shared engine could not be stored: {}".format(
             str(getattr(exc, "message", exc))[:200])

@@ -38,6 +38,7 @@ def device_decision(precision: str, fallback: str, platform: Optional[Mapping[st
                     ) -> Dict[str, Any]:
     """The support-matrix decision a device would take for ``precision``, from the platform
     its last status advertised (backend and precisions): the same ``decide()`` it runs."""
+    from agent.engines.backends.base import BUILDABLE
     from agent.platform.decision import decide, for_row
     from agent.platform.matrix import PRECISIONS
 
@@ -59,7 +60,7 @@ def device_decision(precision: str, fallback: str, platform: Optional[Mapping[st
     info.matrix_row = row
     info.backend = str(plat.get("backend"))
     info.board = str(plat.get("board") or info.board)
-    d = decide(precision, info, fallback=fallback)
+    d = decide(precision, info, fallback=fallback, buildable=BUILDABLE)
     if d.ok and not plat.get("backend"):  # the device checks the precision first
         return {"status": "rejected", "precision": None, "emulated": False,
                 "reason": "no usable backend: {}".format(plat.get("backend_problem") or "?")}

@@ -30,13 +30,27 @@ DEFAULT_WAIT_S = 900.0
 MAX_ENGINE_BYTES = 4 << 30
 
 
+# The fields of a device's ``platform.engine_class`` (``PlatformInfo.engine_class``), in order.
+CLASS_FIELDS = ("version", "board", "module", "gpu", "compute_capability", "dla_cores",
+                "jetpack", "cuda", "tensorrt", "backend")
+
+
 def device_class(status: Optional[Mapping[str, Any]]) -> Optional[str]:
-    """The class of a device from its retained status, or None (unknown: it builds alone)."""
+    """The class of a device from its retained status, or None (unknown: it builds alone).
+
+    A device of this release sends ``platform.engine_class``: the class is its fields, version
+    first (``v2|...``), so module, GPU, DLA cores and CUDA separate devices whose engines do
+    not run on each other. A device of an earlier release sends none: its class is the old one
+    (``v1|board|jetpack|tensorrt|backend``), which never equals a new class, so daemons of the
+    two releases never share engines (their engine keys differ as well)."""
     platform = (status or {}).get("platform") or {}
+    cls = platform.get("engine_class")
+    if isinstance(cls, Mapping) and cls.get("version"):
+        return "v" + "|".join(str(cls.get(k) or "-")[:64] for k in CLASS_FIELDS)
     parts = [platform.get(k) for k in ("board", "jetpack", "tensorrt", "backend")]
     if not any(parts):
         return None
-    return "|".join(str(p or "-")[:64] for p in parts)
+    return "v1|" + "|".join(str(p or "-")[:64] for p in parts)
 
 
 class SharePolicy(object):

@@ -95,27 +95,43 @@ class Decision(object):
         return self
 
 
-def _levels_for(info: PlatformInfo, backend: Optional[str]) -> Tuple[Dict[str, str], str]:
+def _levels_for(info: PlatformInfo, backend: Optional[str], buildable: Optional[Sequence[str]]
+                ) -> Tuple[Dict[str, str], str, Dict[str, str]]:
+    """(precision -> level, where, precision -> why it is none here)."""
+    notes = dict(info.matrix_row.get("precision_notes") or {})
     if backend and backend != info.backend:
         if backend == "onnxruntime":
-            return dict(info.matrix.host["precisions"]), "the onnxruntime backend"
-        raise AgentError("bad_argument", "backend {!r} does not run on {} (its backend is "
-                         "{!r})".format(backend, info.describe(), info.backend))
-    return dict(info.matrix_row["precisions"]), info.describe()
-
-
-def _why_not(info: PlatformInfo, precision: str) -> str:
-    note = info.matrix_row.get("precision_notes", {}).get(precision)
-    return " ({})".format(note) if note else ""
+            levels, where = dict(info.matrix.host["precisions"]), "the onnxruntime backend"
+        else:
+            raise AgentError("bad_argument", "backend {!r} does not run on {} (its backend is "
+                             "{!r})".format(backend, info.describe(), info.backend))
+    else:
+        levels, where = dict(info.matrix_row["precisions"]), info.describe()
+        if info.backend == "tensorrt":
+            for precision in PRECISIONS:  # the board runs it, its TensorRT may not have it
+                why = info.matrix.tensorrt_lacks(precision, info.tensorrt)
+                if why and levels.get(precision, "none") != "none":
+                    levels[precision], notes[precision] = "none", why
+    if buildable is not None:
+        for precision in PRECISIONS:
+            if precision not in buildable and levels.get(precision, "none") != "none":
+                levels[precision] = "none"
+                notes[precision] = "the agent builds {} engines only".format(
+                    ", ".join(buildable))
+    return levels, where, notes
 
 
 def decide(request: Union[str, Sequence[str]], info: PlatformInfo, fallback: str = "allow",
-           backend: Optional[str] = None) -> Decision:
+           backend: Optional[str] = None, buildable: Optional[Sequence[str]] = None
+           ) -> Decision:
     """Pick a precision for ``request`` ("fp32", "fp16", "int8", "best", "tf32", "bf16", "fp8",
     "fp4", or a list in preference order) on ``info``'s matrix row. ``fallback="allow"`` walks
     down FALLBACK_CHAINS from the last preference; ``"reject"`` stops at the list. ``backend``
-    ("onnxruntime") decides for another backend than the platform's own. Pure; never raises
-    for an unsupported precision (see ``Decision.raise_if_rejected``)."""
+    ("onnxruntime") decides for another backend than the platform's own. ``buildable`` (the
+    precisions the caller can build, e.g. a job's) leaves the others out, so a fallback list
+    never lands on one the build then refuses. A precision the installed TensorRT has no type
+    for (bf16 before 9.0) is none on the tensorrt backend. Pure; never raises for an
+    unsupported precision (see ``Decision.raise_if_rejected``)."""
     if fallback not in FALLBACK_POLICIES:
         raise AgentError("bad_argument", "fallback policy must be one of {}, found {!r}".format(
             ", ".join(FALLBACK_POLICIES), fallback))
@@ -127,7 +143,11 @@ def decide(request: Union[str, Sequence[str]], info: PlatformInfo, fallback: str
         if p not in PRECISIONS and p != "best":
             raise AgentError("bad_argument", "unknown precision {!r}: expected one of {}".format(
                 p, ", ".join(PRECISIONS + ("best",))))
-    levels, where = _levels_for(info, backend)
+    levels, where, notes = _levels_for(info, backend, buildable)
+
+    def _why_not(_info: PlatformInfo, precision: str) -> str:
+        return " ({})".format(notes[precision]) if notes.get(precision) else ""
+
     supported = [p for p in PRECISIONS if levels.get(p, "none") != "none"]
     requested = request if isinstance(request, str) else list(prefs)
 

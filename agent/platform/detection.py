@@ -42,6 +42,7 @@ from agent.platform.tree import (
 from agent.platform.versions import (
     _apply_release_table,
     _check_dla,
+    _check_precision_types,
     _check_tensorrt_cc,
     _detect_versions,
 )
@@ -99,6 +100,7 @@ def detect(root: str = "/", use_jtop: bool = True, matrix: Optional[Matrix] = No
     _detect_versions(info, root, live)
     _apply_release_table(info)
     _check_tensorrt_cc(info)
+    _check_precision_types(info)
     _check_dla(info)
     return info
 

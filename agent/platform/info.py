@@ -6,6 +6,10 @@ from typing import Any, Dict, List, Optional
 from agent.platform.matrix import PRECISIONS, Matrix
 
 Problem = Dict[str, str]
+# The version of ``PlatformInfo.engine_class``: a fleet shares engines only between devices
+# whose classes are equal, version included. 2: issue 24 (module, GPU, CC, DLA cores, CUDA);
+# a daemon of an earlier release sends no class and is put in class version 1.
+ENGINE_CLASS_VERSION = "2"
 
 
 def problem(text: str, fix: str) -> Problem:
@@ -73,10 +77,32 @@ class PlatformInfo(object):
             bits.append("CC " + self.compute_capability)
         return "{} ({})".format(self.board or self.matrix_row["name"], ", ".join(bits))
 
+    def engine_class(self, backend: Optional[str] = None) -> Dict[str, str]:
+        """The fleet's sharing class of this device (``agent.fleet.sharing.device_class``):
+        what decides whether one device's engine runs on another, as far as a status can say
+        it: ``version`` (ENGINE_CLASS_VERSION: daemons of another release never share), the
+        board and its module (the module fixes the GPU's SM count and the DLA cores on a
+        Jetson: AGX Orin 32 GB has 14 SMs, 64 GB 16; Orin NX 8 GB one DLA, 16 GB two), GPU,
+        compute capability, DLA cores, JetPack, CUDA, TensorRT and backend. The device still
+        checks the exact engine key (SM count from CUDA included) before adopting."""
+        fp = self.fingerprint(backend)
+        return {
+            "version": ENGINE_CLASS_VERSION,
+            "board": self.board or "",
+            "module": self.module or self.part_number or "",
+            "gpu": fp["gpu"],
+            "compute_capability": fp["compute_capability"],
+            "dla_cores": fp["dla_cores"],
+            "jetpack": self.jetpack or "",
+            "cuda": fp["cuda"],
+            "tensorrt": fp["tensorrt"],
+            "backend": fp["backend"] or "",
+        }
+
     def fingerprint(self, backend: Optional[str] = None) -> Dict[str, str]:
         """What an engine or cache entry built here depends on; all values are strings ("" when
-        unknown). Keys: kind, soc, gpu, compute_capability, cuda, tensorrt, cudnn, backend,
-        backend_version."""
+        unknown). Keys: kind, soc, module, gpu, compute_capability, dla_cores, cuda, tensorrt,
+        cudnn, backend, backend_version."""
         backend = backend or self.backend
         gpu = self.gpus[0]["name"] if self.gpus else (self.gpu_arch or "")
         if self.kind == "host":
@@ -85,8 +111,10 @@ class PlatformInfo(object):
         return {
             "kind": self.kind,
             "soc": self.soc or "",
+            "module": self.module or self.part_number or "",
             "gpu": gpu or "",
             "compute_capability": self.compute_capability or "",
+            "dla_cores": str(self.dla_cores or 0),
             "cuda": self.cuda or "",
             "tensorrt": self.tensorrt or "",
             "cudnn": self.cudnn or "",

@@ -50,6 +50,29 @@ class Matrix(object):
         self.host: Dict[str, Any] = data["host"]
         self.releases: List[Dict[str, str]] = data["jetpack_releases"]
         self.dla_tensorrt: List[Dict[str, Any]] = list(data.get("dla_tensorrt") or [])
+        self.precision_tensorrt: Dict[str, str] = dict(data.get("precision_tensorrt") or {})
+
+    def tensorrt_lacks(self, precision: str, tensorrt: Optional[str]) -> Optional[str]:
+        """Why TensorRT ``tensorrt`` cannot build ``precision`` (its type came later), or None
+        (it can, or the version is unknown)."""
+        first = self.precision_tensorrt.get(precision)
+        if not first or not tensorrt or version_key(tensorrt) >= version_key(first):
+            return None
+        return "TensorRT {} has no {} type; it needs TensorRT >= {}".format(
+            tensorrt, precision, first)
+
+    def tensorrt_min_cc_for(self, tensorrt: str) -> Optional[str]:
+        """The oldest compute capability TensorRT ``tensorrt`` builds for: the
+        ``tensorrt_min_cc`` entry with the greatest key at or below it (``10.5`` covers 10.5 -
+        10.x, ``10`` covers 10.0 - 10.4), or None when no key is that old."""
+        have = version_key(tensorrt)
+        best: Optional[Tuple[int, ...]] = None
+        need = None
+        for key, cc in self.tensorrt_min_cc.items():
+            k = version_key(key)
+            if have[:len(k)] >= k and (best is None or k > best):
+                best, need = k, cc
+        return need
 
     def dla_available(self, tensorrt: str, family: Optional[str]) -> bool:
         """Whether TensorRT ``tensorrt`` can use the DLA cores of ``family`` (a matrix without
@@ -154,8 +177,8 @@ _FAMILY_KEYS = {"name", "soc", "match", "modules", "precisions", "precision_note
                 "jetpack", "tensorrt", "python", "notes"}
 _FAMILY_REQUIRED = _FAMILY_KEYS - {"precision_notes", "notes"}
 _TOP_KEYS = {"schema", "socs", "families", "cc_rules", "tensorrt_min_cc", "host",
-             "jetpack_releases", "dla_tensorrt"}
-_TOP_OPTIONAL = {"dla_tensorrt"}
+             "jetpack_releases", "dla_tensorrt", "precision_tensorrt"}
+_TOP_OPTIONAL = {"dla_tensorrt", "precision_tensorrt"}
 
 
 class _Checker(object):
@@ -267,6 +290,9 @@ def _validate(path: str, data: Any) -> Dict[str, Any]:
         c.version(where + ".min", rule["min"])
         for i, cc in enumerate(rule.get("also", [])):
             c.version("{}.also[{}]".format(where, i), cc)
+    for prec, first in c.mapping("precision_tensorrt", data.get("precision_tensorrt") or {},
+                                 allowed=PRECISIONS).items():
+        c.version("precision_tensorrt." + prec, first)
     for major, cc in c.mapping("tensorrt_min_cc", data["tensorrt_min_cc"]).items():
         c.version("tensorrt_min_cc key", major)
         c.version("tensorrt_min_cc." + str(major), cc)

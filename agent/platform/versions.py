@@ -124,14 +124,28 @@ def dla_available(tensorrt: str, family: Optional[str], matrix: Optional[Any] = 
 
 
 def _check_tensorrt_cc(info: PlatformInfo) -> None:
-    """TensorRT 10 dropped GPUs below CC 7.0 (8.x: 5.0): say so instead of failing a build."""
+    """TensorRT 10 dropped GPUs below CC 7.0 and 10.5 Volta (8.x: 5.0): say so instead of
+    failing a build."""
     if not info.tensorrt or not info.compute_capability:
         return
-    major = str(version_key(info.tensorrt)[0])
-    need = info.matrix.tensorrt_min_cc.get(major)
+    need = info.matrix.tensorrt_min_cc_for(info.tensorrt)
     if need and version_key(info.compute_capability) < version_key(need):
         info.add_problem(
             "TensorRT {} needs compute capability >= {}; this GPU has {}".format(
                 info.tensorrt, need, info.compute_capability),
             "use the TensorRT release of this board's last JetPack ({})".format(
                 (info.matrix_row.get("tensorrt") or {}).get("last", "see the support matrix")))
+
+
+def _check_precision_types(info: PlatformInfo) -> None:
+    """The matrix rates a board's precisions; the installed TensorRT must also have the type
+    (bf16 on Orin needs TensorRT >= 9.0, not JetPack 6.0's 8.6.2). Those become ``none``, with
+    the reason as the row's note, so ``decide`` and ``diag`` say it."""
+    if info.backend != "tensorrt" or not info.tensorrt:
+        return
+    row = info.matrix_row
+    for precision, level in list(row["precisions"].items()):
+        why = info.matrix.tensorrt_lacks(precision, info.tensorrt)
+        if why and level == "native":
+            row["precisions"] = dict(row["precisions"], **{precision: "none"})
+            row["precision_notes"] = dict(row.get("precision_notes") or {}, **{precision: why})

@@ -34,6 +34,17 @@ def test_context_reports_the_device(cuda_context_info):
     assert cuda_context_info["driver"].count(".") == 1
 
 
+def test_context_reports_sm_count_and_cuda_version(cuda_device):
+    """What the engine platform record (issue 24) reads from CUDA: the SM count and the CUDA
+    version pycuda was built against."""
+    from agent.engines.backends.cuda_buffers import CudaContext, cuda_version
+
+    with CudaContext(0) as ctx:
+        assert ctx.sm_count() > 0
+    major, minor = (int(p) for p in cuda_version().split("."))
+    assert major >= 10 and minor >= 0
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_device_buffers_round_trip_every_shape(cuda_device, dtype):
     from agent.engines.backends.cuda_buffers import DeviceBuffers
@@ -175,3 +186,41 @@ def test_event_timer_times_queued_work(cuda_device):
             timer.time(lambda: None, iterations=0)
     finally:
         io.free()
+
+
+def test_calibration_uploads_non_index_inputs_as_float32(cuda_device):
+    """Issue 24 defect 2 on a real GPU: uint8 / int8 / float16 calibration inputs reach the
+    device as float32 (what TensorRT reads: 4 bytes per element), index inputs in their own
+    type, through ``calibration_dtypes`` and ``BatchFeeder``'s pycuda uploads."""
+    from calib.calibrators import BatchFeeder, calibration_dtypes
+
+    cuda = cuda_device
+    rng = np.random.RandomState(3)
+    specs = [TensorSpec("img", np.uint8, (2, 3, 4, 4)), TensorSpec("q", np.int8, (2, 6)),
+             TensorSpec("h", np.float16, (2, 5)), TensorSpec("ids", np.int64, (2, 7)),
+             TensorSpec("mask", np.bool_, (2, 7))]
+    dtypes = calibration_dtypes(specs)
+    want = {"img": np.float32, "q": np.float32, "h": np.float32, "ids": np.int64,
+            "mask": np.bool_}
+    assert {n: np.dtype(t) for n, t in dtypes.items()} == \
+        {n: np.dtype(t) for n, t in want.items()}
+    batches = [{
+        "img": rng.randint(0, 256, (2, 3, 4, 4)).astype(np.uint8),
+        "q": rng.randint(-128, 128, (2, 6)).astype(np.int8),
+        "h": rng.randn(2, 5).astype(np.float16),
+        "ids": rng.randint(0, 1 << 40, (2, 7)).astype(np.int64),
+        "mask": rng.rand(2, 7) > 0.5,
+    } for _ in range(3)]
+    names = [s.name for s in specs]
+    feeder = BatchFeeder(batches, 2, dtypes, shapes={s.name: s.shape for s in specs})
+    try:
+        for batch in batches:
+            pointers = feeder.get_batch(names)
+            assert pointers is not None and all(p > 0 for p in pointers)
+            for name, ptr in zip(names, pointers):
+                got = np.empty(batch[name].shape, want[name])
+                cuda.memcpy_dtoh(got, ptr)
+                np.testing.assert_array_equal(got, batch[name].astype(want[name]))
+        assert feeder.get_batch(names) is None
+    finally:
+        feeder.close()

@@ -59,7 +59,8 @@ def test_dry_run_recipe_per_jetpack(tmp_path, tree):
         assert os.path.isfile(os.path.join(ROOT, name)), name
     commands = [line[2:] for line in proc.stderr.splitlines() if line.startswith("+ ")]
     venv_pip = "{}/venv/bin/python -m pip --disable-pip-version-check".format(PREFIX)
-    assert "{} install -r {}/{}".format(venv_pip, ROOT, req) in commands
+    constraints = " -c {}/constraints-jetson4.txt".format(ROOT) if jetpack == "4.6" else ""
+    assert "{} install -r {}/{}{}".format(venv_pip, ROOT, req, constraints) in commands
     assert "{} install --no-deps {}".format(venv_pip, ROOT) in commands
     assert any(c.endswith("ln -sfn {}/venv/bin/jetson-agent /usr/local/bin/jetson-agent".format(
         PREFIX)) for c in commands)  # `jetson-agent` is on PATH afterwards
@@ -168,12 +169,34 @@ def test_readme_first_screen_and_the_docs_give_one_recipe():
     assert head[2:6] == ["```bash", head[3], head[4], "```"]
     assert head[3].startswith("./scripts/demo ") and head[4].startswith("./scripts/test ")
     readme = _recipe_block("README.md", "On a Jetson")
-    assert len(readme) == 5
+    assert len(readme) == 6
     assert _recipe_block("docs/platform.md", "## Installing on a Jetson") == readme
     assert readme[1].startswith("./scripts/install-jetson --dry-run")
     assert readme[2].startswith("./scripts/install-jetson ")
     assert readme[4].startswith("jetson-agent diag")  # on PATH: install-jetson links it
+    assert readme[5].startswith("jetson-agent selftest")  # the first run on a new board
     with open(os.path.join(ROOT, "docs", "daemon.md")) as f:
         daemon = f.read()
     assert "pip install jetson-agent" not in daemon and "python3 -m venv" not in daemon
     assert "platform.md#installing-on-a-jetson" in daemon
+
+
+def _version_tuple(text):
+    return tuple(int(p) for p in text.split("."))
+
+
+def test_jetpack_4_daemon_gets_the_jtop_services_jetson_stats_series(tmp_path):
+    """Issue 24 defect 4: on JetPack 4.6 the daemon venv got jetson-stats 7.x while the jtop
+    service (system Python 3.6) can only be 4.x, and a client of another version is refused."""
+    proc = install("--root", os.path.join(PLATFORMS, "nano"), "--prefix", PREFIX)
+    r = recipe(proc.stdout)
+    assert r["DAEMON_CONSTRAINTS"] == "constraints-jetson4.txt"
+    with open(os.path.join(ROOT, "constraints-jetson4.txt")) as f:
+        pins = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    (pin,) = [p for p in pins if p.startswith("jetson-stats")]
+    upper = [c[1:] for c in pin[len("jetson-stats"):].split(",") if c.startswith("<")]
+    assert upper and _version_tuple(upper[0]) <= (5,), pin  # never 7.x
+    for tree in ("agx-xavier", "orin-nano", "thor"):  # their service runs the venv's Python
+        other = recipe(install("--root", os.path.join(PLATFORMS, tree), "--prefix",
+                               PREFIX).stdout)
+        assert other["DAEMON_CONSTRAINTS"] == ""

@@ -139,3 +139,49 @@ def test_decision_to_dict_is_stable():
     assert set(d) == {"status", "precision", "plan_precision", "requested", "reason", "emulated",
                       "fallback", "board", "matrix_row", "supported"}
     assert d["matrix_row"] == "nano" and d["supported"] == ["fp32", "fp16"]
+
+
+@pytest.mark.parametrize("profile", ["8.0", "8.2", "8.5", "8.6", "10.3", "10.13", "11.x"])
+def test_bf16_fp8_fp4_follow_the_installed_tensorrt(profile):
+    """Issue 24 defect 5: the matrix rated precisions per board, not per TensorRT: bf16 was
+    "native" on Orin under 8.5 / 8.6, whose DataType has no BF16. Each profile's DataType (read
+    from that version's headers) decides which reduced types exist."""
+    from tests.fake_trt import load_profile
+
+    p = load_profile(profile)
+    types = {"bf16": "BF16", "fp8": "FP8", "fp4": "FP4"}
+    for row in ("agx-orin", "thor"):
+        info = plat.for_row(row)
+        info.tensorrt = p["version"]
+        for precision, member in types.items():
+            if info.level(precision) == "none":
+                continue
+            d = plat.decide(precision, info, fallback="reject")
+            has_type = member in p["data_types"]
+            assert d.ok == has_type, (row, precision, p["version"], d.reason)
+            if not has_type:
+                assert "needs TensorRT >= " in d.reason
+
+
+def test_detection_drops_bf16_under_tensorrt_8_6():
+    from agent.platform.versions import _check_precision_types
+
+    info = plat.for_row("agx-orin")
+    info.tensorrt = "8.6.2"
+    _check_precision_types(info)
+    assert info.level("bf16") == "none" and "bf16" not in info.supported_precisions
+    assert "9.0" in info.matrix_row["precision_notes"]["bf16"]
+    assert plat.for_row("agx-orin").level("bf16") == "native"  # the shared row is untouched
+
+
+def test_a_jobs_fallback_list_never_lands_on_a_precision_the_build_refuses():
+    """Issue 24 defect 5: decide accepted fp8/fp4/bf16 (from a job's fallback list) that no
+    backend builds; with ``buildable`` it walks on to one it can build."""
+    from agent.engines.backends.base import BUILDABLE
+
+    thor = plat.for_row("thor")
+    d = plat.decide(["fp8", "bf16", "fp16"], thor, fallback="reject", buildable=BUILDABLE)
+    assert d.precision == "fp16" and d.status == "fell_back"
+    assert "builds fp32, fp16, int8 engines only" in d.reason
+    assert not plat.decide("fp4", thor, fallback="reject", buildable=BUILDABLE).ok
+    assert plat.decide("best", thor, buildable=BUILDABLE).precision == "int8"

@@ -64,5 +64,5 @@ def test_a_failed_builder_or_a_timeout_lets_the_others_build():
 def test_an_unknown_class_builds_alone():
     ro, _ = rollout({"a": None, "b": None})
     assert sent(ro.start()) == {"a": None, "b": None}
-    assert device_class({"platform": {"board": "Orin", "jetpack": "6.0"}}) == "Orin|6.0|-|-"
+    assert device_class({"platform": {"board": "Orin", "jetpack": "6.0"}}) == "v1|Orin|6.0|-|-"
     assert device_class({}) is None

@@ -51,6 +51,22 @@ def test_jetpack_5_set_keeps_numpy_below_1_24():
     assert "numpy>=1.19,<1.24" in requirement_lines("requirements-jetson5.txt")
 
 
+def _lower_bound(requirement):
+    """``pkg>=1.2,<2`` -> (1, 2)."""
+    for clause in requirement.split(",")[0:]:
+        clause = re.sub(r"^[A-Za-z0-9_.-]+", "", clause)
+        if clause.startswith(">="):
+            return tuple(int(p) for p in clause[2:].split("."))
+    return ()
+
+
+def test_jetpack_6_and_7_set_has_a_pycuda_that_builds_against_cuda_13():
+    """Issue 24 defect 9: ``pycuda>=2021.1`` allowed releases that do not build against CUDA 13
+    (JetPack 7); the fix (inducer/pycuda PR 487) is in 2025.1.2."""
+    (pin,) = [r for r in requirement_lines("requirements-jetson.txt") if r.startswith("pycuda")]
+    assert _lower_bound(pin) >= (2025, 1, 2), pin
+
+
 def _pypi_problem():
     """Why PyPI's simple index cannot be read from here (proxies honoured), or None."""
     try:

@@ -228,8 +228,8 @@ def test_this_machine_is_a_cpu_host_with_emulated_precisions():
 
 
 def test_fingerprint_keys_and_values():
-    keys = {"kind", "soc", "gpu", "compute_capability", "cuda", "tensorrt", "cudnn", "backend",
-            "backend_version"}
+    keys = {"kind", "soc", "module", "gpu", "compute_capability", "dla_cores", "cuda",
+            "tensorrt", "cudnn", "backend", "backend_version"}
     nano = plat.detect(fixture("nano")).fingerprint()
     orin = plat.detect(fixture("agx-orin")).fingerprint()
     assert set(nano) == set(orin) == keys
@@ -314,3 +314,20 @@ def test_jtop_is_not_asked_for_a_recorded_tree_or_with_use_jtop_false():
     plat.detect(fixture("nano"))  # no factory, root is not "/": never the live service
     plat.detect(fixture("nano"), use_jtop=False, jtop_factory=lambda: calls.append(1))
     assert calls == []
+
+
+@pytest.mark.parametrize("tensorrt, cc, refused", [
+    ("10.4.0", "7.0", False), ("10.5.0", "7.0", True), ("10.13.3", "7.2", True),
+    ("10.5.0", "7.5", False), ("10.3.0", "7.2", False), ("8.5.2", "7.2", False),
+    ("10.0.1", "6.1", True), ("8.6.1", "5.3", False), ("11.4.0", "7.0", True),
+])
+def test_volta_is_dropped_from_tensorrt_10_5(tensorrt, cc, refused):
+    """Issue 24 defect 6: ``tensorrt_min_cc`` was keyed by major only ("10": "7.0"), so a Volta
+    GPU (CC 7.0 / 7.2) looked fine under TensorRT 10.5+, which dropped it."""
+    from agent.platform.decision import for_row
+    from agent.platform.versions import _check_tensorrt_cc
+
+    info = for_row("cc-" + cc)
+    info.tensorrt = tensorrt
+    _check_tensorrt_cc(info)
+    assert any("needs compute capability" in p["problem"] for p in info.problems) == refused

@@ -92,6 +92,38 @@ def test_calibration_batches_are_float32_for_float_inputs(monkeypatch, tmp_path)
     assert result.calibrated and uploads and set(uploads) == {np.dtype(np.float32)}
 
 
+def _uint8_input_model():
+    nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT, name="Cast_0"),
+             helper.make_node("Relu", ["xf"], ["y"], name="Relu_0")]
+    graph = helper.make_graph(nodes, "bytes",
+                              [helper.make_tensor_value_info("x", TensorProto.UINT8, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("profile", ["8.5", "8.6", "10.3"])
+def test_calibration_batches_of_uint8_inputs_are_float32(monkeypatch, tmp_path, profile):
+    """Issue 24 defect 2: uint8 / int8 inputs were uploaded in their own type, but TensorRT
+    reads every non-index calibration input (all but float32, int32, int64, bool) as float32:
+    it read four times the buffer's bytes. Profiles with calibrators and a UINT8 type."""
+    from agent.engines.backends.base import TensorSpec
+    from calib.calibrators import calibration_dtypes
+
+    data = str(tmp_path / "calib.npz")
+    np.savez(data, x=np.random.RandomState(0).randint(0, 255, (6, 4)).astype(np.uint8))
+    trt, cuda = fake_trt.install(monkeypatch, profile)
+    uploads = []
+    monkeypatch.setattr(cuda, "memcpy_htod", lambda ptr, host: uploads.append(host.dtype))
+    backend = trt_backend.TensorRTBackend(trt.__version__)
+    plan = BuildPlan(precision="int8", calibration=CalibrationSettings(data, "entropy2",
+                                                                       batch_size=2))
+    result = backend.build(_save(_uint8_input_model(), tmp_path), plan, str(tmp_path / "e"))
+    assert result.calibrated and uploads and set(uploads) == {np.dtype(np.float32)}
+    kept = calibration_dtypes([TensorSpec(n, d, (2,)) for n, d in (
+        ("i32", np.int32), ("i64", np.int64), ("b", np.bool_), ("i8", np.int8))])
+    assert kept == {"i32": np.int32, "i64": np.int64, "b": np.bool_, "i8": np.float32}
+
+
 # -- 10: stream and events freed while the context is current --------------------------------
 
 @pytest.mark.parametrize("profile", ["8.2", "10.3"])
@@ -154,3 +186,31 @@ def test_percentile_int8_through_the_range_engine(monkeypatch, tmp_path, profile
     assert result.calibrated and result.details["calibration"] == "percentile"
     assert result.details["range_outputs"] == 4  # every layer's output, y included once
     assert [b["detailed"] for b in trt._driver.builds] == [True, True]
+
+
+# -- issue 24 defect 7: the runner checks TensorRT's boolean answers ----------------------------
+
+def _dynamic_relu_model():
+    nodes = [helper.make_node("Relu", ["x"], ["y"], name="Relu_0")]
+    graph = helper.make_graph(nodes, "dyn",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("profile", fake_trt.PROFILES)
+def test_a_shape_outside_the_profile_is_named_not_called_data_dependent(monkeypatch, tmp_path,
+                                                                        profile):
+    """``set_input_shape`` / ``set_binding_shape`` answer False for a shape outside the
+    optimization profile; the runner ignored it and then called the unresolved output shape
+    "data-dependent" (8.0 - 11: the bindings API on 8.0 / 8.2, tensor names from 8.5)."""
+    plan = BuildPlan(precision="fp32", shapes={"x": ((1, 4), (2, 4), (4, 4))})
+    backend, result, _, _ = _build(monkeypatch, tmp_path, profile, plan,
+                                   model=_dynamic_relu_model())
+    with backend.open(result.engine_path) as runner:
+        assert runner.infer({"x": np.ones((3, 4), np.float32)})["y"].shape == (3, 4)
+        with pytest.raises(AgentError) as err:
+            runner.infer({"x": np.ones((8, 4), np.float32)})
+    assert err.value.code == "bad_argument"
+    assert "optimization profile" in str(err.value) and "[8, 4]" in str(err.value)
+    assert "data-dependent" not in str(err.value)

@@ -258,3 +258,15 @@ def test_pinning_others_keeps_the_network_outputs_type(monkeypatch, tmp_path):
     assert precisions == {"MatMul_0": "INT8", "Add": "HALF", "Sub": "HALF", "MatMul_1": "HALF"}
     with backend.open(result.engine_path) as runner:
         assert runner.outputs[0].dtype == np.float32
+
+
+@pytest.mark.parametrize("profile", fake_trt.PROFILES)
+def test_a_plan_without_workspace_gets_scratch_memory(monkeypatch, tmp_path, profile):
+    """Issue 24 defect 1: before 8.4 TensorRT's default workspace is 0 bytes (NvInfer.h 8.0.1
+    and 8.2.1), so without --workspace every tactic needing scratch memory was excluded."""
+    _, _, trt, _ = _build(monkeypatch, tmp_path, profile, BuildPlan(precision="fp32"))
+    workspace = trt._driver.builds[-1]["workspace"]
+    assert workspace == "device memory" or workspace >= 16 << 20, workspace
+    _, _, trt, _ = _build(monkeypatch, tmp_path, profile,
+                          BuildPlan(precision="fp32", workspace_bytes=1 << 20), engine="w.engine")
+    assert trt._driver.builds[-1]["workspace"] == 1 << 20

@@ -14,6 +14,9 @@ import numpy as np
 from agent.errors import AgentError
 
 PRECISIONS = ("fp32", "fp16", "int8", "best")
+# The platform precisions (agent.platform's names) an engine can be built in: a decision for a
+# job passes them, so a fallback list's bf16 / fp8 / fp4 / tf32 is never chosen.
+BUILDABLE = ("fp32", "fp16", "int8")
 # Polygraphy's names for per-layer precisions (``--layer-precisions Add:float16``).
 LAYER_PRECISIONS = ("float32", "float16", "int8")
 # Short names people type from --fp16/--int8 habits (and trtexec's --layerPrecisions fp16).

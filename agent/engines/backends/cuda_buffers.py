@@ -40,6 +40,13 @@ def driver_version() -> str:
     return "{}.{}".format(version // 1000, (version % 1000) // 10)
 
 
+def cuda_version() -> str:
+    """The CUDA version pycuda was built against (the toolkit on this device), e.g.
+    ``"12.6"``."""
+    version = tuple(_cuda().get_version())
+    return "{}.{}".format(version[0], version[1])
+
+
 class CudaContext(object):
     """Makes ``device``'s primary context current (the context the CUDA runtime, and so
     TensorRT, uses) until ``close()``. A context manager."""
@@ -63,6 +70,11 @@ class CudaContext(object):
 
     def name(self) -> str:
         return str(self.device.name())
+
+    def sm_count(self) -> int:
+        """The GPU's multiprocessor count (AGX Orin 32 GB: 14, 64 GB: 16)."""
+        cuda = _cuda()
+        return int(self.device.get_attribute(cuda.device_attribute.MULTIPROCESSOR_COUNT))
 
     def compute_capability(self) -> Tuple[int, int]:
         major, minor = self.device.compute_capability()

@@ -30,8 +30,13 @@ from typing import Any, Dict, Optional
 
 from agent.engines.backends.base import Backend, BuildPlan, BuildResult, Progress, no_progress
 from agent.engines.backends.tensorrt_build import Build
-from agent.engines.backends.tensorrt_network import read_dla_core
-from agent.engines.backends.tensorrt_plan import Features, parse_version
+from agent.engines.backends.tensorrt_network import read_dla_core, read_platform
+from agent.engines.backends.tensorrt_plan import (
+    HARDWARE_COMPATIBILITY,
+    VERSION_COMPATIBLE,
+    Features,
+    parse_version,
+)
 from agent.engines.backends.tensorrt_runner import TensorRTRunner
 from agent.errors import AgentError
 
@@ -61,17 +66,75 @@ class TensorRTBackend(Backend):
         return self._version
 
     def fingerprint(self) -> Dict[str, str]:
+        """What an engine built here depends on (the engine cache key's backend part): the
+        TensorRT version, the GPU (name, compute capability, SM count), CUDA (runtime and
+        driver) and the engine-compatibility settings; the plan adds the DLA core."""
         from agent.engines.backends import graph
-        from agent.engines.backends.cuda_buffers import CudaContext, driver_version
 
-        with CudaContext(self.device) as ctx:
-            major, minor = ctx.compute_capability()
-            out = {"backend": self.name, "version": self.version(), "device": ctx.name(),
-                   "compute_capability": "{}.{}".format(major, minor),
-                   "cuda_driver": driver_version()}
+        record = self.engine_platform()
+        out = {"backend": self.name, "version": self.version(), "device": record["gpu"],
+               "compute_capability": record["compute_capability"],
+               "sm_count": record["sm_count"], "cuda_runtime": record["cuda_runtime"],
+               "cuda_driver": record["cuda_driver"],
+               "hardware_compatibility": record["hardware_compatibility"],
+               "version_compatible": record["version_compatible"]}
         if self.features.strongly_typed:
             out["graph_rewrite"] = graph.REWRITE_VERSION
         return out
+
+    def engine_platform(self, dla_core: Optional[int] = None, dla_cores: bool = False
+                        ) -> Dict[str, str]:
+        """This device as an engine's platform record (``cache_key.PLATFORM_FIELDS``):
+        written beside every engine built here, compared with the record of an engine
+        before it is loaded. ``dla_cores`` adds the device's DLA count (asks TensorRT)."""
+        from agent.engines.backends.cuda_buffers import CudaContext, cuda_version, driver_version
+
+        with CudaContext(self.device) as ctx:
+            major, minor = ctx.compute_capability()
+            record = {"tensorrt": self.version(), "gpu": ctx.name(),
+                      "compute_capability": "{}.{}".format(major, minor),
+                      "sm_count": str(ctx.sm_count()), "cuda_runtime": cuda_version(),
+                      "cuda_driver": driver_version(),
+                      "dla_core": "" if dla_core is None else str(int(dla_core)),
+                      "hardware_compatibility": HARDWARE_COMPATIBILITY,
+                      "version_compatible": "true" if VERSION_COMPATIBLE else "false"}
+            if dla_cores:
+                record["dla_cores"] = str(self.num_dla_cores())
+        return record
+
+    def num_dla_cores(self) -> int:
+        """The DLA cores TensorRT can use here (``builder.num_DLA_cores``)."""
+        trt = import_tensorrt()
+        from agent.engines.backends.tensorrt_network import _make_logger
+
+        builder = trt.Builder(_make_logger())
+        try:
+            return int(getattr(builder, "num_DLA_cores", 0) or 0)
+        finally:
+            del builder
+
+    def check_platform(self, engine_path: str, dla_core: Optional[int] = None) -> None:
+        """Refuse (``engine_platform_mismatch``, every differing field with this device's
+        value and the engine's) an engine whose recorded platform is not this device. An
+        engine without a record (built before records existed) is left to TensorRT."""
+        from agent.engines.cache_key import platform_mismatches
+
+        recorded = read_platform(engine_path)
+        if recorded is None:
+            return
+        if dla_core is not None:
+            recorded = dict(recorded, dla_core=str(int(dla_core)))
+        here = self.engine_platform(dla_cores=bool(recorded.get("dla_core")))
+        wrong = platform_mismatches(recorded, here)
+        if wrong:
+            raise AgentError(
+                "engine_platform_mismatch",
+                "{} was built for another platform: {}; rebuild it on this device".format(
+                    os.path.basename(engine_path), "; ".join(
+                        "{}: expected {} (this device), found {} (the engine's)".format(
+                            field, want, found) for field, want, found in wrong)),
+                {"mismatches": [{"field": f, "expected": w, "found": g}
+                                for f, w, g in wrong]})
 
     def build(self, model_path: str, plan: BuildPlan, engine_path: str,
               progress: Progress = no_progress) -> BuildResult:
@@ -95,6 +158,7 @@ class TensorRTBackend(Backend):
             data = f.read()
         if dla_core is None:
             dla_core = read_dla_core(engine_path)
+        self.check_platform(engine_path, dla_core)
         return TensorRTRunner(data, self.device, source=engine_path, dla_core=dla_core)
 
 

@@ -35,6 +35,7 @@ from agent.engines.backends.tensorrt_network import (
     apply_layer_precisions,
     inspect_engine,
     mark_layerwise,
+    write_platform,
 )
 from agent.engines.backends.tensorrt_plan import (
     apply_builder_settings,
@@ -212,6 +213,7 @@ class Build(object):
         # weights go first, so a 2-4 GB board does not hold both at once.
         del net, config, feeder
         _write_dla_core(self.engine_path, self.settings.dla_core)
+        write_platform(self.engine_path, self.backend.engine_platform(self.settings.dla_core))
         if self.settings.dla_core is not None:
             self.details["dla_core"] = self.settings.dla_core
         got, mismatches = self._read_back(serialized, order)

@@ -7,6 +7,7 @@ TensorRT is imported lazily (callers pass the module in). Worker side: Python >=
 """
 
 import importlib
+import json
 import logging
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
@@ -255,6 +256,36 @@ def inspect_engine(runtime: "tensorrt.Runtime", serialized: Any) -> Optional[Lis
     inspector = engine.create_engine_inspector()
     return parse_engine_information(
         inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+
+
+# -- the platform an engine was built for ---------------------------------------------------
+
+def platform_path(engine_path: str) -> str:
+    """The file beside an engine that records the platform it was built on (JSON)."""
+    return engine_path + ".platform.json"
+
+
+def write_platform(engine_path: str, record: Dict[str, str]) -> None:
+    atomic_write(platform_path(engine_path),
+                 json.dumps(record, sort_keys=True).encode("utf-8"))
+
+
+def read_platform(engine_path: str) -> Optional[Dict[str, str]]:
+    """The recorded platform, or None for an engine built before it was recorded."""
+    try:
+        with open(platform_path(engine_path), "rb") as f:
+            data = f.read(1 << 16)
+    except OSError:
+        return None
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except ValueError as exc:
+        raise AgentError("bad_engine", "{}: expected the engine's platform record (JSON), "
+                         "found unreadable data: {}".format(platform_path(engine_path), exc))
+    if not isinstance(record, dict):
+        raise AgentError("bad_engine", "{}: expected a JSON object, found {}".format(
+            platform_path(engine_path), type(record).__name__))
+    return {str(k): str(v) for k, v in record.items()}
 
 
 # -- DLA core of an engine ------------------------------------------------------------------

@@ -118,6 +118,18 @@ class BuilderSettings(object):
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(self).items())}
 
 
+# The engine-compatibility settings of TensorRT 8.6+ this backend builds with: neither the
+# hardware-compatibility level (AMPERE_PLUS lets an engine run on other Ampere+ GPUs) nor the
+# VERSION_COMPATIBLE flag is set, so an engine runs only on the GPU, SM count and TensorRT it
+# was built with. They enter the engine's key and platform record all the same, so a build
+# that sets them one day gets other keys.
+HARDWARE_COMPATIBILITY = "none"
+VERSION_COMPATIBLE = False
+
+# The workspace a plan without --workspace gets where TensorRT's own default is 0 bytes (before
+# 8.4, NvInfer.h: "By default the workspace size is 0"): trtexec's and Polygraphy's 8.2
+# default. From 8.4 the default is the device's memory, and the plan leaves it alone.
+DEFAULT_WORKSPACE = 16 << 20
 DLA_VERSIONS_NOTE = ("TensorRT {} is not listed with DLA on Jetson (DLA: TensorRT <= 10.7, or "
                      ">= 11.4.1 on AGX Orin, strongly typed)")
 # The precision a weakly typed plan allows every layer it does not name (None: any).
@@ -236,6 +248,13 @@ def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
     if plan.workspace_bytes:
         api = "memory_pool" if features.memory_pool_api else "max_workspace_size"
         s.workspace = (api, int(plan.workspace_bytes))
+    elif not features.memory_pool_api:
+        # Left at 0, every tactic that needs scratch memory is excluded (slow engines or a
+        # failed build), silently.
+        s.workspace = ("max_workspace_size", DEFAULT_WORKSPACE)
+        s.notes.append("TensorRT {} defaults to a 0-byte workspace: {} MiB set (trtexec's "
+                       "default; --workspace to change)".format(version_text(version),
+                                                                DEFAULT_WORKSPACE >> 20))
     if plan.dla_core is not None:
         s.dla_core = int(plan.dla_core)
         s.set_flags.append("GPU_FALLBACK")

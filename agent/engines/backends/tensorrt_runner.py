@@ -110,10 +110,17 @@ class TensorRTRunner(Runner):
             buffers.set_input(spec.name, array, spec.dtype)
             if any(d is None for d in spec.shape):
                 if self.features.tensor_io_api:
-                    context.set_input_shape(spec.name, tuple(array.shape))
+                    accepted = context.set_input_shape(spec.name, tuple(array.shape))
                 else:
-                    context.set_binding_shape(  # type: ignore[attr-defined]
+                    accepted = context.set_binding_shape(  # type: ignore[attr-defined]
                         self._binding_index[spec.name], tuple(array.shape))
+                if not accepted:  # else the outputs stay unresolved (-1): not data-dependent
+                    raise AgentError(
+                        "bad_argument",
+                        "{}: input {!r}: expected a shape within the engine's optimization "
+                        "profile{}, found {}".format(self.source, spec.name,
+                                                     self._profile_text(spec.name),
+                                                     list(array.shape)))
         for spec in self._outputs:
             if self.features.tensor_io_api:
                 shape = _ints(context.get_tensor_shape(spec.name))
@@ -128,8 +135,24 @@ class TensorRTRunner(Runner):
             buffers.ensure(spec.name, shape, spec.dtype)
         if self.features.tensor_io_api:
             for spec in self._inputs + self._outputs:
-                context.set_tensor_address(spec.name, buffers.device_ptr(spec.name))
+                if not context.set_tensor_address(spec.name, buffers.device_ptr(spec.name)):
+                    raise AgentError("internal_error",
+                                     "{}: TensorRT refused the device address of tensor {!r}"
+                                     .format(self.source, spec.name))
         self._last_feeds = feeds
+
+    def _profile_text(self, name: str) -> str:
+        """`` (min [1, 3], opt [..], max [..])`` of profile 0 for input ``name``, or ``""``."""
+        try:
+            if self.features.tensor_io_api:
+                shapes = self.engine.get_tensor_profile_shape(name, 0)
+            else:
+                shapes = self.engine.get_profile_shape(  # type: ignore[attr-defined]
+                    0, self._binding_index[name])
+            lo, opt, hi = (list(_ints(s)) for s in shapes)
+        except Exception:  # noqa: BLE001 - only decorates the message
+            return ""
+        return " (min {}, opt {}, max {})".format(lo, opt, hi)
 
     def _to_device(self) -> None:
         self._io().to_device([s.name for s in self._inputs])
