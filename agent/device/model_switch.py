@@ -217,7 +217,8 @@ class ModelSwitch(object):
 
         def write() -> None:
             try:
-                path = self.models.write_version(name, version, engine, onnx, meta_for)
+                path = self.models.write_version(name, version, engine, onnx, meta_for,
+                                                 calibration=result.get("calibration_cache"))
                 self.events.put(SwitchEvent(token, "written", (name, version, path)))
             except Exception as exc:  # noqa: BLE001 - reported on the job
                 self.events.put(SwitchEvent(token, "written", (name, version, None),
@@ -459,7 +460,7 @@ class ModelSwitch(object):
     def _succeed(self, run: Run, name: str, version: str, previous: Optional[str],
                  result: Optional[Dict[str, Any]] = None) -> None:
         out = dict(result or {})
-        for key in ("io", "activate", "engine"):
+        for key in ("io", "activate", "engine", "calibration_cache"):
             out.pop(key, None)
         prev_row = self.journal.model_version(name, previous) if previous else None
         out["activated"] = True

@@ -26,6 +26,7 @@ from agent.errors import AgentError
 from agent.fsio import fsync_dir, sha256_file
 
 ENGINE, ONNX, META, CURRENT = "model.engine", "model.onnx", "meta.json", "current"
+CALIBRATION = "calibration.cache"  # INT8: TensorRT calibration cache (int8-calib-file)
 TMP_PREFIX = ".tmp-"
 FILE_MODE, DIR_MODE = 0o640, 0o750
 
@@ -65,10 +66,11 @@ class ModelsDir(object):
                              "{}".format(path, mode, exc.strerror or exc))
 
     def write_version(self, name: str, version: str, engine: str, onnx: Optional[str],
-                      meta_for: Callable[[str, int], Mapping[str, Any]]) -> str:
-        """Write ``<name>/<version>/`` (engine and model linked or copied, meta.json from
-        ``meta_for(engine_sha256, engine_size)``) and return its path. A complete directory
-        already there (its engine matches its meta.json) is kept as it is."""
+                      meta_for: Callable[[str, int], Mapping[str, Any]],
+                      calibration: Optional[str] = None) -> str:
+        """Write ``<name>/<version>/`` (engine, model and the INT8 calibration cache linked or
+        copied, meta.json from ``meta_for(engine_sha256, engine_size)``) and return its path.
+        A complete directory already there (its engine matches its meta.json) is kept."""
         self._make_dir(self.root)
         self._make_dir(self.name_dir(name))
         final = self.version_dir(name, version)
@@ -81,6 +83,8 @@ class ModelsDir(object):
             _link_or_copy(engine, os.path.join(tmp, ENGINE))
             if onnx:
                 _link_or_copy(onnx, os.path.join(tmp, ONNX))
+            if calibration and os.path.isfile(calibration):
+                _link_or_copy(calibration, os.path.join(tmp, CALIBRATION))
             engine_sha, engine_size = sha256_file(os.path.join(tmp, ENGINE)), os.path.getsize(
                 os.path.join(tmp, ENGINE))
             meta = dict(meta_for(engine_sha, engine_size))

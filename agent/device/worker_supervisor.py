@@ -281,7 +281,8 @@ class WorkerSupervisor:
             # back (agent/device/model_switch.py).
             self.activate_model(run, result, engine_path)
             return
-        result.pop("io", None)
+        for key in ("io", "calibration_cache"):
+            result.pop(key, None)
         self.ending.end(run, "SUCCEEDED", result=fit_result(result))
 
     def stop_worker(self, run: Run) -> None:

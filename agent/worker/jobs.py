@@ -19,6 +19,7 @@ share) and ``accuracy`` (the gate).
 Worker side: Python >= 3.6. Heavy modules are imported inside the functions.
 """
 
+import os
 from typing import Any, Dict, Optional
 
 from agent.errors import AgentError
@@ -106,6 +107,9 @@ def run_deploy(job: JobContext) -> Dict[str, Any]:
                             "outputs": [t.to_dict() for t in runner.outputs]}
     result["activate"] = True
     result["engine"] = record.engine_path
+    calibration = _calibration_cache(job, record)
+    if calibration:  # beside the version's engine: DeepStream's int8-calib-file
+        result["calibration_cache"] = calibration
     _share_result(job, record, result)
     # What the controller's results table shows: layers pinned away from the plan's precision.
     result["layers_kept"] = dict(job.plan.layer_precisions)
@@ -194,6 +198,14 @@ def _share_result(job: JobContext, record: Any, result: Dict[str, Any]) -> None:
     if share:
         share.setdefault("mode", "cached" if record.cache_hit else "built")
         result["share"] = share
+
+
+def _calibration_cache(job: JobContext, record: Any) -> Optional[str]:
+    """The TensorRT calibration cache an INT8 engine was built from, if it is on disk."""
+    entry = job.cache.get(record.key, touch=False)
+    calib = (((entry.meta if entry is not None else {}).get("plan") or {}).get(
+        "calibration") or {}).get("cache")
+    return calib if isinstance(calib, str) and os.path.isfile(calib) else None
 
 
 def engine_share_offer(url: str, record: Any, info: Dict[str, Any], job: JobContext

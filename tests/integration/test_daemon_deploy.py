@@ -5,6 +5,7 @@ against goldens, benchmarked, activated; SUCCEEDED with accuracy and throughput.
 identical job is an engine-cache hit and downloads nothing.
 """
 
+import os
 
 from agent.wire import protocol
 
@@ -47,6 +48,13 @@ def test_deploy_int8_then_cache_hit(controller, agent_factory, digits_files):
     # The retained device status lists the active engine.
     controller.wait_for(lambda: any(s.get("active_engines") for s in controller.device_status),
                         20, "status with the active engine")
+    # The version's folder holds what an app (or DeepStream's int8-calib-file) needs.
+    name = "sha-" + doc["artifacts"]["model"]["sha256"][:12]
+    version_dir = os.path.join(agent.state_dir, "models", name, "current")
+    assert sorted(os.listdir(version_dir)) == ["calibration.cache", "meta.json", "model.engine",
+                                               "model.onnx"]
+    with open(os.path.join(version_dir, "calibration.cache")) as f:
+        assert f.readline().startswith("TRT-")
 
     doc2 = dict(doc, job_id="deploy-2")
     controller.send_job(doc2)

@@ -30,6 +30,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent.device.handoff.base import Adapter, ModelVersion
+from agent.device.models_dir import CALIBRATION
 from agent.errors import AgentError
 from agent.fsio import atomic_write_text, fsync_dir
 
@@ -37,7 +38,6 @@ KEYS = ("config", "template", "override", "batch_size", "gpu_id", "onnx_file", "
 NETWORK_MODE = {"fp32": 0, "int8": 1, "fp16": 2}
 MANAGED = ("model-engine-file", "network-mode", "batch-size", "gpu-id", "int8-calib-file",
            "enable-dla", "use-dla-core", "onnx-file")
-CALIBRATION_FILE = "calibration.cache"
 MAX_TEMPLATE = 1 << 20
 DATA_LINK = "..data"
 
@@ -110,7 +110,7 @@ def property_keys(version: ModelVersion, batch_size: int = 1, gpu_id: int = 0,
             ("network-mode", str(NETWORK_MODE[precision])),
             ("batch-size", str(batch_size)), ("gpu-id", str(gpu_id))]
     if precision == "int8":
-        in_folder = os.path.join(version.path, CALIBRATION_FILE)
+        in_folder = os.path.join(version.path, CALIBRATION)
         calib = in_folder if os.path.isfile(in_folder) else int8_calib_file
         if calib:
             keys.append(("int8-calib-file", calib))
