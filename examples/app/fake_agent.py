@@ -1,7 +1,8 @@
 """What the agent does to ``models_dir``, for running the example app without a daemon (its
-test, the switch benchmark): install a version directory and switch ``current`` to it the way
-the daemon does (complete version directory first, then a new relative link renamed over
-``current``), and a stand-in for the daemon's app socket that records what the app reports.
+test, the switch benchmark): install a version directory and switch ``current`` to it with the
+daemon's own code (``agent.device.models_dir``: complete version directory first, then a new
+relative link renamed over ``current``), and a stand-in for the daemon's app socket that
+records what the app reports.
 
 Layout (the daemon's): ``<models_dir>/<name>/<version>/{model.engine, model.onnx, meta.json}``,
 ``<models_dir>/<name>/current -> <version>``. The "engine" installed here is the ONNX model
@@ -11,62 +12,50 @@ itself (the host backend's engines are ONNX models too).
 import hashlib
 import json
 import os
-import shutil
 import socket
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from agent.device.models_dir import ModelsDir
+from agent.fsio import atomic_write_text
+
 
 def install_version(models_dir: str, name: str, version: str, onnx_path: str,
                     extra_meta: Optional[Dict[str, Any]] = None) -> str:
-    """<models_dir>/<name>/<version>/ with model.engine, model.onnx and meta.json (written to a
-    temporary directory, then renamed into place); its path."""
+    """<models_dir>/<name>/<version>/ with model.engine, model.onnx and meta.json, written by
+    the daemon's own code (``agent.device.models_dir``: a temporary directory, fsync'd, renamed
+    into place; files linked from the source); its path."""
     with open(onnx_path, "rb") as f:
-        data = f.read()
-    root = os.path.join(models_dir, name)
-    final = os.path.join(root, version)
-    tmp = os.path.join(root, ".tmp-" + version)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for fname in ("model.engine", "model.onnx"):
-        with open(os.path.join(tmp, fname), "wb") as f:
-            f.write(data)
-    sha = hashlib.sha256(data).hexdigest()
-    meta = {"name": name, "version": version, "model_sha256": sha, "engine_sha256": sha,
-            "engine_size": len(data), "engine_key": sha[:16], "precision": "fp32",
-            "backend": "onnxruntime", "state": "pending", "activated": None}
-    meta.update(extra_meta or {})
-    write_meta(tmp, meta)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(tmp, final)
-    return final
+        sha = hashlib.sha256(f.read()).hexdigest()
+
+    def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
+        meta = {"name": name, "version": version, "model_sha256": sha,
+                "engine_sha256": engine_sha, "engine_size": engine_size,
+                "engine_key": sha[:16], "precision": "fp32", "backend": "onnxruntime",
+                "state": "pending", "activated": None}
+        meta.update(extra_meta or {})
+        return meta
+
+    return ModelsDir(models_dir).write_version(name, version, onnx_path, onnx_path, meta_for)
 
 
 def write_meta(version_dir: str, meta: Dict[str, Any]) -> None:
-    path = os.path.join(version_dir, "meta.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(meta, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
+    atomic_write_text(os.path.join(version_dir, "meta.json"),
+                      json.dumps(meta, indent=1, sort_keys=True))
 
 
 def activate(models_dir: str, name: str, version: str) -> float:
-    """Stamp the version's meta.json ``activated`` and switch ``current`` to it (new link,
-    rename over the old one); the activation time."""
+    """Stamp the version's meta.json ``activated`` (what the daemon writes when it activates a
+    version) and switch ``current`` to it with the daemon's code (a new link renamed over the
+    old one); the activation time."""
     vdir = os.path.join(models_dir, name, version)
     with open(os.path.join(vdir, "meta.json")) as f:
         meta = json.load(f)
     now = time.time()
     meta["activated"] = now
     write_meta(vdir, meta)
-    link = os.path.join(models_dir, name, "current")
-    tmp = link + ".tmp"
-    if os.path.lexists(tmp):
-        os.unlink(tmp)
-    os.symlink(version, tmp)
-    os.replace(tmp, link)
+    ModelsDir(models_dir).set_current(name, version)
     return now
 
 
