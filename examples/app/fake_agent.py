@@ -18,7 +18,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from agent.device.models_dir import ModelsDir
-from agent.fsio import atomic_write_text
+from agent.fsio import atomic_write, atomic_write_text
 
 
 def install_version(models_dir: str, name: str, version: str, onnx_path: str,
@@ -27,7 +27,16 @@ def install_version(models_dir: str, name: str, version: str, onnx_path: str,
     the daemon's own code (``agent.device.models_dir``: a temporary directory, fsync'd, renamed
     into place; files linked from the source); its path."""
     with open(onnx_path, "rb") as f:
-        sha = hashlib.sha256(f.read()).hexdigest()
+        data = f.read()
+    sha = hashlib.sha256(data).hexdigest()
+    # The daemon links a version's files from its own engine cache, never from the user's
+    # files: a private copy beside the models directory plays that cache (a test that
+    # corrupts a version's engine must not corrupt the example it came from).
+    cache = os.path.join(os.path.dirname(os.path.abspath(models_dir)), "engine-cache")
+    os.makedirs(cache, exist_ok=True)
+    source = os.path.join(cache, sha + ".onnx")
+    if not os.path.exists(source):
+        atomic_write(source, data)
 
     def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
         meta = {"name": name, "version": version, "model_sha256": sha,
@@ -37,7 +46,7 @@ def install_version(models_dir: str, name: str, version: str, onnx_path: str,
         meta.update(extra_meta or {})
         return meta
 
-    return ModelsDir(models_dir).write_version(name, version, onnx_path, onnx_path, meta_for)
+    return ModelsDir(models_dir).write_version(name, version, source, source, meta_for)
 
 
 def write_meta(version_dir: str, meta: Dict[str, Any]) -> None:
