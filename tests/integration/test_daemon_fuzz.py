@@ -45,7 +45,8 @@ def snapshot(state_dir):
     try:
         jobs = db.execute("SELECT job_id, state, version, result FROM jobs WHERE job_id "
                           "IN ('deploy-ok')").fetchall()
-        engines = db.execute("SELECT model_sha, slot, engine_key FROM engines").fetchall()
+        engines = db.execute("SELECT name, version, state, engine_key FROM models "
+                             "ORDER BY name, version").fetchall()
         check = db.execute("PRAGMA integrity_check").fetchone()[0]
     finally:
         db.close()
