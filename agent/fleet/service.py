@@ -30,6 +30,11 @@ log = logging.getLogger("agent.fleet")
 
 LEASE_S = 30.0  # another instance takes a rollout over this long after its owner went silent
 TICK_S = 0.5  # how often leases, controls, deadlines and the registry are looked at
+# The roll call (agent.fleet.rollcall): at start, every ROLL_CALL_EVERY_S, and BURST_QUIET_S
+# after a burst of at least BURST_BIRTHS new devices (births the broker's queue may have cut).
+ROLL_CALL_EVERY_S = 600.0
+BURST_BIRTHS = 100
+BURST_QUIET_S = 2.0
 
 
 class FleetService(object):
@@ -72,6 +77,10 @@ class FleetService(object):
         # Engine sharing (fleet serve --share-engines): an agent.fleet.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
+        self.roll_call_every_s = ROLL_CALL_EVERY_S
+        self.last_roll_call = 0.0
+        self.new_births = 0  # devices first heard since the last roll call
+        self.last_birth = 0.0
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -210,8 +219,22 @@ class FleetService(object):
                 except AgentError as exc:
                     log.warning("artifact %s cannot be served: %s", sha, exc.message)
 
+    def _roll_call_due(self) -> None:
+        """Start a roll call in the background (``pump`` carries it on) when one is due."""
+        mono = time.monotonic()
+        burst = self.new_births >= BURST_BIRTHS and mono - self.last_birth >= BURST_QUIET_S
+        if self.conn.rollcall is None and (
+                burst or mono - self.last_roll_call >= self.roll_call_every_s):
+            if burst:
+                log.info("%d devices appeared since the last roll call: taking one",
+                         self.new_births)
+            self.new_births = 0
+            self.last_roll_call = mono
+            self.conn.begin_roll_call()
+
     def _tick(self) -> None:
         now = time.time()
+        self._roll_call_due()
         self.store.heartbeat(self.instance, os.getpid(), socket.gethostname(), self.started)
         self._flush_devices()
         if self.share_group is not None:
@@ -282,6 +305,9 @@ class FleetService(object):
             except AgentError as exc:
                 log.debug("block request from %s not answered: %s", info.device, exc)
         elif info.kind == "status":
+            if info.device not in self.devices_dirty and info.device not in self.features:
+                self.new_births += 1
+                self.last_birth = time.monotonic()
             self.devices_dirty[info.device] = msg
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
                 self.features[info.device] = device_models.features(msg)
@@ -336,6 +362,11 @@ class FleetService(object):
     def start(self) -> None:
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
+        last = self.conn.last_roll_call  # discover() may have taken one just now
+        if last is None or time.monotonic() - last.started > 60.0:
+            self.conn.roll_call(self.on_message)  # those the broker's queue left out
+        self.new_births = 0
+        self.last_roll_call = time.monotonic()
         self._commit_pending()
         self._flush_devices()
         for oid, topic, payload, retain in self.store.outbox_of_finished():
