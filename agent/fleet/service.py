@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
-from agent.fleet import device_models, durable, rollback_log
+from agent.fleet import bounds, device_models, durable, rollback_log
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
@@ -73,7 +73,8 @@ class FleetService(object):
         self.on_change: Optional[Callable[[Rollout], None]] = None  # progress views
         # rollout id -> (actions, messages) from statuses not yet committed
         self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
-        self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0}
+        self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0,
+                      "telemetry_capped": 0, "telemetry_keys_dropped": 0}
         # Engine sharing (fleet serve --share-engines): an agent.fleet.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
@@ -317,9 +318,23 @@ class FleetService(object):
             if msg.get("command") in (None, "rollback"):  # recorded by rollback_log, if ours
                 rollback_log.on_reply(self.store, info.device, msg)
         elif info.kind == "telemetry":
+            msg, dropped = bounds.cap_telemetry(msg)
+            if dropped:
+                self._telemetry_dropped(info.device, dropped)
             self.telemetry_dirty[info.device] = msg
         elif info.kind == "job_status":
             self._job_status(info.device, msg)
+
+    def _telemetry_dropped(self, device: str, dropped: int) -> None:
+        self.stats["telemetry_keys_dropped"] = self.stats.get("telemetry_keys_dropped", 0) + \
+            dropped
+        self.stats["telemetry_capped"] = self.stats.get("telemetry_capped", 0) + 1
+        n = self.stats["telemetry_capped"]
+        if n in (1, 10, 100) or n % 1000 == 0:
+            log.warning("telemetry of %s: %d metric(s) dropped (at most %d numeric metrics a "
+                        "device, keys of at most %d characters; %d telemetry messages capped, "
+                        "%d metrics dropped so far)", device, dropped, bounds.MAX_TELEMETRY_KEYS,
+                        bounds.MAX_KEY_CHARS, n, self.stats["telemetry_keys_dropped"])
 
     def _job_status(self, device: str, msg: Dict[str, Any]) -> None:
         self.stats["statuses"] += 1
