@@ -105,6 +105,13 @@ def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[st
         service.start()  # the registry fills from the devices' retained statuses
         add_to_store(store, store_dir(args, url), artifacts, files, copy=False)
         stages = _targets(store, args, rollout_id)
+        if signer is None:  # devices that drop unsigned jobs: refused now, not timed out later
+            from agent.fleet import signing_check
+
+            unknown = signing_check.check_unsigned(
+                signing_check.statuses_of(store.devices()), [d for s in stages for d in s])
+            if unknown and not args.quiet:
+                print(signing_check.warning(unknown), file=sys.stderr)
         store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
         view = fleet.ProgressView(enabled=not args.quiet)
         if not args.quiet:

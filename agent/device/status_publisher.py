@@ -36,15 +36,18 @@ FEATURES = ("named_models",)
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
-def status_platform(platform: Any, backend: str, backend_problem: Optional[str]) -> Dict[str, Any]:
-    """What the birth status, the Will and ``diag`` say of this device's platform and backend."""
+def status_platform(platform: Any, backend: str, backend_problem: Optional[str],
+                    requires_signed_jobs: bool = True) -> Dict[str, Any]:
+    """What the birth status, the Will and ``diag`` say of this device's platform and backend,
+    and whether it drops unsigned job documents (``fleet rollout`` refuses to send it any)."""
     p = platform
     out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
            "backend": backend, "precisions": p.supported_precisions, "kind": p.kind,
            "l4t": p.l4t, "soc": p.soc, "engine_class": p.engine_class(backend),
            # What this daemon understands beyond the first release (the controller sends
            # model_name/model_version and rollback by name only where it is listed).
-           "features": list(FEATURES)}
+           "features": list(FEATURES),
+           "requires_signed_jobs": bool(requires_signed_jobs)}
     if backend_problem:  # the truth: no backend that runs here
         out["backend"] = None
         out["backend_problem"] = backend_problem[:512]
