@@ -219,9 +219,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         http = None
         base = None
         if args.http:
-            from agent.fleet.http_source import HttpSource
-
             from agent.fleet.http_bounds import listen_address
+            from agent.fleet.http_source import HttpSource
 
             host, port = listen_address(args.http, "--http")
             base = args.http_url
