@@ -76,6 +76,8 @@ CODES = {
     "device_busy": "A targeted device is already in another unfinished rollout.",
     "no_accuracy_gate": "A rollout has no goldens (no accuracy gate) and was not given "
     "--no-accuracy-gate.",
+    "signing_required": "An unsigned rollout targets devices that require signed jobs (they "
+    "would drop the documents): sign it with --signing-key, or leave those devices out.",
     "unsigned_job": "The job document carries no signature and the device requires one "
     "(ignored: logged and counted, no job is recorded).",
     "bad_signature": "The job signature does not verify, or its key is not trusted "

@@ -22,7 +22,7 @@ if ROOT not in sys.path:
 
 import paho.mqtt.client as paho  # noqa: E402
 
-from agent.wire import protocol, status_messages  # noqa: E402
+from agent.wire import protocol, rollcall, status_messages  # noqa: E402
 from agent.wire.topics import DEFAULT_PREFIX, Topics  # noqa: E402
 
 PLATFORM = {"board": "Simulated Jetson", "backend": "simulated", "precisions": ["fp32", "fp16"]}
@@ -43,8 +43,9 @@ class SimulatedFleet(object):
 
     def __init__(self, host: str, port: int, count: int, name: str = "sim",
                  prefix: str = DEFAULT_PREFIX, fetch: bool = False,
-                 fanout: bool = False) -> None:
+                 fanout: bool = False, roll_call: bool = True) -> None:
         self.topics = Topics(prefix)
+        self.roll_call = roll_call  # False: devices of the release before the roll call
         self.devices = ["{}-{:05d}".format(name, i) for i in range(count)]
         self.known = set(self.devices)
         self.fetch = fetch
@@ -76,6 +77,9 @@ class SimulatedFleet(object):
         for dev in self.devices:
             msg = status_messages.status_message(dev, True, 1, "sim", PLATFORM, [], ts=time.time())
             self.client.publish(self.topics.status(dev), protocol.encode(msg), 1, True)
+            if self.roll_call:
+                self.client.publish(rollcall.topic(self.topics.prefix, dev),
+                                    rollcall.encode_marker(dev, 1), 1, True)
 
     def stop(self) -> None:
         self.client.loop_stop()

@@ -105,6 +105,13 @@ def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[st
         service.start()  # the registry fills from the devices' retained statuses
         add_to_store(store, store_dir(args, url), artifacts, files, copy=False)
         stages = _targets(store, args, rollout_id)
+        if signer is None:  # devices that drop unsigned jobs: refused now, not timed out later
+            from agent.fleet import signing_check
+
+            unknown = signing_check.check_unsigned(
+                signing_check.statuses_of(store.devices()), [d for s in stages for d in s])
+            if unknown and not args.quiet:
+                print(signing_check.warning(unknown), file=sys.stderr)
         store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
         view = fleet.ProgressView(enabled=not args.quiet)
         if not args.quiet:
@@ -212,12 +219,10 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         http = None
         base = None
         if args.http:
+            from agent.fleet.http_bounds import listen_address
             from agent.fleet.http_source import HttpSource
 
-            host, _, port = args.http.rpartition(":")
-            if not host or not port.isdigit():
-                raise AgentError("bad_argument", "--http expects HOST:PORT, found {!r}".format(
-                    args.http))
+            host, port = listen_address(args.http, "--http")
             base = args.http_url
         service = FleetService(store, conn, signer, instance=args.instance,
                                share_group=args.share_group, lease_s=args.lease,
@@ -337,7 +342,8 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    "$share/NAME/... (several instances; each serves every artifact in the "
                    "database, so --store must be shared)")
     s.add_argument("--http", metavar="HOST:PORT", help="also serve the artifact store over "
-                   "HTTP (Range requests) on this address")
+                   "HTTP (Range requests) on this address (:PORT: loopback only; devices need "
+                   "an address they reach, e.g. 0.0.0.0:8470, with a warning)")
     s.add_argument("--http-url", metavar="URL", help="the base URL devices use to reach --http "
                    "(default http://HOST:PORT; a reverse proxy with TLS, a CDN)")
     s.add_argument("--http-min-bytes", type=int, default=1 << 20, metavar="N",

@@ -1,19 +1,28 @@
 """The service's HTTP servers (artifacts, dashboard) with bounds: at most ``max_connections``
 handled at once (a connection past that gets ``503`` and is closed at once, counted), a
-deadline on every receive (the handler's ``timeout``), and a client that resets or times out is
-one log line, not a traceback. Half-sent requests can hold a slot for one deadline, never the
-service's threads or memory."""
+deadline on every receive (the handler's ``timeout``) and on each connection as a whole (its
+request line and headers within ``HEAD_DEADLINE_S``, a whole request with its body and answer
+within ``REQUEST_DEADLINE_S``: a client trickling one byte per receive deadline is cut), and a
+client that resets or times out is one log line, not a traceback. Half-sent requests can hold a
+slot for one deadline, never the service's threads or memory. ``listen_address`` reads
+``--http`` / ``--dashboard``: loopback unless an address is given, a warning when it is not."""
 
+import ipaddress
 import logging
 import socket
 import sys
 import threading
+import time
 from http.server import ThreadingHTTPServer
-from typing import Any, Tuple
+from typing import Any, Dict, Tuple
+
+from agent.errors import AgentError
 
 log = logging.getLogger("agent.fleet")
 
 MAX_CONNECTIONS = 64
+HEAD_DEADLINE_S = 30.0  # from a connection's accept (or its previous answer) to its headers
+REQUEST_DEADLINE_S = 3600.0  # one request: body received and answer sent (a slow download)
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n"
          b"Connection: close\r\n\r\n")
 
@@ -23,10 +32,47 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     request_queue_size = 128  # a burst of connections waits in the backlog, not in SYN retries
 
     def __init__(self, address: Tuple[str, int], handler: Any,
-                 max_connections: int = MAX_CONNECTIONS) -> None:
-        super().__init__(address, handler)
+                 max_connections: int = MAX_CONNECTIONS, head_deadline_s: float = HEAD_DEADLINE_S,
+                 request_deadline_s: float = REQUEST_DEADLINE_S) -> None:
+        if ":" in address[0]:
+            self.address_family = socket.AF_INET6
+        super().__init__(address, type(handler.__name__, (_Deadlines, handler), {}))
         self._slots = threading.BoundedSemaphore(max_connections)
         self.refused = 0  # connections answered 503 because every slot was taken
+        self.head_deadline_s = head_deadline_s
+        self.request_deadline_s = request_deadline_s
+        self.cut = 0  # connections closed at their deadline
+        self._deadlines: Dict[Any, float] = {}  # socket -> when it is cut
+        self._lock = threading.Lock()
+        self._watchdog: Any = None
+
+    def arm(self, sock: Any, seconds: float) -> None:
+        """Cut ``sock`` in ``seconds`` unless armed again or done before."""
+        with self._lock:
+            self._deadlines[sock] = time.monotonic() + seconds
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="http-deadlines",
+                                                  daemon=True)
+                self._watchdog.start()
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(0.5)
+            now = time.monotonic()
+            with self._lock:
+                late = [s for s, t in self._deadlines.items() if t <= now]
+                for sock in late:
+                    del self._deadlines[sock]
+            for sock in late:
+                self.cut += 1
+                if self.cut in (1, 10, 100) or self.cut % 1000 == 0:
+                    log.warning("http: %d connections cut at their deadline so far (headers "
+                                "within %.0f s, a request within %.0f s)", self.cut,
+                                self.head_deadline_s, self.request_deadline_s)
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
@@ -51,6 +97,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            with self._lock:
+                self._deadlines.pop(request, None)
             self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
@@ -61,3 +109,47 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         else:
             log.warning("http %s: request failed: %s: %s", peer, type(exc).__name__, exc)
             log.debug("http %s: request failed", peer, exc_info=True)
+
+
+class _Deadlines(object):
+    """Mixed into each server's handler: the head deadline before every request line, the
+    request deadline once the headers are in."""
+
+    def handle_one_request(self) -> None:
+        self.server.arm(self.connection, self.server.head_deadline_s)  # type: ignore
+        super().handle_one_request()  # type: ignore[misc]
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # type: ignore[misc]
+        self.server.arm(self.connection, self.server.request_deadline_s)  # type: ignore
+        return bool(ok)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_address(text: str, flag: str) -> Tuple[str, int]:
+    """``HOST:PORT`` of ``--http`` / ``--dashboard``: ``:PORT`` (no host) listens on loopback
+    (127.0.0.1) only; an address that is not loopback (``0.0.0.0:8470``, a LAN address) is
+    honoured with a warning, as these servers have no TLS of their own. AgentError
+    bad_argument."""
+    host, sep, port = (text or "").rpartition(":")
+    try:
+        number = int(port)
+    except ValueError:
+        number = -1
+    if not sep or not 0 <= number <= 65535:
+        raise AgentError("bad_argument", "{} expects HOST:PORT or :PORT (e.g. 127.0.0.1:8470), "
+                         "found {!r}".format(flag, text))
+    host = host.strip("[]") or "127.0.0.1"
+    if not is_loopback(host):
+        log.warning("%s %s: listening on a non-loopback address, reachable from the network "
+                    "(plain HTTP; ':PORT' alone means loopback only; put a TLS reverse proxy in "
+                    "front, docs/security.md 'HTTP servers')", flag, text)
+    return host, number

@@ -8,13 +8,14 @@ finished within a day), every model a device holds (``device_model_info`` with i
 and state, ``device_model_healthy``: one series per name the device holds, at most 256), the
 newest engine's throughput, latency and accuracy per device (labelled with its ``model``
 name), temperatures, power, GPU/CPU load and memory per device.
-Label values come from devices: they are cut to ``MAX_LABEL`` characters.
+Label values come from devices: they are cut to ``MAX_LABEL`` characters, and a device has
+at most ``bounds.MAX_SERIES_PER_FAMILY`` sensors per family (agent.fleet.bounds).
 """
 
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from agent.fleet import views
+from agent.fleet import bounds, views
 from agent.fleet.store import ACTIVE, Store
 
 MAX_LABEL = 64
@@ -90,9 +91,9 @@ class FleetCollector(object):
                     if v is not None and name in ACCURACY_KEYS:
                         acc.add_metric([dev, model, name], v)
             metrics = r["metrics"]
-            for sensor, c in sorted(views.temperatures(metrics).items()):
+            for sensor, c in sorted(bounds.first(views.temperatures(metrics)).items()):
                 temp.add_metric([dev, _label(sensor)], c)
-            for rail, mw in sorted(views.power_rails(metrics).items()):
+            for rail, mw in sorted(bounds.first(views.power_rails(metrics)).items()):
                 power.add_metric([dev, _label(rail)], mw / 1000.0)
             for unit in ("gpu", "cpu", "emc"):
                 v = views._num(metrics.get(unit + "_percent"))

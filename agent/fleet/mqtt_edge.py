@@ -76,6 +76,9 @@ class FleetConnection(object):
         self.client: Any = None
         self.client_id = client_id or "fleet-" + uuid.uuid4().hex[:12]
         self._unacked: List[Any] = []
+        self.rollcall: Any = None  # the agent.fleet.rollcall.RollCall under way
+        self.last_roll_call: Any = None  # the last one finished (its stats)
+        self._lost = False  # the connection dropped since the last CONNECTED
 
     def connect(self) -> "FleetConnection":
         from agent.wire import mqtt, mqtt_types
@@ -159,12 +162,60 @@ class FleetConnection(object):
                 subscribed = True
             elif ev.kind == mqtt.DISCONNECTED:
                 log.warning("lost the broker connection (%s); reconnecting", ev.reason)
+                self._lost = True
+            elif ev.kind == mqtt.CONNECTED and self._lost:
+                # Births while away reached no session: the retained ones through the queue.
+                self._lost = False
+                if self.rollcall is not None:
+                    self.rollcall.restart()
+                else:
+                    self.begin_roll_call()
             elif ev.kind == mqtt.MESSAGE:
                 self._dispatch(ev, on_message)
+            self._poll_roll_call()
             if time.monotonic() >= deadline:
                 return subscribed
 
+    # -- the roll call (agent.fleet.rollcall) ---------------------------------------------------
+
+    def begin_roll_call(self) -> bool:
+        """Start a roll call (carried on by ``pump``) unless one is under way; False then."""
+        from agent.fleet.rollcall import RollCall
+
+        if self.rollcall is not None:
+            return False
+
+        def known(device: str) -> Any:
+            return (self.directory.status.get(device) or {}).get("boot")
+
+        self.rollcall = RollCall(self, known).start()
+        return True
+
+    def roll_call(self, on_message: Callable[[TopicInfo, Any], None],
+                  limit: float = 300.0) -> None:
+        """A whole roll call: every device's retained status and models message, in pages
+        that fit the broker's queue (or until ``limit`` s passed)."""
+        self.begin_roll_call()
+        deadline = time.monotonic() + limit
+        while self.rollcall is not None and time.monotonic() < deadline:
+            self.pump(on_message, 0.1)
+        if self.rollcall is not None:
+            log.warning("the roll call did not finish within %.0f s", limit)
+
+    def _poll_roll_call(self) -> None:
+        rc = self.rollcall
+        if rc is None:
+            return
+        if not rc.done:
+            rc.poll()
+        if rc.done:
+            self.rollcall, self.last_roll_call = None, rc
+
     def _dispatch(self, ev: Any, on_message: Callable[[TopicInfo, Any], None]) -> None:
+        if ev.topic.startswith(self.topics.prefix + "/rollcall/"):
+            if self.rollcall is not None:
+                self.rollcall.on_topic(ev.topic, ev.payload)
+            return
         try:
             info = self.topics.parse(ev.topic)
         except AgentError:
@@ -179,6 +230,8 @@ class FleetConnection(object):
         except AgentError as exc:
             log.warning("dropping a message on %s: %s", ev.topic, exc)
             return
+        if self.rollcall is not None and info.kind in ("status", "models") and ev.retain:
+            self.rollcall.counted()
         if info.kind == "status":
             if not self.directory.on_status(info.device, msg):
                 return
@@ -217,12 +270,14 @@ def _ignore(info: TopicInfo, msg: Any) -> None:
 
 def discover(conn: FleetConnection, telemetry_wait: float = 0.0) -> DeviceDirectory:
     """Retained device statuses and models messages (and telemetry heard within
-    ``telemetry_wait`` s)."""
+    ``telemetry_wait`` s): the wildcard subscriptions (devices of the previous release), then a
+    roll call (agent.fleet.rollcall) for the devices the broker's queue left out."""
     conn.subscribe([conn.topics.prefix + "/devices/+/status",
                     conn.topics.prefix + "/devices/+/models"])
     if telemetry_wait > 0:
         conn.subscribe([conn.topics.prefix + "/devices/+/telemetry"], 0)
     conn.settle(_ignore)
+    conn.roll_call(_ignore)
     if telemetry_wait > 0:
         conn.pump(_ignore, telemetry_wait)
     return conn.directory

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
-from agent.fleet import device_models, durable, rollback_log
+from agent.fleet import bounds, device_models, durable, rollback_log
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
@@ -30,6 +30,11 @@ log = logging.getLogger("agent.fleet")
 
 LEASE_S = 30.0  # another instance takes a rollout over this long after its owner went silent
 TICK_S = 0.5  # how often leases, controls, deadlines and the registry are looked at
+# The roll call (agent.fleet.rollcall): at start, every ROLL_CALL_EVERY_S, and BURST_QUIET_S
+# after a burst of at least BURST_BIRTHS new devices (births the broker's queue may have cut).
+ROLL_CALL_EVERY_S = 600.0
+BURST_BIRTHS = 100
+BURST_QUIET_S = 2.0
 
 
 class FleetService(object):
@@ -68,10 +73,15 @@ class FleetService(object):
         self.on_change: Optional[Callable[[Rollout], None]] = None  # progress views
         # rollout id -> (actions, messages) from statuses not yet committed
         self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
-        self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0}
+        self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0,
+                      "telemetry_capped": 0, "telemetry_keys_dropped": 0}
         # Engine sharing (fleet serve --share-engines): an agent.fleet.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
+        self.roll_call_every_s = ROLL_CALL_EVERY_S
+        self.last_roll_call = 0.0
+        self.new_births = 0  # devices first heard since the last roll call
+        self.last_birth = 0.0
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -210,8 +220,22 @@ class FleetService(object):
                 except AgentError as exc:
                     log.warning("artifact %s cannot be served: %s", sha, exc.message)
 
+    def _roll_call_due(self) -> None:
+        """Start a roll call in the background (``pump`` carries it on) when one is due."""
+        mono = time.monotonic()
+        burst = self.new_births >= BURST_BIRTHS and mono - self.last_birth >= BURST_QUIET_S
+        if self.conn.rollcall is None and (
+                burst or mono - self.last_roll_call >= self.roll_call_every_s):
+            if burst:
+                log.info("%d devices appeared since the last roll call: taking one",
+                         self.new_births)
+            self.new_births = 0
+            self.last_roll_call = mono
+            self.conn.begin_roll_call()
+
     def _tick(self) -> None:
         now = time.time()
+        self._roll_call_due()
         self.store.heartbeat(self.instance, os.getpid(), socket.gethostname(), self.started)
         self._flush_devices()
         if self.share_group is not None:
@@ -282,6 +306,9 @@ class FleetService(object):
             except AgentError as exc:
                 log.debug("block request from %s not answered: %s", info.device, exc)
         elif info.kind == "status":
+            if info.device not in self.devices_dirty and info.device not in self.features:
+                self.new_births += 1
+                self.last_birth = time.monotonic()
             self.devices_dirty[info.device] = msg
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
                 self.features[info.device] = device_models.features(msg)
@@ -291,9 +318,23 @@ class FleetService(object):
             if msg.get("command") in (None, "rollback"):  # recorded by rollback_log, if ours
                 rollback_log.on_reply(self.store, info.device, msg)
         elif info.kind == "telemetry":
+            msg, dropped = bounds.cap_telemetry(msg)
+            if dropped:
+                self._telemetry_dropped(info.device, dropped)
             self.telemetry_dirty[info.device] = msg
         elif info.kind == "job_status":
             self._job_status(info.device, msg)
+
+    def _telemetry_dropped(self, device: str, dropped: int) -> None:
+        self.stats["telemetry_keys_dropped"] = self.stats.get("telemetry_keys_dropped", 0) + \
+            dropped
+        self.stats["telemetry_capped"] = self.stats.get("telemetry_capped", 0) + 1
+        n = self.stats["telemetry_capped"]
+        if n in (1, 10, 100) or n % 1000 == 0:
+            log.warning("telemetry of %s: %d metric(s) dropped (at most %d numeric metrics a "
+                        "device, keys of at most %d characters; %d telemetry messages capped, "
+                        "%d metrics dropped so far)", device, dropped, bounds.MAX_TELEMETRY_KEYS,
+                        bounds.MAX_KEY_CHARS, n, self.stats["telemetry_keys_dropped"])
 
     def _job_status(self, device: str, msg: Dict[str, Any]) -> None:
         self.stats["statuses"] += 1
@@ -336,6 +377,11 @@ class FleetService(object):
     def start(self) -> None:
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
+        last = self.conn.last_roll_call  # discover() may have taken one just now
+        if last is None or time.monotonic() - last.started > 60.0:
+            self.conn.roll_call(self.on_message)  # those the broker's queue left out
+        self.new_births = 0
+        self.last_roll_call = time.monotonic()
         self._commit_pending()
         self._flush_devices()
         for oid, topic, payload, retain in self.store.outbox_of_finished():

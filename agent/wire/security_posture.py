@@ -33,7 +33,9 @@ def posture(cfg: Any) -> Dict[str, Any]:
     elif not kids:
         problems.append({
             "problem": "no trusted signing key (security.trusted_keys is empty) and unsigned "
-                       "jobs are refused: every job will be REJECTED",
+                       "jobs are refused: every job document will be ignored (it proves "
+                       "nothing, so it is dropped without a job status; a controller of this "
+                       "release refuses to send unsigned rollouts here)",
             "fix": "add the controller's public key (from 'jetson-agent fleet keygen') to "
                    "security.trusted_keys"})
     if not tls:

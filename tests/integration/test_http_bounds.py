@@ -1,5 +1,6 @@
 """The service's HTTP servers are bounded: half-sent requests hold at most the connection cap
-(the rest are answered 503 at once), and clients that reset are one log line, no traceback."""
+(the rest are answered 503 at once), a client trickling its request is cut at the connection's
+deadline, clients that reset are one log line, no traceback; ``--http :PORT`` is loopback."""
 
 import logging
 import socket
@@ -7,7 +8,15 @@ import struct
 import threading
 import time
 
-from agent.fleet.http_bounds import BoundedHTTPServer
+import pytest
+
+from agent.errors import AgentError
+from agent.fleet.http_bounds import (
+    HEAD_DEADLINE_S,
+    REQUEST_DEADLINE_S,
+    BoundedHTTPServer,
+    listen_address,
+)
 from agent.fleet.http_source import HttpSource
 
 
@@ -24,7 +33,8 @@ def _status_line(port):
 
 
 def test_half_sent_requests_hold_at_most_the_cap_and_the_rest_get_503(monkeypatch):
-    monkeypatch.setattr(BoundedHTTPServer.__init__, "__defaults__", (8,))
+    monkeypatch.setattr(BoundedHTTPServer.__init__, "__defaults__",
+                        (8, HEAD_DEADLINE_S, REQUEST_DEADLINE_S))
     source = HttpSource("127.0.0.1", 0, lambda: {}).start()
     threads_before = threading.active_count()
     held = []
@@ -32,7 +42,7 @@ def test_half_sent_requests_hold_at_most_the_cap_and_the_rest_get_503(monkeypatc
         held = [_half_sent(source.port) for _ in range(200)]
         busy = _status_line(source.port)
         assert busy == b"HTTP/1.1 503 Service Unavailable"
-        assert threading.active_count() <= threads_before + 8
+        assert threading.active_count() <= threads_before + 8 + 1  # and the deadline watchdog
         assert source.httpd.refused >= 1
     finally:
         for s in held:
@@ -60,3 +70,45 @@ def test_a_client_that_resets_is_one_line_without_a_traceback(caplog):
     finally:
         source.stop()
     assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+def test_a_request_trickled_byte_by_byte_is_cut_at_its_deadline(monkeypatch):
+    monkeypatch.setattr(BoundedHTTPServer.__init__, "__defaults__", (8, 1.0, 60.0))
+    source = HttpSource("127.0.0.1", 0, lambda: {}).start()
+    try:
+        s = _half_sent(source.port)
+        start = time.monotonic()
+        cut = False
+        with s:
+            for _ in range(100):  # a byte every 0.1 s: each receive is well within its timeout
+                try:
+                    s.sendall(b"0")
+                    s.settimeout(0.1)
+                    if s.recv(64) == b"":
+                        cut = True
+                        break
+                except socket.timeout:
+                    continue
+                except OSError:
+                    cut = True
+                    break
+        assert cut and time.monotonic() - start < 5.0
+        assert source.httpd.cut == 1
+        # A prompt client is served as before.
+        assert _status_line(source.port) == b"HTTP/1.0 404 no such artifact"
+    finally:
+        source.stop()
+
+
+def test_port_alone_listens_on_loopback_and_another_address_warns(caplog):
+    caplog.set_level(logging.WARNING, logger="agent.fleet")
+    assert listen_address(":8470", "--http") == ("127.0.0.1", 8470)
+    assert listen_address("[::1]:8470", "--http") == ("::1", 8470)
+    assert listen_address("localhost:1", "--dashboard") == ("localhost", 1)
+    assert not caplog.records
+    assert listen_address("0.0.0.0:8470", "--http") == ("0.0.0.0", 8470)
+    assert "non-loopback" in caplog.records[-1].getMessage()
+    for bad in ("8470", "host:port", ":70000", ""):
+        with pytest.raises(AgentError) as err:
+            listen_address(bad, "--http")
+        assert err.value.code == "bad_argument" and "expects HOST:PORT" in err.value.message

@@ -19,7 +19,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dashboard and metrics")
     g.add_argument("--dashboard", metavar="HOST:PORT", default=os.environ.get(
         "JETSON_AGENT_FLEET_DASHBOARD"), help="serve the dashboard and Prometheus /metrics here "
-        "(e.g. 127.0.0.1:8480; off by default)")
+        "(e.g. :8480, loopback only; 0.0.0.0:8480 for every interface, with a warning; off "
+        "by default)")
     g.add_argument("--dashboard-token-file", metavar="F", help="a file holding the token that "
                    "enables dashboard actions (pause/resume/cancel, rollback); without it the "
                    "dashboard is read-only")
@@ -30,15 +31,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_hostport(text: str) -> Tuple[str, int]:
-    host, _, port = text.rpartition(":")
-    try:
-        number = int(port)
-    except ValueError:
-        number = -1
-    if not 0 <= number <= 65535:
-        raise AgentError("bad_argument", "--dashboard wants HOST:PORT (e.g. 127.0.0.1:8480), found "
-                         "{!r}".format(text))
-    return host.strip("[]") or "127.0.0.1", number
+    """``--dashboard HOST:PORT``: loopback unless a host is given (agent.fleet.http_bounds)."""
+    from agent.fleet.http_bounds import listen_address
+
+    return listen_address(text, "--dashboard")
 
 
 def read_token(path: Optional[str]) -> Optional[str]:

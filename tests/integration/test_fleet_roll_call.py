@@ -1,0 +1,151 @@
+"""A registry complete whatever the broker's queue (issue 23, item 4): with the shipped broker
+limits (systemd/mosquitto/jetson-fleet.conf: ``max_queued_messages 1000``), 10,000 simulated
+devices (scripts/simulate_devices.py) are all known to a service started after their births
+and to one running during the burst; the wildcard subscription alone knows about 1,100 of
+them (the limit is real here). Devices of the previous release (no roll-call entry) are still
+learnt the old way."""
+
+import os
+import re
+import sys
+import time
+
+import pytest
+
+from agent.fleet.mqtt_edge import FleetConnection
+from agent.fleet.service import FleetService
+from agent.fleet.store import Store
+from tests.integration.conftest import MOSQUITTO, ROOT, Broker
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+
+from simulate_devices import SimulatedFleet  # noqa: E402
+
+COUNT = 10000
+SHIPPED = os.path.join(ROOT, "systemd", "mosquitto", "jetson-fleet.conf")
+
+
+def shipped_limits():
+    """The queue limits of the shipped broker config, as its lines say."""
+    with open(SHIPPED) as f:
+        text = f.read()
+    out = {}
+    for key in ("max_queued_messages", "max_inflight_messages"):
+        m = re.search(r"^{}\s+(\d+)\s*$".format(key), text, re.M)
+        assert m, key
+        out[key] = int(m.group(1))
+    return out
+
+
+@pytest.fixture
+def shipped_broker(tmp_path):
+    if not os.path.exists(MOSQUITTO):
+        pytest.skip("mosquitto is not installed")
+    workdir = tmp_path / "broker"
+    workdir.mkdir()
+    broker = Broker(workdir)
+    with open(broker.config) as f:
+        lines = [ln for ln in f if not ln.startswith("max_queued_messages")]
+    limits = shipped_limits()
+    assert limits["max_queued_messages"] == 1000
+    with open(broker.config, "w") as f:
+        f.writelines(lines)
+        for key, value in sorted(limits.items()):
+            f.write("{} {}\n".format(key, value))
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop(kill=False)
+
+
+def births(fleet):
+    """Start the simulated fleet and wait until the broker acknowledged every birth."""
+    fleet.start()
+    info = fleet.client.publish("jetson-agent/sim-done", b"", 1)
+    info.wait_for_publish(60)
+
+
+def service_on(broker, tmp_path):
+    conn = FleetConnection(broker.url).connect()
+    store = Store("sqlite:///" + str(tmp_path / "fleet.db"))
+    return FleetService(store, conn, instance="rollcall-test"), store, conn
+
+
+def wildcard_only(broker):
+    conn = FleetConnection(broker.url).connect()
+    try:
+        conn.subscribe([conn.topics.prefix + "/devices/+/status"])
+        conn.settle(lambda info, msg: None)
+        return len(conn.directory.status)
+    finally:
+        conn.close()
+
+
+@pytest.mark.slow
+def test_a_service_started_after_10000_births_knows_them_all(shipped_broker, tmp_path):
+    fleet = SimulatedFleet(shipped_broker.host, shipped_broker.port, COUNT, name="rc")
+    births(fleet)
+    try:
+        assert wildcard_only(shipped_broker) < 2000  # what the broker's queue lets through
+        service, store, conn = service_on(shipped_broker, tmp_path)
+        try:
+            t0 = time.monotonic()
+            service.start()
+            took = time.monotonic() - t0
+            assert len(store.devices()) == COUNT, conn.last_roll_call.stats
+            stats = conn.last_roll_call.stats
+            assert stats["entries"] == COUNT
+            print("service start with {} devices: {:.1f} s, roll call {}".format(
+                COUNT, took, stats))
+        finally:
+            conn.close()
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.slow
+def test_a_running_service_learns_a_burst_of_10000_births(shipped_broker, tmp_path):
+    service, store, conn = service_on(shipped_broker, tmp_path)
+    fleet = SimulatedFleet(shipped_broker.host, shipped_broker.port, COUNT, name="burst")
+    try:
+        service.start()
+        assert store.devices() == []
+        first = conn.last_roll_call
+        # The service's network thread stalls during the burst (a loaded host): the broker
+        # queues what fits for it and drops the rest, as it did to 3,635 of 10,000 births.
+        conn.client._client.loop_stop()
+        try:
+            births(fleet)
+        finally:
+            conn.client._client.loop_start()
+        deadline = time.monotonic() + 90
+        while len(conn.directory.status) < COUNT and time.monotonic() < deadline:
+            service.step()
+        service.step()
+        service._flush_devices()
+        stats = conn.last_roll_call.stats if conn.last_roll_call else None
+        assert len(store.devices()) == COUNT, stats
+        assert conn.last_roll_call is not first and stats["fetched"] > 0
+        print("burst of {} births: roll call {}".format(COUNT, stats))
+    finally:
+        conn.close()
+        fleet.stop()
+
+
+def test_devices_of_the_previous_release_still_register_the_old_way(shipped_broker, tmp_path):
+    old = SimulatedFleet(shipped_broker.host, shipped_broker.port, 50, name="old",
+                         roll_call=False)
+    new = SimulatedFleet(shipped_broker.host, shipped_broker.port, 50, name="new")
+    births(old)
+    births(new)
+    service, store, conn = service_on(shipped_broker, tmp_path)
+    try:
+        service.start()
+        ids = [d["device"] for d in store.devices()]
+        assert ids == sorted(old.devices + new.devices)
+        assert conn.last_roll_call.stats["entries"] == 50
+    finally:
+        conn.close()
+        old.stop()
+        new.stop()
