@@ -36,8 +36,12 @@ FEATURES = ("named_models",)
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
-def status_platform(platform: Any, backend: str, backend_problem: Optional[str]) -> Dict[str, Any]:
-    """What the birth status, the Will and ``diag`` say of this device's platform and backend."""
+def status_platform(platform: Any, backend: str, backend_problem: Optional[str],
+                    identity: Optional[Dict[str, str]] = None,
+                    requires_signed_jobs: Optional[bool] = None) -> Dict[str, Any]:
+    """What the birth status, the Will and ``diag`` say of this device's platform and backend;
+    ``identity``: the device's public key (``DeviceKey.identity``); ``requires_signed_jobs``:
+    whether it drops unsigned job documents (not ``security.allow_unsigned``)."""
     p = platform
     out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
            "backend": backend, "precisions": p.supported_precisions, "kind": p.kind,
@@ -45,6 +49,10 @@ def status_platform(platform: Any, backend: str, backend_problem: Optional[str])
            # What this daemon understands beyond the first release (the controller sends
            # model_name/model_version and rollback by name only where it is listed).
            "features": list(FEATURES)}
+    if identity:
+        out["identity"] = dict(identity)
+    if requires_signed_jobs is not None:
+        out["requires_signed_jobs"] = bool(requires_signed_jobs)
     if backend_problem:  # the truth: no backend that runs here
         out["backend"] = None
         out["backend_problem"] = backend_problem[:512]

@@ -76,6 +76,9 @@ class FleetConnection(object):
         self.client: Any = None
         self.client_id = client_id or "fleet-" + uuid.uuid4().hex[:12]
         self._unacked: List[Any] = []
+        # (topic info, MQTT event) -> whether a device's message may be read at all
+        # (agent.fleet.admission.Admission.check); None: every message is.
+        self.gate: Optional[Callable[[TopicInfo, Any], bool]] = None
 
     def connect(self) -> "FleetConnection":
         from agent.wire import mqtt, mqtt_types
@@ -169,6 +172,8 @@ class FleetConnection(object):
             info = self.topics.parse(ev.topic)
         except AgentError:
             return
+        if self.gate is not None and not self.gate(info, ev):
+            return  # a device not admitted, or a message not signed by its pinned key
         if info.kind in ("artifact_request", "block", "job"):
             on_message(info, ev)
             return

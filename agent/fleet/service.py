@@ -36,7 +36,8 @@ class FleetService(object):
     def __init__(self, store: Store, conn: FleetConnection, signer: Any = None,
                  instance: Optional[str] = None, only: Optional[Sequence[str]] = None,
                  share_group: Optional[str] = None, lease_s: float = LEASE_S,
-                 http_base: Optional[str] = None, http_min_bytes: int = 0) -> None:
+                 http_base: Optional[str] = None, http_min_bytes: int = 0,
+                 admission: Any = None) -> None:
         from agent.wire.block_server import BlockServer
 
         self.store = store
@@ -72,6 +73,13 @@ class FleetService(object):
         # Engine sharing (fleet serve --share-engines): an agent.fleet.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
+        # Device admission (agent.fleet.admission): the gate every device message passes.
+        self.admission = admission
+        self.resubscribed: Dict[str, float] = {}  # device -> when its retained topics were asked
+        self.last_counters = 0.0
+        if admission is not None:
+            conn.gate = admission.check
+            admission.on_admitted = self._admitted
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -210,8 +218,29 @@ class FleetService(object):
                 except AgentError as exc:
                     log.warning("artifact %s cannot be served: %s", sha, exc.message)
 
+    def _admitted(self, device: str) -> None:
+        """A device admitted in another process (fleet devices accept): its retained status
+        and models messages again, now that they pass the gate."""
+        for topic in (self.topics.status(device), self.topics.models(device)):
+            self.conn.client.subscribe(topic, 1)
+        self.resubscribed[device] = time.monotonic()
+
+    def _admission_tick(self) -> None:
+        if self.admission is None:
+            return
+        self.admission.refresh()
+        for device, since in list(self.resubscribed.items()):
+            if time.monotonic() - since > 5.0:
+                for topic in (self.topics.status(device), self.topics.models(device)):
+                    self.conn.client.unsubscribe(topic)
+                del self.resubscribed[device]
+        if time.monotonic() - self.last_counters >= 5.0:
+            self.last_counters = time.monotonic()
+            self.store.put_admission_counters(self.instance, self.admission.stats())
+
     def _tick(self) -> None:
         now = time.time()
+        self._admission_tick()
         self.store.heartbeat(self.instance, os.getpid(), socket.gethostname(), self.started)
         self._flush_devices()
         if self.share_group is not None:
