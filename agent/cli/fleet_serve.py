@@ -231,7 +231,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
                                  "(builders upload their engines there)")
             from agent.fleet.sharing import ShareBoard
 
-            service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file)
+            service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file,
+                                         builder_key=service.builder_key)
             service.share_wait_s = float(args.share_wait)
         if args.http:
             http = HttpSource(host, int(port), service.server.files,

@@ -235,6 +235,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     switch.reconcile()
     supervisor = WorkerSupervisor(cfg, device, state_dir, store, journal, events, shared,
                                   publisher, ending, show_activity, switch.activate)
+    supervisor.engine_class = lambda: platform_status().get("engine_class")
 
     # Beside the job's life: telemetry out, and the device commands (cancel, diag, rollback).
     telemetry = TelemetryPublisher(telemetry_source, cfg.telemetry_interval, mqtt, topics,

@@ -32,7 +32,9 @@ MAX_ERROR_BYTES = 64 * 1024  # a job error as the journal keeps it
 # a minute, without a DISCONNECT saying why: a suspected session takeover.
 QUICK_DROP_S = 5.0
 QUICK_DROPS = 3
-FEATURES = ("named_models",)
+# signed_engines: a shared engine comes with its builder's signature (checked here), and this
+# device signs the engines it offers.
+FEATURES = ("named_models", "signed_engines")
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 

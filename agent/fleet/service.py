@@ -75,6 +75,7 @@ class FleetService(object):
         self.share_wait_s = 900.0
         # Device admission (agent.fleet.admission): the gate every device message passes.
         self.admission = admission
+        self.engine_classes: Dict[str, Any] = {}  # device -> its platform.engine_class
         self.resubscribed: Dict[str, float] = {}  # device -> when its retained topics were asked
         self.last_counters = 0.0
         if admission is not None:
@@ -201,7 +202,18 @@ class FleetService(object):
             if ro is not None:
                 ro.engine_offered(device, ref)
 
+    def builder_key(self, device: str) -> Optional[Tuple[bytes, Any]]:
+        """(pinned key, engine class) of a builder, for its engine upload (HTTP thread)."""
+        import base64
+
+        row = (self.admission.rows.get(device) if self.admission is not None else None) or {}
+        if row.get("state") != "admitted" or not row.get("public_key"):
+            return None
+        return base64.b64decode(str(row["public_key"])), self.engine_classes.get(device)
+
     def _drop(self, rollout_id: str) -> None:
+        if self.sharing is not None:
+            self.sharing.revoke(rollout_id)  # its upload URLs end with it
         ro = self.rollouts.pop(rollout_id, None)
         if ro is not None:
             for job_id in ro.job_ids:
@@ -314,6 +326,7 @@ class FleetService(object):
             self.devices_dirty[info.device] = msg
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
                 self.features[info.device] = device_models.features(msg)
+                self.engine_classes[info.device] = msg["platform"].get("engine_class")
         elif info.kind == "models":
             self.models_dirty[info.device] = msg
         elif info.kind == "command_reply":

@@ -105,7 +105,9 @@ def doc_factory(spec: Mapping[str, Any],
         if "calibration" in artifacts and calibration:
             plan["calibration"] = dict(calibration)
         arts = artifacts
-        if share and share.get("engine"):  # signed with the document like the model
+        engine_ok = share and share.get("engine") and (share["engine"].get("builder") and (
+            features is None or "signed_engines" in features(device)))
+        if engine_ok:  # signed with the document like the model, with its builder's proof
             engine = dict(share["engine"])
             url = url_for(engine) if url_for is not None else None
             if url:
