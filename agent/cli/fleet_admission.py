@@ -36,7 +36,8 @@ def make_admission(args: argparse.Namespace, store: Any) -> admission.Admission:
         raise AgentError("bad_argument", "--admission keys needs --admission-keys FILE (the "
                          "devices' public keys, one per line)")
     keys = admission.load_keys_file(args.admission_keys) if args.admission_keys else {}
-    return admission.Admission(store, args.admission, keys, max_pending=args.max_pending)
+    return admission.Admission(store, args.admission, keys, max_pending=args.max_pending,
+                               keys_path=args.admission_keys)
 
 
 def run_admin(args: argparse.Namespace, store_url: str) -> int:

@@ -78,13 +78,18 @@ class Admission(object):
 
     def __init__(self, store: Any, policy: str = "manual",
                  keys: Optional[Mapping[str, bytes]] = None, max_pending: int = MAX_PENDING,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, keys_path: Optional[str] = None
+                 ) -> None:
+        """``keys_path``: the --admission-keys file, read again when it changes (a key added
+        to the list takes effect without a restart)."""
         if policy not in POLICIES:
             raise AgentError("bad_argument", "--admission must be one of {}, found {!r}".format(
                 ", ".join(POLICIES), policy))
         self.store = store
         self.policy = policy
         self.keys = dict(keys or {})
+        self.keys_path = keys_path
+        self.keys_mtime = self._mtime()
         self.max_pending = int(max_pending)
         self.clock = clock
         self.rows: Dict[str, Dict[str, Any]] = {}
@@ -102,16 +107,44 @@ class Admission(object):
 
     # -- state --------------------------------------------------------------------------------
 
+    def _mtime(self) -> Optional[float]:
+        import os
+
+        try:
+            return os.stat(self.keys_path).st_mtime_ns if self.keys_path else None
+        except OSError:
+            return None
+
     def refresh(self, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self.last_refresh < REFRESH_S:
             return
         self.last_refresh = now
+        self._reload_keys()
         before = self.rows
         self.rows = self.store.device_keys()
         for dev, row in self.rows.items():
             if row["state"] in ("admitted", "legacy") and \
                     (before.get(dev) or {}).get("state") not in ("admitted", "legacy") and before:
+                self.on_admitted(dev)
+
+    def _reload_keys(self) -> None:
+        """The --admission-keys file again when it changed; pending devices now listed are
+        admitted (their retained messages asked for again)."""
+        mtime = self._mtime()
+        if mtime == self.keys_mtime or not self.keys_path:
+            return
+        self.keys_mtime = mtime
+        try:
+            self.keys = load_keys_file(self.keys_path)
+        except AgentError as exc:
+            log.error("admission keys not reloaded: %s", exc.message)
+            return
+        for dev, row in self.store.device_keys("pending").items():
+            if row.get("pending_key_id") in self.keys:
+                self._pin(dev, self.keys[row["pending_key_id"]], "--admission-keys")
+                if row.get("pending_status"):
+                    self.store.upsert_devices({dev: row["pending_status"]})
                 self.on_admitted(dev)
 
     def _set(self, device: str, **fields: Any) -> None:
