@@ -82,6 +82,14 @@ CODES = {
     "(ignored: logged and counted, no job is recorded).",
     "bad_signature": "The job signature does not verify, or its key is not trusted "
     "(ignored: logged and counted, no job is recorded).",
+    "device_key_unreadable": "The device's own key (security.device_key) is missing or not an "
+    "Ed25519 private key: the daemon does not start (make one: jetson-agent keygen --device).",
+    "bad_report_signature": "A device's message is not signed by the key its controller pinned "
+    "for it, or its signature does not match (dropped and counted).",
+    "device_not_admitted": "The device is not admitted by the fleet controller (pending, "
+    "rejected or unknown): its messages are dropped, it is never targeted.",
+    "upload_refused": "A shared-engine upload was refused: its token is unknown, expired or "
+    "revoked, or it is not the engine its builder signed (size, hash, signature, format).",
     "wrong_target": "A correctly signed job names another device (ignored: logged and counted).",
     "job_not_yet_valid": "The signed job's not-before time is in the future (check the clock).",
     "job_expired": "The signed job's expiry time has passed.",

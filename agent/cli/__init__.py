@@ -37,6 +37,7 @@ COMMANDS = {
     "jobs": "jobs the device daemon received",
     "models": "named models on this device: list, show, commit, roll back",
     "fleet": "controller: devices, staged rollouts, jobs, telemetry",
+    "keygen": "make this device's own key pair (device identity, docs/security.md)",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_ERROR, EXIT_INTERNAL, EXIT_INTERRUPTED = 0, 1, 2, 3, 130

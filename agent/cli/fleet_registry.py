@@ -19,7 +19,18 @@ from agent.wire.topics import TopicInfo
 
 
 def add_devices_parser(fsub: Any) -> None:
-    d = fsub.add_parser("devices", help="devices that reported to the broker")
+    d = fsub.add_parser("devices", help="devices that reported to the broker; pending, accept, "
+                        "reject (admission)")
+    d.add_argument("action", nargs="?", choices=("ls", "pending", "accept", "reject",
+                                                 "trust-legacy"), default="ls",
+                   help="ls (default); pending: devices waiting for admission; accept ID / "
+                        "reject ID; trust-legacy --window S: pin legacy devices' first keys "
+                        "for S seconds (docs/security.md)")
+    d.add_argument("device", nargs="?", metavar="ID")
+    d.add_argument("--key", metavar="PUBKEY", help="accept: the key expected (base64 or PEM "
+                   "text), checked against the pending one")
+    d.add_argument("--window", type=float, default=7 * 24 * 3600.0, metavar="S",
+                   help="trust-legacy: how long (default 7 days)")
     add_connection_args(d)
     d.add_argument("--wait", type=float, default=1.0, metavar="S",
                    help="listen S seconds for telemetry (default 1)")
@@ -118,6 +129,12 @@ def registry_db(args: argparse.Namespace) -> Optional[str]:
 
 
 def run_devices(args: argparse.Namespace) -> int:
+    if args.action != "ls":
+        from agent.cli.fleet_admission import run_admin
+        from agent.cli.fleet_db import check_db_url
+        from agent.fleet.store import default_db_url
+
+        return run_admin(args, check_db_url(args.db or default_db_url(), existing=True))
     url = registry_db(args)
     seen = None
     if url:

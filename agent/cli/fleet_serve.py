@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from agent import fleet
 from agent.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from agent.cli.fleet_admission import add_admission_args, make_admission
 from agent.cli.fleet_db import (
     SERVICE_FRESH_S,
     add_db_args,
@@ -101,7 +102,8 @@ def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[st
     interrupted = False
     try:
         service = FleetService(store, conn, signer, only=[rollout_id],
-                               share_group=args.share_group)
+                               share_group=args.share_group,
+                               admission=make_admission(args, store))
         service.start()  # the registry fills from the devices' retained statuses
         add_to_store(store, store_dir(args, url), artifacts, files, copy=False)
         stages = _targets(store, args, rollout_id)
@@ -226,14 +228,16 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
             base = args.http_url
         service = FleetService(store, conn, signer, instance=args.instance,
                                share_group=args.share_group, lease_s=args.lease,
-                               http_base=None, http_min_bytes=args.http_min_bytes)
+                               http_base=None, http_min_bytes=args.http_min_bytes,
+                               admission=make_admission(args, store))
         if getattr(args, "share_engines", False):
             if not args.http:
                 raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "
                                  "(builders upload their engines there)")
             from agent.fleet.sharing import ShareBoard
 
-            service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file)
+            service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file,
+                                         builder_key=service.builder_key)
             service.share_wait_s = float(args.share_wait)
         if args.http:
             http = HttpSource(host, int(port), service.server.files,
@@ -336,6 +340,7 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                         "docs/fleet.md.")
     add_connection_args(s)
     add_db_args(s)
+    add_admission_args(s)
     s.add_argument("--instance", metavar="NAME", help="this instance's name for rollout "
                    "leases (default HOST-PID; keep it stable across restarts)")
     s.add_argument("--share-group", metavar="NAME", help="take block requests through "
@@ -379,6 +384,7 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
 
 
 def add_rollout_mode_args(r: argparse.ArgumentParser) -> None:
+    add_admission_args(r)
     g = r.add_argument_group("service")
     add_db_args(r)
     mode = g.add_mutually_exclusive_group()

@@ -97,6 +97,12 @@ class SecurityConfig:
     trusted_keys: List[str] = dataclasses.field(default_factory=list)
     allow_unsigned: bool = False  # lab devices only: run unsigned job documents (diag warns)
     max_clock_skew_s: float = _f(300.0, min=0)  # tolerance on a signed job's validity window
+    # This device's own Ed25519 key (docs/security.md, "Device identity"): it signs every
+    # report. None: device.key beside the config file. Kept outside the state directory.
+    device_key: Optional[str] = None
+    # Make the key at start-up when it does not exist (else a missing configured key stops
+    # the daemon: device_key_unreadable); install-jetson makes it instead.
+    create_device_key: bool = False
 
 
 @dataclasses.dataclass
@@ -273,6 +279,10 @@ def _finish(cfg: Config, base_dir: Optional[str], env: Mapping[str, str]) -> Con
     cfg.worker_python = cfg.worker_python or sys.executable
     _finish_models(cfg)
     cfg.security.trusted_keys = [_trusted_key(k, base_dir) for k in cfg.security.trusted_keys]
+    if cfg.security.device_key:
+        key = os.path.expanduser(cfg.security.device_key)
+        cfg.security.device_key = key if os.path.isabs(key) or not base_dir else \
+            os.path.join(base_dir, key)
     broker = cfg.broker
     broker.password_file = _resolve_secret_path(broker.password_file, base_dir, env)
     if broker.password_file:

@@ -64,6 +64,13 @@ from agent.device.worker_supervisor import WorkerSupervisor, clean_work_dirs
 from agent.errors import AgentError
 from agent.wire import protocol, security_posture, status_messages
 from agent.wire.artifacts import ArtifactStore
+from agent.wire.device_identity import (
+    DeviceKey,
+    ReportSigner,
+    create_device_key,
+    default_key_path,
+    load_device_key,
+)
 from agent.wire.limits import ByteQueue
 from agent.wire.mqtt import (
     CONNECT_FAILED,
@@ -87,6 +94,29 @@ READY_WITHOUT_BROKER_S = 20.0  # tell systemd we run even if the broker is down 
 
 def journal_path(state_dir: str) -> str:
     return os.path.join(state_dir, JOURNAL_FILE)
+
+
+def device_key_path(cfg: Config) -> str:
+    return cfg.security.device_key or default_key_path(cfg.source)
+
+
+def device_key(cfg: Config) -> Optional[DeviceKey]:
+    """This device's key (docs/security.md, "Device identity"). A configured key that cannot
+    be read stops the daemon (device_key_unreadable); ``security.create_device_key`` makes a
+    missing one. Without a configured key and none at the default place the daemon reports
+    unsigned, as the previous release did (a controller admits it only as a legacy device)."""
+    path = device_key_path(cfg)
+    if os.path.exists(path) or (cfg.security.device_key and not cfg.security.create_device_key):
+        return load_device_key(path)
+    if cfg.security.create_device_key:
+        key = create_device_key(path)
+        log.warning("security: made a new device key %s (key id %s); its public key is %s.pub",
+                    path, key.key_id, path)
+        return key
+    log.warning("security: no device key at %s: this device's reports are unsigned and a "
+                "controller admits it only as a legacy device (make one with 'jetson-agent "
+                "keygen --device %s', docs/security.md)", path, path)
+    return None
 
 
 class Parts(NamedTuple):
@@ -131,8 +161,11 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
                                                     cfg.worker_python)
     if backend_problem:
         log.warning("%s", backend_problem)
-    platform_status = functools.partial(status_platform, platform, backend, backend_problem,
-                                        requires_signed_jobs=not cfg.security.allow_unsigned)
+    key = device_key(cfg)
+    platform_status = functools.partial(
+        status_platform, platform, backend, backend_problem,
+        identity=key.identity() if key is not None else None,
+        requires_signed_jobs=not cfg.security.allow_unsigned)
 
     def publish_request(topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
         mqtt.publish(topic, payload, qos=qos, retain=retain)  # block requests out
@@ -145,14 +178,18 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     tls = None
     if b.tls.enabled:
         tls = TlsOptions(b.tls.ca_file, b.tls.cert_file, b.tls.key_file, b.tls.insecure)
-    will = Will(topics.status(device),
-                protocol.encode(status_messages.will_message(device, boot, platform_status())))
+    # Every report is signed with the device's key, bound to this boot (device_identity).
+    signer = ReportSigner(key, device, boot) if key is not None else None
+    will_payload = protocol.encode(status_messages.will_message(device, boot, platform_status()))
+    will = Will(topics.status(device), will_payload, user_properties=signer.properties(
+        topics.status(device), will_payload, will=True) if signer is not None else None)
     mqtt = MqttClient(
         device, b.host, b.port, protocol=b.protocol, keepalive=b.keepalive,
         username=b.username, password=b.password, tls=tls, will=will,
         session_expiry=b.session_expiry,
         max_packet_bytes=max(cfg.limits.max_message_bytes, t.block_size + 4096),
-        reconnect_min=b.reconnect_min, reconnect_max=b.reconnect_max, events=events)
+        reconnect_min=b.reconnect_min, reconnect_max=b.reconnect_max, events=events,
+        signer=signer.properties if signer is not None else None)
     for topic, qos in topics.device_subscriptions(device):
         mqtt.subscribe(topic, qos)
     clean_work_dirs(state_dir, journal)
@@ -198,6 +235,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     switch.reconcile()
     supervisor = WorkerSupervisor(cfg, device, state_dir, store, journal, events, shared,
                                   publisher, ending, show_activity, switch.activate)
+    supervisor.engine_class = lambda: platform_status().get("engine_class")
 
     # Beside the job's life: telemetry out, and the device commands (cancel, diag, rollback).
     telemetry = TelemetryPublisher(telemetry_source, cfg.telemetry_interval, mqtt, topics,

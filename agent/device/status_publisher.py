@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 from agent import __version__
 from agent.device.job_run import Run
 from agent.errors import AgentError
-from agent.wire import message_caps, protocol, rollcall, status_messages
+from agent.wire import message_caps, protocol, status_messages
 from agent.wire.mqtt import SESSION_TAKEN_OVER
 from agent.wire.mqtt_types import Event, PublishHandle
 from agent.wire.topics import Topics
@@ -32,22 +32,29 @@ MAX_ERROR_BYTES = 64 * 1024  # a job error as the journal keeps it
 # a minute, without a DISCONNECT saying why: a suspected session takeover.
 QUICK_DROP_S = 5.0
 QUICK_DROPS = 3
-FEATURES = ("named_models",)
+# signed_engines: a shared engine comes with its builder's signature (checked here), and this
+# device signs the engines it offers.
+FEATURES = ("named_models", "signed_engines")
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
 def status_platform(platform: Any, backend: str, backend_problem: Optional[str],
-                    requires_signed_jobs: bool = True) -> Dict[str, Any]:
-    """What the birth status, the Will and ``diag`` say of this device's platform and backend,
-    and whether it drops unsigned job documents (``fleet rollout`` refuses to send it any)."""
+                    identity: Optional[Dict[str, str]] = None,
+                    requires_signed_jobs: Optional[bool] = None) -> Dict[str, Any]:
+    """What the birth status, the Will and ``diag`` say of this device's platform and backend;
+    ``identity``: the device's public key (``DeviceKey.identity``); ``requires_signed_jobs``:
+    whether it drops unsigned job documents (not ``security.allow_unsigned``)."""
     p = platform
     out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
            "backend": backend, "precisions": p.supported_precisions, "kind": p.kind,
            "l4t": p.l4t, "soc": p.soc, "engine_class": p.engine_class(backend),
            # What this daemon understands beyond the first release (the controller sends
            # model_name/model_version and rollback by name only where it is listed).
-           "features": list(FEATURES),
-           "requires_signed_jobs": bool(requires_signed_jobs)}
+           "features": list(FEATURES)}
+    if identity:
+        out["identity"] = dict(identity)
+    if requires_signed_jobs is not None:
+        out["requires_signed_jobs"] = bool(requires_signed_jobs)
     if backend_problem:  # the truth: no backend that runs here
         out["backend"] = None
         out["backend_problem"] = backend_problem[:512]
@@ -91,16 +98,11 @@ class StatusPublisher:
             ts=time.time())
 
     def publish_birth(self) -> None:
-        """The retained status (with ``active_engines``), the retained models state and the
-        retained roll-call entry (agent.wire.rollcall: how a controller finds this device
-        whatever its broker's queue limits; a broker whose ACL predates it drops it, and the
-        controller then learns of this device as it did before)."""
+        """The retained status (with ``active_engines``) and the retained models state."""
         self.mqtt.publish(self.topics.status(self.device),
                           message_caps.encode_fitted("status", self._birth()), qos=1,
                           retain=True)
         self.publish_models()
-        self.mqtt.publish(rollcall.topic(self.topics.prefix, self.device),
-                          rollcall.encode_marker(self.device, self.boot), qos=1, retain=True)
 
     def models_message(self) -> Dict[str, Any]:
         return {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,

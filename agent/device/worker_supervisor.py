@@ -54,6 +54,34 @@ WORKER_PACKAGES = ("agent", "calib")  # what the worker imports from this instal
 MAX_WORKER_LINE_BYTES = 4 << 20  # a worker's JSON line (results are capped far below)
 
 
+def shared_engine_paths(run: Any, own_class: Any) -> Any:
+    """The job's artifact paths, without a shared ``engine`` its builder's signature does not
+    bind (docs/security.md, "A shared engine's trust chain"): (paths, why refused or "")."""
+    paths = dict(run.paths)
+    if "engine" not in paths:
+        return paths, ""
+    from agent.wire import device_identity
+
+    ref: Dict[str, Any] = (run.doc.get("artifacts") or {}).get("engine") or {}
+    builder: Dict[str, Any] = ref["builder"] if isinstance(ref.get("builder"), dict) else {}
+    raw = device_identity.public_key_of({"alg": "ed25519",
+                                         "public_key": builder.get("public_key")})
+    statement = device_identity.engine_statement(
+        str(builder.get("device")), str(builder.get("job_id")), str(ref.get("sha256")),
+        int(ref.get("size") or 0), builder.get("engine_class"))
+    why = ""
+    if raw is None or not builder.get("sig"):
+        why = "the shared engine carries no builder signature: built here"
+    elif not device_identity.verify_engine(raw, statement, str(builder["sig"])):
+        why = "the shared engine's builder signature does not verify: built here"
+    elif builder.get("engine_class") != own_class:
+        why = "the shared engine was built for another device class: built here"
+    if why:
+        log.warning("job %s: %s", run.job_id, why)
+        paths.pop("engine")
+    return paths, why
+
+
 class WorkerSupervisor:
     """The worker subprocess of the job in hand. Its reader thread puts ``WorkerEvent``s on
     ``events`` (the main loop's queue), which come back through ``on_event``."""
@@ -76,14 +104,17 @@ class WorkerSupervisor:
         self.show_activity = show_activity
         self.token = 0  # tells this worker's events from an earlier one's
         self.oom_kills_at_launch = 0  # the cgroup's OOM kill count when the worker started
+        # This device's platform.engine_class (a shared engine of another class is refused).
+        self.engine_class: Callable[[], Any] = lambda: None
 
     def launch(self, run: Run) -> None:
         for sha, _ in run.needed.values():
             self.store.touch(sha)
         run.work_dir = os.path.join(self.state_dir, "work", run.job_id)
         os.makedirs(run.work_dir, exist_ok=True)
+        paths, refused = shared_engine_paths(run, self.engine_class())
         spec = jobs.make_spec(
-            run.job_id, run.kind, run.plan, run.paths, run.backend, run.work_dir,
+            run.job_id, run.kind, run.plan, paths, run.backend, run.work_dir,
             os.path.join(self.cfg.cache_dir, "engines"),
             os.path.join(self.cfg.cache_dir, "calibration"),
             run.fingerprint, self.cfg.cache.engine_budget_bytes, gate=run.doc.get("gate"),
@@ -93,6 +124,15 @@ class WorkerSupervisor:
         spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
         spec["device"] = self.device
         spec["share"] = dict(run.doc.get("share") or {})  # fleet engine sharing: offer URL
+        if refused:  # a shared engine not bound to its builder: never handed to the worker
+            spec["share"]["refused"] = refused
+        if spec["share"].get("offer"):  # the offer is signed with the device key, here
+            from agent.wire.device_identity import default_key_path
+
+            spec["share"]["signer"] = [sys.executable, "-m", "agent.wire.device_identity",
+                                       "sign-engine", self.cfg.security.device_key or
+                                       default_key_path(self.cfg.source)]
+            spec["share"]["engine_class"] = self.engine_class()
         # The job's builds never evict an engine a kept model version uses, and publish files
         # the app's group can read.
         spec.update(models_guard.worker_spec_fields(self.cfg.models_dir, self.cfg.models.group))

@@ -19,18 +19,24 @@ so ``backend.open`` refuses an engine of another platform by name (and a DLA cor
 lacks), and stores them in its cache entry with the engine.
 
 A container reaches another device only as the ``engine`` artifact of a controller-signed job
-document (its sha256 and per-block hashes are signed, and checked by the artifact store). The
-worker adopts it only if its key equals the key it computed itself, the engine deserializes
-(``backend.open``) and a quick accuracy check against the goldens passes; anything else and it
-builds as before, saying why in the result's ``share`` field. Worker side: Python >= 3.6.
+document (its sha256 and per-block hashes are signed, and checked by the artifact store),
+with its builder's signature over {device, job_id, sha256, size, engine_class} and the
+builder's public key (``builder``: the daemon verifies it and the class before the worker
+sees the container; docs/security.md, "A shared engine's trust chain"). The worker adopts it
+only if the job has goldens, its key equals the key it computed itself, the engine
+deserializes (``backend.open``) and the job's full gate passes on every golden; anything else
+and it builds as before, saying why in the result's ``share`` field. The builder signs its
+offer through the daemon's interpreter (the key never enters the worker). Worker side:
+Python >= 3.6.
 """
 
 import json
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from agent.errors import AgentError
 
@@ -200,23 +206,39 @@ def adopt(container: str, key: str, cache: Any, backend: Any) -> Tuple[Optional[
 
 def offer(url: str, engine_key: str, engine_path: str, info: Dict[str, Any], device: str,
           work_dir: str, calibration_cache: Optional[str] = None,
-          timeout: float = OFFER_TIMEOUT_S) -> Dict[str, Any]:
+          timeout: float = OFFER_TIMEOUT_S, signer: Optional[List[str]] = None,
+          job_id: str = "", engine_class: Any = None) -> Dict[str, Any]:
     """Upload this device's engine to the fleet service (HTTP PUT of the container to the
-    one-time ``url`` its job document gave); what the job result says about it. Never fails
-    the job: an offer that does not arrive only means the others build."""
+    upload ``url`` its job document gave), signed with the device key: ``signer`` is the
+    command (the daemon's interpreter, ``agent.wire.device_identity sign-engine KEY``) that
+    signs the statement {device, job_id, sha256, size, engine_class} given on its stdin; the
+    service stores only the engine that statement names. What the job result says about it.
+    Never fails the job: an offer that does not arrive only means the others build."""
     from urllib.request import Request, urlopen
 
     from agent.fsio import sha256_file
 
     path = os.path.join(work_dir, "engine.share")
     try:
+        if not signer:
+            raise AgentError("upload_refused", "no device key to sign the engine with "
+                             "(security.device_key): a fleet takes only signed engines")
         write_container(path, engine_key, engine_path, info, device, calibration_cache)
         sha = sha256_file(path)
         size = os.path.getsize(path)
+        statement = {"device": device, "job_id": job_id, "sha256": sha, "size": size,
+                     "engine_class": engine_class}
+        signed = subprocess.run(  # noqa: UP022 - capture_output is 3.7+; the worker is 3.6
+            list(signer), input=json.dumps(statement).encode("utf-8"), stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, timeout=60)
+        if signed.returncode != 0:
+            raise AgentError("upload_refused", "signing the engine failed: {}".format(
+                signed.stderr.decode("utf-8", "replace").strip()[:200]))
         with open(path, "rb") as body:
             req = Request(url, data=body, method="PUT", headers={
                 "Content-Length": str(size), "Content-Type": "application/octet-stream",
-                "X-Content-Sha256": sha})
+                "X-Content-Sha256": sha,
+                "X-Engine-Signature": signed.stdout.decode("ascii").strip()})
             with urlopen(req, timeout=timeout) as resp:  # noqa: S310 - url is signed
                 resp.read(4096)
         return {"offered": True, "sha256": sha, "size": size}

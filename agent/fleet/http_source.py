@@ -74,11 +74,13 @@ class HttpSource(object):
             req.send_error(411, "a Content-Length is required")
             return
         try:
-            status, message = self.shares.receive(m.group(1), req.rfile, int(length))
+            status, message = self.shares.receive(m.group(1), req.rfile, int(length),
+                                                  req.headers)
         except (OSError, ConnectionError) as exc:
             log.warning("http: share upload failed: %s", exc)
             status, message = 500, "the upload could not be stored"
         if status >= 400:
+            req.close_connection = True  # the body may be unread: never parse it as a request
             req.send_error(status, message)
             return
         data = message.encode("utf-8")

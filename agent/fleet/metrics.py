@@ -43,6 +43,13 @@ class FleetCollector(object):
             return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
 
         now = time.time()
+        counters = self.store.admission_counters()
+        dropped = gauge("messages_dropped", "device messages dropped by admission (device not "
+                        "admitted, bad or missing signature, replayed), and pending devices "
+                        "evicted", ["reason"])
+        for reason in ("dropped", "bad_signature", "replayed", "pending_evicted"):
+            dropped.add_metric([reason], float(counters.get(reason, 0)))
+        yield dropped
         rows = views.fleet_rows(self.store, now)
         by_state: Dict[Tuple[str, str], int] = {}
         by_health: Dict[str, int] = {}

@@ -79,6 +79,9 @@ class FleetConnection(object):
         self.rollcall: Any = None  # the agent.fleet.rollcall.RollCall under way
         self.last_roll_call: Any = None  # the last one finished (its stats)
         self._lost = False  # the connection dropped since the last CONNECTED
+        # (topic info, MQTT event) -> whether a device's message may be read at all
+        # (agent.fleet.admission.Admission.check); None: every message is.
+        self.gate: Optional[Callable[[TopicInfo, Any], bool]] = None
 
     def connect(self) -> "FleetConnection":
         from agent.wire import mqtt, mqtt_types
@@ -220,6 +223,8 @@ class FleetConnection(object):
             info = self.topics.parse(ev.topic)
         except AgentError:
             return
+        if self.gate is not None and not self.gate(info, ev):
+            return  # a device not admitted, or a message not signed by its pinned key
         if info.kind in ("artifact_request", "block", "job"):
             on_message(info, ev)
             return

@@ -41,7 +41,8 @@ class FleetService(object):
     def __init__(self, store: Store, conn: FleetConnection, signer: Any = None,
                  instance: Optional[str] = None, only: Optional[Sequence[str]] = None,
                  share_group: Optional[str] = None, lease_s: float = LEASE_S,
-                 http_base: Optional[str] = None, http_min_bytes: int = 0) -> None:
+                 http_base: Optional[str] = None, http_min_bytes: int = 0,
+                 admission: Any = None) -> None:
         from agent.wire.block_server import BlockServer
 
         self.store = store
@@ -82,6 +83,14 @@ class FleetService(object):
         self.last_roll_call = 0.0
         self.new_births = 0  # devices first heard since the last roll call
         self.last_birth = 0.0
+        # Device admission (agent.fleet.admission): the gate every device message passes.
+        self.admission = admission
+        self.engine_classes: Dict[str, Any] = {}  # device -> its platform.engine_class
+        self.resubscribed: Dict[str, float] = {}  # device -> when its retained topics were asked
+        self.last_counters = 0.0
+        if admission is not None:
+            conn.gate = admission.check
+            admission.on_admitted = self._admitted
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -203,7 +212,18 @@ class FleetService(object):
             if ro is not None:
                 ro.engine_offered(device, ref)
 
+    def builder_key(self, device: str) -> Optional[Tuple[bytes, Any]]:
+        """(pinned key, engine class) of a builder, for its engine upload (HTTP thread)."""
+        import base64
+
+        row = (self.admission.rows.get(device) if self.admission is not None else None) or {}
+        if row.get("state") != "admitted" or not row.get("public_key"):
+            return None
+        return base64.b64decode(str(row["public_key"])), self.engine_classes.get(device)
+
     def _drop(self, rollout_id: str) -> None:
+        if self.sharing is not None:
+            self.sharing.revoke(rollout_id)  # its upload URLs end with it
         ro = self.rollouts.pop(rollout_id, None)
         if ro is not None:
             for job_id in ro.job_ids:
@@ -233,9 +253,30 @@ class FleetService(object):
             self.last_roll_call = mono
             self.conn.begin_roll_call()
 
+    def _admitted(self, device: str) -> None:
+        """A device admitted in another process (fleet devices accept): its retained status
+        and models messages again, now that they pass the gate."""
+        for topic in (self.topics.status(device), self.topics.models(device)):
+            self.conn.client.subscribe(topic, 1)
+        self.resubscribed[device] = time.monotonic()
+
+    def _admission_tick(self) -> None:
+        if self.admission is None:
+            return
+        self.admission.refresh()
+        for device, since in list(self.resubscribed.items()):
+            if time.monotonic() - since > 5.0:
+                for topic in (self.topics.status(device), self.topics.models(device)):
+                    self.conn.client.unsubscribe(topic)
+                del self.resubscribed[device]
+        if time.monotonic() - self.last_counters >= 5.0:
+            self.last_counters = time.monotonic()
+            self.store.put_admission_counters(self.instance, self.admission.stats())
+
     def _tick(self) -> None:
         now = time.time()
         self._roll_call_due()
+        self._admission_tick()
         self.store.heartbeat(self.instance, os.getpid(), socket.gethostname(), self.started)
         self._flush_devices()
         if self.share_group is not None:
@@ -312,6 +353,7 @@ class FleetService(object):
             self.devices_dirty[info.device] = msg
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
                 self.features[info.device] = device_models.features(msg)
+                self.engine_classes[info.device] = msg["platform"].get("engine_class")
         elif info.kind == "models":
             self.models_dirty[info.device] = msg
         elif info.kind == "command_reply":

@@ -14,6 +14,7 @@ engine portable and the service can see in its status: board, JetPack, TensorRT 
 land in (served like any artifact).
 """
 
+import base64
 import hashlib
 import logging
 import os
@@ -21,6 +22,7 @@ import secrets
 import threading
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+from agent.engines.share import MAGIC
 from agent.wire import protocol
 from agent.wire.block_server import block_digests
 
@@ -134,47 +136,97 @@ class SharePolicy(object):
 
 
 class ShareBoard(object):
-    """Service side of the uploads. ``token(rollout, device, cls)`` makes the one-time URL
-    path of a builder; ``receive`` (HTTP thread) checks and stores the container; the service
-    thread takes the arrivals with ``arrived()``."""
+    """Service side of the uploads. ``token(rollout, device, job_id)`` makes a builder's
+    upload URL path, bound to that builder and rollout (``revoke(rollout)`` when it ends or
+    is cancelled); ``receive`` (HTTP thread) takes the container only when it is the engine
+    the builder signed (``X-Engine-Signature`` over {device, job_id, sha256, size,
+    engine_class}, checked with the builder's pinned key from ``builder_key(device)`` ->
+    (raw key, engine_class) or None), before and after anything is stored. A refused
+    request never uses the token up. The service thread takes the arrivals with
+    ``arrived()``."""
 
     def __init__(self, store: Any, directory: str, add_file: Callable[[str, str], Any],
-                 max_bytes: int = MAX_ENGINE_BYTES) -> None:
+                 max_bytes: int = MAX_ENGINE_BYTES,
+                 builder_key: Optional[Callable[[str], Optional[Tuple[bytes, Any]]]] = None
+                 ) -> None:
         self.store = store
         self.directory = os.path.abspath(directory)
         self.add_file = add_file
         self.max_bytes = int(max_bytes)
-        self._tokens: Dict[str, Tuple[str, str, str]] = {}
+        self.builder_key = builder_key or (lambda device: None)
+        self._tokens: Dict[str, Tuple[str, str, str]] = {}  # token -> rollout, device, job
         self._arrived: List[Tuple[str, str, Dict[str, Any]]] = []
         self._lock = threading.Lock()
         self.received = 0
+        self.refused = 0
 
-    def token(self, rollout_id: str, device: str) -> str:
-        tok = secrets.token_hex(16)
+    def token(self, rollout_id: str, device: str, job_id: str = "") -> str:
         with self._lock:
-            self._tokens[tok] = (rollout_id, device, "")
+            for tok, owner in self._tokens.items():  # a document sent again: the same URL
+                if owner[:2] == (rollout_id, device):
+                    return tok
+            tok = secrets.token_hex(16)
+            self._tokens[tok] = (rollout_id, device, job_id or rollout_id)
         return tok
+
+    def revoke(self, rollout_id: str) -> None:
+        """The rollout ended (finished, cancelled, timed out): its upload URLs die with it."""
+        with self._lock:
+            for tok in [t for t, o in self._tokens.items() if o[0] == rollout_id]:
+                del self._tokens[tok]
 
     def expects(self, token: str) -> bool:
         with self._lock:
             return token in self._tokens
 
-    def receive(self, token: str, body: Any, length: int) -> Tuple[int, str]:
-        """The PUT of a builder's engine: (HTTP status, message). The body is hashed as it is
-        written; it lands in the content-addressed store under its sha256."""
+    def _refuse(self, status: int, why: str) -> Tuple[int, str]:
+        self.refused += 1
+        log.warning("engine upload refused (%d): %s", status, why)
+        return status, "[upload_refused] " + why
+
+    def receive(self, token: str, body: Any, length: int,
+                headers: Optional[Mapping[str, str]] = None) -> Tuple[int, str]:
+        """The PUT of a builder's engine: (HTTP status, message). Checked in this order,
+        none of it using the token up: the token, the size, the builder's signature over
+        the claimed sha256 and size, the container's magic; then the body is hashed as it is
+        written and must be what was signed."""
+        from agent.wire import device_identity
+
+        headers = headers or {}
         with self._lock:
-            owner = self._tokens.pop(token, None)
+            owner = self._tokens.get(token)
         if owner is None:
-            return 404, "no such share upload (unknown or used token)"
+            return self._refuse(404, "no such share upload (unknown, used, or its rollout "
+                                     "ended)")
+        rollout_id, device, job_id = owner
         if length <= 0 or length > self.max_bytes:
-            return 413, "an engine of 1 to {} bytes is expected, found {}".format(
-                self.max_bytes, length)
+            return self._refuse(413, "an engine of 1 to {} bytes is expected, found {}".format(
+                self.max_bytes, length))
+        claimed = str(headers.get("X-Content-Sha256") or "").lower()
+        pinned = self.builder_key(device)
+        if pinned is None:
+            return self._refuse(403, "builder {} has no pinned key: its engines are not "
+                                     "taken".format(device))
+        raw, engine_class = pinned
+        statement = device_identity.engine_statement(device, job_id, claimed, length,
+                                                     engine_class)
+        sig = str(headers.get("X-Engine-Signature") or "")
+        if len(claimed) != 64 or not device_identity.verify_engine(raw, statement, sig):
+            return self._refuse(403, "expected the engine signed by builder {} (X-Engine-"
+                                     "Signature over its sha256 and size), found {}".format(
+                                         device, "no signature" if not sig else
+                                         "a signature that does not verify"))
+        head = body.read(len(MAGIC))
+        if head != MAGIC:
+            return self._refuse(400, "expected a shared-engine container ({!r}), found {!r}"
+                                .format(MAGIC.strip(), head[:16]))
         os.makedirs(os.path.join(self.directory, "tmp"), exist_ok=True)
         tmp = os.path.join(self.directory, "tmp", "share-" + token)
-        digest = hashlib.sha256()
-        left = length
+        digest = hashlib.sha256(head)
+        left = length - len(head)
         try:
             with open(tmp, "wb") as out:
+                out.write(head)
                 while left > 0:
                     data = body.read(min(1 << 16, left))
                     if not data:
@@ -187,16 +239,25 @@ class ShareBoard(object):
         except BaseException:  # a reset or timed-out upload leaves no file behind
             os.unlink(tmp)
             raise
-        if left:
-            os.unlink(tmp)
-            return 400, "the body ended {} bytes early".format(left)
         sha = digest.hexdigest()
-        ref = self._store(tmp, sha, length, owner[1])
+        if left or sha != claimed:
+            os.unlink(tmp)
+            return self._refuse(400, "the body ended {} bytes early".format(left) if left else
+                                "the body's sha256 is {}, the builder signed {}".format(
+                                    sha, claimed))
         with self._lock:
-            self._arrived.append((owner[0], owner[1], ref))
+            if self._tokens.pop(token, None) is None:  # revoked while it was written
+                os.unlink(tmp)
+                return self._refuse(404, "the rollout ended during the upload")
+        ref = self._store(tmp, sha, length, device)
+        ref["builder"] = {"device": device, "job_id": job_id, "sig": sig,
+                          "public_key": base64.b64encode(raw).decode("ascii"),
+                          "engine_class": engine_class}
+        with self._lock:
+            self._arrived.append((rollout_id, device, ref))
             self.received += 1
-        log.info("engine %s (%d bytes) offered by %s for rollout %s", sha[:16], length,
-                 owner[1], owner[0])
+        log.info("engine %s (%d bytes) offered by %s for rollout %s (signed by its key)",
+                 sha[:16], length, device, rollout_id)
         return 201, sha
 
     def _place(self, src: str, sha: str) -> str:
@@ -232,7 +293,8 @@ class ShareBoard(object):
                                     ref["name"] + ".blocks")
             self.add_file(ref["path"], sha)
             self.add_file(ref["blocks_path"], bsha)
-            out.append((rid, device, {k: ref[k] for k in ("sha256", "size", "name", "blocks")}))
+            out.append((rid, device, {k: ref[k] for k in ("sha256", "size", "name", "blocks",
+                                                          "builder")}))
         return out
 
 

@@ -105,8 +105,11 @@ def doc_factory(spec: Mapping[str, Any],
         if "calibration" in artifacts and calibration:
             plan["calibration"] = dict(calibration)
         arts = artifacts
-        if share and share.get("engine"):  # signed with the document like the model
-            engine = dict(share["engine"])
+        shared: Dict[str, Any] = (share or {}).get("engine") or {}
+        engine_ok = shared.get("builder") and (
+            features is None or "signed_engines" in features(device))
+        if engine_ok:  # signed with the document like the model, with its builder's proof
+            engine = dict(shared)
             url = url_for(engine) if url_for is not None else None
             if url:
                 engine["url"] = url

@@ -92,10 +92,12 @@ class Store(object):
               now, d) for d, m in sorted(telemetry.items())])
 
     def devices(self) -> List[Dict[str, Any]]:
-        """Every device ever heard of, sorted by id (no limit: the registry is the table)."""
+        """Every admitted device ever heard of, sorted by id (no limit: the registry is the
+        table); a device sent back to pending or rejected (agent.fleet.admission) is left out."""
         rows = self.db.query("SELECT device_id, online, boot, board, platform, status, reason, "
                              "first_seen, last_seen, telemetry, telemetry_ts FROM devices "
-                             "ORDER BY device_id")
+                             "WHERE device_id NOT IN (SELECT device_id FROM device_keys WHERE "
+                             "state IN ('pending', 'rejected')) ORDER BY device_id")
         return [self._device(r) for r in rows]
 
     def device(self, device_id: str) -> Optional[Dict[str, Any]]:
@@ -117,6 +119,79 @@ class Store(object):
     def statuses(self) -> Dict[str, Dict[str, Any]]:
         """device -> its last status message (with the last known platform)."""
         return {d["device"]: d["status"] for d in self.devices()}
+
+    # -- admission (agent.fleet.admission) -----------------------------------------------------
+
+    _KEY_COLUMNS = ("state", "key_id", "public_key", "pending_key_id", "pending_public_key",
+                    "pending_since", "pending_status", "updated")
+
+    def device_keys(self, state: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+        sql = "SELECT device_id, " + ", ".join(self._KEY_COLUMNS) + " FROM device_keys"
+        rows = self.db.query(sql + (" WHERE state = ?" if state else ""),
+                             (state,) if state else ())
+        out = {}
+        for r in rows:
+            row = dict(zip(("device",) + self._KEY_COLUMNS, r))
+            row["pending_status"] = _loads(row["pending_status"])
+            out[r[0]] = row
+        return out
+
+    def put_device_key(self, device: str, row: Mapping[str, Any]) -> None:
+        values = [row.get(c) for c in self._KEY_COLUMNS]
+        values[6] = _dumps(row.get("pending_status"))
+        values[7] = time.time()
+        cols = ", ".join(self._KEY_COLUMNS)
+        self.db.execute("INSERT INTO device_keys (device_id, {}) VALUES (?, {}) ON CONFLICT "
+                        "(device_id) DO UPDATE SET {}".format(
+                            cols, ", ".join("?" for _ in self._KEY_COLUMNS),
+                            ", ".join("{0} = excluded.{0}".format(c)
+                                      for c in self._KEY_COLUMNS)), [device] + values)
+
+    def pending_count(self) -> int:
+        return int(self.db.query("SELECT COUNT(*) FROM device_keys WHERE state = 'pending'")
+                   [0][0])
+
+    def evict_oldest_pending(self) -> Optional[str]:
+        rows = self.db.query("SELECT device_id FROM device_keys WHERE state = 'pending' ORDER "
+                             "BY pending_since LIMIT 1")
+        if not rows:
+            return None
+        self.db.execute("DELETE FROM device_keys WHERE device_id = ?", (rows[0][0],))
+        return str(rows[0][0])
+
+    def seed_legacy_devices(self) -> None:
+        """Once, when admission first runs on a database: every device already in the
+        registry (a fleet of the previous release) becomes *legacy*: served as before."""
+        with self.db.transaction():
+            if self.db.query("SELECT 1 FROM meta WHERE key = 'admission_seeded'"):
+                return
+            now = time.time()
+            self.db.execute("INSERT INTO device_keys (device_id, state, updated) SELECT "
+                            "device_id, 'legacy', ? FROM devices WHERE device_id NOT IN "
+                            "(SELECT device_id FROM device_keys)", (now,))
+            self.db.execute("INSERT INTO meta (key, value) VALUES ('admission_seeded', ?) ON "
+                            "CONFLICT (key) DO NOTHING", (str(now),))
+
+    def legacy_window(self) -> Optional[float]:
+        rows = self.db.query("SELECT value FROM meta WHERE key = 'legacy_trust_until'")
+        return float(rows[0][0]) if rows else None
+
+    def set_legacy_window(self, until: float) -> None:
+        self.db.execute("INSERT INTO meta (key, value) VALUES ('legacy_trust_until', ?) ON "
+                        "CONFLICT (key) DO UPDATE SET value = excluded.value", (str(until),))
+
+    def put_admission_counters(self, instance: str, counters: Mapping[str, int]) -> None:
+        self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO "
+                        "UPDATE SET value = excluded.value",
+                        ("admission:" + instance, _dumps(dict(counters))))
+
+    def admission_counters(self) -> Dict[str, int]:
+        """The admission counters of every service instance, summed."""
+        out: Dict[str, int] = {}
+        for (value,) in self.db.query("SELECT value FROM meta WHERE key LIKE 'admission:%'"):
+            for k, v in (_loads(value) or {}).items():
+                out[k] = out.get(k, 0) + int(v)
+        return out
 
     # -- artifacts ----------------------------------------------------------------------------
 

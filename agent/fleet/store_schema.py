@@ -46,6 +46,11 @@ CREATE TABLE IF NOT EXISTS rollbacks (
   ok INTEGER, error_code TEXT, error_message TEXT, result TEXT, origin TEXT);
 CREATE INDEX IF NOT EXISTS rollbacks_rollout ON rollbacks (rollout_id, sent);
 CREATE INDEX IF NOT EXISTS rollbacks_device ON rollbacks (device_id, sent);
+CREATE TABLE IF NOT EXISTS device_keys (
+  device_id TEXT PRIMARY KEY, state TEXT NOT NULL, key_id TEXT, public_key TEXT,
+  pending_key_id TEXT, pending_public_key TEXT, pending_since DOUBLE PRECISION,
+  pending_status TEXT, updated DOUBLE PRECISION);
+CREATE INDEX IF NOT EXISTS device_keys_state ON device_keys (state, pending_since);
 CREATE TABLE IF NOT EXISTS services (
   instance TEXT PRIMARY KEY, heartbeat DOUBLE PRECISION, pid INTEGER, host TEXT,
   started DOUBLE PRECISION);

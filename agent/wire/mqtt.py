@@ -21,7 +21,7 @@ import ssl
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import paho.mqtt.client as paho
 
@@ -86,6 +86,7 @@ class MqttClient:
         reconnect_max: float = 30.0,
         events: "Optional[queue.Queue[Event]]" = None,
         max_events: int = 2000,
+        signer: Optional[Callable[[str, bytes], List[Tuple[str, str]]]] = None,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise AgentError("bad_config", "MQTT protocol must be one of {}, found {!r}".format(
@@ -96,6 +97,9 @@ class MqttClient:
         self.session_expiry = int(session_expiry)
         self.clean_start = clean_start
         self.max_packet_bytes = max_packet_bytes
+        # (topic, payload) -> MQTT v5 user properties put on every publish (a device's report
+        # signature, agent.wire.device_identity); None: none.
+        self.signer = signer if protocol == "v5" else None
         self.events: "queue.Queue[Event]" = events if events is not None else queue.Queue(
             max_events)
         self.last_error = ""
@@ -131,7 +135,11 @@ class MqttClient:
                                  keyfile=tls.key_file, cert_reqs=ssl.CERT_REQUIRED)
             self._client.tls_insecure_set(tls.insecure)
         if will is not None:
-            self._client.will_set(will.topic, will.payload, will.qos, will.retain)
+            will_props = None
+            if v5 and will.user_properties:
+                will_props = self._properties("WILLMESSAGE", will.user_properties)
+            self._client.will_set(will.topic, will.payload, will.qos, will.retain,
+                                  properties=will_props)
         self._client.on_connect = self._on_connect
         self._client.on_connect_fail = self._on_connect_fail
         self._client.on_disconnect = self._on_disconnect
@@ -194,18 +202,21 @@ class MqttClient:
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                 token: Any = None, correlation: Optional[bytes] = None,
-                response_topic: Optional[str] = None) -> PublishHandle:
+                response_topic: Optional[str] = None,
+                user_properties: Optional[List[Tuple[str, str]]] = None) -> PublishHandle:
         """Hand a message to paho (queued while disconnected, resent after a reconnect).
         With a ``token``, a PUBLISHED event carrying it follows the broker's acknowledgement.
-        ``correlation`` / ``response_topic`` are MQTT v5 properties (ignored on 3.1.1)."""
+        ``correlation`` / ``response_topic`` / ``user_properties`` are MQTT v5 properties
+        (ignored on 3.1.1); the client's ``signer`` adds its own to every message."""
         handle = PublishHandle(topic, token)
         handle.size = len(payload)
         props = None
-        if self.protocol == "v5" and (correlation is not None or response_topic is not None):
-            from paho.mqtt.packettypes import PacketTypes
-            from paho.mqtt.properties import Properties
-
-            props = Properties(PacketTypes.PUBLISH)
+        users = list(user_properties or [])
+        if self.signer is not None:
+            users += self.signer(topic, payload)
+        if self.protocol == "v5" and (correlation is not None or response_topic is not None
+                                      or users):
+            props = self._properties("PUBLISH", users)
             if correlation is not None:
                 props.CorrelationData = bytes(correlation)
             if response_topic is not None:
@@ -222,6 +233,16 @@ class MqttClient:
         if early is not None:
             self._ack(handle, *early)
         return handle
+
+    @staticmethod
+    def _properties(packet: str, users: List[Tuple[str, str]]) -> Any:
+        from paho.mqtt.packettypes import PacketTypes
+        from paho.mqtt.properties import Properties
+
+        props = Properties(getattr(PacketTypes, packet))
+        if users:
+            props.UserProperty = [(str(k), str(v)) for k, v in users]
+        return props
 
     def abandon(self, handle: PublishHandle) -> None:
         """Never resend ``handle``'s message (the owner replaced it: the broker kept refusing
@@ -376,10 +397,13 @@ class MqttClient:
         props = getattr(message, "properties", None)
         response_topic = getattr(props, "ResponseTopic", None) if props is not None else None
         correlation = getattr(props, "CorrelationData", None) if props is not None else None
+        users = getattr(props, "UserProperty", None) if props is not None else None
         self._put(Event(MESSAGE, topic=topic, payload=bytes(message.payload),
                         retain=bool(message.retain), qos=int(message.qos),
                         response_topic=response_topic,
-                        correlation=bytes(correlation) if correlation is not None else None))
+                        correlation=bytes(correlation) if correlation is not None else None,
+                        user_properties=[(str(k), str(v)) for k, v in users[:16]]
+                        if isinstance(users, list) else None))
 
     def _on_publish(self, client: Any, userdata: Any, mid: int, *args: Any) -> None:
         rc = args[0] if args else 0

@@ -4,18 +4,20 @@
 """
 
 import threading
-from typing import Any, Optional
+from typing import Any, List, Optional, Tuple
 
 
 class Event:
     __slots__ = ("kind", "topic", "payload", "retain", "qos", "token", "ok", "reason",
-                 "session_present", "response_topic", "correlation", "code", "held_s")
+                 "session_present", "response_topic", "correlation", "code", "held_s",
+                 "user_properties")
 
     def __init__(self, kind: str, topic: str = "", payload: bytes = b"", retain: bool = False,
                  qos: int = 0, token: Any = None, ok: bool = True, reason: str = "",
                  session_present: bool = False, response_topic: Optional[str] = None,
                  correlation: Optional[bytes] = None, code: Optional[int] = None,
-                 held_s: Optional[float] = None) -> None:
+                 held_s: Optional[float] = None,
+                 user_properties: Optional[List[Tuple[str, str]]] = None) -> None:
         self.kind, self.topic, self.payload, self.retain = kind, topic, payload, retain
         self.qos, self.token, self.ok, self.reason = qos, token, ok, reason
         self.session_present = session_present
@@ -23,6 +25,7 @@ class Event:
         self.correlation = correlation
         self.code = code  # the reason code of a DISCONNECT the broker sent (v5), else None
         self.held_s = held_s  # how long the connection a DISCONNECTED event ends had lasted
+        self.user_properties = user_properties or []  # MQTT v5 (a device's report signature)
 
     def nbytes(self) -> int:
         """Memory this event holds, roughly (the daemon bounds its queue by it)."""
@@ -34,8 +37,10 @@ class Event:
 
 
 class Will:
-    def __init__(self, topic: str, payload: bytes, qos: int = 1, retain: bool = True) -> None:
+    def __init__(self, topic: str, payload: bytes, qos: int = 1, retain: bool = True,
+                 user_properties: Optional[List[Tuple[str, str]]] = None) -> None:
         self.topic, self.payload, self.qos, self.retain = topic, payload, qos, retain
+        self.user_properties = list(user_properties or [])  # MQTT v5 Will properties
 
 
 class TlsOptions:

@@ -139,11 +139,18 @@ class JobContext(object):
         from agent.engines.build import build_engine
 
         self.progress("building", 0, 0)
-        shared = {"container": self.files.get("engine")} if use_shared else None
+        container = self.files.get("engine") if use_shared else None
+        refused = str((self.spec.get("share") or {}).get("refused") or "")
+        if container and "goldens" not in self.files:
+            # Never adopted blind: without goldens nothing could gate the builder's engine.
+            container, refused = None, "no goldens to gate a shared engine with: built here"
+        shared = {"container": container} if use_shared else None
         record = build_engine(self.files["model"], self.plan, self.backend, self.cache,
                               self.spec["platform_fingerprint"], self.progress,
                               calibration_dir=self.spec["calibration_dir"],
                               model_name=self.spec.get("model_name"), shared=shared)
+        if use_shared and refused:
+            self.share = {"mode": "built", "reason": refused}
         if shared is not None and shared.get("container"):
             # An engine of the fleet was sent: adopted (and checked), else built here.
             self.share = {"mode": "adopted" if shared.get("adopted") else "built",
@@ -257,15 +264,12 @@ def _counts(layers: Dict[str, str]) -> Dict[str, int]:
 
 
 def quick_check_shared(job: JobContext, record: Any) -> str:
-    """The quick accuracy check of an adopted engine: the job's first goldens through it,
-    judged by the job's gate. "" when it passes (or the job has no goldens: the deploy has
-    nothing to gate against either), else why not; the caller drops the entry and builds."""
-    from agent.engines.share import QUICK_CHECK_INPUTS
-
+    """The accuracy check of an adopted engine: every golden through it, judged by the job's
+    gate. "" when it passes, else why not; the caller drops the entry and builds."""
     data = job.load_goldens()
-    if data is None:
-        return ""
-    n = min(QUICK_CHECK_INPUTS, len(data["inputs"]))
+    if data is None:  # build() never adopts without goldens
+        return "no goldens to gate a shared engine with"
+    n = len(data["inputs"])  # the full gate: a trigger input may hide past the first few
     try:
         with job.backend.open(record.engine_path) as runner:
             outputs = [runner.infer(feed) for feed in data["inputs"][:n]]
@@ -274,4 +278,4 @@ def quick_check_shared(job: JobContext, record: Any) -> str:
         return "the shared engine failed its quick check: {}".format(str(exc)[:200])
     if report["passed"]:
         return ""
-    return "the shared engine fails the goldens here (quick check of {} input(s))".format(n)
+    return "the shared engine fails the goldens here ({} input(s))".format(n)

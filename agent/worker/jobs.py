@@ -213,6 +213,9 @@ def engine_share_offer(url: str, record: Any, info: Dict[str, Any], job: JobCont
     from agent.engines import share as engine_share
 
     calib = ((info.get("plan") or {}).get("calibration") or {}).get("cache")
+    share = job.spec.get("share") or {}
     return engine_share.offer(url, record.key, record.engine_path, info,
                               str(job.spec.get("device") or ""), job.spec["work_dir"],
-                              calibration_cache=calib if isinstance(calib, str) else None)
+                              calibration_cache=calib if isinstance(calib, str) else None,
+                              signer=share.get("signer"), job_id=str(job.spec.get("job_id")),
+                              engine_class=share.get("engine_class"))

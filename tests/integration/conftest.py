@@ -18,6 +18,35 @@ from tests.integration.controller import Controller
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 
 
+# --- device identity: every test daemon has its own key, every test controller admits by
+# --- the pre-provisioned list of those keys (docs/security.md, "Admission")
+
+@pytest.fixture(autouse=True)
+def admission_keys(tmp_path, monkeypatch):
+    """The keys file the fleet commands of this test admit devices by
+    (``--admission keys``, through its environment defaults); ``AgentProcess`` adds each
+    daemon's public key to it."""
+    path = tmp_path / "admission-keys"
+    path.write_text("# device public keys of this test\n")
+    monkeypatch.setenv("JETSON_AGENT_FLEET_ADMISSION", "keys")
+    monkeypatch.setenv("JETSON_AGENT_FLEET_ADMISSION_KEYS", str(path))
+    return str(path)
+
+
+def provision_device_key(workdir, keys_file=None):
+    """``device.key`` in ``workdir`` (beside its agent.yaml: the default place) and its public
+    key appended to the keys file (default: this test's, from the environment)."""
+    from agent.wire.device_identity import create_device_key
+
+    key_path = os.path.join(str(workdir), "device.key")
+    key = create_device_key(key_path) if not os.path.exists(key_path) else None
+    keys_file = keys_file or os.environ.get("JETSON_AGENT_FLEET_ADMISSION_KEYS")
+    if key is not None and keys_file:
+        with open(keys_file, "a") as f:
+            f.write(key.public_base64 + "\n")
+    return key_path
+
+
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -114,13 +143,14 @@ class AgentProcess:
     jobs); ``broker_extra``: more lines of its broker section (TLS, credentials)."""
 
     def __init__(self, broker, workdir, device="dev1", extra_config="", security=None,
-                 broker_extra=""):
+                 broker_extra="", identity=True):
         self.broker = broker
         self.device = device
         self.workdir = str(workdir)
         self.state_dir = os.path.join(self.workdir, "state")
         self.config = os.path.join(self.workdir, "agent.yaml")
         self.log = os.path.join(self.workdir, "agent.log")
+        self.key_path = provision_device_key(self.workdir) if identity else None
         with open(self.config, "w") as f:
             f.write(
                 "device_id: {dev}\n"

@@ -5,11 +5,10 @@ documents); then a builder that offers a tampered engine (a well-formed containe
 are no engine) makes the devices of its class fall back to building, and say why.
 """
 
+import hashlib
 import json
 import time
 import urllib.request
-
-import paho.mqtt.publish as mqtt_publish
 
 from agent.engines import share as engine_share
 from agent.fleet.store import Store
@@ -81,8 +80,20 @@ def test_one_build_two_adoptions_then_a_tampered_engine_falls_back(
         garbage = tmp_path / "garbage"
         garbage.write_bytes(b"not an engine " * 64)
         engine_share.write_container(str(bad), key, str(garbage), {}, "sh-0")
-        req = urllib.request.Request(doc["share"]["offer"], data=bad.read_bytes(),
-                                     method="PUT")
+        # A compromised builder has its own device key: it signs what it uploads and
+        # reports (anyone else's upload is refused: tests/unit/test_share_uploads.py).
+        from agent.wire import device_identity
+
+        evil_key = device_identity.load_device_key(evil.key_path)
+        reg = Store(db)
+        evil_class = (reg.device("sh-0")["platform"] or {}).get("engine_class")
+        reg.close()
+        data = bad.read_bytes()
+        sha = hashlib.sha256(data).hexdigest()
+        sig = device_identity.sign_engine(evil_key, device_identity.engine_statement(
+            "sh-0", "ro-bad", sha, len(data), evil_class))
+        req = urllib.request.Request(doc["share"]["offer"], data=data, method="PUT", headers={
+            "X-Content-Sha256": sha, "X-Engine-Signature": sig})
         with urllib.request.urlopen(req, timeout=10) as resp:
             assert resp.status == 201
         topic = Topics().job_status("sh-0", "ro-bad")
@@ -90,7 +101,15 @@ def test_one_build_two_adoptions_then_a_tampered_engine_falls_back(
                   "state": "SUCCEEDED", "version": 1, "ts": time.time(), "statusDetails": {},
                   "result": {"engine_key": key, "share": {"mode": "built", "offered": True}}}
         host, port = mosquitto.url.split("://")[-1].rsplit(":", 1)
-        mqtt_publish.single(topic, json.dumps(status), qos=1, hostname=host, port=int(port))
+        from agent.wire.mqtt import MqttClient
+
+        payload = json.dumps(status).encode()
+        client = MqttClient("evil-sh-0", host, int(port), clean_start=True, session_expiry=0)
+        client.start()
+        client.wait_connected(10)
+        assert client.publish(topic, payload, user_properties=device_identity.ReportSigner(
+            evil_key, "sh-0", 1000).properties(topic, payload)).wait(10)
+        client.stop()
         report = wait_rollout(db, "ro-bad", lambda r: r["state"] in (
             "succeeded", "failed", "aborted"), service, timeout=180)
         rows = {r["device"]: r for r in report["devices"]}

@@ -1,0 +1,82 @@
+"""Device admission from the command line (docs/security.md, "Admission"): the
+``--admission`` arguments of ``fleet serve`` and ``fleet rollout`` (defaults from
+$JETSON_AGENT_FLEET_ADMISSION and $JETSON_AGENT_FLEET_ADMISSION_KEYS), the ``Admission`` they
+make, and ``fleet devices pending|accept|reject|trust-legacy`` on the fleet database.
+"""
+
+import argparse
+import json
+import os
+import time
+from typing import Any, List
+
+from agent.cli import EXIT_OK
+from agent.errors import AgentError
+from agent.fleet import admission
+
+
+def add_admission_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("admission (docs/security.md)")
+    g.add_argument("--admission", choices=admission.POLICIES,
+                   default=os.environ.get("JETSON_AGENT_FLEET_ADMISSION", "manual"),
+                   help="which devices are heard: manual (default: new devices wait in 'fleet "
+                        "devices pending'), keys (those whose key is in --admission-keys), "
+                        "open (labs only: anyone); $JETSON_AGENT_FLEET_ADMISSION")
+    g.add_argument("--admission-keys", metavar="FILE",
+                   default=os.environ.get("JETSON_AGENT_FLEET_ADMISSION_KEYS"),
+                   help="the devices' public keys, one per line (from manufacturing: "
+                        "jetson-agent keygen --device); $JETSON_AGENT_FLEET_ADMISSION_KEYS")
+    g.add_argument("--max-pending", type=int, default=admission.MAX_PENDING, metavar="N",
+                   help="devices the pending list holds (the oldest evicted; default "
+                        "%(default)s)")
+
+
+def make_admission(args: argparse.Namespace, store: Any) -> admission.Admission:
+    if args.admission == "keys" and not args.admission_keys:
+        raise AgentError("bad_argument", "--admission keys needs --admission-keys FILE (the "
+                         "devices' public keys, one per line)")
+    keys = admission.load_keys_file(args.admission_keys) if args.admission_keys else {}
+    return admission.Admission(store, args.admission, keys, max_pending=args.max_pending,
+                               keys_path=args.admission_keys)
+
+
+def run_admin(args: argparse.Namespace, store_url: str) -> int:
+    from agent.fleet.store import Store
+
+    store = Store(store_url)
+    try:
+        if args.action == "pending":
+            rows: List[Any] = [
+                {"device": d, "state": r["state"], "key_id": r["pending_key_id"],
+                 "public_key": r["pending_public_key"], "since": r["pending_since"],
+                 "board": ((r.get("pending_status") or {}).get("platform") or {}).get("board")}
+                for d, r in sorted(store.device_keys().items()) if r.get("pending_key_id")]
+            if args.json:
+                print(json.dumps(rows, indent=2, sort_keys=True))
+            elif not rows:
+                print("no device waits for admission")
+            else:
+                for r in rows:
+                    print("{:<32} {:<8} key {}  board {}  ({})".format(
+                        r["device"], r["state"], r["key_id"], r["board"] or "-",
+                        "legacy, served unsigned until accepted" if r["state"] == "legacy"
+                        else "pending"))
+            return EXIT_OK
+        if args.action == "trust-legacy":
+            until = time.time() + float(args.window)
+            store.set_legacy_window(until)
+            print("legacy devices' first keys are pinned as they arrive until {} (UTC)".format(
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(until))))
+            return EXIT_OK
+        if not args.device:
+            raise AgentError("bad_argument", "fleet devices {} needs a device id".format(
+                args.action))
+        if args.action == "accept":
+            row = admission.accept(store, args.device, args.key)
+            print("device {} admitted with key {}".format(args.device, row["key_id"]))
+        else:
+            admission.reject(store, args.device)
+            print("device {} rejected: its messages are dropped".format(args.device))
+        return EXIT_OK
+    finally:
+        store.close()
