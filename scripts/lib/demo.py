@@ -262,12 +262,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         from agent.wire import job_signer
 
         key = job_signer.generate_keypair(os.path.join(workdir, "keys"), "demo")
-        agent_conf = os.path.join(workdir, "agent.yaml")
-        with open(agent_conf, "w") as f:
-            f.write("security:\n  trusted_keys: [{}]\n".format(key["public_key"]))
-            if with_app:
-                f.write(demo_flow.AGENT_APP_CONFIG)
+        # Each device has its own identity key (install-jetson makes it on a Jetson); the
+        # controller admits exactly these, pre-provisioned (fleet --admission keys).
+        from agent.wire.device_identity import create_device_key
+
+        admitted = os.path.join(workdir, "keys", "admitted-devices")
+        env.update(JETSON_AGENT_FLEET_ADMISSION="keys",
+                   JETSON_AGENT_FLEET_ADMISSION_KEYS=admitted)
         for dev in DEVICES:
+            device_key = create_device_key(os.path.join(workdir, "keys", dev + ".key"))
+            with open(admitted, "a") as f:
+                f.write(device_key.public_base64 + "\n")
+            agent_conf = os.path.join(workdir, dev + ".yaml")
+            with open(agent_conf, "w") as f:
+                f.write("security:\n  trusted_keys: [{}]\n  device_key: {}\n".format(
+                    key["public_key"], device_key.path))
+                if with_app:
+                    f.write(demo_flow.AGENT_APP_CONFIG)
             children.start(dev, [sys.executable, "-m", "agent", "run", "--config", agent_conf,
                                  "--broker", broker, "--device-id", dev, "--state-dir",
                                  os.path.join(workdir, dev), "--backend", "onnxruntime"],
@@ -301,6 +312,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                          for dev in DEVICES}, common, run_cli, env, workdir))
         else:
             print("\ndemo: the example app's part is left out (--no-app)")
+        # Every model each device holds, as name@version (state).
+        codes.append(run_cli(["fleet", "devices", "--broker", broker, "--wait", "2.5"], env))
         recorder.close()
         print("\nMessages on the wire during the demo (payload and topic bytes; an MQTT "
               "PUBLISH adds a few bytes of header):")
