@@ -174,7 +174,10 @@ def _docs(dev):
     return [d for d in dev.docs if d["kind"] == "deploy"]
 
 
-def test_rollout_by_name_and_rollback_by_name_through_the_service(mosquitto, tmp_path):
+def test_rollout_by_name_and_rollback_by_name_through_the_service(mosquitto, tmp_path,
+                                                                  monkeypatch):
+    # The stand-in devices speak the protocol without identity keys: an open admission.
+    monkeypatch.setenv("JETSON_AGENT_FLEET_ADMISSION", "open")
     db = "sqlite:///" + str(tmp_path / "fleet.db")
     new = Device("new-1", named=True, models={"detector": {
         "version": "v1", "previous": None, "job_id": "det-v1", "model": V1}})
