@@ -186,10 +186,12 @@ def _ordered(node: Any) -> Any:
     a condition requires. A conjunction either way, so the meaning is unchanged."""
     if not isinstance(node, dict):
         return node
-    out = {}
+    out: Dict[str, Any] = {}
     for key, val in node.items():
         if key in ("properties", "$defs"):
             out[key] = {name: _ordered(sub) for name, sub in val.items()}
+        elif key in ("then", "else") and isinstance(val, dict) and not set(val) - _ANNOTATIONS:
+            out[key] = True  # fastjsonschema 2.21 generates a block with no body for {}
         elif key in ("items", "additionalProperties", "propertyNames", "if", "then", "else"):
             out[key] = _ordered(val)
         elif key == "allOf":

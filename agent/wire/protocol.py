@@ -1,9 +1,10 @@
 """The MQTT protocol's core: its vocabulary, ids, the message codec and the artifact blocks.
 
 Pure: no paho, no files except the JSON Schemas shipped in ``agent/data/schemas/`` (the contract
-for controllers in other languages; ``docs/protocol.md`` describes it), checked by the subset
-validator in ``json_schema`` (fastjsonschema, each kind compiled once). Around this core: ``topics`` (topic names), ``job_document`` (a
-job beyond its schema), ``status_messages`` (device, job and command-reply messages).
+for controllers in other languages; ``docs/protocol.md`` describes it), checked through
+``json_schema`` (fastjsonschema; each kind compiled once, on first use). Around this core:
+``topics`` (topic names), ``job_document`` (a job beyond its schema), ``status_messages``
+(device, job and command-reply messages).
 """
 
 import base64
