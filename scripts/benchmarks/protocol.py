@@ -14,7 +14,7 @@ import timeit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # after PYTHONPATH: PYTHONPATH=<another tree> times that tree
 
 REPEATS = 5
 SHA = "0123456789abcdef" * 4
