@@ -114,7 +114,7 @@ class Validator:
         self._schema = schema
         self._validate = _compile(schema, schema.get("$defs", {}))
         self._keys_lock = threading.Lock()
-        self._key_validators: Dict[int, Callable[..., Any]] = {}
+        self._key_validators: Dict[str, Callable[..., Any]] = {}
 
     def first_violation(self, value: Any, path: str) -> Optional[str]:
         return self._run(self._validate, value, path)
@@ -127,7 +127,7 @@ class Validator:
         return None
 
     def _message(self, exc: "fastjsonschema.JsonSchemaValueException") -> str:
-        path, rule, value = exc.name, exc.rule, exc.value
+        path, rule, value = exc.name or "", exc.rule, exc.value
         sch = exc.definition if isinstance(exc.definition, dict) else {}
         if rule == "type":
             types = sch["type"] if isinstance(sch["type"], list) else [sch["type"]]
@@ -168,12 +168,15 @@ class Validator:
         return "{}: expected the schema's {} ({}), found {}".format(path, rule, said, short(value))
 
     def _key_validator(self, sub: Any) -> Callable[..., Any]:
-        """The propertyNames schema compiled alone, to name the key that broke it."""
+        """The propertyNames schema compiled alone, to name the key that broke it (keyed by its
+        text: the library rebuilds the definition it reports at each error, so there are as
+        many keys as propertyNames schemas in the file)."""
+        text = json.dumps(sub, sort_keys=True)
         with self._keys_lock:
-            if id(sub) not in self._key_validators:
-                self._key_validators[id(sub)] = _compile({"allOf": [sub]},
-                                                         self._schema.get("$defs", {}))
-            return self._key_validators[id(sub)]
+            if text not in self._key_validators:
+                self._key_validators[text] = _compile({"allOf": [sub]},
+                                                      self._schema.get("$defs", {}))
+            return self._key_validators[text]
 
 
 _LATER = ("allOf", "if", "then", "else")

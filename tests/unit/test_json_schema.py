@@ -169,3 +169,13 @@ def test_each_kind_compiles_once_whatever_the_threads(monkeypatch):
 def test_every_schema_file_compiles():
     for kind in protocol.MESSAGE_KINDS:
         assert protocol._validator(kind) is protocol._validator(kind)
+
+
+def test_a_bad_key_compiles_its_propertynames_schema_once():
+    """The library rebuilds the failing definition at each error: hostile keys must not grow
+    a cache of compiled key validators."""
+    validator = json_schema.Validator(SCHEMA, "t")
+    for i in range(50):
+        err = validator.first_violation({"n": 1, "o": {"k" * (4 + i): 1}}, "t")
+        assert err.startswith("t.o key 'kkkk") and "expected at most 3 characters" in err
+    assert len(validator._key_validators) == 1
