@@ -180,7 +180,6 @@ class Validator:
 
 
 _LATER = ("allOf", "if", "then", "else")
-_KEEP = ("$defs", "$schema", "$comment", "title", "description")
 
 
 def _ordered(node: Any) -> Any:
@@ -201,19 +200,19 @@ def _ordered(node: Any) -> Any:
             out[key] = [_ordered(sub) for sub in val]
         else:
             out[key] = copy.deepcopy(val)
-    own = {k: v for k, v in out.items() if k not in _LATER and k not in _KEEP}
+    own = {k: v for k, v in out.items() if k not in _LATER and k not in _ANNOTATIONS}
     if not own or not any(k in out for k in ("allOf", "if")):
         return out
     later = [own] + list(out.get("allOf", []))
     if "if" in out:
         later.append({k: out[k] for k in ("if", "then", "else") if k in out})
-    return dict({k: out[k] for k in _KEEP if k in out}, allOf=later)
+    return dict({k: v for k, v in out.items() if k in _ANNOTATIONS}, allOf=later)
 
 
 def _compile(schema: Dict[str, Any], defs: Dict[str, Any]) -> Callable[..., Any]:
     """Compile as draft-07 (what check_keywords keeps equal to 2020-12) without the root's
     ``$id``: every $ref is local, so no base URI is needed."""
-    doc = {key: val for key, val in _ordered(schema).items() if key not in ("$id", "$schema")}
+    doc = _ordered({key: val for key, val in schema.items() if key not in ("$id", "$schema")})
     doc["$schema"] = _DRAFT_07
     if defs and "$defs" not in doc:
         doc["$defs"] = copy.deepcopy(defs)
