@@ -1,13 +1,21 @@
-"""The JSON Schema subset that checks every message against agent/data/schemas (Python >= 3.8).
+"""Message validation against agent/data/schemas with fastjsonschema, in our words (Python >= 3.8).
 
 Generic and pure: it knows nothing of message kinds (``protocol.schema``/``protocol.validate``
-load the files and name the kind). It implements exactly the keywords those files use, and
-``check_keywords`` refuses any other (an unimplemented keyword would pass silently).
+load the files and name the kind). The schemas say draft 2020-12; fastjsonschema implements
+draft-07, so ``check_keywords`` admits only the keywords both drafts read the same way (and our
+messages render), and refuses what one of them would ignore or read differently: an unknown
+keyword, a ``$ref`` beside other keywords, a non-local ``$ref``, ``items`` as a list, a
+``const``/``enum`` holding numbers or booleans without a ``type`` (Python's ``True == 1``), and a
+``$`` anywhere but at a pattern's end. ``Validator`` compiles one schema (as draft-07, without
+its root ``$id``) and turns the library's first error into "<path>: expected X, found Y".
 """
 
+import copy
 import json
-import re
-from typing import Any, Dict, Optional
+import threading
+from typing import Any, Callable, Dict, Optional
+
+import fastjsonschema
 
 _ANNOTATIONS = frozenset(("$schema", "$id", "$defs", "$comment", "title", "description",
                           "default", "examples"))
@@ -16,32 +24,19 @@ _KEYWORDS = frozenset(("type", "enum", "const", "properties", "required", "addit
                        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
                        "minProperties", "maxProperties", "propertyNames", "$ref", "allOf", "if",
                        "then", "else")) | _ANNOTATIONS
-_PATTERNS: Dict[str, "re.Pattern[str]"] = {}
 _JSON_TYPES = ((bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
                (list, "array"), (dict, "object"))
+_DRAFT_07 = "http://json-schema.org/draft-07/schema#"
+_COUNTS = {"minLength": ("at least", "characters"), "maxLength": ("at most", "characters"),
+           "minItems": ("at least", "items"), "maxItems": ("at most", "items"),
+           "minProperties": ("at least", "keys"), "maxProperties": ("at most", "keys")}
+_BOUNDS = {"minimum": ">=", "maximum": "<=", "exclusiveMinimum": ">", "exclusiveMaximum": "<"}
 
 
 def short(value: Any, limit: int = 60) -> str:
     """A found value for an error message: its repr, cut to ``limit`` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def check_keywords(node: Any, where: str) -> None:
-    """Refuse schema keywords the validator does not implement (they would pass silently)."""
-    if isinstance(node, dict):
-        unknown = set(node) - _KEYWORDS
-        if unknown:
-            raise ValueError("{}: unsupported schema keywords {}".format(where, sorted(unknown)))
-        for key, child in node.items():
-            if key in ("properties", "$defs"):
-                for name, sub in child.items():
-                    check_keywords(sub, where + "." + name)
-            elif key in ("items", "additionalProperties", "propertyNames", "if", "then", "else"):
-                check_keywords(child, where)
-            elif key == "allOf":
-                for sub in child:
-                    check_keywords(sub, where)
 
 
 def json_type(value: Any) -> str:
@@ -53,128 +48,172 @@ def json_type(value: Any) -> str:
     return type(value).__name__
 
 
-def _is_type(value: Any, name: str) -> bool:
-    found = json_type(value)
-    return found == name or (name == "number" and found == "integer")
+def check_keywords(node: Any, where: str, root: bool = True) -> None:
+    """Refuse what the validator would ignore or read differently from draft 2020-12
+    (ValueError naming the place)."""
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        raise ValueError("{}: expected a schema object or boolean, found {}".format(
+            where, short(node)))
+    unknown = set(node) - _KEYWORDS
+    if unknown:
+        raise ValueError("{}: unsupported schema keywords {}".format(where, sorted(unknown)))
+    if not root and "$id" in node:
+        raise ValueError("{}: $id is allowed at the root only".format(where))
+    if "$ref" in node:
+        ref = node["$ref"]
+        if not isinstance(ref, str) or not ref.startswith("#/$defs/"):
+            raise ValueError("{}: only local $refs (#/$defs/...) are supported, found {!r}"
+                             .format(where, ref))
+        beside = set(node) - _ANNOTATIONS - {"$ref"}
+        if beside:  # draft-07 ignores keywords beside a $ref; 2020-12 applies them
+            raise ValueError("{}: keywords {} beside a $ref (put both in an allOf)".format(
+                where, sorted(beside)))
+    literals = list(node.get("enum", ())) + ([node["const"]] if "const" in node else [])
+    if "type" not in node and any(isinstance(v, (bool, int, float)) for v in literals):
+        raise ValueError("{}: a const or enum holding numbers or booleans needs a type (true "
+                         "would equal 1)".format(where))
+    pattern = node.get("pattern")
+    if isinstance(pattern, str) and _inner_dollar(pattern):
+        raise ValueError("{}: a pattern may use $ only as its end anchor, found {!r}".format(
+            where, pattern))
+    if isinstance(node.get("items"), list):
+        raise ValueError("{}: items must be one schema (a list means prefixItems in 2020-12)"
+                         .format(where))
+    for key, child in node.items():
+        if key in ("properties", "$defs"):
+            for name, sub in child.items():
+                check_keywords(sub, where + "." + name, False)
+        elif key in ("items", "additionalProperties", "propertyNames", "if", "then", "else"):
+            check_keywords(child, where, False)
+        elif key == "allOf":
+            for sub in child:
+                check_keywords(sub, where, False)
 
 
-def _matches(pattern: str, text: str) -> bool:
-    if pattern not in _PATTERNS:
-        # ECMA-262 "^...$" means the whole string; Python's "$" would also accept a final "\n".
-        if pattern.startswith("^") and pattern.endswith("$") and not pattern.endswith("\\$"):
-            _PATTERNS[pattern] = re.compile(r"\A(?:" + pattern[1:-1] + r")\Z")
-        else:
-            _PATTERNS[pattern] = re.compile(pattern)
-    return _PATTERNS[pattern].search(text) is not None
+def _inner_dollar(pattern: str) -> bool:
+    """Whether an unescaped ``$`` stands before the pattern's last character (fastjsonschema
+    turns every one into ``\\Z``, which would break a ``[$]`` set)."""
+    escaped = False
+    for i, char in enumerate(pattern):
+        if char == "$" and not escaped and i != len(pattern) - 1:
+            return True
+        escaped = char == "\\" and not escaped
+    return False
 
 
-def first_violation(sch: Any, value: Any, path: str, root: Dict[str, Any]) -> Optional[str]:
-    """First violation as a message, or None."""
-    if sch is True or sch == {}:
+class Validator:
+    """One compiled schema: ``first_violation(value, path)`` is None or our message.
+
+    Compiling runs the library's code generator once; the compiled function is thread-safe
+    (no state between calls)."""
+
+    def __init__(self, schema: Dict[str, Any], where: str) -> None:
+        check_keywords(schema, where)
+        self._schema = schema
+        self._validate = _compile(schema, schema.get("$defs", {}))
+        self._keys_lock = threading.Lock()
+        self._key_validators: Dict[str, Callable[..., Any]] = {}
+
+    def first_violation(self, value: Any, path: str) -> Optional[str]:
+        return self._run(self._validate, value, path)
+
+    def _run(self, fn: Callable[..., Any], value: Any, path: str) -> Optional[str]:
+        try:
+            fn(value, name_prefix=path)
+        except fastjsonschema.JsonSchemaValueException as exc:
+            return self._message(exc)
         return None
-    if sch is False:
-        return "{}: not allowed here, found {}".format(path, short(value))
-    if "$ref" in sch:
-        ref = sch["$ref"]
-        if not ref.startswith("#/$defs/"):
-            raise ValueError("only local $refs are supported, found {!r}".format(ref))
-        err = first_violation(root["$defs"][ref[len("#/$defs/"):]], value, path, root)
-        if err:
-            return err
-    if "type" in sch:
-        types = sch["type"] if isinstance(sch["type"], list) else [sch["type"]]
-        if not any(_is_type(value, t) for t in types):
+
+    def _message(self, exc: "fastjsonschema.JsonSchemaValueException") -> str:
+        path, rule, value = exc.name or "", exc.rule, exc.value
+        sch = exc.definition if isinstance(exc.definition, dict) else {}
+        if rule == "type":
+            types = sch["type"] if isinstance(sch["type"], list) else [sch["type"]]
             return "{}: expected {}, found {} {}".format(
                 path, " or ".join(types), json_type(value), short(value))
-    if "const" in sch and not _same(value, sch["const"]):
-        return "{}: expected {}, found {}".format(path, short(sch["const"]), short(value))
-    if "enum" in sch and not any(_same(value, e) for e in sch["enum"]):
-        return "{}: expected one of {}, found {}".format(
-            path, ", ".join(json.dumps(e) for e in sch["enum"]), short(value))
-    if isinstance(value, str):
-        err = _count_violation(sch, "minLength", "maxLength", len(value), "characters", path)
-        if err:
-            return err
-        if "pattern" in sch and not _matches(sch["pattern"], value):
+        if rule == "const":
+            return "{}: expected {}, found {}".format(path, short(sch["const"]), short(value))
+        if rule == "enum":
+            return "{}: expected one of {}, found {}".format(
+                path, ", ".join(json.dumps(e) for e in sch["enum"]), short(value))
+        if rule == "pattern":
             return "{}: expected a string matching {}, found {}".format(
                 path, sch["pattern"], short(value))
-    if _is_type(value, "number") and not isinstance(value, bool):
-        if "minimum" in sch and value < sch["minimum"]:
-            return "{}: expected >= {}, found {}".format(path, sch["minimum"], value)
-        if "maximum" in sch and value > sch["maximum"]:
-            return "{}: expected <= {}, found {}".format(path, sch["maximum"], value)
-        if "exclusiveMinimum" in sch and value <= sch["exclusiveMinimum"]:
-            return "{}: expected > {}, found {}".format(path, sch["exclusiveMinimum"], value)
-        if "exclusiveMaximum" in sch and value >= sch["exclusiveMaximum"]:
-            return "{}: expected < {}, found {}".format(path, sch["exclusiveMaximum"], value)
-    if isinstance(value, list):
-        err = _count_violation(sch, "minItems", "maxItems", len(value), "items", path)
-        if err:
-            return err
-        if "items" in sch:
-            for i, item in enumerate(value):
-                err = first_violation(sch["items"], item, "{}[{}]".format(path, i), root)
+        if rule in _COUNTS:
+            most, noun = _COUNTS[rule]
+            return "{}: expected {} {} {}, found {}".format(
+                path, most, sch[rule], noun, len(value))
+        if rule in _BOUNDS:
+            return "{}: expected {} {}, found {}".format(path, _BOUNDS[rule], sch[rule], value)
+        if rule == "required":
+            missing = [name for name in sch["required"] if name not in value]
+            return "{}: expected key {!r}, found keys {}".format(
+                path, missing[0] if missing else "?", short(sorted(value), 120))
+        if rule == "additionalProperties" and sch.get("additionalProperties") is False:
+            props = sch.get("properties", {})
+            extra = [key for key in value if key not in props]
+            return "{}: unexpected key {} (expected one of {})".format(
+                path, short(extra[0] if extra else "?"), ", ".join(sorted(props)))
+        if rule == "propertyNames" and isinstance(value, dict):
+            names = self._key_validator(sch["propertyNames"])
+            for key in value:
+                err = self._run(names, key, "{} key {}".format(path, short(key)))
                 if err:
                     return err
-    if isinstance(value, dict):
-        err = _validate_object(sch, value, path, root)
-        if err:
-            return err
-    for sub in sch.get("allOf", ()):
-        err = first_violation(sub, value, path, root)
-        if err:
-            return err
-    if "if" in sch:
-        branch = "then" if first_violation(sch["if"], value, path, root) is None else "else"
-        if branch in sch:
-            err = first_violation(sch[branch], value, path, root)
-            if err:
-                return err
-    return None
+        if rule is None or rule in ("items", "propertyNames"):  # a false schema
+            return "{}: not allowed here, found {}".format(path, short(value))
+        said = exc.message[len(path):].strip() if exc.message.startswith(path) else exc.message
+        return "{}: expected the schema's {} ({}), found {}".format(path, rule, said, short(value))
+
+    def _key_validator(self, sub: Any) -> Callable[..., Any]:
+        """The propertyNames schema compiled alone, to name the key that broke it (keyed by its
+        text: the library rebuilds the definition it reports at each error, so there are as
+        many keys as propertyNames schemas in the file)."""
+        text = json.dumps(sub, sort_keys=True)
+        with self._keys_lock:
+            if text not in self._key_validators:
+                self._key_validators[text] = _compile({"allOf": [sub]},
+                                                      self._schema.get("$defs", {}))
+            return self._key_validators[text]
 
 
-def _count_violation(sch: Dict[str, Any], low: str, high: str, count: int, noun: str,
-                     path: str) -> Optional[str]:
-    """A min/max keyword pair on a count of characters, items or keys."""
-    if count < sch.get(low, 0):
-        return "{}: expected at least {} {}, found {}".format(path, sch[low], noun, count)
-    if high in sch and count > sch[high]:
-        return "{}: expected at most {} {}, found {}".format(path, sch[high], noun, count)
-    return None
+_LATER = ("allOf", "if", "then", "else")
 
 
-def _same(a: Any, b: Any) -> bool:
-    """JSON equality: 1 == 1.0, but true != 1."""
-    if _is_type(a, "number") and _is_type(b, "number"):
-        return bool(a == b)
-    return json_type(a) == json_type(b) and bool(a == b)
-
-
-def _validate_object(sch: Dict[str, Any], value: Dict[str, Any], path: str,
-                     root: Dict[str, Any]) -> Optional[str]:
-    for name in sch.get("required", ()):
-        if name not in value:
-            return "{}: expected key {!r}, found keys {}".format(
-                path, name, short(sorted(value), 120))
-    err = _count_violation(sch, "minProperties", "maxProperties", len(value), "keys", path)
-    if err:
-        return err
-    props = sch.get("properties", {})
-    extra = sch.get("additionalProperties", True)
-    for key, item in value.items():
-        if "propertyNames" in sch:
-            err = first_violation(sch["propertyNames"], key,
-                                  "{} key {}".format(path, short(key)), root)
-            if err:
-                return err
-        if key in props:
-            err = first_violation(props[key], item, "{}.{}".format(path, key), root)
-        elif extra is False:
-            return "{}: unexpected key {} (expected one of {})".format(
-                path, short(key), ", ".join(sorted(props)))
+def _ordered(node: Any) -> Any:
+    """The same schema with a node's own keywords checked before its allOf and if/then/else
+    (fastjsonschema runs allOf first): an unexpected key is named before a missing one that
+    a condition requires. A conjunction either way, so the meaning is unchanged."""
+    if not isinstance(node, dict):
+        return node
+    out: Dict[str, Any] = {}
+    for key, val in node.items():
+        if key in ("properties", "$defs"):
+            out[key] = {name: _ordered(sub) for name, sub in val.items()}
+        elif key in ("then", "else") and isinstance(val, dict) and not set(val) - _ANNOTATIONS:
+            out[key] = True  # fastjsonschema 2.21 generates a block with no body for {}
+        elif key in ("items", "additionalProperties", "propertyNames", "if", "then", "else"):
+            out[key] = _ordered(val)
+        elif key == "allOf":
+            out[key] = [_ordered(sub) for sub in val]
         else:
-            err = first_violation(extra, item, "{}.{}".format(path, key), root)
-        if err:
-            return err
-    return None
+            out[key] = copy.deepcopy(val)
+    own = {k: v for k, v in out.items() if k not in _LATER and k not in _ANNOTATIONS}
+    if not own or not any(k in out for k in ("allOf", "if")):
+        return out
+    later = [own] + list(out.get("allOf", []))
+    if "if" in out:
+        later.append({k: out[k] for k in ("if", "then", "else") if k in out})
+    return dict({k: v for k, v in out.items() if k in _ANNOTATIONS}, allOf=later)
 
+
+def _compile(schema: Dict[str, Any], defs: Dict[str, Any]) -> Callable[..., Any]:
+    """Compile as draft-07 (what check_keywords keeps equal to 2020-12) without the root's
+    ``$id``: every $ref is local, so no base URI is needed."""
+    doc = _ordered({key: val for key, val in schema.items() if key not in ("$id", "$schema")})
+    doc["$schema"] = _DRAFT_07
+    if defs and "$defs" not in doc:
+        doc["$defs"] = copy.deepcopy(defs)
+    return fastjsonschema.compile(doc)  # type: ignore[no-any-return]

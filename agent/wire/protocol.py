@@ -1,9 +1,10 @@
 """The MQTT protocol's core: its vocabulary, ids, the message codec and the artifact blocks.
 
 Pure: no paho, no files except the JSON Schemas shipped in ``agent/data/schemas/`` (the contract
-for controllers in other languages; ``docs/protocol.md`` describes it), checked by the subset
-validator in ``json_schema``. Around this core: ``topics`` (topic names), ``job_document`` (a
-job beyond its schema), ``status_messages`` (device, job and command-reply messages).
+for controllers in other languages; ``docs/protocol.md`` describes it), checked through
+``json_schema`` (fastjsonschema; each kind compiled once, on first use). Around this core:
+``topics`` (topic names), ``job_document`` (a job beyond its schema), ``status_messages``
+(device, job and command-reply messages).
 """
 
 import base64
@@ -12,10 +13,11 @@ import json
 import math
 import os
 import re
+import threading
 from typing import Any, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 from agent.errors import AgentError
-from agent.wire.json_schema import check_keywords, first_violation, json_type, short
+from agent.wire.json_schema import Validator, json_type, short
 
 PROTOCOL_VERSION = 1
 
@@ -134,11 +136,13 @@ def _no_duplicates(pairs: List[Tuple[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def _finite(text: str) -> float:
+def _finite(text: str) -> Union[int, float]:
+    """A JSON number with a fraction or exponent; an integral one decodes as an int (JSON
+    Schema calls 1.0 an integer: what passes ``"type": "integer"`` is then a Python int)."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError("number {} is out of range".format(text[:20]))
-    return value
+    return int(value) if value.is_integer() else value
 
 
 def _no_constant(name: str) -> Any:
@@ -217,9 +221,11 @@ def peek_kind(payload: bytes) -> str:
     return kind if isinstance(kind, str) and 0 < len(kind) <= 64 else ""
 
 
-# ---------------------------------------------------------------------------- schema subset
+# ---------------------------------------------------------------------------- schemas
 
 _SCHEMAS: Dict[str, Dict[str, Any]] = {}
+_VALIDATORS: Dict[str, Validator] = {}
+_SCHEMAS_LOCK = threading.Lock()
 
 
 def schema(kind: str) -> Dict[str, Any]:
@@ -229,16 +235,25 @@ def schema(kind: str) -> Dict[str, Any]:
             raise ValueError("unknown message kind {!r}".format(kind))
         with open(os.path.join(SCHEMA_DIR, kind + ".json"), "rb") as f:
             loaded = json.loads(f.read().decode("utf-8"))
-        check_keywords(loaded, kind)
-        _SCHEMAS[kind] = loaded
+        _SCHEMAS.setdefault(kind, loaded)
     return _SCHEMAS[kind]
+
+
+def _validator(kind: str) -> Validator:
+    """The compiled schema of a kind: compiled on first use, once, whichever thread asks."""
+    found = _VALIDATORS.get(kind)
+    if found is None:
+        with _SCHEMAS_LOCK:
+            found = _VALIDATORS.get(kind)
+            if found is None:
+                found = _VALIDATORS[kind] = Validator(schema(kind), kind)
+    return found
 
 
 def validate(kind: str, msg: Any) -> None:
     """Check ``msg`` against the schema of ``kind``; AgentError bad_message naming the path,
     what was expected and what was found."""
-    root = schema(kind)
-    error = first_violation(root, msg, kind, root)
+    error = _validator(kind).first_violation(msg, kind)
     if error is not None:
         raise AgentError("bad_message", error)
 

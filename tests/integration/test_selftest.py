@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from agent.platform import for_row
-from agent.wire.json_schema import check_keywords, first_violation
+from agent.wire.json_schema import Validator
 from agent.worker import selftest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -20,8 +20,7 @@ SCHEMA_PATH = os.path.join(ROOT, "agent", "data", "schemas", "selftest.json")
 def validate(report):
     with open(SCHEMA_PATH) as f:
         schema = json.load(f)
-    check_keywords(schema, "selftest")
-    assert first_violation(schema, report, "selftest", schema) is None
+    assert Validator(schema, "selftest").first_violation(report, "selftest") is None
 
 
 def test_selftest_json_on_a_host(tmp_path):

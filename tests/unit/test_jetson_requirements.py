@@ -109,4 +109,6 @@ def test_pip_resolves_the_set_for_the_jetpack_python(tmp_path, name, python, abi
     if python == "3.6":
         assert tuple(int(p) for p in got["onnx"].split(".")[:2]) < (1, 12)
     else:  # JetPack 5 runs the daemon too: requirements.txt resolves there as a whole
-        assert {"onnx", "onnxruntime", "paho-mqtt", "cryptography"} <= set(got)
+        assert {"onnx", "onnxruntime", "paho-mqtt", "cryptography", "fastjsonschema"} <= set(got)
+        # 2.22 needs Python >= 3.10: the range must leave pip a 3.8 release (2.21.x).
+        assert tuple(int(p) for p in got["fastjsonschema"].split(".")[:2]) >= (2, 21)

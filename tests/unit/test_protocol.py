@@ -205,7 +205,8 @@ def test_schema_files_agree_with_the_code():
     for kind in protocol.MESSAGE_KINDS:
         sch = protocol.schema(kind)
         assert sch["$schema"].startswith("https://json-schema.org/draft/2020-12")
-        assert sch["properties"]["protocol"] == {"const": protocol.PROTOCOL_VERSION}
+        assert sch["properties"]["protocol"] == {"type": "integer",
+                                                 "const": protocol.PROTOCOL_VERSION}
 
 
 # ----------------------------------------------------------------------------- states
