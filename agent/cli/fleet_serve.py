@@ -197,7 +197,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     if args.signing_key:
         signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
     url = db_url(args)
-    store = Store(url)
+    # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
+    store = Store(url, schema="require" if args.no_db_upgrade else "upgrade")
     stop = {"now": False}
 
     def request_stop(*_: Any) -> None:
@@ -266,7 +267,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
 # ---------------------------------------------------------------------------- fleet rollouts
 
 def run_rollouts(args: argparse.Namespace) -> int:
-    store = Store(db_url(args, existing=True))
+    store = Store(db_url(args, existing=True), schema="read")
     try:
         if args.action == "ls":
             from agent.fleet import views
@@ -331,6 +332,9 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                         "docs/fleet.md.")
     add_connection_args(s)
     add_db_args(s)
+    s.add_argument("--no-db-upgrade", action="store_true",
+                   help="refuse a database that is not at this version's schema (with the "
+                        "`fleet db upgrade` command to run) instead of upgrading it on start")
     s.add_argument("--instance", metavar="NAME", help="this instance's name for rollout "
                    "leases (default HOST-PID; keep it stable across restarts)")
     s.add_argument("--share-group", metavar="NAME", help="take block requests through "
