@@ -65,6 +65,15 @@ def engine(url: str, db: Any = None) -> sa.engine.Engine:
     return eng
 
 
+def compare_type(_ctx: Any, _inspected: Any, _declared: Any, found: Any, declared: Any
+                 ) -> Optional[bool]:
+    """For Alembic's comparisons (env.py, the tests): floats are equal (SQLite reflects DOUBLE
+    PRECISION as REAL); else Alembic decides."""
+    if isinstance(found, sa.Float) and isinstance(declared, sa.Float):
+        return False
+    return None
+
+
 def config(connection: Any = None) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", SCRIPTS)
