@@ -125,6 +125,35 @@ def add_db_parser(fsub: Any) -> None:
     d.set_defaults(func=lambda args: d.print_help() or 2)
 
 
+def upgrade_in_child(url: str) -> None:
+    """``fleet serve``'s upgrade on start, in a child process (``fleet db upgrade``): the
+    service itself never loads SQLAlchemy and Alembic (memory, and a garbage collector that
+    would walk their objects for as long as it runs). The URL goes by the environment, not the
+    command line (a password would show in ``ps``)."""
+    import subprocess
+
+    db = Db(url)
+    try:
+        state, _rev = store_schema.probe(db)
+    finally:
+        db.close()
+    if state == "current":
+        return
+    out = subprocess.run([sys.executable, "-m", "agent", "fleet", "db", "upgrade", "--json"],
+                         env=dict(os.environ, JETSON_AGENT_FLEET_DB=url),
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    try:
+        reply = json.loads(out.stdout)
+    except ValueError:
+        reply = {}
+    err = reply.get("error") if isinstance(reply, dict) else None
+    if out.returncode != 0 or err:
+        if isinstance(err, dict) and err.get("code") in ("db_schema", "bad_argument"):
+            raise AgentError(str(err["code"]), str(err.get("message")))
+        raise AgentError("internal_error", "upgrading the fleet database {} failed: {}".format(
+            store_schema.shown_url(url), (out.stderr or out.stdout).strip()[-2000:]))
+
+
 def run_db_upgrade(args: argparse.Namespace) -> int:
     from agent.fleet import migrate
 

@@ -23,6 +23,7 @@ from agent.cli.fleet_db import (
     db_url,
     service_up,
     store_dir,
+    upgrade_in_child,
 )
 from agent.errors import AgentError
 from agent.fleet import durable
@@ -198,7 +199,9 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
     url = db_url(args)
     # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
-    store = Store(url, schema="require" if args.no_db_upgrade else "upgrade")
+    if not args.no_db_upgrade:
+        upgrade_in_child(url)
+    store = Store(url, schema="require")
     stop = {"now": False}
 
     def request_stop(*_: Any) -> None:
