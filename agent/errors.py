@@ -74,6 +74,9 @@ CODES = {
     "closed this device's connection (log and `status`; bind client ids to identities).",
     "unknown_device": "The controller names a device that has never reported.",
     "device_busy": "A targeted device is already in another unfinished rollout.",
+    "db_schema": "The fleet database is not at the schema this jetson-agent uses: older (run "
+    "the `fleet db upgrade` command the message names; `fleet serve` does it on start unless "
+    "--no-db-upgrade) or newer (upgrade jetson-agent).",
     "no_accuracy_gate": "A rollout has no goldens (no accuracy gate) and was not given "
     "--no-accuracy-gate.",
     "signing_required": "An unsigned rollout targets devices that require signed jobs (they "

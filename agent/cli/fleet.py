@@ -12,6 +12,7 @@
 - ``fleet cancel JOB``: clear a job's retained documents, send cancel commands and report
   each device's own final job state (waiting up to ``--wait`` seconds for it).
 - ``fleet telemetry DEVICE [--follow]``: a device's health metrics.
+- ``fleet db upgrade|current|history``: the fleet database's schema migrations.
 - ``fleet keygen --out DIR``: an Ed25519 key pair for signing job documents
   (docs/security.md); ``fleet rollout --signing-key KEY`` signs with it.
 """
@@ -20,7 +21,14 @@ import argparse
 import json
 from typing import Any
 
-from agent.cli import EXIT_OK, fleet_commands, fleet_registry, fleet_rollout, fleet_serve
+from agent.cli import (
+    EXIT_OK,
+    fleet_commands,
+    fleet_db,
+    fleet_registry,
+    fleet_rollout,
+    fleet_serve,
+)
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.fleet import rollback
 from agent.wire import job_signer
@@ -31,11 +39,12 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("fleet", help="controller: devices, staged rollouts, jobs, telemetry",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fsub = p.add_subparsers(dest="fleet_command",
-                            metavar="devices|rollout|rollouts|serve|rollback|jobs|cancel|telemetry|"
-                                   "keygen")
+                            metavar="devices|rollout|rollouts|serve|db|rollback|jobs|cancel|"
+                                   "telemetry|keygen")
     fleet_registry.add_devices_parser(fsub)
     fleet_rollout.add_parser(fsub)
     fleet_serve.add_parsers(fsub, add_connection_args, connect)
+    fleet_db.add_db_parser(fsub)
     rollback.add_parser(fsub, add_connection_args, connect)
     fleet_registry.add_jobs_parser(fsub)
     fleet_commands.add_cancel_parser(fsub)

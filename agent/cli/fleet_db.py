@@ -1,15 +1,21 @@
 """The fleet database and artifact store as the CLI names them: the ``--db``/``--store``
-arguments and their defaults, whether a ``fleet serve`` is up on a database, and a rollout's
-files registered in the store (copied into it when a service will serve them).
+arguments and their defaults, whether a ``fleet serve`` is up on a database, a rollout's
+files registered in the store (copied into it when a service will serve them), and ``fleet db
+upgrade|current|history`` (the schema's migrations: docs/fleet.md, "The database: schema and
+migrations").
 """
 
 import argparse
+import json
 import os
 import shutil
+import sys
 from typing import Any, Dict
 
+from agent.cli import EXIT_OK
 from agent.errors import AgentError
-from agent.fleet.db import redact, sqlite_path
+from agent.fleet import store_schema
+from agent.fleet.db import Db, redact, sqlite_path
 from agent.fleet.store import Store, default_db_url
 
 DB_SCHEMES = ("sqlite:", "postgresql://", "postgres://")
@@ -83,8 +89,124 @@ def add_to_store(store: Store, directory: str, artifacts: Dict[str, Dict[str, An
 def service_up(url: str) -> bool:
     if url.startswith("sqlite:") and not os.path.exists(url.split("sqlite:///", 1)[-1]):
         return False
-    store = Store(url)
+    try:
+        store = Store(url, schema="read")
+    except AgentError as exc:
+        if exc.code in ("db_schema", "bad_argument"):  # empty, or not this version's schema:
+            return False  # no service of this version runs on it
+        raise
     try:
         return bool(store.services(SERVICE_FRESH_S))
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------------------- fleet db
+
+def add_db_parser(fsub: Any) -> None:
+    d = fsub.add_parser("db", help="the fleet database's schema: upgrade, current, history",
+                        description="Migrations of the fleet database (Alembic). `fleet serve` "
+                        "upgrades on start unless --no-db-upgrade; read-only commands never "
+                        "do. See docs/fleet.md, \"The database: schema and migrations\".")
+    dsub = d.add_subparsers(dest="db_command", metavar="upgrade|current|history")
+    u = dsub.add_parser("upgrade", help="upgrade the database to this version's schema "
+                        "(creates an empty one; stamps one made before migrations)")
+    add_db_args(u)
+    u.add_argument("--json", action="store_true")
+    u.set_defaults(func=run_db_upgrade)
+    c = dsub.add_parser("current", help="the database's revision and whether it is this "
+                        "version's (changes nothing)")
+    add_db_args(c)
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=run_db_current)
+    h = dsub.add_parser("history", help="every revision of the schema, newest first")
+    h.add_argument("--json", action="store_true")
+    h.set_defaults(func=run_db_history)
+    d.set_defaults(func=lambda args: d.print_help() or 2)
+
+
+def upgrade_in_child(url: str) -> None:
+    """``fleet serve``'s upgrade on start, in a child process (``fleet db upgrade``): the
+    service itself never loads SQLAlchemy and Alembic (memory, and a garbage collector that
+    would walk their objects for as long as it runs). The URL goes by the environment, not the
+    command line (a password would show in ``ps``)."""
+    import subprocess
+
+    db = Db(url)
+    try:
+        state, _rev = store_schema.probe(db)
+    finally:
+        db.close()
+    if state == "current":
+        return
+    out = subprocess.run([sys.executable, "-m", "agent", "fleet", "db", "upgrade", "--json"],
+                         env=dict(os.environ, JETSON_AGENT_FLEET_DB=url),
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    try:
+        reply = json.loads(out.stdout)
+    except ValueError:
+        reply = {}
+    err = reply.get("error") if isinstance(reply, dict) else None
+    if out.returncode != 0 or err:
+        if isinstance(err, dict) and err.get("code") in ("db_schema", "bad_argument"):
+            raise AgentError(str(err["code"]), str(err.get("message")))
+        raise AgentError("internal_error", "upgrading the fleet database {} failed: {}".format(
+            store_schema.shown_url(url), (out.stderr or out.stdout).strip()[-2000:]))
+
+
+def run_db_upgrade(args: argparse.Namespace) -> int:
+    from agent.fleet import migrate
+
+    url = db_url(args)
+    before, after = migrate.upgrade(url)
+    out = {"db": store_schema.shown_url(url), "before": before, "revision": after,
+           "head": store_schema.HEAD}
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    elif before == after:
+        print("fleet database {}: at revision {} (the newest), nothing to do".format(
+            out["db"], after))
+    else:
+        print("fleet database {}: {} -> revision {}".format(
+            out["db"], {None: "empty", "legacy": "made before migrations (stamped at the "
+                        "baseline {})".format(store_schema.BASELINE)}.get(
+                before, "revision {}".format(before)), after))
+    return EXIT_OK
+
+
+def run_db_current(args: argparse.Namespace) -> int:
+    url = db_url(args, existing=True)
+    db = Db(url)
+    try:
+        state, rev = store_schema.probe(db)
+    finally:
+        db.close()
+    out = {"db": store_schema.shown_url(url), "state": state, "revision": rev,
+           "head": store_schema.HEAD}
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return EXIT_OK
+    if state == "current":
+        print("{} (the newest)".format(rev))
+    elif state == "empty":
+        print("empty: no fleet tables (`{}` creates them)".format(
+            store_schema.upgrade_command(url)))
+    else:
+        print("{}: {}; upgrade with: {}".format(
+            "made before migrations (no version stamp; the baseline {})".format(rev)
+            if state == "legacy" else "revision {}".format(rev),
+            "the newest is {}".format(store_schema.HEAD), store_schema.upgrade_command(url)))
+    return EXIT_OK
+
+
+def run_db_history(args: argparse.Namespace) -> int:
+    from agent.fleet import migrate
+
+    rows = migrate.revisions()
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+        return EXIT_OK
+    for r in rows:
+        sys.stdout.write("{} -> {}{}: {}\n".format(r["down_revision"] or "<base>", r["revision"],
+                                                  " (head)" if r["head"] else "", r["doc"]))
+    return EXIT_OK

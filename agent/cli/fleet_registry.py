@@ -103,7 +103,7 @@ def _db_directory(url: str) -> Any:
     """(directory, device -> last seen) from the registry of 'fleet serve'."""
     from agent.fleet.store import Store
 
-    store = Store(url)
+    store = Store(url, schema="read")
     try:
         directory = fleet.DeviceDirectory()
         directory.models.update(device_models.load(store))
@@ -198,7 +198,7 @@ def retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
 def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
     from agent.fleet.store import Store
 
-    store = Store(url)
+    store = Store(url, schema="read")
     try:
         found: Dict[Any, Dict[str, Any]] = {}
         for j in store.device_jobs():

@@ -282,7 +282,7 @@ def _dry_run(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any]) ->
     registry: Dict[str, Dict[str, Any]] = {}
     url = registry_db(args)
     if url:
-        store = Store(url)
+        store = Store(url, schema="read")
         try:
             for dev in store.devices():
                 registry[dev["device"]] = {"status": dev["status"],

@@ -24,6 +24,7 @@ from agent.cli.fleet_db import (
     db_url,
     service_up,
     store_dir,
+    upgrade_in_child,
 )
 from agent.errors import AgentError
 from agent.fleet import durable
@@ -206,7 +207,10 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     if args.signing_key:
         signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
     url = db_url(args)
-    store = Store(url)
+    # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
+    if not args.no_db_upgrade:
+        upgrade_in_child(url)
+    store = Store(url, schema="require")
     stop = {"now": False}
 
     def request_stop(*_: Any) -> None:
@@ -275,7 +279,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
 # ---------------------------------------------------------------------------- fleet rollouts
 
 def run_rollouts(args: argparse.Namespace) -> int:
-    store = Store(db_url(args, existing=True))
+    store = Store(db_url(args, existing=True), schema="read")
     try:
         if args.action == "ls":
             from agent.fleet import views
@@ -341,6 +345,9 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
     add_connection_args(s)
     add_db_args(s)
     add_admission_args(s)
+    s.add_argument("--no-db-upgrade", action="store_true",
+                   help="refuse a database that is not at this version's schema (with the "
+                        "`fleet db upgrade` command to run) instead of upgrading it on start")
     s.add_argument("--instance", metavar="NAME", help="this instance's name for rollout "
                    "leases (default HOST-PID; keep it stable across restarts)")
     s.add_argument("--share-group", metavar="NAME", help="take block requests through "

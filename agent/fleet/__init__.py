@@ -12,12 +12,13 @@ Speaks only the protocol of docs/protocol.md. The pure policy comes first, the I
   progress view (``ProgressView``);
 - ``mqtt_edge``: ``FleetConnection`` and ``discover``, the MQTT I/O edge;
 - ``store`` (the database: devices, rollouts, jobs, history, artifacts, signing sequence,
-  outbox; its tables in ``store_schema``), ``device_models`` (the models each device holds:
-  named models, or an older daemon's active engines), ``rollback_log`` (rollbacks and the
-  devices' answers, against their rollout), ``durable`` (a ``Rollout`` saved and loaded),
-  ``spec`` (a rollout's stored specification, its job documents), ``service``
-  (``FleetService``: ``fleet serve``, and ``fleet rollout`` embedded), ``bytequeue`` (the
-  event queue that never blocks paho).
+  outbox; its tables declared in ``tables``, reached by the Alembic revisions of
+  ``migrations/`` through ``migrate``, checked at open by ``store_schema``), ``device_models``
+  (the models each device holds: named models, or an older daemon's active engines),
+  ``rollback_log`` (rollbacks and the devices' answers, against their rollout), ``durable``
+  (a ``Rollout`` saved and loaded), ``spec`` (a rollout's stored specification, its job
+  documents), ``service`` (``FleetService``: ``fleet serve``, and ``fleet rollout``
+  embedded), ``bytequeue`` (the event queue that never blocks paho).
 
 Callers import every name from ``agent.fleet``; the submodules are how it is organised.
 

@@ -1,6 +1,8 @@
 """Telemetry history in the fleet database: one row per device sample, for the dashboard's
-plots. An additive table next to the store's own (created here with ``CREATE TABLE IF NOT
-EXISTS``, on SQLite and PostgreSQL alike), bounded three ways because devices are hostile:
+plots. Its table and indexes are in the fleet database's baseline revision
+(``agent.fleet.tables``); ``ensure_schema`` keeps the ``CREATE TABLE IF NOT EXISTS`` it made
+them with before migrations, a no-op on a migrated database. Bounded three ways because devices
+are hostile:
 at most one sample per device per ``min_interval_s`` (a flooding device is downsampled), only
 numeric metrics with short names (at most ``MAX_KEYS``), and a retention period plus a row cap
 per device (``prune``, run by the service every ``PRUNE_EVERY_S``).

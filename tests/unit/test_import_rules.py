@@ -41,6 +41,14 @@ ONLY = {
     "pycuda": {"engines", "calib"},
     "onnxruntime": {"engines", "calib"},
 }
+# Third-party modules that only some modules may import (a module, or a package and what is
+# under it): the fleet database's schema and migrations (SQLAlchemy and Alembic are the
+# controller's; the daemon, the wire and the worker never load them, and the CLI only when a
+# schema changes).
+ONLY_MODULES = {
+    "sqlalchemy": {"agent.fleet.tables", "agent.fleet.migrate", "agent.fleet.migrations"},
+    "alembic": {"agent.fleet.tables", "agent.fleet.migrate", "agent.fleet.migrations"},
+}
 
 
 def module_name(path):
@@ -114,6 +122,10 @@ def test_packages_import_only_what_their_rules_allow():
             if top in ONLY and own not in ONLY[top]:
                 broken.append("{}:{} imports {} (only {} may)".format(
                     module, line, target, ", ".join(sorted(ONLY[top]))))
+            if top in ONLY_MODULES and not any(
+                    module == m or module.startswith(m + ".") for m in ONLY_MODULES[top]):
+                broken.append("{}:{} imports {} (only {} may)".format(
+                    module, line, target, ", ".join(sorted(ONLY_MODULES[top]))))
             if top not in ("agent", "calib"):
                 continue
             theirs = package_of(target)
@@ -139,3 +151,22 @@ def test_the_rules_catch_a_reverse_import(tmp_path):
     assert found == ["agent.device", "paho.mqtt.client", "typing"]  # TYPE_CHECKING left out
     assert package_of("agent.device") not in ALLOWED["wire"]
     assert "engines" not in ONLY["paho"]
+    assert not any("agent.device".startswith(m) for m in ONLY_MODULES["sqlalchemy"])
+
+
+def test_the_cli_and_the_fleet_service_load_no_sqlalchemy_until_a_schema_changes():
+    """The modules a CLI command, ``fleet serve`` and the dashboard import: no SQLAlchemy or
+    Alembic among what they load (agent.fleet.store_schema decides in plain SQL)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import agent.cli, agent.cli.fleet, agent.cli.fleet_serve, agent.cli.fleet_db\n"
+            "import agent.fleet.store, agent.fleet.service, agent.fleet.history\n"
+            "import agent.fleet.web, agent.fleet.views, agent.device.daemon\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('sqlalchemy', 'alembic', 'mako')))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

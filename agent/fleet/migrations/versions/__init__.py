@@ -1,0 +1,1 @@
+"""The fleet database's revisions (Alembic), each frozen once released."""
