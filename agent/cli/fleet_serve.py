@@ -222,6 +222,9 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         service = FleetService(store, conn, signer, instance=args.instance,
                                share_group=args.share_group, lease_s=args.lease,
                                http_base=None, http_min_bytes=args.http_min_bytes)
+        from agent.fleet.deployment_runner import DeploymentRunner
+
+        service.deployments = DeploymentRunner(store, service.instance, args.lease)
         if getattr(args, "share_engines", False):
             if not args.http:
                 raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "

@@ -131,7 +131,8 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
                                                     cfg.worker_python)
     if backend_problem:
         log.warning("%s", backend_problem)
-    platform_status = functools.partial(status_platform, platform, backend, backend_problem)
+    platform_status = functools.partial(status_platform, platform, backend, backend_problem,
+                                        cfg.labels)
 
     def publish_request(topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
         mqtt.publish(topic, payload, qos=qos, retain=retain)  # block requests out

@@ -36,8 +36,10 @@ FEATURES = ("named_models",)
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
-def status_platform(platform: Any, backend: str, backend_problem: Optional[str]) -> Dict[str, Any]:
-    """What the birth status, the Will and ``diag`` say of this device's platform and backend."""
+def status_platform(platform: Any, backend: str, backend_problem: Optional[str],
+                    labels: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """What the birth status, the Will and ``diag`` say of this device's platform and backend;
+    ``labels``: the config's (checked there), a claim the controller keeps apart."""
     p = platform
     out = {"board": p.board, "jetpack": p.jetpack, "tensorrt": p.tensorrt,
            "backend": backend, "precisions": p.supported_precisions, "kind": p.kind,
@@ -45,6 +47,8 @@ def status_platform(platform: Any, backend: str, backend_problem: Optional[str])
            # What this daemon understands beyond the first release (the controller sends
            # model_name/model_version and rollback by name only where it is listed).
            "features": list(FEATURES)}
+    if labels:  # an extra key of platform: a controller of the previous release accepts it
+        out["labels"] = dict(labels)
     if backend_problem:  # the truth: no backend that runs here
         out["backend"] = None
         out["backend_problem"] = backend_problem[:512]

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
-from agent.fleet import device_models, durable, rollback_log
+from agent.fleet import deployment_runner, device_models, durable, rollback_log
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
@@ -72,6 +72,9 @@ class FleetService(object):
         # Engine sharing (fleet serve --share-engines): an agent.fleet.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
+        # Deployments (fleet serve): an agent.fleet.deployment_runner.DeploymentRunner, told
+        # of births, Wills, models messages and its jobs' ends; ticked before leases are taken.
+        self.deployments: Any = None
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -216,6 +219,11 @@ class FleetService(object):
         self._flush_devices()
         if self.share_group is not None:
             self._serve_all()
+        if self.deployments is not None:
+            try:
+                self.deployments.tick()
+            except AgentError as exc:
+                log.error("deployments: %s", exc)
         mine = self.store.claim(self.instance, self.lease_s, now, self.only)
         for rid in list(self.rollouts):
             if rid not in mine:
@@ -258,9 +266,13 @@ class FleetService(object):
     def _flush_devices(self) -> None:
         if self.devices_dirty:
             self.store.upsert_devices(self.devices_dirty)
+            if self.deployments is not None:
+                self.deployments.touch(self.devices_dirty)
             self.devices_dirty = {}
         if self.models_dirty:
             device_models.save(self.store, self.models_dirty)
+            if self.deployments is not None:
+                self.deployments.touch(self.models_dirty)
             self.models_dirty = {}
         if self.telemetry_dirty:
             self.store.touch_devices(self.telemetry_dirty)
@@ -307,6 +319,8 @@ class FleetService(object):
         actions, more = self.pending.setdefault(ro.rollout_id, ([], []))
         actions += ro.on_job_status(device, msg, evaluate=False)
         self.stats["refused"] += ro.refused - refused
+        if self.deployments is not None:
+            deployment_runner.job_ended(self.deployments, rid, device, msg)
         if protocol.is_terminal(str(msg.get("state"))) and msg.get("job_id") in run.kinds:
             # The database has it now: the broker need not keep the device's last word.
             more.append((self.topics.job_status(device, str(msg["job_id"])), b"", True))
