@@ -71,9 +71,6 @@ def add_parsers(fsub: Any) -> None:
 
 def _open(args: argparse.Namespace, existing: bool = True) -> Store:
     store = Store(db_url(args, existing=existing))
-    registry.create(store)
-    deployments.create(store)
-    labels.create(store)
     return store
 
 

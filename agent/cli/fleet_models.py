@@ -88,7 +88,6 @@ def run_push(args: argparse.Namespace) -> int:
                                   "source": os.path.basename(args.model)[:255]}
         store = Store(url)
         try:
-            registry.create(store)
             try:
                 current = registry.get(store, name, version)
             except AgentError:
@@ -121,17 +120,16 @@ def _line(v: Dict[str, Any]) -> list:
 def run_models(args: argparse.Namespace) -> int:
     store = Store(db_url(args, existing=True))
     try:
-        registry.create(store)
         action = args.models_action
         name, version = registry.parse_ref(args.ref) if args.ref else (None, None)
         if action == "rm":
-            if version is None:
+            if name is None or version is None:
                 raise AgentError("bad_argument", "fleet models rm: expected NAME@VERSION, "
                                  "found {!r}".format(args.ref))
             registry.remove(store, name, version)
             print("{}@{}: removed from the registry".format(name, version))
             return EXIT_OK
-        if action == "show" and version is not None:
+        if action == "show" and name is not None and version is not None:
             v = registry.get(store, name, version)
             v["used_by"] = registry.usage(store, name, version)
             if args.json:

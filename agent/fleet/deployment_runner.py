@@ -45,8 +45,6 @@ class DeploymentRunner(object):
         self.instance = instance
         self.lease_s = lease_s
         self.clock = clock
-        deployments.create(store)
-        labels.create(store)
         self.leader = False
         self.dirty: Set[str] = set()
         self.full: Set[str] = set()  # deployments to scan whole
@@ -58,6 +56,7 @@ class DeploymentRunner(object):
         self.sends: Dict[str, Set[str]] = {}  # deployment -> devices to send to
         self.last_send: Dict[str, float] = {}
         self.later: Dict[str, float] = {}  # busy device -> when to look again
+        self.mine: Dict[str, float] = {}  # deployment -> the updated of our own last change
         self.stats = {"scans": 0, "decided": 0, "rollouts": 0}
 
     # -- told by the service -------------------------------------------------------------------
@@ -138,7 +137,9 @@ class DeploymentRunner(object):
             else:
                 self.deps.pop(dep["deployment_id"], None)
                 self.sends.pop(dep["deployment_id"], None)
-        for dep_id, _state, _updated in rows:
+        for dep_id, _state, updated in rows:
+            if self.mine.get(dep_id) == updated:
+                continue  # our own change of state: scanned already
             if dep_id in self.deps:
                 self.full.add(dep_id)
             else:  # superseded or removed: the devices it governed go to the others
@@ -166,7 +167,8 @@ class DeploymentRunner(object):
             self.full.add(dep_id)
 
     def _set(self, dep: Dict[str, Any], state: str, reason: Optional[str]) -> None:
-        deployments.set_state(self.store, dep["deployment_id"], state, reason)
+        self.mine[dep["deployment_id"]] = deployments.set_state(
+            self.store, dep["deployment_id"], state, reason)
         dep["state"], dep["reason"] = state, reason
         log.info("deployment %s: %s%s", dep["deployment_id"], state,
                  " ({})".format(reason) if reason else "")

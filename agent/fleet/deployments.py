@@ -89,7 +89,8 @@ def _row(r: Sequence[Any]) -> Dict[str, Any]:
 
 def rows(store: Any, states: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     """Deployments, oldest first (``states``: only those)."""
-    sql, params = _SELECT, ()  # type: Any
+    sql = _SELECT
+    params: Sequence[str] = ()
     if states is not None:
         sql += " WHERE state IN ({})".format(", ".join("?" for _ in states))
         params = tuple(states)
@@ -105,15 +106,21 @@ def get(store: Any, deployment_id: str) -> Dict[str, Any]:
 
 
 def set_state(store: Any, deployment_id: str, state: str, reason: Optional[str] = None
-              ) -> None:
+              ) -> float:
+    """Returns the row's new ``updated``."""
+    now = time.time()
     store.db.execute("UPDATE deployments SET state = ?, reason = ?, updated = ? WHERE "
-                     "deployment_id = ?", (state, reason, time.time(), deployment_id))
+                     "deployment_id = ?", (state, reason, now, deployment_id))
+    return now
 
 
 def insert(store: Any, deployment_id: str, name: str, version: str, selector: str,
            spec: Mapping[str, Any]) -> List[str]:
     """A new deployment (state pending); the live deployments of the same name and selector
     are superseded by it (their unfinished rollouts cancelled). Returns the superseded ids."""
+    from agent.fleet.selectors import parse
+
+    selector = parse(selector).text  # the group: the same requirements, the same text
     now = time.time()
     with store.transaction():
         if store.db.query("SELECT 1 FROM deployments WHERE deployment_id = ?",

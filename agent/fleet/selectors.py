@@ -144,8 +144,9 @@ def parse(text: str) -> Selector:
             elif nxt[0] == "word" and nxt[1] in ("in", "notin"):
                 i += 1
                 op = nxt[1]
-                if peek() is None or peek()[1] != "(":  # type: ignore[index]
-                    raise _fail(text, at(), "'(' after " + op, peek()[1] if peek() else None)
+                paren = peek()
+                if paren is None or paren[1] != "(":
+                    raise _fail(text, at(), "'(' after " + op, paren[1] if paren else None)
                 i += 1
                 values: List[str] = []
                 while True:

@@ -60,7 +60,11 @@ def create(db: Db) -> None:
     with db.transaction():
         if db.dialect == "postgresql":
             db.execute("SELECT pg_advisory_xact_lock(7216)")
-        for stmt in _DDL.format(serial=serial, blob=blob).split(";"):
+        from agent.fleet import deployments, labels, registry
+
+        # The registry, labels and deployments own their tables (same dialect words).
+        ddl = _DDL + registry.DDL + labels.DDL + deployments.DDL
+        for stmt in ddl.format(serial=serial, blob=blob).split(";"):
             if stmt.strip():
                 db.execute(stmt)
         db.execute("INSERT INTO meta (key, value) VALUES ('schema', ?) ON CONFLICT "
