@@ -270,7 +270,14 @@ class FleetService(object):
                 self.deployments.touch(self.devices_dirty)
             self.devices_dirty = {}
         if self.models_dirty:
-            device_models.save(self.store, self.models_dirty)
+            # Devices born again with a lower boot (re-imaged): their new message replaces
+            # the old image's whatever its boot.
+            directory = getattr(self.conn, "directory", None)
+            reset = sorted(set(directory.reimaged) & set(self.models_dirty)) \
+                if directory is not None else []
+            device_models.save(self.store, self.models_dirty, reset=reset)
+            if directory is not None:
+                directory.reimaged.difference_update(reset)
             if self.deployments is not None:
                 self.deployments.touch(self.models_dirty)
             self.models_dirty = {}

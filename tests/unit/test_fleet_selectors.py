@@ -106,3 +106,40 @@ def test_what_a_selector_sees_of_a_device():
     assert parse("board=orin-nano,site=warehouse-4").matches(seen)
     assert not parse("fleet/camera=dock").matches(seen)
     assert labels.selectable(None, None) == {}
+
+
+def test_the_birth_status_carries_the_labels_where_the_previous_controller_accepts_them():
+    """platform.labels is an extra key of platform: the schema of the previous release (no
+    labels property; platform open to extra keys) accepts the status as it is."""
+    import copy
+
+    from agent.device.status_publisher import status_platform
+    from agent.platform.info import PlatformInfo
+    from agent.platform.matrix import load_matrix
+    from agent.wire import protocol, status_messages
+    from agent.wire.json_schema import first_violation
+
+    info = PlatformInfo(load_matrix())
+    plat = status_platform(info, "onnxruntime", None, {"site": "warehouse-3"})
+    msg = status_messages.status_message("dev-1", True, 3, "x", plat, [], ts=1.0)
+    protocol.validate("status", msg)
+    previous = copy.deepcopy(protocol.schema("status"))
+    del previous["properties"]["platform"]["properties"]["labels"]
+    assert "additionalProperties" not in previous["properties"]["platform"]
+    assert first_violation(previous, msg, "status", previous) is None
+    assert labels.reported(msg) == {"site": "warehouse-3"}
+    assert "labels" not in status_platform(info, "onnxruntime", None)
+
+
+def test_config_labels_are_checked_on_the_daemon(tmp_path):
+    from agent.device import config
+
+    path = tmp_path / "agent.yaml"
+    path.write_text("device_id: d1\nlabels:\n  site: warehouse-3\n  floor: 2\n")
+    assert config.load(str(path), env={}).labels == {"site": "warehouse-3", "floor": "2"}
+    for body in ("labels:\n  board: orin\n", "labels:\n  site: two words\n",
+                 "labels: [a]\n"):
+        path.write_text("device_id: d1\n" + body)
+        with pytest.raises(AgentError) as exc:
+            config.load(str(path), env={})
+        assert exc.value.code == "bad_config"
