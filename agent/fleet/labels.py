@@ -128,9 +128,9 @@ def assign(store: Any, device: str, set_: Mapping[str, str], remove: Iterable[st
 
 
 def changed_since(store: Any, since: float) -> List[Tuple[str, float]]:
-    """(device, updated) of the assignments made at or after ``since`` (indexed)."""
+    """(device, updated) of the assignments made after ``since`` (indexed)."""
     return [(r[0], float(r[1])) for r in store.db.query(
-        "SELECT device_id, updated FROM device_labels WHERE updated >= ? ORDER BY updated",
+        "SELECT device_id, updated FROM device_labels WHERE updated > ? ORDER BY updated",
         (since,))]
 
 
