@@ -279,6 +279,8 @@ class DeploymentRunner(object):
                 self.stats["decided"] += 1
                 if verdict["send"]:
                     wanted.setdefault(dep_id, set()).add(dev)
+                else:  # an earlier decision to send stands no more
+                    self.sends.get(dep_id, set()).discard(dev)
                 now = (verdict["state"], verdict["reason"])
                 if self.records.get(key) != now:
                     self.records[key] = now
@@ -327,6 +329,7 @@ class DeploymentRunner(object):
         self.open[rollout_id] = dep["deployment_id"]
         self.stats["rollouts"] += 1
         devices = [d for s in stages for d in s]
+        self.sends.get(dep["deployment_id"], set()).difference_update(devices)
         for d in devices:
             self.records[(dep["deployment_id"], d)] = ("in_progress", None)
         deployments.record_devices(self.store, dep["deployment_id"], {

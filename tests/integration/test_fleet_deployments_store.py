@@ -200,3 +200,61 @@ def test_a_newer_deployment_supersedes_without_touching_devices_on_it(store):
     other.tick()
     assert not other.leader
 
+
+
+def test_metrics_and_dashboard_show_deployments(store):
+    from agent.fleet import metrics, views
+    from agent.fleet.web import pages
+
+    runner = DeploymentRunner(store, "svc-1", clock=Clock())
+    store.upsert_devices({d: status(d, site="w3") for d in "ab"})
+    store.upsert_devices({"c": status("c", online=False, site="w3")})
+    deployments.insert(store, "d3", "det", "3", "site=w3", spec("3", SHA3))
+    runner.tick()
+    end_jobs(store, "d3-w", "FAILED", {"code": "accuracy_gate_failed"}, only=["a"])
+    end_jobs(store, "d3-w", only=["b"])
+    store.db.execute("UPDATE rollouts SET state = 'failed' WHERE rollout_id = 'd3-w'")
+    runner.tick()
+    body = metrics.exposition(store)[0].decode()
+    assert 'jetson_fleet_deployment_devices{deployment="d3",state="converged"} 1.0' in body
+    assert 'jetson_fleet_deployment_devices{deployment="d3",state="offline"} 1.0' in body
+    assert ('jetson_fleet_deployment_failed_devices{deployment="d3",'
+            'reason="accuracy_gate_failed"} 1.0') in body
+    assert 'jetson_fleet_deployment_info{deployment="d3",model="det",selector="site=w3",' \
+        'state="active",version="3"} 1.0' in body
+    rows = views.deployment_rows(store)
+    html = pages.fleet_page([], [], False, rows).decode()
+    assert "Deployments" in html and "det@3" in html and "1 accuracy_gate_failed" in html
+
+
+def test_pause_resume_and_rm(store):
+    from agent.cli.fleet_deploy import _control
+
+    clock = Clock()
+    runner = DeploymentRunner(store, "svc-1", clock=clock)
+    store.upsert_devices({d: status(d, site="w3") for d in "ab"})
+    deployments.insert(store, "d3", "det", "3", "site=w3", spec("3", SHA3))
+    _control(store, deployments.get(store, "d3"), "pause", [])
+    runner.tick()  # paused before its first wave: nothing sent
+    assert deployments.rollouts_of(store, "d3") == []
+    _control(store, deployments.get(store, "d3"), "resume", [])
+    runner.tick()
+    assert devices_of(store, "d3-w") == ["a", "b"]
+    end_jobs(store, "d3-w")
+    runner.tick()
+    _control(store, deployments.get(store, "d3"), "pause", [])
+    store.upsert_devices({"c": status("c", site="w3")})
+    runner.touch(["c"])
+    clock.t += CATCHUP_S
+    runner.tick()
+    assert deployments.rollouts_of(store, "d3") == ["d3-w"]
+    assert states(store, "d3")["c"] == ("waiting", None)
+    _control(store, deployments.get(store, "d3"), "resume", [])
+    clock.t += CATCHUP_S
+    runner.tick()
+    assert devices_of(store, "d3-c1") == ["c"]
+    _control(store, deployments.get(store, "d3"), "rm", [])
+    assert store.rollout("d3-c1")["control"] == "cancel"
+    with pytest.raises(AgentError) as exc:
+        _control(store, deployments.get(store, "d3"), "resume", [])
+    assert exc.value.code == "bad_state_transition"
