@@ -258,3 +258,35 @@ def test_pause_resume_and_rm(store):
     with pytest.raises(AgentError) as exc:
         _control(store, deployments.get(store, "d3"), "resume", [])
     assert exc.value.code == "bad_state_transition"
+
+
+def test_models_push_is_immutable_and_deploy_checks_its_input(tmp_path):
+    import os
+
+    from tests.integration.test_fleet_service import ROOT, fleet_cli
+
+    fp16 = os.path.join(ROOT, "examples", "fp16_max")
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    push = ["models", "push", os.path.join(fp16, "model.onnx"), "--name", "det", "--version",
+            "3", "--inputs", os.path.join(fp16, "inputs.json"), "--golden",
+            os.path.join(fp16, "golden.json"), "--precision", "fp16", "--db", db]
+    assert "stored" in fleet_cli(push).stdout
+    again = fleet_cli(push)
+    assert again.returncode == 0 and "already stored, identical" in again.stdout
+    other = fleet_cli(push + ["--notes", "not the same"])
+    assert other.returncode == 2 and "model_version_exists" in other.stderr, other.stderr
+    shown = fleet_cli(["models", "show", "det@3", "--json", "--db", db])
+    assert json.loads(shown.stdout)["defaults"] == {"precision": "fp16"}
+    for args, code in ((["deploy", "det@9", "--to", "a=b"], "unknown_model_version"),
+                       (["deploy", "det@3", "--to", "a in b"], "bad_selector"),
+                       (["deploy", "det", "--to", "a"], "bad_argument"),
+                       (["label", "nobody", "a=b"], "unknown_device")):
+        out = fleet_cli(args + ["--db", db])
+        assert out.returncode == 2 and code in out.stderr, (args, out.stderr)
+    deployed = fleet_cli(["deploy", "det@3", "--to", "site=w3", "--id", "d3", "--db", db])
+    assert deployed.returncode == 0, deployed.stderr
+    refused = fleet_cli(["models", "rm", "det@3", "--db", db])
+    assert refused.returncode == 2 and "model_in_use" in refused.stderr
+    assert fleet_cli(["deployments", "rm", "d3", "--db", db]).returncode == 0
+    assert "removed" in fleet_cli(["models", "rm", "det@3", "--db", db]).stdout
+    assert "no model versions" in fleet_cli(["models", "ls", "--db", db]).stdout
