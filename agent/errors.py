@@ -115,6 +115,18 @@ CODES = {
     "it is not activated again until an operator retries it.",
     "no_previous_version": "A rollback names a model with no kept version to go back to.",
     "not_pending": "A commit or health report names a version that is not pending.",
+    # fleet registry, labels and deployments
+    "bad_label": "A device label (config labels:, a status, fleet label) is not a Kubernetes-"
+    "style key=value, is reserved, or there are too many.",
+    "bad_selector": "A label selector (fleet deploy --to) does not parse as Kubernetes' "
+    "label-selector syntax.",
+    "unknown_model_version": "A model name@version is not in the fleet's model registry "
+    "(fleet models push).",
+    "model_version_exists": "A model name@version is already in the registry with other "
+    "artifacts or settings: versions are immutable (push a new version).",
+    "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
+    "keep it (active or as a rollback target).",
+    "unknown_deployment": "A deployment id is not in the fleet database.",
 }
 
 

@@ -43,9 +43,11 @@ class SimulatedFleet(object):
 
     def __init__(self, host: str, port: int, count: int, name: str = "sim",
                  prefix: str = DEFAULT_PREFIX, fetch: bool = False,
-                 fanout: bool = False, roll_call: bool = True) -> None:
+                 fanout: bool = False, roll_call: bool = True,
+                 labels: Optional[Dict[str, str]] = None) -> None:
         self.topics = Topics(prefix)
         self.roll_call = roll_call  # False: devices of the release before the roll call
+        self.platform = dict(PLATFORM, labels=dict(labels)) if labels else PLATFORM
         self.devices = ["{}-{:05d}".format(name, i) for i in range(count)]
         self.known = set(self.devices)
         self.fetch = fetch
@@ -75,7 +77,8 @@ class SimulatedFleet(object):
         self.client.subscribe([(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1),
                                (self.topics.prefix + "/artifacts/+/block/+", 1)])
         for dev in self.devices:
-            msg = status_messages.status_message(dev, True, 1, "sim", PLATFORM, [], ts=time.time())
+            msg = status_messages.status_message(dev, True, 1, "sim", self.platform, [],
+                                                 ts=time.time())
             self.client.publish(self.topics.status(dev), protocol.encode(msg), 1, True)
             if self.roll_call:
                 self.client.publish(rollcall.topic(self.topics.prefix, dev),

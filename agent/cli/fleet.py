@@ -13,6 +13,9 @@
   each device's own final job state (waiting up to ``--wait`` seconds for it).
 - ``fleet telemetry DEVICE [--follow]``: a device's health metrics.
 - ``fleet db upgrade|current|history``: the fleet database's schema migrations.
+- ``fleet models push|ls|show|rm``: the model registry (name@version, immutable).
+- ``fleet deploy NAME@VERSION --to SELECTOR``: desired state that ``fleet serve`` converges;
+  ``fleet deployments ls|show|pause|resume|rm|retry``; ``fleet label DEVICE key=value``.
 - ``fleet keygen --out DIR``: an Ed25519 key pair for signing job documents
   (docs/security.md); ``fleet rollout --signing-key KEY`` signs with it.
 """
@@ -25,6 +28,8 @@ from agent.cli import (
     EXIT_OK,
     fleet_commands,
     fleet_db,
+    fleet_deploy,
+    fleet_models,
     fleet_registry,
     fleet_rollout,
     fleet_serve,
@@ -39,13 +44,15 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("fleet", help="controller: devices, staged rollouts, jobs, telemetry",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fsub = p.add_subparsers(dest="fleet_command",
-                            metavar="devices|rollout|rollouts|serve|db|rollback|jobs|cancel|"
-                                   "telemetry|keygen")
+                            metavar="devices|rollout|rollouts|serve|db|rollback|models|deploy|"
+                                   "deployments|label|jobs|cancel|telemetry|keygen")
     fleet_registry.add_devices_parser(fsub)
     fleet_rollout.add_parser(fsub)
     fleet_serve.add_parsers(fsub, add_connection_args, connect)
     fleet_db.add_db_parser(fsub)
     rollback.add_parser(fsub, add_connection_args, connect)
+    fleet_models.add_parser(fsub)
+    fleet_deploy.add_parsers(fsub)
     fleet_registry.add_jobs_parser(fsub)
     fleet_commands.add_cancel_parser(fsub)
     fleet_commands.add_telemetry_parser(fsub)

@@ -72,7 +72,8 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
                    "(Polygraphy --save-inputs JSON or .npz)")
     g.add_argument("--golden", metavar="F", help="golden outputs (Polygraphy --save-outputs "
                    "JSON or .npz)")
-    g.add_argument("--labels", metavar="F", help="true classes of the input rows (.npy)")
+    g.add_argument("--class-labels", "--labels", dest="labels", metavar="F",
+                   help="true classes of the input rows (.npy); --labels is its older name")
     g.add_argument("--atol", type=float)
     g.add_argument("--rtol", type=float)
     g.add_argument("--check-error-stat", choices=GATE_STATS)

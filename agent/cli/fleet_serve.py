@@ -234,6 +234,9 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
                                share_group=args.share_group, lease_s=args.lease,
                                http_base=None, http_min_bytes=args.http_min_bytes,
                                admission=make_admission(args, store))
+        from agent.fleet.deployment_runner import DeploymentRunner
+
+        service.deployments = DeploymentRunner(store, service.instance, args.lease)
         if getattr(args, "share_engines", False):
             if not args.http:
                 raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "

@@ -139,6 +139,9 @@ class Config:
     models: ModelsConfig = dataclasses.field(default_factory=ModelsConfig)
     # Hand-off adapters: [{type: triton|deepstream|command, models: ["*"] | [names], ...}]
     handoff: List[Dict[str, Any]] = _f(None, entries=True)
+    # What this device says of itself (site: warehouse-3, camera: dock): reported in the birth
+    # status (platform.labels); agent.wire.device_labels' syntax and caps.
+    labels: Dict[str, str] = _f(None, mapping=True)
     source: Optional[str] = _f(None, internal=True)  # the file it came from
 
     @property
@@ -324,6 +327,12 @@ def _finish_models(cfg: Config) -> None:
     if m.group:
         _check_account("models.group", m.group, "getgrnam")
     cfg.handoff = cfg.handoff or []
+    from agent.wire.device_labels import check_labels
+
+    try:
+        cfg.labels = check_labels(cfg.labels or {}, "labels")
+    except AgentError as exc:
+        raise AgentError("bad_config", exc.message)
     handoff.parse(cfg.handoff, "handoff")  # checked now; the daemon parses it again
 
 

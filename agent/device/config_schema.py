@@ -108,6 +108,13 @@ def _check_value(field: "dataclasses.Field[Any]", tp: Any, value: Any, where: st
             raise AgentError("bad_config", "{} expects a list of mappings, found {} {!r}".format(
                 where, _type_name(value), value))
         return list(value)
+    if meta.get("mapping"):  # a mapping of strings, checked later by its own parser
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise AgentError("bad_config", "{} expects a mapping of key: value, found {} {!r}"
+                             .format(where, _type_name(value), value))
+        return dict(value)
     if typing.get_origin(base) is list:  # a list of strings; one string is a list of one
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, list) or not all(isinstance(i, str) for i in items):

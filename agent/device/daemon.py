@@ -163,7 +163,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
         log.warning("%s", backend_problem)
     key = device_key(cfg)
     platform_status = functools.partial(
-        status_platform, platform, backend, backend_problem,
+        status_platform, platform, backend, backend_problem, cfg.labels,
         identity=key.identity() if key is not None else None,
         requires_signed_jobs=not cfg.security.allow_unsigned)
 

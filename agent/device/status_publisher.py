@@ -39,9 +39,11 @@ MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with r
 
 
 def status_platform(platform: Any, backend: str, backend_problem: Optional[str],
+                    labels: Optional[Dict[str, str]] = None,
                     identity: Optional[Dict[str, str]] = None,
                     requires_signed_jobs: Optional[bool] = None) -> Dict[str, Any]:
     """What the birth status, the Will and ``diag`` say of this device's platform and backend;
+    ``labels``: the config's (checked there), a claim the controller keeps apart;
     ``identity``: the device's public key (``DeviceKey.identity``); ``requires_signed_jobs``:
     whether it drops unsigned job documents (not ``security.allow_unsigned``)."""
     p = platform
@@ -55,6 +57,8 @@ def status_platform(platform: Any, backend: str, backend_problem: Optional[str],
         out["identity"] = dict(identity)
     if requires_signed_jobs is not None:
         out["requires_signed_jobs"] = bool(requires_signed_jobs)
+    if labels:  # an extra key of platform: a controller of the previous release accepts it
+        out["labels"] = dict(labels)
     if backend_problem:  # the truth: no backend that runs here
         out["backend"] = None
         out["backend_problem"] = backend_problem[:512]

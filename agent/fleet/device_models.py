@@ -88,13 +88,14 @@ def problems(items: Sequence[Mapping[str, Any]]) -> List[str]:
 # ---------------------------------------------------------------------------- the table
 
 def save(store: Any, messages: Mapping[str, Mapping[str, Any]],
-         now: Optional[float] = None) -> None:
+         now: Optional[float] = None, reset: Sequence[str] = ()) -> None:
     """device -> its models message, upserted (one row per device). A message of an older
-    boot than the stored one is dropped (a late retained copy)."""
+    boot than the stored one is dropped (a late retained copy), except from the devices of
+    ``reset`` (re-imaged: born again with a lower boot)."""
     if not messages:
         return
     now = time.time() if now is None else now
-    stored = load(store, list(messages))
+    stored = load(store, [d for d in messages if d not in reset])
     rows = [(dev, msg.get("boot"), json.dumps(dict(msg), sort_keys=True), now)
             for dev, msg in sorted(messages.items()) if newer(stored.get(dev), msg)]
     store.db.executemany(

@@ -7,7 +7,8 @@ progress (devices per state, stage, fraction finished; running and paused rollou
 finished within a day), every model a device holds (``device_model_info`` with its version
 and state, ``device_model_healthy``: one series per name the device holds, at most 256), the
 newest engine's throughput, latency and accuracy per device (labelled with its ``model``
-name), temperatures, power, GPU/CPU load and memory per device.
+name), temperatures, power, GPU/CPU load and memory per device; live deployments (at most
+100): devices per convergence state, failures per reason, converged ratio.
 Label values come from devices: they are cut to ``MAX_LABEL`` characters, and a device has
 at most ``bounds.MAX_SERIES_PER_FAMILY`` sensors per family (agent.fleet.bounds).
 """
@@ -21,6 +22,8 @@ from agent.fleet.store import ACTIVE, Store
 MAX_LABEL = 64
 FINISHED_KEPT_S = 86400.0  # finished rollouts stay in /metrics for a day
 PREFIX = "jetson_fleet_"
+MAX_DEPLOYMENTS = 100  # live deployments in /metrics (bounded series)
+MAX_REASONS = 16  # failure reasons per deployment
 
 
 def _label(value: Any) -> str:
@@ -122,6 +125,7 @@ class FleetCollector(object):
         yield online
         yield seen
         yield from self._rollouts(gauge)
+        yield from self._deployments(gauge)
         yield info
         yield healthy
         yield tput
@@ -131,6 +135,38 @@ class FleetCollector(object):
         yield power
         yield load
         yield mem
+
+    def _deployments(self, gauge: Any) -> Iterator[Any]:
+        """Live deployments (at most MAX_DEPLOYMENTS, newest first): devices per convergence
+        state, failures per reason (at most MAX_REASONS per deployment), and info."""
+        from agent.fleet import deployments
+
+        live = deployments.rows(self.store, deployments.LIVE)[-MAX_DEPLOYMENTS:]
+        sums = deployments.summary(self.store, [d["deployment_id"] for d in live])
+        info = gauge("deployment_info", "1 per live deployment (model name@version, selector, "
+                     "state)", ["deployment", "model", "version", "selector", "state"])
+        per_state = gauge("deployment_devices", "devices a deployment governs, by state "
+                          "(converged, in_progress, failed, offline, waiting)",
+                          ["deployment", "state"])
+        failed = gauge("deployment_failed_devices", "failed devices of a deployment by reason",
+                       ["deployment", "reason"])
+        ratio = gauge("deployment_converged_ratio", "converged / desired devices",
+                      ["deployment"])
+        for d in live:
+            did = _label(d["deployment_id"])
+            info.add_metric([did, _label(d["name"]), _label(d["version"]),
+                             _label(d["selector"]), d["state"]], 1)
+            s = sums.get(d["deployment_id"]) or {}
+            for state in deployments.STATES:
+                per_state.add_metric([did, state], s.get(state, 0))
+            for reason, n in sorted(s.get("failed_by", {}).items())[:MAX_REASONS]:
+                failed.add_metric([did, _label(reason)], n)
+            ratio.add_metric([did], s.get("converged", 0) / float(s["desired"])
+                             if s.get("desired") else 0.0)
+        yield info
+        yield per_state
+        yield failed
+        yield ratio
 
     def _rollouts(self, gauge: Any) -> Iterator[Any]:
         per_state = gauge("rollout_devices", "devices of a rollout by job state",

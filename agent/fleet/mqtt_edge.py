@@ -27,11 +27,17 @@ class DeviceDirectory(object):
         self.status: Dict[str, Dict[str, Any]] = {}
         self.models: Dict[str, Dict[str, Any]] = {}
         self.telemetry: Dict[str, Dict[str, Any]] = {}
+        self.reimaged: set = set()  # devices born again with a lower boot, not yet handled
 
     def on_status(self, device: str, msg: Dict[str, Any]) -> bool:
         last = self.status.get(device)
         if last is not None and status_messages.status_is_stale(last.get("boot"), msg):
-            return False
+            if msg.get("online") is not True or not isinstance(msg.get("platform"), dict):
+                return False
+            # A birth of a lower boot: the device was re-imaged (a new journal counts its
+            # boots from 1 again). What it held before is gone: its models message starts over.
+            self.models.pop(device, None)
+            self.reimaged.add(device)
         self.status[device] = msg
         return True
 

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
-from agent.fleet import bounds, device_models, durable, rollback_log
+from agent.fleet import bounds, deployment_runner, device_models, durable, rollback_log
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
@@ -91,6 +91,9 @@ class FleetService(object):
         if admission is not None:
             conn.gate = admission.check
             admission.on_admitted = self._admitted
+        # Deployments (fleet serve): an agent.fleet.deployment_runner.DeploymentRunner, told
+        # of births, Wills, models messages and its jobs' ends; ticked before leases are taken.
+        self.deployments: Any = None
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -281,6 +284,11 @@ class FleetService(object):
         self._flush_devices()
         if self.share_group is not None:
             self._serve_all()
+        if self.deployments is not None:
+            try:
+                self.deployments.tick()
+            except AgentError as exc:
+                log.error("deployments: %s", exc)
         mine = self.store.claim(self.instance, self.lease_s, now, self.only)
         for rid in list(self.rollouts):
             if rid not in mine:
@@ -323,9 +331,20 @@ class FleetService(object):
     def _flush_devices(self) -> None:
         if self.devices_dirty:
             self.store.upsert_devices(self.devices_dirty)
+            if self.deployments is not None:
+                self.deployments.touch(self.devices_dirty)
             self.devices_dirty = {}
         if self.models_dirty:
-            device_models.save(self.store, self.models_dirty)
+            # Devices born again with a lower boot (re-imaged): their new message replaces
+            # the old image's whatever its boot.
+            directory = getattr(self.conn, "directory", None)
+            reset = sorted(set(directory.reimaged) & set(self.models_dirty)) \
+                if directory is not None else []
+            device_models.save(self.store, self.models_dirty, reset=reset)
+            if directory is not None:
+                directory.reimaged.difference_update(reset)
+            if self.deployments is not None:
+                self.deployments.touch(self.models_dirty)
             self.models_dirty = {}
         if self.telemetry_dirty:
             self.store.touch_devices(self.telemetry_dirty)
@@ -390,6 +409,8 @@ class FleetService(object):
         actions, more = self.pending.setdefault(ro.rollout_id, ([], []))
         actions += ro.on_job_status(device, msg, evaluate=False)
         self.stats["refused"] += ro.refused - refused
+        if self.deployments is not None:
+            deployment_runner.job_ended(self.deployments, rid, device, msg)
         if protocol.is_terminal(str(msg.get("state"))) and msg.get("job_id") in run.kinds:
             # The database has it now: the broker need not keep the device's last word.
             more.append((self.topics.job_status(device, str(msg["job_id"])), b"", True))

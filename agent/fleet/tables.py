@@ -128,3 +128,44 @@ device_keys = sa.Table(
     sa.Column("pending_since", DOUBLE), sa.Column("pending_status", TEXT),
     sa.Column("updated", DOUBLE),
     sa.Index("device_keys_state", "state", "pending_since"))
+
+# agent.fleet.registry, labels, deployments (revision 0003): the model registry, the labels an
+# operator assigns, and deployments as desired state with their devices, rollouts and retries.
+model_versions = sa.Table(
+    "model_versions", metadata,
+    sa.Column("name", TEXT, primary_key=True), sa.Column("version", TEXT, primary_key=True),
+    sa.Column("digest", TEXT, nullable=False), sa.Column("record", TEXT, nullable=False),
+    sa.Column("created", DOUBLE))
+
+device_labels = sa.Table(
+    "device_labels", metadata,
+    sa.Column("device_id", TEXT, primary_key=True), sa.Column("labels", TEXT, nullable=False),
+    sa.Column("updated", DOUBLE, nullable=False),
+    sa.Index("device_labels_updated", "updated"))
+
+deployments = sa.Table(
+    "deployments", metadata,
+    sa.Column("deployment_id", TEXT, primary_key=True), sa.Column("name", TEXT, nullable=False),
+    sa.Column("version", TEXT, nullable=False), sa.Column("selector", TEXT, nullable=False),
+    sa.Column("spec", TEXT, nullable=False), sa.Column("state", TEXT, nullable=False),
+    sa.Column("reason", TEXT), sa.Column("superseded_by", TEXT), sa.Column("created", DOUBLE),
+    sa.Column("updated", DOUBLE))
+
+deployment_rollouts = sa.Table(
+    "deployment_rollouts", metadata,
+    sa.Column("rollout_id", TEXT, primary_key=True),
+    sa.Column("deployment_id", TEXT, nullable=False), sa.Column("kind", TEXT, nullable=False),
+    sa.Column("created", DOUBLE),
+    sa.Index("deployment_rollouts_dep", "deployment_id"))
+
+deployment_devices = sa.Table(
+    "deployment_devices", metadata,
+    sa.Column("deployment_id", TEXT, primary_key=True),
+    sa.Column("device_id", TEXT, primary_key=True), sa.Column("state", TEXT, nullable=False),
+    sa.Column("reason", TEXT), sa.Column("updated", DOUBLE),
+    sa.Index("deployment_devices_device", "device_id"))
+
+deployment_retries = sa.Table(
+    "deployment_retries", metadata,
+    sa.Column("deployment_id", TEXT, primary_key=True),
+    sa.Column("device_id", TEXT, primary_key=True), sa.Column("at", DOUBLE, nullable=False))

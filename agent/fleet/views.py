@@ -313,3 +313,14 @@ def status_history(store: Store, device: str, limit: int = 50) -> List[Dict[str,
                           (device, max(1, int(limit))))
     return [{"rollout_id": r[0], "job_id": r[1], "version": r[2], "state": r[3],
              "stage": r[4], "ts": _num(r[5]), "received": _num(r[6])} for r in rows]
+
+
+def deployment_rows(store: Any, limit: int = 100) -> List[Dict[str, Any]]:
+    """Live deployments (newest ``limit``), each with its convergence summary (one grouped
+    query over the devices' recorded states, no scan of the fleet)."""
+    from agent.fleet import deployments
+
+    live = deployments.rows(store, deployments.LIVE)[-limit:]
+    sums = deployments.summary(store, [d["deployment_id"] for d in live])
+    empty = dict({k: 0 for k in deployments.STATES}, desired=0, failed_by={})
+    return [dict(d, summary=sums.get(d["deployment_id"], empty)) for d in reversed(live)]

@@ -149,8 +149,21 @@ def counts_text(counts: Mapping[str, int]) -> str:
     return ", ".join("{} {}".format(n, badge(s)) for s, n in sorted(counts.items())) or "-"
 
 
+def deployments_table(deps: Sequence[Mapping[str, Any]]) -> str:
+    """Live deployments: model, selector, state and convergence (views.deployment_rows)."""
+    return table(["deployment", "model", "selector", "state", "converged", "in progress",
+                  "failed", "offline", "waiting"], [
+        [_e(d["deployment_id"]), _e("{}@{}".format(d["name"], d["version"])),
+         "<code>{}</code>".format(_e(d["selector"] or "(all)")), badge(d["state"]),
+         progress(d["summary"]["converged"], d["summary"]["desired"]),
+         str(d["summary"]["in_progress"]),
+         _e(", ".join("{} {}".format(n, r) for r, n in sorted(
+             d["summary"]["failed_by"].items())) or "0"),
+         str(d["summary"]["offline"]), str(d["summary"]["waiting"])] for d in deps])
+
+
 def fleet_page(rows: List[Dict[str, Any]], rollouts: List[Dict[str, Any]],
-               actions: bool) -> bytes:
+               actions: bool, deployments: Sequence[Mapping[str, Any]] = ()) -> bytes:
     online = sum(1 for r in rows if r["online"])
     health: Dict[str, int] = {}
     for r in rows:
@@ -160,6 +173,8 @@ def fleet_page(rows: List[Dict[str, Any]], rollouts: List[Dict[str, Any]],
     parts += ['<div class="card">{} <b>{}</b></div>'.format(badge(w), n)
               for w, n in sorted(health.items())]
     parts.append("</section>")
+    if deployments:
+        parts.append("<h2>Deployments</h2>" + deployments_table(deployments))
     running = [r for r in rollouts if r["state"] in ACTIVE]
     if running:
         parts.append("<h2>Active rollouts</h2>")

@@ -84,7 +84,8 @@ class Dashboard(object):
         notice = _notice(query)
         if not parts:
             return _html(pages.fleet_page(views.fleet_rows(self.store), views.rollout_rows(
-                self.store, states=pages.ACTIVE, failures=False), actions))
+                self.store, states=pages.ACTIVE, failures=False), actions,
+                views.deployment_rows(self.store)))
         if parts == ["metrics"]:
             body, ctype = metrics.exposition(self.store)
             return 200, ctype, body

@@ -1,0 +1,255 @@
+"""``fleet deploy NAME@VERSION --to SELECTOR``, ``fleet deployments ls|show|pause|resume|rm|
+retry`` and ``fleet label DEVICE key=value... [--remove key]``: desired state in the fleet
+database (``agent.fleet.deployments``, ``agent.fleet.labels``); ``fleet serve`` converges it.
+"""
+
+import argparse
+import json
+import time
+import uuid
+from typing import Any, Dict, List
+
+from agent import fleet
+from agent.cli import EXIT_OK
+from agent.cli.fleet_db import add_db_args, db_url
+from agent.errors import AgentError
+from agent.fleet import deployments, labels, registry, selectors
+from agent.fleet.spec import DOC_KEYS
+from agent.fleet.store import Store
+
+
+def add_parsers(fsub: Any) -> None:
+    from agent.cli.fleet_rollout import SEARCH_MODES
+
+    d = fsub.add_parser("deploy", help="desired state: every device a selector matches runs "
+                        "NAME@VERSION (fleet serve converges it)",
+                        description="Record that every eligible device matching --to should "
+                        "run a registry version; see docs/fleet.md, Deployments.")
+    d.add_argument("ref", metavar="NAME@VERSION")
+    d.add_argument("--to", required=True, metavar="SELECTOR",
+                   help="Kubernetes label selector: 'site=warehouse-3,board=orin-nano', "
+                        "'site!=lab', 'camera in (dock,gate)', '!key', 'key'; '' for every "
+                        "device")
+    d.add_argument("--id", metavar="ID", help="deployment id (default NAME-VERSION-RANDOM)")
+    d.add_argument("--precision", choices=("fp32", "fp16", "int8", "best"),
+                   help="default: the version's pushed default")
+    d.add_argument("--fallback", choices=("allow", "reject"))
+    d.add_argument("--search", choices=SEARCH_MODES)
+    d.add_argument("--no-accuracy-gate", action="store_true",
+                   help="deploy a version pushed without goldens")
+    size = d.add_mutually_exclusive_group()
+    size.add_argument("--batch", type=int, metavar="N", help="first wave: N devices per stage")
+    size.add_argument("--percent", type=float, metavar="P",
+                      help="first wave: P%% of the devices per stage")
+    d.add_argument("--success-threshold", type=float, default=1.0, metavar="R")
+    d.add_argument("--abort-failure-rate", type=float, metavar="R")
+    d.add_argument("--min-executed", type=int, default=1, metavar="K")
+    d.add_argument("--timeout", type=float, default=3600.0, metavar="S",
+                   help="each rollout of the deployment gives up on devices after S s")
+    d.add_argument("--job-timeout", type=float, metavar="S")
+    d.add_argument("--json", action="store_true")
+    add_db_args(d)
+    d.set_defaults(func=run_deploy)
+
+    s = fsub.add_parser("deployments", help="deployments: ls, show, pause, resume, rm, retry")
+    s.add_argument("action", choices=("ls", "show", "pause", "resume", "rm", "retry"))
+    s.add_argument("deployment_id", nargs="?", metavar="ID")
+    s.add_argument("--devices", nargs="+", default=[], metavar="ID",
+                   help="retry: only these devices (default every failed one)")
+    s.add_argument("--json", action="store_true")
+    add_db_args(s)
+    s.set_defaults(func=run_deployments)
+
+    lab = fsub.add_parser("label", help="a device's labels: show, set key=value, --remove key")
+    lab.add_argument("device", metavar="DEVICE")
+    lab.add_argument("assignments", nargs="*", metavar="key=value")
+    lab.add_argument("--remove", nargs="+", default=[], metavar="KEY")
+    lab.add_argument("--json", action="store_true")
+    add_db_args(lab)
+    lab.set_defaults(func=run_label)
+
+
+def _open(args: argparse.Namespace, existing: bool = True) -> Store:
+    store = Store(db_url(args, existing=existing))
+    return store
+
+
+def build_spec(args: argparse.Namespace, version: Dict[str, Any], dep_id: str
+               ) -> Dict[str, Any]:
+    """The rollout spec of the deployment: the version's artifacts and defaults, the deploy
+    flags over them; every job document shape checked here."""
+    merged = dict(version.get("defaults") or {})
+    for k in ("precision", "fallback", "search", "job_timeout"):
+        if getattr(args, k, None) is not None:
+            merged[k] = getattr(args, k)
+    if not merged.get("precision"):
+        raise AgentError("bad_argument", "fleet deploy: expected --precision (the version has "
+                         "no default precision), found none")
+    arts = version["artifacts"]
+    if "goldens" not in arts and not args.no_accuracy_gate:
+        raise AgentError("no_accuracy_gate", "{}@{} was pushed without goldens: expected "
+                         "--golden at push, or --no-accuracy-gate here".format(
+                             version["name"], version["version"]))
+    if merged.get("search") and "goldens" not in arts:
+        raise AgentError("bad_argument", "--search judges candidates against goldens; {}@{} "
+                         "has none".format(version["name"], version["version"]))
+    policy = fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
+                                             args.min_executed))
+    if args.batch is not None or args.percent is not None:
+        fleet.plan_stages(["check"], args.batch, args.percent)  # the numbers checked
+    if not args.timeout > 0:
+        raise AgentError("bad_argument", "--timeout must be > 0, found {}".format(args.timeout))
+    spec: Dict[str, Any] = {k: merged.get(k) for k in DOC_KEYS}
+    spec.update({"model_name": version["name"], "model_version": version["version"],
+                 "artifacts": {k: dict(v) for k, v in arts.items()},
+                 "layer_precisions": dict(merged.get("layer_precisions") or {}),
+                 "timeout": float(args.timeout), "model_path": None,
+                 "batch": args.batch, "percent": args.percent,
+                 "policy": {"success_threshold": policy.success_threshold,
+                            "abort_failure_rate": policy.abort_failure_rate,
+                            "min_executed": policy.min_executed}})
+    docs = fleet.doc_factory(spec)
+    for kind in (["search"] if spec.get("search") else []) + ["deploy"]:
+        docs("check", dep_id + "-c0", kind, None)
+    return spec
+
+
+def _dep_id(name: str, version: str) -> str:
+    base = "{}-{}".format(name[:20], "".join(c if c.isalnum() or c in "._-" else "."
+                                              for c in version[:12]))
+    return "{}-{}".format(base, uuid.uuid4().hex[:4])
+
+
+def run_deploy(args: argparse.Namespace) -> int:
+    name, version = registry.parse_ref(args.ref)
+    if version is None:
+        raise AgentError("bad_argument", "fleet deploy: expected NAME@VERSION, found {!r}"
+                         .format(args.ref))
+    selector = selectors.parse(args.to)
+    dep_id = fleet.check_rollout_id(args.id or _dep_id(name, version))
+    if len(dep_id) > 40:
+        raise AgentError("bad_argument", "--id: expected at most 40 characters, found {}"
+                         .format(len(dep_id)))
+    store = _open(args, existing=False)
+    try:
+        spec = build_spec(args, registry.get(store, name, version), dep_id)
+        older = deployments.insert(store, dep_id, name, version, selector.text, spec)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps({"deployment_id": dep_id, "selector": selector.text,
+                          "superseded": older}, indent=2, sort_keys=True))
+    else:
+        print("deployment {}: {}@{} to '{}'{}; fleet serve converges it (fleet deployments "
+              "show {})".format(dep_id, name, version, selector.text,
+                                "; supersedes " + ", ".join(older) if older else "", dep_id))
+    return EXIT_OK
+
+
+def _counts(s: Dict[str, Any]) -> str:
+    failed = ", ".join("{} {}".format(n, r) for r, n in sorted(s["failed_by"].items()))
+    return "{}/{} converged, {} in progress, {} failed{}, {} offline, {} waiting".format(
+        s["converged"], s["desired"], s["in_progress"], s["failed"],
+        " ({})".format(failed) if failed else "", s["offline"], s["waiting"])
+
+
+EMPTY = dict({k: 0 for k in deployments.STATES}, desired=0, failed_by={})
+
+
+def run_deployments(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        if args.action == "ls":
+            rows = deployments.rows(store)
+            sums = deployments.summary(store)
+            for r in rows:
+                r["summary"] = sums.get(r["deployment_id"], EMPTY)
+            if args.json:
+                print(json.dumps(rows, indent=2, sort_keys=True, default=str))
+            elif rows:
+                print(fleet.format_table(
+                    ["DEPLOYMENT", "MODEL", "SELECTOR", "STATE", "DEVICES", "CREATED"],
+                    [[r["deployment_id"], "{}@{}".format(r["name"], r["version"]),
+                      r["selector"] or "(all)", r["state"], _counts(r["summary"]),
+                      time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"] or 0))]
+                     for r in rows]))
+            else:
+                print("no deployments (fleet deploy)")
+            return EXIT_OK
+        if not args.deployment_id:
+            raise AgentError("bad_argument", "fleet deployments {}: expected a deployment id"
+                             .format(args.action))
+        dep = deployments.get(store, args.deployment_id)
+        did = dep["deployment_id"]
+        if args.action == "show":
+            dep["summary"] = deployments.summary(store, [did]).get(did, EMPTY)
+            dep["devices"] = deployments.device_states(store, did)
+            dep["rollouts"] = deployments.rollouts_of(store, did)
+            dep.pop("spec", None)
+            if args.json:
+                print(json.dumps(dep, indent=2, sort_keys=True, default=str))
+                return EXIT_OK
+            print("deployment {}: {}@{} to '{}': {}{}".format(
+                did, dep["name"], dep["version"], dep["selector"] or "(all)", dep["state"],
+                " ({})".format(dep["reason"]) if dep["reason"] else ""))
+            print("devices: " + _counts(dep["summary"]))
+            print("rollouts: " + (", ".join(dep["rollouts"]) or "none yet"))
+            table = [[d["device"], d["state"], d["reason"] or "-"] for d in dep["devices"]
+                     if d["state"] != "converged"][:200]
+            if table:
+                print(fleet.format_table(["DEVICE", "STATE", "REASON"], table))
+            return EXIT_OK
+        return _control(store, dep, args.action, args.devices)
+    finally:
+        store.close()
+
+
+def _control(store: Store, dep: Dict[str, Any], action: str, devices: List[str]) -> int:
+    did = dep["deployment_id"]
+    live = dep["state"] in deployments.LIVE
+    if not live:
+        raise AgentError("bad_state_transition", "deployment {} is {}; expected a live one "
+                         "(pending, rolling, active, paused or halted)".format(did,
+                                                                              dep["state"]))
+    if action == "pause":
+        deployments.set_state(store, did, "paused", "paused by the operator")
+        deployments.cancel_rollouts(store, did, "pause")
+    elif action == "resume":
+        wave = [r for r in deployments.rollouts_of(store, did) if r.endswith("-w")]
+        running = wave and (store.rollout(wave[0]) or {}).get("state") in ("running", "paused")
+        state = "rolling" if running else ("pending" if not wave else "active")
+        deployments.set_state(store, did, state, None)
+        deployments.cancel_rollouts(store, did, "resume")
+    elif action == "rm":
+        deployments.set_state(store, did, "removed", "removed by the operator")
+        deployments.cancel_rollouts(store, did)
+    else:
+        deployments.retry(store, did, devices)
+    print("deployment {}: {} recorded; fleet serve applies it within a second".format(
+        did, action))
+    return EXIT_OK
+
+
+def run_label(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        if args.assignments or args.remove:
+            labels.assign(store, args.device, labels.parse_assignments(args.assignments),
+                          args.remove)
+        dev = store.device(args.device)
+        if dev is None:
+            raise AgentError("unknown_device", "expected a device that reported to this fleet "
+                             "database, found {!r}".format(args.device))
+        mine = labels.assigned(store, [args.device]).get(args.device, {})
+        out = {"device": args.device, "derived": labels.derived(dev["status"]),
+               "assigned": mine, "reported": labels.reported(dev["status"]),
+               "selectable": labels.selectable(dev["status"], mine)}
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        for part in ("derived", "assigned", "reported"):
+            print("{:<9} {}".format(part + ":", ", ".join(
+                "{}={}".format(k, v) for k, v in sorted(out[part].items())) or "-"))
+    return EXIT_OK

@@ -1,0 +1,130 @@
+"""Deployments at scale: ``fleet serve`` (SQLite) with simulated devices
+(scripts/simulate_devices.py, labelled ``site=bench``) on a local Mosquitto.
+
+- ``fleet deploy det@3 --to site=bench`` over SCALE devices (default 10,000), one stage: the
+  time until every device is converged (the deployment's recorded states), the controller's
+  CPU seconds and peak RSS;
+- then LATE devices (default 1,000) born at once: the time from their births until all of them
+  converged (catch-up rollouts), the controller's CPU for it;
+- the controller's CPU over IDLE_S seconds once converged (the tick works from changes: no
+  scan of the fleet per tick).
+
+    python scripts/lib/bench.py fleet_deploy     (FLEET_DEPLOY_SCALE=1000 FLEET_DEPLOY_LATE=100)
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+for path in (ROOT, os.path.join(ROOT, "scripts"), HERE):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+
+import fleet_scale as fs  # noqa: E402
+from simulate_devices import SimulatedFleet  # noqa: E402
+
+SCALE = int(os.environ.get("FLEET_DEPLOY_SCALE", "10000"))
+LATE = int(os.environ.get("FLEET_DEPLOY_LATE", "1000"))
+IDLE_S = float(os.environ.get("FLEET_DEPLOY_IDLE_S", "10"))
+TIMEOUT = 1800
+
+
+def converged(db_path):
+    return fs.count(db_path, "SELECT COUNT(*) FROM deployment_devices WHERE deployment_id = "
+                    "'d3' AND state = 'converged'")
+
+
+def wait(db_path, n, serve, what):
+    deadline = time.monotonic() + TIMEOUT
+    while converged(db_path) < n:
+        assert time.monotonic() < deadline and serve.poll() is None, "{}: {} of {}".format(
+            what, converged(db_path), n)
+        time.sleep(0.2)
+
+
+def measure(scale=SCALE, late=LATE):
+    import shutil
+
+    work = tempfile.mkdtemp(prefix="fleet-deploy-")
+    mosq, port = fs.broker(work)
+    db_path = os.path.join(work, "fleet.db")
+    db = "sqlite:///" + db_path
+    fleet = SimulatedFleet("127.0.0.1", port, scale, name="sim", labels={"site": "bench"})
+    joiners = SimulatedFleet("127.0.0.1", port, late, name="late", labels={"site": "bench"})
+    serve = None
+    try:
+        fleet.start()
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        serve = subprocess.Popen([sys.executable, "-m", "agent", "fleet", "serve", "--broker",
+                                  "mqtt://127.0.0.1:{}".format(port), "--db", db],
+                                 env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                 stderr=open(os.path.join(work, "serve.log"), "w"))
+        deadline = time.monotonic() + TIMEOUT
+        while fs.count(db_path, "SELECT COUNT(*) FROM devices") < scale:
+            assert time.monotonic() < deadline and serve.poll() is None, "registry"
+            time.sleep(0.5)
+        out = fs.cli(["models", "push", os.path.join(fs.FP16, "model.onnx"), "--name", "det",
+                      "--version", "3", "--inputs", os.path.join(fs.FP16, "inputs.json"),
+                      "--golden", os.path.join(fs.FP16, "golden.json"), "--precision",
+                      "fp16"], db)
+        assert out.returncode == 0, out.stderr
+        cpu0, _ = fs.proc_usage(serve.pid)
+        t0 = time.time()
+        out = fs.cli(["deploy", "det@3", "--to", "site=bench", "--id", "d3", "--timeout",
+                      str(TIMEOUT)], db)
+        assert out.returncode == 0, out.stderr
+        wait(db_path, scale, serve, "first wave")
+        t1 = time.time()
+        cpu1, rss1 = fs.proc_usage(serve.pid)
+        joiners.start()  # every birth at once
+        wait(db_path, scale + late, serve, "late joiners")
+        t2 = time.time()
+        cpu2, rss2 = fs.proc_usage(serve.pid)
+        time.sleep(IDLE_S)  # measuring the idle tick: nothing to wait for
+        cpu3, _ = fs.proc_usage(serve.pid)
+        jobs = sum(len(v) for v in fleet.jobs.values()) + sum(
+            len(v) for v in joiners.jobs.values())
+        rollouts = fs.count(db_path, "SELECT COUNT(*) FROM deployment_rollouts")
+        return {"devices": scale, "late": late, "wave_s": t1 - t0, "wave_cpu": cpu1 - cpu0,
+                "late_s": t2 - t1, "late_cpu": cpu2 - cpu1, "rss": max(rss1, rss2),
+                "idle_cpu_per_s": (cpu3 - cpu2) / IDLE_S, "jobs": jobs,
+                "converged": converged(db_path), "rollouts": rollouts}
+    finally:
+        fleet.stop()
+        joiners.stop()
+        if serve is not None and serve.poll() is None:
+            serve.terminate()
+            serve.wait(30)
+        mosq.terminate()
+        mosq.wait(10)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run():
+    r = measure()
+    n = r["devices"] + r["late"]
+    assert r["converged"] == n and r["jobs"] == n, r
+    return [
+        {"name": "deploy to {} devices (one stage): converged".format(r["devices"]),
+         "ours": r["wave_s"], "unit": "s"},
+        {"name": "controller CPU for the first wave, per 1,000 devices",
+         "ours": r["wave_cpu"] * 1000.0 / r["devices"], "unit": "CPU s"},
+        {"name": "{} late joiners at once: converged after their births".format(r["late"]),
+         "ours": r["late_s"], "unit": "s", "goal": "< 60 s"},
+        {"name": "controller CPU for the late joiners", "ours": r["late_cpu"],
+         "unit": "CPU s"},
+        {"name": "controller peak RSS", "ours": r["rss"] / 2 ** 20, "unit": "MiB"},
+        {"name": "controller CPU once converged (idle ticks, {} devices)".format(n),
+         "ours": r["idle_cpu_per_s"], "unit": "CPU s per s"},
+        {"name": "jobs sent (one per device, none twice); rollouts", "ours": r["jobs"],
+         "baseline": r["rollouts"], "unit": "jobs (baseline: rollouts)"},
+    ]
+
+
+if __name__ == "__main__":
+    for row in run():
+        print(row)
