@@ -188,7 +188,8 @@ class Store(object):
     def admission_counters(self) -> Dict[str, int]:
         """The admission counters of every service instance, summed."""
         out: Dict[str, int] = {}
-        for (value,) in self.db.query("SELECT value FROM meta WHERE key LIKE 'admission:%'"):
+        for (value,) in self.db.query(  # a parameter: psycopg reads a literal % as one
+                "SELECT value FROM meta WHERE key LIKE ?", ("admission:%",)):
             for k, v in (_loads(value) or {}).items():
                 out[k] = out.get(k, 0) + int(v)
         return out
