@@ -5,6 +5,10 @@ one MQTT connection: a retained birth status per device, job documents received 
 QoS 1, increasing versions), and with ``--fetch`` every artifact requested block by block
 (want bitmaps, a window of blocks at a time) before the job succeeds. For scale tests of the
 controller (scripts/benchmarks/fleet_scale.py), not a device emulator: nothing is built.
+With ``--identity`` (``SimulatedFleet(identity=True)``) each device has its own Ed25519 key
+(in memory), announces it in its birth and signs everything it publishes as a daemon does
+(``agent.wire.device_identity``); ``write_keys(path)`` writes the public keys for the
+controller's ``--admission keys --admission-keys FILE``, as manufacturing would.
 
     python scripts/simulate_devices.py --broker mqtt://127.0.0.1:1883 --count 10000
 """
@@ -44,7 +48,7 @@ class SimulatedFleet(object):
     def __init__(self, host: str, port: int, count: int, name: str = "sim",
                  prefix: str = DEFAULT_PREFIX, fetch: bool = False,
                  fanout: bool = False, roll_call: bool = True,
-                 labels: Optional[Dict[str, str]] = None) -> None:
+                 labels: Optional[Dict[str, str]] = None, identity: bool = False) -> None:
         self.topics = Topics(prefix)
         self.roll_call = roll_call  # False: devices of the release before the roll call
         self.platform = dict(PLATFORM, labels=dict(labels)) if labels else PLATFORM
@@ -69,6 +73,33 @@ class SimulatedFleet(object):
         self.client.max_queued_messages_set(0)
         self.client.on_message = self._on_message
         self.host, self.port = host, port
+        self.signers: Dict[str, Any] = {}
+        if identity:
+            from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+            from agent.wire.device_identity import DeviceKey, ReportSigner
+
+            for dev in self.devices:
+                self.signers[dev] = ReportSigner(DeviceKey(Ed25519PrivateKey.generate()), dev, 1)
+
+    def write_keys(self, path: str) -> str:
+        """The devices' public keys, one a line (``--admission-keys``)."""
+        with open(path, "w") as f:
+            for signer in self.signers.values():
+                f.write(signer.key.public_base64 + "\n")
+        return path
+
+    def _publish(self, dev: str, topic: str, payload: bytes, retain: bool = False) -> None:
+        """A device's publish, signed with its key when it has one."""
+        props = None
+        signer = self.signers.get(dev)
+        if signer is not None:
+            from paho.mqtt.packettypes import PacketTypes
+            from paho.mqtt.properties import Properties
+
+            props = Properties(PacketTypes.PUBLISH)
+            props.UserProperty = signer.properties(topic, payload)
+        self.client.publish(topic, payload, 1, retain, properties=props)
 
     def start(self) -> None:
         self.client.connect(self.host, self.port, 60)
@@ -77,9 +108,12 @@ class SimulatedFleet(object):
         self.client.subscribe([(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1),
                                (self.topics.prefix + "/artifacts/+/block/+", 1)])
         for dev in self.devices:
-            msg = status_messages.status_message(dev, True, 1, "sim", self.platform, [],
+            platform = dict(self.platform)
+            if dev in self.signers:
+                platform["identity"] = self.signers[dev].key.identity()
+            msg = status_messages.status_message(dev, True, 1, "sim", platform, [],
                                                  ts=time.time())
-            self.client.publish(self.topics.status(dev), protocol.encode(msg), 1, True)
+            self._publish(dev, self.topics.status(dev), protocol.encode(msg), True)
             if self.roll_call:
                 self.client.publish(rollcall.topic(self.topics.prefix, dev),
                                     rollcall.encode_marker(dev, 1), 1, True)
@@ -98,7 +132,7 @@ class SimulatedFleet(object):
                                "version": version, "updated": time.time(),
                                "stage": stage or None, "result": result}
         pub = status_messages.job_status_publication(self.topics, dev, row)
-        self.client.publish(pub.topic, pub.payload, 1, True)
+        self._publish(dev, pub.topic, pub.payload, True)
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         try:
@@ -155,7 +189,7 @@ class SimulatedFleet(object):
             return
         want = protocol.bitmap_from_indices(indices, f.blocks)
         msg = protocol.request_message(f.sha, f.size, f.block_size, want, job_id, self.fanout)
-        self.client.publish(self.topics.artifact_request(dev, f.sha), protocol.encode(msg), 1)
+        self._publish(dev, self.topics.artifact_request(dev, f.sha), protocol.encode(msg))
 
     def _on_block(self, info: Any, payload: bytes) -> None:
         again = []
@@ -191,11 +225,15 @@ def main() -> int:
     p.add_argument("--fetch", action="store_true", help="request every artifact's blocks")
     p.add_argument("--fanout", action="store_true", help="with --fetch: on the artifacts' "
                    "shared block topics")
+    p.add_argument("--identity", metavar="KEYS_FILE", help="device keys: sign every report, "
+                   "write the public keys here (for fleet serve --admission-keys)")
     args = p.parse_args()
     hostport = args.broker.split("://", 1)[-1]
     host, _, port = hostport.partition(":")
     fleet = SimulatedFleet(host, int(port or 1883), args.count, args.name, args.prefix,
-                           args.fetch, args.fanout)
+                           args.fetch, args.fanout, identity=bool(args.identity))
+    if args.identity:
+        fleet.write_keys(args.identity)
     fleet.start()
     print("{} simulated devices online; Ctrl-C to stop".format(args.count), flush=True)
     try:

@@ -113,7 +113,9 @@ def _db_directory(url: str) -> Any:
             seen[dev["device"]] = dev["last_seen"]
             if dev["telemetry"]:
                 directory.telemetry[dev["device"]] = dev["telemetry"]
-        return directory, seen
+        keys = store.device_keys()
+        marks = {d: str((keys.get(d) or {}).get("state") or "") or None for d in seen}
+        return directory, seen, {d: m for d, m in marks.items() if m != "admitted" and m}
     finally:
         store.close()
 
@@ -137,15 +139,20 @@ def run_devices(args: argparse.Namespace) -> int:
         return run_admin(args, check_db_url(args.db or default_db_url(), existing=True))
     url = registry_db(args)
     seen = None
+    marks: Dict[str, str] = {}
     if url:
-        directory, seen = _db_directory(url)
+        directory, seen, marks = _db_directory(url)
     else:
         conn = connect(args)
+        rows_keys = _admission_view()
+        conn.gate = lambda info, ev: _mark(marks, rows_keys, info, ev)
         try:
             directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
         finally:
             conn.close()
     rows = device_rows(directory, seen)
+    for r in rows:
+        r["admission"] = marks.get(r["device"])
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
         return EXIT_OK
@@ -153,18 +160,72 @@ def run_devices(args: argparse.Namespace) -> int:
         print("no device has reported to {} under {}/".format(args.broker, args.prefix))
         return EXIT_OK
     table = []
+    outside = [r for r in rows if r["admission"] not in MEMBERS]
+    rows = [r for r in rows if r["admission"] in MEMBERS]
     for r in rows:
         online = "yes" if r["online"] else "no ({})".format(r["reason"] or "offline")
         tele = r["telemetry"]
-        table.append([r["device"], online, str(r["board"] or "-"), str(r["jetpack"] or "-"),
+        name = r["device"] + (" (legacy)" if r["admission"] == "legacy" else "")
+        table.append([name, online, str(r["board"] or "-"), str(r["jetpack"] or "-"),
                       str(r["tensorrt"] or "-"), str(r["backend"] or "-"),
                       ",".join(r["precisions"] or []) or "-", r["models_text"],
                       age(r["last_seen"]),
                       "{} ({})".format(telemetry_summary(tele.get("metrics")), age(tele.get(
                           "ts"))) if tele else "-"])
     print(fleet.format_table(["DEVICE", "ONLINE", "BOARD", "JETPACK", "TENSORRT", "BACKEND",
-                              "PRECISIONS", "MODELS", "LAST SEEN", "TELEMETRY"], table))
+                              "PRECISIONS", "MODELS", "LAST SEEN", "TELEMETRY"], table)
+          if table else "no admitted device")
+    if outside:
+        print("\nnot fleet members (births unsigned or not admitted; docs/security.md, "
+              "\"Admission\"):")
+        print(fleet.format_table(["DEVICE", "ADMISSION", "ONLINE", "BOARD", "AGENT"], [
+            [r["device"], r["admission"], "yes" if r["online"] else "no",
+             str(r["board"] or "-"), str(r["agent_version"] or "-")] for r in outside]))
     return EXIT_OK
+
+
+# What a device's birth may say and still be listed as a fleet member (None: nothing to
+# check, as before admission existed).
+MEMBERS = (None, "admitted", "signed", "legacy")
+
+
+def _admission_view() -> Any:
+    """(pinned rows, keys, policy) to judge births read from the broker by: the default
+    registry's ``device_keys`` when there is one, $JETSON_AGENT_FLEET_ADMISSION_KEYS and
+    $JETSON_AGENT_FLEET_ADMISSION."""
+    from agent.fleet import admission
+    from agent.fleet.db import sqlite_path
+    from agent.fleet.store import Store, default_db_url
+
+    rows: Dict[str, Any] = {}
+    url = default_db_url()
+    if os.path.exists(sqlite_path(url)):
+        try:
+            store = Store(url)
+            try:
+                rows = store.device_keys()
+            finally:
+                store.close()
+        except (AgentError, Exception):  # noqa: BLE001 - a registry we cannot read: none
+            rows = {}
+    keys: Dict[str, bytes] = {}
+    path = os.environ.get("JETSON_AGENT_FLEET_ADMISSION_KEYS")
+    if path:
+        try:
+            keys = admission.load_keys_file(path)
+        except AgentError:
+            keys = {}
+    return rows, keys, os.environ.get("JETSON_AGENT_FLEET_ADMISSION") or "manual"
+
+
+def _mark(marks: Dict[str, str], rows_keys: Any, info: TopicInfo, ev: Any) -> bool:
+    """The connection's gate while ``fleet devices`` reads the broker: every message passes;
+    each birth's signature is judged (``admission.membership``)."""
+    from agent.fleet import admission
+
+    if info.kind == "status" and info.device and ev.payload:
+        marks[info.device] = admission.membership(info.device, ev, *rows_keys)
+    return True
 
 
 # ---------------------------------------------------------------------------- jobs

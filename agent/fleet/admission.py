@@ -336,3 +336,40 @@ def reject(store: Any, device: str) -> Dict[str, Any]:
     row.update(state="rejected")
     store.put_device_key(device, row)
     return row
+
+
+def membership(device: str, ev: Any, rows: Mapping[str, Mapping[str, Any]],
+               keys: Mapping[str, bytes], policy: str = "manual") -> str:
+    """What a retained birth says of a device's place in the fleet, for ``fleet devices``
+    read from the broker (no registry): ``admitted`` (signed by the key pinned for it, or by
+    a key of the --admission-keys list), ``legacy`` (unsigned, known to the registry as
+    legacy), ``unsigned`` (a daemon of the previous release, or anyone publishing), ``bad
+    signature``, ``pending`` (signed, waiting for an operator), ``rejected``, ``not
+    admitted`` (signed by a key nobody admitted) or ``signed`` (nothing to check it
+    against: no registry, no keys list). Under ``policy`` open an unsigned device is
+    ``legacy`` and any signed one ``admitted``, as the service would take them."""
+    row = rows.get(device) or {}
+    try:
+        msg = protocol.decode("status", ev.payload)
+    except AgentError:
+        return "bad message"
+    raw = device_identity.public_key_of((msg.get("platform") or {}).get("identity"))
+    if raw is None or device_identity.signature_of(ev.user_properties) is None:
+        return "legacy" if row.get("state") == "legacy" or (
+            policy == "open" and not row) else "unsigned"
+    try:
+        device_identity.verify_report(raw, device, ev.topic, ev.payload, ev.user_properties)
+    except AgentError:
+        return "bad signature"
+    state = row.get("state")
+    if state in ("admitted", "legacy") and row.get("key_id") == key_id(raw):
+        return "admitted"
+    if key_id(raw) in keys:
+        return "admitted"
+    if state in ("pending", "rejected"):
+        return str(state)
+    if state == "legacy":
+        return "legacy"  # served unsigned until its first key is accepted
+    if policy == "open" and not row:
+        return "admitted"
+    return "not admitted" if rows or keys else "signed"

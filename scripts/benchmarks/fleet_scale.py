@@ -5,6 +5,10 @@
   second as the devices received them; the controller's peak RSS and CPU seconds, also per
   1,000 devices.
 - The same stage with every job document signed, as a production service does.
+- Device identity is on (FLEET_IDENTITY=0 turns it off): each simulated device signs its
+  reports with its own key and the service admits them by pre-provisioned keys
+  (``--admission keys --admission-keys``), so every device message is verified; each row's
+  name says which.
 - Artifact egress: 10, 100 and 1,000 devices fetching the rollout's artifacts block by block,
   on the artifacts' shared (fan-out) block topics vs each on its own topics: bytes the
   controller published (the simulator's one connection receives each publication once).
@@ -35,6 +39,7 @@ EGRESS = [int(n) for n in os.environ.get("FLEET_EGRESS", "10,100,1000").split(",
 TICKS = os.sysconf("SC_CLK_TCK")
 FP16 = os.path.join(ROOT, "examples", "fp16_max")
 BIG_MB = float(os.environ.get("FLEET_EGRESS_MB", "8"))  # the egress rollouts' model
+IDENTITY = os.environ.get("FLEET_IDENTITY", "1") != "0"
 BASELINE_MAX = 100  # per-device topics beyond this many devices: devices x size, not run
 
 
@@ -115,7 +120,10 @@ def one_rollout(n, fetch, timeout=1800, fanout=False, model=None, signed=False):
     mosq, port = broker(work)
     db_path = os.path.join(work, "fleet.db")
     db = "sqlite:///" + db_path
-    fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", fetch=fetch, fanout=fanout)
+    fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", fetch=fetch, fanout=fanout,
+                           identity=IDENTITY)
+    admission = ["--admission", "keys", "--admission-keys", fleet.write_keys(os.path.join(
+        work, "device-keys"))] if IDENTITY else ["--admission", "open"]
     serve = None
     try:
         fleet.start()
@@ -129,7 +137,8 @@ def one_rollout(n, fetch, timeout=1800, fanout=False, model=None, signed=False):
             signing = ["--signing-key", json.loads(made.stdout)["private_key"],
                        "--sequence-file", os.path.join(work, "sequence.json")]
         serve = subprocess.Popen([sys.executable, "-m", "agent", "fleet", "serve", "--broker",
-                                  "mqtt://127.0.0.1:{}".format(port), "--db", db] + signing,
+                                  "mqtt://127.0.0.1:{}".format(port), "--db", db] + signing +
+                                 admission,
                                  env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                                  stderr=open(os.path.join(work, "serve.log"), "w"))
         deadline = time.monotonic() + timeout
@@ -170,7 +179,8 @@ def one_rollout(n, fetch, timeout=1800, fanout=False, model=None, signed=False):
 def run():
     rows = []
     r = one_rollout(SCALE, fetch=False)
-    rows.append({"name": "{} devices, one stage: SUCCEEDED".format(r["devices"]),
+    rows.append({"name": "{} devices, one stage: SUCCEEDED (device identity {})".format(
+        r["devices"], "on: signed reports, admitted by keys" if IDENTITY else "off"),
                  "ours": r["succeeded"], "unit": "devices", "goal": "all"})
     rows.append({"name": "rollout wall time", "ours": r["seconds"], "unit": "s"})
     rows.append({"name": "job documents received by devices", "ours": r["docs_per_s"],

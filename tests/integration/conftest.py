@@ -22,11 +22,11 @@ MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 # --- the pre-provisioned list of those keys (docs/security.md, "Admission")
 
 @pytest.fixture(autouse=True)
-def admission_keys(tmp_path, monkeypatch):
+def admission_keys(tmp_path_factory, monkeypatch):
     """The keys file the fleet commands of this test admit devices by
     (``--admission keys``, through its environment defaults); ``AgentProcess`` adds each
-    daemon's public key to it."""
-    path = tmp_path / "admission-keys"
+    daemon's public key to it. Outside the test's tmp_path, which tests find empty."""
+    path = tmp_path_factory.mktemp("admission") / "admission-keys"
     path.write_text("# device public keys of this test\n")
     monkeypatch.setenv("JETSON_AGENT_FLEET_ADMISSION", "keys")
     monkeypatch.setenv("JETSON_AGENT_FLEET_ADMISSION_KEYS", str(path))

@@ -234,3 +234,43 @@ def test_fleet_rollback_needs_a_target(capsys):
 
     assert main(["fleet", "rollback", "--broker", "mqtt://127.0.0.1:1"]) == 2
     assert "needs --device ID (repeatable) or --rollout ID" in capsys.readouterr().err
+
+
+def test_pending_devices_are_listed_accepted_and_rejected_with_the_token(db, dash, tmp_path):
+    """Devices waiting for admission (docs/security.md): listed on their own page (not in the
+    fleet), accepted (key pinned, the status it announced enters the registry) or rejected,
+    each only with the token and only for the key the page showed."""
+    from agent.wire.device_identity import create_device_key
+
+    store = Store(db)
+    try:
+        for dev in ("new-1", "new-2"):
+            key = create_device_key(str(tmp_path / (dev + ".key")))
+            store.put_device_key(dev, {
+                "device": dev, "state": "pending", "pending_key_id": key.key_id,
+                "pending_public_key": key.public_base64, "pending_since": time.time(),
+                "pending_status": {"device": dev, "online": True, "boot": 1,
+                                   "platform": {"board": "Orin <b>", "identity":
+                                                key.identity()}}})
+        kid = store.device_keys()["new-1"]["pending_key_id"]
+    finally:
+        store.close()
+    _, _, body = get(dash, "/pending")
+    assert "new-1" in body and "new-2" in body and kid in body and "<b>" not in body
+    assert "new-1" not in get(dash, "/")[2]  # not a fleet member
+    assert post(dash, "/pending/new-1/accept", {"token": "wrong", "key_id": kid})[0] == 401
+    code, _, body = post(dash, "/pending/new-1/accept", {"token": TOKEN, "key_id": "0" * 16})
+    assert code == 409 and "expected the pending key" in body
+    code, where, _ = post(dash, "/pending/new-1/accept", {"token": TOKEN, "key_id": kid})
+    assert code == 303 and where == "/pending?done=accept"
+    code, _, _ = post(dash, "/pending/new-2/reject", {"token": TOKEN})
+    assert code == 303
+    store = Store(db)
+    try:
+        keys = store.device_keys()
+        assert keys["new-1"]["state"] == "admitted" and keys["new-1"]["key_id"] == kid
+        assert keys["new-2"]["state"] == "rejected"
+        assert store.device("new-1") is not None and store.device("new-2") is None
+    finally:
+        store.close()
+    assert "accepted" in get(dash, where)[2] and "new-1" not in get(dash, "/pending")[2]

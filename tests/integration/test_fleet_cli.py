@@ -96,7 +96,8 @@ BAD_INPUT = [
 
 
 def test_bad_input_is_caught_before_anything_is_published(mosquitto, capsys, monkeypatch):
-    monkeypatch.setenv("JETSON_AGENT_FLEET_ADMISSION", "open")  # d1's status below is unsigned
+    # d1 is a hand-made, unsigned birth: a lab controller admits it (--admission open).
+    monkeypatch.setenv("JETSON_AGENT_FLEET_ADMISSION", "open")
     sniffer = JobSniffer(mosquitto)
     try:
         status = protocol.encode(status_messages.status_message("d1", True, 1))

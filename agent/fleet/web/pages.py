@@ -53,6 +53,7 @@ def page(title: str, body: str, active: str, actions: bool, refresh: Optional[in
                                                   else "", label)
                   for key, href, label in (("fleet", "/", "Fleet"),
                                            ("rollouts", "/rollouts", "Rollouts"),
+                                           ("pending", "/pending", "Pending devices"),
                                            ("metrics", "/metrics", "Metrics")))
     mode = ('<span class="mode rw">actions enabled</span>' if actions
             else '<span class="mode ro">read-only</span>')
@@ -375,6 +376,28 @@ def device_page(row: Dict[str, Any], jobs: List[Dict[str, Any]], series: Sequenc
          badge(h["state"]), _e(h["stage"] or "-")] for h in statuses], cls="history"))
     return page("Device " + row["device"], "".join(parts), "fleet", actions,
                 scripts=("uPlot.min.css", "uPlot.iife.min.js", "dashboard.js"))
+
+
+def pending_page(rows: Sequence[Mapping[str, Any]], actions: bool, notice: str = "") -> bytes:
+    """Devices waiting for admission (docs/security.md, "Admission"): their announced key
+    and board, with accept / reject (the token) when actions are enabled. A pending device is
+    no fleet member: it is on no other page."""
+    parts = ['<p class="notice">{}</p>'.format(_e(notice))] if notice else []
+    parts.append("<p>Devices whose signed birth reached the controller and that no policy "
+                 "admitted. Check the key id against the device's <code>device.key.pub"
+                 "</code> before accepting; <code>fleet devices pending|accept|reject</code> "
+                 "do the same.</p>")
+    parts.append(table(
+        ["device", "state", "key id", "board", "waiting since"] + (
+            ["accept", "reject"] if actions else []),
+        [[_e(r["device"]), badge(r["state"]), "<code>{}</code>".format(_e(r["key_id"])),
+          _e(r["board"] or "-"), _e(age(r["since"]))] + (
+            [_action_form("/pending/{}/accept".format(_u(r["device"])), "accept",
+                          {"key_id": str(r["key_id"])}),
+             _action_form("/pending/{}/reject".format(_u(r["device"])), "reject",
+                          danger=True)] if actions else [])
+         for r in rows], cls="pending"))
+    return page("Pending devices", "".join(parts), "pending", actions, refresh=10)
 
 
 def message_page(title: str, text: str, actions: bool) -> bytes:

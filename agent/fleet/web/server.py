@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, quote, urlsplit
 
 from agent.errors import AgentError
@@ -95,6 +95,8 @@ class Dashboard(object):
             with open(self.static[parts[1]], "rb") as f:
                 ext = os.path.splitext(parts[1])[1] or parts[1]
                 return 200, TYPES.get(ext, "application/octet-stream"), f.read()
+        if parts == ["pending"]:
+            return _html(pages.pending_page(pending_rows(self.store), actions, notice))
         if parts == ["rollouts"]:  # a page of the newest (?limit=N&offset=M: older ones)
             limit = _int(query.get("limit"), views.MAX_ROLLOUTS, 1, 1000)
             offset = _int(query.get("offset"), 0, 0, 10 ** 9)
@@ -159,13 +161,39 @@ class Dashboard(object):
             self.rollback(parts[1], cmd)
             return 303, "/devices/{}?done=rollback&request={}".format(
                 quote(parts[1]), quote(request_id)), b""
+        if len(parts) == 3 and parts[0] == "pending" and protocol.valid_id(parts[1]) and \
+                parts[2] in ("accept", "reject"):
+            from agent.fleet import admission
+
+            row = self.store.device_keys().get(parts[1]) or {}
+            if parts[2] == "accept":
+                if form.get("key_id") and form.get("key_id") != row.get("pending_key_id"):
+                    raise AgentError("bad_argument", "device {}: expected the pending key {}, "
+                                     "found {} (a new key arrived since the page was shown)"
+                                     .format(parts[1], row.get("pending_key_id"),
+                                             form.get("key_id")))
+                admission.accept(self.store, parts[1])
+            else:
+                admission.reject(self.store, parts[1])
+            log.info("dashboard: device %s %sed", parts[1], parts[2])
+            return 303, "/pending?done={}".format(parts[2]), b""
         raise _Refused(404, "bad_argument", "no action at {}".format(path[:200]))
+
+
+def pending_rows(store: Store) -> List[Dict[str, Any]]:
+    """Devices with a key waiting for an operator (as ``fleet devices pending`` lists them)."""
+    return [{"device": d, "state": r["state"], "key_id": r.get("pending_key_id"),
+             "since": r.get("pending_since"),
+             "board": ((r.get("pending_status") or {}).get("platform") or {}).get("board")}
+            for d, r in sorted(store.device_keys().items()) if r.get("pending_key_id")]
 
 
 NOTICES = {  # the page after an action says what was done; no text from the URL is shown
     "pause": "pause requested; the service applies it within a second",
     "resume": "resume requested; the service applies it within a second",
     "cancel": "cancel requested; the service applies it within a second",
+    "accept": "device accepted: its key is pinned; the service admits it within seconds",
+    "reject": "device rejected: its messages are dropped",
     "rollback": "rollback sent (request {}); the device's answer shows under Rollbacks below "
                 "(refused: with its reason), its models what it runs now",
 }

@@ -6,7 +6,12 @@ venv of its own (``previous.py``):
   status, two rollouts of one model (fp32, then fp16) succeed, ``fleet rollback --device`` (by
   the model's sha, the only form it knows) takes it back to the first engine;
 - the previous release's daemon, this release's controller: the same, with rollouts that carry
-  no model name (the daemon does not advertise named models) and a rollback by sha.
+  no model name (the daemon does not advertise named models) and a rollback by sha; its
+  births are unsigned: enrolled as *legacy* by the documented upgrade path (``--admission
+  open`` for devices the controller never saw), listed as such by ``fleet devices``.
+
+This release's daemon signs its reports in MQTT v5 user properties, which the previous
+controller ignores (its payloads are unchanged).
 """
 
 import json
@@ -76,10 +81,24 @@ def test_previous_controller_with_this_daemon(previous_release, mosquitto, agent
 
 
 def test_this_controller_with_previous_daemon(previous_release, mosquitto,
-                                              previous_agent_factory, controller, tmp_path):
+                                              previous_agent_factory, controller, tmp_path,
+                                              monkeypatch):
+    """Admission on: the old daemon's births are unsigned. Under ``--admission keys`` (this
+    suite's default) plain ``fleet devices`` shows it as no fleet member (``unsigned``); the
+    upgrade path of docs/security.md ("Upgrading a fleet", step 1) enrols unsigned devices
+    the controller has not seen yet with ``--admission open`` (an embedded rollout's
+    database is new each time: every command is such a first start), as *legacy*: served
+    as before, listed as legacy."""
     agent = previous_agent_factory("old-dev").start()
     controller.wait_online("old-dev")
+    listed = ok_json(new_cli(["fleet", "devices", "--broker", mosquitto.url, "--json",
+                              "--wait", "0"], str(tmp_path)))
+    assert [(d["device"], d["admission"]) for d in listed] == [("old-dev", "unsigned")]
+    monkeypatch.setenv("JETSON_AGENT_FLEET_ADMISSION", "open")
     exercise(new_cli, mosquitto, "old-dev", tmp_path)
+    listed = ok_json(new_cli(["fleet", "devices", "--broker", mosquitto.url, "--json",
+                              "--wait", "0"], str(tmp_path)))
+    assert [(d["device"], d["admission"]) for d in listed] == [("old-dev", "legacy")]
     assert agent.alive(), agent.log_tail()
     # The device ran the previous release's code, not this checkout's.
     assert previous_release.agent_file(str(tmp_path)).startswith(previous_release.root)
