@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional
 from agent import __version__
 from agent.device.job_run import Run
 from agent.errors import AgentError
-from agent.wire import message_caps, protocol, status_messages
+from agent.wire import message_caps, protocol, rollcall, status_messages
 from agent.wire.mqtt import SESSION_TAKEN_OVER
 from agent.wire.mqtt_types import Event, PublishHandle
 from agent.wire.topics import Topics
@@ -102,11 +102,16 @@ class StatusPublisher:
             ts=time.time())
 
     def publish_birth(self) -> None:
-        """The retained status (with ``active_engines``) and the retained models state."""
+        """The retained status (with ``active_engines``), the retained models state and the
+        retained roll-call entry (agent.wire.rollcall: how a controller finds this device
+        whatever its broker's queue limits; a broker whose ACL predates it drops it, and the
+        controller then learns of this device as it did before)."""
         self.mqtt.publish(self.topics.status(self.device),
                           message_caps.encode_fitted("status", self._birth()), qos=1,
                           retain=True)
         self.publish_models()
+        self.mqtt.publish(rollcall.topic(self.topics.prefix, self.device),
+                          rollcall.encode_marker(self.device, self.boot), qos=1, retain=True)
 
     def models_message(self) -> Dict[str, Any]:
         return {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,

@@ -3,8 +3,10 @@ history, artifacts, the signing sequence and the controller's outbox, in one dat
 
 SQLite by default (embedded, zero set-up; WAL so the CLI reads while ``fleet serve`` writes),
 PostgreSQL with ``postgresql://...`` (``pip install psycopg[binary]``) for large fleets and
-several controllers. Both run the same SQL through ``Db``, a tiny adapter: ``?`` parameters,
-``INSERT ... ON CONFLICT`` upserts, and a handful of dialect words in the DDL.
+several controllers. Both run the same SQL through ``Db``, a tiny adapter: ``?`` parameters and
+``INSERT ... ON CONFLICT`` upserts. The tables are declared once in ``agent.fleet.tables`` and
+made by Alembic revisions (``agent.fleet.migrate``); opening checks the version in plain SQL
+(``agent.fleet.store_schema``).
 
 Read API (for the CLI and dashboards): ``devices``, ``device``, ``rollouts`` (a page, newest
 first), ``rollout``, ``rollout_states`` (the few columns a service's tick reads),
@@ -43,12 +45,18 @@ def _batches(ids: List[str], size: int = 500) -> Iterable[Tuple[List[str], str]]
 
 
 class Store(object):
-    """The fleet database. ``Store(url)`` creates the tables when missing."""
+    """The fleet database. ``Store(url)`` creates the tables of an empty database; ``schema``
+    says what else opening may do to the schema (``agent.fleet.store_schema``: "upgrade",
+    "require", "create", "read")."""
 
-    def __init__(self, url: Optional[str] = None) -> None:
+    def __init__(self, url: Optional[str] = None, schema: str = "create") -> None:
         self.url = url or default_db_url()
         self.db = Db(self.url)
-        store_schema.create(self.db)
+        try:
+            store_schema.ensure(self.db, self.url, schema)
+        except BaseException:
+            self.db.close()
+            raise
 
     @property
     def dialect(self) -> str:
@@ -188,8 +196,8 @@ class Store(object):
     def admission_counters(self) -> Dict[str, int]:
         """The admission counters of every service instance, summed."""
         out: Dict[str, int] = {}
-        for (value,) in self.db.query(  # a parameter: psycopg reads a literal % as one
-                "SELECT value FROM meta WHERE key LIKE ?", ("admission:%",)):
+        for (value,) in self.db.query("SELECT value FROM meta WHERE key LIKE ?",
+                                       ("admission:%",)):
             for k, v in (_loads(value) or {}).items():
                 out[k] = out.get(k, 0) + int(v)
         return out
