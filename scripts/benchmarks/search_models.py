@@ -3,16 +3,19 @@
 Every model is an ``.onnx`` file shipped inside a PyPI wheel (nothing is downloaded at run
 time; ``pip install --no-deps`` each, see ``MODELS``): captcha-whisperer's CRNN, ddddocr's
 YOLOX detector, RapidOCR's PP-OCRv4 text detector (a DBNet segmentation model: a per-pixel text
-probability map) and recogniser (SVTR: transformer blocks of attention, MatMul and Softmax),
-and Silero VAD (the whole network inside an If's two subgraphs, outputs through Identity).
+probability map) and recogniser (SVTR: two transformer blocks, each a self-attention of
+MatMul -> Mul (scale) -> Softmax -> MatMul with layer norms as ReduceMean chains), and
+Silero VAD (the whole network inside an If's two subgraphs, outputs through Identity).
 Inputs: crops of scikit-learn's sample photographs (``load_sample_images``), synthetic audio
 for the VAD. Each (model, precision, mode) search runs in a fresh process with an empty engine
 cache (int8: one calibration cache shared by the three modes, made beforehand), on the host
-emulation; the process reports its wall time and peak RSS, then measures the task metric of
-the answer's engine on inputs the search never saw.
+emulation; the process reports its wall time and peak RSS (VmHWM), then measures the task
+metric of the answer's engine on inputs the search never saw. Where every mode takes one
+evaluation, each runs ``SEARCH_REPEATS`` (5) times, interleaved, and the best wall is kept.
 
 Goals per row: the default keeps <= min(bisect, worst-first) layers, in <= 3x bisect's
-evaluations + 4; when nothing needs keeping, one evaluation. Overall: strictly fewer layers
+evaluations + 4; when nothing needs keeping, one evaluation and no more wall time than bisect.
+Overall: strictly fewer layers
 than bisect on at least half of the rows where bisect keeps something.
 
 Run: ``python scripts/lib/bench.py search_models`` (``SEARCH_MODELS=crnn,vad`` picks models).
@@ -36,7 +39,7 @@ for p in (ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
 
-MODES = ("minimal", "bisect", "worst-first")
+MODES = ("minimal", "bisect", "worst-first")  # the columns: default / bisect / worst-first
 ELEMENTWISE = {"atol": 1e-3, "rtol": 1e-3}
 
 MEDIAN = {"atol": 0.05, "rtol": 0.05, "check_error_stat": "median"}
@@ -152,9 +155,23 @@ SIZES = {"crnn": (3, 8), "yolox": (2, 4), "ppocr-det": (2, 4), "ppocr-rec": (3, 
          "vad": (8, 32)}
 
 
+def peak_rss_mib():
+    """This process's peak RSS: VmHWM (Linux), the high-water mark of this program's own
+    memory since its exec (``ru_maxrss`` also counts the parent's RSS at fork), else
+    ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
 def child(name, precision, mode, work):
     """One search in this (fresh) process; prints a JSON line."""
-    from agent.engines.backends.base import BuildPlan, CalibrationSettings
+    from agent.engines.backends.base import BuildPlan
     from agent.engines.backends.onnxruntime import create
     from agent.engines.cache import EngineCache
     from agent.precision import golden
@@ -165,19 +182,15 @@ def child(name, precision, mode, work):
     n_search, n_eval = SIZES[name]
     search_feeds = feeds(name, n_search, 0)
     goldens = golden.reference_outputs(path, search_feeds, backend)
-    plan = BuildPlan("fp16")
-    if precision == "int8":
-        plan = BuildPlan("int8", calibration=CalibrationSettings(
-            data=os.path.join(work, name + "-calib.npz"), batch_size=1,
-            cache=os.path.join(work, name + ".calib")))
+    plan = _int8_plan(name, work) if precision == "int8" else BuildPlan("fp16")
     cache = EngineCache(os.path.join(work, "engines-{}-{}-{}".format(name, precision, mode)))
-    t = time.monotonic()
+    t, cpu = time.monotonic(), time.process_time()
     r = run_search(path, plan, search_feeds, goldens, backend, cache, {"kind": "host"},
                    mode=mode, compare_options=MODELS[name][5][precision],
                    calibration_dir=os.path.join(work, "cal-{}-{}".format(name, mode)),
                    report=lambda line: None)
-    wall = time.monotonic() - t
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    wall, cpu = time.monotonic() - t, time.process_time() - cpu
+    rss = peak_rss_mib()
     task = None
     if r.engine_path:
         fp32 = backend.build(path, BuildPlan("fp32"), os.path.join(work, name + "-fp32.onnx"))
@@ -185,14 +198,26 @@ def child(name, precision, mode, work):
     print(json.dumps({"evaluations": r.evaluations, "kept": len(r.keep),
                       "candidates": r.candidates, "one_minimal": r.one_minimal,
                       "untested": len(r.untested_removals), "passed": r.passed,
-                      "wall": round(wall, 1), "rss_mib": round(rss, 1), "task": task,
+                      "wall": round(wall, 2), "cpu": round(cpu, 2), "builds": r.builds,
+                      "cache_hits": r.cache_hits, "rss_mib": round(rss, 1), "task": task,
                       "out_of_reach": r.out_of_reach}))
 
 
+def _int8_plan(name, work):
+    from agent.engines.backends.base import BuildPlan, CalibrationSettings
+
+    return BuildPlan("int8", calibration=CalibrationSettings(
+        data=os.path.join(work, name + "-calib.npz"), batch_size=1,
+        cache=os.path.join(work, name + ".calib")))
+
+
 def _calibration(name, work):
+    """The int8 calibration data, and its cache made once here (entropy2 on 8 samples): every
+    mode's search reuses it, so no mode's wall time holds the calibration."""
     import onnx
 
     from agent.engines.backends import onnx_model
+    from agent.engines.backends.onnxruntime import create
 
     data = feeds(name, 8, 3)
     model = onnx.load(model_path(name))
@@ -201,6 +226,8 @@ def _calibration(name, work):
              **{k: np.concatenate([np.asarray(f[k])[None] if np.asarray(f[k]).ndim == 0
                                    else np.asarray(f[k]) for f in data], axis=0)
                 if np.asarray(data[0][k]).ndim else np.asarray(data[0][k]) for k in keys})
+    create(threads=2).build(model_path(name), _int8_plan(name, work),
+                            os.path.join(work, name + "-calibrated.onnx"))
 
 
 def run():
@@ -213,25 +240,51 @@ def run():
                 rows.append({"name": "{} ({} not installed)".format(name, MODELS[name][0]),
                              "goal": "pip install --no-deps {}=={}".format(*MODELS[name][:2])})
                 continue
-            _calibration(name, work)
+            subprocess.run(  # in a child: the parent stays small
+                [sys.executable, "-c", "import sys; sys.path[:0] = [{!r}, {!r}]; "
+                 "import search_models as s; s._calibration(*sys.argv[1:])".format(ROOT, HERE),
+                 name, work], check=True)
             for precision in ("fp16", "int8"):
-                found = {}
-                for mode in ("bisect", "worst-first", "minimal"):
-                    proc = subprocess.run(
-                        [sys.executable, "-c", "import sys; sys.path[:0] = [{!r}, {!r}]; "
-                         "import search_models as s; s.child(*sys.argv[1:])".format(ROOT, HERE),
-                         name, precision, mode, work],
-                        capture_output=True, text=True)
-                    if proc.returncode != 0:
-                        found[mode] = {"error": proc.stderr.strip().splitlines()[-1:]}
-                    else:
-                        found[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-                    print("  {} {} {}: {}".format(name, precision, mode, found[mode]),
-                          file=sys.stderr)
+                found = {mode: _search(name, precision, mode, work, 0) for mode in MODES}
+                if all(found[m].get("evaluations") == 1 for m in MODES):
+                    # Sub-second searches: the best wall time of REPEATS fresh processes each,
+                    # modes interleaved (one run on a shared host is mostly noise).
+                    for i in range(1, REPEATS):
+                        for mode in MODES[i % 3:] + MODES[:i % 3]:
+                            again = _search(name, precision, mode, work, i)
+                            found[mode].setdefault("walls", [found[mode]["wall"]]).append(
+                                again.get("wall", float("nan")))
+                    for mode in MODES:
+                        found[mode]["wall"] = min(found[mode]["walls"])
                 rows.append(_row(name, precision, found))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    rows.append(_summary(rows))
     return rows
+
+
+REPEATS = int(os.environ.get("SEARCH_REPEATS", "5"))
+
+
+def _search(name, precision, mode, work, run_index):
+    """One search in a fresh process with an empty engine cache: its JSON line."""
+    run_work = work if run_index == 0 else os.path.join(work, "again-{}".format(run_index))
+    if run_work != work:
+        os.makedirs(run_work, exist_ok=True)
+        for f in os.listdir(work):  # the calibration data and cache, not the engines
+            if f.endswith((".npz", ".calib")):
+                shutil.copyfile(os.path.join(work, f), os.path.join(run_work, f))
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path[:0] = [{!r}, {!r}]; "
+         "import search_models as s; s.child(*sys.argv[1:])".format(ROOT, HERE),
+         name, precision, mode, run_work],
+        capture_output=True, text=True)
+    if proc.returncode != 0:
+        found = {"error": proc.stderr.strip().splitlines()[-1:]}
+    else:
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("  {} {} {}: {}".format(name, precision, mode, found), file=sys.stderr)
+    return found
 
 
 def _row(name, precision, found):
@@ -245,13 +298,69 @@ def _row(name, precision, found):
     bound = 3 * b["evaluations"] + 4
     ok_layers = m["kept"] <= min(b["kept"], w["kept"])
     ok_evals = m["evaluations"] <= bound and (b["kept"] > 0 or m["evaluations"] == 1)
-    row.update({"ours": m["kept"], "baseline": b["kept"], "unit": "layers",
-                "goal": "<= min({}, {}) layers: {}; {} <= 3x{}+4 = {} evaluations: {}".format(
-                    b["kept"], w["kept"], "met" if ok_layers else "MISSED", m["evaluations"],
-                    b["evaluations"], bound, "met" if ok_evals else "MISSED")})
+    goal = "<= min({}, {}) layers: {}; {} <= 3x{}+4 = {} evaluations: {}".format(
+        b["kept"], w["kept"], "met" if ok_layers else "MISSED", m["evaluations"],
+        b["evaluations"], bound, "met" if ok_evals else "MISSED")
+    if b["kept"] == 0:
+        # The same work as bisect (one evaluation, the same builds): its time is bisect's up
+        # to noise, taken as the spread of bisect's own repeated runs.
+        same = (m["builds"], m["cache_hits"]) == (b["builds"], b["cache_hits"])
+        walls = b.get("walls") or [b["wall"]]
+        noise = max(walls) - min(walls)
+        if m["wall"] <= b["wall"]:
+            verdict = "met"
+        elif m["wall"] <= b["wall"] + noise:
+            verdict = "met within noise (bisect's runs spread {:.2f} s)".format(noise)
+        else:
+            verdict = "MISSED"
+        goal += "; nothing kept: 1 evaluation, {} builds ({} bisect's), best {} s vs " \
+            "bisect's {} s: {}".format(m["builds"], "same as" if same else "NOT", m["wall"],
+                                       b["wall"], verdict if same else "MISSED")
+    row.update({"ours": m["kept"], "baseline": b["kept"], "unit": "layers", "goal": goal})
     return row
 
 
+def _summary(rows):
+    """The overall goal: strictly fewer layers than bisect on at least half of the rows where
+    bisect keeps something."""
+    some = [r for r in rows if isinstance(r.get("baseline"), int) and r["baseline"] > 0]
+    fewer = sum(1 for r in some if r["ours"] < r["baseline"])
+    return {"name": "rows where the default keeps strictly fewer layers than bisect",
+            "ours": fewer, "baseline": len(some), "unit": "rows",
+            "goal": ">= half of {}: {}".format(len(some), "met" if 2 * fewer >= len(some)
+                                               else "MISSED")}
+
+
+def _seconds(value):
+    return "-" if value is None else "{:.2f}".format(value) if value < 10 else "{:.1f}".format(
+        value)
+
+
+def markdown(rows):
+    """The table of docs/benchmarks.md, one line per (model, precision)."""
+    def three(found, key, fmt="{}"):
+        return " / ".join(fmt.format(found[m].get(key)) for m in MODES)
+
+    def task(found):
+        return " / ".join(str(found[m]["task"][1]) if found[m].get("task") else "-"
+                          for m in MODES)
+    lines = []
+    for r in rows:
+        if "found" not in r or r.get("goal") == "ERROR":
+            continue
+        f = r["found"]
+        lines.append("| {} | {} | {} | {} ({}) | {} | {} ({}) | {} | {} | {} | {} |".format(
+            r["model"], r["precision"], f["minimal"]["candidates"], three(f, "evaluations"),
+            3 * f["bisect"]["evaluations"] + 4, three(f, "kept"),
+            str(f["minimal"]["one_minimal"]).lower(), f["minimal"]["untested"], task(f),
+            " / ".join(_seconds(f[m].get("wall")) for m in MODES), three(f, "rss_mib", "{:.0f}"),
+            "MISSED" if "MISSED" in r["goal"] else "met (time within noise)"
+            if "within noise" in r["goal"] else "met"))
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    for r in run():
+    found_rows = run()
+    for r in found_rows:
         print(json.dumps(r))
+    print(markdown(found_rows))
