@@ -35,7 +35,7 @@ from agent.cli import (
     fleet_serve,
 )
 from agent.cli.fleet_connect import add_connection_args, connect
-from agent.fleet import rollback
+from agent.fleet.rollouts import rollback
 from agent.wire import job_signer
 
 

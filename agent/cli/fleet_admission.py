@@ -12,7 +12,7 @@ from typing import Any, List
 
 from agent.cli import EXIT_OK
 from agent.errors import AgentError
-from agent.fleet import admission
+from agent.fleet.admission import admission
 
 
 def add_admission_args(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def make_admission(args: argparse.Namespace, store: Any) -> admission.Admission:
 
 
 def run_admin(args: argparse.Namespace, store_url: str) -> int:
-    from agent.fleet.store import Store
+    from agent.fleet.database.store import Store
 
     store = Store(store_url)
     try:

@@ -14,9 +14,9 @@ from typing import Any, Dict
 
 from agent.cli import EXIT_OK
 from agent.errors import AgentError
-from agent.fleet import store_schema
-from agent.fleet.db import Db, redact, sqlite_path
-from agent.fleet.store import Store, default_db_url
+from agent.fleet.database import store_schema
+from agent.fleet.database.db import Db, redact, sqlite_path
+from agent.fleet.database.store import Store, default_db_url
 
 DB_SCHEMES = ("sqlite:", "postgresql://", "postgres://")
 
@@ -155,7 +155,7 @@ def upgrade_in_child(url: str) -> None:
 
 
 def run_db_upgrade(args: argparse.Namespace) -> int:
-    from agent.fleet import migrate
+    from agent.fleet.database import migrate
 
     url = db_url(args)
     before, after = migrate.upgrade(url)
@@ -200,7 +200,7 @@ def run_db_current(args: argparse.Namespace) -> int:
 
 
 def run_db_history(args: argparse.Namespace) -> int:
-    from agent.fleet import migrate
+    from agent.fleet.database import migrate
 
     rows = migrate.revisions()
     if args.json:

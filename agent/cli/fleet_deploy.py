@@ -1,6 +1,7 @@
 """``fleet deploy NAME@VERSION --to SELECTOR``, ``fleet deployments ls|show|pause|resume|rm|
 retry`` and ``fleet label DEVICE key=value... [--remove key]``: desired state in the fleet
-database (``agent.fleet.deployments``, ``agent.fleet.labels``); ``fleet serve`` converges it.
+database (``agent.fleet.deployments.deployments``, ``agent.fleet.deployments.labels``); ``fleet
+serve`` converges it.
 """
 
 import argparse
@@ -13,9 +14,9 @@ from agent import fleet
 from agent.cli import EXIT_OK
 from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
-from agent.fleet import deployments, labels, registry, selectors
-from agent.fleet.spec import DOC_KEYS
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
+from agent.fleet.deployments import deployments, labels, registry, selectors
+from agent.fleet.rollouts.spec import DOC_KEYS
 
 
 def add_parsers(fsub: Any) -> None:

@@ -1,6 +1,6 @@
 """``fleet models push|ls|show|rm``: the model registry in the fleet database
-(``agent.fleet.registry``). ``push`` checks the files as ``fleet rollout`` does, copies them
-into the service's content-addressed store (each file once) and records the version with its
+(``agent.fleet.deployments.registry``). ``push`` checks the files as ``fleet rollout`` does, copies
+them into the service's content-addressed store (each file once) and records the version with its
 default settings.
 """
 
@@ -15,8 +15,8 @@ from agent import fleet
 from agent.cli import EXIT_OK
 from agent.cli.fleet_db import add_db_args, add_to_store, db_url, store_dir
 from agent.errors import AgentError
-from agent.fleet import registry
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
+from agent.fleet.deployments import registry
 from agent.wire import model_names
 
 

@@ -13,7 +13,7 @@ from agent import fleet
 from agent.cli import EXIT_OK
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.errors import AgentError
-from agent.fleet import device_models
+from agent.fleet.database import device_models
 from agent.wire import protocol
 from agent.wire.topics import TopicInfo
 
@@ -101,7 +101,7 @@ def device_rows(directory: fleet.DeviceDirectory,
 
 def _db_directory(url: str) -> Any:
     """(directory, device -> last seen) from the registry of 'fleet serve'."""
-    from agent.fleet.store import Store
+    from agent.fleet.database.store import Store
 
     store = Store(url, schema="read")
     try:
@@ -123,7 +123,7 @@ def _db_directory(url: str) -> Any:
 def registry_db(args: argparse.Namespace) -> Optional[str]:
     """--db, else the default database when a fleet service is running on it."""
     from agent.cli.fleet_db import check_db_url, service_up
-    from agent.fleet.store import default_db_url
+    from agent.fleet.database.store import default_db_url
 
     if args.db:
         return check_db_url(str(args.db), existing=True)
@@ -134,7 +134,7 @@ def run_devices(args: argparse.Namespace) -> int:
     if args.action != "ls":
         from agent.cli.fleet_admission import run_admin
         from agent.cli.fleet_db import check_db_url
-        from agent.fleet.store import default_db_url
+        from agent.fleet.database.store import default_db_url
 
         return run_admin(args, check_db_url(args.db or default_db_url(), existing=True))
     url = registry_db(args)
@@ -193,9 +193,9 @@ def _admission_view() -> Any:
     """(pinned rows, keys, policy) to judge births read from the broker by: the default
     registry's ``device_keys`` when there is one, $JETSON_AGENT_FLEET_ADMISSION_KEYS and
     $JETSON_AGENT_FLEET_ADMISSION."""
-    from agent.fleet import admission
-    from agent.fleet.db import sqlite_path
-    from agent.fleet.store import Store, default_db_url
+    from agent.fleet.admission import admission
+    from agent.fleet.database.db import sqlite_path
+    from agent.fleet.database.store import Store, default_db_url
 
     rows: Dict[str, Any] = {}
     url = default_db_url()
@@ -221,7 +221,7 @@ def _admission_view() -> Any:
 def _mark(marks: Dict[str, str], rows_keys: Any, info: TopicInfo, ev: Any) -> bool:
     """The connection's gate while ``fleet devices`` reads the broker: every message passes;
     each birth's signature is judged (``admission.membership``)."""
-    from agent.fleet import admission
+    from agent.fleet.admission import admission
 
     if info.kind == "status" and info.device and ev.payload:
         marks[info.device] = admission.membership(info.device, ev, *rows_keys)
@@ -257,7 +257,7 @@ def retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
 
 
 def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
-    from agent.fleet.store import Store
+    from agent.fleet.database.store import Store
 
     store = Store(url, schema="read")
     try:

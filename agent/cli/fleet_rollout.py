@@ -222,10 +222,10 @@ def _signed(docs: fleet.DocFactory, signer: job_signer.Signer) -> fleet.DocFacto
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    from agent.fleet.spec import spec_from_args
+    from agent.fleet.rollouts.spec import spec_from_args
 
     _check_numbers(args)
-    from agent.fleet.spec import model_name_version
+    from agent.fleet.rollouts.spec import model_name_version
 
     model_name_version(args.name, args.version, "0" * 64)  # checked before any work
     fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
@@ -277,8 +277,8 @@ def run_rollout(args: argparse.Namespace) -> int:
 def _dry_run(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any]) -> int:
     """Targets and stages from the registry (the service's database, else the broker's
     retained statuses): subscribes, publishes nothing."""
-    from agent.fleet import preview
-    from agent.fleet.store import Store
+    from agent.fleet.database.store import Store
+    from agent.fleet.rollouts import preview
 
     registry: Dict[str, Dict[str, Any]] = {}
     url = registry_db(args)

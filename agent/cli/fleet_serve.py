@@ -27,9 +27,9 @@ from agent.cli.fleet_db import (
     upgrade_in_child,
 )
 from agent.errors import AgentError
-from agent.fleet import durable
+from agent.fleet.database.store import Store
+from agent.fleet.rollouts import durable
 from agent.fleet.service import FleetService, busy_check
-from agent.fleet.store import Store
 from agent.wire import job_signer
 
 log = logging.getLogger("agent.fleet")
@@ -109,7 +109,7 @@ def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[st
         add_to_store(store, store_dir(args, url), artifacts, files, copy=False)
         stages = _targets(store, args, rollout_id)
         if signer is None:  # devices that drop unsigned jobs: refused now, not timed out later
-            from agent.fleet import signing_check
+            from agent.fleet.rollouts import signing_check
 
             unknown = signing_check.check_unsigned(
                 signing_check.statuses_of(store.devices()), [d for s in stages for d in s])
@@ -225,8 +225,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         http = None
         base = None
         if args.http:
-            from agent.fleet.http_bounds import listen_address
-            from agent.fleet.http_source import HttpSource
+            from agent.fleet.transfer.http_bounds import listen_address
+            from agent.fleet.transfer.http_source import HttpSource
 
             host, port = listen_address(args.http, "--http")
             base = args.http_url
@@ -234,14 +234,14 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
                                share_group=args.share_group, lease_s=args.lease,
                                http_base=None, http_min_bytes=args.http_min_bytes,
                                admission=make_admission(args, store))
-        from agent.fleet.deployment_runner import DeploymentRunner
+        from agent.fleet.deployments.deployment_runner import DeploymentRunner
 
         service.deployments = DeploymentRunner(store, service.instance, args.lease)
         if getattr(args, "share_engines", False):
             if not args.http:
                 raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "
                                  "(builders upload their engines there)")
-            from agent.fleet.sharing import ShareBoard
+            from agent.fleet.transfer.sharing import ShareBoard
 
             service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file,
                                          builder_key=service.builder_key)
@@ -285,7 +285,7 @@ def run_rollouts(args: argparse.Namespace) -> int:
     store = Store(db_url(args, existing=True), schema="read")
     try:
         if args.action == "ls":
-            from agent.fleet import views
+            from agent.fleet.web import views
 
             rows = views.rollout_rows(store, limit=None, failures=False)
             if args.json:
@@ -313,7 +313,7 @@ def run_rollouts(args: argparse.Namespace) -> int:
         if ro is None:
             raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
                 args.rollout_id))
-        from agent.fleet import views
+        from agent.fleet.web import views
 
         row = store.rollout(args.rollout_id) or {}
         summary = views.rollout_detail(store, row, jobs=[]) if row else {}

@@ -1,24 +1,24 @@
 """Controller side of a fleet: device directory, staged rollouts, block serving, results.
 
-Speaks only the protocol of docs/protocol.md. The pure policy comes first, the I/O edge last:
+Speaks only the protocol of docs/protocol.md. Organised by concern, in subpackages (each one's
+docstring says what it owns and may import; tests/unit/test_import_rules.py keeps them free of
+circles):
 
-- ``policy``: target selection (``select_devices``), staging (``plan_stages``), the abort
-  criteria (``abort_reason``) and the stage success threshold (``stage_verdict``);
-- ``documents``: job documents (``job_document``) and ``prepare_rollout``, what devices would
-  refuse, checked on the controller before anything is published;
-- ``rollout``: the ``Rollout`` state machine, fed job statuses, answering with ``Action``s;
-  ``device_run``: its record of one device (``DeviceRun``);
-- ``report``: the results (``result_row``, ``results_table``, ``rollout_report``) and the live
-  progress view (``ProgressView``);
-- ``mqtt_edge``: ``FleetConnection`` and ``discover``, the MQTT I/O edge;
-- ``store`` (the database: devices, rollouts, jobs, history, artifacts, signing sequence,
-  outbox; its tables declared in ``tables``, reached by the Alembic revisions of
-  ``migrations/`` through ``migrate``, checked at open by ``store_schema``), ``device_models``
-  (the models each device holds: named models, or an older daemon's active engines),
-  ``rollback_log`` (rollbacks and the devices' answers, against their rollout), ``durable``
-  (a ``Rollout`` saved and loaded), ``spec`` (a rollout's stored specification, its job
-  documents), ``service`` (``FleetService``: ``fleet serve``, and ``fleet rollout``
-  embedded), ``bytequeue`` (the event queue that never blocks paho).
+- ``database``: the fleet database (``db``, ``store``, ``store_schema``, ``tables``,
+  ``migrate``, ``migrations/``, ``history``, ``device_models``);
+- ``rollouts``: the pure ``policy``, ``rollout`` state machine, ``device_run``, ``documents``,
+  ``preview``, ``report``, ``signing_check``, and the durable ``spec``, ``durable``,
+  ``rollback``, ``rollback_log``;
+- ``deployments``: desired state (``registry``, ``labels``, ``selectors``, ``deployments``,
+  ``deployment_runner``);
+- ``admission``: what the controller hears from devices (``admission``, ``rollcall``,
+  ``bounds``);
+- ``transfer``: artifact transfer (``bytequeue``, ``http_bounds``, ``http_source``,
+  ``sharing``);
+- ``web``: the dashboard and ``/metrics`` (``server``, ``pages``, ``views``, ``metrics``).
+
+The wiring stays here: ``mqtt_edge`` (``FleetConnection`` and ``discover``, the MQTT I/O edge)
+and ``service`` (``FleetService``: ``fleet serve``, and ``fleet rollout`` embedded).
 
 Callers import every name from ``agent.fleet``; the submodules are how it is organised.
 
@@ -28,16 +28,16 @@ tests/unit/test_import_rules.py (``mqtt_edge`` -> ``device.config``, ``rollback`
 ``cli.fleet_db``), to be moved.
 """
 
-from agent.fleet.device_run import PENDING, DeviceRun
-from agent.fleet.documents import (
+from agent.fleet.mqtt_edge import DeviceDirectory, FleetConnection, discover
+from agent.fleet.rollouts.device_run import PENDING, DeviceRun
+from agent.fleet.rollouts.documents import (
     LAYER_RANK,
     job_document,
     layers_above,
     new_rollout_id,
     prepare_rollout,
 )
-from agent.fleet.mqtt_edge import DeviceDirectory, FleetConnection, discover
-from agent.fleet.policy import (
+from agent.fleet.rollouts.policy import (
     EXECUTED_STATES,
     FAILURE_STATES,
     Policy,
@@ -47,7 +47,7 @@ from agent.fleet.policy import (
     select_devices,
     stage_verdict,
 )
-from agent.fleet.report import (
+from agent.fleet.rollouts.report import (
     ProgressView,
     accuracy_summary,
     format_table,
@@ -57,7 +57,7 @@ from agent.fleet.report import (
     rollout_report,
     summary_line,
 )
-from agent.fleet.rollout import (
+from agent.fleet.rollouts.rollout import (
     MAX_ROLLOUT_ID,
     SEARCH_SUFFIX,
     Action,
@@ -65,7 +65,7 @@ from agent.fleet.rollout import (
     Rollout,
     check_rollout_id,
 )
-from agent.fleet.spec import doc_factory
+from agent.fleet.rollouts.spec import doc_factory
 
 __all__ = [
     "EXECUTED_STATES", "FAILURE_STATES", "LAYER_RANK", "MAX_ROLLOUT_ID", "PENDING",

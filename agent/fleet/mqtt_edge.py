@@ -10,7 +10,7 @@ import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from agent.errors import AgentError
-from agent.fleet.bytequeue import ByteQueue
+from agent.fleet.transfer.bytequeue import ByteQueue
 from agent.wire import protocol, status_messages
 from agent.wire.topics import DEFAULT_PREFIX, TopicInfo, Topics
 
@@ -42,7 +42,7 @@ class DeviceDirectory(object):
         return True
 
     def on_models(self, device: str, msg: Dict[str, Any]) -> bool:
-        from agent.fleet import device_models
+        from agent.fleet.database import device_models
 
         if not device_models.newer(self.models.get(device), msg):
             return False
@@ -82,11 +82,11 @@ class FleetConnection(object):
         self.client: Any = None
         self.client_id = client_id or "fleet-" + uuid.uuid4().hex[:12]
         self._unacked: List[Any] = []
-        self.rollcall: Any = None  # the agent.fleet.rollcall.RollCall under way
+        self.rollcall: Any = None  # the agent.fleet.admission.rollcall.RollCall under way
         self.last_roll_call: Any = None  # the last one finished (its stats)
         self._lost = False  # the connection dropped since the last CONNECTED
         # (topic info, MQTT event) -> whether a device's message may be read at all
-        # (agent.fleet.admission.Admission.check); None: every message is.
+        # (agent.fleet.admission.admission.Admission.check); None: every message is.
         self.gate: Optional[Callable[[TopicInfo, Any], bool]] = None
 
     def connect(self) -> "FleetConnection":
@@ -185,11 +185,11 @@ class FleetConnection(object):
             if time.monotonic() >= deadline:
                 return subscribed
 
-    # -- the roll call (agent.fleet.rollcall) ---------------------------------------------------
+    # -- the roll call (agent.fleet.admission.rollcall) --------------------------------------------
 
     def begin_roll_call(self) -> bool:
         """Start a roll call (carried on by ``pump``) unless one is under way; False then."""
-        from agent.fleet.rollcall import RollCall
+        from agent.fleet.admission.rollcall import RollCall
 
         if self.rollcall is not None:
             return False
@@ -282,7 +282,7 @@ def _ignore(info: TopicInfo, msg: Any) -> None:
 def discover(conn: FleetConnection, telemetry_wait: float = 0.0) -> DeviceDirectory:
     """Retained device statuses and models messages (and telemetry heard within
     ``telemetry_wait`` s): the wildcard subscriptions (devices of the previous release), then a
-    roll call (agent.fleet.rollcall) for the devices the broker's queue left out."""
+    roll call (agent.fleet.admission.rollcall) for the devices the broker's queue left out."""
     conn.subscribe([conn.topics.prefix + "/devices/+/status",
                     conn.topics.prefix + "/devices/+/models"])
     if telemetry_wait > 0:

@@ -19,10 +19,13 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
-from agent.fleet import bounds, deployment_runner, device_models, durable, rollback_log
+from agent.fleet.admission import bounds
+from agent.fleet.database import device_models
+from agent.fleet.database.store import Store
+from agent.fleet.deployments import deployment_runner
 from agent.fleet.mqtt_edge import FleetConnection
-from agent.fleet.rollout import Rollout
-from agent.fleet.store import Store
+from agent.fleet.rollouts import durable, rollback_log
+from agent.fleet.rollouts.rollout import Rollout
 from agent.wire import protocol
 from agent.wire.topics import TopicInfo
 
@@ -30,8 +33,9 @@ log = logging.getLogger("agent.fleet")
 
 LEASE_S = 30.0  # another instance takes a rollout over this long after its owner went silent
 TICK_S = 0.5  # how often leases, controls, deadlines and the registry are looked at
-# The roll call (agent.fleet.rollcall): at start, every ROLL_CALL_EVERY_S, and BURST_QUIET_S
-# after a burst of at least BURST_BIRTHS new devices (births the broker's queue may have cut).
+# The roll call (agent.fleet.admission.rollcall): at start, every ROLL_CALL_EVERY_S, and
+# BURST_QUIET_S after a burst of at least BURST_BIRTHS new devices (births the broker's queue may
+# have cut).
 ROLL_CALL_EVERY_S = 600.0
 BURST_BIRTHS = 100
 BURST_QUIET_S = 2.0
@@ -64,7 +68,7 @@ class FleetService(object):
         self.features: Dict[str, frozenset] = {}  # device -> its last status's features
         self._stored_features: Optional[Dict[str, frozenset]] = None  # of the database's
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
-        # device -> telemetry message, at each flush (agent.fleet.history keeps the series)
+        # device -> telemetry message, at each flush (agent.fleet.database.history keeps the series)
         self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
         self.started = time.time()
         self.last_tick = 0.0
@@ -76,14 +80,14 @@ class FleetService(object):
         self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
         self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0,
                       "telemetry_capped": 0, "telemetry_keys_dropped": 0}
-        # Engine sharing (fleet serve --share-engines): an agent.fleet.sharing.ShareBoard
+        # Engine sharing (fleet serve --share-engines): an agent.fleet.transfer.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
         self.roll_call_every_s = ROLL_CALL_EVERY_S
         self.last_roll_call = 0.0
         self.new_births = 0  # devices first heard since the last roll call
         self.last_birth = 0.0
-        # Device admission (agent.fleet.admission): the gate every device message passes.
+        # Device admission (agent.fleet.admission.admission): the gate every device message passes.
         self.admission = admission
         self.engine_classes: Dict[str, Any] = {}  # device -> its platform.engine_class
         self.resubscribed: Dict[str, float] = {}  # device -> when its retained topics were asked
@@ -91,8 +95,8 @@ class FleetService(object):
         if admission is not None:
             conn.gate = admission.check
             admission.on_admitted = self._admitted
-        # Deployments (fleet serve): an agent.fleet.deployment_runner.DeploymentRunner, told
-        # of births, Wills, models messages and its jobs' ends; ticked before leases are taken.
+        # Deployments (fleet serve): an agent.fleet.deployments.deployment_runner.DeploymentRunner,
+        # told of births, Wills, models messages and its jobs' ends; ticked before leases are taken.
         self.deployments: Any = None
 
     # -- publishing ---------------------------------------------------------------------------
@@ -137,7 +141,7 @@ class FleetService(object):
         if ro is None:
             return
         if self.sharing is not None and ro.search_id is None:
-            from agent.fleet.sharing import SharePolicy, device_class
+            from agent.fleet.transfer.sharing import SharePolicy, device_class
 
             statuses = self.store.statuses()
             ro.sharing = SharePolicy({d: device_class(statuses.get(d)) for d in ro.runs},

@@ -78,7 +78,7 @@ class PlatformInfo(object):
         return "{} ({})".format(self.board or self.matrix_row["name"], ", ".join(bits))
 
     def engine_class(self, backend: Optional[str] = None) -> Dict[str, str]:
-        """The fleet's sharing class of this device (``agent.fleet.sharing.device_class``):
+        """The fleet's sharing class of this device (``agent.fleet.transfer.sharing.device_class``):
         what decides whether one device's engine runs on another, as far as a status can say
         it: ``version`` (ENGINE_CLASS_VERSION: daemons of another release never share), the
         board and its module (the module fixes the GPU's SM count and the DLA cores on a

@@ -6,7 +6,7 @@ drops what does not fit (``max_queued_messages``, 1000 in the shipped config, pl
 about 1,100 devices however many there are. Each device therefore also keeps a small retained
 entry under ``{p}/rollcall/{h1}/{h2}/{device}``, where ``h1 h2`` are the first two hex digits of
 the SHA-256 of its id: 256 buckets a controller can subscribe to a few at a time, each page
-small enough for any queue (``agent.fleet.rollcall`` pages through them). Pure.
+small enough for any queue (``agent.fleet.admission.rollcall`` pages through them). Pure.
 """
 
 import hashlib

@@ -36,7 +36,7 @@ def page_rows(url, pages, n=5, timeout=60):
     """One row per page ((name, path, goal); ``{kib}`` in the name: its size) of a dashboard
     over the database at ``url``: the median over HTTP of ``n`` fetches, next to the plain read
     every view starts from (``Store.devices()``)."""
-    from agent.fleet.store import Store
+    from agent.fleet.database.store import Store
     from agent.fleet.web.server import Dashboard
 
     dash = Dashboard(url).start()

@@ -18,8 +18,8 @@ DEVICES, ROLLOUTS, PER_ROLLOUT = 1000, 20, 50
 
 
 def fill(url):
-    from agent.fleet import history
-    from agent.fleet.store import Store
+    from agent.fleet.database import history
+    from agent.fleet.database.store import Store
 
     store = Store(url)
     now = time.time()

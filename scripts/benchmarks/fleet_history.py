@@ -34,7 +34,7 @@ def _result(rid):
 
 
 def fill(url):
-    from agent.fleet.store import Store
+    from agent.fleet.database.store import Store
 
     store = Store(url)
     now = time.time()
@@ -75,9 +75,9 @@ class _Conn(object):
 
 
 def tick_ms(url):
-    from agent.fleet import durable
+    from agent.fleet.database.store import Store
+    from agent.fleet.rollouts import durable
     from agent.fleet.service import FleetService
-    from agent.fleet.store import Store
 
     store = Store(url)
     try:

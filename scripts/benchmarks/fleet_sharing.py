@@ -70,7 +70,7 @@ def _fleet(args, timeout=600):
 
 
 def _once(bd, share, tag):
-    from agent.fleet.store import Store
+    from agent.fleet.database.store import Store
 
     workdir = tempfile.mkdtemp(prefix="bench-sharing-")
     broker = bd._Broker(workdir)

@@ -6,7 +6,7 @@ from the job document to the verified file in the device's store:
 
 - over MQTT blocks (the device listens on the artifact's shared fan-out topic and says so;
   per-block hashes in the job, so every block is checked as it arrives);
-- over HTTP Range requests from ``agent.fleet.http_source`` (the service's ``--http``).
+- over HTTP Range requests from ``agent.fleet.transfer.http_source`` (the service's ``--http``).
 
 Baseline: the same bytes as one message from ``mosquitto_pub`` to ``mosquitto_sub`` through the
 same broker (no blocks, no resume, no verification). Best of REPEATS each.
@@ -58,7 +58,7 @@ def run():
     import shutil
     import tempfile
 
-    from agent.fleet.http_source import HttpSource
+    from agent.fleet.transfer.http_source import HttpSource
 
     bd = _daemon_bench()
     workdir = tempfile.mkdtemp(prefix="bench-fleet-transfer-")

@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.fleet import history
-from agent.fleet.store import Store
+from agent.fleet.database import history
+from agent.fleet.database.store import Store
 from agent.fleet.web.server import Dashboard
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 

@@ -23,8 +23,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.fleet import history
-from agent.fleet.store import Store
+from agent.fleet.database import history
+from agent.fleet.database.store import Store
 from agent.fleet.web.server import Dashboard
 from tests.integration.browser import Browser, find_chromium
 from tests.integration.conftest import free_port

@@ -17,8 +17,8 @@ import os
 import shutil
 import time
 
-from agent.fleet import deployments
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
+from agent.fleet.deployments import deployments
 from tests.integration.test_fleet_rollout import wait_status
 from tests.integration.test_fleet_service import Service, fleet_cli, wait_registered
 

@@ -11,9 +11,10 @@ import json
 import pytest
 
 from agent.errors import AgentError
-from agent.fleet import deployments, device_models, labels, registry
-from agent.fleet.deployment_runner import CATCHUP_S, DeploymentRunner
-from agent.fleet.store import Store
+from agent.fleet.database import device_models
+from agent.fleet.database.store import Store
+from agent.fleet.deployments import deployments, labels, registry
+from agent.fleet.deployments.deployment_runner import CATCHUP_S, DeploymentRunner
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 
 SHA3, SHA4 = "3" * 64, "4" * 64
@@ -203,8 +204,7 @@ def test_a_newer_deployment_supersedes_without_touching_devices_on_it(store):
 
 
 def test_metrics_and_dashboard_show_deployments(store):
-    from agent.fleet import metrics, views
-    from agent.fleet.web import pages
+    from agent.fleet.web import metrics, pages, views
 
     runner = DeploymentRunner(store, "svc-1", clock=Clock())
     store.upsert_devices({d: status(d, site="w3") for d in "ab"})

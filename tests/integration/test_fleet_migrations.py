@@ -1,7 +1,7 @@
 """The fleet database's migrations on SQLite and on a real PostgreSQL, from a database made by
 the release before migrations (tests/fixtures/fleet_db: rows in every table, no Alembic version
 table): recognised by its tables, stamped at the baseline and upgraded in place with every row
-kept; the schema migrations give is exactly the declared one (agent.fleet.tables); ``fleet
+kept; the schema migrations give is exactly the declared one (agent.fleet.database.tables); ``fleet
 serve`` upgrades such a database on start and runs a rollout on it, or, ``--no-db-upgrade``,
 refuses with the exact command, which works; read-only commands never migrate; a database of a
 newer jetson-agent is refused untouched; two upgrades at once end in one."""
@@ -17,9 +17,9 @@ import time
 import pytest
 
 from agent.errors import AgentError
-from agent.fleet import migrate, store_schema, tables
-from agent.fleet.db import Db
-from agent.fleet.store import Store
+from agent.fleet.database import migrate, store_schema, tables
+from agent.fleet.database.db import Db
+from agent.fleet.database.store import Store
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 from tests.integration.test_fleet_rollout import wait_status
 from tests.integration.test_fleet_service import (
@@ -83,8 +83,8 @@ def probe(url):
 
 
 def schema_diff(url):
-    """What Alembic's comparison finds between the database and agent.fleet.tables. On SQLite a
-    database made before migrations keeps its nullable primary keys (``TEXT PRIMARY KEY``
+    """What Alembic's comparison finds between the database and agent.fleet.database.tables. On
+    SQLite a database made before migrations keeps its nullable primary keys (``TEXT PRIMARY KEY``
     accepts NULL there; the store never writes one): not a difference."""
     import sqlalchemy as sa
     from alembic.autogenerate import compare_metadata

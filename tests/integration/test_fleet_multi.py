@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 from tests.integration.test_fleet_rollout import digits_args, wait_status
 from tests.integration.test_fleet_service import ROOT, fleet_cli, fp16_args, wait_registered

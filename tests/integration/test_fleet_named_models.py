@@ -23,9 +23,10 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.fleet import device_models, rollback_log, views
-from agent.fleet.store import Store
-from agent.fleet.web import pages
+from agent.fleet.database import device_models
+from agent.fleet.database.store import Store
+from agent.fleet.rollouts import rollback_log
+from agent.fleet.web import pages, views
 from agent.fleet.web.server import Dashboard
 from tests.integration.model_responder import Device, Responder
 from tests.integration.postgres import postgres  # noqa: F401 - fixture

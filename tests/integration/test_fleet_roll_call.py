@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from agent.fleet.database.store import Store
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.service import FleetService
-from agent.fleet.store import Store
 from tests.integration.conftest import MOSQUITTO, ROOT, Broker
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))

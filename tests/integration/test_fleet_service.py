@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
 from tests.integration.test_fleet_rollout import retained_jobs, wait_status
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -309,7 +309,7 @@ def test_artifacts_over_http_from_the_service(mosquitto, agent_factory, tmp_path
 
 def test_an_artifact_url_named_by_the_operator(mosquitto, agent_factory, tmp_path):
     """``--artifact-url model=URL`` (a CDN, an object store): the device fetches it there."""
-    from agent.fleet.http_source import HttpSource
+    from agent.fleet.transfer.http_source import HttpSource
     from agent.wire.block_server import sha256_file
 
     model = os.path.join(FP16, "model.onnx")

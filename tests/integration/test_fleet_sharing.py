@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 from agent.engines import share as engine_share
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
 from agent.wire.topics import Topics
 from tests.integration.test_fleet_rollout import retained_jobs, wait_status
 from tests.integration.test_fleet_service import (

@@ -7,8 +7,8 @@ import pytest
 
 from agent import fleet
 from agent.errors import AgentError
-from agent.fleet import durable
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
+from agent.fleet.rollouts import durable
 from agent.wire.topics import Topics
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 
@@ -154,7 +154,7 @@ def _history(store, now):
 def test_rollouts_are_paged_newest_first_with_their_counts_in_few_queries(store):
     import time
 
-    from agent.fleet import views
+    from agent.fleet.web import views
 
     _history(store, time.time())
     assert [r["rollout_id"] for r in store.rollouts()] == ["ro-e", "ro-d", "ro-c", "ro-b",
@@ -189,7 +189,7 @@ def test_metrics_of_rollouts_and_engines_say_what_the_database_holds(store):
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from agent.fleet import metrics
+    from agent.fleet.web import metrics
 
     now = time.time()
     _history(store, now)

@@ -11,13 +11,13 @@ import time
 import pytest
 
 from agent.errors import AgentError
-from agent.fleet.http_bounds import (
+from agent.fleet.transfer.http_bounds import (
     HEAD_DEADLINE_S,
     REQUEST_DEADLINE_S,
     BoundedHTTPServer,
     listen_address,
 )
-from agent.fleet.http_source import HttpSource
+from agent.fleet.transfer.http_source import HttpSource
 
 
 def _half_sent(port):

@@ -1,5 +1,5 @@
 """Device identity and admission without a broker (agent.wire.device_identity,
-agent.fleet.admission over a real SQLite store): messages are built and signed as a daemon
+agent.fleet.admission.admission over a real SQLite store): messages are built and signed as a daemon
 signs them, and go through the gate a controller puts in front of everything it reads.
 The attacks of issue 23: a forged SUCCEEDED (unsigned, or signed by another key) is dropped;
 a replayed older signed message is dropped; a new key for a known id goes back to pending;
@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from agent.fleet import admission
-from agent.fleet.store import Store
+from agent.fleet.admission import admission
+from agent.fleet.database.store import Store
 from agent.wire import device_identity, protocol, status_messages
 from agent.wire.mqtt_types import Event
 from agent.wire.topics import Topics

@@ -15,7 +15,7 @@ from agent.engines.build import build_engine
 from agent.engines.cache import EngineCache
 from agent.engines.cache_key import FORMAT, cache_key, platform_mismatches
 from agent.errors import AgentError
-from agent.fleet.sharing import device_class
+from agent.fleet.transfer.sharing import device_class
 from agent.platform import for_row
 from tests import fake_trt
 from tests.trt_builds import save

@@ -1,6 +1,6 @@
-"""What a device may put in the registry is bounded (agent.fleet.bounds)."""
+"""What a device may put in the registry is bounded (agent.fleet.admission.bounds)."""
 
-from agent.fleet import bounds
+from agent.fleet.admission import bounds
 
 
 def test_telemetry_keeps_at_most_the_cap_the_shown_metrics_first():

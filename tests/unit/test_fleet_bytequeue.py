@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from agent.fleet.bytequeue import ByteQueue
+from agent.fleet.transfer.bytequeue import ByteQueue
 from agent.wire.mqtt import MESSAGE
 from agent.wire.mqtt_types import Event
 

@@ -9,10 +9,11 @@ import argparse
 import pytest
 
 from agent.errors import AgentError
-from agent.fleet import device_models, views
-from agent.fleet.documents import new_rollout_id
-from agent.fleet.rollback import command, plan_one, targets
-from agent.fleet.spec import doc_factory, model_name_version
+from agent.fleet.database import device_models
+from agent.fleet.rollouts.documents import new_rollout_id
+from agent.fleet.rollouts.rollback import command, plan_one, targets
+from agent.fleet.rollouts.spec import doc_factory, model_name_version
+from agent.fleet.web import views
 from agent.wire import protocol
 
 SHA = "ab" * 32

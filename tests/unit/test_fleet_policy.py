@@ -1,5 +1,6 @@
-"""The rollout policy and state machine (agent/fleet/policy.py, rollout.py): targets, stages,
-abort and success thresholds, the search -> deploy sequence, cancellation, the results table."""
+"""The rollout policy and state machine (agent/fleet/rollouts/policy.py, rollout.py): targets,
+stages, abort and success thresholds, the search -> deploy sequence, cancellation, the results
+table."""
 
 import io
 

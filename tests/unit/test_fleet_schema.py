@@ -5,7 +5,7 @@ declared (a later revision adds tables; none is dropped without its own revision
 
 import importlib
 
-from agent.fleet import migrate, store_schema, tables
+from agent.fleet.database import migrate, store_schema, tables
 
 
 def test_head_and_baseline_constants_match_the_revisions():
@@ -16,7 +16,7 @@ def test_head_and_baseline_constants_match_the_revisions():
 
 
 def test_the_baseline_tables_are_declared_and_recognised():
-    base = importlib.import_module("agent.fleet.migrations.versions.r0001_baseline")
+    base = importlib.import_module("agent.fleet.database.migrations.versions.r0001_baseline")
     frozen = base.baseline_metadata()
     assert set(frozen.tables) == set(store_schema.BASELINE_TABLES)
     assert set(frozen.tables) <= set(tables.metadata.tables)

@@ -1,13 +1,13 @@
-"""Label selectors (agent.fleet.selectors) against the examples of Kubernetes' own
+"""Label selectors (agent.fleet.deployments.selectors) against the examples of Kubernetes' own
 documentation (Labels and Selectors: equality-based and set-based requirements, the kubectl
 examples), the issue's selectors, and what must be refused; device labels' syntax and caps
-(agent.wire.device_labels) and what a selector sees of a device (agent.fleet.labels)."""
+(agent.wire.device_labels) and what a selector sees of a device (agent.fleet.deployments.labels)."""
 
 import pytest
 
 from agent.errors import AgentError
-from agent.fleet import labels
-from agent.fleet.selectors import parse
+from agent.fleet.deployments import labels
+from agent.fleet.deployments.selectors import parse
 from agent.wire import device_labels
 
 PROD_FRONT = {"environment": "production", "tier": "frontend"}

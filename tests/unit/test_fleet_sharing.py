@@ -2,9 +2,9 @@
 and is asked to offer, the others wait, then get the engine in their job document; a builder
 that fails or a wait that times out sends them without one (they build)."""
 
-from agent.fleet.policy import Policy
-from agent.fleet.rollout import Rollout
-from agent.fleet.sharing import SharePolicy, device_class, share_summary
+from agent.fleet.rollouts.policy import Policy
+from agent.fleet.rollouts.rollout import Rollout
+from agent.fleet.transfer.sharing import SharePolicy, device_class, share_summary
 
 REF = {"sha256": "e" * 64, "size": 10, "blocks": {"block_size": 1024, "sha256": "b" * 64}}
 

@@ -5,7 +5,7 @@ same rollout id is no answer, but once the job is sent again the device keeps th
 ignores the document as a duplicate): it is adopted, not reported TIMED_OUT."""
 
 from agent import fleet
-from agent.fleet.rollout import MAX_VERSION_STEP
+from agent.fleet.rollouts.rollout import MAX_VERSION_STEP
 
 
 def docs(device, job_id, kind, layers):

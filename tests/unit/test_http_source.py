@@ -1,4 +1,4 @@
-"""Artifacts over HTTP: the service's store (agent.fleet.http_source, a real loopback HTTP
+"""Artifacts over HTTP: the service's store (agent.fleet.transfer.http_source, a real loopback HTTP
 server) and a device's BlockFetcher with a URL (agent.wire.http_fetch): Range requests into the
 same transfer and bitmap as MQTT blocks, so a download resumes; blocks checked against the
 signed per-block hashes; a source answering junk or nothing hands the artifact back to MQTT
@@ -7,7 +7,7 @@ blocks."""
 import time
 import urllib.request
 
-from agent.fleet.http_source import HttpSource
+from agent.fleet.transfer.http_source import HttpSource
 from tests.unit import test_transfer
 from tests.unit.test_transfer import BS, blob, serve
 from tests.unit.test_transfer_block_hashes import serve_with_hashes

@@ -30,8 +30,20 @@ ALLOWED = {
 # Known crossings, each a module and the one module it reaches: move them, don't add to them.
 EXCEPTIONS = {
     ("agent.fleet.mqtt_edge", "agent.device.config"),  # parse_broker_url
-    ("agent.fleet.rollback", "agent.cli.fleet_db"),  # db_url, add_db_args
+    ("agent.fleet.rollouts.rollback", "agent.cli.fleet_db"),  # db_url, add_db_args
 }
+# agent.fleet's subpackages, by concern -> the subpackages each may import (besides itself): no
+# circles. The wiring (``agent.fleet`` itself, ``service``, ``mqtt_edge``) may import them all;
+# no subpackage imports the wiring.
+FLEET = {
+    "database": set(),
+    "transfer": set(),
+    "admission": set(),
+    "rollouts": {"database", "transfer"},
+    "deployments": {"database", "rollouts", "transfer"},
+    "web": {"database", "rollouts", "deployments", "admission", "transfer"},
+}
+FLEET_WIRING = {"agent.fleet", "agent.fleet.service", "agent.fleet.mqtt_edge"}
 # Third-party modules that only some packages may import.
 ONLY = {
     "paho": {"wire"},
@@ -46,8 +58,10 @@ ONLY = {
 # controller's; the daemon, the wire and the worker never load them, and the CLI only when a
 # schema changes).
 ONLY_MODULES = {
-    "sqlalchemy": {"agent.fleet.tables", "agent.fleet.migrate", "agent.fleet.migrations"},
-    "alembic": {"agent.fleet.tables", "agent.fleet.migrate", "agent.fleet.migrations"},
+    "sqlalchemy": {"agent.fleet.database.tables", "agent.fleet.database.migrate",
+                   "agent.fleet.database.migrations"},
+    "alembic": {"agent.fleet.database.tables", "agent.fleet.database.migrate",
+                "agent.fleet.database.migrations"},
 }
 
 
@@ -141,12 +155,59 @@ def test_packages_import_only_what_their_rules_allow():
     assert not broken, "\n".join(broken)
 
 
+def fleet_part(module):
+    """The subpackage of agent.fleet a module is in, "wiring", or None outside agent.fleet."""
+    parts = module.split(".")
+    if parts[:2] != ["agent", "fleet"]:
+        return None
+    if module in FLEET_WIRING:
+        return "wiring"
+    return parts[2] if len(parts) >= 4 or parts[2] in FLEET else "unplaced"
+
+
+def test_fleet_modules_sit_in_their_subpackages_and_import_no_circle():
+    broken = []
+    for path in sources():
+        module = module_name(path)
+        own = fleet_part(module)
+        if own is None or own == "wiring":
+            continue
+        if own not in FLEET:
+            broken.append("{}: put it in one of agent.fleet's subpackages {}".format(
+                module, sorted(FLEET)))
+            continue
+        for line, target in imports(path):
+            if target.split(".")[:2] == ["agent", "fleet"] and target not in FLEET_WIRING:
+                if len(target.split(".")) == 3 and target.split(".")[2] not in FLEET:
+                    target = "agent.fleet"  # `from agent.fleet import Name`: the wiring
+            theirs = fleet_part(target)
+            if theirs in (None, own) or theirs in FLEET[own]:
+                continue
+            broken.append("{}:{} imports {} (fleet.{} may not use {})".format(
+                module, line, target, own, theirs))
+    assert not broken, "\n".join(broken)
+
+
+def test_the_fleet_rules_have_no_circle():
+    seen = set()
+
+    def visit(part, path):
+        assert part not in path, "circle: {}".format(" -> ".join(path + [part]))
+        if part not in seen:
+            for dep in FLEET[part]:
+                visit(dep, path + [part])
+            seen.add(part)
+
+    for part in FLEET:
+        visit(part, [])
+
+
 def test_the_rules_catch_a_reverse_import(tmp_path):
     """The checker itself: a wire module importing the daemon, and engines importing paho."""
     src = tmp_path / "m.py"
     src.write_text("from agent.device import daemon\ndef f():\n    import paho.mqtt.client\n"
                    "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                   "    from agent.fleet import store\n")
+                   "    from agent.fleet.database import store\n")
     found = sorted(t for _line, t in imports(str(src)))
     assert found == ["agent.device", "paho.mqtt.client", "typing"]  # TYPE_CHECKING left out
     assert package_of("agent.device") not in ALLOWED["wire"]
@@ -156,14 +217,14 @@ def test_the_rules_catch_a_reverse_import(tmp_path):
 
 def test_the_cli_and_the_fleet_service_load_no_sqlalchemy_until_a_schema_changes():
     """The modules a CLI command, ``fleet serve`` and the dashboard import: no SQLAlchemy or
-    Alembic among what they load (agent.fleet.store_schema decides in plain SQL)."""
+    Alembic among what they load (agent.fleet.database.store_schema decides in plain SQL)."""
     import subprocess
     import sys
 
     code = ("import sys\n"
             "import agent.cli, agent.cli.fleet, agent.cli.fleet_serve, agent.cli.fleet_db\n"
-            "import agent.fleet.store, agent.fleet.service, agent.fleet.history\n"
-            "import agent.fleet.web, agent.fleet.views, agent.device.daemon\n"
+            "import agent.fleet.database.store, agent.fleet.service, agent.fleet.database.history\n"
+            "import agent.fleet.web, agent.fleet.web.views, agent.device.daemon\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('sqlalchemy', 'alembic', 'mako')))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

@@ -1,5 +1,5 @@
-"""Engine uploads to the fleet service (agent.fleet.sharing.ShareBoard behind a real loopback
-``HttpSource``, a real SQLite store): only the engine its builder signed with its pinned
+"""Engine uploads to the fleet service (agent.fleet.transfer.sharing.ShareBoard behind a real
+loopback ``HttpSource``, a real SQLite store): only the engine its builder signed with its pinned
 device key is taken (issue 23: anyone who reads the upload URL from the retained job document
 could upload first); a token is bound to the builder and the rollout, dies with the rollout,
 and is never used up by a refused request; sizes are bounded; the container's format is
@@ -15,9 +15,9 @@ import urllib.request
 import pytest
 
 from agent.engines.share import MAGIC
-from agent.fleet.http_source import HttpSource
-from agent.fleet.sharing import ShareBoard
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
+from agent.fleet.transfer.http_source import HttpSource
+from agent.fleet.transfer.sharing import ShareBoard
 from agent.wire import device_identity
 from agent.wire.block_server import BlockServer, sha256_file
 from agent.wire.topics import Topics

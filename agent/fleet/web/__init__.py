@@ -1,6 +1,12 @@
-"""The fleet service's web side: the dashboard and ``/metrics`` (``server``, ``pages``), and
-how ``fleet serve`` mounts them (``add_args``, ``mount``). Static files: ``static/`` holds
+"""The fleet service's web side: the dashboard and ``/metrics`` (``server``, ``pages``), the
+read models they show (``views``), the Prometheus collector (``metrics``), and how ``fleet
+serve`` mounts them (``add_args``, ``mount``). Static files: ``static/`` holds
 uPlot 1.6.32 (MIT, ``uPlot.LICENSE``) as published on npm, and the dashboard's own CSS/JS.
+
+May import: every other subpackage of ``agent.fleet`` (``database``, ``rollouts``,
+``deployments``, ``admission``, ``transfer``) and the base modules, plus ``wire``, ``engines``,
+``precision``, ``platform``, ``calib``; none of them imports ``web``. Not ``service`` or
+``mqtt_edge``: the service hands the dashboard what it needs.
 """
 
 import argparse
@@ -14,7 +20,7 @@ log = logging.getLogger("agent.fleet.web")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from agent.fleet import history
+    from agent.fleet.database import history
 
     g = p.add_argument_group("dashboard and metrics")
     g.add_argument("--dashboard", metavar="HOST:PORT", default=os.environ.get(
@@ -31,8 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def parse_hostport(text: str) -> Tuple[str, int]:
-    """``--dashboard HOST:PORT``: loopback unless a host is given (agent.fleet.http_bounds)."""
-    from agent.fleet.http_bounds import listen_address
+    """``--dashboard HOST:PORT``: loopback unless a host is given
+    (agent.fleet.transfer.http_bounds)."""
+    from agent.fleet.transfer.http_bounds import listen_address
 
     return listen_address(text, "--dashboard")
 
@@ -55,7 +62,7 @@ def read_token(path: Optional[str]) -> Optional[str]:
 def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
     """Record telemetry history on ``service`` and, with ``--dashboard``, start the dashboard
     (returns it; ``stop()`` at exit)."""
-    from agent.fleet import history
+    from agent.fleet.database import history
     from agent.fleet.web.server import Dashboard
     from agent.wire import protocol
 

@@ -11,7 +11,7 @@ import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 from urllib.parse import quote
 
-from agent.fleet import views
+from agent.fleet.web import views
 
 ACTIVE = ("running", "paused")
 

@@ -16,10 +16,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, quote, urlsplit
 
 from agent.errors import AgentError
-from agent.fleet import device_models, history, metrics, rollback, rollback_log, views
-from agent.fleet.http_bounds import BoundedHTTPServer
-from agent.fleet.store import Store
-from agent.fleet.web import pages
+from agent.fleet.database import device_models, history
+from agent.fleet.database.store import Store
+from agent.fleet.rollouts import rollback, rollback_log
+from agent.fleet.transfer.http_bounds import BoundedHTTPServer
+from agent.fleet.web import metrics, pages, views
 from agent.wire import protocol
 
 log = logging.getLogger("agent.fleet.web")
@@ -31,7 +32,8 @@ TYPES = {".js": "application/javascript", ".css": "text/css", ".svg": "image/svg
          ".LICENSE": "text/plain; charset=utf-8"}
 ROLLOUT_CONTROLS = ("pause", "resume", "cancel")
 
-# rollback(device, command) -> publishes the rollback command (agent.fleet.rollback.command)
+# rollback(device, command) -> publishes the rollback command
+# (agent.fleet.rollouts.rollback.command)
 Rollback = Callable[[str, Dict[str, Any]], None]
 
 
@@ -163,7 +165,7 @@ class Dashboard(object):
                 quote(parts[1]), quote(request_id)), b""
         if len(parts) == 3 and parts[0] == "pending" and protocol.valid_id(parts[1]) and \
                 parts[2] in ("accept", "reject"):
-            from agent.fleet import admission
+            from agent.fleet.admission import admission
 
             row = self.store.device_keys().get(parts[1]) or {}
             if parts[2] == "accept":

@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from agent.engines import share as engine_share
-from agent.fleet.store import Store
+from agent.fleet.database.store import Store
 from agent.wire import device_identity, protocol, status_messages
 from agent.wire.mqtt import MESSAGE, MqttClient
 from agent.wire.mqtt_types import TlsOptions

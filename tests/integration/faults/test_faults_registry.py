@@ -10,10 +10,11 @@ import random
 import sys
 import time
 
-from agent.fleet import bounds, metrics
+from agent.fleet.admission import bounds
+from agent.fleet.database.store import Store
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.service import FleetService
-from agent.fleet.store import Store
+from agent.fleet.web import metrics
 from agent.wire import protocol
 from tests.integration.faults.suite import REPORT, fault
 from tests.integration.test_fleet_service import ROOT, fleet_cli, fp16_args
