@@ -376,7 +376,11 @@ def test_20000_bogus_ids_leave_the_registry_and_metrics_alone(arena, tmp_path):
     try:
         wait_registered(db, ["f-0"], service, timeout=60)
         url = dashboard_url(service)
-        scrape(url)
+        # The baseline once the real device's telemetry is in (its series are part of it).
+        deadline = time.monotonic() + 60
+        while b"jetson_fleet_device_memory_used_ratio{" not in scrape(url)[0]:
+            assert time.monotonic() < deadline, service.tail()
+            time.sleep(0.2)
         base, _ = scrape(url)
         rng = random.Random(23)
         ids = ["bogus-{:08x}".format(rng.getrandbits(32)) for _ in range(FLOOD_IDS)]
