@@ -9,12 +9,14 @@ the ``services`` table only when the process that last registered it is dead (sa
 PID is gone or a zombie, or the host rebooted since (``boot_id``); another host: its heartbeat,
 on the database's clock, is older than ``stale_s``). Else a default name gets this PID as a
 suffix (two live services on one host each keep their own leases), and a name given with
-``--instance`` is refused (``instance_in_use``).
+``--instance`` is refused (``instance_in_use``), after waiting up to ``stale_s`` for a holder on
+another host to go silent.
 """
 
 import hashlib
 import os
 import socket
+import time
 from typing import Any, Optional, Sequence
 
 from agent.errors import AgentError
@@ -78,10 +80,26 @@ def holder_alive(row: Optional[Sequence[Any]], db_now: float, stale_s: float) ->
     return heartbeat is not None and float(heartbeat) >= db_now - stale_s
 
 
+def _wait_other_host(db: Any, name: str, stale_s: float) -> None:
+    """A name last registered from another host whose heartbeat is still fresh (a service
+    moved to a new host, a container restarted with a new host name): wait until it is stale
+    (at most ``stale_s``), then it is taken; a live one is refused by ``register``."""
+    deadline = time.monotonic() + stale_s + 1.0
+    while time.monotonic() < deadline:
+        rows = db.query("SELECT heartbeat, pid, host, boot_id FROM services WHERE instance = ?",
+                        (name,))
+        if not rows or rows[0][2] == socket.gethostname() or \
+                not holder_alive(rows[0], leases.db_now(db), stale_s):
+            return
+        time.sleep(0.5)
+
+
 def register(store: Any, explicit: Optional[str], stale_s: float, started: float) -> str:
     """Take this process's name in ``services`` (see the module's docstring) and return it."""
     db = store.db
     base = explicit or default_name(store.url)
+    if explicit:
+        _wait_other_host(db, explicit, stale_s)
     for name in (base, "{}-{}".format(base, os.getpid())):
         with db.transaction():
             if db.dialect == "postgresql":  # two starting at once: one after the other

@@ -19,8 +19,15 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
-from agent.fleet import (bounds, deployment_runner, device_models, durable, instance_name,
-                         leases, rollback_log)
+from agent.fleet import (
+    bounds,
+    deployment_runner,
+    device_models,
+    durable,
+    instance_name,
+    leases,
+    rollback_log,
+)
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
@@ -333,6 +340,8 @@ class FleetService(object):
         mine = self._claim()
         for rid in list(self.rollouts):
             if mine.get(rid) != adopted.get(rid):  # taken over (and maybe back) since
+                log.warning("rollout %s: let go by %s: another instance holds its lease now",
+                            rid, self.instance)
                 self._drop(rid)
         for rid in mine:
             if rid not in self.rollouts:
