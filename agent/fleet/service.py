@@ -226,6 +226,8 @@ class FleetService(object):
             if run.terminal and run.note.startswith("the device had already run job"):
                 more.append((self.topics.job_status(run.device, run.job_id), b"", True))
         self.commit(ro, actions, more=more)
+        if rollout_id not in self.rollouts:
+            return  # its lease went while it was being taken (the commit said so)
         log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,
                  ro.current + 1, len(ro.stages))
 
@@ -340,8 +342,9 @@ class FleetService(object):
         mine = self._claim()
         for rid in list(self.rollouts):
             if mine.get(rid) != adopted.get(rid):  # taken over (and maybe back) since
-                log.warning("rollout %s: let go by %s: another instance holds its lease now",
-                            rid, self.instance)
+                if not self.rollouts[rid].done:
+                    log.warning("rollout %s: let go by %s: another instance holds its lease now",
+                                rid, self.instance)
                 self._drop(rid)
         for rid in mine:
             if rid not in self.rollouts:
