@@ -207,17 +207,18 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     if args.signing_key:
         signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
     url = db_url(args)
-    # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
-    if not args.no_db_upgrade:
-        upgrade_in_child(url)
-    store = Store(url, schema="require")
     stop = {"now": False}
 
     def request_stop(*_: Any) -> None:
         stop["now"] = True
 
+    # Before the upgrade's child process: a SIGTERM during start-up is an orderly stop.
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
+    if not args.no_db_upgrade:
+        upgrade_in_child(url)
+    store = Store(url, schema="require")
     notifier = Notifier()
     dashboard = None
     conn = connect(args)

@@ -291,8 +291,8 @@ def test_ten_quick_restarts_take_the_rollout_back_at_once_and_a_live_name_is_ref
             assert owner == name  # the same stable default name
             waits.append(t1 - t0)
             holder = new_holder
-        record("restart_sqlite_max", max(waits))
-        record("restart_sqlite_median", sorted(waits)[5])
+        for w in waits:
+            record("restart_sqlite", w)
         assert max(waits) < lease_s / 2, waits
         dev.start()
         wait_lease(db, "ro-restart", lambda r: r[3] == "succeeded", "succeeded", [svc], 180)
