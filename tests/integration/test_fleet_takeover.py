@@ -298,3 +298,40 @@ def test_ten_quick_restarts_take_the_rollout_back_at_once_and_a_live_name_is_ref
         wait_lease(db, "ro-restart", lambda r: r[3] == "succeeded", "succeeded", [svc], 180)
     finally:
         svc.kill()
+
+
+def test_epochs_fence_a_stale_holder_on_the_database_clock(db_kind, tmp_path, request):
+    """The store's part: claims on the database's clock, an epoch per holder change, a stale
+    holder's write refused whole, a dead predecessor's lease under the own name taken at once."""
+    from agent.fleet import leases
+
+    pg = request.getfixturevalue("postgres") if db_kind == "postgresql" else None
+    store = Store(url_of(db_kind, tmp_path, pg))
+    try:
+        store.insert_rollout("ro-f", {}, [["d1"]], deadline=time.time() + 600)
+        db = store.db
+        assert abs(leases.db_now(db) - time.time()) < 5
+        a = leases.holder_token("one")
+        assert leases.claim(db, "one", a, 6.0) == {"ro-f": 1}
+        assert leases.claim(db, "one", a, 6.0) == {"ro-f": 1}  # renewed, same epoch
+        b = leases.holder_token("two")
+        assert leases.claim(db, "two", b, 6.0) == {}  # held and fresh
+        db.execute("UPDATE rollouts SET lease_until = lease_until - 7 WHERE rollout_id = 'ro-f'")
+        assert leases.claim(db, "two", b, 6.0) == {"ro-f": 2}  # expired: taken, epoch 2
+        before = snapshot(store.url, "ro-f")
+        with pytest.raises(leases.LeaseLost):
+            store.save_rollout("ro-f", {"current_stage": 0}, {"d1": (0, "SUCCEEDED", {})},
+                               [("ro-f", "d1", "j", 1, "SUCCEEDED", "done", 1.0)],
+                               [("t/x", b"stale", True)], fence=(a, 1, 6.0))
+        assert snapshot(store.url, "ro-f") == before  # nothing of the stale write
+        ids = store.save_rollout("ro-f", {"current_stage": 0}, {}, (), [("t/y", b"ok", True)],
+                                 fence=(b, 2, 6.0))
+        assert db.query("SELECT epoch FROM outbox WHERE id = ?", (ids[0],)) == [(2,)]
+        # The same name in another process (its predecessor dead): taken at once, epoch 3.
+        b2 = leases.holder_token("two")
+        assert leases.claim(db, "two", b2, 6.0) == {"ro-f": 3}
+        assert lease(store.url, "ro-f")[1:3] == (b2, 3)
+        with pytest.raises(leases.LeaseLost):  # the predecessor's epoch is fenced off
+            store.save_rollout("ro-f", {"current_stage": 0}, {}, fence=(b, 2, 6.0))
+    finally:
+        store.close()
