@@ -74,6 +74,8 @@ CODES = {
     "closed this device's connection (log and `status`; bind client ids to identities).",
     "unknown_device": "The controller names a device that has never reported.",
     "device_busy": "A targeted device is already in another unfinished rollout.",
+    "instance_in_use": "A live fleet service already holds this --instance name (its host and "
+    "PID are named): stop it, or give this one another name.",
     "db_schema": "The fleet database is not at the schema this jetson-agent uses: older (run "
     "the `fleet db upgrade` command the message names; `fleet serve` does it on start unless "
     "--no-db-upgrade) or newer (upgrade jetson-agent).",

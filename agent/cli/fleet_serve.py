@@ -29,7 +29,7 @@ from agent.cli.fleet_db import (
 from agent.errors import AgentError
 from agent.fleet.database.store import Store
 from agent.fleet.rollouts import durable
-from agent.fleet.service import FleetService, busy_check
+from agent.fleet.service import LEASE_S, FleetService, busy_check
 from agent.wire import job_signer
 
 log = logging.getLogger("agent.fleet")
@@ -207,17 +207,18 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     if args.signing_key:
         signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
     url = db_url(args)
-    # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
-    if not args.no_db_upgrade:
-        upgrade_in_child(url)
-    store = Store(url, schema="require")
     stop = {"now": False}
 
     def request_stop(*_: Any) -> None:
         stop["now"] = True
 
+    # Before the upgrade's child process: a SIGTERM during start-up is an orderly stop.
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
+    # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
+    if not args.no_db_upgrade:
+        upgrade_in_child(url)
+    store = Store(url, schema="require")
     notifier = Notifier()
     dashboard = None
     conn = connect(args)
@@ -257,7 +258,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
 
         dashboard = web.mount(args, url, service)  # telemetry history; --dashboard: dashboard
         notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
-        log.info("fleet service %s on %s, database %s", service.instance, conn.url,
+        log.info("fleet service %s (pid %d, MQTT client %s) on %s, database %s",
+                 service.instance, os.getpid(), conn.client_id, conn.url,
                  store.url.split("@")[-1])
         last_dog = time.monotonic()
         while not stop["now"]:
@@ -352,7 +354,10 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    help="refuse a database that is not at this version's schema (with the "
                         "`fleet db upgrade` command to run) instead of upgrading it on start")
     s.add_argument("--instance", metavar="NAME", help="this instance's name for rollout "
-                   "leases (default HOST-PID; keep it stable across restarts)")
+                   "leases (default HOST-HASH of the database: stable across restarts, so a "
+                   "restart takes its dead predecessor's rollouts back at once; a second live "
+                   "service on the host gets HOST-HASH-PID; a NAME a live service holds is "
+                   "refused)")
     s.add_argument("--share-group", metavar="NAME", help="take block requests through "
                    "$share/NAME/... (several instances; each serves every artifact in the "
                    "database, so --store must be shared)")
@@ -371,9 +376,10 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
     s.add_argument("--share-wait", type=float, default=900.0, metavar="S",
                    help="with --share-engines: a device waits at most S s for its class's "
                         "engine, then builds itself (default 900)")
-    s.add_argument("--lease", type=float, default=30.0, metavar="S",
-                   help="another instance takes over a rollout S seconds after this one "
-                        "stopped renewing its lease (default 30)")
+    s.add_argument("--lease", type=float, default=LEASE_S, metavar="S",
+                   help="another instance takes over a rollout S seconds (on the database's "
+                        "clock) after this one stopped renewing its lease (default "
+                        "{:g})".format(LEASE_S))
     s.add_argument("--signing-key", metavar="KEY",
                    default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"))
     s.add_argument("--sequence-file", metavar="F")

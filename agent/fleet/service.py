@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
 from agent.fleet.admission import bounds
-from agent.fleet.database import device_models
+from agent.fleet.database import device_models, instance_name, leases
 from agent.fleet.database.store import Store
 from agent.fleet.deployments import deployment_runner
 from agent.fleet.mqtt_edge import FleetConnection
@@ -31,7 +31,9 @@ from agent.wire.topics import TopicInfo
 
 log = logging.getLogger("agent.fleet")
 
-LEASE_S = 30.0  # another instance takes a rollout over this long after its owner went silent
+# Another instance takes a rollout over this long after its owner went silent (the database's
+# clock; agent.fleet.database.leases); a restart under the same name takes its own back at once.
+LEASE_S = 6.0
 TICK_S = 0.5  # how often leases, controls, deadlines and the registry are looked at
 # The roll call (agent.fleet.admission.rollcall): at start, every ROLL_CALL_EVERY_S, and
 # BURST_QUIET_S after a burst of at least BURST_BIRTHS new devices (births the broker's queue may
@@ -55,10 +57,16 @@ class FleetService(object):
         self.signer = signer
         if signer is not None:  # the file's numbers stay a floor; the database hands them out
             signer.sequence = durable.DbSequence(store, mirror=signer.sequence)
-        self.instance = instance or "{}-{}".format(socket.gethostname(), os.getpid())
+        self.started = time.time()
+        self.lease_s = lease_s
+        # A stable name (agent.fleet.database.instance_name), taken only from a dead predecessor.
+        self.instance = instance_name.register(store, instance,
+                                               instance_name.stale_after(lease_s), self.started)
+        self.boot_id = instance_name.boot_id()
+        self.leases = leases.LeaseBook(leases.holder_token(self.instance), lease_s)
+        self.last_claim = 0.0
         self.only = set(only) if only is not None else None
         self.share_group = share_group
-        self.lease_s = lease_s
         self.rollouts: Dict[str, Rollout] = {}
         self.by_job: Dict[str, str] = {}  # job id -> rollout id
         self.server = BlockServer(self._publish_block, self.topics)
@@ -70,7 +78,6 @@ class FleetService(object):
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
         # device -> telemetry message, at each flush (agent.fleet.database.history keeps the series)
         self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
-        self.started = time.time()
         self.last_tick = 0.0
         # Artifacts of at least http_min_bytes are also offered at http_base/artifacts/SHA.
         self.http_base = http_base.rstrip("/") if http_base else None
@@ -79,7 +86,8 @@ class FleetService(object):
         # rollout id -> (actions, messages) from statuses not yet committed
         self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
         self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0,
-                      "telemetry_capped": 0, "telemetry_keys_dropped": 0}
+                      "telemetry_capped": 0, "telemetry_keys_dropped": 0, "fenced": 0,
+                      "suppressed": 0}
         # Engine sharing (fleet serve --share-engines): an agent.fleet.transfer.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
@@ -126,10 +134,37 @@ class FleetService(object):
                extra: Optional[Dict[str, Any]] = None,
                more: Sequence[durable.Message] = ()) -> None:
         msgs = durable.messages(self.topics, ro, actions) + list(more)
-        ids = durable.save(self.store, ro, msgs, extra)
+        rid = ro.rollout_id
+        began = time.monotonic()
+        try:  # written only under this process's lease and epoch (agent.fleet.database.leases)
+            ids = durable.save(self.store, ro, msgs, extra, fence=self.leases.fence(rid))
+        except leases.LeaseLost as exc:
+            self._lost(rid, "{}: nothing written, {} message(s) not published".format(
+                exc, len(msgs)), fenced=True)
+            return
+        self.leases.renewed(rid, began)
+        if not self._may_publish(rid, len(msgs)):
+            return
         self._send(ids, msgs)
         if self.on_change is not None:
             self.on_change(ro)
+
+    def _may_publish(self, rollout_id: str, count: int) -> bool:
+        """False (and the rollout let go) past the lease's publishing deadline: this process
+        was stopped long enough that another instance may hold the rollout now."""
+        if self.leases.may_publish(rollout_id):
+            return True
+        self.stats["suppressed"] += count
+        self._lost(rollout_id, "past its lease's deadline (this process was held up): {} "
+                   "message(s) not published; it stays in the outbox".format(count))
+        return False
+
+    def _lost(self, rollout_id: str, why: str, fenced: bool = False) -> None:
+        if fenced:
+            self.stats["fenced"] += 1
+        log.warning("rollout %s: let go by %s: %s", rollout_id, self.instance, why)
+        self._drop(rollout_id)
+        self.leases.forget(rollout_id)
 
     # -- rollouts -----------------------------------------------------------------------------
 
@@ -162,7 +197,10 @@ class FleetService(object):
         for job_id in ro.job_ids:
             self.by_job[job_id] = rollout_id
         # What a killed predecessor still owed the broker, then every unfinished document.
-        for oid, topic, payload, retain in self.store.outbox([rollout_id]):
+        owed = self.store.outbox([rollout_id])
+        if owed and not self._may_publish(rollout_id, len(owed)):
+            return
+        for oid, topic, payload, retain in owed:
             self._send([oid], [(topic, payload, retain)])
         # The devices' retained statuses of this rollout's jobs, now that it is known here:
         # answers that came while no service was running. Before anything was sent, statuses
@@ -184,6 +222,8 @@ class FleetService(object):
             if run.terminal and run.note.startswith("the device had already run job"):
                 more.append((self.topics.job_status(run.device, run.job_id), b"", True))
         self.commit(ro, actions, more=more)
+        if rollout_id not in self.rollouts:
+            return  # its lease went while it was being taken (the commit said so)
         log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,
                  ro.current + 1, len(ro.stages))
 
@@ -284,7 +324,8 @@ class FleetService(object):
         now = time.time()
         self._roll_call_due()
         self._admission_tick()
-        self.store.heartbeat(self.instance, os.getpid(), socket.gethostname(), self.started)
+        self.store.heartbeat(self.instance, os.getpid(), socket.gethostname(), self.started,
+                             self.boot_id)
         self._flush_devices()
         if self.share_group is not None:
             self._serve_all()
@@ -293,12 +334,20 @@ class FleetService(object):
                 self.deployments.tick()
             except AgentError as exc:
                 log.error("deployments: %s", exc)
-        mine = self.store.claim(self.instance, self.lease_s, now, self.only)
+        adopted = dict(self.leases.epochs)
+        mine = self._claim()
         for rid in list(self.rollouts):
-            if rid not in mine:
+            if mine.get(rid) != adopted.get(rid):  # taken over (and maybe back) since
+                if not self.rollouts[rid].done:
+                    log.warning("rollout %s: let go by %s: another instance holds its lease now",
+                                rid, self.instance)
                 self._drop(rid)
         for rid in mine:
             if rid not in self.rollouts:
+                if time.monotonic() - self.last_claim > self.lease_s / 3.0:
+                    mine = self._claim()  # adopting takes a while: the others' leases go on
+                    if rid not in mine:
+                        continue
                 try:
                     self._adopt(rid)
                 except AgentError as exc:
@@ -320,6 +369,15 @@ class FleetService(object):
                                               row["deadline"] - row["created"])))
             if ro.done:
                 self._drop(rid)
+
+    def _claim(self) -> Dict[str, int]:
+        """Renew this process's leases, take free and expired ones (agent.fleet.database.leases)."""
+        began = time.monotonic()
+        mine = leases.claim(self.store.db, self.instance, self.leases.holder, self.lease_s,
+                            self.only)
+        self.leases.claimed(mine, began)
+        self.last_claim = began
+        return mine
 
     def _control(self, ro: Rollout, control: str) -> None:
         if control == "pause":

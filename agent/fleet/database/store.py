@@ -342,12 +342,20 @@ class Store(object):
     def save_rollout(self, rollout_id: str, fields: Mapping[str, Any],
                      jobs: Mapping[str, Tuple[int, str, Mapping[str, Any]]],
                      history: Sequence[Sequence[Any]] = (),
-                     outbox: Sequence[Tuple[str, bytes, bool]] = ()) -> List[int]:
+                     outbox: Sequence[Tuple[str, bytes, bool]] = (),
+                     fence: Optional[Tuple[str, int, float]] = None) -> List[int]:
         """One atomic step of a rollout: its row, the changed jobs (device -> (stage, state,
-        data)), new history rows and the messages to publish. Returns the outbox ids."""
+        data)), new history rows and the messages to publish. Returns the outbox ids.
+        ``fence`` (holder, epoch, lease_s): written only while that holder still holds the
+        lease at that epoch (renewed here), else ``database.leases.LeaseLost`` and nothing
+        is written."""
+        from agent.fleet.database import leases
+
         now = time.time()
         ids: List[int] = []
         with self.db.transaction():
+            if fence is not None:
+                leases.fenced_renew(self.db, rollout_id, fence)
             if fields:
                 cols = sorted(fields)
                 self.db.execute("UPDATE rollouts SET {}, updated = ? WHERE rollout_id = ?".format(
@@ -363,14 +371,15 @@ class Store(object):
                 "ts, received) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 [tuple(h) + (now,) for h in history])
             for topic, payload, retain in outbox:
-                ids.append(self._outbox_insert(rollout_id, topic, payload, retain, now))
+                ids.append(self._outbox_insert(rollout_id, topic, payload, retain, now,
+                                               fence[1] if fence is not None else None))
         return ids
 
     def _outbox_insert(self, rollout_id: Optional[str], topic: str, payload: bytes,
-                       retain: bool, now: float) -> int:
-        sql = ("INSERT INTO outbox (rollout_id, topic, payload, retain, created) VALUES "
-               "(?, ?, ?, ?, ?)")
-        params = (rollout_id, topic, bytes(payload), 1 if retain else 0, now)
+                       retain: bool, now: float, epoch: Optional[int] = None) -> int:
+        sql = ("INSERT INTO outbox (rollout_id, topic, payload, retain, created, epoch) VALUES "
+               "(?, ?, ?, ?, ?, ?)")
+        params = (rollout_id, topic, bytes(payload), 1 if retain else 0, now, epoch)
         if self.dialect == "postgresql":
             return int(self.db.execute(sql + " RETURNING id", params).fetchone()[0])
         return int(self.db.execute(sql, params).lastrowid)
@@ -445,8 +454,12 @@ class Store(object):
     def claim(self, instance: str, lease_s: float, now: Optional[float] = None,
               only: Optional[Iterable[str]] = None) -> List[str]:
         """Take (or renew) the lease of every active rollout that is free, expired or ours
-        (``only``: of these ids). Returns the ids this instance drives now."""
-        now = time.time() if now is None else now
+        (``only``: of these ids). Returns the ids this instance drives now. ``now`` None: the
+        database's clock (a service uses ``database.leases.claim``, with fencing epochs)."""
+        if now is None:
+            from agent.fleet.database.leases import db_now
+
+            now = db_now(self.db)
         ids = None if only is None else sorted(only)
         if ids is not None and not ids:
             return []
@@ -462,19 +475,23 @@ class Store(object):
         return [r[0] for r in rows]
 
     def release(self, instance: str) -> None:
-        self.db.execute("UPDATE rollouts SET owner = NULL, lease_until = NULL WHERE owner = ?",
-                        (instance,))
+        self.db.execute("UPDATE rollouts SET owner = NULL, lease_until = NULL, lease_holder = "
+                        "NULL WHERE owner = ?", (instance,))
 
     def forget_service(self, instance: str) -> None:
         """An instance that stopped for good (an embedded rollout's) is no running service."""
         self.db.execute("DELETE FROM services WHERE instance = ?", (instance,))
 
-    def heartbeat(self, instance: str, pid: int, host: str, started: float) -> None:
-        self.db.execute("INSERT INTO services (instance, heartbeat, pid, host, started) VALUES "
-                        "(?, ?, ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET heartbeat = "
-                        "excluded.heartbeat, pid = excluded.pid, host = excluded.host, "
-                        "started = excluded.started",
-                        (instance, time.time(), pid, host, started))
+    def heartbeat(self, instance: str, pid: int, host: str, started: float,
+                  boot_id: Optional[str] = None) -> None:
+        """The service's row, its heartbeat on the database's clock (database.leases)."""
+        from agent.fleet.database.leases import now_sql
+
+        self.db.execute("INSERT INTO services (instance, heartbeat, pid, host, started, boot_id) "
+                        "VALUES (?, {}, ?, ?, ?, ?) ON CONFLICT (instance) DO UPDATE SET "
+                        "heartbeat = excluded.heartbeat, pid = excluded.pid, host = "
+                        "excluded.host, started = excluded.started, boot_id = excluded.boot_id"
+                        .format(now_sql(self.dialect)), (instance, pid, host, started, boot_id))
 
     def services(self, fresh_s: Optional[float] = None) -> List[Dict[str, Any]]:
         rows = self.db.query("SELECT instance, heartbeat, pid, host, started FROM services "

@@ -47,6 +47,8 @@ rollouts = sa.Table(
     sa.Column("created", DOUBLE), sa.Column("deadline", DOUBLE), sa.Column("updated", DOUBLE),
     sa.Column("finished", DOUBLE), sa.Column("owner", TEXT), sa.Column("lease_until", DOUBLE),
     sa.Column("control", TEXT),
+    # database.leases (revision 0004): the fencing epoch and the process holding the lease.
+    sa.Column("lease_epoch", sa.BigInteger), sa.Column("lease_holder", TEXT),
     sa.Index("rollouts_created", "created"))
 
 stages = sa.Table(
@@ -89,7 +91,7 @@ outbox = sa.Table(
     "outbox", metadata,
     _id(), sa.Column("rollout_id", TEXT), sa.Column("topic", TEXT, nullable=False),
     sa.Column("payload", sa.LargeBinary), sa.Column("retain", sa.Integer, nullable=False),
-    sa.Column("created", DOUBLE))
+    sa.Column("created", DOUBLE), sa.Column("epoch", sa.BigInteger))  # epoch: revision 0004
 
 device_models = sa.Table(
     "device_models", metadata,
@@ -110,7 +112,8 @@ rollbacks = sa.Table(
 services = sa.Table(
     "services", metadata,
     sa.Column("instance", TEXT, primary_key=True), sa.Column("heartbeat", DOUBLE),
-    sa.Column("pid", sa.Integer), sa.Column("host", TEXT), sa.Column("started", DOUBLE))
+    sa.Column("pid", sa.Integer), sa.Column("host", TEXT), sa.Column("started", DOUBLE),
+    sa.Column("boot_id", TEXT))  # boot_id: revision 0004 (agent.fleet.database.instance_name)
 
 # agent.fleet.database.history: one row per device sample (no key: rows are only appended and
 # pruned).

@@ -77,9 +77,10 @@ def state_of(ro: Rollout) -> str:
 
 
 def save(store: Store, ro: Rollout, out: Sequence[Message] = (),
-         extra: Optional[Dict[str, Any]] = None) -> List[int]:
+         extra: Optional[Dict[str, Any]] = None, fence: Any = None) -> List[int]:
     """Write the rollout row, the devices changed since the last save, the statuses accepted
-    and the messages to publish; returns their outbox ids."""
+    and the messages to publish; returns their outbox ids. ``fence``: as
+    ``Store.save_rollout``'s (agent.fleet.database.leases.LeaseLost: nothing was written)."""
     state = state_of(ro)
     fields: Dict[str, Any] = {"current_stage": ro.current, "halted": int(ro.halted),
                               "paused": int(ro.paused), "outcome": ro.final_outcome(),
@@ -90,7 +91,7 @@ def save(store: Store, ro: Rollout, out: Sequence[Message] = (),
     jobs = {d: (ro.runs[d].stage, ro.runs[d].state, ro.runs[d].to_dict())
             for d in sorted(ro.dirty) if d in ro.runs}
     history = [(ro.rollout_id,) + tuple(h) for h in ro.history]
-    ids = store.save_rollout(ro.rollout_id, fields, jobs, history, out)
+    ids = store.save_rollout(ro.rollout_id, fields, jobs, history, out, fence=fence)
     ro.dirty.clear()
     ro.history = []
     return ids
