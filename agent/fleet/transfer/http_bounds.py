@@ -29,6 +29,8 @@ log = logging.getLogger("agent.fleet")
 MAX_CONNECTIONS = 64
 HEAD_DEADLINE_S = 30.0  # from a connection's accept (or its previous answer) to its headers
 REQUEST_DEADLINE_S = 3600.0  # one request: body received and answer sent (a slow download)
+LINGER_S = 2.0  # after a TLS connection's last answer: what the client still sends is read...
+LINGER_BYTES = 8 << 20  # ... up to this much, then the connection is closed
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n"
          b"Connection: close\r\n\r\n")
 
@@ -122,6 +124,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             return
         try:
             self.RequestHandlerClass(conn, client_address, self)
+            _linger(conn)
         finally:
             self._forget(conn)
             try:
@@ -165,6 +168,26 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         else:
             log.warning("http %s: request failed: %s: %s", peer, type(exc).__name__, exc)
             log.debug("http %s: request failed", peer, exc_info=True)
+
+
+def _linger(conn: Any) -> None:
+    """Read what the client still sends (a refused upload's body), at most LINGER_BYTES within
+    LINGER_S, before the socket is closed: closing with unread input resets the connection,
+    and the client's copy of the answer (the refusal and why) with it."""
+    end = time.monotonic() + LINGER_S
+    left = LINGER_BYTES
+    try:
+        while left > 0:
+            wait = end - time.monotonic()
+            if wait <= 0:
+                return
+            conn.settimeout(wait)
+            data = conn.recv(min(left, 1 << 16))
+            if not data:
+                return
+            left -= len(data)
+    except (OSError, ValueError):
+        return
 
 
 class _Deadlines(object):

@@ -72,6 +72,7 @@ class HttpSource(object):
     def _upload(self, req: BaseHTTPRequestHandler) -> None:
         m = _SHARE.match(req.path)
         if m is None or self.shares is None or not self.shares.expects(m.group(1)):
+            req.close_connection = True  # its body is unread: never parse it as a request
             req.send_error(404, "no such share upload")
             return
         length = req.headers.get("Content-Length") or ""
