@@ -123,7 +123,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                 conn.close()
             return
         try:
-            self.RequestHandlerClass(conn, client_address, self)
+            self.RequestHandlerClass(conn, client_address, self)  # type: ignore[arg-type]
             _linger(conn)
         finally:
             self._forget(conn)

@@ -22,8 +22,9 @@ pre-provisioned keys list) and a real ``fleet serve``.
 
 Elsewhere: 10,000 of 10,000 devices with the shipped broker's queue limits
 (tests/integration/test_fleet_roll_call.py, simulated devices signing their births and
-admitted by keys), the unsigned rollout failing fast with its reason on an
-open broker (test_faults_registry.py), signed jobs forged, replayed or mis-targeted (test_faults_forged.py).
+admitted by keys), the unsigned rollout failing fast with its reason on an open broker
+(test_faults_registry.py), signed jobs forged, replayed or mis-targeted
+(test_faults_forged.py).
 """
 
 import hashlib
