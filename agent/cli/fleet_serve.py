@@ -224,6 +224,9 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     try:
         http = None
         base = None
+        if (args.http_tls_cert or args.http_tls_key) and not args.http:
+            raise AgentError("bad_argument", "--http-tls-cert/--http-tls-key need --http "
+                             "HOST:PORT (the server they are for); found no --http")
         if args.http:
             from agent.fleet.transfer.http_bounds import listen_address, server_tls_context
             from agent.fleet.transfer.http_source import HttpSource
