@@ -95,6 +95,9 @@ CODES = {
     "rejected or unknown): its messages are dropped, it is never targeted.",
     "upload_refused": "A shared-engine upload was refused: its token is unknown, expired or "
     "revoked, or it is not the engine its builder signed (size, hash, signature, format).",
+    "server_untrusted": "An HTTPS server (the fleet service's --http with --http-tls-cert) "
+    "presented a certificate that does not verify with the device's CA (transfer.http_ca_file, "
+    "else broker.tls.ca_file): artifacts come over MQTT instead, the engine is not offered.",
     "wrong_target": "A correctly signed job names another device (ignored: logged and counted).",
     "job_not_yet_valid": "The signed job's not-before time is in the future (check the clock).",
     "job_expired": "The signed job's expiry time has passed.",

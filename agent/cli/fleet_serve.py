@@ -225,12 +225,24 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     try:
         http = None
         base = None
+        if (args.http_tls_cert or args.http_tls_key) and not args.http:
+            raise AgentError("bad_argument", "--http-tls-cert/--http-tls-key need --http "
+                             "HOST:PORT (the server they are for); found no --http")
         if args.http:
-            from agent.fleet.transfer.http_bounds import listen_address
+            from agent.fleet.transfer.http_bounds import listen_address, server_tls_context
             from agent.fleet.transfer.http_source import HttpSource
 
-            host, port = listen_address(args.http, "--http")
+            tls = None
+            if bool(args.http_tls_cert) != bool(args.http_tls_key):
+                raise AgentError("bad_argument", "--http-tls-cert and --http-tls-key go "
+                                 "together; found only one of them")
+            if args.http_tls_cert:
+                tls = server_tls_context(args.http_tls_cert, args.http_tls_key)
+            host, port = listen_address(args.http, "--http", tls=tls is not None)
             base = args.http_url
+            if tls is not None and base and not base.startswith("https://"):
+                log.warning("--http-url %s is not an https:// URL while --http serves HTTPS: "
+                            "devices will fail to reach it", base)
         service = FleetService(store, conn, signer, instance=args.instance,
                                share_group=args.share_group, lease_s=args.lease,
                                http_base=None, http_min_bytes=args.http_min_bytes,
@@ -249,8 +261,10 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
             service.share_wait_s = float(args.share_wait)
         if args.http:
             http = HttpSource(host, int(port), service.server.files,
-                              shares=service.sharing).start()
-            service.http_base = (base or "http://{}:{}".format(host, http.port)).rstrip("/")
+                              shares=service.sharing, tls=tls).start()
+            service.http_base = (base or "{}://{}:{}".format(
+                http.scheme, "[{}]".format(host) if ":" in host else host, http.port)
+            ).rstrip("/")
             log.info("artifacts of %d bytes or more also at %s/artifacts/SHA256",
                      args.http_min_bytes, service.http_base)
         service.start()
@@ -365,7 +379,13 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    "HTTP (Range requests) on this address (:PORT: loopback only; devices need "
                    "an address they reach, e.g. 0.0.0.0:8470, with a warning)")
     s.add_argument("--http-url", metavar="URL", help="the base URL devices use to reach --http "
-                   "(default http://HOST:PORT; a reverse proxy with TLS, a CDN)")
+                   "(default http://HOST:PORT, https://HOST:PORT with --http-tls-cert; a "
+                   "reverse proxy with TLS, a CDN)")
+    s.add_argument("--http-tls-cert", metavar="FILE", help="with --http: serve HTTPS (TLS 1.2 "
+                   "or later) with this PEM certificate (chain); devices verify it with their "
+                   "transfer.http_ca_file or broker.tls.ca_file (docs/security.md)")
+    s.add_argument("--http-tls-key", metavar="FILE", help="the private key of --http-tls-cert "
+                   "(PEM)")
     s.add_argument("--http-min-bytes", type=int, default=1 << 20, metavar="N",
                    help="with --http: artifacts of at least N bytes carry the URL in their job "
                         "documents (default 1 MiB); smaller ones go over MQTT blocks only")

@@ -89,6 +89,9 @@ class TransferConfig:
     block_size: int = _f(128 * 1024, size=True, min=1024, max=1024 * 1024)
     window: int = _f(64, min=1, max=1024)  # blocks requested and not yet received
     timeout_s: float = _f(10.0, min=0.1)  # re-request blocks that did not come (doubles to 60 s)
+    # The CA that verifies HTTPS artifact URLs and the engine upload URL (fleet serve --http
+    # with --http-tls-cert). None: broker.tls.ca_file when set, else the system's CAs.
+    http_ca_file: Optional[str] = None
 
 
 @dataclasses.dataclass
@@ -305,7 +308,18 @@ def _finish(cfg: Config, base_dir: Optional[str], env: Mapping[str, str]) -> Con
                                        "(mutual TLS); found only one of them")
     if tls.ca_file or tls.cert_file:
         tls.enabled = True
+    http_ca = _resolve_secret_path(cfg.transfer.http_ca_file, base_dir, env)
+    if http_ca is not None and not os.access(http_ca, os.R_OK):
+        raise AgentError("bad_config", "transfer.http_ca_file names {}, which cannot be read"
+                         .format(http_ca))
+    cfg.transfer.http_ca_file = http_ca
     return cfg
+
+
+def http_ca_file(cfg: Config) -> Optional[str]:
+    """The CA file that verifies the fleet service's HTTPS server (artifacts, engine uploads):
+    transfer.http_ca_file, else broker.tls.ca_file, else None (the system's CAs)."""
+    return cfg.transfer.http_ca_file or cfg.broker.tls.ca_file or None
 
 
 def _finish_models(cfg: Config) -> None:

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Optional
 from agent import __version__
 from agent.device import app_requests, backend_check, handoff, state_lock
 from agent.device.artifact_downloads import ArtifactDownloads, reclaim_partials
-from agent.device.config import Config
+from agent.device.config import Config, http_ca_file
 from agent.device.daemon_state import DaemonState, ServiceStatus
 from agent.device.device_commands import DeviceCommands
 from agent.device.job_end import JobEnding
@@ -174,6 +174,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     fetcher = BlockFetcher(store, publish_request, topics, device, block_size=t.block_size,
                            window=t.window, timeout_s=t.timeout_s,
                            max_timeout_s=max(60.0, t.timeout_s))
+    fetcher.http_ca_file = http_ca_file(cfg)  # https:// artifact URLs
     b = cfg.broker
     tls = None
     if b.tls.enabled:

@@ -22,7 +22,7 @@ import time
 from typing import Any, Callable, Dict
 
 from agent.device import models_guard
-from agent.device.config import Config
+from agent.device.config import Config, http_ca_file
 from agent.device.daemon_state import DaemonState
 from agent.device.job_end import REJECT_CODES, JobEnding
 from agent.device.job_run import PROGRESS_EVERY_S, Run
@@ -133,6 +133,9 @@ class WorkerSupervisor:
                                        "sign-engine", self.cfg.security.device_key or
                                        default_key_path(self.cfg.source)]
             spec["share"]["engine_class"] = self.engine_class()
+            # An https:// upload URL is verified with the daemon's CA (transfer.http_ca_file,
+            # else broker.tls.ca_file; none: the system's CAs).
+            spec["share"]["ca_file"] = http_ca_file(self.cfg)
         # The job's builds never evict an engine a kept model version uses, and publish files
         # the app's group can read.
         spec.update(models_guard.worker_spec_fields(self.cfg.models_dir, self.cfg.models.group))

@@ -26,14 +26,17 @@ sees the container; docs/security.md, "A shared engine's trust chain"). The work
 only if the job has goldens, its key equals the key it computed itself, the engine
 deserializes (``backend.open``) and the job's full gate passes on every golden; anything else
 and it builds as before, saying why in the result's ``share`` field. The builder signs its
-offer through the daemon's interpreter (the key never enters the worker). Worker side:
-Python >= 3.6.
+offer through the daemon's interpreter (the key never enters the worker). An ``https://``
+upload URL is verified with the CA the daemon gives in the job spec (``share.ca_file``: its
+``transfer.http_ca_file`` or ``broker.tls.ca_file``); a server that does not verify gets
+nothing (``server_untrusted`` in the result's reason). Worker side: Python >= 3.6.
 """
 
 import json
 import logging
 import os
 import shutil
+import ssl
 import subprocess
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
@@ -204,15 +207,25 @@ def adopt(container: str, key: str, cache: Any, backend: Any) -> Tuple[Optional[
     return entry, ""
 
 
+def _untrusted(exc: BaseException) -> bool:
+    """A server certificate that did not verify (maybe inside a URLError); Python 3.6 has no
+    SSLCertVerificationError."""
+    reason = getattr(exc, "reason", exc)
+    return isinstance(reason, ssl.CertificateError) or (
+        isinstance(reason, ssl.SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(reason))
+
+
 def offer(url: str, engine_key: str, engine_path: str, info: Dict[str, Any], device: str,
           work_dir: str, calibration_cache: Optional[str] = None,
           timeout: float = OFFER_TIMEOUT_S, signer: Optional[List[str]] = None,
-          job_id: str = "", engine_class: Any = None) -> Dict[str, Any]:
+          job_id: str = "", engine_class: Any = None,
+          ca_file: Optional[str] = None) -> Dict[str, Any]:
     """Upload this device's engine to the fleet service (HTTP PUT of the container to the
     upload ``url`` its job document gave), signed with the device key: ``signer`` is the
     command (the daemon's interpreter, ``agent.wire.device_identity sign-engine KEY``) that
     signs the statement {device, job_id, sha256, size, engine_class} given on its stdin; the
-    service stores only the engine that statement names. What the job result says about it.
+    service stores only the engine that statement names. ``ca_file``: the CA an ``https://``
+    ``url`` is verified with (None: the system's CAs). What the job result says about it.
     Never fails the job: an offer that does not arrive only means the others build."""
     from urllib.request import Request, urlopen
 
@@ -239,10 +252,22 @@ def offer(url: str, engine_key: str, engine_path: str, info: Dict[str, Any], dev
                 "Content-Length": str(size), "Content-Type": "application/octet-stream",
                 "X-Content-Sha256": sha,
                 "X-Engine-Signature": signed.stdout.decode("ascii").strip()})
-            with urlopen(req, timeout=timeout) as resp:  # noqa: S310 - url is signed
+            context = ssl.create_default_context(cafile=ca_file) \
+                if url.startswith("https://") else None
+            with urlopen(req, timeout=timeout,  # noqa: S310 - url is signed
+                         context=context) as resp:
                 resp.read(4096)
         return {"offered": True, "sha256": sha, "size": size}
     except Exception as exc:  # noqa: BLE001 - the job succeeded anyway
+        if _untrusted(exc):
+            reason = ("[server_untrusted] the fleet service's HTTPS certificate does not verify "
+                      "with {}: {} (set transfer.http_ca_file, or broker.tls.ca_file, to the CA "
+                      "of its --http-tls-cert)".format(
+                          "CA file " + ca_file if ca_file else "the system's CAs",
+                          getattr(exc, "reason", exc)))
+            log.warning("engine %s not offered to the fleet: %s", engine_key[:16], reason)
+            return {"offered": False, "code": "server_untrusted",
+                    "reason": "offer failed: {}".format(reason[:400])}
         log.warning("engine %s not offered to the fleet: %s", engine_key[:16], exc)
         return {"offered": False, "reason": "offer failed: {}".format(str(exc)[:200])}
     finally:

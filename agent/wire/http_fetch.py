@@ -6,13 +6,19 @@ checks each block against the signed per-block hashes (when the job carries them
 it through ``BlockFetcher.on_block``. The artifact's last block goes through the daemon's own
 event queue (``fetcher.inject``) so that completion is handled on its main loop like any
 block. Any failure (unreachable, a wrong length, junk) hands the artifact back to MQTT blocks.
+
+An ``https://`` URL is verified with the fetcher's ``http_ca_file`` (the daemon's
+``transfer.http_ca_file``, else ``broker.tls.ca_file``, else the system's CAs): a server whose
+certificate does not verify is refused (``server_untrusted`` in the log, with the CA file and
+what to check) and the artifact comes over MQTT blocks.
 """
 
 import hashlib
 import logging
+import ssl
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import Any, Optional
 
 from agent.errors import AgentError
 from agent.wire import protocol
@@ -23,11 +29,37 @@ TIMEOUT_S = 30.0
 MAX_BAD_BLOCKS = 16
 
 
-def _get_range(url: str, start: int, end: int, size: int) -> bytes:
+def tls_context(url: str, ca_file: Optional[str]) -> Optional[ssl.SSLContext]:
+    """The client context an ``https://`` URL is fetched with (None for ``http://``)."""
+    if not url.startswith("https://"):
+        return None
+    return ssl.create_default_context(cafile=ca_file)
+
+
+def untrusted(exc: BaseException) -> bool:
+    """Whether ``exc`` (maybe a URLError around it) is a server certificate that did not
+    verify (an unknown CA, an expired certificate, another host name)."""
+    reason = getattr(exc, "reason", exc)
+    return isinstance(reason, ssl.CertificateError) or (
+        isinstance(reason, ssl.SSLError) and "CERTIFICATE_VERIFY_FAILED" in str(reason))
+
+
+def untrusted_message(url: str, ca_file: Optional[str], exc: BaseException) -> str:
+    return ("[server_untrusted] the HTTPS server of {} presented a certificate that does not "
+            "verify with {}: {} (expected a certificate signed by that CA for this host: set "
+            "transfer.http_ca_file, or broker.tls.ca_file, to the CA of the fleet service's "
+            "--http-tls-cert)".format(url, "CA file " + ca_file if ca_file else
+                                      "the system's CAs (no transfer.http_ca_file or "
+                                      "broker.tls.ca_file)", getattr(exc, "reason", exc)))
+
+
+def _get_range(url: str, start: int, end: int, size: int,
+               context: Optional[ssl.SSLContext] = None) -> bytes:
     req = urllib.request.Request(url, headers={"Range": "bytes={}-{}".format(start, end),
                                                "User-Agent": "jetson-agent"})
     want = end - start + 1
-    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:  # noqa: S310 - http(s) only
+    with urllib.request.urlopen(req, timeout=TIMEOUT_S,  # noqa: S310 - http(s) only
+                                context=context) as resp:
         status = resp.status
         if status != 206 and not (status == 200 and start == 0 and want == size):
             raise ValueError("expected 206 Partial Content for bytes {}-{}, found {}".format(
@@ -41,15 +73,22 @@ def _get_range(url: str, start: int, end: int, size: int) -> bytes:
 
 def run(fetcher: Any, sha256: str, fetch: Any, url: str) -> None:
     """The body of one artifact's HTTP thread."""
+    ca_file = getattr(fetcher, "http_ca_file", None)
     try:
-        _run(fetcher, sha256, fetch, url)
+        _run(fetcher, sha256, fetch, url, tls_context(url, ca_file))
     except (OSError, ValueError, AgentError, urllib.error.URLError) as exc:
+        if untrusted(exc):
+            log.warning("HTTPS fetch of artifact %s refused: %s; fetching its blocks over MQTT",
+                        sha256, untrusted_message(url, ca_file, exc))
+            fetcher._http_failed(sha256, fetch)
+            return
         log.warning("HTTP fetch of artifact %s from %s failed (%s); fetching its blocks over "
                     "MQTT", sha256, url, exc)
         fetcher._http_failed(sha256, fetch)
 
 
-def _run(fetcher: Any, sha256: str, fetch: Any, url: str) -> None:
+def _run(fetcher: Any, sha256: str, fetch: Any, url: str,
+         context: Optional[ssl.SSLContext] = None) -> None:
     transfer = fetch.transfer
     bs, size = transfer.block_size, transfer.size
     while True:
@@ -66,7 +105,7 @@ def _run(fetcher: Any, sha256: str, fetch: Any, url: str) -> None:
             if i != last + 1:
                 break
             last = i
-        data = _get_range(url, first * bs, min(size, (last + 1) * bs) - 1, size)
+        data = _get_range(url, first * bs, min(size, (last + 1) * bs) - 1, size, context)
         for i in range(first, last + 1):
             off = (i - first) * bs
             block = data[off:off + protocol.block_length(size, bs, i)]

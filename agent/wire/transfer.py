@@ -98,6 +98,8 @@ class BlockFetcher(object):
         self.subscribe: Optional[Callable[..., Any]] = None
         self.unsubscribe: Optional[Callable[[str], Any]] = None
         self.http_completed: List[Tuple[str, str]] = []
+        # The CA file https:// artifact URLs are verified with (None: the system's CAs).
+        self.http_ca_file: Optional[str] = None
         self._lock = threading.RLock()
         self.bad_blocks = 0  # blocks dropped because they did not match their hash
 

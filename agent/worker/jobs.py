@@ -218,4 +218,5 @@ def engine_share_offer(url: str, record: Any, info: Dict[str, Any], job: JobCont
                               str(job.spec.get("device") or ""), job.spec["work_dir"],
                               calibration_cache=calib if isinstance(calib, str) else None,
                               signer=share.get("signer"), job_id=str(job.spec.get("job_id")),
-                              engine_class=share.get("engine_class"))
+                              engine_class=share.get("engine_class"),
+                              ca_file=share.get("ca_file"))

@@ -2,8 +2,10 @@
 limits (systemd/mosquitto/jetson-fleet.conf: ``max_queued_messages 1000``), 10,000 simulated
 devices (scripts/simulate_devices.py) are all known to a service started after their births
 and to one running during the burst; the wildcard subscription alone knows about 1,100 of
-them (the limit is real here). Devices of the previous release (no roll-call entry) are still
-learnt the old way."""
+them (the limit is real here). The same with device identity on: 10,000 devices each with its
+own key, signing its birth (``SimulatedFleet(identity=True)``), all admitted by the service's
+``keys`` policy (the pre-provisioned list, as from manufacturing) and registered. Devices of
+the previous release (no roll-call entry) are still learnt the old way."""
 
 import os
 import re
@@ -12,6 +14,7 @@ import time
 
 import pytest
 
+from agent.fleet.admission.admission import Admission, load_keys_file
 from agent.fleet.database.store import Store
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.service import FleetService
@@ -66,10 +69,13 @@ def births(fleet):
     info.wait_for_publish(60)
 
 
-def service_on(broker, tmp_path):
+def service_on(broker, tmp_path, keys_file=None):
+    """A service on ``broker``; ``keys_file``: admitting by that keys list (device identity)."""
     conn = FleetConnection(broker.url).connect()
     store = Store("sqlite:///" + str(tmp_path / "fleet.db"))
-    return FleetService(store, conn, instance="rollcall-test"), store, conn
+    admission = Admission(store, "keys", load_keys_file(keys_file), keys_path=keys_file) \
+        if keys_file else None
+    return FleetService(store, conn, instance="rollcall-test", admission=admission), store, conn
 
 
 def wildcard_only(broker):
@@ -98,6 +104,39 @@ def test_a_service_started_after_10000_births_knows_them_all(shipped_broker, tmp
             assert stats["entries"] == COUNT
             print("service start with {} devices: {:.1f} s, roll call {}".format(
                 COUNT, took, stats))
+        finally:
+            conn.close()
+    finally:
+        fleet.stop()
+
+
+@pytest.mark.slow
+def test_10000_devices_with_identity_are_all_admitted_and_registered(shipped_broker, tmp_path):
+    """Device identity on: every birth signed by its device's key, the service admitting by
+    the keys list. Births before the service starts, so the roll call is what finds them."""
+    fleet = SimulatedFleet(shipped_broker.host, shipped_broker.port, COUNT, name="id",
+                           identity=True)
+    keys_file = fleet.write_keys(str(tmp_path / "admission-keys"))
+    births(fleet)
+    try:
+        service, store, conn = service_on(shipped_broker, tmp_path, keys_file)
+        try:
+            t0 = time.monotonic()
+            service.start()
+            deadline = time.monotonic() + 120
+            while len(store.devices()) < COUNT and time.monotonic() < deadline:
+                service.step()
+            service.step()
+            service._flush_devices()
+            took = time.monotonic() - t0
+            rows = store.device_keys()
+            admitted = [d for d, r in rows.items() if r["state"] == "admitted"]
+            stats = conn.last_roll_call.stats if conn.last_roll_call else None
+            assert len(admitted) == COUNT, (len(admitted), service.admission.counters, stats)
+            assert sorted(d["device"] for d in store.devices()) == fleet.devices, stats
+            assert service.admission.counters["bad_signature"] == 0
+            print("service start with {} signed births, admitted by keys: {:.1f} s, roll call "
+                  "{}, drops {}".format(COUNT, took, stats, service.admission.counters))
         finally:
             conn.close()
     finally:

@@ -125,3 +125,59 @@ def test_one_build_two_adoptions_then_a_tampered_engine_falls_back(
         service.kill()
     for agent in agents + fresh:
         agent.assert_store_sound()
+
+
+def test_sharing_over_https_and_a_device_without_the_ca(mosquitto, agent_factory, tmp_path):
+    """``fleet serve --http ... --http-tls-cert/--http-tls-key --share-engines``: the job
+    documents carry https:// URLs; devices given the CA (``transfer.http_ca_file``) fetch their
+    artifacts over HTTPS and the builder uploads its engine over HTTPS, which the other
+    adopts; a device without the CA refuses the server (``server_untrusted``): its artifacts
+    come over MQTT blocks and, as a builder, its engine is not offered."""
+    from tests.integration.pki import Pki
+
+    pki = Pki(tmp_path / "pki")
+    cert, key = pki.server("fleet-http")
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    with_ca = "transfer:\n  http_ca_file: {}\n".format(pki.ca_file)
+    agents = [agent_factory(n, extra_config=with_ca).start() for n in ("tls-a", "tls-b")]
+    blind = agent_factory("tls-0").start()  # no CA (and no broker TLS): the system's CAs
+    names = ["tls-a", "tls-b", "tls-0"]
+    wait_status(mosquitto, names, agents=agents + [blind])
+    service = Service(mosquitto, db, tmp_path)
+    service.args += ["--http", "127.0.0.1:0", "--http-tls-cert", cert, "--http-tls-key", key,
+                     "--http-min-bytes", "1", "--share-engines", "--share-wait", "90"]
+    service.start()
+    try:
+        wait_registered(db, names, service)
+        out = fleet_cli(["rollout"] + fp16_args() + ["--devices", "tls-a", "tls-b",
+                                                     "--rollout-id", "ro-tls", "--db", db,
+                                                     "--submit", "--json"], timeout=180)
+        assert out.returncode == 0, out.stderr + service.tail()
+        rows = {r["device"]: r for r in json.loads(out.stdout)["devices"]}
+        assert all(r["state"] == "SUCCEEDED" for r in rows.values()), rows
+        assert {d: r["share"]["mode"] for d, r in rows.items()} == {
+            "tls-a": "built", "tls-b": "adopted"}, rows
+        assert rows["tls-a"]["share"]["offered"] is True, rows
+        for agent in agents:
+            assert "over HTTP from https://127.0.0.1:" in agent.log_tail(40000)
+        assert "server_untrusted" not in agents[0].log_tail(40000) + agents[1].log_tail(40000)
+
+        # The device without the CA, alone in its rollout: its class's builder.
+        out = fleet_cli(["rollout"] + fp16_args() + ["--devices", "tls-0", "--rollout-id",
+                                                     "ro-blind", "--db", db, "--submit",
+                                                     "--json"], timeout=180)
+        assert out.returncode == 0, out.stderr + service.tail()
+        row = json.loads(out.stdout)["devices"][0]
+        assert row["state"] == "SUCCEEDED", row
+        assert row["share"]["offered"] is False, row
+        assert "[server_untrusted]" in row["share"]["reason"], row
+        log = blind.log_tail(60000)
+        assert "HTTPS fetch of artifact" in log and "[server_untrusted]" in log, log[-3000:]
+        assert "CERTIFICATE_VERIFY_FAILED" in log and "fetching its blocks over MQTT" in log
+        tail = service.tail(200000)
+        assert "TLS handshake failed" in tail and "does not trust this certificate" in tail
+        assert "Traceback" not in tail, tail[-3000:]
+    finally:
+        service.kill()
+    for agent in agents + [blind]:
+        agent.assert_store_sound()

@@ -96,3 +96,90 @@ def test_a_junk_or_dead_source_hands_over_to_mqtt_blocks(env, tmp_path):
         time.sleep(0.05)
         assert time.monotonic() < deadline
     assert env.completed[-1][0] == sha2
+
+
+def _until(predicate, what, timeout=20):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_https_verified_with_the_device_ca_and_refused_without_it(env, tmp_path, caplog):
+    """``--http-tls-cert/--http-tls-key``: the same store over HTTPS (TLS 1.2+). A device
+    with the CA fetches over HTTPS; one without it refuses the server (``server_untrusted``,
+    MQTT blocks take over) and the server logs the failed handshake in one line; a plain HTTP
+    request on the HTTPS port is one line too; an engine upload without the CA is not sent."""
+    import logging
+    import ssl
+    import sys
+    import urllib.error
+
+    from agent.engines import share as engine_share
+    from agent.fleet.transfer.http_bounds import server_tls_context
+    from tests.integration.pki import Pki
+
+    caplog.set_level(logging.INFO)
+    pki = Pki(tmp_path / "pki")
+    cert, key = pki.server("fleet-http")
+    data = blob(6 * BS)
+    sha, blocks = serve_with_hashes(env, tmp_path, data)
+    http = HttpSource("127.0.0.1", 0, env.server.files, tls=server_tls_context(cert, key))
+    http.start()
+    try:
+        assert http.scheme == "https"
+        url = "https://127.0.0.1:{}/artifacts/{}".format(http.port, sha)
+        ctx = ssl.create_default_context(cafile=pki.ca_file)
+        req = urllib.request.Request(url, headers={"Range": "bytes=0-9"})
+        with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
+            assert resp.status == 206 and resp.read() == data[:10]
+        assert http.httpd.tls.minimum_version == ssl.TLSVersion.TLSv1_2
+        before = http.httpd.handshake_failures
+        try:  # plain HTTP on the HTTPS port
+            urllib.request.urlopen(url.replace("https://", "http://"), timeout=10)
+        except (urllib.error.URLError, OSError, ValueError):
+            pass
+        _until(lambda: http.httpd.handshake_failures > before, "no handshake failure counted")
+
+        # A device without the CA: refused, MQTT blocks take over.
+        before = http.httpd.handshake_failures
+        env.fetcher.http_ca_file = None
+        assert env.fetcher.want(sha, len(data), "j1", blocks=blocks, url=url) is None
+        deadline = time.monotonic() + 20
+        while not env.completed:
+            env.pump()
+            env.clock.now += 6.0
+            env.fetcher.tick()
+            time.sleep(0.05)
+            assert time.monotonic() < deadline
+        with open(env.store.path(sha), "rb") as f:
+            assert f.read() == data
+        assert [r for r in env.requests if r["sha256"] == sha]  # MQTT took over
+        refused = [r.getMessage() for r in caplog.records if "server_untrusted" in
+                   r.getMessage()]
+        assert len(refused) == 1 and "CERTIFICATE_VERIFY_FAILED" in refused[0], refused
+        assert "the system's CAs" in refused[0] and "transfer.http_ca_file" in refused[0]
+        _until(lambda: http.httpd.handshake_failures > before, "no handshake failure counted")
+        lines = [r.getMessage() for r in caplog.records if "TLS handshake failed" in
+                 r.getMessage()]
+        assert any("HTTP_REQUEST" in ln and "https:// URL" in ln for ln in lines), lines
+        assert any("does not trust this certificate" in ln for ln in lines), lines
+        assert all(r.exc_info is None for r in caplog.records)  # lines, not tracebacks
+
+        # The engine upload: without the CA nothing is sent; with it the server answers
+        # (404 here: no upload is expected at this URL).
+        engine = tmp_path / "engine"
+        engine.write_bytes(b"engine bytes " * 100)
+        signer = [sys.executable, "-c", "print('c2lnbmF0dXJl')"]
+        share_url = "https://127.0.0.1:{}/shares/{}".format(http.port, "0" * 32)
+        work = tmp_path / "work"
+        work.mkdir()
+        out = engine_share.offer(share_url, "k" * 64, str(engine), {}, "dev-1", str(work),
+                                 signer=signer, job_id="j1")
+        assert out["offered"] is False and out["code"] == "server_untrusted", out
+        assert "[server_untrusted]" in out["reason"], out
+        out = engine_share.offer(share_url, "k" * 64, str(engine), {}, "dev-1", str(work),
+                                 signer=signer, job_id="j1", ca_file=pki.ca_file)
+        assert out["offered"] is False and "code" not in out and "404" in out["reason"], out
+    finally:
+        http.stop()

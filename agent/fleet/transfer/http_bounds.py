@@ -5,16 +5,22 @@ request line and headers within ``HEAD_DEADLINE_S``, a whole request with its bo
 within ``REQUEST_DEADLINE_S``: a client trickling one byte per receive deadline is cut), and a
 client that resets or times out is one log line, not a traceback. Half-sent requests can hold a
 slot for one deadline, never the service's threads or memory. ``listen_address`` reads
-``--http`` / ``--dashboard``: loopback unless an address is given, a warning when it is not."""
+``--http`` / ``--dashboard``: loopback unless an address is given, a warning when it is not.
+
+TLS (``--http-tls-cert`` / ``--http-tls-key``, ``server_tls_context``): each accepted socket is
+wrapped in the connection's own thread, its handshake within the head deadline, so a client
+that stalls or fails its handshake holds one slot for one deadline, never the accept loop; a
+failed handshake is one log line (with what to check), counted in ``handshake_failures``."""
 
 import ipaddress
 import logging
 import socket
+import ssl
 import sys
 import threading
 import time
 from http.server import ThreadingHTTPServer
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 from agent.errors import AgentError
 
@@ -23,6 +29,8 @@ log = logging.getLogger("agent.fleet")
 MAX_CONNECTIONS = 64
 HEAD_DEADLINE_S = 30.0  # from a connection's accept (or its previous answer) to its headers
 REQUEST_DEADLINE_S = 3600.0  # one request: body received and answer sent (a slow download)
+LINGER_S = 2.0  # after a TLS connection's last answer: what the client still sends is read...
+LINGER_BYTES = 8 << 20  # ... up to this much, then the connection is closed
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n"
          b"Connection: close\r\n\r\n")
 
@@ -33,7 +41,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
     def __init__(self, address: Tuple[str, int], handler: Any,
                  max_connections: int = MAX_CONNECTIONS, head_deadline_s: float = HEAD_DEADLINE_S,
-                 request_deadline_s: float = REQUEST_DEADLINE_S) -> None:
+                 request_deadline_s: float = REQUEST_DEADLINE_S,
+                 tls: Optional[ssl.SSLContext] = None) -> None:
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, type(handler.__name__, (_Deadlines, handler), {}))
@@ -45,6 +54,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self._deadlines: Dict[Any, float] = {}  # socket -> when it is cut
         self._lock = threading.Lock()
         self._watchdog: Any = None
+        self.tls = tls  # a server-side context: HTTPS
+        self.handshake_failures = 0
 
     def arm(self, sock: Any, seconds: float) -> None:
         """Cut ``sock`` in ``seconds`` unless armed again or done before."""
@@ -69,8 +80,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                     log.warning("http: %d connections cut at their deadline so far (headers "
                                 "within %.0f s, a request within %.0f s)", self.cut,
                                 self.head_deadline_s, self.request_deadline_s)
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
+                try:  # the plain socket's shutdown, also under TLS (the reader sees EOF)
+                    socket.socket.shutdown(sock, socket.SHUT_RDWR)
                 except OSError:
                     pass
 
@@ -80,9 +91,10 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
                 log.warning("http: %d connections refused so far: all %s slots busy",
                             self.refused, self._slots._initial_value)  # type: ignore[attr-defined]
-            try:
-                request.settimeout(1.0)
-                request.sendall(_BUSY)
+            try:  # (a TLS client could not read a plain answer: it is only closed)
+                if self.tls is None:
+                    request.settimeout(1.0)
+                    request.sendall(_BUSY)
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -92,6 +104,53 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         except BaseException:
             self._slots.release()
             raise
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        conn = None
+        try:
+            conn = self.tls.wrap_socket(request, server_side=True,
+                                        do_handshake_on_connect=False)
+            self.arm(conn, self.head_deadline_s)
+            conn.settimeout(self.head_deadline_s)
+            conn.do_handshake()
+        except (ssl.SSLError, OSError) as exc:
+            self._handshake_failed(client_address, exc)
+            if conn is not None:
+                self._forget(conn)
+                conn.close()
+            return
+        try:
+            self.RequestHandlerClass(conn, client_address, self)  # type: ignore[arg-type]
+            _linger(conn)
+        finally:
+            self._forget(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def _forget(self, sock: Any) -> None:
+        with self._lock:
+            self._deadlines.pop(sock, None)
+
+    def _handshake_failed(self, client_address: Any, exc: BaseException) -> None:
+        self.handshake_failures += 1
+        n = self.handshake_failures
+        if n <= 10 or n in (100, 1000) or n % 10000 == 0:
+            text = str(exc)
+            hint = ""
+            if "UNKNOWN_CA" in text or "BAD_CERTIFICATE" in text or \
+                    "CERTIFICATE_UNKNOWN" in text:
+                hint = " (the client does not trust this certificate: give it the CA that " \
+                       "signed it, e.g. the device's transfer.http_ca_file)"
+            elif "HTTP_REQUEST" in text:
+                hint = " (a plain HTTP request on the HTTPS port: use the https:// URL)"
+            log.warning("http %s: TLS handshake failed: %s: %s%s (%d so far)",
+                        client_address[0] if client_address else "?", type(exc).__name__,
+                        text, hint, n)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
@@ -111,6 +170,26 @@ class BoundedHTTPServer(ThreadingHTTPServer):
             log.debug("http %s: request failed", peer, exc_info=True)
 
 
+def _linger(conn: Any) -> None:
+    """Read what the client still sends (a refused upload's body), at most LINGER_BYTES within
+    LINGER_S, before the socket is closed: closing with unread input resets the connection,
+    and the client's copy of the answer (the refusal and why) with it."""
+    end = time.monotonic() + LINGER_S
+    left = LINGER_BYTES
+    try:
+        while left > 0:
+            wait = end - time.monotonic()
+            if wait <= 0:
+                return
+            conn.settimeout(wait)
+            data = conn.recv(min(left, 1 << 16))
+            if not data:
+                return
+            left -= len(data)
+    except (OSError, ValueError):
+        return
+
+
 class _Deadlines(object):
     """Mixed into each server's handler: the head deadline before every request line, the
     request deadline once the headers are in."""
@@ -125,6 +204,20 @@ class _Deadlines(object):
         return bool(ok)
 
 
+def server_tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """The server side of ``--http-tls-cert`` / ``--http-tls-key``: TLS 1.2 or later, the
+    certificate (chain) and its key in PEM. AgentError bad_argument when they do not load."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        ctx.load_cert_chain(cert_file, key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise AgentError("bad_argument", "--http-tls-cert/--http-tls-key expected a PEM "
+                         "certificate and its private key, found {} / {}: {}".format(
+                             cert_file, key_file, exc))
+    return ctx
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -134,11 +227,11 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def listen_address(text: str, flag: str) -> Tuple[str, int]:
+def listen_address(text: str, flag: str, tls: bool = False) -> Tuple[str, int]:
     """``HOST:PORT`` of ``--http`` / ``--dashboard``: ``:PORT`` (no host) listens on loopback
     (127.0.0.1) only; an address that is not loopback (``0.0.0.0:8470``, a LAN address) is
-    honoured with a warning, as these servers have no TLS of their own. AgentError
-    bad_argument."""
+    honoured with a warning when the server speaks plain HTTP (``tls``: it serves HTTPS, no
+    warning). AgentError bad_argument."""
     host, sep, port = (text or "").rpartition(":")
     try:
         number = int(port)
@@ -148,7 +241,7 @@ def listen_address(text: str, flag: str) -> Tuple[str, int]:
         raise AgentError("bad_argument", "{} expects HOST:PORT or :PORT (e.g. 127.0.0.1:8470), "
                          "found {!r}".format(flag, text))
     host = host.strip("[]") or "127.0.0.1"
-    if not is_loopback(host):
+    if not is_loopback(host) and not tls:
         log.warning("%s %s: listening on a non-loopback address, reachable from the network "
                     "(plain HTTP; ':PORT' alone means loopback only; put a TLS reverse proxy in "
                     "front, docs/security.md 'HTTP servers')", flag, text)

@@ -1,8 +1,11 @@
 """The service's content-addressed store over HTTP: ``GET /artifacts/<sha256>`` with single
 ``Range: bytes=A-B`` requests (206) so that devices resume where they stopped; devices check
 every block against the signed per-block hashes and the whole file against its sha256, so
-the transport needs no trust (put TLS in front with a reverse proxy, or use any HTTPS URL of a
-CDN or object store in the job document instead).
+the transport needs no trust for artifacts. ``tls`` (a server-side ``ssl.SSLContext``,
+``fleet serve --http-tls-cert/--http-tls-key``) serves HTTPS: the builders' engine uploads
+and the artifacts are then private on the network, and devices verify the server with their CA
+(``transfer.http_ca_file`` or ``broker.tls.ca_file``). Or put TLS in front with a reverse proxy,
+or use any HTTPS URL of a CDN or object store in the job document instead.
 
 ``files`` is a callable returning sha256 -> (path, size): the BlockServer's table.
 ``shares`` (engine sharing): an ``agent.fleet.transfer.sharing.ShareBoard`` taking ``PUT
@@ -26,7 +29,8 @@ CHUNK = 1 << 16
 
 class HttpSource(object):
     def __init__(self, host: str, port: int,
-                 files: Callable[[], Dict[str, Tuple[str, int]]], shares: Any = None) -> None:
+                 files: Callable[[], Dict[str, Tuple[str, int]]], shares: Any = None,
+                 tls: Any = None) -> None:
         self.files = files
         self.shares = shares
         source = self
@@ -47,7 +51,8 @@ class HttpSource(object):
             def do_PUT(self) -> None:
                 source._upload(self)
 
-        self.httpd = BoundedHTTPServer((host, port), Handler)
+        self.httpd = BoundedHTTPServer((host, port), Handler, tls=tls)
+        self.scheme = "https" if tls is not None else "http"
         self.thread: Optional[threading.Thread] = None
 
     @property
@@ -67,6 +72,7 @@ class HttpSource(object):
     def _upload(self, req: BaseHTTPRequestHandler) -> None:
         m = _SHARE.match(req.path)
         if m is None or self.shares is None or not self.shares.expects(m.group(1)):
+            req.close_connection = True  # its body is unread: never parse it as a request
             req.send_error(404, "no such share upload")
             return
         length = req.headers.get("Content-Length") or ""

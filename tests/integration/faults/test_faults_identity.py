@@ -16,10 +16,15 @@ pre-provisioned keys list) and a real ``fleet serve``.
   leave 0 devices in the registry, the pending list within its bound, and ``/metrics`` within
   +10 % of its size, scraped in under 1 s.
 
+- An unsigned rollout to a device that requires signed jobs fails at once with
+  ``signing_required`` and the fix, on the shipped TLS+ACL broker (the open broker's case:
+  test_faults_registry.py).
+
 Elsewhere: 10,000 of 10,000 devices with the shipped broker's queue limits
 (tests/integration/test_fleet_roll_call.py, simulated devices signing their births and
-admitted by keys), the unsigned rollout failing fast with its reason
-(test_faults_registry.py), signed jobs forged, replayed or mis-targeted (test_faults_forged.py).
+admitted by keys), the unsigned rollout failing fast with its reason on an open broker
+(test_faults_registry.py), signed jobs forged, replayed or mis-targeted
+(test_faults_forged.py).
 """
 
 import hashlib
@@ -87,13 +92,13 @@ class Arena(object):
         path.write_text(self.users[user] + "\n")
         return str(path)
 
-    def agent(self, device):
+    def agent(self, device, security=None):
         extra = "" if self.kind == "open" else (
             "  username: {}\n  password_file: {}\n  tls:\n    ca_file: {}\n".format(
                 device, self._secret(device), self.broker.pki.ca_file))
         workdir = self.dir / ("agent-" + device)
         workdir.mkdir(exist_ok=True)
-        return AgentProcess(self.broker, workdir, device, broker_extra=extra)
+        return AgentProcess(self.broker, workdir, device, broker_extra=extra, security=security)
 
     def client(self, user, subscribe=()):
         """An MQTT v5 client: anonymous on the open broker, ``user``'s account on the ACL one."""
@@ -449,3 +454,48 @@ def pending_has(db, device):
         return bool((store.device_keys().get(device) or {}).get("pending_key_id"))
     finally:
         store.close()
+
+
+def retained_birth(arena, user, device, timeout):
+    """``device``'s retained status as ``user`` reads it, once it says online."""
+    c = arena.client(user, [T.status(device)])
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                ev = c.events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if ev.kind == MESSAGE and ev.payload:
+                status = json.loads(ev.payload)
+                if status.get("online"):
+                    return status
+        raise AssertionError("no online status of {} within {} s".format(device, timeout))
+    finally:
+        c.stop()
+
+
+@pytest.mark.parametrize("arena", ["acl"], indirect=True)
+def test_an_unsigned_rollout_fails_fast_on_the_acl_broker(arena, keys, tmp_path):
+    """The shipped TLS+ACL broker: the controller account reads the device's birth
+    (``requires_signed_jobs``) and an embedded ``fleet rollout`` without ``--signing-key``
+    refuses at once, naming the fix, instead of QUEUED then TIMED_OUT at its deadline."""
+    agent = started(arena.agent("f-0", security=keys["security"]))
+    try:
+        status = retained_birth(arena, "controller", "f-0", 60)
+        assert status["platform"]["requires_signed_jobs"] is True, status
+        db = "sqlite:///" + str(tmp_path / "fleet.db")
+        t0 = time.monotonic()
+        out = fleet_cli(["rollout"] + fp16_args() + arena.cli + [
+            "--devices", "f-0", "--json", "-q", "--embedded", "--db", db], timeout=120)
+        took = time.monotonic() - t0
+        fault("unsigned_rollout_acl")
+        assert out.returncode != 0, out.stdout[-2000:]
+        assert "signing_required" in out.stderr and "--signing-key" in out.stderr, \
+            out.stderr[-2000:]
+        assert took < 60
+        REPORT["jobs_refused"] += 1
+        with agent.journal() as journal:  # nothing was sent: the device's journal is empty
+            assert journal.jobs() == []
+    finally:
+        finish(agent)
