@@ -80,11 +80,15 @@ def test_demo_rolls_out_both_examples_and_cleans_up():
         assert " FAILED " in row and "handoff_rolled_back" in row, row
     assert "digits@v3 was rolled back to v2: the app reported it unhealthy" in out
     # Each device back on v2 after the broken v3, no request failed during the switches.
-    app_rows = [line.split() for line in out.split("The app on each device")[1].splitlines()
-                if line.startswith("jetson-")]
+    app_table = out.split("The app on each device")[1].split("\n\n")[0]
+    app_rows = [line.split() for line in app_table.splitlines() if line.startswith("jetson-")]
     assert [r[:3] for r in app_rows] == [["jetson-a", "digits@v2", "v2"],
                                          ["jetson-b", "digits@v2", "v2"]], out
     assert all(r[-2] == "0" and r[-1] == "v3" for r in app_rows), out
+
+    # The last fleet devices lists every model each device holds, with its state.
+    devices_table = out.split("The app on each device")[1].split("\n\n")[1]
+    assert devices_table.count("digits@v2 (committed)") == 2, devices_table
 
     # Message sizes were measured.
     assert re.search(r"^block\s+\d+", out, re.M) and re.search(r"^job_status\s+\d+", out, re.M)
