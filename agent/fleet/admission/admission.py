@@ -94,6 +94,8 @@ class Admission(object):
         self.clock = clock
         self.rows: Dict[str, Dict[str, Any]] = {}
         self.seen: "OrderedDict[Tuple[str, str], Tuple[int, int]]" = OrderedDict()
+        # device -> the newest signed birth's ts (a re-imaged device starts its boots again)
+        self.birth_ts: "OrderedDict[str, float]" = OrderedDict()
         self.counters = {"dropped": 0, "bad_signature": 0, "replayed": 0,
                          "pending_evicted": 0}
         self.on_admitted: Callable[[str], None] = lambda device: None
@@ -250,12 +252,45 @@ class Admission(object):
             return True  # the Will of a boot: status ordering drops a late one
         key = (device, ev.topic)
         last = self.seen.get(key)
+        if last is not None and (sig.boot, sig.seq) < last and self._reimaged(device, info, ev):
+            last = None  # a re-imaged device: its boot counter started again
         if last is not None and (sig.boot, sig.seq) < last:
             self.counters["replayed"] += 1
             log.warning("device %s: a replayed message on %s (boot %d seq %d, last %s) dropped",
                         device, ev.topic, sig.boot, sig.seq, last)
             return False
         self._note(key, (sig.boot, sig.seq))
+        if info.kind == "status":
+            self._note_birth(device, ev)
+        return True
+
+    def _note_birth(self, device: str, ev: Any) -> None:
+        try:
+            ts = float(protocol.decode("status", ev.payload).get("ts") or 0.0)
+        except (AgentError, TypeError, ValueError):
+            return
+        self.birth_ts[device] = max(ts, self.birth_ts.get(device, 0.0))
+        self.birth_ts.move_to_end(device)
+        while len(self.birth_ts) > MAX_SEEN:
+            self.birth_ts.popitem(last=False)
+
+    def _reimaged(self, device: str, info: Any, ev: Any) -> bool:
+        """A signed birth with a lower boot than the last seen, but a newer ``ts`` than every
+        birth accepted from the device: its state directory was wiped (the journal holds the
+        boot counter; the key outside it survives). A replayed old birth carries an old ``ts``
+        (the signature covers the payload), so only the device itself can start a new boot
+        sequence. The device's replay window starts again from this birth."""
+        if info.kind != "status":
+            return False
+        try:
+            ts = float(protocol.decode("status", ev.payload).get("ts") or 0.0)
+        except (AgentError, TypeError, ValueError):
+            return False
+        if ts <= self.birth_ts.get(device, float("inf")):
+            return False
+        for key in [k for k in self.seen if k[0] == device]:
+            del self.seen[key]
+        log.info("device %s: a new boot sequence (re-imaged state), birth of %.0f", device, ts)
         return True
 
     def _note(self, key: Tuple[str, str], value: Tuple[int, int]) -> None:
