@@ -229,9 +229,9 @@ def _transfer_raw(workdir, port):
     with open(path, "wb") as f:
         f.write(os.urandom(TRANSFER_MB << 20))
     # stdbuf: its debug lines (-d) unbuffered, so that its SUBACK can be waited for
-    sub = subprocess.Popen(["stdbuf", "-oL", "mosquitto_sub", "-h", "127.0.0.1", "-p", str(port), "-t",
-                            "raw/x", "-C", "1", "-q", "1", "--nodelay", "-F", "%U %l",
-                            "-d"], stdout=subprocess.PIPE)
+    sub = subprocess.Popen(["stdbuf", "-oL", "mosquitto_sub", "-h", "127.0.0.1", "-p",
+                            str(port), "-t", "raw/x", "-C", "1", "-q", "1", "--nodelay", "-F",
+                            "%U %l", "-d"], stdout=subprocess.PIPE)
     assert sub.stdout is not None
     for line in sub.stdout:  # -d: the client's debug lines, up to its SUBACK
         if b"SUBACK" in line:
