@@ -37,7 +37,8 @@ def _daemon_bench():
     return load("daemon")
 
 
-def _transfer(bd, workdir, ctl, index, http=None):
+def _transfer(bd, workdir, ctl, index, http=None, pid=None):
+    """(MB/s at the device, MB/s from the job document, the daemon's CPU seconds)."""
     from agent.wire.block_server import block_digests
 
     size = bd.TRANSFER_MB << 20
@@ -54,9 +55,11 @@ def _transfer(bd, workdir, ctl, index, http=None):
            "blocks": {"block_size": 128 * 1024, "sha256": hashlib.sha256(digests).hexdigest()}}
     if http is not None:
         ref["url"] = "http://127.0.0.1:{}/artifacts/{}".format(http.port, sha)
+    cpu = bd._cpu_s(pid) if pid else 0.0
     seconds, device = bd.timed_transfer(workdir, ctl, "fx-{}".format(index), ref)
+    cpu = (bd._cpu_s(pid) if pid else 0.0) - cpu  # download, verify, then the job's end
     os.unlink(path)
-    return size / device / 1e6, size / seconds / 1e6
+    return size / device / 1e6, size / seconds / 1e6, cpu
 
 
 def run():
@@ -76,10 +79,10 @@ def run():
             raise RuntimeError("the daemon did not come online")
         time.sleep(2.0)
         http = HttpSource("127.0.0.1", 0, ctl.server.files).start()
-        pairs = []  # (ours at the device, ours from the job document, raw), interleaved
+        pairs = []  # (ours at the device, ours from the job document, raw, CPU), interleaved
         for i in range(REPEATS):
-            at_device, from_doc = _transfer(bd, workdir, ctl, i)
-            pairs.append((at_device, from_doc, bd._transfer_raw(workdir, broker.port)))
+            at_device, from_doc, cpu = _transfer(bd, workdir, ctl, i, pid=agent.pid)
+            pairs.append((at_device, from_doc, bd._transfer_raw(workdir, broker.port), cpu))
         over_http = statistics.median(_transfer(bd, workdir, ctl, 100 + i, http)[0]
                                       for i in range(REPEATS))
     finally:
@@ -97,7 +100,8 @@ def run():
     raw = statistics.median(p[2] for p in pairs)
     for p in pairs:
         print("pair: at the device {:.1f} MB/s, from the job document {:.1f} MB/s, raw {:.1f} "
-              "MB/s, ratio {:.2f}".format(p[0], p[1], p[2], p[0] / p[2]), file=sys.stderr)
+              "MB/s, ratio {:.2f}, daemon CPU {:.3f} s".format(p[0], p[1], p[2], p[0] / p[2],
+                                                               p[3]), file=sys.stderr)
     return [
         {"name": what + ", MQTT blocks (fan-out topic, per-block hashes), timed at the device "
          "(download start -> verified)", "ours": statistics.median(p[0] for p in pairs),
@@ -107,6 +111,9 @@ def run():
         {"name": what + ", MQTT blocks as above, from the job document (controller's view)",
          "ours": statistics.median(p[1] for p in pairs), "baseline": raw, "unit": "MB/s",
          "ratio": statistics.median(p[1] / p[2] for p in pairs), "goal": "(context)"},
+        {"name": what + ", the daemon's CPU per transfer (download, verify, the job's end)",
+         "ours": statistics.median(p[3] for p in pairs), "baseline": None, "unit": "CPU s",
+         "goal": "(profile: what the device spends)"},
         {"name": what + ", HTTP Range requests, timed at the device", "ours": over_http,
          "baseline": raw, "unit": "MB/s", "ratio": over_http / raw,
          "goal": "(alternative source)"},
