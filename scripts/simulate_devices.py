@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
 """Many simulated devices in one process, speaking the real protocol (docs/protocol.md) over
-one MQTT connection: a retained birth status per device, job documents received on
-``{p}/devices/{id}/jobs/{job}``, job statuses QUEUED -> IN_PROGRESS -> SUCCEEDED (retained,
-QoS 1, increasing versions), and with ``--fetch`` every artifact requested block by block
-(want bitmaps, a window of blocks at a time) before the job succeeds. For scale tests of the
+``--connections`` MQTT connections (by default one per 10 devices, at most 100; device ``i``
+on connection ``i % N``, each connection subscribed to its own devices' topics only, so the
+broker pays its per-client costs as with real devices): a retained birth status per device,
+job documents received on ``{p}/devices/{id}/jobs/{job}``, job statuses QUEUED ->
+IN_PROGRESS -> SUCCEEDED (retained, QoS 1, increasing versions), and with ``--fetch`` every
+artifact requested block by block (want bitmaps, a window of blocks at a time) before the job
+succeeds. For scale tests of the
 controller (scripts/benchmarks/fleet_scale.py), not a device emulator: nothing is built.
 With ``--identity`` (``SimulatedFleet(identity=True)``) each device has its own Ed25519 key
 (in memory), announces it in its birth and signs everything it publishes as a daemon does
 (``agent.wire.device_identity``); ``write_keys(path)`` writes the public keys for the
 controller's ``--admission keys --admission-keys FILE``, as manufacturing would.
 
-    python scripts/simulate_devices.py --broker mqtt://127.0.0.1:1883 --count 10000
+    python scripts/simulate_devices.py --broker mqtt://127.0.0.1:1883 --count 10000 \
+        --connections 100
 """
 
 import argparse
@@ -31,6 +35,14 @@ from agent.wire.topics import DEFAULT_PREFIX, Topics  # noqa: E402
 
 PLATFORM = {"board": "Simulated Jetson", "backend": "simulated", "precisions": ["fp32", "fp16"]}
 WINDOW = 64
+MAX_DEFAULT_CONNECTIONS = 100
+DEVICES_PER_CONNECTION = 10  # the default: one connection per 10 devices, at most 100
+SUBSCRIBE_BATCH = 100  # topic filters per SUBSCRIBE packet
+
+
+def default_connections(count: int) -> int:
+    """One connection per DEVICES_PER_CONNECTION devices, at least 1, at most 100."""
+    return max(1, min(MAX_DEFAULT_CONNECTIONS, count // DEVICES_PER_CONNECTION))
 
 
 class _Fetch(object):
@@ -42,13 +54,17 @@ class _Fetch(object):
 
 
 class SimulatedFleet(object):
-    """``count`` devices named ``{name}-{i:05d}``. ``start()`` connects and publishes their
-    births; ``jobs`` (device -> [job ids]) and ``succeeded`` fill as jobs arrive and end."""
+    """``count`` devices named ``{name}-{i:05d}`` over ``connections`` MQTT connections
+    (``default_connections(count)`` when None). ``start()`` connects and publishes their
+    births; ``jobs`` (device -> [job ids]) and ``succeeded`` fill as jobs arrive and end.
+    ``client`` is the first connection; ``flush()`` waits until the broker acknowledged
+    everything published so far on every connection."""
 
     def __init__(self, host: str, port: int, count: int, name: str = "sim",
                  prefix: str = DEFAULT_PREFIX, fetch: bool = False,
                  fanout: bool = False, roll_call: bool = True,
-                 labels: Optional[Dict[str, str]] = None, identity: bool = False) -> None:
+                 labels: Optional[Dict[str, str]] = None, identity: bool = False,
+                 connections: Optional[int] = None) -> None:
         self.topics = Topics(prefix)
         self.roll_call = roll_call  # False: devices of the release before the roll call
         self.platform = dict(PLATFORM, labels=dict(labels)) if labels else PLATFORM
@@ -64,14 +80,28 @@ class SimulatedFleet(object):
         self.block_bytes = 0
         self.block_messages = 0
         self._versions: Dict[Any, int] = {}
-        self._fetches: Dict[Any, List[_Fetch]] = {}  # (device, job) -> artifacts left
-        kwargs: Dict[str, Any] = {"client_id": "simfleet-" + name, "protocol": paho.MQTTv5}
-        if hasattr(paho, "CallbackAPIVersion"):
-            kwargs["callback_api_version"] = paho.CallbackAPIVersion.VERSION2
-        self.client = paho.Client(**kwargs)
-        self.client.max_inflight_messages_set(1000)
-        self.client.max_queued_messages_set(0)
-        self.client.on_message = self._on_message
+        n = default_connections(count) if connections is None else int(connections)
+        if not 1 <= n <= max(1, count):
+            raise ValueError("expected 1..{} connections (one device at least on each), found "
+                             "{}".format(max(1, count), n))
+        self.clients: List[Any] = []
+        for k in range(n):
+            kwargs: Dict[str, Any] = {
+                "client_id": "simfleet-" + name + ("-{}".format(k) if k else ""),
+                "protocol": paho.MQTTv5, "userdata": k}
+            if hasattr(paho, "CallbackAPIVersion"):
+                kwargs["callback_api_version"] = paho.CallbackAPIVersion.VERSION2
+            client = paho.Client(**kwargs)
+            client.max_inflight_messages_set(1000)
+            client.max_queued_messages_set(0)
+            client.on_message = self._on_message
+            self.clients.append(client)
+        self.client = self.clients[0]
+        # device -> its connection's index; a connection's devices
+        self.conn_of = {dev: i % n for i, dev in enumerate(self.devices)}
+        self.conn_devices: List[List[str]] = [self.devices[k::n] for k in range(n)]
+        # per connection: (device, job) -> artifacts left
+        self._fetches: List[Dict[Any, List[_Fetch]]] = [{} for _ in range(n)]
         self.host, self.port = host, port
         self.signers: Dict[str, Any] = {}
         if identity:
@@ -99,14 +129,21 @@ class SimulatedFleet(object):
 
             props = Properties(PacketTypes.PUBLISH)
             props.UserProperty = signer.properties(topic, payload)
-        self.client.publish(topic, payload, 1, retain, properties=props)
+        self.clients[self.conn_of[dev]].publish(topic, payload, 1, retain, properties=props)
 
     def start(self) -> None:
-        self.client.connect(self.host, self.port, 60)
-        self.client.loop_start()
-        base = self.topics.prefix + "/devices/+"
-        self.client.subscribe([(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1),
-                               (self.topics.prefix + "/artifacts/+/block/+", 1)])
+        for client in self.clients:
+            client.connect(self.host, self.port, 60)
+            client.loop_start()
+        for k, client in enumerate(self.clients):
+            filters = []
+            for dev in self.conn_devices[k]:
+                base = self.topics.prefix + "/devices/" + dev
+                filters += [(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1)]
+            if self.fanout:  # the artifacts' shared block topics, as a fetching device does
+                filters.append((self.topics.prefix + "/artifacts/+/block/+", 1))
+            for i in range(0, len(filters), SUBSCRIBE_BATCH):
+                client.subscribe(filters[i:i + SUBSCRIBE_BATCH])
         for dev in self.devices:
             platform = dict(self.platform)
             if dev in self.signers:
@@ -115,12 +152,26 @@ class SimulatedFleet(object):
                                                  ts=time.time())
             self._publish(dev, self.topics.status(dev), protocol.encode(msg), True)
             if self.roll_call:
-                self.client.publish(rollcall.topic(self.topics.prefix, dev),
-                                    rollcall.encode_marker(dev, 1), 1, True)
+                self.clients[self.conn_of[dev]].publish(
+                    rollcall.topic(self.topics.prefix, dev), rollcall.encode_marker(dev, 1), 1,
+                    True)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until the broker acknowledged what every connection published so far (QoS 1
+        is acknowledged in order on a connection: one marker each)."""
+        deadline = time.monotonic() + timeout
+        marks = [c.publish(self.topics.prefix + "/sim-done", b"", 1) for c in self.clients]
+        for info in marks:
+            info.wait_for_publish(max(0.1, deadline - time.monotonic()))
+            if not info.is_published():
+                raise TimeoutError("the broker did not acknowledge the simulated devices' "
+                                   "messages within {} s".format(timeout))
 
     def stop(self) -> None:
-        self.client.loop_stop()
-        self.client.disconnect()
+        for client in self.clients:  # disconnect first: each loop thread then ends at once
+            client.disconnect()
+        for client in self.clients:
+            client.loop_stop()
 
     def _status(self, dev: str, job_id: str, kind: str, state: str, stage: str = "",
                 result: Optional[Dict[str, Any]] = None) -> None:
@@ -142,7 +193,7 @@ class SimulatedFleet(object):
         if info.device not in self.known and not (info.kind == "block" and not info.device):
             return
         if info.kind == "block":
-            self._on_block(info, message.payload)
+            self._on_block(info, message.payload, userdata)
         elif info.kind == "job" and message.payload:
             self._on_job(info, message.payload)
 
@@ -165,18 +216,19 @@ class SimulatedFleet(object):
                 block_size = protocol.manifest_block_size(ref["size"])
                 fetches.append(_Fetch(ref["sha256"], ref["size"], block_size))
             with self.lock:
-                self._fetches[(dev, job_id)] = fetches
+                self._fetches[self.conn_of[dev]][(dev, job_id)] = fetches
             self._request(dev, job_id)
         else:
             self._finish(dev, job_id, kind)
 
     def _request(self, dev: str, job_id: str) -> None:
         with self.lock:
-            fetches = self._fetches.get((dev, job_id)) or []
+            pending = self._fetches[self.conn_of[dev]]
+            fetches = pending.get((dev, job_id)) or []
             while fetches and fetches[0].next >= fetches[0].blocks and not fetches[0].pending:
                 fetches.pop(0)
             if not fetches:
-                self._fetches.pop((dev, job_id), None)
+                pending.pop((dev, job_id), None)
                 done = True
             else:
                 done = False
@@ -191,12 +243,14 @@ class SimulatedFleet(object):
         msg = protocol.request_message(f.sha, f.size, f.block_size, want, job_id, self.fanout)
         self._publish(dev, self.topics.artifact_request(dev, f.sha), protocol.encode(msg))
 
-    def _on_block(self, info: Any, payload: bytes) -> None:
+    def _on_block(self, info: Any, payload: bytes, conn: int = 0) -> None:
         again = []
         with self.lock:
-            self.block_bytes += len(payload)
-            self.block_messages += 1
-            for (dev, job_id), fetches in self._fetches.items():
+            if info.device or conn == 0:  # a shared block reaches every connection: once
+                self.block_bytes += len(payload)
+                self.block_messages += 1
+            pending = self._fetches[conn]  # this connection's devices' fetches
+            for (dev, job_id), fetches in pending.items():
                 if info.device not in ("", dev) or not fetches:
                     continue
                 f = fetches[0]
@@ -225,17 +279,23 @@ def main() -> int:
     p.add_argument("--fetch", action="store_true", help="request every artifact's blocks")
     p.add_argument("--fanout", action="store_true", help="with --fetch: on the artifacts' "
                    "shared block topics")
+    p.add_argument("--connections", type=int, metavar="N",
+                   help="MQTT connections to spread the devices over (default: one per {} "
+                   "devices, at most {})".format(DEVICES_PER_CONNECTION,
+                                                  MAX_DEFAULT_CONNECTIONS))
     p.add_argument("--identity", metavar="KEYS_FILE", help="device keys: sign every report, "
                    "write the public keys here (for fleet serve --admission-keys)")
     args = p.parse_args()
     hostport = args.broker.split("://", 1)[-1]
     host, _, port = hostport.partition(":")
     fleet = SimulatedFleet(host, int(port or 1883), args.count, args.name, args.prefix,
-                           args.fetch, args.fanout, identity=bool(args.identity))
+                           args.fetch, args.fanout, identity=bool(args.identity),
+                           connections=args.connections)
     if args.identity:
         fleet.write_keys(args.identity)
     fleet.start()
-    print("{} simulated devices online; Ctrl-C to stop".format(args.count), flush=True)
+    print("{} simulated devices online over {} connections; Ctrl-C to stop".format(
+        args.count, len(fleet.clients)), flush=True)
     try:
         while True:
             time.sleep(5)

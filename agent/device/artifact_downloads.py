@@ -47,6 +47,7 @@ class ArtifactDownloads:
         self.launch, self.fail = launch, fail  # the next stage, or the job's end
 
     def start(self, run: Run) -> None:
+        run.download_started = time.monotonic()
         self.fetcher.inject = self._inject_block
         self.fetcher.subscribe, self.fetcher.unsubscribe = self.mqtt.subscribe, \
             self.mqtt.unsubscribe  # shared (fan-out) block topics while fetching
@@ -109,6 +110,7 @@ class ArtifactDownloads:
                 if need_sha == sha:
                     run.paths[role] = path
             if not run.downloading:
+                self._log_downloaded(run)
                 self._report_download(run, force=True)
                 try:
                     self.launch(run)
@@ -117,6 +119,16 @@ class ArtifactDownloads:
                 return
         if run.downloading:
             self._report_download(run)
+
+    def _log_downloaded(self, run: Run) -> None:
+        """The device's own transfer time (download start to the last artifact verified in
+        the store), which scripts/benchmarks/daemon.py reads."""
+        if run.download_started is None:
+            return
+        seconds = time.monotonic() - run.download_started
+        size = sum(size for _, size in run.needed.values())
+        log.info("job %s: downloaded and verified %d bytes in %.6f s (%.1f MB/s)", run.job_id,
+                 size, seconds, size / max(seconds, 1e-9) / 1e6)
 
     def _on_bad_artifact(self, topic: str, exc: AgentError) -> None:
         run = self.shared.run

@@ -36,6 +36,7 @@ class Run:
         self.error: Optional[Dict[str, Any]] = None
         self.stage = ""
         self.last_progress = 0.0
+        self.download_started: Optional[float] = None  # monotonic, when artifacts were asked for
 
     @property
     def downloading(self) -> bool:

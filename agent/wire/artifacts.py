@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # the daemon's journal is handed in; wire never imports the d
     from agent.device.journal import Journal
 
 DEFAULT_RESERVE = 64 << 20  # keep this much disk free for the journal, logs and engines
+FLUSH_BYTES = 32 << 20  # fsync a download and record its blocks at least this often
 # A partial download idle this long is reclaimed under store pressure and at start-up even
 # when an unfinished job still names it (it downloads again from scratch if that job runs).
 DEFAULT_PARTIAL_AGE_S = 24 * 3600.0
@@ -37,7 +38,7 @@ class ArtifactStore(object):
         journal: "Journal",
         max_bytes: Optional[int] = None,
         reserve_bytes: int = DEFAULT_RESERVE,
-        flush_every: int = 16,
+        flush_every: Optional[int] = None,
         statvfs: Callable[[str], Any] = os.statvfs,
         max_partial_age_s: float = DEFAULT_PARTIAL_AGE_S,
         clock: Callable[[], float] = time.time,
@@ -48,7 +49,11 @@ class ArtifactStore(object):
         self.max_partial_age_s = max_partial_age_s
         self._clock = clock
         self.reserve_bytes = reserve_bytes
-        self.flush_every = max(1, int(flush_every))
+        # A transfer's received blocks are fsync'd and recorded in the journal every
+        # ``flush_every`` blocks, by default every FLUSH_BYTES (and by the fetcher's tick):
+        # a crash re-fetches at most that much, and a fast download is not held up by commits.
+        self.flush_every = max(1, int(flush_every)) if flush_every else None
+        self.flush_bytes = FLUSH_BYTES
         self._statvfs = statvfs
         self._open: Dict[str, Transfer] = {}
         os.makedirs(os.path.join(self.root, "partial"), exist_ok=True)

@@ -1,6 +1,9 @@
 """One artifact assembled from blocks: the partial file written at each block's offset, the
 bitmap of blocks received (made durable in the journal after every fsync'd batch), and the
-final check of size and sha256 before the store takes the file (Python >= 3.8).
+final check of size and sha256 before the store takes the file (Python >= 3.8). The sha256 is
+computed as the blocks arrive (in order, from the bytes in hand; blocks that came early are
+read back once the gap before them fills), so completing a download does not read the whole
+file again.
 
 The store (``artifacts.ArtifactStore``) owns the paths, the budget and the journal; a
 ``Transfer`` is what ``ArtifactStore.begin`` hands out for one download. Memory stays bounded by
@@ -43,7 +46,10 @@ class Transfer(object):
         self._have = have
         self._count = protocol.bitmap_count(have, self.blocks)
         self._scan_from = 0  # every block below this byte of the bitmap has arrived
-        self._dirty = 0
+        self._dirty = 0  # blocks written since the last flush
+        self._dirty_bytes = 0
+        self._digest = hashlib.sha256()  # over blocks 0.._hashed-1
+        self._hashed = 0
         self._done_path = done_path
         self._fd: Optional[int] = None
         if done_path is None:
@@ -106,9 +112,31 @@ class Transfer(object):
         protocol.bitmap_set(self._have, index)
         self._count += 1
         self._dirty += 1
-        if self._dirty >= self._store.flush_every:
+        self._dirty_bytes += len(data)
+        if index == self._hashed:
+            self._digest.update(data)
+            self._hashed += 1
+            self._hash_held()
+        every = self._store.flush_every
+        if (self._dirty >= every) if every else self._dirty_bytes >= self._store.flush_bytes:
             self.flush()
         return True
+
+    def _hash_held(self) -> None:
+        """Extend the running sha256 over the blocks already on disk past ``_hashed`` (blocks
+        that arrived out of order, or before a restart)."""
+        assert self._fd is not None
+        while self._hashed < self.blocks and protocol.bitmap_get(self._have, self._hashed):
+            length = protocol.block_length(self.size, self.block_size, self._hashed)
+            offset = self._hashed * self.block_size
+            while length > 0:
+                chunk = os.pread(self._fd, min(length, HASH_CHUNK), offset)
+                if not chunk:
+                    return  # a short file: finish() reports the mismatch
+                self._digest.update(chunk)
+                offset += len(chunk)
+                length -= len(chunk)
+            self._hashed += 1
 
     def flush(self) -> None:
         """Make received blocks durable: fsync the data first, then record them in the journal
@@ -116,7 +144,7 @@ class Transfer(object):
         if self._dirty and self._fd is not None:
             os.fsync(self._fd)
             self._store.journal.transfer_update(self.sha256, bytes(self._have))
-            self._dirty = 0
+            self._dirty = self._dirty_bytes = 0
 
     def complete(self) -> bool:
         return self.received() == self.blocks
@@ -130,18 +158,13 @@ class Transfer(object):
             raise AgentError("internal_error", "artifact {} is missing {} of {} blocks".format(
                 self.sha256, self.blocks - self._count, self.blocks))
         assert self._fd is not None
-        self.flush()
-        digest = hashlib.sha256()
-        size = 0
-        offset = 0
-        while True:
-            chunk = os.pread(self._fd, HASH_CHUNK, offset)
-            if not chunk:
-                break
-            digest.update(chunk)
-            size += len(chunk)
-            offset += len(chunk)
-        found = digest.hexdigest()
+        # Durable before the rename (publish_partial); the journal's record of this transfer
+        # goes with it, so it is not updated first.
+        os.fsync(self._fd)
+        self._dirty = self._dirty_bytes = 0
+        self._hash_held()
+        size = os.fstat(self._fd).st_size
+        found = self._digest.hexdigest() if self._hashed == self.blocks else "(unreadable)"
         if found != self.sha256 or size != self.size:
             self.abort()
             raise AgentError(

@@ -65,8 +65,7 @@ def shipped_broker(tmp_path):
 def births(fleet):
     """Start the simulated fleet and wait until the broker acknowledged every birth."""
     fleet.start()
-    info = fleet.client.publish("jetson-agent/sim-done", b"", 1)
-    info.wait_for_publish(60)
+    fleet.flush(60)
 
 
 def service_on(broker, tmp_path, keys_file=None):

@@ -19,11 +19,15 @@ COUNT = 1500
 def test_one_stage_of_1500_devices_ends_succeeded(mosquitto, tmp_path):
     fleet = SimulatedFleet(mosquitto.host, mosquitto.port, COUNT, name="scale")
     fleet.start()
+    # spread over 100 connections (the broker's per-client costs), each with its own devices
+    assert len(fleet.clients) == 100 and all(c.is_connected() for c in fleet.clients)
+    assert sorted(sum(fleet.conn_devices, [])) == fleet.devices
     db = "sqlite:///" + str(tmp_path / "fleet.db")
     try:
         out = fleet_cli(["rollout"] + fp16_args() + [
             "--match", "scale-*", "--rollout-id", "ro-scale", "--broker", mosquitto.url,
-            "--db", db, "--embedded", "--json", "-q", "--timeout", "240"], timeout=300)
+            "--db", db, "--admission", "open", "--embedded", "--json", "-q", "--timeout", "240"],
+            timeout=300)
     finally:
         fleet.stop()
     assert out.returncode == 0, out.stderr[-3000:]

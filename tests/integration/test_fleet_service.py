@@ -39,9 +39,11 @@ class Service:
                      "--db", db, "--instance", "svc-1"]
         self.log = os.path.join(str(workdir), "serve.log")
         self.proc = None
+        self.log_from = 0  # where this start's lines begin in the log
 
     def start(self):
         env = dict(os.environ, PYTHONPATH=ROOT)
+        self.log_from = os.path.getsize(self.log) if os.path.exists(self.log) else 0
         logf = open(self.log, "ab")
         self.proc = subprocess.Popen(self.args, stdout=logf, stderr=subprocess.STDOUT,
                                      env=env, cwd=ROOT)
@@ -53,10 +55,23 @@ class Service:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
 
+    def wait_ready(self, timeout=180):
+        """Until this start said it serves (its log line; before that SIGTERM finds no
+        handler yet: a process still importing on a loaded host just dies of it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with open(self.log, "rb") as f:
+                f.seek(self.log_from)
+                if b"fleet service svc-1 on " in f.read():
+                    return
+            assert self.proc.poll() is None, self.tail()
+            assert time.monotonic() < deadline, "not serving\n" + self.tail()
+            time.sleep(0.1)
+
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
-            return self.proc.wait(20)
+            return self.proc.wait(120)
         return None
 
     def tail(self, n=3000):
@@ -70,7 +85,7 @@ def fleet_cli(args, timeout=60):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def wait_registered(db, devices, service, timeout=30):
+def wait_registered(db, devices, service, timeout=120):
     deadline = time.monotonic() + timeout
     while True:
         store = Store(db)
@@ -101,9 +116,9 @@ def test_kill_9_at_random_points_and_an_offline_device_all_end_succeeded(
     names = ["svc-a", "svc-b", "svc-c"]
     agents = [agent_factory(n).start() for n in names]
     offline = agent_factory("svc-off").start()
-    wait_status(mosquitto, names + ["svc-off"], agents=agents + [offline])
+    wait_status(mosquitto, names + ["svc-off"], agents=agents + [offline], timeout=180)
     assert offline.stop() == 0
-    wait_status(mosquitto, ["svc-off"], online=False)
+    wait_status(mosquitto, ["svc-off"], online=False, timeout=180)
 
     service = Service(mosquitto, db, tmp_path).start()
     try:
@@ -131,6 +146,7 @@ def test_kill_9_at_random_points_and_an_offline_device_all_end_succeeded(
             assert all(a.alive() for a in agents), [a.log_tail() for a in agents]
             service.start()
             if kills in (4, 8):  # and an orderly stop now and then (SIGTERM)
+                service.wait_ready()
                 time.sleep(rng.uniform(0.5, 1.5))
                 assert service.stop() == 0, service.tail()
                 service.start()

@@ -86,6 +86,32 @@ def test_out_of_order_assembly(state, journal):
     assert again.complete() and again.missing_indices() == [] and again.finish() == path
 
 
+def test_the_running_sha256_covers_what_is_on_disk(state, journal):
+    # The sha256 is computed as blocks arrive: in order from the bytes in hand, blocks that came
+    # early read back from the file once the gap fills. A block altered on disk after it was
+    # written, ahead of the gap, is still caught at the end.
+    data = blob(9 * BS + 3)
+    store = make_store(state, journal)
+    t = store.begin(sha(data), len(data), BS)
+    for i in (5, 6, 8, 9):  # early, out of order
+        assert t.write_block(i, blocks_of(data)[i])
+    with open(store.partial_path(sha(data)), "r+b") as f:
+        f.seek(6 * BS)
+        f.write(b"\0")  # on disk, not what was received
+    for i in (0, 1, 2, 3, 4, 7):
+        assert t.write_block(i, blocks_of(data)[i])
+    with pytest.raises(AgentError) as err:
+        t.finish()
+    assert err.value.code == "hash_mismatch"
+    assert not store.has(sha(data))
+    # the same blocks, untouched: accepted
+    t = store.begin(sha(data), len(data), BS)
+    for i in (9, 5, 0, 1, 8, 2, 3, 4, 7, 6):
+        assert t.write_block(i, blocks_of(data)[i])
+    with open(t.finish(), "rb") as f:
+        assert f.read() == data
+
+
 def test_missing_indices_follow_arrivals_in_any_order(state, journal):
     # The scan resumes past the blocks already in (a remembered cursor): it must still name
     # exactly the missing blocks, lowest first, whatever order they arrive in.
