@@ -62,7 +62,7 @@ class Service:
         while True:
             with open(self.log, "rb") as f:
                 f.seek(self.log_from)
-                if b"fleet service svc-1 on " in f.read():
+                if b"fleet service svc-1 (pid " in f.read():
                     return
             assert self.proc.poll() is None, self.tail()
             assert time.monotonic() < deadline, "not serving\n" + self.tail()
