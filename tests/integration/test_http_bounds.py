@@ -34,7 +34,7 @@ def _status_line(port):
 
 def test_half_sent_requests_hold_at_most_the_cap_and_the_rest_get_503(monkeypatch):
     monkeypatch.setattr(BoundedHTTPServer.__init__, "__defaults__",
-                        (8, HEAD_DEADLINE_S, REQUEST_DEADLINE_S))
+                        (8, HEAD_DEADLINE_S, REQUEST_DEADLINE_S, None))  # plain HTTP
     source = HttpSource("127.0.0.1", 0, lambda: {}).start()
     threads_before = threading.active_count()
     held = []
@@ -73,7 +73,7 @@ def test_a_client_that_resets_is_one_line_without_a_traceback(caplog):
 
 
 def test_a_request_trickled_byte_by_byte_is_cut_at_its_deadline(monkeypatch):
-    monkeypatch.setattr(BoundedHTTPServer.__init__, "__defaults__", (8, 1.0, 60.0))
+    monkeypatch.setattr(BoundedHTTPServer.__init__, "__defaults__", (8, 1.0, 60.0, None))
     source = HttpSource("127.0.0.1", 0, lambda: {}).start()
     try:
         s = _half_sent(source.port)
