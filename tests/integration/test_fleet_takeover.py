@@ -118,13 +118,22 @@ def wait_lease(db, rid, predicate, what, procs, timeout=120):
         time.sleep(0.05)
 
 
+# The rollout's row without its ``updated``/``finished`` stamps: the new owner may stamp its
+# finished rollout again on a later tick (under its own lease and epoch, which stay in the row).
+ROLLOUT_COLUMNS = ("rollout_id, spec, state, outcome, reason, current_stage, halted, paused, "
+                   "created, deadline, owner, lease_until, control, lease_epoch, lease_holder")
+
+
 def snapshot(db, rid):
-    """Everything the database holds of a rollout."""
+    """Everything the database holds of a rollout (its row's own time stamps aside)."""
     conn = Db(db)
     try:
-        return {t: sorted(conn.query("SELECT * FROM {} WHERE rollout_id = ?".format(t), (rid,)),
-                          key=repr)
-                for t in ("rollouts", "jobs", "job_history", "outbox")}
+        out = {t: sorted(conn.query("SELECT * FROM {} WHERE rollout_id = ?".format(t), (rid,)),
+                         key=repr)
+               for t in ("jobs", "job_history", "outbox")}
+        out["rollouts"] = conn.query("SELECT {} FROM rollouts WHERE rollout_id = ?".format(
+            ROLLOUT_COLUMNS), (rid,))
+        return out
     finally:
         conn.close()
 
