@@ -236,6 +236,20 @@ class AgentProcess:
         raise AssertionError("timed out waiting for " + what + "\n" + self.log_tail())
 
 
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    """A fleet Store on a fresh SQLite file and on the real PostgreSQL (a test module that
+    takes it imports the ``postgres`` fixture)."""
+    from agent.fleet.database.store import Store
+
+    s = Store("sqlite:///" + str(tmp_path / "fleet.db")) if request.param == "sqlite" else \
+        Store(request.getfixturevalue("postgres").url)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 @pytest.fixture
 def controller(mosquitto):
     ctl = Controller(mosquitto)

@@ -12,7 +12,6 @@ import pytest
 
 from agent.errors import AgentError
 from agent.fleet.database import device_models
-from agent.fleet.database.store import Store
 from agent.fleet.deployments import deployments, labels, registry
 from agent.fleet.deployments.deployment_runner import CATCHUP_S, DeploymentRunner
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
@@ -20,16 +19,6 @@ from tests.integration.postgres import postgres  # noqa: F401 - fixture
 SHA3, SHA4 = "3" * 64, "4" * 64
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path):
-    if request.param == "sqlite":
-        s = Store("sqlite:///" + str(tmp_path / "fleet.db"))
-    else:
-        s = Store(request.getfixturevalue("postgres").url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def status(dev, online=True, boot=1, **lab):

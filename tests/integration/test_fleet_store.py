@@ -7,22 +7,9 @@ import pytest
 
 from agent import fleet
 from agent.errors import AgentError
-from agent.fleet.database.store import Store
 from agent.fleet.rollouts import durable
 from agent.wire.topics import Topics
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def store(request, tmp_path):
-    if request.param == "sqlite":
-        s = Store("sqlite:///" + str(tmp_path / "fleet.db"))
-    else:
-        s = Store(request.getfixturevalue("postgres").url)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def docs(device, job_id, kind, layers):
