@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
-from agent.fleet import bounds, deployment_runner, device_models, durable, rollback_log
+from agent.fleet import bounds, deployment_runner, device_models, durable, rollback_log, streaming
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
@@ -167,7 +167,10 @@ class FleetService(object):
         filters = [self.topics.prefix + "/devices/+/jobs/{}/status".format(j)
                    for j in ro.job_ids]
         self.conn.subscribe(filters)
-        self.conn.settle(self.on_message, quiet=0.3, limit=5.0)
+        ids = set(ro.job_ids)  # other traffic does not hold the wait up
+        self.conn.settle(self.on_message, quiet=0.3, limit=5.0,
+                         counted=lambda info: info.kind == "job_status" and
+                         info.job_id in ids)
         for f in filters:
             self.conn.client.unsubscribe(f)
         if ro.current < 0:
@@ -428,9 +431,28 @@ class FleetService(object):
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def _stream(self) -> Tuple[int, int]:
+        """The next batch of each streaming stage's documents (agent.fleet.streaming): built,
+        saved in one transaction, published. Returns (documents still owed, quota left)."""
+        quota = streaming.doc_quota(len(self.unacked))
+        owed = [ro for ro in self.rollouts.values() if ro.unsent]
+        for i, ro in enumerate(owed):
+            n = streaming.split(quota, ro.unsent, len(owed) - i - 1)
+            if n <= 0:
+                break
+            actions = ro.more(n)
+            quota -= sum(1 for a in actions if a.kind == "publish")
+            actions += ro.evaluate()
+            self.commit(ro, actions)
+        return sum(ro.unsent for ro in owed), streaming.doc_quota(len(self.unacked))
+
     def step(self, timeout: float = 0.2) -> None:
-        """Handle what arrived for up to ``timeout`` s, then the periodic work."""
-        self.conn.pump(self.on_message, timeout)
+        """Send the next documents owed, handle what arrived for up to ``timeout`` s (a short
+        while when documents are still owed; a bounded batch of events), commit what it
+        changed, then the periodic work."""
+        unsent, quota = self._stream()
+        self.conn.pump(self.on_message, streaming.pump_timeout(unsent, quota, timeout),
+                       max_events=streaming.MAX_EVENTS)
         self._commit_pending()
         self._collect_acks()
         if time.monotonic() - self.last_tick >= TICK_S:
