@@ -23,7 +23,7 @@ from agent.fleet import bounds, deployment_runner, device_models, durable, rollb
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollout import Rollout
 from agent.fleet.store import Store
-from agent.wire import protocol
+from agent.wire import fanout_rounds, protocol
 from agent.wire.topics import TopicInfo
 
 log = logging.getLogger("agent.fleet")
@@ -124,6 +124,14 @@ class FleetService(object):
         msgs = durable.messages(self.topics, ro, actions) + list(more)
         ids = durable.save(self.store, ro, msgs, extra)
         self._send(ids, msgs)
+        for a in actions:  # a large artifact's first fan-out round waits a moment for them
+            if a.kind == "publish" and a.doc:
+                for ref in (a.doc.get("artifacts") or {}).values():
+                    if isinstance(ref, dict) and int(ref.get("size") or 0) >= \
+                            fanout_rounds.HOLD_BYTES:
+                        self.server.expect(str(ref.get("sha256")), a.device)
+                        if isinstance(ref.get("blocks"), dict):
+                            self.server.expect(str(ref["blocks"].get("sha256")), a.device)
         if self.on_change is not None:
             self.on_change(ro)
 
@@ -451,8 +459,12 @@ class FleetService(object):
         while when documents are still owed; a bounded batch of events), commit what it
         changed, then the periodic work."""
         unsent, quota = self._stream()
-        self.conn.pump(self.on_message, streaming.pump_timeout(unsent, quota, timeout),
-                       max_events=streaming.MAX_EVENTS)
+        self.server.poll()  # fan-out rounds that came (agent.wire.fanout_rounds)
+        due = self.server.next_due()
+        wait = streaming.pump_timeout(unsent, quota, timeout)
+        if due is not None:
+            wait = max(0.0, min(wait, due - time.monotonic()))
+        self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS)
         self._commit_pending()
         self._collect_acks()
         if time.monotonic() - self.last_tick >= TICK_S:
