@@ -10,8 +10,10 @@ artifact goes out on its shared topic, so that a rollout window costs one copy o
   is what its artifact's devices wait on).
 - The first round of a large artifact (``hold_bytes`` or more) waits for the devices that were
   just sent a job naming it (``expect``) to ask, for at most ``hold_s``: they arrive within a
-  moment of each other (``EXPECT_S`` after their job was sent at most), and all of them share
-  that round instead of most of them missing it.
+  few seconds of each other on a busy host (``EXPECT_S`` after their job was sent at most),
+  and all of them share that round instead of most of them missing it. Its first block goes
+  out at once (a prelude: a device hearing nothing on the shared topic for its short first
+  timeout would leave it); devices that come later get that block in the next round.
 
 Pure: the clock is injected, nothing is published here (``BlockServer`` does). Memory is
 bounded: expected devices are forgotten after ``EXPECT_S`` (and at most ``MAX_EXPECTED`` are
@@ -20,7 +22,8 @@ kept), publication and listening times beyond their caps once idle.
 
 from typing import Callable, Dict, List, Optional, Tuple
 
-HOLD_S = 1.5  # the longest a first round waits for expected devices
+HOLD_S = 4.0  # the longest a first round waits for expected devices (its prelude block
+# went out at once: the devices listening wait their full request timeout, 10 s by default)
 EXPECT_S = 5.0  # how long after its job was sent a device is expected to ask
 JOIN_S = 1.5  # the longest a device that missed a round waits for the next
 SMALL_JOIN_S = 0.2  # the same for a small artifact (a hash list: what the large one waits on)
@@ -94,6 +97,14 @@ class Rounds(object):
         held = self._hold(key, sha256, size, now)
         owed = self.owed.get(key) or {}
         out = []
+        if held is not None and indices and key not in self.active:
+            # The held round's prelude: one block now, so that every device listening hears
+            # the artifact's topic at once and waits its full request timeout for the rest
+            # (a daemon gives up on the shared topic after a short first timeout otherwise).
+            self.fanned[(key, indices[0])] = now
+            self.active[key] = now
+            out.append(indices[0])
+            indices = indices[1:]
         for index in indices:
             if index in owed:
                 self.deduped += 1  # already owed to the coming round

@@ -61,15 +61,19 @@ def test_a_large_artifacts_first_round_waits_for_the_devices_just_sent_its_job()
     for dev in ("d1", "d2", "d3"):
         r.expect(SHA, dev)
     clock.now += 0.3
-    assert r.request(SHA, BS, BIG, "d1", [0, 1]) == []  # held: d2 and d3 are coming
+    # Held (d2 and d3 are coming) but for its prelude: one block at once, so that the devices
+    # listening wait their full request timeout rather than leave the shared topic.
+    assert r.request(SHA, BS, BIG, "d1", [0, 1, 2]) == [0]
     assert r.next_due() - clock.now <= fanout_rounds.HOLD_S + 1e-9
     clock.now += 0.2
-    assert r.request(SHA, BS, BIG, "d2", [0, 1]) == []
-    assert r.request(SHA, BS, BIG, "d3", [0, 1]) == []  # the last expected: the round goes
+    assert r.request(SHA, BS, BIG, "d2", [0, 1, 2]) == []  # block 0: the next round
+    assert r.request(SHA, BS, BIG, "d3", [0, 1, 2]) == []  # the last expected: the round goes
     assert r.next_due() <= clock.now
-    assert r.due() == {"{}:{}".format(SHA, BS): [0, 1]}
+    # One round for all three: the prelude again (for d2 and d3) with the rest.
+    assert r.due() == {"{}:{}".format(SHA, BS): [0, 1, 2]}
+    assert r.next_due() is None
     clock.now += 0.1
-    assert r.request(SHA, BS, BIG, "d1", [2]) == [2]  # after the first round: at once
+    assert r.request(SHA, BS, BIG, "d1", [3]) == [3]  # after the first round: at once
 
 
 def test_the_hold_ends_when_expected_devices_do_not_come():
@@ -77,9 +81,10 @@ def test_the_hold_ends_when_expected_devices_do_not_come():
     r = Rounds(2.0, clock)
     r.expect(SHA, "d1")
     r.expect(SHA, "gone")
-    assert r.request(SHA, BS, BIG, "d1", [0]) == []
+    assert r.request(SHA, BS, BIG, "d1", [0, 1]) == [0]
+    assert r.due() == {}
     clock.now += fanout_rounds.HOLD_S
-    assert r.due() == {"{}:{}".format(SHA, BS): [0]}
+    assert r.due() == {"{}:{}".format(SHA, BS): [1]}
 
 
 def test_small_artifacts_and_unexpected_requests_are_not_held():
