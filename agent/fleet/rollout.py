@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 from agent.errors import AgentError
 from agent.fleet.device_run import PENDING, DeviceRun
+from agent.fleet.doc_parts import Parts
 from agent.fleet.documents import layers_above
 from agent.fleet.policy import Policy, abort_reason, check_policy, stage_verdict
 from agent.wire import protocol
@@ -80,6 +81,7 @@ class Rollout(object):
         # first device not looked at yet. Devices still PENDING in the current stage are
         # exactly those not sent, so a restart rebuilds it from the database (cursor 0).
         self.cursor = 0
+        self.parts = Parts()  # the documents' common parts, held once (agent.fleet.doc_parts)
         self.first_batch = FIRST_BATCH  # documents built by the stage's start itself
 
     # -- queries ------------------------------------------------------------------------------
@@ -337,7 +339,8 @@ class Rollout(object):
               share: Optional[Dict[str, Any]] = None) -> List[Action]:
         job_id = self.search_id if kind == "search" else self.deploy_id
         assert job_id is not None
-        doc = self.docs(run.device, job_id, kind, layers, **({"share": share} if share else {}))
+        doc = self.parts.share(self.docs(run.device, job_id, kind, layers,
+                                         **({"share": share} if share else {})))
         if kind == "deploy":
             plan = doc.get("plan") or {}
             run.sent_layers = layers_above(plan.get("layer_precisions") or {},

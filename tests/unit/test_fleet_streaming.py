@@ -124,3 +124,19 @@ def test_a_compact_directory_keeps_the_boot_and_its_checks():
     other = DeviceDirectory(compact=True)
     other.on_status("d2", dict(birth, device="d2"))
     assert other.status["d2"] is compact.status["d1"]  # one dict per boot number, shared
+
+
+def test_documents_held_in_memory_share_their_common_parts():
+    from agent.fleet.doc_parts import Parts
+
+    parts = Parts()
+    a = parts.share(docs("d1", "r1", "deploy", None))
+    b = parts.share(fleet.job_document("r1", "deploy", "d2", ARTIFACTS, {"precision": "fp32"},
+                                       created=1.0))
+    c = parts.share(docs("d3", "r1", "deploy", None))
+    assert a["artifacts"] is b["artifacts"] is c["artifacts"]
+    assert a["plan"] is c["plan"] and a["plan"] is not b["plan"]  # another plan: its own
+    assert a["device"] == "d1" and c == dict(docs("d3", "r1", "deploy", None))
+    ro = Rollout("r1", [devices(3)], docs)
+    sent = [a.doc for a in ro.start()]
+    assert sent[0]["artifacts"] is sent[2]["artifacts"]
