@@ -62,6 +62,7 @@ class FleetService(object):
         self.devices_dirty: Dict[str, Dict[str, Any]] = {}
         self.models_dirty: Dict[str, Dict[str, Any]] = {}  # device -> its models message
         self.features: Dict[str, frozenset] = {}  # device -> its last status's features
+        self._interned: Dict[Any, Any] = {}  # feature sets and engine classes, held once
         self._stored_features: Optional[Dict[str, frozenset]] = None  # of the database's
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
         # device -> telemetry message, at each flush (agent.fleet.history keeps the series)
@@ -382,10 +383,18 @@ class FleetService(object):
                 self.last_birth = time.monotonic()
             self.devices_dirty[info.device] = msg
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
-                self.features[info.device] = device_models.features(msg)
-                self.engine_classes[info.device] = msg["platform"].get("engine_class")
+                # One frozenset (and string) per distinct value, not one per device.
+                fs = device_models.features(msg)
+                self.features[info.device] = self._interned.setdefault(fs, fs)
+                cls = msg["platform"].get("engine_class")
+                self.engine_classes[info.device] = self._interned.setdefault(cls, cls) \
+                    if isinstance(cls, str) and len(self._interned) < 4096 else cls
+            if len(self.devices_dirty) >= streaming.MAX_DIRTY:
+                self._flush_devices()  # a burst of births (start-up): bounded batches
         elif info.kind == "models":
             self.models_dirty[info.device] = msg
+            if len(self.models_dirty) >= streaming.MAX_DIRTY:
+                self._flush_devices()
         elif info.kind == "command_reply":
             if msg.get("command") in (None, "rollback"):  # recorded by rollback_log, if ours
                 rollback_log.on_reply(self.store, info.device, msg)

@@ -2,12 +2,14 @@
 documents it builds next (``doc_quota``: a batch at a time, never more than ``MAX_UNACKED``
 waiting for the broker's PUBACK, so nothing queues per device in memory), how many events it
 handles before committing them (``MAX_EVENTS``: one transaction per batch), and how long it
-waits for events while documents are still owed (``pump_timeout``). Pure: no I/O.
+waits for events while documents are still owed (``pump_timeout``), and how many device
+statuses it holds before writing them (``MAX_DIRTY``: a start-up's burst of births). Pure.
 """
 
 DOC_BATCH = 500  # job documents built, saved (one transaction) and published at a time
 MAX_UNACKED = 4000  # published, not yet acknowledged: no new batch beyond this
 MAX_EVENTS = 2000  # MQTT events handled before what they changed is committed
+MAX_DIRTY = 2000  # device statuses (births) held before they are written, one transaction
 STREAMING_PUMP_S = 0.02  # the wait for events while a stage still has documents to send
 
 

@@ -1,5 +1,6 @@
-"""One stage of STREAM_DEVICES simulated devices (default 10,000; scripts/simulate_devices.py,
-device identity on: every report signed and verified) through ``fleet serve`` (SQLite) on a
+"""One stage of STREAM_DEVICES simulated devices (default 10,000; scripts/simulate_devices.py
+over STREAM_CONNECTIONS MQTT connections, default 100; device identity on: every report signed
+and verified) through ``fleet serve`` (SQLite) on a
 local Mosquitto, timed at each end of the stream:
 
 - first job document: when the first device received one, after the rollout's row was
@@ -32,6 +33,9 @@ import fleet_scale  # noqa: E402
 from simulate_devices import SimulatedFleet  # noqa: E402
 
 DEVICES = int(os.environ.get("STREAM_DEVICES", "10000"))
+# The devices spread over this many simulator connections (one paho client each): a single
+# connection carrying 50,000 devices stalls in the broker and the simulator themselves.
+CONNECTIONS = int(os.environ.get("STREAM_CONNECTIONS", "100"))
 FP16 = fleet_scale.FP16
 
 
@@ -80,16 +84,24 @@ def run_once(n, timeout=3600):
     mosq, port = fleet_scale.broker(work)
     db_path = os.path.join(work, "fleet.db")
     db = "sqlite:///" + db_path
-    fleet = _Fleet("127.0.0.1", port, n, name="sim", identity=True)
+    per = -(-n // CONNECTIONS)
+    fleets = [_Fleet("127.0.0.1", port, min(per, n - i * per), name="sim{:03d}".format(i),
+                     identity=True) for i in range(CONNECTIONS) if i * per < n]
     serve = observer = None
     load0 = os.getloadavg()
     try:
-        fleet.start()
+        for fleet in fleets:
+            fleet.start()
+        keys = os.path.join(work, "device-keys")
+        with open(keys, "w") as f:
+            for fleet in fleets:
+                for signer in fleet.signers.values():
+                    f.write(signer.key.public_base64 + "\n")
         env = dict(os.environ, PYTHONPATH=ROOT)
         serve = subprocess.Popen(
             [sys.executable, "-m", "agent", "fleet", "serve", "--broker",
              "mqtt://127.0.0.1:{}".format(port), "--db", db, "--admission", "keys",
-             "--admission-keys", fleet.write_keys(os.path.join(work, "device-keys"))],
+             "--admission-keys", keys],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(work, "serve.log"), "w"))
         deadline = time.monotonic() + timeout
@@ -103,13 +115,13 @@ def run_once(n, timeout=3600):
         out = fleet_scale.cli(["rollout", "--model", os.path.join(FP16, "model.onnx"),
                                "--inputs", os.path.join(FP16, "inputs.json"), "--golden",
                                os.path.join(FP16, "golden.json"), "--precision", "fp16",
-                               "--match", "sim-*", "--rollout-id", "stream", "--submit",
+                               "--match", "sim*", "--rollout-id", "stream", "--submit",
                                "--detach", "--timeout", str(timeout)], db)
         assert out.returncode == 0, out.stderr
         while fleet_scale.count(db_path, "SELECT COUNT(*) FROM rollouts WHERE state = "
                                 "'succeeded'") < 1:
             assert time.monotonic() < deadline and serve.poll() is None, (
-                "rollout: {} of {} succeeded".format(fleet.succeeded, n))
+                "rollout: {} of {} succeeded".format(sum(f.succeeded for f in fleets), n))
             time.sleep(0.2)
         cpu1, rss = fleet_scale.proc_usage(serve.pid)
         time.sleep(0.5)
@@ -119,19 +131,23 @@ def run_once(n, timeout=3600):
         ok = con.execute("SELECT COUNT(*) FROM jobs WHERE state = 'SUCCEEDED'").fetchone()[0]
         con.close()
         seen = _last_final_seen(os.path.join(work, "finals.txt"))
-        return {"devices": n, "succeeded": ok,
-                "first_doc_s": fleet.first_doc - created,
-                "docs_per_s": n / max(1e-6, fleet.last_doc - fleet.first_doc),
-                "db_after_last_final_sent_s": finished - fleet.last_final,
+        first_doc = min(f.first_doc for f in fleets if f.first_doc)
+        last_doc = max(f.last_doc for f in fleets if f.last_doc)
+        last_final = max(f.last_final for f in fleets if f.last_final)
+        return {"devices": n, "succeeded": ok, "connections": len(fleets),
+                "first_doc_s": first_doc - created,
+                "docs_per_s": n / max(1e-6, last_doc - first_doc),
+                "db_after_last_final_sent_s": finished - last_final,
                 "db_after_last_final_at_broker_s": finished - seen if seen else None,
                 "rss_mib": rss / 2.0 ** 20, "cpu_s": cpu1 - cpu0,
-                "sim_connections": fleet.connects, "load_before": load0,
+                "sim_connects": sum(f.connects for f in fleets), "load_before": load0,
                 "load_at_submit": load1, "load_after": os.getloadavg(), "cores": os.cpu_count()}
     finally:
         for proc in (observer,):
             if proc is not None:
                 proc.terminate()
-        fleet.stop()
+        for fleet in fleets:
+            fleet.stop()
         if serve is not None and serve.poll() is None:
             serve.terminate()
             serve.wait(30)
