@@ -40,20 +40,26 @@ FP16 = fleet_scale.FP16
 
 
 class _Fleet(SimulatedFleet):
-    """The simulator, recording when it sent each final status, and subscribing again after a
-    reconnection (a clean session loses the subscriptions)."""
+    """The simulator on its own connection, subscribed to its own devices' job topics only,
+    subscribing again after a reconnection (a clean session loses the subscriptions), and
+    recording when it sent each final status."""
 
     def start(self):
-        base = self.topics.prefix + "/devices/+"
-        subs = [(base + "/jobs/+", 1)]
+        subs = [(self.topics.prefix + "/devices/{}/jobs/+".format(d), 1) for d in self.devices]
         self.connects = 0
         self.last_final = None
+        subscribe = self.client.subscribe
+
+        def own(topics, *args, **kwargs):
+            return [subscribe(subs[i:i + 500]) for i in range(0, len(subs), 500)]
 
         def on_connect(client, userdata, *rest):
             self.connects += 1
-            client.subscribe(subs)
+            if self.connects > 1:
+                own(subs)
 
         self.client.on_connect = on_connect
+        self.client.subscribe = own  # SimulatedFleet.start's wildcards: its devices' topics
         SimulatedFleet.start(self)
 
     def _finish(self, dev, job_id, kind):
