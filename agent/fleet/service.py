@@ -110,10 +110,22 @@ class FleetService(object):
             if payload and "/jobs/" in topic and not topic.endswith("/status"):
                 self.stats["job_docs"] += 1
 
-    def _collect_acks(self) -> None:
-        done = [oid for h, oid in self.unacked if h.acked and h.ok]
-        failed = [(h, oid) for h, oid in self.unacked if h.acked and not h.ok]
-        self.unacked = [(h, oid) for h, oid in self.unacked if not h.acked]
+    def _collect_acks(self, full: bool = True) -> None:
+        """Outbox rows of what the broker acknowledged. ``full`` False: only the acknowledged
+        head of the list (PUBACKs come in order; called each step while a stage streams),
+        True: every handle (each tick, and at the end)."""
+        if not full:
+            n = 0
+            while n < len(self.unacked) and self.unacked[n][0].acked:
+                n += 1
+            if n < 256:
+                return  # a few: the next call, or the tick's full pass, takes them
+            head, self.unacked = self.unacked[:n], self.unacked[n:]
+        else:
+            head, self.unacked = self.unacked, []
+        done = [oid for h, oid in head if h.acked and h.ok]
+        failed = [(h, oid) for h, oid in head if h.acked and not h.ok]
+        self.unacked = [(h, oid) for h, oid in head if not h.acked] + self.unacked
         if done:
             self.store.outbox_done(done)
         for h, _oid in failed:  # refused by the broker: stays in the outbox for the next start
@@ -475,8 +487,9 @@ class FleetService(object):
             wait = max(0.0, min(wait, due - time.monotonic()))
         self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS)
         self._commit_pending()
-        self._collect_acks()
-        if time.monotonic() - self.last_tick >= TICK_S:
+        tick = time.monotonic() - self.last_tick >= TICK_S
+        self._collect_acks(full=tick)
+        if tick:
             self.last_tick = time.monotonic()
             self._tick()
 

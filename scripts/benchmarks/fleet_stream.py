@@ -111,7 +111,10 @@ def run_once(n, timeout=3600):
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(work, "serve.log"), "w"))
         deadline = time.monotonic() + timeout
-        while fleet_scale.count(db_path, "SELECT COUNT(*) FROM devices") < n:
+        # Every device registered, and the service started (its first heartbeat comes after
+        # its start-up: the retained births and the roll call).
+        while fleet_scale.count(db_path, "SELECT COUNT(*) FROM devices") < n or \
+                fleet_scale.count(db_path, "SELECT COUNT(*) FROM services") < 1:
             assert time.monotonic() < deadline and serve.poll() is None, "registry"
             time.sleep(0.5)
         observer = _observer(port, os.path.join(work, "finals.txt"))
