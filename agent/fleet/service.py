@@ -63,7 +63,6 @@ class FleetService(object):
         self.models_dirty: Dict[str, Dict[str, Any]] = {}  # device -> its models message
         self.features: Dict[str, frozenset] = {}  # device -> its last status's features
         self._interned: Dict[Any, Any] = {}  # feature sets and engine classes, held once
-        self._stored_features: Optional[Dict[str, frozenset]] = None  # of the database's
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
         # device -> telemetry message, at each flush (agent.fleet.history keeps the series)
         self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
@@ -212,10 +211,13 @@ class FleetService(object):
         statuses heard since the start, over those in the database."""
         if device in self.features:
             return self.features[device]
-        if self._stored_features is None:
-            self._stored_features = {d: device_models.features(st)
-                                     for d, st in self.store.statuses().items()}
-        return self._stored_features.get(device, frozenset())
+        # Not heard since the start: the database's row, this device's only (not every
+        # device's status at once: 50,000 statuses are hundreds of MiB while they are read).
+        row = self.store.device(device) or {}
+        fs = device_models.features(row.get("status") or None)
+        fs = self._interned.setdefault(fs, fs)
+        self.features[device] = fs
+        return fs
 
     def _url_for(self, ref: Dict[str, Any]) -> Optional[str]:
         if self.http_base is None or int(ref.get("size") or 0) < self.http_min_bytes:

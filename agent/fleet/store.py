@@ -16,7 +16,7 @@ first), ``rollout``, ``rollout_states`` (the few columns a service's tick reads)
 
 import json
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
 from agent.fleet import store_schema
@@ -152,6 +152,10 @@ class Store(object):
             row["pending_status"] = _loads(row["pending_status"])
             out[r[0]] = row
         return out
+
+    def device_key_ids(self) -> Set[str]:
+        """The devices that have an admission row (which rows were deleted elsewhere)."""
+        return {r[0] for r in self.db.query("SELECT device_id FROM device_keys")}
 
     def put_device_key(self, device: str, row: Mapping[str, Any]) -> None:
         values = [row.get(c) for c in self._KEY_COLUMNS]
