@@ -222,6 +222,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     notifier = Notifier()
     dashboard = None
     conn = connect(args)
+    conn.directory.compact = True  # the database keeps the devices' messages
     try:
         http = None
         base = None

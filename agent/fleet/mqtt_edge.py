@@ -23,11 +23,14 @@ class DeviceDirectory(object):
     """Devices as their retained status shows them (a late Will of an older boot is dropped),
     their retained models message (named models) and the last telemetry seen."""
 
-    def __init__(self) -> None:
+    def __init__(self, compact: bool = False) -> None:
         self.status: Dict[str, Dict[str, Any]] = {}
         self.models: Dict[str, Dict[str, Any]] = {}
         self.telemetry: Dict[str, Dict[str, Any]] = {}
         self.reimaged: set = set()  # devices born again with a lower boot, not yet handled
+        # compact (fleet serve: the database keeps the messages): only each device's boot is
+        # kept, for the ordering checks and the roll call, and no telemetry.
+        self.compact = compact
 
     def on_status(self, device: str, msg: Dict[str, Any]) -> bool:
         last = self.status.get(device)
@@ -38,7 +41,7 @@ class DeviceDirectory(object):
             # boots from 1 again). What it held before is gone: its models message starts over.
             self.models.pop(device, None)
             self.reimaged.add(device)
-        self.status[device] = msg
+        self.status[device] = _boot_of(msg) if self.compact else msg
         return True
 
     def on_models(self, device: str, msg: Dict[str, Any]) -> bool:
@@ -46,14 +49,29 @@ class DeviceDirectory(object):
 
         if not device_models.newer(self.models.get(device), msg):
             return False
-        self.models[device] = msg
+        self.models[device] = _boot_of(msg) if self.compact else msg
         return True
 
     def on_telemetry(self, device: str, msg: Dict[str, Any]) -> None:
-        self.telemetry[device] = msg
+        if not self.compact:
+            self.telemetry[device] = msg
 
     def known(self) -> List[str]:
         return sorted(self.status)
+
+
+_BOOTS: Dict[Any, Dict[str, Any]] = {}
+
+
+def _boot_of(msg: Dict[str, Any]) -> Dict[str, Any]:
+    """{"boot": the message's boot}, one shared dict per boot number (a compact directory
+    holds a reference a device, not a copy)."""
+    boot = msg.get("boot")
+    if not isinstance(boot, int) or isinstance(boot, bool) or not 0 <= boot < 4096:
+        return {"boot": boot}
+    if boot not in _BOOTS:
+        _BOOTS[boot] = {"boot": boot}
+    return _BOOTS[boot]
 
 
 class FleetConnection(object):
@@ -151,15 +169,20 @@ class FleetConnection(object):
                                                                     wait))
         return handle
 
-    def pump(self, on_message: Callable[[TopicInfo, Any], None], timeout: float
-             ) -> bool:
-        """Handle events for up to ``timeout`` s; True if a SUBSCRIBED event was among them.
-        Status and telemetry messages update ``directory`` before ``on_message`` sees them."""
+    def pump(self, on_message: Callable[[TopicInfo, Any], None], timeout: float,
+             max_events: Optional[int] = None) -> bool:
+        """Handle events for up to ``timeout`` s (or until ``max_events`` were handled: a
+        bounded batch); True if a SUBSCRIBED event was among them. Status and telemetry
+        messages update ``directory`` before ``on_message`` sees them."""
         from agent.wire import mqtt
 
         subscribed = False
         deadline = time.monotonic() + timeout
+        handled = 0
         while True:
+            if max_events is not None and handled >= max_events:
+                return subscribed
+            handled += 1
             left = deadline - time.monotonic()
             try:
                 ev = self.client.events.get(timeout=max(0.0, min(left, 0.1)))
@@ -255,9 +278,12 @@ class FleetConnection(object):
         on_message(info, msg)
 
     def settle(self, on_message: Callable[[TopicInfo, Any], None],
-               quiet: float = 0.3, limit: float = 5.0) -> None:
+               quiet: float = 0.3, limit: float = 5.0,
+               counted: Optional[Callable[[TopicInfo], bool]] = None) -> None:
         """Wait for the subscriptions to be acknowledged and the retained messages that follow
-        them to arrive (until ``quiet`` s pass without one, at most ``limit`` s)."""
+        them to arrive (until ``quiet`` s pass without one, at most ``limit`` s). ``counted``:
+        which messages are the ones waited for (others are handled but do not keep the wait
+        going: a busy fleet's live traffic never pauses for ``quiet`` s)."""
         deadline = time.monotonic() + limit
         got_suback = False
         while time.monotonic() < deadline and not got_suback:
@@ -265,7 +291,8 @@ class FleetConnection(object):
         seen = [0]
 
         def counting(info: TopicInfo, msg: Any) -> None:
-            seen[0] += 1
+            if counted is None or counted(info):
+                seen[0] += 1
             on_message(info, msg)
 
         while time.monotonic() < deadline:

@@ -24,9 +24,9 @@ from agent.fleet.database import device_models, instance_name, leases
 from agent.fleet.database.store import Store
 from agent.fleet.deployments import deployment_runner
 from agent.fleet.mqtt_edge import FleetConnection
-from agent.fleet.rollouts import durable, rollback_log
+from agent.fleet.rollouts import durable, rollback_log, streaming
 from agent.fleet.rollouts.rollout import Rollout
-from agent.wire import protocol
+from agent.wire import fanout_rounds, protocol
 from agent.wire.topics import TopicInfo
 
 log = logging.getLogger("agent.fleet")
@@ -74,7 +74,7 @@ class FleetService(object):
         self.devices_dirty: Dict[str, Dict[str, Any]] = {}
         self.models_dirty: Dict[str, Dict[str, Any]] = {}  # device -> its models message
         self.features: Dict[str, frozenset] = {}  # device -> its last status's features
-        self._stored_features: Optional[Dict[str, frozenset]] = None  # of the database's
+        self._interned: Dict[Any, Any] = {}  # feature sets and engine classes, held once
         self.telemetry_dirty: Dict[str, Dict[str, Any]] = {}
         # device -> telemetry message, at each flush (agent.fleet.database.history keeps the series)
         self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
@@ -121,10 +121,22 @@ class FleetService(object):
             if payload and "/jobs/" in topic and not topic.endswith("/status"):
                 self.stats["job_docs"] += 1
 
-    def _collect_acks(self) -> None:
-        done = [oid for h, oid in self.unacked if h.acked and h.ok]
-        failed = [(h, oid) for h, oid in self.unacked if h.acked and not h.ok]
-        self.unacked = [(h, oid) for h, oid in self.unacked if not h.acked]
+    def _collect_acks(self, full: bool = True) -> None:
+        """Outbox rows of what the broker acknowledged. ``full`` False: only the acknowledged
+        head of the list (PUBACKs come in order; called each step while a stage streams),
+        True: every handle (each tick, and at the end)."""
+        if not full:
+            n = 0
+            while n < len(self.unacked) and self.unacked[n][0].acked:
+                n += 1
+            if n < 256:
+                return  # a few: the next call, or the tick's full pass, takes them
+            head, self.unacked = self.unacked[:n], self.unacked[n:]
+        else:
+            head, self.unacked = self.unacked, []
+        done = [oid for h, oid in head if h.acked and h.ok]
+        failed = [(h, oid) for h, oid in head if h.acked and not h.ok]
+        self.unacked = [(h, oid) for h, oid in head if not h.acked] + self.unacked
         if done:
             self.store.outbox_done(done)
         for h, _oid in failed:  # refused by the broker: stays in the outbox for the next start
@@ -146,6 +158,14 @@ class FleetService(object):
         if not self._may_publish(rid, len(msgs)):
             return
         self._send(ids, msgs)
+        for a in actions:  # a large artifact's first fan-out round waits a moment for them
+            if a.kind == "publish" and a.doc:
+                for ref in (a.doc.get("artifacts") or {}).values():
+                    if isinstance(ref, dict) and int(ref.get("size") or 0) >= \
+                            fanout_rounds.HOLD_BYTES:
+                        self.server.expect(str(ref.get("sha256")), a.device)
+                        if isinstance(ref.get("blocks"), dict):
+                            self.server.expect(str(ref["blocks"].get("sha256")), a.device)
         if self.on_change is not None:
             self.on_change(ro)
 
@@ -209,7 +229,10 @@ class FleetService(object):
         filters = [self.topics.prefix + "/devices/+/jobs/{}/status".format(j)
                    for j in ro.job_ids]
         self.conn.subscribe(filters)
-        self.conn.settle(self.on_message, quiet=0.3, limit=5.0)
+        ids = set(ro.job_ids)  # other traffic does not hold the wait up
+        self.conn.settle(self.on_message, quiet=0.3, limit=5.0,
+                         counted=lambda info: info.kind == "job_status" and
+                         info.job_id in ids)
         for f in filters:
             self.conn.client.unsubscribe(f)
         if ro.current < 0:
@@ -232,10 +255,13 @@ class FleetService(object):
         statuses heard since the start, over those in the database."""
         if device in self.features:
             return self.features[device]
-        if self._stored_features is None:
-            self._stored_features = {d: device_models.features(st)
-                                     for d, st in self.store.statuses().items()}
-        return self._stored_features.get(device, frozenset())
+        # Not heard since the start: the database's row, this device's only (not every
+        # device's status at once: 50,000 statuses are hundreds of MiB while they are read).
+        row = self.store.device(device) or {}
+        fs = device_models.features(row.get("status") or None)
+        fs = self._interned.setdefault(fs, fs)
+        self.features[device] = fs
+        return fs
 
     def _url_for(self, ref: Dict[str, Any]) -> Optional[str]:
         if self.http_base is None or int(ref.get("size") or 0) < self.http_min_bytes:
@@ -433,10 +459,18 @@ class FleetService(object):
                 self.last_birth = time.monotonic()
             self.devices_dirty[info.device] = msg
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
-                self.features[info.device] = device_models.features(msg)
-                self.engine_classes[info.device] = msg["platform"].get("engine_class")
+                # One frozenset (and string) per distinct value, not one per device.
+                fs = device_models.features(msg)
+                self.features[info.device] = self._interned.setdefault(fs, fs)
+                cls = msg["platform"].get("engine_class")
+                self.engine_classes[info.device] = self._interned.setdefault(cls, cls) \
+                    if isinstance(cls, str) and len(self._interned) < 4096 else cls
+            if len(self.devices_dirty) >= streaming.MAX_DIRTY:
+                self._flush_devices()  # a burst of births (start-up): bounded batches
         elif info.kind == "models":
             self.models_dirty[info.device] = msg
+            if len(self.models_dirty) >= streaming.MAX_DIRTY:
+                self._flush_devices()
         elif info.kind == "command_reply":
             if msg.get("command") in (None, "rollback"):  # recorded by rollback_log, if ours
                 rollback_log.on_reply(self.store, info.device, msg)
@@ -490,12 +524,36 @@ class FleetService(object):
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def _stream(self) -> Tuple[int, int]:
+        """The next batch of each streaming stage's documents (agent.fleet.rollouts.streaming):
+        built, saved in one transaction, published. Returns (documents still owed, quota left)."""
+        quota = streaming.doc_quota(len(self.unacked))
+        owed = [ro for ro in self.rollouts.values() if ro.unsent]
+        for i, ro in enumerate(owed):
+            n = streaming.split(quota, ro.unsent, len(owed) - i - 1)
+            if n <= 0:
+                break
+            actions = ro.more(n)
+            quota -= sum(1 for a in actions if a.kind == "publish")
+            actions += ro.evaluate()
+            self.commit(ro, actions)
+        return sum(ro.unsent for ro in owed), streaming.doc_quota(len(self.unacked))
+
     def step(self, timeout: float = 0.2) -> None:
-        """Handle what arrived for up to ``timeout`` s, then the periodic work."""
-        self.conn.pump(self.on_message, timeout)
+        """Send the next documents owed, handle what arrived for up to ``timeout`` s (a short
+        while when documents are still owed; a bounded batch of events), commit what it
+        changed, then the periodic work."""
+        unsent, quota = self._stream()
+        self.server.poll()  # fan-out rounds that came (agent.wire.fanout_rounds)
+        due = self.server.next_due()
+        wait = streaming.pump_timeout(unsent, quota, timeout)
+        if due is not None:
+            wait = max(0.0, min(wait, due - time.monotonic()))
+        self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS)
         self._commit_pending()
-        self._collect_acks()
-        if time.monotonic() - self.last_tick >= TICK_S:
+        tick = time.monotonic() - self.last_tick >= TICK_S
+        self._collect_acks(full=tick)
+        if tick:
             self.last_tick = time.monotonic()
             self._tick()
 

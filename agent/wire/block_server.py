@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from agent.errors import AgentError
 from agent.fsio import sha256_file
 from agent.wire import protocol
+from agent.wire.fanout_rounds import Rounds
 from agent.wire.topics import Topics
 
 Publish = Callable[..., Any]  # publish(topic: str, payload: bytes, qos: int, retain: bool)
@@ -44,11 +45,44 @@ class BlockServer(object):
         self._lock = threading.Lock()
         self.blocks_sent = 0
         # Fan-out: a block asked for by a device that listens on the artifact's shared topic
-        # is published there at most once per window, whatever the number of devices asking.
+        # is published there at most once per window, whatever the number of devices asking;
+        # one asked for again within the window goes out in the next round (``poll``).
         self.fanout_window_s = float(fanout_window_s)
         self._clock = clock
-        self._fanned: Dict[Tuple[str, int], float] = {}  # (sha:block size, index) -> when
-        self.blocks_deduped = 0
+        self.rounds = Rounds(self.fanout_window_s, clock)
+
+    @property
+    def blocks_deduped(self) -> int:
+        """Blocks asked for on the shared topic and not published at once for that request."""
+        return self.rounds.deduped
+
+    def expect(self, sha256: str, device: str) -> None:
+        """``device`` was just sent a job naming ``sha256``: a large artifact's first round
+        waits a moment for it (agent.wire.fanout_rounds)."""
+        with self._lock:
+            self.rounds.expect(sha256, device)
+
+    def next_due(self) -> Optional[float]:
+        """When ``poll`` has a round to publish (the clock's time), or None."""
+        with self._lock:
+            return self.rounds.next_due()
+
+    def poll(self) -> int:
+        """Publish the rounds that came; returns the number of blocks published."""
+        with self._lock:
+            due = self.rounds.due()
+        sent = 0
+        for key, indices in due.items():
+            sha, block_size = key.rsplit(":", 1)
+            with self._lock:
+                entry = self._files.get(sha)
+            if entry is None:
+                continue
+            try:
+                sent += self._send(entry[0], entry[1], sha, int(block_size), indices, None)
+            except AgentError:
+                continue  # the file went: the devices ask again, and are told
+        return sent
 
     def add_file(self, path: str, sha256: Optional[str] = None) -> str:
         """Serve ``path``; its sha256 is computed when not given. Returns the sha256."""
@@ -60,24 +94,6 @@ class BlockServer(object):
         with self._lock:
             self._files[sha] = (os.path.abspath(path), size)
         return sha
-
-    def _not_fanned(self, sha256: str, block_size: int, indices: List[int]) -> List[int]:
-        """The blocks not published on the shared topic within the window (recorded now:
-        the caller publishes them)."""
-        now = self._clock()
-        out = []
-        with self._lock:
-            if len(self._fanned) > 200000:  # old entries go: memory stays bounded
-                self._fanned = {k: t for k, t in self._fanned.items()
-                                if now - t < self.fanout_window_s}
-            for index in indices:
-                key = (sha256 + ":" + str(block_size), index)
-                if now - self._fanned.get(key, -1e18) < self.fanout_window_s:
-                    self.blocks_deduped += 1
-                    continue
-                self._fanned[key] = now
-                out.append(index)
-        return out
 
     def remove(self, sha256: str) -> None:
         with self._lock:
@@ -114,7 +130,15 @@ class BlockServer(object):
         indices = protocol.bitmap_indices(want, msg["blocks"], self.max_blocks_per_request)
         fanout = msg.get("fanout") is True
         if fanout:
-            indices = self._not_fanned(msg["sha256"], block_size, indices)
+            with self._lock:
+                indices = self.rounds.request(msg["sha256"], block_size, size,
+                                              str(info.device), indices)
+        return self._send(path, size, msg["sha256"], block_size, indices,
+                          None if fanout else info.device)
+
+    def _send(self, path: str, size: int, sha256: str, block_size: int, indices: List[int],
+              device: Optional[str]) -> int:
+        """Publish blocks of a file: on ``device``'s own topic, or (None) the shared one."""
         try:
             with open(path, "rb") as f:
                 for index in indices:
@@ -124,8 +148,8 @@ class BlockServer(object):
                     if len(data) != length:
                         raise AgentError("unknown_artifact", "{} changed size while being "
                                          "served (block {} is short)".format(path, index))
-                    topic = self._topics.fanout_block(msg["sha256"], index) if fanout else \
-                        self._topics.block(info.device, msg["sha256"], index)
+                    topic = self._topics.fanout_block(sha256, index) if device is None else \
+                        self._topics.block(device, sha256, index)
                     self._publish(topic, data, 1, False)
                     self.blocks_sent += 1
         except OSError as exc:

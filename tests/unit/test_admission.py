@@ -160,3 +160,29 @@ def test_the_will_is_signed_for_its_boot(tmp_path):
     props = dev.signer.properties(topic, payload, will=True)
     sig = device_identity.verify_report(dev.key.raw_public, "cam-1", topic, payload, props)
     assert sig.will and sig.boot == 1
+
+
+def test_a_refresh_reads_what_changed_and_drops_what_was_deleted(store, tmp_path, monkeypatch):
+    # Another process (fleet devices accept / forget) writes the rows; a refresh reads the rows
+    # written since the last one, and each FULL_REFRESH_S drops the rows deleted meanwhile.
+    clock = [1000.0]
+    monkeypatch.setattr(admission.time, "monotonic", lambda: clock[0])
+    gate = admission.Admission(store, "manual")
+    admitted = []
+    gate.on_admitted = admitted.append
+    store.put_device_key("d1", {"state": "admitted", "key_id": "k1", "public_key": "x"})
+    store.put_device_key("d2", {"state": "pending", "pending_key_id": "k2"})
+    clock[0] += admission.REFRESH_S
+    gate.refresh()
+    assert set(gate.rows) == {"d1", "d2"}
+    store.put_device_key("d2", {"state": "admitted", "key_id": "k2", "public_key": "y"})
+    clock[0] += admission.REFRESH_S
+    gate.refresh()
+    assert gate.rows["d2"]["state"] == "admitted" and admitted == ["d2"]
+    store.db.execute("DELETE FROM device_keys WHERE device_id = ?", ("d1",))
+    clock[0] += admission.REFRESH_S
+    gate.refresh()
+    assert "d1" in gate.rows  # deletions: at the next full pass
+    clock[0] += admission.FULL_REFRESH_S
+    gate.refresh()
+    assert set(gate.rows) == {"d2"}

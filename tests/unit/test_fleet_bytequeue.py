@@ -39,3 +39,21 @@ def test_put_never_blocks_and_get_wakes_up():
     q.put(msg("p/devices/a/status", 100))  # over budget, kept, no wait
     t.join(5)
     assert got and got[0].topic == "p/devices/a/status"
+
+
+def test_a_superseded_job_status_is_coalesced_the_newest_kept_in_order():
+    q = ByteQueue()
+    st = "p/devices/a/jobs/j/status"
+    q.put(Event(MESSAGE, topic=st, payload=b"QUEUED"))
+    q.put(msg("p/devices/a/status", 10))  # a birth between: stays before the newer status
+    q.put(Event(MESSAGE, topic=st, payload=b"IN_PROGRESS"))
+    q.put(msg("p/devices/b/jobs/j/status", 10))
+    q.put(Event(MESSAGE, topic=st, payload=b"SUCCEEDED"))
+    q.put(Event(MESSAGE, topic=st, payload=b""))  # a cleared retained status: not a status
+    assert q.coalesced == 2 and q.qsize() == 4
+    got = [(e.topic, e.payload) for e in (q.get(timeout=0.1) for _ in range(4))]
+    assert got == [("p/devices/a/status", b"x" * 10), ("p/devices/b/jobs/j/status", b"x" * 10),
+                   (st, b"SUCCEEDED"), (st, b"")]
+    assert q.bytes == 0 and q.empty()
+    q.put(Event(MESSAGE, topic=st, payload=b"FAILED"))  # once read, the next one is kept
+    assert q.get(timeout=0.1).payload == b"FAILED" and q.coalesced == 2

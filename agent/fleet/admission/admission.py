@@ -37,6 +37,8 @@ POLICIES = ("manual", "keys", "open")
 MAX_PENDING = 1000
 MAX_SEEN = 200000  # (device, topic) entries of the replay guard
 REFRESH_S = 2.0
+FULL_REFRESH_S = 60.0  # rows deleted elsewhere dropped this often; else what changed
+CLOCK_MARGIN_S = 5.0  # rows written this long before the last refresh are read again
 DEVICE_KINDS = ("status", "models", "telemetry", "job_status", "command_reply",
                 "artifact_request")
 
@@ -100,6 +102,8 @@ class Admission(object):
                          "pending_evicted": 0}
         self.on_admitted: Callable[[str], None] = lambda device: None
         self.last_refresh = 0.0
+        self.last_full = 0.0
+        self.refreshed_at = 0.0  # wall clock of the last refresh (rows carry written times)
         store.seed_legacy_devices()
         if policy == "open":
             log.warning("ADMISSION IS OPEN: any device that connects to the broker is admitted "
@@ -118,14 +122,30 @@ class Admission(object):
             return None
 
     def refresh(self, force: bool = False) -> None:
+        """The rows again: those written since the last refresh (a few seconds' margin for
+        the writers' clocks) every ``REFRESH_S``, and the rows deleted elsewhere dropped every
+        ``FULL_REFRESH_S`` (their ids only): not 50,000 rows read every 2 s."""
         now = time.monotonic()
         if not force and now - self.last_refresh < REFRESH_S:
             return
         self.last_refresh = now
         self._reload_keys()
         before = self.rows
-        self.rows = self.store.device_keys()
-        for dev, row in self.rows.items():
+        wall = time.time()
+        if force or not before:
+            self.rows = self.store.device_keys()
+            changed = self.rows
+        else:
+            changed = self.store.device_keys(since=self.refreshed_at - CLOCK_MARGIN_S)
+            self.rows = dict(before)
+            self.rows.update(changed)
+            if now - self.last_full >= FULL_REFRESH_S:  # rows deleted elsewhere go too
+                self.last_full = now
+                ids = self.store.device_key_ids()
+                for dev in [d for d in self.rows if d not in ids]:
+                    del self.rows[dev]
+        self.refreshed_at = wall
+        for dev, row in changed.items():
             if row["state"] in ("admitted", "legacy") and \
                     (before.get(dev) or {}).get("state") not in ("admitted", "legacy") and before:
                 self.on_admitted(dev)

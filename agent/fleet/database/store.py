@@ -16,7 +16,7 @@ first), ``rollout``, ``rollout_states`` (the few columns a service's tick reads)
 
 import json
 import time
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 from agent.errors import AgentError
 from agent.fleet.database import store_schema
@@ -134,16 +134,29 @@ class Store(object):
     _KEY_COLUMNS = ("state", "key_id", "public_key", "pending_key_id", "pending_public_key",
                     "pending_since", "pending_status", "updated")
 
-    def device_keys(self, state: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+    def device_keys(self, state: Optional[str] = None, since: Optional[float] = None
+                    ) -> Dict[str, Dict[str, Any]]:
+        """device -> its admission row (``state``: only those; ``since``: only rows written
+        at or after that time, a refresh of what changed)."""
         sql = "SELECT device_id, " + ", ".join(self._KEY_COLUMNS) + " FROM device_keys"
-        rows = self.db.query(sql + (" WHERE state = ?" if state else ""),
-                             (state,) if state else ())
+        where, params = [], []  # type: Tuple[List[str], List[Any]]
+        if state:
+            where.append("state = ?")
+            params.append(state)
+        if since is not None:
+            where.append("updated >= ?")
+            params.append(float(since))
+        rows = self.db.query(sql + (" WHERE " + " AND ".join(where) if where else ""), params)
         out = {}
         for r in rows:
             row = dict(zip(("device",) + self._KEY_COLUMNS, r))
             row["pending_status"] = _loads(row["pending_status"])
             out[r[0]] = row
         return out
+
+    def device_key_ids(self) -> Set[str]:
+        """The devices that have an admission row (which rows were deleted elsewhere)."""
+        return {r[0] for r in self.db.query("SELECT device_id FROM device_keys")}
 
     def put_device_key(self, device: str, row: Mapping[str, Any]) -> None:
         values = [row.get(c) for c in self._KEY_COLUMNS]
@@ -327,6 +340,15 @@ class Store(object):
                              "deadline": r[3], "created": r[4], "owner": r[5],
                              "lease_until": r[6]}
         return out
+
+    def rollout_job_states(self, rollout_id: str
+                           ) -> Iterable[Tuple[str, str, Optional[Dict[str, Any]]]]:
+        """(device, state, its DeviceRun fields or None when none were saved yet) of each job:
+        what ``durable.load`` needs, one row at a time (a new stage of 50,000 devices is
+        50,000 empty rows, not 50,000 dicts at once)."""
+        for dev, state, data in self.db.query("SELECT device_id, state, data FROM jobs WHERE "
+                                              "rollout_id = ?", (rollout_id,)):
+            yield dev, state, (_loads(data) if data and data != "{}" else None)
 
     def rollout_jobs(self, rollout_id: str) -> List[Dict[str, Any]]:
         """Per-device jobs of a rollout in stage order: the ``DeviceRun`` fields."""

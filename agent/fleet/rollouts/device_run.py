@@ -15,7 +15,10 @@ RUN_FIELDS = ("phase", "job_id", "job_stage", "progress", "result", "error", "se
 
 
 class DeviceRun(object):
-    """One targeted device as the controller sees it."""
+    """One targeted device as the controller sees it (slots: a service holds one per device
+    of its rollouts, 50,000 in a large stage)."""
+
+    __slots__ = ("device", "stage", "state") + RUN_FIELDS
 
     def __init__(self, device: str, stage: int) -> None:
         self.device = device

@@ -45,10 +45,10 @@ def load(store: Store, rollout_id: str, docs: Optional[DocFactory] = None
     ro.outcome = row["outcome"] if row["outcome"] not in (None, "running", "succeeded",
                                                           "failed") else ""
     ro.reason = row["reason"] or ""
-    for job in store.rollout_jobs(rollout_id):
-        run = ro.runs.get(job["device"])
+    for device, state, data in store.rollout_job_states(rollout_id):
+        run = ro.runs.get(device)
         if run is not None:
-            run.load(job["state"], job)
+            run.load(state, data or {})
     ro.dirty.clear()
     return ro
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Seq
 
 from agent.errors import AgentError
 from agent.fleet.rollouts.device_run import PENDING, DeviceRun
+from agent.fleet.rollouts.doc_parts import Parts
 from agent.fleet.rollouts.documents import layers_above
 from agent.fleet.rollouts.policy import Policy, abort_reason, check_policy, stage_verdict
 from agent.wire import protocol
@@ -18,6 +19,7 @@ MAX_ROLLOUT_ID = 64 - len(SEARCH_SUFFIX)
 # A device's job status versions grow by one per change; a jump larger than this is not an
 # answer from the device (a forged version near 2**53 would silence it for good).
 MAX_VERSION_STEP = 100000
+FIRST_BATCH = 200  # documents a stage's start builds; the rest come through Rollout.more(n)
 
 
 # ============================================================================ the rollout
@@ -74,6 +76,13 @@ class Rollout(object):
         self.reason = ""
         self.started = clock()
         self.sharing: Any = None  # an agent.fleet.transfer.sharing.SharePolicy: engines built once
+        # Streaming a stage: its documents are built ``more(n)`` at a time (the service sends
+        # each batch as it is committed); ``cursor`` is the index in the current stage of the
+        # first device not looked at yet. Devices still PENDING in the current stage are
+        # exactly those not sent, so a restart rebuilds it from the database (cursor 0).
+        self.cursor = 0
+        self.parts = Parts()  # the documents' common parts, held once (rollouts.doc_parts)
+        self.first_batch = FIRST_BATCH  # documents built by the stage's start itself
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -237,24 +246,56 @@ class Rollout(object):
     # -- internals ----------------------------------------------------------------------------
 
     def _start_stage(self, index: int) -> List[Action]:
-        self.current = index
+        """Start a stage: with engine sharing every device is decided now (the classes'
+        builders first); else the first ``first_batch`` documents, the rest by ``more``."""
+        self.current, self.cursor = index, 0
+        if self.sharing is None:
+            return self.more(self.first_batch)
         actions: List[Action] = []
         for dev in self.stages[index]:
             run = self.runs[dev]
-            share: Optional[Dict[str, Any]] = None
-            if self.search_id:
-                actions += self._send(run, "search", None)
-            else:
-                if self.sharing is not None:
-                    how, ref = self.sharing.decide(run, self.ordered(), self.clock())
-                    if how == "wait":
-                        self.dirty.add(dev)
-                        continue
-                    share = {"offer": True} if how == "offer" else \
-                        {"engine": ref} if how == "engine" else None
-                actions += self._send(run, "deploy", None, share)
+            how, ref = self.sharing.decide(run, self.ordered(), self.clock())
+            if how == "wait":
+                self.dirty.add(dev)
+                continue
+            share = {"offer": True} if how == "offer" else \
+                {"engine": ref} if how == "engine" else None
+            actions += self._send(run, "deploy", None, share)
             run.state = "QUEUED"
             actions += self._adopt(run)
+        self.cursor = len(self.stages[index])
+        return actions
+
+    @property
+    def unsent(self) -> int:
+        """Devices of the current stage whose documents ``more`` has not built yet (at most;
+        some may have been cancelled since)."""
+        if self.current < 0 or self.halted or self.sharing is not None:
+            return 0
+        return max(0, len(self.stages[self.current]) - self.cursor)
+
+    def more(self, limit: int) -> List[Action]:
+        """The documents of up to ``limit`` more devices of the current stage (streaming a
+        stage: the caller commits and publishes each batch before asking for the next)."""
+        if self.current < 0 or self.halted or self.sharing is not None:
+            return []
+        stage = self.stages[self.current]
+        actions: List[Action] = []
+        sent = 0
+        while self.cursor < len(stage) and sent < limit:
+            run = self.runs[stage[self.cursor]]
+            self.cursor += 1
+            if run.state != PENDING:
+                continue  # sent before a restart, or cancelled since
+            actions += self._send(run, "search" if self.search_id else "deploy", None)
+            run.state = "QUEUED"
+            current = self.current
+            actions += self._adopt(run)
+            sent += 1
+            if self.current != current:
+                return actions  # an adopted answer ended the stage: the next one started
+        if self.cursor >= len(stage):
+            self.pending_eval = True  # the stage may pass now that all of it was sent
         return actions
 
     def release_waiting(self) -> List[Action]:
@@ -298,7 +339,8 @@ class Rollout(object):
               share: Optional[Dict[str, Any]] = None) -> List[Action]:
         job_id = self.search_id if kind == "search" else self.deploy_id
         assert job_id is not None
-        doc = self.docs(run.device, job_id, kind, layers, **({"share": share} if share else {}))
+        doc = self.parts.share(self.docs(run.device, job_id, kind, layers,
+                                         **({"share": share} if share else {})))
         if kind == "deploy":
             plan = doc.get("plan") or {}
             run.sent_layers = layers_above(plan.get("layer_precisions") or {},
@@ -353,7 +395,8 @@ class Rollout(object):
                              "success threshold {:.0%}".format(
                                  self.current + 1, cause or "failures", ok, len(stage),
                                  self.policy.success_threshold))
-        if verdict == "passed" and self.current + 1 < len(self.stages) and not self.paused:
+        if verdict == "passed" and self.current + 1 < len(self.stages) and not self.paused \
+                and not self.unsent:  # a stage passes only once all of it was sent
             return self._start_stage(self.current + 1)
         return []
 

@@ -1,0 +1,32 @@
+"""How a service streams a stage and ingests job statuses, in bounded batches: how many job
+documents it builds next (``doc_quota``: a batch at a time, never more than ``MAX_UNACKED``
+waiting for the broker's PUBACK, so nothing queues per device in memory), how many events it
+handles before committing them (``MAX_EVENTS``: one transaction per batch), and how long it
+waits for events while documents are still owed (``pump_timeout``), and how many device
+statuses it holds before writing them (``MAX_DIRTY``: a start-up's burst of births). Pure.
+"""
+
+DOC_BATCH = 500  # job documents built, saved (one transaction) and published at a time
+MAX_UNACKED = 4000  # published, not yet acknowledged: no new batch beyond this
+MAX_EVENTS = 2000  # MQTT events handled before what they changed is committed
+MAX_DIRTY = 2000  # device statuses (births) held before they are written, one transaction
+STREAMING_PUMP_S = 0.02  # the wait for events while a stage still has documents to send
+
+
+def doc_quota(unacked: int, batch: int = DOC_BATCH, max_unacked: int = MAX_UNACKED) -> int:
+    """Documents to build now, given ``unacked`` publications not yet acknowledged."""
+    return max(0, min(int(batch), int(max_unacked) - int(unacked)))
+
+
+def pump_timeout(unsent: int, quota: int, idle: float) -> float:
+    """The wait for events: short while documents are owed and may be sent (the loop comes
+    back to send them), ``idle`` otherwise (nothing to send, or the broker is behind)."""
+    return STREAMING_PUMP_S if unsent > 0 and quota > 0 else idle
+
+
+def split(quota: int, unsent: int, others: int = 0) -> int:
+    """One rollout's share of ``quota`` when ``others`` more rollouts also have documents to
+    send: an even share, at least one, never more than it still owes."""
+    share = quota // (others + 1) if quota > 0 else 0
+    return max(0, min(unsent, max(share, 1 if quota > 0 else 0)))
+
