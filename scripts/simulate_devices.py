@@ -8,6 +8,9 @@ IN_PROGRESS -> SUCCEEDED (retained, QoS 1, increasing versions), and with ``--fe
 artifact requested block by block (want bitmaps, a window of blocks at a time) before the job
 succeeds. For scale tests of the
 controller (scripts/benchmarks/fleet_scale.py), not a device emulator: nothing is built.
+All connections are served by one network thread (``select`` over their sockets): a paho loop
+thread per connection spent the simulator's time switching threads, not handling messages.
+A connection lost on a busy host reconnects and subscribes again.
 With ``--identity`` (``SimulatedFleet(identity=True)``) each device has its own Ed25519 key
 (in memory), announces it in its birth and signs everything it publishes as a daemon does
 (``agent.wire.device_identity``); ``write_keys(path)`` writes the public keys for the
@@ -19,6 +22,7 @@ controller's ``--admission keys --admission-keys FILE``, as manufacturing would.
 
 import argparse
 import os
+import select
 import sys
 import threading
 import time
@@ -43,6 +47,10 @@ SUBSCRIBE_BATCH = 100  # topic filters per SUBSCRIBE packet
 def default_connections(count: int) -> int:
     """One connection per DEVICES_PER_CONNECTION devices, at least 1, at most 100."""
     return max(1, min(MAX_DEFAULT_CONNECTIONS, count // DEVICES_PER_CONNECTION))
+
+
+def _no_op(*args: Any) -> None:
+    pass
 
 
 class _Fetch(object):
@@ -77,8 +85,14 @@ class SimulatedFleet(object):
         self.succeeded = 0
         self.first_doc: Optional[float] = None
         self.last_doc: Optional[float] = None
+        self.last_final: Optional[float] = None  # when the last SUCCEEDED was handed to paho
+        self.connects = 0  # CONNACKs, all connections (more than one each: reconnections)
         self.block_bytes = 0
         self.block_messages = 0
+        self._net: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        self._up = threading.Condition()
+        self._acked: set = set()  # connections the broker accepted (CONNACK)
         self._versions: Dict[Any, int] = {}
         n = default_connections(count) if connections is None else int(connections)
         if not 1 <= n <= max(1, count):
@@ -95,6 +109,10 @@ class SimulatedFleet(object):
             client.max_inflight_messages_set(1000)
             client.max_queued_messages_set(0)
             client.on_message = self._on_message
+            client.on_connect = self._on_connect
+            # Writes happen in the network thread only (a publish from another thread would
+            # otherwise write to the socket itself, racing it); it looks every 10 ms.
+            client.on_socket_register_write = _no_op
             self.clients.append(client)
         self.client = self.clients[0]
         # device -> its connection's index; a connection's devices
@@ -134,16 +152,13 @@ class SimulatedFleet(object):
     def start(self) -> None:
         for client in self.clients:
             client.connect(self.host, self.port, 60)
-            client.loop_start()
-        for k, client in enumerate(self.clients):
-            filters = []
-            for dev in self.conn_devices[k]:
-                base = self.topics.prefix + "/devices/" + dev
-                filters += [(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1)]
-            if self.fanout:  # the artifacts' shared block topics, as a fetching device does
-                filters.append((self.topics.prefix + "/artifacts/+/block/+", 1))
-            for i in range(0, len(filters), SUBSCRIBE_BATCH):
-                client.subscribe(filters[i:i + SUBSCRIBE_BATCH])
+        self._stopping.clear()
+        self._net = threading.Thread(target=self._network, name="simfleet-net", daemon=True)
+        self._net.start()
+        with self._up:  # every CONNACK, then the births
+            if not self._up.wait_for(lambda: self._acked == set(range(len(self.clients))), 60):
+                raise TimeoutError("the broker did not accept all {} simulator connections "
+                                   "within 60 s".format(len(self.clients)))
         for dev in self.devices:
             platform = dict(self.platform)
             if dev in self.signers:
@@ -168,10 +183,64 @@ class SimulatedFleet(object):
                                    "messages within {} s".format(timeout))
 
     def stop(self) -> None:
-        for client in self.clients:  # disconnect first: each loop thread then ends at once
-            client.disconnect()
+        self._stopping.set()
+        if self._net is not None:
+            self._net.join(10)
         for client in self.clients:
-            client.loop_stop()
+            client.disconnect()
+
+    def _subscribe(self, k: int) -> None:
+        """Connection ``k``'s devices' topics (at each connection: a lost session forgets)."""
+        filters = []
+        for dev in self.conn_devices[k]:
+            base = self.topics.prefix + "/devices/" + dev
+            filters += [(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1)]
+        if self.fanout:  # the artifacts' shared block topics, as a fetching device does
+            filters.append((self.topics.prefix + "/artifacts/+/block/+", 1))
+        client = self.clients[k]
+        for i in range(0, len(filters), SUBSCRIBE_BATCH):
+            client.subscribe(filters[i:i + SUBSCRIBE_BATCH])
+
+    def _on_connect(self, client: Any, userdata: Any, *rest: Any) -> None:
+        with self._up:
+            self.connects += 1
+            self._acked.add(userdata)
+            self._up.notify_all()
+        self._subscribe(userdata)
+
+    def _network(self) -> None:
+        """Every connection's reads, writes and keep-alives, in this one thread."""
+        misc_at = 0.0
+        while not self._stopping.is_set():
+            socks: Dict[Any, Any] = {}
+            writes = []
+            for client in self.clients:
+                sock = client.socket()
+                if sock is None:
+                    continue
+                socks[sock] = client
+                if client.want_write():
+                    writes.append(sock)
+            try:
+                readable, writable, _ = select.select(list(socks), writes, [], 0.01)
+            except (OSError, ValueError):  # a socket closed under us: look again
+                readable, writable = [], []
+            for sock in readable:
+                socks[sock].loop_read()
+            for sock in writable:
+                if sock in socks:
+                    socks[sock].loop_write()
+            now = time.monotonic()
+            if now - misc_at >= 1.0:
+                misc_at = now
+                for client in self.clients:
+                    if client.socket() is None:
+                        try:
+                            client.reconnect()
+                        except OSError:
+                            pass
+                    else:
+                        client.loop_misc()
 
     def _status(self, dev: str, job_id: str, kind: str, state: str, stage: str = "",
                 result: Optional[Dict[str, Any]] = None) -> None:
@@ -267,6 +336,7 @@ class SimulatedFleet(object):
         self._status(dev, job_id, kind, "SUCCEEDED", "activating", result)
         with self.lock:
             self.succeeded += 1
+            self.last_final = time.time()
 
 
 def main() -> int:

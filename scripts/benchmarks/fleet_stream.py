@@ -1,7 +1,7 @@
 """One stage of STREAM_DEVICES simulated devices (default 10,000; scripts/simulate_devices.py
-over STREAM_CONNECTIONS MQTT connections, default 100; device identity on: every report signed
-and verified) through ``fleet serve`` (SQLite) on a
-local Mosquitto, timed at each end of the stream:
+over STREAM_CONNECTIONS MQTT connections, default 100, served by one network thread; device
+identity on: every report signed and verified) through ``fleet serve`` (SQLite) on a local
+Mosquitto, timed at each end of the stream:
 
 - first job document: when the first device received one, after the rollout's row was
   committed (``rollouts.created``, set in the transaction that inserts the row);
@@ -22,6 +22,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,32 +40,25 @@ CONNECTIONS = int(os.environ.get("STREAM_CONNECTIONS", "100"))
 FP16 = fleet_scale.FP16
 
 
-class _Fleet(SimulatedFleet):
-    """The simulator on its own connection, subscribed to its own devices' job topics only,
-    subscribing again after a reconnection (a clean session loses the subscriptions), and
-    recording when it sent each final status."""
+class _RssSampler(threading.Thread):
+    """The service's resident memory every 0.2 s, to place its peak: start-up, streaming the
+    documents, or ingesting the last statuses."""
 
-    def start(self):
-        subs = [(self.topics.prefix + "/devices/{}/jobs/+".format(d), 1) for d in self.devices]
-        self.connects = 0
-        self.last_final = None
-        subscribe = self.client.subscribe
+    def __init__(self, pid):
+        threading.Thread.__init__(self, daemon=True)
+        self.pid, self.samples, self.stopping = pid, [], threading.Event()
 
-        def own(topics, *args, **kwargs):
-            return [subscribe(subs[i:i + 500]) for i in range(0, len(subs), 500)]
+    def run(self):
+        while not self.stopping.wait(0.2):
+            try:
+                with open("/proc/{}/status".format(self.pid)) as f:
+                    rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            except (OSError, StopIteration):
+                return
+            self.samples.append((time.time(), rss / 1024.0))
 
-        def on_connect(client, userdata, *rest):
-            self.connects += 1
-            if self.connects > 1:
-                own(subs)
-
-        self.client.on_connect = on_connect
-        self.client.subscribe = own  # SimulatedFleet.start's wildcards: its devices' topics
-        SimulatedFleet.start(self)
-
-    def _finish(self, dev, job_id, kind):
-        SimulatedFleet._finish(self, dev, job_id, kind)
-        self.last_final = time.time()
+    def peak(self, start, end):
+        return max([m for t, m in self.samples if start <= t <= end] or [0.0])
 
 
 def _observer(port, path):
@@ -90,19 +84,13 @@ def run_once(n, timeout=3600):
     mosq, port = fleet_scale.broker(work)
     db_path = os.path.join(work, "fleet.db")
     db = "sqlite:///" + db_path
-    per = -(-n // CONNECTIONS)
-    fleets = [_Fleet("127.0.0.1", port, min(per, n - i * per), name="sim{:03d}".format(i),
-                     identity=True) for i in range(CONNECTIONS) if i * per < n]
+    fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", identity=True,
+                           connections=min(CONNECTIONS, n))
     serve = observer = None
     load0 = os.getloadavg()
     try:
-        for fleet in fleets:
-            fleet.start()
-        keys = os.path.join(work, "device-keys")
-        with open(keys, "w") as f:
-            for fleet in fleets:
-                for signer in fleet.signers.values():
-                    f.write(signer.key.public_base64 + "\n")
+        fleet.start()
+        keys = fleet.write_keys(os.path.join(work, "device-keys"))
         env = dict(os.environ, PYTHONPATH=ROOT)
         serve = subprocess.Popen(
             [sys.executable, "-m", "agent", "fleet", "serve", "--broker",
@@ -118,6 +106,8 @@ def run_once(n, timeout=3600):
             assert time.monotonic() < deadline and serve.poll() is None, "registry"
             time.sleep(0.5)
         observer = _observer(port, os.path.join(work, "finals.txt"))
+        sampler = _RssSampler(serve.pid)
+        sampler.start()
         time.sleep(1.0)
         cpu0, _ = fleet_scale.proc_usage(serve.pid)
         load1 = os.getloadavg()
@@ -130,7 +120,7 @@ def run_once(n, timeout=3600):
         while fleet_scale.count(db_path, "SELECT COUNT(*) FROM rollouts WHERE state = "
                                 "'succeeded'") < 1:
             assert time.monotonic() < deadline and serve.poll() is None, (
-                "rollout: {} of {} succeeded".format(sum(f.succeeded for f in fleets), n))
+                "rollout: {} of {} succeeded".format(fleet.succeeded, n))
             time.sleep(0.2)
         cpu1, rss = fleet_scale.proc_usage(serve.pid)
         time.sleep(0.5)
@@ -140,23 +130,24 @@ def run_once(n, timeout=3600):
         ok = con.execute("SELECT COUNT(*) FROM jobs WHERE state = 'SUCCEEDED'").fetchone()[0]
         con.close()
         seen = _last_final_seen(os.path.join(work, "finals.txt"))
-        first_doc = min(f.first_doc for f in fleets if f.first_doc)
-        last_doc = max(f.last_doc for f in fleets if f.last_doc)
-        last_final = max(f.last_final for f in fleets if f.last_final)
-        return {"devices": n, "succeeded": ok, "connections": len(fleets),
+        first_doc, last_doc, last_final = fleet.first_doc, fleet.last_doc, fleet.last_final
+        sampler.stopping.set()
+        phases = {"before submission": sampler.peak(0, created),
+                  "streaming (to the last document)": sampler.peak(created, last_doc),
+                  "the last statuses (to succeeded)": sampler.peak(last_doc, finished + 1)}
+        return {"devices": n, "succeeded": ok, "connections": len(fleet.clients),
                 "first_doc_s": first_doc - created,
                 "docs_per_s": n / max(1e-6, last_doc - first_doc),
                 "db_after_last_final_sent_s": finished - last_final,
                 "db_after_last_final_at_broker_s": finished - seen if seen else None,
-                "rss_mib": rss / 2.0 ** 20, "cpu_s": cpu1 - cpu0,
-                "sim_connects": sum(f.connects for f in fleets), "load_before": load0,
+                "rss_mib": rss / 2.0 ** 20, "rss_peak_mib_by_phase": phases, "cpu_s": cpu1 - cpu0,
+                "sim_connects": fleet.connects, "load_before": load0,
                 "load_at_submit": load1, "load_after": os.getloadavg(), "cores": os.cpu_count()}
     finally:
         for proc in (observer,):
             if proc is not None:
                 proc.terminate()
-        for fleet in fleets:
-            fleet.stop()
+        fleet.stop()
         if serve is not None and serve.poll() is None:
             serve.terminate()
             serve.wait(30)
