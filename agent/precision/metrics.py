@@ -45,10 +45,11 @@ def summary(buf: np.ndarray) -> Dict[str, Any]:
                 "argmin": [], "argmax": [], "avg_magnitude": 0.0}
     x = buf.astype(np.float64) if buf.dtype == np.bool_ else buf
     with np.errstate(all="ignore"):
+        var = np.var(x)  # np.std is its square root, in the same dtype: computed once
         return {
             "mean": float(np.mean(x)),
-            "std_dev": float(np.std(x)),
-            "var": float(np.var(x)),
+            "std_dev": float(np.sqrt(var)),
+            "var": float(var),
             "median": float(np.median(x)),
             "min": float(np.amin(x)),
             "argmin": [int(i) for i in np.unravel_index(int(np.argmin(x)), x.shape)],

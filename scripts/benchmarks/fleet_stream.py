@@ -86,7 +86,7 @@ def run_once(n, timeout=3600):
     db = "sqlite:///" + db_path
     fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", identity=True,
                            connections=min(CONNECTIONS, n))
-    serve = observer = None
+    serve = observer = profiler = None
     load0 = os.getloadavg()
     try:
         fleet.start()
@@ -99,10 +99,11 @@ def run_once(n, timeout=3600):
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(work, "serve.log"), "w"))
         deadline = time.monotonic() + timeout
-        # Every device registered, and the service started (its first heartbeat comes after
-        # its start-up: the retained births and the roll call).
+        # Every device registered, and the service's start-up (the retained births and the
+        # roll call) over: it logs its line once serving (its services row comes earlier).
+        log_path = os.path.join(work, "serve.log")
         while fleet_scale.count(db_path, "SELECT COUNT(*) FROM devices") < n or \
-                fleet_scale.count(db_path, "SELECT COUNT(*) FROM services") < 1:
+                "INFO agent.fleet: fleet service " not in open(log_path, errors="replace").read():
             assert time.monotonic() < deadline and serve.poll() is None, "registry"
             time.sleep(0.5)
         observer = _observer(port, os.path.join(work, "finals.txt"))
@@ -111,6 +112,11 @@ def run_once(n, timeout=3600):
         time.sleep(1.0)
         cpu0, _ = fleet_scale.proc_usage(serve.pid)
         load1 = os.getloadavg()
+        if os.environ.get("STREAM_PROFILE"):  # where the service's time goes: py-spy, raw stacks
+            profiler = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(serve.pid), "--format", "raw", "--rate", "50",
+                 "--nonblocking", "-o", os.environ["STREAM_PROFILE"]],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out = fleet_scale.cli(["rollout", "--model", os.path.join(FP16, "model.onnx"),
                                "--inputs", os.path.join(FP16, "inputs.json"), "--golden",
                                os.path.join(FP16, "golden.json"), "--precision", "fp16",
@@ -144,6 +150,9 @@ def run_once(n, timeout=3600):
                 "sim_connects": fleet.connects, "load_before": load0,
                 "load_at_submit": load1, "load_after": os.getloadavg(), "cores": os.cpu_count()}
     finally:
+        if profiler is not None:
+            profiler.send_signal(2)  # SIGINT: py-spy writes what it recorded
+            profiler.wait(60)
         for proc in (observer,):
             if proc is not None:
                 proc.terminate()
