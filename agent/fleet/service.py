@@ -71,6 +71,7 @@ class FleetService(object):
         self.by_job: Dict[str, str] = {}  # job id -> rollout id
         self.server = BlockServer(self._publish_block, self.topics)
         self.unacked: List[Tuple[Any, int]] = []  # (publish handle, outbox id)
+        self.evaluated: Dict[str, float] = {}  # rollout -> when its decisions were last made
         self.devices_dirty: Dict[str, Dict[str, Any]] = {}
         self.models_dirty: Dict[str, Dict[str, Any]] = {}  # device -> its models message
         self.features: Dict[str, frozenset] = {}  # device -> its last status's features
@@ -298,6 +299,7 @@ class FleetService(object):
         if self.sharing is not None:
             self.sharing.revoke(rollout_id)  # its upload URLs end with it
         ro = self.rollouts.pop(rollout_id, None)
+        self.evaluated.pop(rollout_id, None)
         if ro is not None:
             for job_id in ro.job_ids:
                 self.by_job.pop(job_id, None)
@@ -381,6 +383,11 @@ class FleetService(object):
         self._take_offers()
         rows = self.store.rollout_states(self.rollouts)  # control and deadline: a few columns
         for rid, ro in list(self.rollouts.items()):
+            if ro.pending_eval:  # decisions the last batches left owed
+                self.evaluated[rid] = time.monotonic()
+                self.commit(ro, ro.evaluate())
+            if rid not in self.rollouts:
+                continue  # its lease went (the commit said so)
             if ro.sharing is not None:  # waits that timed out; engines that came
                 actions = ro.release_waiting()
                 if actions or ro.dirty:
@@ -511,6 +518,17 @@ class FleetService(object):
             # The database has it now: the broker need not keep the device's last word.
             more.append((self.topics.job_status(device, str(msg["job_id"])), b"", True))
 
+    def _evaluate(self, ro: Rollout) -> List[Any]:
+        """The stage and abort decisions owed, at most every EVALUATE_EVERY_S per rollout (they
+        look at every device: once per batch of statuses was 7 % of a 50,000-device stage's
+        CPU); the tick takes what is still owed."""
+        now = time.monotonic()
+        if not ro.pending_eval or now - self.evaluated.get(ro.rollout_id, 0.0) < \
+                streaming.EVALUATE_EVERY_S:
+            return []
+        self.evaluated[ro.rollout_id] = now
+        return ro.evaluate()
+
     def _commit_pending(self) -> None:
         """One transaction per rollout for everything a batch of statuses changed."""
         pending, self.pending = self.pending, {}
@@ -518,7 +536,7 @@ class FleetService(object):
             ro = self.rollouts.get(rid)
             if ro is None:
                 continue
-            actions += ro.evaluate()
+            actions += self._evaluate(ro)
             if actions or more or ro.dirty or ro.history:
                 self.commit(ro, actions, more=more)
 
@@ -535,7 +553,7 @@ class FleetService(object):
                 break
             actions = ro.more(n)
             quota -= sum(1 for a in actions if a.kind == "publish")
-            actions += ro.evaluate()
+            actions += self._evaluate(ro)
             self.commit(ro, actions)
         return sum(ro.unsent for ro in owed), streaming.doc_quota(len(self.unacked))
 

@@ -41,19 +41,42 @@ def test_put_never_blocks_and_get_wakes_up():
     assert got and got[0].topic == "p/devices/a/status"
 
 
+def status(state):
+    return '{{"job_id":"j","state":"{}","version":1}}'.format(state).encode()
+
+
 def test_a_superseded_job_status_is_coalesced_the_newest_kept_in_order():
-    q = ByteQueue()
+    q = ByteQueue(hold_s=0)
     st = "p/devices/a/jobs/j/status"
-    q.put(Event(MESSAGE, topic=st, payload=b"QUEUED"))
+    q.put(Event(MESSAGE, topic=st, payload=status("QUEUED")))
     q.put(msg("p/devices/a/status", 10))  # a birth between: stays before the newer status
-    q.put(Event(MESSAGE, topic=st, payload=b"IN_PROGRESS"))
+    q.put(Event(MESSAGE, topic=st, payload=status("IN_PROGRESS")))
     q.put(msg("p/devices/b/jobs/j/status", 10))
-    q.put(Event(MESSAGE, topic=st, payload=b"SUCCEEDED"))
+    q.put(Event(MESSAGE, topic=st, payload=status("SUCCEEDED")))
     q.put(Event(MESSAGE, topic=st, payload=b""))  # a cleared retained status: not a status
     assert q.coalesced == 2 and q.qsize() == 4
     got = [(e.topic, e.payload) for e in (q.get(timeout=0.1) for _ in range(4))]
     assert got == [("p/devices/a/status", b"x" * 10), ("p/devices/b/jobs/j/status", b"x" * 10),
-                   (st, b"SUCCEEDED"), (st, b"")]
+                   (st, status("SUCCEEDED")), (st, b"")]
     assert q.bytes == 0 and q.empty()
-    q.put(Event(MESSAGE, topic=st, payload=b"FAILED"))  # once read, the next one is kept
-    assert q.get(timeout=0.1).payload == b"FAILED" and q.coalesced == 2
+    q.put(Event(MESSAGE, topic=st, payload=status("FAILED")))  # once read, the next is kept
+    assert q.get(timeout=0.1).payload == status("FAILED") and q.coalesced == 2
+
+
+def test_a_status_not_final_waits_hold_s_and_is_superseded_unread():
+    q = ByteQueue(hold_s=0.2)
+    a, b = "p/devices/a/jobs/j/status", "p/devices/b/jobs/j/status"
+    q.put(Event(MESSAGE, topic=a, payload=status("QUEUED")))
+    q.put(Event(MESSAGE, topic=b, payload=status("IN_PROGRESS")))
+    q.put(msg("p/devices/a/status", 10))
+    assert q.get(timeout=0.01).topic == "p/devices/a/status"  # the two statuses wait
+    with pytest.raises(queue.Empty):
+        q.get_nowait()
+    q.put(Event(MESSAGE, topic=a, payload=status("IN_PROGRESS")))
+    q.put(Event(MESSAGE, topic=a, payload=status("SUCCEEDED")))  # final: out at once
+    q.put(Event(MESSAGE, topic=b, payload=b""))  # a clear of b: stays behind b's status
+    assert q.get(timeout=0.01).payload == status("SUCCEEDED")
+    assert q.coalesced == 2 and q.qsize() == 2
+    got = [(e.topic, e.payload) for e in (q.get(timeout=5) for _ in range(2))]
+    assert got == [(b, status("IN_PROGRESS")), (b, b"")]
+    assert q.bytes == 0 and q.empty()

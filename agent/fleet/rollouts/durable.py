@@ -49,6 +49,7 @@ def load(store: Store, rollout_id: str, docs: Optional[DocFactory] = None
         run = ro.runs.get(device)
         if run is not None:
             run.load(state, data or {})
+    ro.resume_stream()
     ro.dirty.clear()
     return ro
 

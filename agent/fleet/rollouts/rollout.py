@@ -92,7 +92,9 @@ class Rollout(object):
 
     @property
     def done(self) -> bool:
-        return all(r.terminal for r in self.runs.values())
+        # From the last device sent: while a large stage runs, the first one looked at is
+        # unfinished (asked after every batch of statuses saved).
+        return all(r.terminal for r in reversed(self.runs.values()))
 
     @property
     def succeeded(self) -> bool:
@@ -265,6 +267,17 @@ class Rollout(object):
             actions += self._adopt(run)
         self.cursor = len(self.stages[index])
         return actions
+
+    def resume_stream(self) -> None:
+        """After loading: the current stage's documents went out in stage order, so ``more``
+        resumes at its first device still PENDING; the stage and abort decisions are owed
+        (the last run may have stopped between a batch of statuses and its decision)."""
+        if self.current < 0:
+            return
+        stage = self.stages[self.current]
+        self.cursor = next((i for i, d in enumerate(stage) if self.runs[d].state == PENDING),
+                           len(stage))
+        self.pending_eval = True
 
     @property
     def unsent(self) -> int:

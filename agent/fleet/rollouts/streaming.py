@@ -11,6 +11,7 @@ MAX_UNACKED = 4000  # published, not yet acknowledged: no new batch beyond this
 MAX_EVENTS = 2000  # MQTT events handled before what they changed is committed
 MAX_DIRTY = 2000  # device statuses (births) held before they are written, one transaction
 STREAMING_PUMP_S = 0.02  # the wait for events while a stage still has documents to send
+EVALUATE_EVERY_S = 0.25  # a rollout's stage and abort decisions, at most this often
 
 
 def doc_quota(unacked: int, batch: int = DOC_BATCH, max_unacked: int = MAX_UNACKED) -> int:

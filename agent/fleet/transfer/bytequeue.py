@@ -9,15 +9,24 @@ connection events) is always kept: those are small and bounded by the fleet's si
 A job status superseded while it waits (a newer message on the same job status topic: a
 device's retained status is its newest) is coalesced: the newer one goes to the back of the
 queue and the older is dropped unread (never verified, decoded or stored; ``coalesced``
-counts them), so a backlog holds at most one status per device and job.
+counts them), so a backlog holds at most one status per device and job. A status that is
+not final waits ``hold_s`` (0.1 s) before it is handed out: a device reports QUEUED,
+IN_PROGRESS and often its end within milliseconds, and the newest is all the controller needs
+(verifying each cost a 50,000-device stage about 10 % of the service's CPU). Per topic the
+order stays; across topics a held status may come after later messages.
 """
 
 import collections
 import queue
 import threading
+import time
 from typing import Any, Deque, Dict, List, Optional
 
 DROPPABLE = ("/request", "/telemetry")
+HOLD_S = 0.1
+# A job status naming one of these is final (a plain search of the payload, before anything is
+# verified: a wrong guess only changes whether it waits hold_s).
+FINAL = (b'"SUCCEEDED"', b'"FAILED"', b'"REJECTED"', b'"CANCELED"', b'"TIMED_OUT"')
 
 
 def coalescable(topic: str) -> bool:
@@ -28,12 +37,15 @@ def coalescable(topic: str) -> bool:
 class ByteQueue(object):
     """``queue.Queue``'s ``put``/``get``/``qsize`` for ``agent.wire.mqtt`` events."""
 
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_bytes: int = 64 << 20, hold_s: float = HOLD_S) -> None:
         self.max_bytes = int(max_bytes)
+        self.hold_s = float(hold_s)
         self.bytes = 0
         self.dropped = 0
         self.peak = 0
-        self._items: Deque[List[Any]] = collections.deque()  # [event, size, live]
+        # [event, size, live, arrived (monotonic) or None: not held]
+        self._items: Deque[List[Any]] = collections.deque()
+        self._held: Deque[List[Any]] = collections.deque()  # statuses waiting out hold_s
         self._cond = threading.Condition()
         self._latest: Dict[str, List[Any]] = {}  # job status topic -> its queued entry
         self.coalesced = 0
@@ -50,16 +62,21 @@ class ByteQueue(object):
                     getattr(event, "topic", "")).endswith(DROPPABLE):
                 self.dropped += 1
                 return
-            entry = [event, size, True]
+            entry = [event, size, True, None]
             topic = getattr(event, "topic", None)
-            if isinstance(topic, str) and getattr(event, "payload", None) and \
-                    coalescable(topic):
-                older = self._latest.get(topic)
+            payload = getattr(event, "payload", None)
+            older = self._latest.get(topic) if isinstance(topic, str) else None
+            if isinstance(topic, str) and payload and coalescable(topic):
+                if self.hold_s > 0 and isinstance(payload, bytes) and \
+                        not any(f in payload for f in FINAL):
+                    entry[3] = time.monotonic()
                 if older is not None and older[2]:
                     older[2] = False  # superseded: dropped unread
                     self.bytes -= older[1]
                     self.coalesced += 1
                 self._latest[topic] = entry
+            elif older is not None and older[2] and older[3] is not None:
+                entry[3] = older[3]  # a cleared status keeps its place behind a held one
             self._items.append(entry)
             self.bytes += size
             self.peak = max(self.peak, self.bytes)
@@ -69,29 +86,56 @@ class ByteQueue(object):
         self.put(event, False)
 
     def get(self, block: bool = True, timeout: Optional[float] = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         with self._cond:
-            while self._items and not self._items[0][2]:
-                self._items.popleft()  # coalesced: its bytes were returned then
-            if not self._items and block:
-                self._cond.wait(timeout)
-                while self._items and not self._items[0][2]:
-                    self._items.popleft()
-            if not self._items:
-                raise queue.Empty
-            event, size, _live = self._items.popleft()
-            self.bytes -= size
-            topic = getattr(event, "topic", None)
-            if isinstance(topic, str) and self._latest.get(topic) is not None and \
-                    self._latest[topic][0] is event:
-                del self._latest[topic]
-            return event
+            while True:
+                now = time.monotonic()
+                entry = self._next(now)
+                if entry is not None:
+                    return self._take(entry)
+                if not block:
+                    raise queue.Empty
+                wait = None  # until a put, the first held status's time, or the deadline
+                if self._held:
+                    wait = max(0.0, self._held[0][3] + self.hold_s - now)
+                if deadline is not None:
+                    if now >= deadline:
+                        raise queue.Empty
+                    wait = deadline - now if wait is None else min(wait, deadline - now)
+                self._cond.wait(wait)
+
+    def _next(self, now: float) -> Optional[List[Any]]:
+        """The next entry to hand out: a held status whose time came (it arrived before
+        anything still queued), else the first live queued one that need not wait."""
+        while self._held and not self._held[0][2]:
+            self._held.popleft()  # coalesced while it waited
+        if self._held and now - self._held[0][3] >= self.hold_s:
+            return self._held.popleft()
+        while self._items:
+            entry = self._items.popleft()
+            if not entry[2]:
+                continue  # coalesced: its bytes were returned then
+            if entry[3] is not None and now - entry[3] < self.hold_s:
+                self._held.append(entry)  # not final: a newer status may yet supersede it
+                continue
+            return entry
+        return None
+
+    def _take(self, entry: List[Any]) -> Any:
+        event = entry[0]
+        self.bytes -= entry[1]
+        topic = getattr(event, "topic", None)
+        if isinstance(topic, str) and self._latest.get(topic) is entry:
+            del self._latest[topic]
+        return event
 
     def get_nowait(self) -> Any:
         return self.get(False)
 
     def qsize(self) -> int:
         with self._cond:
-            return sum(1 for entry in self._items if entry[2])
+            return sum(1 for entry in self._items if entry[2]) + \
+                sum(1 for entry in self._held if entry[2])
 
     def empty(self) -> bool:
         return self.qsize() == 0
