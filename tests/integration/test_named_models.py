@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 import pytest
 
@@ -129,7 +130,12 @@ def test_pending_survives_kill_and_unconfirmed_version_rolls_back(controller, ag
     flag.unlink()
     named(controller, digits_files, "p-2", "det", "v2")
     controller.wait_stage("p-2", "committing", timeout=120)
-    agent.kill()  # kill -9 while v2 is pending
+    # The hand-off runs beside the daemon's loop: ``current`` switches just after the stage.
+    deadline = time.monotonic() + 60
+    while current(agent, "det") != "v2":
+        assert time.monotonic() < deadline, agent.log_tail()
+        time.sleep(0.05)
+    agent.kill()  # kill -9 while v2 is pending (the probe says unhealthy)
     assert current(agent, "det") == "v2"
     agent.start()
     flag.write_text("")  # the app is healthy now: the resumed wait commits
