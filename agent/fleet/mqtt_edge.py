@@ -170,9 +170,10 @@ class FleetConnection(object):
         return handle
 
     def pump(self, on_message: Callable[[TopicInfo, Any], None], timeout: float,
-             max_events: Optional[int] = None) -> bool:
+             max_events: Optional[int] = None, drain: bool = False) -> bool:
         """Handle events for up to ``timeout`` s (or until ``max_events`` were handled: a
-        bounded batch); True if a SUBSCRIBED event was among them. Status and telemetry
+        bounded batch; ``drain``: past ``timeout`` too while events are queued); True if a
+        SUBSCRIBED event was among them. Status and telemetry
         messages update ``directory`` before ``on_message`` sees them."""
         from agent.wire import mqtt
 
@@ -205,8 +206,8 @@ class FleetConnection(object):
             elif ev.kind == mqtt.MESSAGE:
                 self._dispatch(ev, on_message)
             self._poll_roll_call()
-            if time.monotonic() >= deadline:
-                return subscribed
+            if time.monotonic() >= deadline and not drain:
+                return subscribed  # (draining: the next get, without a wait, ends it)
 
     # -- the roll call (agent.fleet.admission.rollcall) --------------------------------------------
 

@@ -567,7 +567,9 @@ class FleetService(object):
         wait = streaming.pump_timeout(unsent, quota, timeout)
         if due is not None:
             wait = max(0.0, min(wait, due - time.monotonic()))
-        self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS)
+        # What came is handled (a bounded batch) before more documents are built: statuses
+        # that wait hold memory and delay the rollout's end.
+        self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS, drain=True)
         self._commit_pending()
         tick = time.monotonic() - self.last_tick >= TICK_S
         self._collect_acks(full=tick)

@@ -71,7 +71,8 @@ class ByteQueue(object):
                         not any(f in payload for f in FINAL):
                     entry[3] = time.monotonic()
                 if older is not None and older[2]:
-                    older[2] = False  # superseded: dropped unread
+                    older[2] = False  # superseded: dropped unread, its memory at once
+                    older[0] = None
                     self.bytes -= older[1]
                     self.coalesced += 1
                 self._latest[topic] = entry
