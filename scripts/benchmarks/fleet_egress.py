@@ -21,6 +21,8 @@ for path in (ROOT, os.path.join(ROOT, "scripts"), os.path.join(ROOT, "scripts", 
     if path not in sys.path:
         sys.path.insert(0, path)
 
+import fleet_sharing  # noqa: E402
+
 from agent.wire.topics import DEFAULT_PREFIX  # noqa: E402
 
 AGENTS = [int(n) for n in os.environ.get("EGRESS_AGENTS", "10,50").split(",") if n]
@@ -62,7 +64,6 @@ class _Counter(object):
 
 def once(n):
     import fleet_scale
-    import fleet_sharing
 
     from agent.fleet.database.store import Store
 
@@ -114,17 +115,7 @@ def once(n):
     finally:
         if counter is not None:
             counter.stop()
-        if service is not None:
-            service.terminate()
-            service.wait(30)
-        for a in agents:
-            a.terminate()
-        for a in agents:
-            try:
-                a.wait(30)
-            except subprocess.TimeoutExpired:
-                a.kill()
-        broker.stop()
+        fleet_sharing.stop(service, agents, broker)
         if os.environ.get("EGRESS_KEEP_LOG"):
             shutil.copy(os.path.join(workdir, "serve.log"), os.environ["EGRESS_KEEP_LOG"])
         shutil.rmtree(workdir, ignore_errors=True)

@@ -167,13 +167,18 @@ def one_rollout(n, fetch, timeout=1800, fanout=False, model=None, signed=False):
                 "docs_per_s": n / docs_window, "cpu_s": cpu1 - cpu0, "rss": rss,
                 "block_bytes": fleet.block_bytes, "artifact_bytes": size}
     finally:
-        fleet.stop()
-        if serve is not None and serve.poll() is None:
-            serve.terminate()
-            serve.wait(30)
-        mosq.terminate()
-        mosq.wait(10)
+        stop(fleet, serve, mosq)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def stop(fleet, serve, mosq):
+    """The simulator, then the service (if it still runs), then the broker."""
+    fleet.stop()
+    if serve is not None and serve.poll() is None:
+        serve.terminate()
+        serve.wait(30)
+    mosq.terminate()
+    mosq.wait(10)
 
 
 def run():

@@ -123,18 +123,23 @@ def _once(bd, share, tag):
             store.close()
         return seconds, built, adopted, ok, build_s
     finally:
-        if service is not None:
-            service.terminate()
-            service.wait(30)
-        for a in agents:
-            a.terminate()
-        for a in agents:
-            try:
-                a.wait(30)
-            except subprocess.TimeoutExpired:
-                a.kill()
-        broker.stop()
+        stop(service, agents, broker)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def stop(service, agents, broker):
+    """The service, then every agent (killed after 30 s), then the broker."""
+    if service is not None:
+        service.terminate()
+        service.wait(30)
+    for a in agents:
+        a.terminate()
+    for a in agents:
+        try:
+            a.wait(30)
+        except subprocess.TimeoutExpired:
+            a.kill()
+    broker.stop()
 
 
 def run():

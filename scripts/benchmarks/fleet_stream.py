@@ -156,12 +156,7 @@ def run_once(n, timeout=3600):
         for proc in (observer,):
             if proc is not None:
                 proc.terminate()
-        fleet.stop()
-        if serve is not None and serve.poll() is None:
-            serve.terminate()
-            serve.wait(30)
-        mosq.terminate()
-        mosq.wait(10)
+        fleet_scale.stop(fleet, serve, mosq)
         if os.environ.get("STREAM_KEEP_LOG"):
             shutil.copy(os.path.join(work, "serve.log"), os.environ["STREAM_KEEP_LOG"])
         shutil.rmtree(work, ignore_errors=True)

@@ -110,26 +110,9 @@ def test_a_late_device_gets_the_missed_blocks_in_the_next_round_on_the_shared_to
     # As a daemon of any release fetches (agent.wire.transfer.BlockFetcher): a device that
     # starts listening after the blocks went out gets them from the next round, on the shared
     # topic, before its first fan-out timeout; nothing goes on its own topic.
-    from agent.wire.block_server import BlockServer
-    from tests.unit.test_transfer import BS as TBS
-    from tests.unit.test_transfer import Clock as TClock
-    from tests.unit.test_transfer import T, blob
-    from tests.unit.test_transfer_fanout import Broker, make
+    from tests.unit.test_transfer_fanout import late_joiner
 
-    clock = TClock()
-    broker = Broker()
-    broker.server = BlockServer(broker.server_publish, T, clock=clock)
-    data = blob(6 * TBS)
-    (tmp_path / "m.bin").write_bytes(data)
-    sha = broker.server.add_file(str(tmp_path / "m.bin"))
-    first, j1 = make(tmp_path, broker, clock, "first")
-    assert first.want(sha, len(data), "j1") is None
-    broker.pump()
-    assert broker.completed["first"]
-    clock.now += 0.5  # inside the 2 s window
-    late, j2 = make(tmp_path, broker, clock, "late")
-    assert late.want(sha, len(data), "j2") is None
-    broker.pump()
+    clock, broker, sha, data, _late, (j1, j2) = late_joiner(tmp_path)
     assert not broker.completed["late"]
     due = broker.server.next_due()
     assert due is not None and due - clock.now < 3.0  # FANOUT_FIRST_TIMEOUT_S

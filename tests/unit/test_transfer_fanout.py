@@ -133,12 +133,10 @@ def test_a_window_larger_than_a_request_goes_out_as_several_requests(tmp_path):
     journal.close()
 
 
-def test_a_device_joining_within_the_window_falls_back_after_a_short_wait(tmp_path):
-    # The second stage of a rollout asks for blocks fanned out a moment before it listened:
-    # the server does not send them again within its window (fan-out stays one copy), and the
-    # device goes to its own topic after the short first timeout, not a full request timeout.
-    from agent.wire.transfer import FANOUT_FIRST_TIMEOUT_S
-
+def late_joiner(tmp_path):
+    """A device ("first") fetches a 6-block artifact on the shared topic; 0.5 s later, inside
+    the server's window, another ("late") asks for it. Returns (clock, broker, sha, data, the
+    late fetcher, both journals)."""
     clock = Clock()
     broker = Broker()
     broker.server = BlockServer(broker.server_publish, T, clock=clock)
@@ -153,6 +151,16 @@ def test_a_device_joining_within_the_window_falls_back_after_a_short_wait(tmp_pa
     late, j2 = make(tmp_path, broker, clock, "late")
     assert late.want(sha, len(data), "j2") is None
     broker.pump()
+    return clock, broker, sha, data, late, (j1, j2)
+
+
+def test_a_device_joining_within_the_window_falls_back_after_a_short_wait(tmp_path):
+    # The second stage of a rollout asks for blocks fanned out a moment before it listened:
+    # the server does not send them again within its window (fan-out stays one copy), and the
+    # device goes to its own topic after the short first timeout, not a full request timeout.
+    from agent.wire.transfer import FANOUT_FIRST_TIMEOUT_S
+
+    clock, broker, sha, data, late, (j1, j2) = late_joiner(tmp_path)
     assert not broker.completed["late"]  # deduplicated: one copy per window
     clock.now += FANOUT_FIRST_TIMEOUT_S
     late.tick()
