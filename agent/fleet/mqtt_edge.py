@@ -173,8 +173,8 @@ class FleetConnection(object):
              max_events: Optional[int] = None, drain: bool = False) -> bool:
         """Handle events for up to ``timeout`` s (or until ``max_events`` were handled: a
         bounded batch; ``drain``: past ``timeout`` too while events are queued); True if a
-        SUBSCRIBED event was among them. Status and telemetry
-        messages update ``directory`` before ``on_message`` sees them."""
+        SUBSCRIBED event was among them. Status and telemetry messages update ``directory``
+        before ``on_message`` sees them."""
         from agent.wire import mqtt
 
         subscribed = False
