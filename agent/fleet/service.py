@@ -384,8 +384,7 @@ class FleetService(object):
         rows = self.store.rollout_states(self.rollouts)  # control and deadline: a few columns
         for rid, ro in list(self.rollouts.items()):
             if ro.pending_eval:  # decisions the last batches left owed
-                self.evaluated[rid] = time.monotonic()
-                self.commit(ro, ro.evaluate())
+                self.commit(ro, self._evaluate(ro, force=True))
             if rid not in self.rollouts:
                 continue  # its lease went (the commit said so)
             if ro.sharing is not None:  # waits that timed out; engines that came
@@ -518,12 +517,12 @@ class FleetService(object):
             # The database has it now: the broker need not keep the device's last word.
             more.append((self.topics.job_status(device, str(msg["job_id"])), b"", True))
 
-    def _evaluate(self, ro: Rollout) -> List[Any]:
+    def _evaluate(self, ro: Rollout, force: bool = False) -> List[Any]:
         """The stage and abort decisions owed, at most every EVALUATE_EVERY_S per rollout (they
         look at every device: once per batch of statuses was 7 % of a 50,000-device stage's
-        CPU); the tick takes what is still owed."""
+        CPU); the tick takes what is still owed (``force``)."""
         now = time.monotonic()
-        if not ro.pending_eval or now - self.evaluated.get(ro.rollout_id, 0.0) < \
+        if not ro.pending_eval or not force and now - self.evaluated.get(ro.rollout_id, 0.0) < \
                 streaming.EVALUATE_EVERY_S:
             return []
         self.evaluated[ro.rollout_id] = now

@@ -17,10 +17,13 @@ artifact goes out on its shared topic, so that a rollout window costs one copy o
 
 Pure: the clock is injected, nothing is published here (``BlockServer`` does). Memory is
 bounded: expected devices are forgotten after ``EXPECT_S`` (and at most ``MAX_EXPECTED`` are
-kept), publication and listening times beyond their caps once idle.
+kept), publication and listening times beyond their caps once idle. Per request and per
+expected device the work is constant (expiry from the front of a queue; the capped tables
+pruned at most once a second), not a scan of every device: a stage sends 50,000 jobs.
 """
 
-from typing import Callable, Dict, List, Optional, Tuple
+import collections
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 HOLD_S = 4.0  # the longest a first round waits for expected devices (its prelude block
 # went out at once: the devices listening wait their full request timeout, 10 s by default)
@@ -48,6 +51,11 @@ class Rounds(object):
         self.fanned: Dict[Tuple[Key, int], float] = {}  # (key, block) -> when published
         self.owed: Dict[Key, Dict[int, float]] = {}  # key -> block -> when it is due
         self.expected: Dict[str, Dict[str, float]] = {}  # sha256 -> device -> expected until
+        # (until, sha256, device) in the order expected (until only grows: EXPECT_S after
+        # now), so the expired ones are at its front; and how many pairs ``expected`` holds.
+        self._expiry: Deque[Tuple[float, str, str]] = collections.deque()
+        self._expected_n = 0
+        self._pruned_at = -1e18
         self.first: Dict[Key, float] = {}  # key -> when its held first round is due
         self.active: Dict[Key, float] = {}  # key -> when a block of it was last published
         # (key, device) -> (its first request, its last request): since when it listens
@@ -61,20 +69,33 @@ class Rounds(object):
         """``device`` was just sent a job naming artifact ``sha256``: it will ask soon."""
         now = self.clock()
         self._forget(now)
-        if sum(len(d) for d in self.expected.values()) >= MAX_EXPECTED:
-            return
-        self.expected.setdefault(sha256, {})[device] = now + EXPECT_S
+        devices = self.expected.setdefault(sha256, {})
+        if device not in devices:
+            if self._expected_n >= MAX_EXPECTED:
+                if not devices:
+                    del self.expected[sha256]
+                return
+            self._expected_n += 1
+        devices[device] = now + EXPECT_S
+        self._expiry.append((now + EXPECT_S, sha256, device))
+
+    def _unexpect(self, sha256: str, device: str) -> None:
+        devices = self.expected.get(sha256)
+        if devices is not None and devices.pop(device, None) is not None:
+            self._expected_n -= 1
+            if not devices:
+                del self.expected[sha256]
 
     def _forget(self, now: float) -> None:
-        for sha in list(self.expected):
-            devices = self.expected[sha]
-            for dev in [d for d, until in devices.items() if until <= now]:
-                del devices[dev]
-            if not devices:
-                del self.expected[sha]
+        """The expected pairs whose time passed (from the front: amortized, not a scan)."""
+        while self._expiry and self._expiry[0][0] <= now:
+            until, sha, dev = self._expiry.popleft()
+            if (self.expected.get(sha) or {}).get(dev) == until:  # not expected again since
+                self._unexpect(sha, dev)
 
     def _waiting(self, sha256: str, now: float) -> bool:
-        return any(until > now for until in (self.expected.get(sha256) or {}).values())
+        self._forget(now)
+        return bool(self.expected.get(sha256))
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -84,9 +105,7 @@ class Rounds(object):
         the others are owed to a round (``due``)."""
         now = self.clock()
         key = "{}:{}".format(sha256, block_size)
-        devices = self.expected.get(sha256)
-        if devices is not None:
-            devices.pop(device, None)
+        self._unexpect(sha256, device)
         self._prune(now)
         # Since when the device listens on the shared topic (it subscribes before its first
         # request): what went out since then reached it, what went out before did not.
@@ -169,10 +188,15 @@ class Rounds(object):
         return out
 
     def _prune(self, now: float) -> None:
-        if len(self.since) >= MAX_SINCE:
-            self.since = {k: v for k, v in self.since.items() if now - v[1] <= IDLE_S}
-        if len(self.fanned) > MAX_FANNED:
-            self.fanned = {k: t for k, t in self.fanned.items() if now - t < self.window_s}
+        """Idle entries dropped; the two large tables over their caps at most once a second
+        (a full table of fresh entries would otherwise be copied at every request)."""
+        if now - self._pruned_at >= 1.0:
+            if len(self.since) >= MAX_SINCE:
+                self._pruned_at = now
+                self.since = {k: v for k, v in self.since.items() if now - v[1] <= IDLE_S}
+            if len(self.fanned) > MAX_FANNED:
+                self._pruned_at = now
+                self.fanned = {k: t for k, t in self.fanned.items() if now - t < self.window_s}
         for table in (self.first, self.active):
             for key in [k for k, t in table.items() if now - t > IDLE_S]:
                 del table[key]

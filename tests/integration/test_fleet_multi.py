@@ -15,11 +15,15 @@ from tests.integration.test_fleet_service import ROOT, fleet_cli, fp16_args, wai
 
 
 class Instance:
-    def __init__(self, broker, db, store_dir, name, workdir):
+    """``fleet serve`` in a subprocess, its output in ``workdir/NAME.log``. ``options``: its
+    own (default: the instance name ``name`` and a 2 s lease)."""
+
+    def __init__(self, broker, db, store_dir, name, workdir, options=None):
         self.name = name
         self.args = [sys.executable, "-m", "agent", "fleet", "serve", "--broker", broker.url,
-                     "--db", db, "--store", store_dir, "--instance", name, "--lease", "2",
-                     "--share-group", "ctl"]
+                     "--db", db, "--store", store_dir, "--share-group", "ctl"] + (
+                         ["--instance", name, "--lease", "2"] if options is None
+                         else list(options))
         self.log = os.path.join(str(workdir), name + ".log")
         self.proc = None
 

@@ -15,18 +15,17 @@ agents.
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
 from agent.fleet.database.db import Db
 from agent.fleet.database.store import Store
+from tests.integration import test_fleet_multi as multi
 from tests.integration.conftest import MOSQUITTO, Broker
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 from tests.integration.test_fleet_rollout import wait_status
-from tests.integration.test_fleet_service import ROOT, fleet_cli, fp16_args, wait_registered
+from tests.integration.test_fleet_service import fleet_cli, fp16_args, wait_registered
 
 # Takeover within 10 s by default (lease 6 s, ticks of 0.5 s); the bound leaves room for a
 # loaded 2-core host (the measured figures are in docs/benchmarks.md).
@@ -51,33 +50,21 @@ def mosquitto(tmp_path):
         broker.stop(kill=False)
 
 
-class Instance:
-    def __init__(self, broker, db, workdir, label, extra=()):
-        self.args = [sys.executable, "-m", "agent", "fleet", "serve", "--broker", broker.url,
-                     "--db", db, "--store", os.path.join(str(workdir), "artifacts"),
-                     "--share-group", "ctl"] + list(extra)
-        self.log = os.path.join(str(workdir), label + ".log")
-        self.proc = None
+class Instance(multi.Instance):
+    """``fleet serve`` with its default name and lease (``extra``: more options)."""
 
-    def start(self):
-        logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(self.args, stdout=logf, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
-        logf.close()
-        return self
+    def __init__(self, broker, db, workdir, label, extra=()):
+        multi.Instance.__init__(self, broker, db, os.path.join(str(workdir), "artifacts"),
+                                label, workdir, list(extra))
 
     def kill(self):
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
+            self.proc.send_signal(signal.SIGCONT)  # a stopped process dies only once resumed
+        multi.Instance.kill(self)
 
     def text(self):
         with open(self.log, "rb") as f:
             return f.read().decode("utf-8", "replace")
-
-    def tail(self):
-        return self.text()[-3000:]
 
     def wait_for(self, pattern, timeout=60):
         """The first match of ``pattern`` in the log (an event, polled)."""

@@ -80,3 +80,12 @@ def test_a_status_not_final_waits_hold_s_and_is_superseded_unread():
     got = [(e.topic, e.payload) for e in (q.get(timeout=5) for _ in range(2))]
     assert got == [(b, status("IN_PROGRESS")), (b, b"")]
     assert q.bytes == 0 and q.empty()
+
+
+def test_a_payload_larger_than_any_decodable_message_is_dropped_whatever_the_budget():
+    from agent.fleet.transfer.bytequeue import MAX_PAYLOAD
+
+    q = ByteQueue()
+    q.put(msg("p/devices/a/jobs/j/status", MAX_PAYLOAD + 1))  # decode would refuse it
+    q.put(msg("p/devices/a/status", MAX_PAYLOAD))
+    assert q.dropped == 1 and q.qsize() == 1

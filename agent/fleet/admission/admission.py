@@ -135,9 +135,9 @@ class Admission(object):
         if force or not before:
             self.rows = self.store.device_keys()
             changed = self.rows
-        else:
+        else:  # in place: only the changed rows' previous states are kept for the comparison
             changed = self.store.device_keys(since=self.refreshed_at - CLOCK_MARGIN_S)
-            self.rows = dict(before)
+            before = {dev: self.rows.get(dev) or {} for dev in changed}
             self.rows.update(changed)
             if now - self.last_full >= FULL_REFRESH_S:  # rows deleted elsewhere go too
                 self.last_full = now

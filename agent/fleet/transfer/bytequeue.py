@@ -4,7 +4,8 @@ A controller must never stop paho's thread: PUBACKs, and with them every publish
 waits for, go through it (a full count-bounded queue once deadlocked a 1,200-device stage).
 Over the byte budget, messages that are cheap to lose (block requests: the device asks
 again; telemetry) are dropped and counted; everything else (statuses, acknowledgements,
-connection events) is always kept: those are small and bounded by the fleet's size.
+connection events) is always kept: those are small and bounded by the fleet's size. A payload
+larger than any message the controller decodes is dropped whatever the budget.
 
 A job status superseded while it waits (a newer message on the same job status topic: a
 device's retained status is its newest) is coalesced: the newer one goes to the back of the
@@ -22,11 +23,16 @@ import threading
 import time
 from typing import Any, Deque, Dict, List, Optional
 
+from agent.wire import protocol
+
 DROPPABLE = ("/request", "/telemetry")
 HOLD_S = 0.1
 # A job status naming one of these is final (a plain search of the payload, before anything is
 # verified: a wrong guess only changes whether it waits hold_s).
-FINAL = (b'"SUCCEEDED"', b'"FAILED"', b'"REJECTED"', b'"CANCELED"', b'"TIMED_OUT"')
+FINAL = tuple('"{}"'.format(s).encode() for s in sorted(protocol.TERMINAL_STATES))
+# Larger than any message the controller decodes (protocol.MAX_BYTES): refused there anyway,
+# so not held here whatever the budget (a hostile client's big payloads pile up otherwise).
+MAX_PAYLOAD = max(protocol.MAX_BYTES.values())
 
 
 def coalescable(topic: str) -> bool:
@@ -58,13 +64,13 @@ class ByteQueue(object):
     def put(self, event: Any, block: bool = True, timeout: Optional[float] = None) -> None:
         size = self._size(event)
         with self._cond:
-            if self.bytes + size > self.max_bytes and str(
+            payload = getattr(event, "payload", None) or b""
+            if len(payload) > MAX_PAYLOAD or self.bytes + size > self.max_bytes and str(
                     getattr(event, "topic", "")).endswith(DROPPABLE):
                 self.dropped += 1
                 return
             entry = [event, size, True, None]
             topic = getattr(event, "topic", None)
-            payload = getattr(event, "payload", None)
             older = self._latest.get(topic) if isinstance(topic, str) else None
             if isinstance(topic, str) and payload and coalescable(topic):
                 if self.hold_s > 0 and isinstance(payload, bytes) and \

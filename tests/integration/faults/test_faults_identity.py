@@ -132,10 +132,10 @@ def arena(request, tmp_path):
     a.close()
 
 
-def retained_doc(arena, user, device, job_id, timeout):
-    """The job document retained for ``device`` as ``user`` reads it (None: nothing came
-    within ``timeout``: the ACL kept it from ``user``)."""
-    c = arena.client(user, [T.job(device, job_id)])
+def first_retained(arena, user, topic, timeout, wanted=lambda msg: True):
+    """The first message on ``topic`` that ``user`` reads and ``wanted`` accepts, decoded
+    (None: none within ``timeout``; the ACL may keep it from ``user``)."""
+    c = arena.client(user, [topic])
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -144,10 +144,17 @@ def retained_doc(arena, user, device, job_id, timeout):
             except queue.Empty:
                 continue
             if ev.kind == MESSAGE and ev.payload:
-                return json.loads(ev.payload)
+                msg = json.loads(ev.payload)
+                if wanted(msg):
+                    return msg
         return None
     finally:
         c.stop()
+
+
+def retained_doc(arena, user, device, job_id, timeout):
+    """The job document retained for ``device`` as ``user`` reads it."""
+    return first_retained(arena, user, T.job(device, job_id), timeout)
 
 
 def put(url, headers, body=b"", length=None, chunk=1 << 20):
@@ -458,21 +465,11 @@ def pending_has(db, device):
 
 def retained_birth(arena, user, device, timeout):
     """``device``'s retained status as ``user`` reads it, once it says online."""
-    c = arena.client(user, [T.status(device)])
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            try:
-                ev = c.events.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if ev.kind == MESSAGE and ev.payload:
-                status = json.loads(ev.payload)
-                if status.get("online"):
-                    return status
+    status = first_retained(arena, user, T.status(device), timeout,
+                            lambda msg: bool(msg.get("online")))
+    if status is None:
         raise AssertionError("no online status of {} within {} s".format(device, timeout))
-    finally:
-        c.stop()
+    return status
 
 
 @pytest.mark.parametrize("arena", ["acl"], indirect=True)
