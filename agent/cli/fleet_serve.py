@@ -326,13 +326,15 @@ def run_rollouts(args: argparse.Namespace) -> int:
             return EXIT_OK
         if args.action == "attach":
             return attach(store, args.rollout_id, args.json, False)
+        # The row before the jobs: a state read after them could be newer than they are (a
+        # "cancelled" rollout whose device still showed QUEUED).
+        row = store.rollout(args.rollout_id) or {}
         ro = durable.load(store, args.rollout_id)
         if ro is None:
             raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
                 args.rollout_id))
         from agent.fleet.web import views
 
-        row = store.rollout(args.rollout_id) or {}
         summary = views.rollout_detail(store, row, jobs=[]) if row else {}
         report = fleet.rollout_report(ro, store.statuses(), {
             "state": row.get("state"), "stage_progress": row.get("stage_progress"),

@@ -5,6 +5,7 @@ out by ``agent.fleet.service``.
 
 import logging
 import queue
+import sys
 import time
 import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional
@@ -145,6 +146,11 @@ class FleetConnection(object):
         if self.client is not None:
             self.client.stop()
 
+    def rereads_dropped(self) -> int:
+        """Retained births and models messages the event queue let go (over its budget for
+        them): the broker keeps them, a roll call reads them again."""
+        return int(getattr(getattr(self.client, "events", None), "reread_dropped", 0))
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until the broker acknowledged every QoS 1 message published so far."""
         deadline = time.monotonic() + timeout
@@ -255,6 +261,8 @@ class FleetConnection(object):
             return
         if self.gate is not None and not self.gate(info, ev):
             return  # a device not admitted, or a message not signed by its pinned key
+        if info.device:  # admitted: the service's tables (and its rollouts') share one name
+            info = info._replace(device=sys.intern(info.device))
         if info.kind in ("artifact_request", "block", "job"):
             on_message(info, ev)
             return

@@ -71,6 +71,9 @@ class FleetService(object):
         self.by_job: Dict[str, str] = {}  # job id -> rollout id
         self.server = BlockServer(self._publish_block, self.topics)
         self.unacked: List[Tuple[Any, int]] = []  # (publish handle, outbox id)
+        # Documents streamed whose devices have not answered yet (the statuses waiting to be
+        # read are the service's backlog: beyond a bound, no more documents are built).
+        self.unanswered = streaming.Unanswered()
         self.evaluated: Dict[str, float] = {}  # rollout -> when its decisions were last made
         self.devices_dirty: Dict[str, Dict[str, Any]] = {}
         self.models_dirty: Dict[str, Dict[str, Any]] = {}  # device -> its models message
@@ -95,6 +98,7 @@ class FleetService(object):
         self.roll_call_every_s = ROLL_CALL_EVERY_S
         self.last_roll_call = 0.0
         self.new_births = 0  # devices first heard since the last roll call
+        self.rereads_dropped = 0  # (FleetConnection.rereads_dropped) when the last one began
         self.last_birth = 0.0
         # Device admission (agent.fleet.admission.admission): the gate every device message passes.
         self.admission = admission
@@ -117,7 +121,12 @@ class FleetService(object):
 
     def _send(self, ids: Sequence[int], msgs: Sequence[durable.Message]) -> None:
         for oid, (topic, payload, retain) in zip(ids, msgs):
-            handle = self.conn.client.publish(topic, payload, qos=1, retain=retain)
+            # Clearing a device's retained job status goes at QoS 0 (no acknowledgement to
+            # wait for, a fifth of a large stage's packets): that status came from the broker,
+            # so nothing of ours on the topic can overtake the clear. Once written to the
+            # socket its outbox row goes; lost only with the connection.
+            qos = 0 if retain and not payload and topic.endswith("/status") else 1
+            handle = self.conn.client.publish(topic, payload, qos=qos, retain=retain)
             self.unacked.append((handle, oid))
             if payload and "/jobs/" in topic and not topic.endswith("/status"):
                 self.stats["job_docs"] += 1
@@ -140,8 +149,9 @@ class FleetService(object):
         self.unacked = [(h, oid) for h, oid in head if not h.acked] + self.unacked
         if done:
             self.store.outbox_done(done)
-        for h, _oid in failed:  # refused by the broker: stays in the outbox for the next start
-            log.warning("the broker refused %s (%s); kept in the outbox", h.topic, h.reason)
+        if failed:  # refused, or not sent: stays in the outbox for the next start
+            log.warning("%d message(s) not taken by the broker (first: %s, %s); kept in the "
+                        "outbox", len(failed), failed[0][0].topic, failed[0][0].reason)
 
     def commit(self, ro: Rollout, actions: Sequence[Any] = (),
                extra: Optional[Dict[str, Any]] = None,
@@ -319,12 +329,17 @@ class FleetService(object):
         """Start a roll call in the background (``pump`` carries it on) when one is due."""
         mono = time.monotonic()
         burst = self.new_births >= BURST_BIRTHS and mono - self.last_birth >= BURST_QUIET_S
+        dropped = self.conn.rereads_dropped() - self.rereads_dropped
         if self.conn.rollcall is None and (
-                burst or mono - self.last_roll_call >= self.roll_call_every_s):
+                burst or dropped or mono - self.last_roll_call >= self.roll_call_every_s):
             if burst:
                 log.info("%d devices appeared since the last roll call: taking one",
                          self.new_births)
+            if dropped:
+                log.info("%d retained births or models messages were left at the broker (the "
+                         "event queue was full of them): a roll call reads them", dropped)
             self.new_births = 0
+            self.rereads_dropped += dropped
             self.last_roll_call = mono
             self.conn.begin_roll_call()
 
@@ -501,6 +516,7 @@ class FleetService(object):
 
     def _job_status(self, device: str, msg: Dict[str, Any]) -> None:
         self.stats["statuses"] += 1
+        self.unanswered.answered(device, str(msg.get("job_id")))
         self._take_offers()  # a builder's upload ends before its SUCCEEDED status is sent
         rid = self.by_job.get(str(msg.get("job_id")))
         ro = self.rollouts.get(rid) if rid else None
@@ -541,29 +557,35 @@ class FleetService(object):
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _stream(self) -> Tuple[int, int]:
+    def _stream(self) -> int:
         """The next batch of each streaming stage's documents (agent.fleet.rollouts.streaming):
-        built, saved in one transaction, published. Returns (documents still owed, quota left)."""
-        quota = streaming.doc_quota(len(self.unacked))
+        built, saved in one transaction, published, as many as the broker's acknowledgements
+        and the devices' answers allow. Returns the documents still owed."""
+        now = time.monotonic()
+        quota = min(streaming.doc_quota(len(self.unacked)), self.unanswered.quota(now))
         owed = [ro for ro in self.rollouts.values() if ro.unsent]
         for i, ro in enumerate(owed):
             n = streaming.split(quota, ro.unsent, len(owed) - i - 1)
             if n <= 0:
                 break
             actions = ro.more(n)
-            quota -= sum(1 for a in actions if a.kind == "publish")
+            for a in actions:
+                if a.kind == "publish":
+                    quota -= 1
+                    self.unanswered.sent(a.device, a.job_id, now)
             actions += self._evaluate(ro)
             self.commit(ro, actions)
-        return sum(ro.unsent for ro in owed), streaming.doc_quota(len(self.unacked))
+        return sum(ro.unsent for ro in owed)
 
     def step(self, timeout: float = 0.2) -> None:
         """Send the next documents owed, handle what arrived for up to ``timeout`` s (a short
         while when documents are still owed; a bounded batch of events), commit what it
         changed, then the periodic work."""
-        unsent, quota = self._stream()
+        unsent = self._stream()
         self.server.poll()  # fan-out rounds that came (agent.wire.fanout_rounds)
         due = self.server.next_due()
-        wait = streaming.pump_timeout(unsent, quota, timeout)
+        # (A quota spent on unanswered documents comes back with the statuses pump reads.)
+        wait = streaming.pump_timeout(unsent, streaming.doc_quota(len(self.unacked)), timeout)
         if due is not None:
             wait = max(0.0, min(wait, due - time.monotonic()))
         # What came is handled (a bounded batch) before more documents are built: statuses
@@ -580,8 +602,10 @@ class FleetService(object):
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
         last = self.conn.last_roll_call  # discover() may have taken one just now
-        if last is None or time.monotonic() - last.started > 60.0:
+        if last is None or time.monotonic() - last.started > 60.0 or \
+                self.conn.rereads_dropped():
             self.conn.roll_call(self.on_message)  # those the broker's queue left out
+        self.rereads_dropped = self.conn.rereads_dropped()
         self.new_births = 0
         self.last_roll_call = time.monotonic()
         self._commit_pending()

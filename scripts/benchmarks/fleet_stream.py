@@ -79,6 +79,15 @@ def _last_final_seen(path):
     return last
 
 
+def _others_cpu(broker_pid):
+    """(this process's CPU s: the simulator; the broker's; the host's idle CPU s; wall s)."""
+    mine = os.times()
+    with open("/proc/stat") as f:
+        idle = int(f.readline().split()[4]) / float(fleet_scale.TICKS)
+    return (mine.user + mine.system, fleet_scale.proc_usage(broker_pid)[0], idle,
+            time.monotonic())
+
+
 def run_once(n, timeout=3600):
     work = tempfile.mkdtemp(prefix="fleet-stream-")
     mosq, port = fleet_scale.broker(work)
@@ -86,7 +95,7 @@ def run_once(n, timeout=3600):
     db = "sqlite:///" + db_path
     fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", identity=True,
                            connections=min(CONNECTIONS, n))
-    serve = observer = profiler = None
+    serve = observer = profiler = profiler_sim = None
     load0 = os.getloadavg()
     try:
         fleet.start()
@@ -98,6 +107,9 @@ def run_once(n, timeout=3600):
              "--admission-keys", keys],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(work, "serve.log"), "w"))
+        sampler = _RssSampler(serve.pid)
+        sampler.start()
+        launched = time.time()
         deadline = time.monotonic() + timeout
         # Every device registered, and the service's start-up (the retained births and the
         # roll call) over: it logs its line once serving (its services row comes earlier).
@@ -106,16 +118,22 @@ def run_once(n, timeout=3600):
                 "INFO agent.fleet: fleet service " not in open(log_path, errors="replace").read():
             assert time.monotonic() < deadline and serve.poll() is None, "registry"
             time.sleep(0.5)
+        serving = time.time()
         observer = _observer(port, os.path.join(work, "finals.txt"))
-        sampler = _RssSampler(serve.pid)
-        sampler.start()
         time.sleep(1.0)
         cpu0, _ = fleet_scale.proc_usage(serve.pid)
+        others0 = _others_cpu(mosq.pid)
         load1 = os.getloadavg()
+        if os.environ.get("STREAM_PROFILE_SIM"):  # the simulator's (this process's) time
+            profiler_sim = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw", "--rate",
+                 "50", "--nonblocking", "-o", os.environ["STREAM_PROFILE_SIM"]],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         if os.environ.get("STREAM_PROFILE"):  # where the service's time goes: py-spy, raw stacks
             profiler = subprocess.Popen(
                 ["py-spy", "record", "--pid", str(serve.pid), "--format", "raw", "--rate", "50",
-                 "--nonblocking", "-o", os.environ["STREAM_PROFILE"]],
+                 "--nonblocking", "-o", os.environ["STREAM_PROFILE"]] +
+                (["--idle"] if os.environ.get("STREAM_PROFILE_IDLE") else []),
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         out = fleet_scale.cli(["rollout", "--model", os.path.join(FP16, "model.onnx"),
                                "--inputs", os.path.join(FP16, "inputs.json"), "--golden",
@@ -129,6 +147,7 @@ def run_once(n, timeout=3600):
                 "rollout: {} of {} succeeded".format(fleet.succeeded, n))
             time.sleep(0.2)
         cpu1, rss = fleet_scale.proc_usage(serve.pid)
+        others1 = _others_cpu(mosq.pid)
         time.sleep(0.5)
         con = sqlite3.connect(db_path, timeout=30)
         created, finished = con.execute(
@@ -138,7 +157,8 @@ def run_once(n, timeout=3600):
         seen = _last_final_seen(os.path.join(work, "finals.txt"))
         first_doc, last_doc, last_final = fleet.first_doc, fleet.last_doc, fleet.last_final
         sampler.stopping.set()
-        phases = {"before submission": sampler.peak(0, created),
+        phases = {"start-up (births, admission, roll call)": sampler.peak(launched, serving),
+                  "serving, before submission": sampler.peak(serving, created),
                   "streaming (to the last document)": sampler.peak(created, last_doc),
                   "the last statuses (to succeeded)": sampler.peak(last_doc, finished + 1)}
         return {"devices": n, "succeeded": ok, "connections": len(fleet.clients),
@@ -147,9 +167,19 @@ def run_once(n, timeout=3600):
                 "db_after_last_final_sent_s": finished - last_final,
                 "db_after_last_final_at_broker_s": finished - seen if seen else None,
                 "rss_mib": rss / 2.0 ** 20, "rss_peak_mib_by_phase": phases, "cpu_s": cpu1 - cpu0,
+                # The same window (submission -> succeeded): what else used the two cores.
+                "simulator_cpu_s": others1[0] - others0[0], "broker_cpu_s": others1[1] - others0[1],
+                "host_idle_s": others1[2] - others0[2], "window_s": others1[3] - others0[3],
+                "rss_timeline": [(round(t - launched, 1), round(m)) for t, m in
+                                 sampler.samples[::5]] if os.environ.get("STREAM_TIMELINE")
+                else None,
                 "sim_connects": fleet.connects, "load_before": load0,
                 "load_at_submit": load1, "load_after": os.getloadavg(), "cores": os.cpu_count()}
     finally:
+        for p in (profiler_sim,):
+            if p is not None:
+                p.send_signal(2)
+                p.wait(60)
         if profiler is not None:
             profiler.send_signal(2)  # SIGINT: py-spy writes what it recorded
             profiler.wait(60)

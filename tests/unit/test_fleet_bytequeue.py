@@ -89,3 +89,21 @@ def test_a_payload_larger_than_any_decodable_message_is_dropped_whatever_the_bud
     q.put(msg("p/devices/a/jobs/j/status", MAX_PAYLOAD + 1))  # decode would refuse it
     q.put(msg("p/devices/a/status", MAX_PAYLOAD))
     assert q.dropped == 1 and q.qsize() == 1
+
+
+def test_retained_births_and_models_over_their_budget_are_left_at_the_broker():
+    q = ByteQueue(max_bytes=1 << 20, reread_bytes=10000)
+    for i in range(10):  # a subscription's flood of retained births and models messages
+        for kind in ("status", "models"):
+            ev = msg("p/devices/d{}/{}".format(i, kind), 2000)
+            ev.retain = True
+            q.put(ev)
+    live = msg("p/devices/d9/status", 2000)  # a live birth: always kept
+    q.put(live)
+    final = msg("p/devices/d9/jobs/j/status", 2000)  # a retained job status: always kept
+    final.retain = True
+    q.put(final)
+    kept = [q.get(timeout=0.1) for _ in range(q.qsize())]
+    assert q.reread_dropped == 16 and q.dropped == 16  # the roll call reads those again
+    assert kept[-2:] == [live, final]
+    assert len(kept) == 6

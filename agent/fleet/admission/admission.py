@@ -23,6 +23,7 @@ so it never reaches the device table, the dashboard, ``/metrics`` or a rollout's
 
 import base64
 import logging
+import sys
 import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
@@ -70,6 +71,17 @@ def load_keys_file(path: str) -> Dict[str, bytes]:
                              "public key, found {}".format(path, n, exc))
         keys[key_id(raw)] = raw
     return keys
+
+
+def _held(row: Mapping[str, Any]) -> Dict[str, Any]:
+    """An admission row as the gate holds it (one per device, 50,000 in a large fleet): its
+    empty columns left out (``get`` reads them as None) and its device and state strings
+    shared."""
+    out = {k: v for k, v in row.items() if v is not None or k == "state"}
+    for k in ("device", "state"):
+        if isinstance(out.get(k), str):
+            out[k] = sys.intern(out[k])
+    return out
 
 
 class Admission(object):
@@ -133,10 +145,11 @@ class Admission(object):
         before = self.rows
         wall = time.time()
         if force or not before:
-            self.rows = self.store.device_keys()
+            self.rows = {d: _held(r) for d, r in self.store.device_keys().items()}
             changed = self.rows
         else:  # in place: only the changed rows' previous states are kept for the comparison
-            changed = self.store.device_keys(since=self.refreshed_at - CLOCK_MARGIN_S)
+            changed = {d: _held(r) for d, r in self.store.device_keys(
+                since=self.refreshed_at - CLOCK_MARGIN_S).items()}
             before = {dev: self.rows.get(dev) or {} for dev in changed}
             self.rows.update(changed)
             if now - self.last_full >= FULL_REFRESH_S:  # rows deleted elsewhere go too
@@ -172,7 +185,7 @@ class Admission(object):
     def _set(self, device: str, **fields: Any) -> None:
         row = dict(self.rows.get(device) or {"device": device, "state": None})
         row.update(fields)
-        self.rows[device] = row
+        self.rows[device] = _held(row)
         self.store.put_device_key(device, row)
 
     def _pending(self, device: str, raw: bytes, status: Mapping[str, Any], state: str) -> None:

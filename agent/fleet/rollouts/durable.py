@@ -12,6 +12,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.fleet.database.store import Store
+from agent.fleet.rollouts.device_run import DeviceRun
 from agent.fleet.rollouts.preview import gate_of
 from agent.fleet.rollouts.rollout import Action, DocFactory, Rollout
 from agent.fleet.rollouts.spec import doc_factory, policy_of
@@ -49,6 +50,7 @@ def load(store: Store, rollout_id: str, docs: Optional[DocFactory] = None
         run = ro.runs.get(device)
         if run is not None:
             run.load(state, data or {})
+            _maybe_freeze(run)
     ro.resume_stream()
     ro.dirty.clear()
     return ro
@@ -93,9 +95,18 @@ def save(store: Store, ro: Rollout, out: Sequence[Message] = (),
             for d in sorted(ro.dirty) if d in ro.runs}
     history = [(ro.rollout_id,) + tuple(h) for h in ro.history]
     ids = store.save_rollout(ro.rollout_id, fields, jobs, history, out, fence=fence)
+    for d in jobs:
+        _maybe_freeze(ro.runs[d])
     ro.dirty.clear()
     ro.history = []
     return ids
+
+
+def _maybe_freeze(run: DeviceRun) -> None:
+    """A finished run with nothing left at the broker is saved as it is: its seldom read
+    fields may wait as text (``DeviceRun.freeze``)."""
+    if run.terminal and not run.published:
+        run.freeze()
 
 
 def republish(topics: Topics, ro: Rollout) -> List[Message]:

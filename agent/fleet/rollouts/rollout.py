@@ -4,6 +4,7 @@ precision search each device runs a ``search`` job, then a ``deploy`` job that k
 the search found. Pure: no I/O, the clock is injected.
 """
 
+import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -19,6 +20,7 @@ MAX_ROLLOUT_ID = 64 - len(SEARCH_SUFFIX)
 # A device's job status versions grow by one per change; a jump larger than this is not an
 # answer from the device (a forged version near 2**53 would silence it for good).
 MAX_VERSION_STEP = 100000
+_STATES = {s: s for s in protocol.STATES}
 FIRST_BATCH = 200  # documents a stage's start builds; the rest come through Rollout.more(n)
 
 
@@ -54,7 +56,8 @@ class Rollout(object):
         self.rollout_id = check_rollout_id(rollout_id)
         self.deploy_id = rollout_id
         self.search_id = rollout_id + SEARCH_SUFFIX if search else None
-        self.stages = [list(s) for s in stages]
+        # Device names interned: the service's other tables key on the same strings.
+        self.stages = [[sys.intern(str(d)) for d in s] for s in stages]
         self.docs = docs
         self.policy = check_policy(policy or Policy())
         self.clock = clock
@@ -158,6 +161,7 @@ class Rollout(object):
         self.history.append((device, str(job_id), version, str(msg.get("state")),
                              str(msg.get("stage") or ""), msg.get("ts")))
         state = str(msg.get("state"))
+        state = _STATES.get(state, state)  # one shared copy, not one a run
         actions: List[Action] = []
         is_search = job_id == self.search_id
         if is_search and run.phase == "deploy":

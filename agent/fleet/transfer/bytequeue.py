@@ -5,7 +5,10 @@ waits for, go through it (a full count-bounded queue once deadlocked a 1,200-dev
 Over the byte budget, messages that are cheap to lose (block requests: the device asks
 again; telemetry) are dropped and counted; everything else (statuses, acknowledgements,
 connection events) is always kept: those are small and bounded by the fleet's size. A payload
-larger than any message the controller decodes is dropped whatever the budget.
+larger than any message the controller decodes is dropped whatever the budget. A retained
+birth or models message (a subscription's flood of them: 50,000 at a service's start) is kept
+up to a smaller budget, ``reread_bytes``: the broker still holds it, and the roll call reads
+it again (``reread_dropped`` counts them; the service then takes one).
 
 A job status superseded while it waits (a newer message on the same job status topic: a
 device's retained status is its newest) is coalesced: the newer one goes to the back of the
@@ -26,6 +29,7 @@ from typing import Any, Deque, Dict, List, Optional
 from agent.wire import protocol
 
 DROPPABLE = ("/request", "/telemetry")
+REREAD_BYTES = 16 << 20
 HOLD_S = 0.1
 # A job status naming one of these is final (a plain search of the payload, before anything is
 # verified: a wrong guess only changes whether it waits hold_s).
@@ -40,11 +44,21 @@ def coalescable(topic: str) -> bool:
     return topic.endswith("/status") and "/jobs/" in topic
 
 
+def rereadable(event: Any) -> bool:
+    """A device's birth or models message delivered as retained: the broker keeps it."""
+    topic = str(getattr(event, "topic", ""))
+    return bool(getattr(event, "retain", False)) and "/devices/" in topic and (
+        topic.endswith("/models") or topic.endswith("/status") and not coalescable(topic))
+
+
 class ByteQueue(object):
     """``queue.Queue``'s ``put``/``get``/``qsize`` for ``agent.wire.mqtt`` events."""
 
-    def __init__(self, max_bytes: int = 64 << 20, hold_s: float = HOLD_S) -> None:
+    def __init__(self, max_bytes: int = 64 << 20, hold_s: float = HOLD_S,
+                 reread_bytes: int = REREAD_BYTES) -> None:
         self.max_bytes = int(max_bytes)
+        self.reread_bytes = int(reread_bytes)
+        self.reread_dropped = 0
         self.hold_s = float(hold_s)
         self.bytes = 0
         self.dropped = 0
@@ -68,6 +82,10 @@ class ByteQueue(object):
             if len(payload) > MAX_PAYLOAD or self.bytes + size > self.max_bytes and str(
                     getattr(event, "topic", "")).endswith(DROPPABLE):
                 self.dropped += 1
+                return
+            if self.bytes + size > self.reread_bytes and rereadable(event):
+                self.dropped += 1
+                self.reread_dropped += 1
                 return
             entry = [event, size, True, None]
             topic = getattr(event, "topic", None)
