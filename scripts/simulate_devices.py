@@ -22,8 +22,10 @@ controller's ``--admission keys --admission-keys FILE``, as manufacturing would.
 
 import argparse
 import copy
+import json
 import os
 import select
+import signal
 import sys
 import threading
 import time
@@ -371,7 +373,11 @@ def main() -> int:
                                                   MAX_DEFAULT_CONNECTIONS))
     p.add_argument("--identity", metavar="KEYS_FILE", help="device keys: sign every report, "
                    "write the public keys here (for fleet serve --admission-keys)")
+    p.add_argument("--stats", metavar="FILE", help="at exit (Ctrl-C, SIGTERM), write what the "
+                   "devices saw here as JSON: first and last job document received, last final "
+                   "status sent (epoch seconds), jobs succeeded, CONNACKs")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *a: _interrupt())
     hostport = args.broker.split("://", 1)[-1]
     host, _, port = hostport.partition(":")
     fleet = SimulatedFleet(host, int(port or 1883), args.count, args.name, args.prefix,
@@ -385,12 +391,23 @@ def main() -> int:
     try:
         while True:
             time.sleep(5)
+            with fleet.lock:  # the network thread adds jobs meanwhile
+                received = sum(len(v) for v in fleet.jobs.values())
             print("jobs received {}, succeeded {}, block bytes {}".format(
-                sum(len(v) for v in fleet.jobs.values()), fleet.succeeded, fleet.block_bytes),
-                flush=True)
+                received, fleet.succeeded, fleet.block_bytes), flush=True)
     except KeyboardInterrupt:
         fleet.stop()
+    if args.stats:
+        with open(args.stats + ".tmp", "w") as f:
+            json.dump({"first_doc": fleet.first_doc, "last_doc": fleet.last_doc,
+                       "last_final": fleet.last_final, "succeeded": fleet.succeeded,
+                       "connects": fleet.connects}, f)
+        os.replace(args.stats + ".tmp", args.stats)
     return 0
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

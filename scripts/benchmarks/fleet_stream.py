@@ -37,6 +37,10 @@ DEVICES = int(os.environ.get("STREAM_DEVICES", "10000"))
 # The devices spread over this many simulator connections (one paho client each): a single
 # connection carrying 50,000 devices stalls in the broker and the simulator themselves.
 CONNECTIONS = int(os.environ.get("STREAM_CONNECTIONS", "100"))
+# Simulator processes sharing the devices and connections: one Python process (one GIL)
+# signing three statuses a device was the slower end at 50,000 (its network thread 93 % busy,
+# documents waiting in its sockets before they counted as received).
+PROCESSES = int(os.environ.get("STREAM_SIM_PROCESSES", "2"))
 FP16 = fleet_scale.FP16
 
 
@@ -79,13 +83,78 @@ def _last_final_seen(path):
     return last
 
 
-def _others_cpu(broker_pid):
-    """(this process's CPU s: the simulator; the broker's; the host's idle CPU s; wall s)."""
-    mine = os.times()
+class _SimulatorProcesses(object):
+    """``scripts/simulate_devices.py`` in ``processes`` processes (devices ``sim0-...``,
+    ``sim1-...``), the connections split between them; what ``run_once`` reads of a
+    ``SimulatedFleet``, gathered from their ``--stats`` files when they stop."""
+
+    def __init__(self, port, n, work, processes, connections):
+        self.procs, self.work = [], work
+        self.counts = [n // processes + (1 if k < n % processes else 0)
+                       for k in range(processes)]
+        self.conns = [max(1, connections // processes) for _ in range(processes)]
+        self.port = port
+        self.first_doc = self.last_doc = self.last_final = None
+        self.succeeded = self.connects = 0
+        self.clients = [None] * sum(self.conns)
+
+    def start(self):
+        script = os.path.join(ROOT, "scripts", "simulate_devices.py")
+        for k, (count, conns) in enumerate(zip(self.counts, self.conns)):
+            out = open(os.path.join(self.work, "sim{}.out".format(k)), "w")
+            self.procs.append(subprocess.Popen(
+                [sys.executable, script, "--broker", "mqtt://127.0.0.1:{}".format(self.port),
+                 "--count", str(count), "--name", "sim{}".format(k), "--connections",
+                 str(conns), "--identity", os.path.join(self.work, "keys{}".format(k)),
+                 "--stats", os.path.join(self.work, "stats{}.json".format(k))],
+                stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=ROOT)))
+        deadline = time.monotonic() + 300
+        for k, proc in enumerate(self.procs):
+            while "online" not in open(os.path.join(self.work, "sim{}.out".format(k))).read():
+                assert proc.poll() is None and time.monotonic() < deadline, "simulator {}".format(k)
+                time.sleep(0.2)
+
+    def write_keys(self, path):
+        with open(path, "w") as f:
+            for k in range(len(self.procs)):
+                f.write(open(os.path.join(self.work, "keys{}".format(k))).read())
+        return path
+
+    def alive(self):
+        return all(p.poll() is None for p in self.procs)
+
+    def cpu(self):
+        return sum(fleet_scale.proc_usage(p.pid)[0] for p in self.procs if p.poll() is None)
+
+    def stop(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.terminate()
+        stats = []
+        for k, proc in enumerate(self.procs):
+            proc.wait(60)
+            path = os.path.join(self.work, "stats{}.json".format(k))
+            if os.path.exists(path):
+                stats.append(json.load(open(path)))
+        firsts = [st["first_doc"] for st in stats if st["first_doc"]]
+        self.first_doc = min(firsts) if firsts else None
+        for key in ("last_doc", "last_final"):
+            values = [st[key] for st in stats if st[key]]
+            setattr(self, key, max(values) if values else None)
+        self.succeeded = sum(st["succeeded"] for st in stats)
+        self.connects = sum(st["connects"] for st in stats)
+
+
+def _others_cpu(broker_pid, fleet):
+    """(the simulator's CPU s; the broker's; the host's idle CPU s; wall s)."""
+    if isinstance(fleet, _SimulatorProcesses):
+        sim = fleet.cpu()
+    else:  # this process
+        mine = os.times()
+        sim = mine.user + mine.system
     with open("/proc/stat") as f:
         idle = int(f.readline().split()[4]) / float(fleet_scale.TICKS)
-    return (mine.user + mine.system, fleet_scale.proc_usage(broker_pid)[0], idle,
-            time.monotonic())
+    return sim, fleet_scale.proc_usage(broker_pid)[0], idle, time.monotonic()
 
 
 def run_once(n, timeout=3600):
@@ -93,8 +162,11 @@ def run_once(n, timeout=3600):
     mosq, port = fleet_scale.broker(work)
     db_path = os.path.join(work, "fleet.db")
     db = "sqlite:///" + db_path
-    fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", identity=True,
-                           connections=min(CONNECTIONS, n))
+    if PROCESSES > 1:
+        fleet = _SimulatorProcesses(port, n, work, PROCESSES, min(CONNECTIONS, n))
+    else:
+        fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", identity=True,
+                               connections=min(CONNECTIONS, n))
     serve = observer = profiler = profiler_sim = None
     load0 = os.getloadavg()
     try:
@@ -122,7 +194,7 @@ def run_once(n, timeout=3600):
         observer = _observer(port, os.path.join(work, "finals.txt"))
         time.sleep(1.0)
         cpu0, _ = fleet_scale.proc_usage(serve.pid)
-        others0 = _others_cpu(mosq.pid)
+        others0 = _others_cpu(mosq.pid, fleet)
         load1 = os.getloadavg()
         if os.environ.get("STREAM_PROFILE_SIM"):  # the simulator's (this process's) time
             profiler_sim = subprocess.Popen(
@@ -143,11 +215,12 @@ def run_once(n, timeout=3600):
         assert out.returncode == 0, out.stderr
         while fleet_scale.count(db_path, "SELECT COUNT(*) FROM rollouts WHERE state = "
                                 "'succeeded'") < 1:
-            assert time.monotonic() < deadline and serve.poll() is None, (
+            assert time.monotonic() < deadline and serve.poll() is None and \
+                getattr(fleet, "alive", lambda: True)(), (
                 "rollout: {} of {} succeeded".format(fleet.succeeded, n))
             time.sleep(0.2)
         cpu1, rss = fleet_scale.proc_usage(serve.pid)
-        others1 = _others_cpu(mosq.pid)
+        others1 = _others_cpu(mosq.pid, fleet)
         time.sleep(0.5)
         con = sqlite3.connect(db_path, timeout=30)
         created, finished = con.execute(
@@ -155,6 +228,8 @@ def run_once(n, timeout=3600):
         ok = con.execute("SELECT COUNT(*) FROM jobs WHERE state = 'SUCCEEDED'").fetchone()[0]
         con.close()
         seen = _last_final_seen(os.path.join(work, "finals.txt"))
+        if isinstance(fleet, _SimulatorProcesses):
+            fleet.stop()  # they say what they saw as they exit
         first_doc, last_doc, last_final = fleet.first_doc, fleet.last_doc, fleet.last_final
         sampler.stopping.set()
         phases = {"start-up (births, admission, roll call)": sampler.peak(launched, serving),
