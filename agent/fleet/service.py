@@ -41,6 +41,7 @@ TICK_S = 0.5  # how often leases, controls, deadlines and the registry are looke
 ROLL_CALL_EVERY_S = 600.0
 BURST_BIRTHS = 100
 BURST_QUIET_S = 2.0
+REREAD_EVERY_S = 30.0
 
 
 class FleetService(object):
@@ -121,12 +122,7 @@ class FleetService(object):
 
     def _send(self, ids: Sequence[int], msgs: Sequence[durable.Message]) -> None:
         for oid, (topic, payload, retain) in zip(ids, msgs):
-            # Clearing a device's retained job status goes at QoS 0 (no acknowledgement to
-            # wait for, a fifth of a large stage's packets): that status came from the broker,
-            # so nothing of ours on the topic can overtake the clear. Once written to the
-            # socket its outbox row goes; lost only with the connection.
-            qos = 0 if retain and not payload and topic.endswith("/status") else 1
-            handle = self.conn.client.publish(topic, payload, qos=qos, retain=retain)
+            handle = self.conn.client.publish(topic, payload, qos=1, retain=retain)
             self.unacked.append((handle, oid))
             if payload and "/jobs/" in topic and not topic.endswith("/status"):
                 self.stats["job_docs"] += 1
@@ -329,7 +325,11 @@ class FleetService(object):
         """Start a roll call in the background (``pump`` carries it on) when one is due."""
         mono = time.monotonic()
         burst = self.new_births >= BURST_BIRTHS and mono - self.last_birth >= BURST_QUIET_S
+        # Retained births left at the broker (agent.fleet.transfer.bytequeue): read again, at
+        # most every REREAD_EVERY_S (a roll call's own pages may be cut the same way).
         dropped = self.conn.rereads_dropped() - self.rereads_dropped
+        if dropped and mono - self.last_roll_call < REREAD_EVERY_S:
+            dropped = 0
         if self.conn.rollcall is None and (
                 burst or dropped or mono - self.last_roll_call >= self.roll_call_every_s):
             if burst:
@@ -602,10 +602,10 @@ class FleetService(object):
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
         last = self.conn.last_roll_call  # discover() may have taken one just now
-        if last is None or time.monotonic() - last.started > 60.0 or \
-                self.conn.rereads_dropped():
+        dropped = self.conn.rereads_dropped()
+        if last is None or time.monotonic() - last.started > 60.0 or dropped:
             self.conn.roll_call(self.on_message)  # those the broker's queue left out
-        self.rereads_dropped = self.conn.rereads_dropped()
+        self.rereads_dropped = dropped  # (any dropped during that roll call: the next one)
         self.new_births = 0
         self.last_roll_call = time.monotonic()
         self._commit_pending()

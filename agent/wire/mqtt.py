@@ -226,10 +226,6 @@ class MqttClient:
         if info.rc == paho.MQTT_ERR_QUEUE_SIZE:
             handle._finish(False, "paho's outgoing queue is full")
             return handle
-        if qos == 0 and info.rc != paho.MQTT_ERR_SUCCESS:
-            handle._finish(False, "not sent ({}): a QoS 0 message is not queued while the "
-                                  "connection is down".format(paho.error_string(info.rc)))
-            return handle
         with self._lock:
             early = self._early.pop(info.mid, None)
             if early is None:

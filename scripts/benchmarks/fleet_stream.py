@@ -167,7 +167,8 @@ def run_once(n, timeout=3600):
     else:
         fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", identity=True,
                                connections=min(CONNECTIONS, n))
-    serve = observer = profiler = profiler_sim = None
+    serve = observer = profiler = None
+    profilers_sim = []
     load0 = os.getloadavg()
     try:
         fleet.start()
@@ -196,11 +197,15 @@ def run_once(n, timeout=3600):
         cpu0, _ = fleet_scale.proc_usage(serve.pid)
         others0 = _others_cpu(mosq.pid, fleet)
         load1 = os.getloadavg()
-        if os.environ.get("STREAM_PROFILE_SIM"):  # the simulator's (this process's) time
-            profiler_sim = subprocess.Popen(
-                ["py-spy", "record", "--pid", str(os.getpid()), "--format", "raw", "--rate",
-                 "50", "--nonblocking", "-o", os.environ["STREAM_PROFILE_SIM"]],
+        if os.environ.get("STREAM_PROFILE_SIM"):  # the simulator's time: FILE, FILE.1, ...
+            pids = [p.pid for p in fleet.procs] if isinstance(fleet, _SimulatorProcesses) \
+                else [os.getpid()]
+            profilers_sim = [subprocess.Popen(
+                ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "50",
+                 "--nonblocking", "-o", os.environ["STREAM_PROFILE_SIM"] + (
+                     ".{}".format(k) if k else "")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                for k, pid in enumerate(pids)]
         if os.environ.get("STREAM_PROFILE"):  # where the service's time goes: py-spy, raw stacks
             profiler = subprocess.Popen(
                 ["py-spy", "record", "--pid", str(serve.pid), "--format", "raw", "--rate", "50",
@@ -217,7 +222,8 @@ def run_once(n, timeout=3600):
                                 "'succeeded'") < 1:
             assert time.monotonic() < deadline and serve.poll() is None and \
                 getattr(fleet, "alive", lambda: True)(), (
-                "rollout: {} of {} succeeded".format(fleet.succeeded, n))
+                "rollout: {} of {} succeeded".format(fleet_scale.count(
+                    db_path, "SELECT COUNT(*) FROM jobs WHERE state = 'SUCCEEDED'"), n))
             time.sleep(0.2)
         cpu1, rss = fleet_scale.proc_usage(serve.pid)
         others1 = _others_cpu(mosq.pid, fleet)
@@ -251,10 +257,9 @@ def run_once(n, timeout=3600):
                 "sim_connects": fleet.connects, "load_before": load0,
                 "load_at_submit": load1, "load_after": os.getloadavg(), "cores": os.cpu_count()}
     finally:
-        for p in (profiler_sim,):
-            if p is not None:
-                p.send_signal(2)
-                p.wait(60)
+        for p in profilers_sim:
+            p.send_signal(2)
+            p.wait(60)
         if profiler is not None:
             profiler.send_signal(2)  # SIGINT: py-spy writes what it recorded
             profiler.wait(60)

@@ -87,10 +87,24 @@ def test_save_freezes_finished_runs_and_load_gives_them_back(store):
     assert ro.runs["d0"]._frozen is not None  # finished, nothing left at the broker
     assert ro.runs["d1"]._frozen is None  # still running: its document may be sent again
     assert ro.runs["d0"].result == {"throughput_qps": 5.0}
-    again = durable.load(store, "r1")
-    assert again.runs["d0"]._frozen is not None and again.runs["d0"].state == "SUCCEEDED"
-    assert again.runs["d0"].result == {"throughput_qps": 5.0}
+    again = durable.load(store, "r1", docs)  # as a service takes it over
+    frozen = again.runs["d0"]
+    assert frozen._frozen is not None and frozen.state == "SUCCEEDED"
+    assert frozen.__slots__ and all(not _set(frozen, k) for k in FROZEN_FIELDS)
+    assert frozen.result == {"throughput_qps": 5.0}
     assert again.runs["d1"].state == "IN_PROGRESS" and again.runs["d1"].docs
+    assert durable.republish(Topics(), again)  # d1's document; no PENDING run thawed
+    assert all(not _set(r, "published") for r in again.runs.values() if r.state == PENDING)
+    view = durable.load(store, "r1")  # a read-only view (reloaded often): not frozen
+    assert _set(view.runs["d0"], "result") and view.runs["d0"].result == {"throughput_qps": 5.0}
+
+
+def _set(run, name):
+    try:
+        object.__getattribute__(run, name)
+        return True
+    except AttributeError:
+        return False
 
 
 def test_a_new_stage_reads_no_job_rows_back(store):

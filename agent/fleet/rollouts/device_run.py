@@ -75,7 +75,9 @@ class DeviceRun(object):
         """Hold ``FROZEN_FIELDS`` as one JSON text (what a saved, finished run keeps); the
         first read of any of them restores them all (``__getattr__``)."""
         if self._frozen is not None:
-            return
+            if not any(_is_set(self, k) for k in FROZEN_FIELDS):
+                return  # frozen already
+            self._thaw()  # some were set since (``load``): the text and they, as one
         kept = {k: getattr(self, k) for k in FROZEN_FIELDS}
         self._frozen = json.dumps(
             {k: v for k, v in kept.items() if v is not None and not (k in _EMPTY and not v)},
@@ -83,16 +85,25 @@ class DeviceRun(object):
         for k in FROZEN_FIELDS:
             delattr(self, k)
 
+    def _thaw(self) -> None:
+        data = json.loads(self._frozen or b"{}")
+        self._frozen = None
+        for k in FROZEN_FIELDS:
+            if not _is_set(self, k):  # a field set since the freeze is newer than the text
+                setattr(self, k, data[k] if k in data else
+                        _EMPTY[k]() if k in _EMPTY else None)
+
     def __getattr__(self, name: str) -> Any:
         # Called only for an unset slot: a frozen field.
         if name not in FROZEN_FIELDS or self._frozen is None:
             raise AttributeError(name)
-        data = json.loads(self._frozen)
-        self._frozen = None
-        for k in FROZEN_FIELDS:
-            try:
-                object.__getattribute__(self, k)  # set since the freeze: newer than the text
-            except AttributeError:
-                setattr(self, k, data[k] if k in data else
-                        _EMPTY[k]() if k in _EMPTY else None)
+        self._thaw()
         return getattr(self, name)
+
+
+def _is_set(run: DeviceRun, name: str) -> bool:
+    try:
+        object.__getattribute__(run, name)
+        return True
+    except AttributeError:
+        return False

@@ -12,7 +12,7 @@ import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from agent.fleet.database.store import Store
-from agent.fleet.rollouts.device_run import DeviceRun
+from agent.fleet.rollouts.device_run import PENDING, DeviceRun
 from agent.fleet.rollouts.preview import gate_of
 from agent.fleet.rollouts.rollout import Action, DocFactory, Rollout
 from agent.fleet.rollouts.spec import doc_factory, policy_of
@@ -50,7 +50,8 @@ def load(store: Store, rollout_id: str, docs: Optional[DocFactory] = None
         run = ro.runs.get(device)
         if run is not None:
             run.load(state, data or {})
-            _maybe_freeze(run)
+            if docs is not None:  # driven by a service (not a view reloaded every 0.5 s)
+                _maybe_freeze(run)
     ro.resume_stream()
     ro.dirty.clear()
     return ro
@@ -114,8 +115,8 @@ def republish(topics: Topics, ro: Rollout) -> List[Message]:
     rollout over (a broker that lost its retained messages still gets them)."""
     out: List[Message] = []
     for run in ro.ordered():
-        if run.terminal:
-            continue
+        if run.terminal or run.state == PENDING:
+            continue  # (a run not sent holds nothing: not read, not thawed)
         for job_id in run.published:
             doc = run.docs.get(job_id)
             if doc:

@@ -42,8 +42,6 @@ def split(quota: int, unsent: int, others: int = 0) -> int:
     return max(0, min(unsent, max(share, 1 if quota > 0 else 0)))
 
 
-
-
 class Unanswered(object):
     """The documents streamed in the last ``window_s`` s that no status has answered yet."""
 
