@@ -20,7 +20,7 @@ EVALUATE_EVERY_S = 0.25  # a rollout's stage and abort decisions, at most this o
 # this many no more are built. A device answers within a second of its document (QUEUED), so
 # those that wait are mostly statuses not read yet, the service's own backlog; a device that
 # stays silent (offline) stops counting after the window.
-MAX_UNANSWERED = 12000
+MAX_UNANSWERED = 20000
 ANSWER_WINDOW_S = 10.0
 
 
