@@ -1,16 +1,19 @@
 """One stage of STREAM_DEVICES simulated devices (default 10,000; scripts/simulate_devices.py
-over STREAM_CONNECTIONS MQTT connections, default 100, served by one network thread; device
-identity on: every report signed and verified) through ``fleet serve`` (SQLite) on a local
-Mosquitto, timed at each end of the stream:
+in STREAM_SIM_PROCESSES processes, default 2, over STREAM_CONNECTIONS MQTT connections in all,
+default 100, each process's served by one network thread; device identity on: every report
+signed and verified) through ``fleet serve`` (SQLite) on a local Mosquitto, timed at each end
+of the stream:
 
 - first job document: when the first device received one, after the rollout's row was
   committed (``rollouts.created``, set in the transaction that inserts the row);
 - job documents/s from the first to the last document the devices received;
 - the database ``succeeded`` (``rollouts.finished``) after the last device's final status:
   both after the simulator handed it to its MQTT client and after the broker passed it on (a
-  ``mosquitto_sub`` observer on the job status topics: the simulator's one connection queues
-  its statuses on a busy host);
-- the service's peak RSS (VmHWM) and CPU seconds.
+  ``mosquitto_sub`` observer on the job status topics: a busy simulator queues its
+  statuses);
+- the service's peak RSS (VmHWM) and CPU seconds; the simulator's and the broker's CPU and
+  the host's idle CPU over the same window (``STREAM_TIMELINE=1``: the service's RSS every
+  second from its launch; ``STREAM_PROFILE=FILE`` / ``STREAM_PROFILE_SIM=FILE``: py-spy).
 
     STREAM_DEVICES=50000 python scripts/benchmarks/fleet_stream.py
 """
