@@ -261,7 +261,9 @@ class FleetConnection(object):
             return
         if self.gate is not None and not self.gate(info, ev):
             return  # a device not admitted, or a message not signed by its pinned key
-        if info.device:  # admitted: the service's tables (and its rollouts') share one name
+        if info.device and self.gate is not None:
+            # Admitted: the service's tables (and its rollouts') share one name. (Without a
+            # gate, anyone's made-up ids would be interned, and on some Pythons never freed.)
             info = info._replace(device=sys.intern(info.device))
         if info.kind in ("artifact_request", "block", "job"):
             on_message(info, ev)

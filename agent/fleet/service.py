@@ -327,9 +327,8 @@ class FleetService(object):
         burst = self.new_births >= BURST_BIRTHS and mono - self.last_birth >= BURST_QUIET_S
         # Retained births left at the broker (agent.fleet.transfer.bytequeue): read again, at
         # most every REREAD_EVERY_S (a roll call's own pages may be cut the same way).
-        dropped = self.conn.rereads_dropped() - self.rereads_dropped
-        if dropped and mono - self.last_roll_call < REREAD_EVERY_S:
-            dropped = 0
+        dropped = self.conn.rereads_dropped() - self.rereads_dropped \
+            if mono - self.last_roll_call >= REREAD_EVERY_S else 0
         if self.conn.rollcall is None and (
                 burst or dropped or mono - self.last_roll_call >= self.roll_call_every_s):
             if burst:
