@@ -276,7 +276,10 @@ def test_a_trojan_upload_forged_results_and_a_leaked_token_change_nothing(arena,
             attacker.stop()
         fault("forged_success", 4)
         if arena.kind == "open":  # they reach the service, which drops them
-            wait_counter(db, "bad_signature", 4, service)
+            # Two topics, two forgeries each: the newest on each is verified and dropped; the
+            # older may be superseded while it waits in the event queue, dropped unread
+            # (agent.fleet.transfer.bytequeue), so at least two are counted.
+            wait_counter(db, "bad_signature", 2, service)
         report = show(db, "ro-trojan")
         rows = {r["device"]: r for r in report["devices"]}
         assert report["state"] not in ("succeeded", "failed", "aborted"), report
