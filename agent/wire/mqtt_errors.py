@@ -62,11 +62,11 @@ def closed_before_connack(socket_error: str, tls_enabled: bool, has_client_cert:
     upper = socket_error.upper()
     # TLS 1.3 sends the refusal after the handshake: the client may read the alert or,
     # if the broker closed first, only an EOF. Without a certificate, say what's missing.
-    if "CERTIFICATE_REQUIRED" in upper or (
-            tls_enabled and not has_client_cert and ("EOF" in upper or "RESET" in upper)):
+    closed = tls_enabled and ("EOF" in upper or "RESET" in upper)
+    if "CERTIFICATE_REQUIRED" in upper or (closed and not has_client_cert):
         text += (" (the broker requires a client certificate: "
                  "broker.tls.cert_file / --cert-file)")
-    elif "UNKNOWN_CA" in upper or "CERTIFICATE" in upper:
+    elif "UNKNOWN_CA" in upper or "CERTIFICATE" in upper or closed:  # closed: ours, refused
         text += (" (the broker refused the client certificate: is it signed "
                  "by the CA the broker trusts, and still valid?)")
     return text
