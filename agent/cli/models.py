@@ -164,7 +164,8 @@ def _socket_op(args: argparse.Namespace, op: str) -> int:
     if version is not None:
         request["version"] = validate_version(version)
     started = time.monotonic()
-    reply = ask(cfg.models.socket or os.path.join(state_dir, "app.sock"), request)
+    reply = ask(cfg.models.socket or os.environ.get("JETSON_AGENT_SOCKET") or os.path.join(
+        state_dir, "app.sock"), request)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:
