@@ -52,8 +52,7 @@ class Accounts:
 
     def user(self, stem, groups=()):
         name = "ja{}-{}".format(stem, self.suffix)
-        cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-               "--user-group"]
+        cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin"]
         if groups:
             cmd += ["--groups", ",".join(groups)]
         subprocess.run(cmd + [name], check=True, capture_output=True)
@@ -134,6 +133,26 @@ def client_as(user, ops, python, env, state_dir=""):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def doc_steps():
+    """docs/using-models.md, "Users and groups under the shipped unit": its bash block as
+    (the useradd command, the config's models section lines, the app's check code)."""
+    with open(os.path.join(ROOT, "docs", "using-models.md")) as f:
+        text = f.read()
+    block = text.split("## Users and groups under the shipped unit", 1)[1]
+    block = block.split("```bash\n", 1)[1].split("```", 1)[0]
+    useradd = next(line for line in block.splitlines() if line.startswith("sudo useradd "))
+    config, inside = [], False
+    for line in block.splitlines():
+        if line.startswith("#    models:"):
+            inside = True
+        elif inside and not line.startswith("#      "):
+            break
+        if inside:
+            config.append(line[len("#    "):].split("  #", 1)[0].rstrip())
+    check = block.split("-c '", 1)[1].split("'", 1)[0]
+    return useradd.split()[1:], config, check
+
+
 def installer_models_dir_command():
     """install-jetson's own command for the models directory (from its dry run)."""
     proc = subprocess.run(["bash", SCRIPT, "--root", os.path.join(PLATFORMS, "orin-nano")],
@@ -200,9 +219,13 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
         # docs/using-models.md, "Users and groups", step by step: install-jetson makes the
         # models group and puts the service in it (SupplementaryGroups=); the app's user is
         # put in that group, and in it only.
+        useradd, doc_config, doc_check = doc_steps()
         models_group = accounts.group("m")
         service = accounts.user("s", [models_group])
-        app = accounts.user("a", [models_group])
+        app = "jaa-" + accounts.suffix
+        as_doc = {"jetson-models": models_group, "myapp": app, "detector": "det"}
+        subprocess.run([as_doc.get(a, a) for a in useradd], check=True, capture_output=True)
+        accounts.users.append(app)
         other_group = accounts.group("o")  # an app_group the service is not in
         other_app = accounts.user("b", [other_group])
         stranger = accounts.user("x")
@@ -233,8 +256,12 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
         workdir = os.path.join(base, "agent")
         os.makedirs(workdir)
         os.chmod(workdir, 0o755)
-        extra = ("models:\n  group: {g}\n  app_group: {g}\n  app_confirms: [det]\n"
-                 "  commit_timeout_s: 180\n").format(g=models_group)
+        for word, ours in as_doc.items():
+            doc_config = [line.replace(word, ours) for line in doc_config]
+            doc_check = doc_check.replace(word, ours)
+        assert doc_config[:3] == ["models:", "  group: " + models_group,
+                                  "  app_group: " + models_group], doc_config
+        extra = "\n".join(doc_config + ["  commit_timeout_s: 180", ""])
         agent = UnitAgent(mosquitto, workdir, {k: paths[v] for k, v in unit_env.items()},
                           service, [m_gid], python, env, extra)
         agent.umask = int(unit["UMask"][0], 8)
@@ -253,6 +280,8 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
                        "meta_version": "v1", "state_listed": False, "commit": True}, got
         assert got["engine_bytes"] > 0
         assert final(controller, agent, "u-1")["state"] == "SUCCEEDED"
+        checked = as_user(app, doc_check, python, env)  # the docs' step 4, as written
+        assert checked.stdout.split() == ["v1", "True"], checked.stdout + checked.stderr
         models = paths[UNIT_MODELS_DIR]
         st = os.stat(models)
         assert (oct(st.st_mode & 0o7777), st.st_gid) == ("0o2750", m_gid)
@@ -265,8 +294,8 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
         assert agent.stop() == 0
 
         # 2. app_users alone: the listed user reaches the socket (its ACL), nobody else.
-        agent.write_config(("models:\n  group: {}\n  app_users: [{}]\n").format(
-            models_group, app))
+        agent.write_config("\n".join(line if "app_group" not in line else
+                                      "  app_users: [{}]".format(app) for line in doc_config))
         agent.start()
         got = wait_reply(lambda: client_as(app, ["list", "read"], python, env), "app_users")
         assert got.get("list") is True and got.get("version") == "v1", got
