@@ -77,3 +77,44 @@ def test_the_units_paths_are_the_defaults(monkeypatch):
                                                 "/run/jetson-agent/app.sock")
     cfg.models.dir, cfg.models.socket = "/data/models", "/data/app.sock"
     assert (cfg.models_dir, cfg.app_socket) == ("/data/models", "/data/app.sock")
+
+
+def test_handoff_paths_the_daemon_writes():
+    from agent.device.writable_paths import handoff_paths
+
+    entries = [{"type": "triton", "repository": "/var/lib/triton/models"},
+               {"type": "deepstream", "config": "/opt/myapp/infer.txt",
+                "override": "/opt/app2/over.txt"},
+               {"type": "command", "command": ["true"]}, "junk"]
+    assert handoff_paths(entries) == [("handoff[0].repository", "/var/lib/triton/models"),
+                                      ("handoff[1].config", "/opt/myapp"),
+                                      ("handoff[1].override", "/opt/app2")]
+    assert handoff_paths(None) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="checking as another uid needs root (setuid)")
+def test_a_path_the_service_cannot_write_is_named_with_the_drop_in(tmp_path):
+    from agent.device.writable_paths import problems
+
+    folder = tempfile.mkdtemp(prefix="rw-", dir="/tmp")
+    os.chmod(folder, 0o755)  # root's: another uid may not write there
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            found = problems("/tmp/models-h32", [{"type": "triton",
+                                                  "repository": folder + "/repo/x"}])
+            os.write(write, "\n".join(found).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        text = f.read().decode()
+    os.waitpid(pid, 0)
+    shutil.rmtree(folder, ignore_errors=True)
+    assert text.count("\n") == 0 and text.startswith("handoff[0].repository " + folder)
+    assert "ReadWritePaths=" in text and "not writable by uid 65534" in text
