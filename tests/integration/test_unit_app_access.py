@@ -291,6 +291,10 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
         assert (oct(sock.st_mode & 0o777), sock.st_gid) == ("0o660", m_gid)
         refused = client_as(stranger, ["list"], python, env)
         assert refused["error"] == "app_not_allowed", refused
+        cli = as_user(stranger, "from agent.cli.models import ask\nfrom agent.errors import "
+                      "AgentError\ntry:\n    ask({!r}, {{'op': 'list'}})\nexcept AgentError "
+                      "as exc:\n    print(exc.code)".format(paths[UNIT_SOCKET]), python, env)
+        assert cli.stdout.split() == ["app_not_allowed"], cli.stdout + cli.stderr  # models CLI
         assert agent.stop() == 0
 
         # 2. app_users alone: the listed user reaches the socket (its ACL), nobody else.
