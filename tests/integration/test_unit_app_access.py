@@ -168,13 +168,15 @@ class UnitAgent(AgentProcess):
     """``jetson-agent run`` as the unit runs it: its user and groups, its umask, the paths its
     Environment= names (moved under ``base``)."""
 
-    def __init__(self, broker, workdir, unit_env, user, extra_groups, python, env, extra):
+    def __init__(self, broker, workdir, unit_env, user, extra_groups, umask, python, env,
+                 extra):
         super().__init__(broker, workdir, "dev1", "")
         with open(self.config) as f:
             self.base_config = f.read()
         self.write_config(extra)
         self.unit_env, self.user = unit_env, user
         self.extra_groups, self.python, self.env = extra_groups, python, env
+        self.umask = umask  # the unit's UMask=
 
     def write_config(self, extra):
         with open(self.config, "w") as f:
@@ -192,7 +194,7 @@ class UnitAgent(AgentProcess):
         return self
 
 
-def wait_reply(fn, what, timeout=60):
+def wait_reply(fn, timeout=60):
     """Until ``fn()`` gives a reply without agent_unreachable (the daemon is listening)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -263,8 +265,7 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
                                   "  app_group: " + models_group], doc_config
         extra = "\n".join(doc_config + ["  commit_timeout_s: 180", ""])
         agent = UnitAgent(mosquitto, workdir, {k: paths[v] for k, v in unit_env.items()},
-                          service, [m_gid], python, env, extra)
-        agent.umask = int(unit["UMask"][0], 8)
+                          service, [m_gid], int(unit["UMask"][0], 8), python, env, extra)
         os.chown(agent.key_path, s_uid, s_gid)
         os.makedirs(agent.state_dir)
         os.chown(agent.state_dir, s_uid, s_gid)
@@ -301,7 +302,7 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
         agent.write_config("\n".join(line if "app_group" not in line else
                                       "  app_users: [{}]".format(app) for line in doc_config))
         agent.start()
-        got = wait_reply(lambda: client_as(app, ["list", "read"], python, env), "app_users")
+        got = wait_reply(lambda: client_as(app, ["list", "read"], python, env))
         assert got.get("list") is True and got.get("version") == "v1", got
         refused = client_as(stranger, ["list"], python, env)
         assert refused["error"] == "app_not_allowed", refused
@@ -311,7 +312,7 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
         agent.write_config(("models:\n  group: {}\n  app_group: {}\n").format(
             models_group, other_group))
         agent.start()
-        got = wait_reply(lambda: client_as(other_app, ["list"], python, env), "app_group")
+        got = wait_reply(lambda: client_as(other_app, ["list"], python, env))
         assert got == {"list": True}, (got, agent.log_tail())
         refused = client_as(stranger, ["list"], python, env)
         assert refused["error"] == "app_not_allowed", refused
