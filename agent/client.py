@@ -9,8 +9,8 @@ file into an app if you like).
 - ``report_health(name, version, ok, detail="")`` and ``commit(name, version=None)``: one request
   each on the agent's app socket (allowed for the configured app user or group only).
 
-Defaults: ``$JETSON_AGENT_MODELS_DIR`` / ``$JETSON_AGENT_SOCKET``, else
-``/var/lib/jetson-agent/models`` and ``/var/lib/jetson-agent/app.sock``. Failures raise
+Defaults: ``$JETSON_AGENT_MODELS_DIR`` / ``$JETSON_AGENT_SOCKET``, else the shipped unit's
+``/var/lib/jetson-agent-models`` and ``/run/jetson-agent/app.sock``. Failures raise
 ``ClientError`` with a stable ``code`` (the agent's codes, docs/errors.md) and a message.
 """
 
@@ -22,8 +22,8 @@ import socket
 import sys
 import threading
 
-DEFAULT_MODELS_DIR = "/var/lib/jetson-agent/models"
-DEFAULT_SOCKET = "/var/lib/jetson-agent/app.sock"
+DEFAULT_MODELS_DIR = "/var/lib/jetson-agent-models"  # the shipped unit's (docs/daemon.md)
+DEFAULT_SOCKET = "/run/jetson-agent/app.sock"
 MAX_META = 1 << 20
 MAX_REPLY = 64 * 1024
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -177,6 +177,11 @@ def request(message, socket_path=None, timeout=10.0):
                 if not chunk:
                     break
                 data += chunk
+        except PermissionError as exc:
+            # The socket's mode and ACL admit the configured app users and group only.
+            raise ClientError("app_not_allowed", "expected a user or group the agent allows "
+                              "(models.app_users, models.app_group) to reach {}, found uid {} "
+                              "refused: {}".format(path, os.getuid(), exc.strerror or exc))
         except (socket.timeout, OSError) as exc:
             raise ClientError("agent_unreachable", "expected the agent to answer on {}, found "
                               "{}".format(path, getattr(exc, "strerror", None) or exc))

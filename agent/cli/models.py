@@ -139,6 +139,10 @@ def ask(path: str, request: Dict[str, Any], timeout: float = 30.0) -> Dict[str, 
             if not chunk:
                 break
             data += chunk
+    except PermissionError as exc:  # the socket's mode and ACL: not an app user or group
+        raise AgentError("app_not_allowed", "expected a user the daemon allows on {} (root, "
+                         "the service user, models.app_users, models.app_group), found uid {} "
+                         "refused: {}".format(path, os.getuid(), exc.strerror or exc))
     except OSError as exc:
         raise AgentError("file_not_found", "expected the daemon's app socket at {}, found: {} "
                          "(is the daemon running, and may this user use it?)".format(
@@ -164,7 +168,8 @@ def _socket_op(args: argparse.Namespace, op: str) -> int:
     if version is not None:
         request["version"] = validate_version(version)
     started = time.monotonic()
-    reply = ask(cfg.models.socket or os.path.join(state_dir, "app.sock"), request)
+    reply = ask(cfg.models.socket or os.environ.get("JETSON_AGENT_SOCKET") or os.path.join(
+        state_dir, "app.sock"), request)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:

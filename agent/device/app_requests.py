@@ -92,11 +92,23 @@ def _do(switch: Any, request: Dict[str, Any], peer: Dict[str, Any]) -> Dict[str,
 
 
 def allowed_ids(users: List[str], group: Optional[str]) -> Tuple[List[int], List[int]]:
-    """``models.app_users`` / ``models.app_group`` -> (uids, gids)."""
-    uids = [int(u) if u.isdigit() else pwd.getpwnam(u).pw_uid for u in users]
+    """``models.app_users`` / ``models.app_group`` -> (uids, gids). The service need not be a
+    member of the group (the socket's ACL names it); only a name this system does not know
+    stops the daemon."""
+    uids = []
+    for user in users:
+        try:
+            uids.append(int(user) if user.isdigit() else pwd.getpwnam(user).pw_uid)
+        except KeyError:
+            raise AgentError("bad_config", "models.app_users: expected users of this system "
+                             "(or numeric uids), found {!r}".format(user))
     gids = []
     if group:
-        gids.append(int(group) if group.isdigit() else grp.getgrnam(group).gr_gid)
+        try:
+            gids.append(int(group) if group.isdigit() else grp.getgrnam(group).gr_gid)
+        except KeyError:
+            raise AgentError("bad_config", "models.app_group: expected a group of this system "
+                             "(or a numeric gid), found {!r}".format(group))
     return uids, gids
 
 
