@@ -29,6 +29,7 @@ from agent.errors import AgentError
 
 MAX_LINE = 4096
 OPS = ("health", "commit", "rollback", "list")
+OPS = OPS + ("pin", "unpin")  # type: ignore[assignment]  # operator pins
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
