@@ -219,8 +219,10 @@ class ModelSwitch(object):
         activated = self.clock()
 
         def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
+            plan = run.doc.get("plan") or {}
             return model_meta.build(name, version, model_sha, result, platform, fingerprint,
-                                    run.job_id, activated, "pending", engine_sha, engine_size)
+                                    run.job_id, activated, "pending", engine_sha, engine_size,
+                                    dla_core=plan.get("dla_core"), shapes=plan.get("shapes"))
 
         self.writing[token] = (run, result)
 

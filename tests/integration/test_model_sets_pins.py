@@ -7,12 +7,18 @@ versions the set replaced; a second set whose members the app confirms is commit
 the app sees (``agent.client.state``) and ``models ls`` say pending, then committed, and the
 health says why a name was rolled back. ``models pin`` switches a name back to a kept version,
 refuses a job to another version (``model_pinned``), is reported in the retained models
-message, survives a restart, and ``unpin`` lets the job through.
+message, survives a restart, and ``unpin`` lets the job through. A daemon killed -9 while the
+set's second name is pending, and down past its commit deadline, comes back with both names at
+the versions the set replaced. Every meta.json the daemon wrote matches its JSON Schema.
 """
 
+import json
 import os
+import time
 
 from agent import client
+from agent.device import model_meta
+from agent.wire.json_schema import Validator
 from tests.integration.test_daemon_deploy import deploy_doc
 from tests.integration.test_named_models import MODELS_TOPIC, ask, cli, current, final, named
 
@@ -23,7 +29,30 @@ def set_job(controller, files, job_id, name, version, set_id):
                      precision="fp32", model_name=name, model_version=version,
                      model_set={"id": set_id, "names": ["det", "cls"]})
     doc["bench"] = {"iterations": 5, "warmup": 1}
+    doc["plan"]["shapes"] = {"input": [[1, 64], [8, 64], [512, 64]]}  # meta.json's profile
     return controller.send_job(doc)
+
+
+def assert_metas_valid(agent):
+    """Every meta.json under the models directory against agent/data/schemas/model_meta.json."""
+    with open(model_meta.SCHEMA) as f:
+        validator = Validator(json.load(f), "meta.json")
+    seen = 0
+    for folder, _, files in os.walk(os.path.join(agent.state_dir, "models")):
+        if "meta.json" in files:
+            with open(os.path.join(folder, "meta.json")) as f:
+                meta = json.load(f)
+            assert validator.first_violation(meta, folder) is None, \
+                validator.first_violation(meta, folder)
+            assert meta["schema_version"] == model_meta.SCHEMA_VERSION
+            assert meta["portability"]["sm_count"] is None  # a host: no GPU
+            if meta["job_id"].startswith(("det-", "cls-")) and meta["version"] != "v1":
+                assert meta["profiles"] == [{"inputs": {"input": {  # a set job's plan.shapes
+                    "min": [1, 64], "opt": [8, 64], "max": [512, 64]}}}], meta
+            else:  # a dynamic batch and no plan shapes: no profile fixes it on this host
+                assert meta["profiles"] == [], meta
+            seen += 1
+    assert seen >= 2
 
 
 def wait_current(controller, agent, name, version):
@@ -99,6 +128,48 @@ def test_model_set_switches_and_reverts_together_and_state_is_visible(controller
     assert not os.path.exists(os.path.join(agent.state_dir, "model_set.json"))
     assert agent.stop() == 0
     assert not controller.errors
+    assert_metas_valid(agent)
+
+
+def test_model_set_crash_mid_way_recovers_to_the_set_it_replaced(controller, agent_factory,
+                                                                 digits_files):
+    extra = "models:\n  commit_timeout_s: 20\n  app_confirms: [det, cls]\n"
+    agent = agent_factory(extra_config=extra).start()
+    controller.wait_online()
+    sock = os.path.join(agent.state_dir, "app.sock")
+
+    def confirmed(job_id, name, version, set_id=None):
+        if set_id:
+            set_job(controller, digits_files, job_id, name, version, set_id)
+        else:
+            named(controller, digits_files, job_id, name, version)
+        controller.wait_stage(job_id, "committing", timeout=120)
+        assert ask(sock, {"op": "commit", "name": name})["ok"]
+        assert final(controller, agent, job_id)["state"] == "SUCCEEDED", agent.log_tail()
+
+    confirmed("det-1", "det", "v1")
+    confirmed("cls-1", "cls", "v1")
+    confirmed("det-2", "det", "v2", "s2")
+    set_job(controller, digits_files, "cls-2", "cls", "v2", "s2")
+    controller.wait_stage("cls-2", "committing", timeout=120)
+    controller.wait_for(lambda: current(agent, "cls") == "v2", 30, "cls switched to v2")
+    agent.kill()  # kill -9: det committed at v2, cls pending at v2
+    with agent.journal() as journal:
+        deadline = journal.pending_versions()[0]["deadline"]
+    while time.time() <= deadline:  # down past cls v2's commit deadline
+        time.sleep(0.2)
+    agent.start()
+    done = final(controller, agent, "cls-2", timeout=60)
+    assert done["state"] == "FAILED" and done["error"]["code"] == "handoff_rolled_back", done
+    wait_current(controller, agent, "cls", "v1")
+    wait_current(controller, agent, "det", "v1")
+    controller.wait_for(lambda: not os.path.exists(
+        os.path.join(agent.state_dir, "model_set.json")), 30, "the set closed")
+    out = cli("models", "ls", "--state-dir", agent.state_dir, "--json")["models"]
+    assert {m["name"]: (m["version"], m["state"]) for m in out} == {
+        "det": ("v1", "committed"), "cls": ("v1", "committed")}, out
+    assert "model set s2 reverted" in {m["name"]: m for m in out}["det"]["health"], out
+    assert agent.stop() == 0
 
 
 def test_pin_refuses_other_versions_and_is_reported(controller, agent_factory, digits_files):
@@ -141,3 +212,4 @@ def test_pin_refuses_other_versions_and_is_reported(controller, agent_factory, d
     assert final(controller, agent, "d-4")["state"] == "SUCCEEDED", agent.log_tail()
     assert current(agent, "det") == "v3"
     assert agent.stop() == 0
+    assert_metas_valid(agent)
