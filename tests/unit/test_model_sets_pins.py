@@ -127,3 +127,30 @@ def test_meta_json_matches_its_schema():
                                        "e" * 64, 0))
     broken = dict(meta, schema_version="1")
     assert meta_validator().first_violation(broken, "meta.json") is not None
+
+
+def test_rollout_passes_the_set_to_devices_that_know_sets():
+    from agent.fleet.rollouts.spec import doc_factory, model_set_spec
+    from agent.wire import protocol
+
+    model_set = model_set_spec("cam-2", "det, cls", "det")
+    assert model_set == {"id": "cam-2", "names": ["det", "cls"]}
+    assert model_set_spec(None, None, "det") is None
+    for bad in (("cam-2", "det", "det"), ("cam-2", "cls,seg", "det"), ("cam 2", "det,cls", "det"),
+                ("cam-2", "det,det", "det"), (None, "det,cls", "det"), ("cam-2", "det,Cls", "det"),
+                ("cam-2", "det,cls", None)):
+        with pytest.raises(AgentError) as exc:
+            model_set_spec(*bad)
+        assert exc.value.code == "bad_argument", bad
+    spec = {"precision": "fp16", "model_name": "det", "model_version": "v2",
+            "model_set": model_set, "artifacts": {"model": {"sha256": A, "size": 10,
+                                                            "name": "model.onnx"}}}
+    feats = {"new": {"named_models", "model_sets"}, "named": {"named_models"}}
+    docs = doc_factory(spec, features=lambda d: feats.get(d, set()))
+    new, named, old = (docs(d, "j1", "deploy", None) for d in ("new", "named", "old"))
+    assert new["model_set"] == model_set and new["model_name"] == "det"
+    assert "model_set" not in named and "model_set" not in old and "model_name" not in old
+    for doc in (new, named, old):
+        protocol.validate("job", doc)
+    parsed = model_sets.parse(new)  # and the device reads it as sent
+    assert parsed is not None and parsed.names == ("det", "cls")
