@@ -154,3 +154,26 @@ def test_rollout_passes_the_set_to_devices_that_know_sets():
         protocol.validate("job", doc)
     parsed = model_sets.parse(new)  # and the device reads it as sent
     assert parsed is not None and parsed.names == ("det", "cls")
+
+
+def test_pin_over_the_socket_is_for_root_and_the_service_user():
+    from agent.device import app_requests
+
+    class Switch(object):
+        def pin(self, name, version):
+            return {"name": name, "version": version, "pinned": True}
+
+        def unpin(self, name):
+            return {"name": name, "pinned": False}
+
+    def ask(request, uid):
+        import queue
+
+        req = app_requests.AppRequest(request, {"uid": uid}, queue.Queue(1))
+        app_requests.answer(Switch(), req)
+        return req.reply.get_nowait()
+
+    assert ask({"op": "pin", "name": "det", "version": "v1"}, os.getuid())["pinned"]
+    assert ask({"op": "unpin", "name": "det"}, 0)["ok"]
+    refused = ask({"op": "pin", "name": "det", "version": "v1"}, os.getuid() + 4242)
+    assert refused["error"]["code"] == "app_not_allowed", refused
