@@ -573,7 +573,7 @@ class ModelSwitch(object):
             state = "open" if self.sets.open and self.sets.open["id"] == spec.id else \
                 "committed" if self.sets.closed == (spec.id, model_sets.COMMITTED) else \
                 "reverted"
-            out["model_set"] = {"id": spec.id, "state": state}
+            out["model"]["set"] = {"id": spec.id, "state": state}  # the rollout's view shows it
         run.details.pop("commit", None)
         self._end(run, "SUCCEEDED", result=fit_result(out))
         self.changed()

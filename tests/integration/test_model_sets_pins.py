@@ -88,7 +88,7 @@ def test_model_set_switches_and_reverts_together_and_state_is_visible(controller
     assert ask(sock, {"op": "commit", "name": "det", "version": "v2"})["ok"]
     done = final(controller, agent, "det-2")
     assert done["state"] == "SUCCEEDED", agent.log_tail()
-    assert done["result"]["model_set"] == {"id": "s2", "state": "open"}, done["result"]
+    assert done["result"]["model"]["set"] == {"id": "s2", "state": "open"}, done["result"]
     assert current(agent, "det") == "v2"
     set_job(controller, digits_files, "cls-2", "cls", "v2", "s2")
     controller.wait_stage("cls-2", "committing", timeout=120)
@@ -114,7 +114,7 @@ def test_model_set_switches_and_reverts_together_and_state_is_visible(controller
     set_job(controller, digits_files, "det-3", "det", "v3", "s3")
     controller.wait_stage("det-3", "committing", timeout=120)
     assert ask(sock, {"op": "commit", "name": "det"})["ok"]
-    assert final(controller, agent, "det-3")["result"]["model_set"]["state"] == "open"
+    assert final(controller, agent, "det-3")["result"]["model"]["set"]["state"] == "open"
     named(controller, digits_files, "cls-x", "cls", "v9")  # no model_set: refused
     done = final(controller, agent, "cls-x")
     assert done["state"] == "REJECTED" and done["error"]["code"] == "bad_model_set", done
@@ -123,7 +123,7 @@ def test_model_set_switches_and_reverts_together_and_state_is_visible(controller
     assert ask(sock, {"op": "commit", "name": "cls"})["ok"]
     done = final(controller, agent, "cls-3")
     assert done["state"] == "SUCCEEDED", done
-    assert done["result"]["model_set"] == {"id": "s3", "state": "committed"}, done["result"]
+    assert done["result"]["model"]["set"] == {"id": "s3", "state": "committed"}, done["result"]
     assert current(agent, "det") == "v3" and current(agent, "cls") == "v3"
     assert not os.path.exists(os.path.join(agent.state_dir, "model_set.json"))
     assert agent.stop() == 0
@@ -213,3 +213,35 @@ def test_pin_refuses_other_versions_and_is_reported(controller, agent_factory, d
     assert current(agent, "det") == "v3"
     assert agent.stop() == 0
     assert_metas_valid(agent)
+
+
+def test_fleet_rollout_declares_a_model_set(mosquitto, agent_factory):
+    """``fleet rollout --model-set``: the job documents carry the set to a device of this
+    release, which commits it when its second name is committed."""
+    from tests.integration.test_fleet_rollout import wait_status
+    from tests.integration.test_fleet_service import fleet_cli
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "examples")
+    agent = agent_factory("set-1").start()
+    wait_status(mosquitto, ["set-1"], agents=[agent])
+    results = []
+    for name in ("det", "cls"):
+        out = fleet_cli(["rollout", "--name", name, "--version", "v1",
+                         "--model-set", "cam-1", "--model-set-names", "det,cls",
+                         "--model", os.path.join(examples, "digits", "model.onnx"),
+                         "--inputs", os.path.join(examples, "digits", "inputs.json"),
+                         "--golden", os.path.join(examples, "digits", "golden.json"),
+                         "--precision", "fp32", "--atol", "0.5", "--rtol", "0.5",
+                         "--devices", "set-1", "--broker", mosquitto.url, "--timeout", "120",
+                         "--json"], timeout=180)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        results.append(json.dumps(json.loads(out.stdout)))
+    assert '"set": {"id": "cam-1", "state": "open"}' in results[0], results[0][-2000:]
+    assert '"set": {"id": "cam-1", "state": "committed"}' in results[1], results[1][-2000:]
+    bad = fleet_cli(["rollout", "--name", "det", "--model-set", "cam-1", "--model-set-names",
+                     "cls,seg", "--model", os.path.join(examples, "digits", "model.onnx"),
+                     "--precision", "fp32", "--no-accuracy-gate", "--devices", "set-1",
+                     "--broker", mosquitto.url])
+    assert bad.returncode != 0 and "bad_argument" in bad.stderr, bad.stderr
+    assert agent.stop() == 0
