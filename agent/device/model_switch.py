@@ -205,6 +205,12 @@ class ModelSwitch(object):
         here, now or when the version is committed or rolled back)."""
         model_sha = run.needed["model"][0]
         name, version = names_for(run.doc, model_sha)
+        try:  # a pin or a model set that came while this job was building
+            self.notes.check(name, version)
+            self.sets.check(model_sets.parse(run.doc), name)
+        except AgentError as exc:
+            self.end(run, "FAILED", error=exc.to_dict())
+            return
         key = str(result["engine_key"])
         held = self.journal.model_version(name, version)
         if held is not None and held["engine_key"] != key:
