@@ -83,8 +83,15 @@ def _notes(args: argparse.Namespace) -> Any:
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    from agent.device.model_sets import ModelSets
+
     with open_journal(args) as journal:
         rows = _list(journal, _notes(args))
+    rec = ModelSets.in_state_dir(daemon_dirs(args.config, args.state_dir)[1]).open or \
+        {"members": {}}
+    for r in rows:  # switched in a model set that may still revert
+        if (rec["members"].get(r["name"]) or {}).get("version") == r["version"]:
+            r["set"] = {"id": rec["id"], "state": "open"}
     if args.json:
         print(json.dumps({"models": rows}, indent=2, sort_keys=True))
         return 0
@@ -95,8 +102,9 @@ def run_ls(args: argparse.Namespace) -> int:
     print(line.format("NAME", "VERSION", "STATE", "PREVIOUS", "PRECISION", "ENGINE", "PINNED",
                       "HEALTH"))
     for r in rows:
+        state = r["state"] + (" (set {} open)".format(r["set"]["id"]) if r.get("set") else "")
         print(line.format(
-            r["name"], r["version"], r["state"], r["previous"] or "-", r["precision"] or "-",
+            r["name"], r["version"], state, r["previous"] or "-", r["precision"] or "-",
             r["engine_key"][:16], r["pinned"] or "-", r["health"][:80]))
     return 0
 

@@ -737,6 +737,10 @@ class ModelSwitch(object):
                         "health": (app if app != "ok" else on_disk)[:1024],
                         "pinned": self.notes.pins.get(row["name"]),
                         "rejected": rejected.get(row["name"], [])[-16:]})
+        rec = self.sets.open or {"members": {}}
+        for entry in out:
+            if (rec["members"].get(entry["name"]) or {}).get("version") == entry["version"]:
+                entry["set"] = {"id": rec["id"], "state": "open"}  # may still revert
         return out[:256]
 
 

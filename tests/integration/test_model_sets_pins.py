@@ -90,6 +90,11 @@ def test_model_set_switches_and_reverts_together_and_state_is_visible(controller
     assert done["state"] == "SUCCEEDED", agent.log_tail()
     assert done["result"]["model"]["set"] == {"id": "s2", "state": "open"}, done["result"]
     assert current(agent, "det") == "v2"
+    ls = {m["name"]: m for m in cli("models", "ls", "--state-dir", agent.state_dir,
+                                    "--json")["models"]}
+    assert ls["det"]["set"] == {"id": "s2", "state": "open"} and "set" not in ls["cls"], ls
+    listed = {m["name"]: m for m in ask(sock, {"op": "list"})["models"]}
+    assert listed["det"]["set"] == {"id": "s2", "state": "open"}, listed
     set_job(controller, digits_files, "cls-2", "cls", "v2", "s2")
     controller.wait_stage("cls-2", "committing", timeout=120)
     assert client.state("cls", socket_path=sock)[1:3] == ("v2", "pending")
