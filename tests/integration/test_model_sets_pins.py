@@ -250,3 +250,19 @@ def test_fleet_rollout_declares_a_model_set(mosquitto, agent_factory):
                      "--broker", mosquitto.url])
     assert bad.returncode != 0 and "bad_argument" in bad.stderr, bad.stderr
     assert agent.stop() == 0
+
+
+def test_build_save_engine_meta_has_the_profile_and_matches_the_schema(tmp_path):
+    """``jetson-agent build --save-engine`` writes the same meta.json beside the engine."""
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "examples")
+    target = tmp_path / "d.engine"
+    cli("build", os.path.join(examples, "digits", "model.onnx"), "--fp16", "--shapes",
+        "input:1x64,8x64,64x64", "--save-engine", str(target), "--state-dir",
+        str(tmp_path / "state"), "--json")
+    meta = json.loads((tmp_path / "d.engine.json").read_text())
+    with open(model_meta.SCHEMA) as f:
+        assert Validator(json.load(f), "meta.json").first_violation(meta, "meta.json") is None
+    assert meta["profiles"] == [{"inputs": {"input": {"min": [1, 64], "opt": [8, 64],
+                                                      "max": [64, 64]}}}]
+    assert meta["portability"]["dla_core"] is None and meta["schema_version"] == 1
