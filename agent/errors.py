@@ -132,6 +132,11 @@ CODES = {
     "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
     "keep it (active or as a rollback target).",
     "unknown_deployment": "A deployment id is not in the fleet database.",
+    # Named models on the device: pins and model sets
+    "model_pinned": "A job would switch a model name that an operator pinned on the device to "
+    "another version (jetson-agent models pin / unpin).",
+    "bad_model_set": "A job's model_set is malformed, does not name the job's model, or mixes "
+    "with the model set open on the device (one set at a time).",
 }
 
 

@@ -9,6 +9,8 @@ loop answers it with ``answer`` (the model switch does the work).
     {"op": "list"}                                                the models state
     {"op": "retry", "name", "version"}                            forget a rejection (root and
                                                                   the service user only)
+    {"op": "pin", "name", "version"} / {"op": "unpin", "name"}    pin a name to a kept version
+                                                                  (root and the service user)
 Replies ``{"ok": true, ...}`` or ``{"ok": false, "error": {"code", "message"}}``.
 """
 
@@ -25,6 +27,7 @@ log = logging.getLogger("agent.device.daemon")  # one logger name for the whole 
 
 ANSWER_WITHIN_S = 10.0
 OPS = ("health", "commit", "rollback", "list", "retry")
+OPS = OPS + ("pin", "unpin")  # type: ignore[assignment]  # operator pins
 
 
 class AppRequest(NamedTuple):
@@ -85,6 +88,11 @@ def _do(switch: Any, request: Dict[str, Any], peer: Dict[str, Any]) -> Dict[str,
         return switch.commit(name, version, by)
     if op == "rollback":
         return switch.rollback(name, version)
+    if op in ("pin", "unpin"):
+        if peer.get("uid") not in (0, os.getuid()):
+            raise AgentError("app_not_allowed", "expected root or the service user to {} a "
+                             "model, found uid {}".format(op, peer.get("uid")))
+        return switch.pin(name, version) if op == "pin" else switch.unpin(name)
     if peer.get("uid") not in (0, os.getuid()):
         raise AgentError("app_not_allowed", "expected root or the service user to retry a "
                          "rejected version, found uid {}".format(peer.get("uid")))

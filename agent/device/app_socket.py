@@ -33,6 +33,7 @@ from agent.errors import AgentError
 
 MAX_LINE = 4096
 OPS = ("health", "commit", "rollback", "list")
+OPS = OPS + ("pin", "unpin")  # type: ignore[assignment]  # operator pins
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 # linux/posix_acl_xattr.h: a version, then (tag, perm, id) entries sorted by tag and id.
 _ACL_HEADER, _ACL_ENTRY = struct.Struct("<I"), struct.Struct("<HHI")

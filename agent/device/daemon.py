@@ -236,6 +236,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
                          handoff.parse(cfg.handoff, "handoff"), events, shared, ending.end,
                          set_stage, publisher.publish_birth, platform_status)
     publisher.models_state = switch.models_list
+    publisher.models_pins = switch.pins
     switch.reconcile()
     supervisor = WorkerSupervisor(cfg, device, state_dir, store, journal, events, shared,
                                   publisher, ending, show_activity, switch.activate)
