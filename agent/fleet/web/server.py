@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, quote, urlsplit
 
 from agent.errors import AgentError
-from agent.fleet.database import device_models, history
+from agent.fleet.database import audit, device_models, history
 from agent.fleet.database.store import Store
 from agent.fleet.rollouts import rollback, rollback_log
 from agent.fleet.transfer.http_bounds import BoundedHTTPServer
@@ -41,10 +41,12 @@ class Dashboard(object):
     """``Dashboard(store_url, host, port, token).start()``; ``url``; ``stop()``."""
 
     def __init__(self, store_url: str, host: str = "127.0.0.1", port: int = 0,
-                 token: Optional[str] = None, rollback: Optional[Rollback] = None) -> None:
+                 token: Optional[str] = None, rollback: Optional[Rollback] = None,
+                 token_name: str = "dashboard") -> None:
         self.store = Store(store_url)  # its own connection: readers never wait on the loop
         history.ensure_schema(self.store)
         self.token = token or None
+        self.token_name = token_name  # who the audit trail names for the token's actions
         self.rollback = rollback
         self.static = {n: os.path.join(STATIC, n) for n in os.listdir(STATIC)}
         app = self
@@ -121,15 +123,46 @@ class Dashboard(object):
             "Not found", "nothing at {}".format(path[:200]), actions)
 
     def post(self, path: str, form: Dict[str, str]) -> Tuple[int, str, bytes]:
-        """An action: (status, location or "", body)."""
+        """An action: (status, location or "", body). Every authorised action is recorded in
+        the audit trail with its outcome (agent.fleet.database.audit); a refused token is only
+        logged (a stranger must not be able to flood the trail)."""
         if self.token is None:
             raise _Refused(403, "unauthorized", "the dashboard is read-only: start fleet serve "
                            "with --dashboard-token-file to allow actions")
         if not hmac.compare_digest(form.get("token", "").encode("utf-8"),
                                    self.token.encode("utf-8")):
+            log.warning("dashboard: POST %s refused: wrong token", path[:200])
             raise _Refused(401, "unauthorized", "the token given does not match the "
                            "service's --dashboard-token-file")
         parts = [p for p in path.split("/") if p]
+        outcome, message = "internal_error", None
+        try:
+            result = self._act(parts, path, form)
+            outcome = "ok"
+            return result
+        except _Refused as exc:
+            outcome, message = exc.code, exc.message
+            raise
+        except AgentError as exc:
+            outcome, message = exc.code, exc.message
+            raise
+        finally:
+            self._audit(parts, form, outcome, message)
+
+    def _audit(self, parts: List[str], form: Dict[str, str], outcome: str,
+               message: Optional[str]) -> None:
+        # "/rollouts/ID/pause" -> action "rollouts pause", target ID (as the CLI names them)
+        kind = parts[0] if parts else "-"
+        action = "{} {}".format(kind, parts[-1]) if len(parts) >= 3 else kind
+        try:
+            audit.record(self.store, self.token_name, "dashboard", action[:64],
+                         parts[1] if len(parts) >= 2 else None,
+                         {k: v for k, v in form.items() if k != "token"}, outcome, message)
+        except Exception:  # noqa: BLE001 - the action's outcome stands; the log says why
+            log.exception("dashboard: the audit record of %s failed", action[:64])
+
+    def _act(self, parts: List[str], path: str, form: Dict[str, str]
+             ) -> Tuple[int, str, bytes]:
         if len(parts) == 3 and parts[0] == "rollouts" and protocol.valid_id(parts[1]) and \
                 parts[2] in ROLLOUT_CONTROLS:
             self.store.request_control(parts[1], parts[2])
