@@ -18,9 +18,10 @@ from urllib.parse import parse_qs, quote, urlsplit
 from agent.errors import AgentError
 from agent.fleet.database import audit, device_models, history
 from agent.fleet.database.store import Store
+from agent.fleet.deployments import deployments
 from agent.fleet.rollouts import rollback, rollback_log
 from agent.fleet.transfer.http_bounds import BoundedHTTPServer
-from agent.fleet.web import metrics, pages, views
+from agent.fleet.web import metrics, operator_views, pages, views
 from agent.wire import protocol
 
 log = logging.getLogger("agent.fleet.web")
@@ -89,7 +90,7 @@ class Dashboard(object):
         if not parts:
             return _html(pages.fleet_page(views.fleet_rows(self.store), views.rollout_rows(
                 self.store, states=pages.ACTIVE, failures=False), actions,
-                views.deployment_rows(self.store)))
+                views.deployment_rows(self.store), operator_views.fleet_labels(self.store)))
         if parts == ["metrics"]:
             body, ctype = metrics.exposition(self.store)
             return 200, ctype, body
@@ -109,8 +110,13 @@ class Dashboard(object):
         if len(parts) == 2 and parts[0] == "rollouts" and protocol.valid_id(parts[1]):
             row = self.store.rollout(parts[1])
             if row is not None:
+                dep = self.store.db.query("SELECT deployment_id FROM deployment_rollouts WHERE "
+                                          "rollout_id = ?", (parts[1],))
                 return _html(pages.rollout_page(views.rollout_detail(self.store, row), actions,
-                                                notice))
+                                                notice, dep[0][0] if dep else None))
+        page = self._operator_page(parts, query, actions, notice)
+        if page is not None:
+            return _html(page)
         if len(parts) == 2 and parts[0] == "devices" and protocol.valid_id(parts[1]):
             rows = views.fleet_rows(self.store, device=parts[1])
             if rows:
@@ -118,9 +124,36 @@ class Dashboard(object):
                     rows[0], views.job_rows(self.store, device=parts[1]),
                     history.series(self.store, parts[1]), actions, notice,
                     views.status_history(self.store, parts[1]),
-                    rollback_log.of_device(self.store, parts[1])))
+                    rollback_log.of_device(self.store, parts[1]),
+                    operator_views.device_labels(self.store, parts[1]),
+                    operator_views.device_deployments(self.store, parts[1])))
         return 404, "text/html; charset=utf-8", pages.message_page(
             "Not found", "nothing at {}".format(path[:200]), actions)
+
+    def _operator_page(self, parts: List[str], query: Dict[str, str], actions: bool,
+                       notice: str) -> Optional[bytes]:
+        """/deployments, /deployments/ID, /models, /labels, /audit (None: not one of them)."""
+        if parts == ["deployments"]:
+            live, ended = operator_views.deployment_lists(self.store)
+            return pages.deployments_page(live, ended, actions)
+        if len(parts) == 2 and parts[0] == "deployments" and protocol.valid_id(parts[1]):
+            try:
+                got = operator_views.deployment_detail(self.store, parts[1])
+            except AgentError:
+                return None
+            return pages.deployment_page(got["deployment"], got["devices"], got["rollouts"],
+                                         got["pins"], actions, notice, deployments.LIVE)
+        if parts == ["models"]:
+            return pages.models_page(operator_views.model_rows(self.store),
+                                     operator_views.has_table(self.store, "blobs"), actions)
+        if parts == ["labels"]:
+            return pages.labels_page(operator_views.label_rows(self.store),
+                                     operator_views.pins(self.store), actions)
+        if parts == ["audit"]:
+            limit = _int(query.get("limit"), 500, 1, 5000)
+            return pages.audit_page(operator_views.audit_rows(self.store, limit), limit,
+                                    actions)
+        return None
 
     def post(self, path: str, form: Dict[str, str]) -> Tuple[int, str, bytes]:
         """An action: (status, location or "", body). Every authorised action is recorded in
@@ -163,6 +196,11 @@ class Dashboard(object):
 
     def _act(self, parts: List[str], path: str, form: Dict[str, str]
              ) -> Tuple[int, str, bytes]:
+        if len(parts) == 3 and parts[0] == "deployments" and protocol.valid_id(parts[1]) and \
+                parts[2] in operator_views.DEPLOYMENT_ACTIONS:
+            did = operator_views.control(self.store, parts[1], parts[2], self.token_name)
+            log.info("dashboard: %s of deployment %s recorded", parts[2], did)
+            return 303, "/deployments/{}?done={}".format(quote(did), parts[2]), b""
         if len(parts) == 3 and parts[0] == "rollouts" and protocol.valid_id(parts[1]) and \
                 parts[2] in ROLLOUT_CONTROLS:
             self.store.request_control(parts[1], parts[2])
@@ -229,6 +267,8 @@ NOTICES = {  # the page after an action says what was done; no text from the URL
     "cancel": "cancel requested; the service applies it within a second",
     "accept": "device accepted: its key is pinned; the service admits it within seconds",
     "reject": "device rejected: its messages are dropped",
+    "retry": "retry recorded: the service sends the failed devices their job again",
+    "undo": "undo recorded: the deployment is back at its previous revision",
     "rollback": "rollback sent (request {}); the device's answer shows under Rollbacks below "
                 "(refused: with its reason), its models what it runs now",
 }
