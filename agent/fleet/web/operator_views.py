@@ -155,4 +155,7 @@ def audit_rows(store: Store, limit: int) -> List[Dict[str, Any]]:
 
 
 def fleet_labels(store: Store) -> Dict[str, Dict[str, str]]:
-    return labels.assigned(store)
+    """device -> the labels it is selected by: its own claims, an operator's over them."""
+    assigned = labels.assigned(store)
+    return {d: dict(labels.reported(status), **assigned.get(d, {}))
+            for d, status in store.statuses().items()}
