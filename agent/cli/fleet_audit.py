@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import time
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from agent.cli import EXIT_OK
 from agent.errors import AgentError
@@ -88,9 +88,23 @@ def target_of(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def args_of(args: argparse.Namespace) -> Dict[str, Any]:
-    return {k: v for k, v in vars(args).items()
-            if k not in SKIP and not callable(v)}
+def args_of(args: argparse.Namespace, argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """The arguments of the command; with ``argv``, only those the operator typed (a flag
+    given, or a positional value), not every default."""
+    out = {k: v for k, v in vars(args).items()
+           if k not in SKIP and not k.endswith("_command") and not callable(v)}
+    if argv is None:
+        return out
+    words = set(argv)
+    flags = {w.split("=", 1)[0] for w in argv if w.startswith("--")}
+
+    def typed(key: str, value: Any) -> bool:
+        if "--" + key.replace("_", "-") in flags:
+            return True
+        values = value if isinstance(value, list) else [value]
+        return bool(values) and all(isinstance(v, str) and v in words for v in values)
+
+    return {k: v for k, v in out.items() if typed(k, v)}
 
 
 def actor() -> str:
@@ -114,7 +128,8 @@ def _db_url(args: argparse.Namespace) -> Optional[str]:
     return url
 
 
-def write(args: argparse.Namespace, action: str, outcome: str, message: Optional[str]) -> None:
+def write(args: argparse.Namespace, action: str, outcome: str, message: Optional[str],
+          argv: Optional[List[str]] = None) -> None:
     from agent.fleet.database import audit
     from agent.fleet.database.store import Store
 
@@ -128,8 +143,8 @@ def write(args: argparse.Namespace, action: str, outcome: str, message: Optional
         log.warning("audit: %s not recorded: %s", action, exc)
         return
     try:
-        if not audit.record(store, actor(), "cli", action, target_of(args), args_of(args),
-                            outcome, message):
+        if not audit.record(store, actor(), "cli", action, target_of(args),
+                            args_of(args, argv), outcome, message):
             log.warning("audit: %s not recorded: the fleet database has no audit table "
                         "(fleet db upgrade)", action)
     except Exception as exc:  # noqa: BLE001
@@ -138,9 +153,10 @@ def write(args: argparse.Namespace, action: str, outcome: str, message: Optional
         store.close()
 
 
-def audited(args: argparse.Namespace, func: Callable[[argparse.Namespace], Any]) -> int:
+def audited(args: argparse.Namespace, func: Callable[[argparse.Namespace], Any],
+            argv: Optional[List[str]] = None) -> int:
     """Run a command; when it changes the fleet, record it with its outcome (``ok``, ``exit
-    N``, the error code, ``interrupted``)."""
+    N``, the error code, ``interrupted``) and the arguments typed (``argv``)."""
     action = action_of(args)
     if action is None:
         return int(func(args) or 0)
@@ -156,7 +172,7 @@ def audited(args: argparse.Namespace, func: Callable[[argparse.Namespace], Any])
         outcome = "interrupted"
         raise
     finally:
-        write(args, action, outcome, message)
+        write(args, action, outcome, message, argv)
 
 
 # ---------------------------------------------------------------------------- fleet audit

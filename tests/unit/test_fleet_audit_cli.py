@@ -69,3 +69,11 @@ def test_since_takes_durations_times_and_unix_times():
     with pytest.raises(AgentError) as err:
         parse_since("yesterday")
     assert err.value.code == "bad_argument"
+
+
+def test_only_the_arguments_typed_are_kept():
+    argv = ["fleet", "deploy", "det@3", "--to", "site=w3", "--id", "d3", "--percent", "10"]
+    kept = args_of(parsed(*argv[1:]), argv)
+    assert kept == {"ref": "det@3", "to": "site=w3", "id": "d3", "percent": 10.0}
+    argv = ["fleet", "label", "cam-1", "a=b", "c=d"]
+    assert args_of(parsed(*argv[1:]), argv) == {"device": "cam-1", "assignments": ["a=b", "c=d"]}
