@@ -126,7 +126,7 @@ def control(store: Store, deployment_id: str, action: str, actor: str) -> str:
         if undo is None:
             raise AgentError("bad_argument", "deployment {}: expected a controller that keeps "
                              "deployment revisions for undo, found none".format(did))
-        undo(store, dep, actor=actor)
+        undo(store, did, actor=actor)  # the deployment by its id, as `fleet deployments undo`
     elif action == "pause":
         deployments.set_state(store, did, "paused", "paused by the operator")
         deployments.cancel_rollouts(store, did, "pause")
