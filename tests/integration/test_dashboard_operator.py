@@ -174,3 +174,19 @@ def test_no_script_from_a_device_runs_in_chromium(dash):
             assert not [e for e in page["errors"] if "Content Security Policy" in e], path
         page = browser.load(dash.url + "/deployments/d3")
         assert "bad_model: " + PAYLOAD in page["text"]  # shown as text
+
+
+def test_each_operator_token_is_named_in_the_trail(operator_db):
+    d = Dashboard(operator_db, tokens={"alice": "a" * 20, "bob": "b" * 20}).start()
+    try:
+        assert post(d, "/deployments/d3/pause", {"token": "a" * 20})[0] == 303
+        assert post(d, "/deployments/d3/resume", {"token": "b" * 20})[0] == 303
+        assert post(d, "/deployments/d3/retry", {"token": "c" * 20})[0] == 401
+    finally:
+        d.stop()
+    store = Store(operator_db)
+    try:
+        trail = [(r["actor"], r["action"]) for r in audit.rows(store)][1:]
+    finally:
+        store.close()
+    assert trail == [("alice", "deployments pause"), ("bob", "deployments resume")]

@@ -43,11 +43,14 @@ class Dashboard(object):
 
     def __init__(self, store_url: str, host: str = "127.0.0.1", port: int = 0,
                  token: Optional[str] = None, rollback: Optional[Rollback] = None,
-                 token_name: str = "dashboard") -> None:
+                 tokens: Optional[Dict[str, str]] = None) -> None:
         self.store = Store(store_url)  # its own connection: readers never wait on the loop
         history.ensure_schema(self.store)
-        self.token = token or None
-        self.token_name = token_name  # who the audit trail names for the token's actions
+        # name -> token: the audit trail names the operator whose token an action carried
+        self.tokens = dict(tokens or {})
+        if token:
+            self.tokens.setdefault("dashboard", token)
+        self.token = next(iter(self.tokens.values()), None)  # None: read-only
         self.rollback = rollback
         self.static = {n: os.path.join(STATIC, n) for n in os.listdir(STATIC)}
         app = self
@@ -162,15 +165,19 @@ class Dashboard(object):
         if self.token is None:
             raise _Refused(403, "unauthorized", "the dashboard is read-only: start fleet serve "
                            "with --dashboard-token-file to allow actions")
-        if not hmac.compare_digest(form.get("token", "").encode("utf-8"),
-                                   self.token.encode("utf-8")):
+        given = form.get("token", "").encode("utf-8")
+        actor = None
+        for name, token in sorted(self.tokens.items()):  # each compared, in constant time
+            if hmac.compare_digest(given, token.encode("utf-8")):
+                actor = name
+        if actor is None:
             log.warning("dashboard: POST %s refused: wrong token", path[:200])
             raise _Refused(401, "unauthorized", "the token given does not match the "
                            "service's --dashboard-token-file")
         parts = [p for p in path.split("/") if p]
         outcome, message = "internal_error", None
         try:
-            result = self._act(parts, path, form)
+            result = self._act(parts, path, form, actor)
             outcome = "ok"
             return result
         except _Refused as exc:
@@ -180,25 +187,25 @@ class Dashboard(object):
             outcome, message = exc.code, exc.message
             raise
         finally:
-            self._audit(parts, form, outcome, message)
+            self._audit(actor, parts, form, outcome, message)
 
-    def _audit(self, parts: List[str], form: Dict[str, str], outcome: str,
+    def _audit(self, actor: str, parts: List[str], form: Dict[str, str], outcome: str,
                message: Optional[str]) -> None:
         # "/rollouts/ID/pause" -> action "rollouts pause", target ID (as the CLI names them)
         kind = parts[0] if parts else "-"
         action = "{} {}".format(kind, parts[-1]) if len(parts) >= 3 else kind
         try:
-            audit.record(self.store, self.token_name, "dashboard", action[:64],
+            audit.record(self.store, actor, "dashboard", action[:64],
                          parts[1] if len(parts) >= 2 else None,
                          {k: v for k, v in form.items() if k != "token"}, outcome, message)
         except Exception:  # noqa: BLE001 - the action's outcome stands; the log says why
             log.exception("dashboard: the audit record of %s failed", action[:64])
 
-    def _act(self, parts: List[str], path: str, form: Dict[str, str]
+    def _act(self, parts: List[str], path: str, form: Dict[str, str], actor: str
              ) -> Tuple[int, str, bytes]:
         if len(parts) == 3 and parts[0] == "deployments" and protocol.valid_id(parts[1]) and \
                 parts[2] in operator_views.DEPLOYMENT_ACTIONS:
-            did = operator_views.control(self.store, parts[1], parts[2], self.token_name)
+            did = operator_views.control(self.store, parts[1], parts[2], actor)
             log.info("dashboard: %s of deployment %s recorded", parts[2], did)
             return 303, "/deployments/{}?done={}".format(quote(did), parts[2]), b""
         if len(parts) == 3 and parts[0] == "rollouts" and protocol.valid_id(parts[1]) and \
