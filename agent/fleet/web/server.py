@@ -1,6 +1,8 @@
 """The dashboard's HTTP server (stdlib ``http.server``, one thread per request): the pages of
 ``agent.fleet.web.pages``, Prometheus ``/metrics``, the vendored static files, and the
-actions (pause, resume, cancel a rollout; roll a device back), which need the token.
+actions (pause, resume, cancel a rollout; pause, resume, retry, undo a deployment; accept or
+reject a pending device; roll a device back), which need a token and are recorded in the audit
+trail under the token's name (agent.fleet.database.audit).
 
 Read-only unless a token is configured (``--dashboard-token-file``); an action without the right
 token is refused (401), compared in constant time. Bodies are bounded (``MAX_BODY``); ids in
