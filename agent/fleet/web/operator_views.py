@@ -31,6 +31,11 @@ def has_table(store: Store, name: str) -> bool:
     return name in store_schema.table_names(store.db)
 
 
+def has_blob_store(store: Store) -> bool:
+    """Whether the registry keeps its own blob store (a table of blobs, whatever its name)."""
+    return any("blob" in t for t in store_schema.table_names(store.db))
+
+
 def pins(store: Store, device: Optional[str] = None) -> List[Dict[str, Any]]:
     """Every pin (device, name -> version, who, why, when), [] where pins do not exist yet."""
     if not has_table(store, "pins"):

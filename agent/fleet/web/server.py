@@ -150,7 +150,7 @@ class Dashboard(object):
                                          got["pins"], actions, notice, deployments.LIVE)
         if parts == ["models"]:
             return pages.models_page(operator_views.model_rows(self.store),
-                                     operator_views.has_table(self.store, "blobs"), actions)
+                                     operator_views.has_blob_store(self.store), actions)
         if parts == ["labels"]:
             return pages.labels_page(operator_views.label_rows(self.store),
                                      operator_views.pins(self.store), actions)
