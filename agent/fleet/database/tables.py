@@ -174,3 +174,14 @@ deployment_retries = sa.Table(
     "deployment_retries", metadata,
     sa.Column("deployment_id", TEXT, primary_key=True),
     sa.Column("device_id", TEXT, primary_key=True), sa.Column("at", DOUBLE, nullable=False))
+
+# agent.fleet.database.audit (revision 0007): one row per operator action (bounded by age and
+# count).
+audit = sa.Table(
+    "audit", metadata,
+    _id(), sa.Column("ts", DOUBLE, nullable=False), sa.Column("actor", TEXT, nullable=False),
+    sa.Column("via", TEXT, nullable=False), sa.Column("action", TEXT, nullable=False),
+    sa.Column("target", TEXT), sa.Column("args", TEXT), sa.Column("outcome", TEXT,
+                                                                  nullable=False),
+    sa.Column("message", TEXT),
+    sa.Index("audit_ts", "ts"))
