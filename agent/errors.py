@@ -132,6 +132,12 @@ CODES = {
     "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
     "keep it (active or as a rollback target).",
     "unknown_deployment": "A deployment id is not in the fleet database.",
+    # The registry's blob store (agent.fleet.database.blobs).
+    "artifact_unavailable": "A registry blob cannot be served: missing from the store, or its "
+    "bytes no longer match its sha256 (fleet models verify).",
+    "blob_store_unset": "The fleet database names no blob store and none was given (--store "
+    "on the service's host, or push through the service).",
+    "blob_too_large": "An uploaded blob is larger than the service accepts.",
 }
 
 

@@ -1,0 +1,206 @@
+"""The registry owns its bytes (agent.fleet.database.blobs), with a real Mosquitto, real agents
+(onnxruntime), ``fleet serve`` and the operator's CLI:
+
+- versions pushed from a folder under a home directory that is then deleted still deploy to a
+  re-imaged device (fresh state directory, same device key) after a service restart, on SQLite
+  and on PostgreSQL; one pushed on the service's host (``--db``: into the store the database
+  names), one through the service's HTTP endpoint with the operator's token (refused without
+  it and with a wrong one); the two share their files, and the older version's blobs are not
+  re-pointed;
+- a corrupted blob is never served: the deployment's device shows ``artifact_unavailable``
+  with the blob and the version, ``fleet models verify`` lists it (exit 1); pushing the
+  version again restores the bytes and the device converges.
+"""
+
+import http.client
+import json
+import os
+import re
+import shutil
+import time
+
+import pytest
+
+from agent.fleet.database import blobs
+from agent.fleet.database.store import Store
+from agent.fleet.deployments import deployments
+from tests.integration.postgres import postgres  # noqa: F401 - fixture
+from tests.integration.test_fleet_deployments import jobs_of, wait_converged
+from tests.integration.test_fleet_rollout import wait_status
+from tests.integration.test_fleet_service import FP16, Service, fleet_cli, wait_registered
+
+TOKEN = "operator-token-0123456789abcdef"
+
+
+def cli(args, db, env=None, ok=True):
+    out = fleet_cli(args + ["--db", db], timeout=180, env=env)
+    if ok:
+        assert out.returncode == 0, out.stdout + out.stderr
+    return out
+
+
+def copy_example(folder):
+    os.makedirs(folder)
+    for name in ("model.onnx", "inputs.json", "golden.json"):
+        shutil.copy(os.path.join(FP16, name), os.path.join(folder, name))
+    return ["--inputs", os.path.join(folder, "inputs.json"), "--golden",
+            os.path.join(folder, "golden.json"), "--precision", "fp32"]
+
+
+def http_url(service, timeout=120):
+    deadline = time.monotonic() + timeout
+    while True:
+        found = re.findall(r"also at (http://127\.0\.0\.1:\d+)/artifacts", service.tail(200000))
+        if found:
+            return found[-1]
+        assert time.monotonic() < deadline, service.tail()
+        time.sleep(0.2)
+
+
+def states(db, dep):
+    store = Store(db)
+    try:
+        return {d["device"]: (d["state"], d["reason"]) for d in
+                deployments.device_states(store, dep)}
+    finally:
+        store.close()
+
+
+def raw_put(base, sha, body, auth=None):
+    host, port = base.split("//", 1)[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        headers = {"Content-Length": str(len(body))}
+        if auth:
+            headers["Authorization"] = auth
+        conn.request("PUT", "/registry/blobs/" + sha, body=body, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_pushed_versions_outlive_their_folder(kind, request, mosquitto, agent_factory,
+                                              tmp_path):
+    if kind == "sqlite":
+        db, store_args = "sqlite:///" + str(tmp_path / "fleet.db"), []
+        root = str(tmp_path / "fleet-artifacts")
+    else:
+        db = request.getfixturevalue("postgres").url
+        root = str(tmp_path / "service-store")
+        store_args = ["--store", root]
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    wrong_file = tmp_path / "wrong"
+    wrong_file.write_text("not-the-operator-token-at-all\n")
+    agent = agent_factory("bs-a", extra_config="labels:\n  site: w3\n").start()
+    wait_status(mosquitto, ["bs-a"], agents=[agent], timeout=120)
+    service = Service(mosquitto, db, tmp_path)
+    service.args += store_args + ["--http", "127.0.0.1:0", "--dashboard-token-file",
+                                  str(token_file)]
+    service.start()
+    try:
+        wait_registered(db, ["bs-a"], service, timeout=90)
+        base = http_url(service)
+        # A pusher's home and folder, deleted afterwards.
+        home = tmp_path / "home"
+        folder = str(home / "models" / "det")
+        common = copy_example(folder)
+        env = dict(os.environ, HOME=str(home))
+        model = os.path.join(folder, "model.onnx")
+        # @1 on the service's host: into the store the database names (no --store here).
+        cli(["models", "push", model, "--name", "det", "--version", "1"] + common, db, env)
+        # @2 through the service, with the operator's token; refused without and with another.
+        push2 = ["models", "push", model, "--name", "det", "--version", "2", "--server", base]
+        wrong = fleet_cli(push2 + common + ["--token-file", str(wrong_file)], env=env,
+                          timeout=120)
+        assert wrong.returncode != 0 and "unauthorized" in wrong.stderr, wrong.stderr
+        sha = _sha(model)
+        status, doc = raw_put(base, sha, b"x")
+        assert status == 401 and doc["error"]["code"] == "unauthorized", doc
+        status, doc = raw_put(base, sha, b"x", "Bearer " + TOKEN)  # the right token, bad bytes
+        assert status == 400 and doc["error"]["code"] == "hash_mismatch", doc
+        out = fleet_cli(push2 + common + ["--token-file", str(token_file), "--json"], env=env,
+                        timeout=120)
+        assert out.returncode == 0, out.stderr + service.tail()
+        assert json.loads(out.stdout)["added"] is True
+        # Both versions' blobs are in the service's store, counted once per reference, and
+        # nothing names the pusher's folder.
+        store = Store(db)
+        try:
+            assert blobs.recorded(store) == root
+            assert os.path.isfile(blobs.path_of(root, sha))
+            assert {u["version"] for u in blobs.users(store, sha)} == {"1", "2"}
+            assert not store.db.query("SELECT 1 FROM artifacts WHERE path LIKE ?",
+                                      ("%" + str(home) + "%",))
+        finally:
+            store.close()
+        shutil.rmtree(str(home))
+        verify = cli(["models", "verify"], db)
+        assert "all sound" in verify.stdout, verify.stdout
+
+        cli(["deploy", "det@1", "--to", "site=w3", "--id", "d1", "--timeout", "300"], db)
+        wait_converged(db, "d1", ["bs-a"], service)
+        # The service restarts; the device is re-imaged (its state directory wiped, same key).
+        assert service.stop() == 0
+        assert agent.stop() == 0
+        shutil.rmtree(agent.state_dir)
+        service.start()
+        agent.start()
+        deadline = time.monotonic() + 180
+        while not jobs_of(agent):
+            assert time.monotonic() < deadline, service.tail() + agent.log_tail()
+            time.sleep(0.5)
+        wait_converged(db, "d1", ["bs-a"], service)
+        assert agent.alive(), agent.log_tail()
+    finally:
+        service.stop()
+
+
+def _sha(path):
+    from agent.fsio import sha256_file
+
+    return sha256_file(path)
+
+
+def test_a_corrupted_blob_is_a_reason_not_a_silence(mosquitto, agent_factory, tmp_path):
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    folder = str(tmp_path / "push")
+    common = copy_example(folder)
+    model = os.path.join(folder, "model.onnx")
+    cli(["models", "push", model, "--name", "det", "--version", "1"] + common, db)
+    sha = _sha(model)
+    path = blobs.path_of(str(tmp_path / "fleet-artifacts"), sha)
+    with open(path, "r+b") as f:  # one byte changed in place: same size
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    verify = cli(["models", "verify", "--json"], db, ok=False)
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    problems = json.loads(verify.stdout)["problems"]
+    assert [(p["sha256"], p["versions"]) for p in problems] == [(sha, ["det@1"])], problems
+    assert "hash mismatch" in problems[0]["message"]
+
+    agent = agent_factory("bs-c", extra_config="labels:\n  site: w3\n").start()
+    wait_status(mosquitto, ["bs-c"], agents=[agent], timeout=120)
+    service = Service(mosquitto, db, tmp_path).start()
+    try:
+        wait_registered(db, ["bs-c"], service, timeout=90)
+        cli(["deploy", "det@1", "--to", "site=w3", "--id", "dc", "--timeout", "300"], db)
+        deadline = time.monotonic() + 60
+        while states(db, "dc").get("bs-c", (None, None))[0] != "failed":
+            assert time.monotonic() < deadline, service.tail()
+            time.sleep(0.3)
+        state, reason = states(db, "dc")["bs-c"]
+        assert reason.startswith("artifact_unavailable: blob {}".format(sha[:16])), reason
+        assert "model of det@1" in reason and "hash mismatch" in reason, reason
+        shown = cli(["deployments", "show", "dc"], db).stdout
+        assert "artifact_unavailable" in shown, shown
+        assert not jobs_of(agent)  # nothing was sent: the bytes were never served
+        # Pushed again from the files: the bytes are restored, the device converges.
+        cli(["models", "push", model, "--name", "det", "--version", "1"] + common, db)
+        assert "all sound" in cli(["models", "verify"], db).stdout
+        wait_converged(db, "dc", ["bs-c"], service)
+    finally:
+        service.stop()
