@@ -12,6 +12,7 @@
   version again restores the bytes and the device converges.
 """
 
+import hashlib
 import http.client
 import json
 import os
@@ -21,6 +22,7 @@ import time
 
 import pytest
 
+from agent.errors import AgentError
 from agent.fleet.database import blobs
 from agent.fleet.database.store import Store
 from agent.fleet.deployments import deployments
@@ -204,3 +206,112 @@ def test_a_corrupted_blob_is_a_reason_not_a_silence(mosquitto, agent_factory, tm
         wait_converged(db, "dc", ["bs-c"], service)
     finally:
         service.stop()
+
+
+def _db_url(kind, request, tmp_path):
+    if kind == "sqlite":
+        return "sqlite:///" + str(tmp_path / "fleet.db")
+    return request.getfixturevalue("postgres").url
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_upgrade_imports_path_recorded_versions(kind, request, tmp_path):
+    """A database of the release before (revision 0004) whose versions name files on the
+    pusher's machine: those still there are copied into the store, the one gone is reported;
+    the upgraded schema is the declared one (tests/integration/test_fleet_migrations.py)."""
+    from agent.fleet.database import migrate
+    from agent.fleet.deployments import registry
+
+    url = _db_url(kind, request, tmp_path)
+    migrate.upgrade(url, target="0004")
+    pushed = tmp_path / "pusher"
+    pushed.mkdir()
+    (pushed / "a.onnx").write_bytes(b"model a")
+    (pushed / "b.onnx").write_bytes(b"model b")
+    sha_a, sha_b = _sha(str(pushed / "a.onnx")), _sha(str(pushed / "b.onnx"))
+    from agent.fleet.database.db import Db
+
+    db = Db(url)  # at revision 0004: below what a Store opens
+    try:
+        for version, sha in (("1", sha_a), ("2", sha_b), ("3", sha_a)):
+            rec = {"artifacts": {"model": {"sha256": sha, "size": 7, "name": "m.onnx"}},
+                   "defaults": {}, "notes": ""}
+            db.execute("INSERT INTO model_versions (name, version, digest, record, "
+                             "created) VALUES (?, ?, ?, ?, 1.0)",
+                             ("det", version, registry.digest(rec), json.dumps(rec)))
+        for sha, name in ((sha_a, "a.onnx"), (sha_b, "b.onnx")):
+            db.execute("INSERT INTO artifacts (sha256, size, name, path, added) VALUES "
+                       "(?, 7, 'model', ?, 1.0)", (sha, str(pushed / name)))
+    finally:
+        db.close()
+    (pushed / "b.onnx").unlink()  # gone from the pusher's machine before the upgrade
+    root = str(tmp_path / "store")
+    before, after = migrate.upgrade(url, blob_store=root)
+    assert (before, after) == ("0004", "0006")
+    shutil.rmtree(str(pushed))
+    store = Store(url)
+    try:
+        assert blobs.recorded(store) == root
+        rows = blobs.rows(store)
+        assert rows[sha_a]["problem"] is None and os.path.isfile(blobs.path_of(root, sha_a))
+        assert rows[sha_b]["problem"].startswith("missing"), rows[sha_b]
+        assert blobs.refcounts(store) == {sha_a: 2, sha_b: 1}
+        assert [u["version"] for u in blobs.users(store, sha_a)] == ["1", "3"]
+        problems = blobs.verify(store, root)
+        assert [(p["sha256"], p["versions"]) for p in problems] == [(sha_b, ["det@2"])]
+        assert blobs.servable(store, root, sha_a, full=True) == blobs.path_of(root, sha_a)
+        with pytest.raises(AgentError) as exc:
+            blobs.servable(store, root, sha_b)
+        assert exc.value.code == "artifact_unavailable" and "model of det@2" in \
+            exc.value.message
+        # rm of @1 keeps the blob @3 still uses; rm of @3 collects it.
+        registry.remove(store, "det", "1")
+        assert os.path.isfile(blobs.path_of(root, sha_a))
+        registry.remove(store, "det", "3")
+        assert not os.path.exists(blobs.path_of(root, sha_a)) and sha_a not in blobs.rows(store)
+    finally:
+        store.close()
+
+
+def test_blob_writes_are_checked_atomic_and_immutable(tmp_path):
+    import io
+
+    from agent.fleet.deployments import registry
+
+    url = "sqlite:///" + str(tmp_path / "fleet.db")
+    store = Store(url)
+    try:
+        root = blobs.directory(store, None, record=True)
+        assert root == str(tmp_path / "fleet-artifacts") and blobs.recorded(store) == root
+        with pytest.raises(AgentError) as exc:  # the database decides, not a later --store
+            blobs.directory(store, str(tmp_path / "elsewhere"))
+        assert exc.value.code == "bad_argument"
+        data = b"0123456789" * 1000
+        sha = hashlib.sha256(data).hexdigest()
+        with pytest.raises(AgentError) as exc:
+            blobs.receive(root, io.BytesIO(data[:-1] + b"x"), len(data), sha)
+        assert exc.value.code == "hash_mismatch"
+        with pytest.raises(AgentError) as exc:
+            blobs.receive(root, io.BytesIO(data[:5]), len(data), sha)
+        assert exc.value.code == "hash_mismatch"  # the body ended early
+        with pytest.raises(AgentError) as exc:
+            blobs.receive(root, io.BytesIO(data), len(data), sha, limit=100)
+        assert exc.value.code == "blob_too_large"
+        assert not os.path.exists(blobs.path_of(root, sha))
+        assert os.listdir(os.path.join(root, sha[:2])) == []  # no temporary file left
+        path = blobs.receive(root, io.BytesIO(data), len(data), sha)
+        inode = os.stat(path).st_ino
+        blobs.receive(root, io.BytesIO(data), len(data), sha)  # the same bytes again: kept
+        assert os.stat(path).st_ino == inode
+        # A version without its blobs in the store is refused; with them, counted.
+        rec = {"artifacts": {"model": {"sha256": "e" * 64, "size": 3}}, "defaults": {},
+               "notes": ""}
+        with pytest.raises(AgentError) as exc:
+            registry.push(store, root, "det", "1", rec)
+        assert exc.value.code == "bad_argument" and "expected blob eeee" in exc.value.message
+        rec["artifacts"]["model"] = {"sha256": sha, "size": len(data)}
+        assert registry.push(store, root, "det", "1", rec)
+        assert not registry.push(store, root, "det", "1", rec)
+        assert blobs.refcounts(store) == {sha: 1} and blobs.verify(store, root) == []
+    finally:
+        store.close()

@@ -18,6 +18,7 @@ message}}``. Each request opens its own database connection (one thread per requ
 import hmac
 import json
 import logging
+import re
 from typing import IO, Any, Dict, Mapping, Optional, Tuple
 
 from agent.errors import AgentError
@@ -30,6 +31,7 @@ MAX_BLOB_BYTES = blobs.MAX_BLOB_BYTES
 MAX_RECORD_BYTES = 1 << 20
 MAX_ROLES = 32  # files per version (model, calibration, goldens, labels and their lists)
 
+_ROLE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 Reply = Tuple[int, Dict[str, Any]]
 
 
@@ -121,6 +123,9 @@ def check_record(record: Mapping[str, Any]) -> Dict[str, Any]:
     if not isinstance(arts, dict) or "model" not in arts or len(arts) > MAX_ROLES:
         raise ValueError("expected artifacts with a model (at most {} roles)".format(MAX_ROLES))
     for role, ref in arts.items():
+        if not _ROLE.match(str(role)):
+            raise ValueError("expected a role of at most 64 letters, digits, '_', '.', '-', "
+                             "found {!r}".format(str(role)[:80]))
         if not isinstance(ref, dict) or not protocol.valid_sha256(ref.get("sha256")) or \
                 not isinstance(ref.get("size"), int) or not 0 <= ref["size"] <= MAX_BLOB_BYTES:
             raise ValueError("artifact {!r}: expected sha256 (64 hex digits) and a size".format(
