@@ -237,13 +237,20 @@ def run_models(args: argparse.Namespace) -> int:
         if action == "show" and name is not None and version is not None:
             v = registry.get(store, name, version)
             v["used_by"] = registry.usage(store, name, version)
+            known = blobs.rows(store, [sha for sha, _n in blobs.refs_of(v).values()])
+            v["blobs"] = {role: {"sha256": sha, "versions": len(blobs.users(store, sha)),
+                                 "problem": (known.get(sha) or {"problem": "not in the store"}
+                                             )["problem"]}
+                          for role, (sha, _n) in blobs.refs_of(v).items()}
             if args.json:
                 print(json.dumps(v, indent=2, sort_keys=True, default=str))
             else:
                 print("{}@{}  (digest {})".format(name, version, v["digest"][:16]))
                 for role, ref in sorted(v["artifacts"].items()):
-                    print("  {:<12} {}  {} bytes  {}".format(role, ref["sha256"][:16],
-                                                              ref["size"], ref.get("name")))
+                    b = v["blobs"].get(role) or {}
+                    print("  {:<12} {}  {} bytes  {}  (blob used by {} version(s){})".format(
+                        role, ref["sha256"][:16], ref["size"], ref.get("name"),
+                        b.get("versions", 0), "; " + b["problem"] if b.get("problem") else ""))
                 print("  defaults: {}".format(json.dumps(v["defaults"], sort_keys=True)))
                 print("  notes: {}".format(v.get("notes") or "-"))
                 print("  deployments: {}".format(", ".join(v["used_by"]["deployments"])

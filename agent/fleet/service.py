@@ -219,6 +219,8 @@ class FleetService(object):
                 try:
                     self.server.add_file(self._artifact_path(sha, stored), sha)
                 except AgentError as exc:
+                    if exc.code == "artifact_unavailable":
+                        self.server.remove(sha)  # served earlier, damaged since: no more
                     log.error("rollout %s: artifact %s cannot be served: %s", rollout_id, sha,
                               exc.message)
         self.rollouts[rollout_id] = ro
@@ -264,7 +266,9 @@ class FleetService(object):
         it fails), else the file a rollout recorded."""
         from agent.fleet.database import blobs
 
-        path = blobs.servable(self.store, self.blob_root, sha, full=True)
+        # Hashed in full when first served; afterwards again only when its file changed.
+        path = blobs.servable(self.store, self.blob_root, sha,
+                              full=sha not in self.server.files())
         if path is not None:
             return path
         if sha not in stored:

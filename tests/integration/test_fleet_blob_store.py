@@ -198,12 +198,26 @@ def test_a_corrupted_blob_is_a_reason_not_a_silence(mosquitto, agent_factory, tm
         assert reason.startswith("artifact_unavailable: blob {}".format(sha[:16])), reason
         assert "model of det@1" in reason and "hash mismatch" in reason, reason
         shown = cli(["deployments", "show", "dc"], db).stdout
-        assert "artifact_unavailable" in shown, shown
+        assert "artifact_unavailable: blob {}".format(sha[:16]) in shown, shown
+        assert "hash mismatch: its bytes hash to" in shown, shown  # the deployment's reason
+        store = Store(db)
+        try:
+            from agent.fleet.web import metrics
+
+            exposed = metrics.exposition(store)[0].decode()
+        finally:
+            store.close()
+        assert "artifact_unavailable: blob {}".format(sha[:16]) in exposed, exposed
         assert not jobs_of(agent)  # nothing was sent: the bytes were never served
         # Pushed again from the files: the bytes are restored, the device converges.
         cli(["models", "push", model, "--name", "det", "--version", "1"] + common, db)
         assert "all sound" in cli(["models", "verify"], db).stdout
         wait_converged(db, "dc", ["bs-c"], service)
+        store = Store(db)
+        try:
+            assert deployments.get(store, "dc")["reason"] is None  # cleared with the bytes back
+        finally:
+            store.close()
     finally:
         service.stop()
 

@@ -265,10 +265,19 @@ def unavailable_message(store: Any, sha256: str, problem: str) -> str:
                                                                     problem)
 
 
+def short_reason(store: Any, sha256: str, problem: str) -> str:
+    """``blob SHA16 (model of NAME@VERSION) hash mismatch``: a device's reason (bounded: the
+    details are in ``unavailable_message``)."""
+    named = ", ".join("{} of {}@{}".format(u["role"], u["name"], u["version"])
+                      for u in users(store, sha256)[:3]) or "no registry version"
+    return "blob {} ({}) {}".format(sha256[:16], named, problem.split(":", 1)[0])
+
+
 def problems_of(store: Any, root: Optional[str], spec: Mapping[str, Any]
-                ) -> Optional[Tuple[str, str]]:
-    """(sha256, message) of the first blob of a rollout spec that cannot be served, or None.
-    Hashes that are no registry blob are not judged here (a CDN URL, ``fleet rollout``)."""
+                ) -> Optional[Tuple[str, str, str]]:
+    """(sha256, short reason, message) of the first blob of a rollout spec that cannot be
+    served, or None. Hashes that are no registry blob are not judged here (a CDN URL,
+    ``fleet rollout``)."""
     shas = [sha for sha, _n in refs_of(spec).values()]
     known = rows(store, shas)
     for sha in shas:
@@ -280,7 +289,8 @@ def problems_of(store: Any, root: Optional[str], spec: Mapping[str, Any]
         except AgentError as exc:
             problem = exc.message
         if problem is not None:
-            return sha, unavailable_message(store, sha, problem)
+            return sha, short_reason(store, sha, problem), unavailable_message(store, sha,
+                                                                               problem)
     return None
 
 

@@ -311,7 +311,7 @@ class DeploymentRunner(object):
 
     # -- sending -------------------------------------------------------------------------------
 
-    def _blocked(self, dep: Mapping[str, Any], devices: List[str]) -> bool:
+    def _blocked(self, dep: Dict[str, Any], devices: List[str]) -> bool:
         """Whether the deployment's blobs cannot be served now: then its ``devices`` are
         recorded failed with the reason, and looked at again later."""
         from agent.fleet.database import blobs
@@ -323,8 +323,13 @@ class DeploymentRunner(object):
             found = blobs.problems_of(self.store, self.blob_root, dep["spec"])
             reason = "artifact_unavailable: {}".format(found[1]) if found else None
             if reason != self.unservable.get(dep_id, (0.0, None))[1]:
-                log.log(logging.ERROR if reason else logging.INFO, "deployment %s: %s", dep_id,
-                        reason or "its blobs can be served again")
+                # The deployment's own reason carries the whole message (and is cleared when
+                # the bytes are back); each device's, the code with the blob and version.
+                full = "artifact_unavailable: {}".format(found[2]) if found else None
+                log.log(logging.ERROR if found else logging.INFO, "deployment %s: %s", dep_id,
+                        full or "its blobs can be served again")
+                if found or str(dep.get("reason") or "").startswith("artifact_unavailable"):
+                    self._set(self.deps.get(dep_id) or dict(dep), dep["state"], full)
             self.unservable[dep_id] = (now, reason)
         if reason is None:
             return False
