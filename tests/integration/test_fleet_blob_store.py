@@ -329,3 +329,80 @@ def test_blob_writes_are_checked_atomic_and_immutable(tmp_path):
         assert blobs.refcounts(store) == {sha: 1} and blobs.verify(store, root) == []
     finally:
         store.close()
+
+
+def test_the_upload_endpoint_is_bounded_and_authenticated(tmp_path):
+    """The registry's endpoint on a real HttpSource (the service's --http server): no token
+    configured, a wrong one, a body over the bound, a bad record, a version before its blobs,
+    then a push that works and a HEAD that finds the blob."""
+    from agent.fleet.deployments.uploads import MAX_BLOB_BYTES, MAX_RECORD_BYTES, Uploads
+    from agent.fleet.transfer.http_source import HttpSource
+
+    url = "sqlite:///" + str(tmp_path / "fleet.db")
+    Store(url).close()
+    root = str(tmp_path / "store")
+
+    def request(base, method, path, body=b"", auth="Bearer " + TOKEN, length=None):
+        host, port = base.split("//", 1)[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        try:
+            headers = {"Content-Length": str(len(body) if length is None else length)}
+            if auth:
+                headers["Authorization"] = auth
+            conn.putrequest(method, path)
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.endheaders(body if method != "HEAD" else None)
+            resp = conn.getresponse()
+            data = resp.read()
+            json_body = resp.getheader("Content-Type") == "application/json"
+            return resp.status, (json.loads(data) if json_body else {})
+        finally:
+            conn.close()
+
+    data = b"weights" * 100
+    sha = hashlib.sha256(data).hexdigest()
+    record = {"name": "det", "version": "7", "record": {
+        "artifacts": {"model": {"sha256": sha, "size": len(data), "name": "m.onnx"}},
+        "defaults": {"precision": "fp16"}, "notes": "x"}}
+    closed = HttpSource("127.0.0.1", 0, lambda: {}, uploads=Uploads(url, root, None)).start()
+    src = HttpSource("127.0.0.1", 0, lambda: {}, uploads=Uploads(url, root, TOKEN)).start()
+    try:
+        base = "http://127.0.0.1:{}".format(closed.port)
+        status, doc = request(base, "PUT", "/registry/blobs/" + sha, data)
+        assert status == 403 and doc["error"]["code"] == "unauthorized"
+        base = "http://127.0.0.1:{}".format(src.port)
+        for auth in (None, "Bearer wrong-token", "Basic " + TOKEN):
+            status, doc = request(base, "PUT", "/registry/blobs/" + sha, data, auth=auth)
+            assert status == 401 and doc["error"]["code"] == "unauthorized", auth
+        assert request(base, "HEAD", "/registry/blobs/" + sha)[0] == 404
+        status, doc = request(base, "PUT", "/registry/blobs/" + sha, b"",
+                              length=MAX_BLOB_BYTES + 1)
+        assert status == 413 and doc["error"]["code"] == "blob_too_large"
+        status, doc = request(base, "POST", "/registry/models", b"", length=MAX_RECORD_BYTES + 1)
+        assert status == 413
+        bad = json.dumps(dict(record, record={"artifacts": {"../x": {"sha256": sha,
+                                                                    "size": 1}}})).encode()
+        status, doc = request(base, "POST", "/registry/models", bad)
+        assert status == 400 and "role" in doc["error"]["message"], doc
+        body = json.dumps(record).encode()
+        status, doc = request(base, "POST", "/registry/models", body)  # its blob not yet there
+        assert status == 400 and "expected blob" in doc["error"]["message"], doc
+        assert request(base, "PUT", "/registry/blobs/" + sha, data)[0] == 201
+        assert request(base, "HEAD", "/registry/blobs/" + sha)[0] == 404  # not a blob yet
+        status, doc = request(base, "POST", "/registry/models", body)
+        assert status == 201 and doc["added"] is True, doc
+        assert request(base, "HEAD", "/registry/blobs/" + sha)[0] == 200
+        assert request(base, "POST", "/registry/models", body)[1]["added"] is False
+        other = json.dumps(dict(record, record=dict(record["record"], notes="y"))).encode()
+        status, doc = request(base, "POST", "/registry/models", other)
+        assert status == 409 and doc["error"]["code"] == "model_version_exists"
+        assert request(base, "GET", "/registry/models")[0] == 404  # only what is routed
+    finally:
+        src.stop()
+        closed.stop()
+    store = Store(url)
+    try:
+        assert blobs.users(store, sha) == [{"name": "det", "version": "7", "role": "model"}]
+    finally:
+        store.close()
