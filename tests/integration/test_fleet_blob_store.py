@@ -406,3 +406,50 @@ def test_the_upload_endpoint_is_bounded_and_authenticated(tmp_path):
         assert blobs.users(store, sha) == [{"name": "det", "version": "7", "role": "model"}]
     finally:
         store.close()
+
+
+def test_the_runner_sends_nothing_a_blob_cannot_back(store, tmp_path):
+    """The deployment runner over SQLite and PostgreSQL: a version whose blob is gone sends no
+    rollout; its devices are failed with ``artifact_unavailable`` naming the blob and the
+    version, the deployment's reason has the whole message; the bytes pushed again, the next
+    look sends the wave and clears the reason."""
+    import io
+
+    from agent.fleet.deployments import registry
+    from agent.fleet.deployments.deployment_runner import BLOB_RECHECK_S, DeploymentRunner
+    from tests.integration.test_fleet_deployments_store import Clock, status
+
+    root = blobs.directory(store, str(tmp_path / "store"), record=True)
+    data = b"a model" * 50
+    sha = hashlib.sha256(data).hexdigest()
+    blobs.receive(root, io.BytesIO(data), len(data), sha)
+    rec = {"artifacts": {"model": {"sha256": sha, "size": len(data), "name": "m.onnx"}},
+           "defaults": {"precision": "fp16"}, "notes": ""}
+    assert registry.push(store, root, "det", "5", rec)
+    os.unlink(blobs.path_of(root, sha))  # lost from the store's disk
+    clock = Clock()
+    runner = DeploymentRunner(store, "svc-1", clock=clock)
+    runner.blob_root = root
+    store.upsert_devices({d: status(d, site="w3") for d in "ab"})
+    spec = {"precision": "fp16", "model_name": "det", "model_version": "5",
+            "artifacts": rec["artifacts"], "timeout": 600.0,
+            "policy": {"success_threshold": 1.0}}
+    deployments.insert(store, "d5", "det", "5", "site=w3", spec)
+    runner.tick()
+    assert deployments.rollouts_of(store, "d5") == []
+    reasons = {d["device"]: (d["state"], d["reason"]) for d in
+               deployments.device_states(store, "d5")}
+    want = "artifact_unavailable: blob {} (model of det@5) missing".format(sha[:16])
+    assert reasons == {"a": ("failed", want), "b": ("failed", want)}, reasons
+    dep = deployments.get(store, "d5")
+    assert dep["state"] == "pending" and "no file" in dep["reason"], dep
+    assert deployments.summary(store, ["d5"])["d5"]["failed_by"] == {want: 2}
+    blobs.receive(root, io.BytesIO(data), len(data), sha)  # pushed again: restored
+    runner.tick()
+    assert deployments.rollouts_of(store, "d5") == []  # looked at again after the recheck
+    clock.t += BLOB_RECHECK_S
+    runner.tick()
+    assert deployments.rollouts_of(store, "d5") == ["d5-w"]
+    dep = deployments.get(store, "d5")
+    assert dep["state"] == "rolling" and dep["reason"] is None, dep
+    assert {d["state"] for d in deployments.device_states(store, "d5")} == {"in_progress"}
