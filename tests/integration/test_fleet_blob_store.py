@@ -110,6 +110,7 @@ def test_pushed_versions_outlive_their_folder(kind, request, mosquitto, agent_fa
         folder = str(home / "models" / "det")
         common = copy_example(folder)
         env = dict(os.environ, HOME=str(home))
+        env.pop("XDG_STATE_HOME", None)  # the pusher's state directory: under that home
         model = os.path.join(folder, "model.onnx")
         # @1 on the service's host: into the store the database names (no --store here).
         cli(["models", "push", model, "--name", "det", "--version", "1"] + common, db, env)
@@ -138,6 +139,9 @@ def test_pushed_versions_outlive_their_folder(kind, request, mosquitto, agent_fa
                                       ("%" + str(home) + "%",))
         finally:
             store.close()
+        # Nothing of the registry landed in the pusher's home (its state directory included).
+        written = [os.path.join(d, f) for d, _s, fs in os.walk(str(home)) for f in fs]
+        assert all(w.startswith(folder + os.sep) for w in written), written
         shutil.rmtree(str(home))
         verify = cli(["models", "verify"], db)
         assert "all sound" in verify.stdout, verify.stdout
