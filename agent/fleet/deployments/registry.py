@@ -95,6 +95,11 @@ def push(store: Any, root: str, name: str, version: str, record: Mapping[str, An
                                      os.path.getsize(path))))
     with store.transaction():
         for sha, size in sorted(refs.values()):
+            if not os.path.isfile(blobs.path_of(root, sha)):  # collected by an rm meanwhile
+                raise AgentError("artifact_unavailable", "{}@{}: blob {} was removed from the "
+                                 "store while this push ran (fleet models rm of the last "
+                                 "version using it); expected it there: push again".format(
+                                     name, version, sha[:16]))
             blobs.register(store, root, sha, size)
         added = put(store, name, version, record)
         blobs.reference(store, name, version, record)
