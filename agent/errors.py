@@ -137,6 +137,12 @@ CODES = {
     "another version (jetson-agent models pin / unpin).",
     "bad_model_set": "A job's model_set is malformed, does not name the job's model, or mixes "
     "with the model set open on the device (one set at a time).",
+    # The registry's blob store (agent.fleet.database.blobs).
+    "artifact_unavailable": "A registry blob cannot be served: missing from the store, or its "
+    "bytes no longer match its sha256 (fleet models verify).",
+    "blob_store_unset": "The fleet database names no blob store and none was given (--store "
+    "on the service's host, or push through the service).",
+    "blob_too_large": "An uploaded blob is larger than the service accepts.",
 }
 
 

@@ -2,7 +2,7 @@
 (agent.fleet.database.audit). Created only where missing.
 
 Revision ID: 0007
-Revises: 0004
+Revises: 0006
 Create Date: 2026-11-27
 """
 
@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0007"
-down_revision = "0004"
+down_revision = "0006"
 branch_labels = None
 depends_on = None
 
