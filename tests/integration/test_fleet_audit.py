@@ -47,7 +47,8 @@ def test_every_action_is_listed_in_order_with_its_actor(db, tmp_path):
     fp16 = os.path.join(ROOT, "examples", "fp16_max")
     ok(["models", "push", os.path.join(fp16, "model.onnx"), "--name", "det", "--version", "3",
         "--inputs", os.path.join(fp16, "inputs.json"), "--golden",
-        os.path.join(fp16, "golden.json"), "--precision", "fp16", "--db", db])
+        os.path.join(fp16, "golden.json"), "--precision", "fp16", "--db", db,
+        "--store", str(tmp_path / "blobs")])
     ok(["models", "ls", "--db", db])  # reads: not recorded
     ok(["label", "cam-1", "site=w3", "--db", db])
     ok(["label", "cam-1", "--db", db])  # shows: not recorded
