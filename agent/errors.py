@@ -132,6 +132,14 @@ CODES = {
     "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
     "keep it (active or as a rollback target).",
     "unknown_deployment": "A deployment id is not in the fleet database.",
+    # Hand-off adapters (Triton, DeepStream) as they run in the field.
+    "bad_tensor_name": "A tensor name in a version's meta.json is empty, too long, or holds a "
+    "quote, backslash or control character (newline, NUL), so it cannot go into an app's "
+    "config file.",
+    "no_pipeline": "A model name has no DeepStream pipeline configured (the deepstream "
+    "hand-off's configs: maps each name to its own nvinfer config).",
+    "incompatible_engine": "An on-the-fly model update was refused: the new engine's input or "
+    "output names, shapes or types differ from the engine the pipeline runs.",
 }
 
 

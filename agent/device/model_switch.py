@@ -45,6 +45,7 @@ log = logging.getLogger("agent.device.daemon")  # one logger name for the whole 
 
 PROBE_EVERY_S = 2.0
 DISK_CHECK_EVERY_S = 30.0  # the files of the active versions: engine there, whole
+HEAL_EVERY_S = 5.0  # adapters' heal(): the app still has the committed versions (Triton restart)
 
 
 class SwitchEvent(NamedTuple):
@@ -104,6 +105,9 @@ class ModelSwitch(object):
         self.disk_health: Dict[str, str] = {}
         self.last_disk_check = time.monotonic()
         self.writing: Dict[int, Tuple[Run, Dict[str, Any]]] = {}
+        # name -> the last thing an adapter's heal() did (models ls/show: "handoff").
+        self.handoff_notes: Dict[str, str] = {}
+        self.last_heal, self.healing = time.monotonic(), False
 
     # ------------------------------------------------------------------ intake and start-up
 
@@ -310,6 +314,31 @@ class ModelSwitch(object):
 
         threading.Thread(target=work, name="model-handoff", daemon=True).start()
 
+    def _start_heal(self) -> None:
+        """On a thread: each adapter's heal() with the committed versions it serves."""
+        self.last_heal = time.monotonic()
+        rows = [r for r in self.journal.active_versions() if r["state"] == "committed"]
+        work_list = []
+        for entry in self.entries:
+            versions = [ModelVersion(r["name"], r["version"], "", "", {}) for r in rows
+                        if entry.serves(r["name"])]
+            if versions and type(entry.adapter).heal is not Adapter.heal:
+                work_list.append((entry.adapter, versions))
+        if not work_list:
+            return
+        self.healing = True
+
+        def work() -> None:
+            notes: Dict[str, str] = {}
+            for adapter, versions in work_list:
+                try:
+                    notes.update(adapter.heal(versions))
+                except Exception as exc:  # noqa: BLE001 - tried again at the next tick
+                    log.warning("model hand-off %s: heal failed: %s", adapter.kind, _text(exc))
+            self.events.put(SwitchEvent(0, "healed", notes))
+
+        threading.Thread(target=work, name="model-heal", daemon=True).start()
+
     def _start_probe(self, p: Pending) -> None:
         from agent.device.handoff.command import model_env, run
 
@@ -365,6 +394,14 @@ class ModelSwitch(object):
         if ev.kind == "written":
             self._on_written(ev)
             return
+        if ev.kind == "healed":
+            self.healing = False
+            self.handoff_notes.update(ev.value or {})
+            if ev.value:
+                for note in ev.value.values():
+                    log.warning("model hand-off: %s", note)
+                self.changed()
+            return
         if ev.kind == "restored":
             if ev.error:
                 log.warning("%s", ev.error)
@@ -398,6 +435,9 @@ class ModelSwitch(object):
             if self.disk_health != before:
                 self.changed()  # the status and the models message say so
         p = self.pending
+        if p is None and not self.healing and \
+                time.monotonic() - self.last_heal >= HEAL_EVERY_S:
+            self._start_heal()
         if p is None:
             if self.shared.run is None:
                 self.orphans()
@@ -417,6 +457,7 @@ class ModelSwitch(object):
         decision = p.state.decide(self.clock())
         if decision.action == commit_logic.COMMIT:
             dropped = self.journal.commit_version(p.name, p.version, self.m.keep_versions)
+            self.handoff_notes.pop(p.name, None)
             self._drop_dirs(p.name, dropped)
             self.pending = None
             self.health[p.name] = "ok"
@@ -618,6 +659,8 @@ class ModelSwitch(object):
                         "engine_key": row["engine_key"], "job_id": row["job_id"],
                         "activated": row["activated"],
                         "health": (app if app != "ok" else on_disk)[:1024],
+                        **({"handoff": self.handoff_notes[row["name"]][:512]}
+                           if row["name"] in self.handoff_notes else {}),
                         "rejected": rejected.get(row["name"], [])[-16:]})
         return out[:256]
 

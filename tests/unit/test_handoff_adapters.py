@@ -46,11 +46,18 @@ def test_tensorrt_plan_configs_match_the_golden_files():
     ({"inputs": [], "outputs": []}, "expected a non-empty inputs list"),
     ({"inputs": [{"name": "x\"", "shape": [1], "dtype": "float32"}],
       "outputs": [{"name": "y", "shape": [1], "dtype": "float32"}]}, "expected a tensor name"),
+    ({"inputs": [{"name": "x\n", "shape": [1], "dtype": "float32"}],
+      "outputs": [{"name": "y", "shape": [1], "dtype": "float32"}]}, "expected a tensor name"),
+    ({"inputs": [{"name": "x", "shape": [1], "dtype": "float32"}],
+      "outputs": [{"name": "y\x00", "shape": [1], "dtype": "float32"}]}, "expected a tensor name"),
+    ({"inputs": [{"name": "a\tb", "shape": [1], "dtype": "float32"}],
+      "outputs": [{"name": "y", "shape": [1], "dtype": "float32"}]}, "expected a tensor name"),
 ])
 def test_meta_triton_cannot_describe_is_refused(meta, needle):
     with pytest.raises(AgentError) as info:
         triton.render_config("m", meta, [1])
-    assert info.value.code == "handoff_failed" and needle in info.value.message
+    code = "bad_tensor_name" if "tensor name" in needle else "handoff_failed"
+    assert info.value.code == code and needle in info.value.message
 
 
 def test_batched_config_needs_a_dynamic_batch_dimension():
