@@ -55,6 +55,7 @@ class SwitchEvent(NamedTuple):
     kind: str  # "written" | "handoff" | "probe" | "reverted" | "restored"
     value: Any = None
     error: Optional[str] = None
+    code: Optional[str] = None  # the AgentError's code, where one failed the step
 
 
 def names_for(doc: Dict[str, Any], model_sha: str) -> Tuple[str, str]:
@@ -310,7 +311,8 @@ class ModelSwitch(object):
                 confirms = [a.confirm(new) for a in adapters]
                 self.events.put(SwitchEvent(p.token, "handoff", confirms))
             except Exception as exc:  # noqa: BLE001 - the switch fails with the reason
-                self.events.put(SwitchEvent(p.token, "handoff", step, error=_text(exc)))
+                self.events.put(SwitchEvent(p.token, "handoff", step, error=_text(exc),
+                                            code=getattr(exc, "code", None)))
 
         threading.Thread(target=work, name="model-handoff", daemon=True).start()
 
@@ -413,7 +415,7 @@ class ModelSwitch(object):
             return
         if ev.kind == "handoff" and p.phase == "handoff":
             if ev.error is not None and ev.value == "prepare":
-                self._handoff_failed(p, ev.error)
+                self._handoff_failed(p, ev.error, ev.code)
                 return
             p.phase = "waiting"
             p.state.on_handoff(ev.value if ev.error is None else [], ev.error)
@@ -469,7 +471,7 @@ class ModelSwitch(object):
         elif decision.action == commit_logic.ROLLBACK:
             self._rollback(p, decision.reason)
 
-    def _handoff_failed(self, p: Pending, error: str) -> None:
+    def _handoff_failed(self, p: Pending, error: str, code: Optional[str] = None) -> None:
         """``prepare`` failed: nothing was switched; the previous version stays active."""
         self.journal.restore_version(p.name, p.previous)
         self.pending = None
@@ -480,7 +482,8 @@ class ModelSwitch(object):
             self._end(p.run, "FAILED", error=AgentError(
                 "handoff_failed", "handing {}@{} to the app failed before the switch: {}".format(
                     p.name, p.version, error),
-                {"name": p.name, "version": p.version, "previous": p.previous}).to_dict())
+                {"name": p.name, "version": p.version, "previous": p.previous,
+                 "cause": code or "handoff_failed"}).to_dict())
         self.changed()
 
     def _on_reverted(self, p: Pending, errors: List[str]) -> None:

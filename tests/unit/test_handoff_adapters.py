@@ -242,3 +242,37 @@ def test_unknown_precision_fails_before_any_write(tmp_path):
         adapter.prepare(v, None)
     assert info.value.code == "handoff_failed" and "network-mode" in info.value.message
     assert not config.exists()
+
+
+def test_a_top_level_deepstream_config_is_one_names_pipeline(tmp_path):
+    from agent.device import handoff
+    with pytest.raises(AgentError) as info:
+        handoff.parse([{"type": "deepstream", "models": ["*"], "config": "c"}])
+    assert info.value.code == "bad_config" and "pipelines" in info.value.message
+    with pytest.raises(AgentError) as info:
+        handoff.parse([{"type": "deepstream", "config": "c",
+                        "pipelines": {"a": {"config": "a"}}}])
+    assert info.value.code == "bad_config" and "not both" in info.value.message
+    with pytest.raises(AgentError) as info:
+        handoff.parse([{"type": "deepstream", "pipelines": {"a": {"config": "x"},
+                                                            "b": {"config": "x"}}}])
+    assert info.value.code == "bad_config" and "of its own per name" in info.value.message
+    (entry,) = handoff.parse([{"type": "deepstream", "models": ["detector"],
+                               "config": str(tmp_path / "pgie.txt")}])
+    with pytest.raises(AgentError) as info:
+        entry.adapter.prepare(version(tmp_path, "other", "v1"), None)
+    assert info.value.code == "no_pipeline" and "(detector)" in info.value.message
+
+
+def test_on_the_fly_update_keeps_the_engines_io(tmp_path):
+    adapter = deepstream.from_config({"pipelines": {"detector": {
+        "config": str(tmp_path / "pgie.txt"), "override": str(tmp_path / "ota" / "o.txt")}}},
+        "h")
+    v1, v2 = version(tmp_path, "detector", "v1"), version(tmp_path, "detector", "v2")
+    adapter.prepare(v2, v1)  # same inputs and outputs: fine
+    meta = json.loads(json.dumps(v2.meta))
+    meta["outputs"][0]["shape"] = [1, 20]
+    with pytest.raises(AgentError) as info:
+        adapter.prepare(ModelVersion(v2.name, v2.version, v2.path, v2.engine, meta), v1)
+    assert info.value.code == "incompatible_engine"
+    assert "detector@v1: inputs" in info.value.message and "[1, 20]" in info.value.message
