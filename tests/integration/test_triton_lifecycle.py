@@ -1,8 +1,9 @@
 """The Triton hand-off through a real ``tritonserver``'s life: readiness is a real inference (a
 version that loads but fails every request is refused with Triton's own error, the previous
 one keeps serving), a restart in explicit mode (which loads nothing) ends with the committed
-versions loaded again by ``heal()``, ``keep_versions`` is the number of versions Triton holds,
-and the repository's files and folders have the documented modes."""
+versions loaded again by ``heal()`` (loads through Triton's gRPC endpoint), ``keep_versions``
+is the number of versions Triton holds, and the repository's files and folders have the
+documented modes."""
 
 import os
 import stat
@@ -64,7 +65,7 @@ def test_a_restarted_triton_gets_the_committed_versions_back(triton, tmp_path): 
     models = tmp_path / "models"
     v1 = make_version(models, "v1", scale_model(1.0).SerializeToString())
     v2 = make_version(models, "v2", scale_model(2.0).SerializeToString())
-    adapter = adapter_for(triton)
+    adapter = adapter_for(triton, grpc_url=triton.grpc_target)  # loads through gRPC
     assert activate(adapter, v1, None) is True
     assert activate(adapter, v2, v1) is True
     assert adapter.heal([v2]) == {}  # all there: nothing to do

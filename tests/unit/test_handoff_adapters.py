@@ -77,6 +77,9 @@ def test_batched_config_needs_a_dynamic_batch_dimension():
     ({"repository": "r", "instance_group": {"kind": "tpu"}}, "instance_group.kind"),
     ({"repository": "r", "backend": "onnx"}, "backend"),
     ({"repository": "r", "platform": "x"}, "platform"),
+    ({"repository": "r", "url": "http://h:8000", "grpc_url": "h"}, "grpc_url"),
+    ({"repository": "r", "url": "http://h:8000", "grpc_url": "grpc://h:8001"}, "grpc_url"),
+    ({"repository": "r", "grpc_url": "h:8001"}, "url"),
 ])
 def test_triton_config_errors_name_the_key(section, key):
     with pytest.raises(AgentError) as info:
@@ -276,3 +279,14 @@ def test_on_the_fly_update_keeps_the_engines_io(tmp_path):
         adapter.prepare(ModelVersion(v2.name, v2.version, v2.path, v2.engine, meta), v1)
     assert info.value.code == "incompatible_engine"
     assert "detector@v1: inputs" in info.value.message and "[1, 20]" in info.value.message
+
+
+def test_grpc_model_control_messages_are_triton_protobuf():
+    from agent.device.handoff import triton_grpc
+    # RepositoryModelLoadRequest{model_name: "det"}: field 2, length 3.
+    assert triton_grpc.request("det") == b"\x12\x03det"
+    # ... plus parameters{"config": {string_param: "{}"}}: field 3 holding a map entry.
+    assert triton_grpc.request("det", "{}") == (
+        b"\x12\x03det" + b"\x1a\x0e" + b"\x0a\x06config" + b"\x12\x04" + b"\x1a\x02{}")
+    long = triton_grpc.request("m", "x" * 300)  # lengths above 127 take two varint bytes
+    assert b"\x1a\xac\x02" in long

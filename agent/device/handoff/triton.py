@@ -29,7 +29,10 @@ Config keys (``from_config``): ``repository`` (required), ``url`` (http://host:p
 count}), ``timeout_s`` (60), ``keep_versions`` (2: versions listed, loaded and kept on disk: the new
 one and the newest ones before it; 1 keeps one in memory), ``backend``
 (``tensorrt``; ``python`` serves the host's emulated engine, an ONNX file, from a generated
-``model.py`` through onnxruntime in Triton's Python backend: hosts and tests only).
+``model.py`` through onnxruntime in Triton's Python backend: hosts and tests only),
+``grpc_url`` (HOST:PORT of Triton's gRPC endpoint, default port 8001: loads and unloads go there
+through ``triton_grpc``, so a load never holds a request on the HTTP endpoint the app uses; needs
+the ``grpcio`` package, the ``triton`` extra; readiness and inference checks stay on ``url``).
 """
 
 import errno
@@ -54,7 +57,7 @@ MAP_FILE = "jetson-agent-versions.json"
 MAX_RESPONSE = 64 * 1024
 MAX_MAP_BYTES = 256 * 1024
 KEYS = ("repository", "url", "max_batch_size", "instance_group", "timeout_s", "keep_versions",
-        "backend")
+        "backend", "grpc_url")
 KINDS = {"gpu": "KIND_GPU", "cpu": "KIND_CPU", "auto": "KIND_AUTO"}
 # numpy dtype name (meta.json) -> Triton data type (model_config.proto's DataType).
 DTYPES = {
@@ -87,12 +90,15 @@ emulated engine, an ONNX file) with onnxruntime inside Triton's Python backend."
 import os
 
 import numpy as np
-import onnxruntime
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        # Imported here, not at the top: Triton also starts a stub per model load that only
+        # reads this file (its config hooks), and onnxruntime is most of a stub's start.
+        import onnxruntime
+
         path = os.path.join(args["model_repository"], args["model_version"], "model.plan")
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = 1
@@ -144,6 +150,23 @@ def parse_url(value: Any, where: str) -> str:
     return "{}://{}".format(parsed.scheme, parsed.netloc)
 
 
+def parse_grpc_url(value: Any, where: str) -> str:
+    parsed = urllib.parse.urlsplit("//" + value) if isinstance(value, str) else None
+    try:
+        port = parsed.port if parsed is not None else None
+    except ValueError:
+        port = None
+    if parsed is None or not parsed.hostname or not port or parsed.path or parsed.query or \
+            parsed.username or parsed.fragment:
+        raise _bad(where, "grpc_url", "HOST:PORT (Triton's gRPC endpoint)", value)
+    try:
+        import agent.device.handoff.triton_grpc  # noqa: F401 - grpcio is there
+    except ImportError:
+        raise _bad(where, "grpc_url", "the grpcio package installed (pip install "
+                   "'jetson-agent[triton]') for Triton's gRPC endpoint", value)
+    return parsed.netloc
+
+
 def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
     unknown = sorted(set(section) - set(KEYS))
     if unknown:
@@ -152,6 +175,11 @@ def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
     if not isinstance(repository, str) or not repository.strip():
         raise _bad(where, "repository", "the model repository's directory", repository)
     url = parse_url(section["url"], where) if section.get("url") is not None else None
+    grpc_url = parse_grpc_url(section["grpc_url"], where) \
+        if section.get("grpc_url") is not None else None
+    if grpc_url is not None and url is None:
+        raise _bad(where, "url", "http://HOST:PORT with grpc_url (readiness and inference "
+                   "checks use HTTP)", None)
     group = section.get("instance_group")
     instance: Optional[Tuple[str, int]] = None
     if group is not None:
@@ -171,7 +199,7 @@ def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
         instance_group=instance,
         timeout_s=_number(section, where, "timeout_s", 60.0, 0.1, 3600.0, float),
         keep_versions=_number(section, where, "keep_versions", 2, 1, 16),
-        backend=backend)
+        backend=backend, grpc_url=grpc_url)
 
 
 def _dims(tensor: Mapping[str, Any], max_batch_size: int, what: str) -> List[int]:
@@ -304,9 +332,10 @@ class TritonAdapter(Adapter):
     def __init__(self, repository: str, url: Optional[str] = None, max_batch_size: int = 0,
                  instance_group: Optional[Tuple[str, int]] = None, timeout_s: float = 60.0,
                  keep_versions: int = 2, backend: str = "tensorrt",
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, grpc_url: Optional[str] = None) -> None:
         self.repository = repository
         self.url = url
+        self.grpc_url = grpc_url
         self.max_batch_size = max_batch_size
         self.instance_group = instance_group
         self.timeout_s = timeout_s
@@ -457,11 +486,24 @@ class TritonAdapter(Adapter):
         """POST load (with ``config``: the load API's config override, so Triton loads what we
         give it without rereading config.pbtxt); the error text when Triton refused it (None
         when it loaded)."""
+        if self.grpc_url is not None:
+            from agent.device.handoff import triton_grpc
+            return triton_grpc.call(self.grpc_url, "RepositoryModelLoad", name, config,
+                                    self.timeout_s)
         quoted = urllib.parse.quote(name, safe="")
         doc = None if config is None else json.dumps({"parameters": {"config": config}}).encode()
         status, body = self._request("POST", "/v2/repository/models/{}/load".format(quoted),
                                      self.timeout_s, doc,
                                      {"Content-Type": "application/json"} if doc else None)
+        return None if status == 200 else "HTTP {}: {}".format(status, self._error_text(body))
+
+    def _unload(self, name: str) -> Optional[str]:
+        if self.grpc_url is not None:
+            from agent.device.handoff import triton_grpc
+            return triton_grpc.call(self.grpc_url, "RepositoryModelUnload", name, None,
+                                    self.timeout_s)
+        status, body = self._request("POST", "/v2/repository/models/{}/unload".format(
+            urllib.parse.quote(name, safe="")), self.timeout_s)
         return None if status == 200 else "HTTP {}: {}".format(status, self._error_text(body))
 
     def ready(self, name: str, number: int) -> bool:
@@ -580,12 +622,10 @@ class TritonAdapter(Adapter):
         name = failed.name
         if previous is None:
             if self.url is not None:
-                quoted = urllib.parse.quote(name, safe="")
-                status, body = self._request(
-                    "POST", "/v2/repository/models/{}/unload".format(quoted), self.timeout_s)
-                if status != 200:
-                    raise AgentError("handoff_failed", "expected Triton to unload {}, found HTTP "
-                                     "{}: {}".format(name, status, self._error_text(body)))
+                error = self._unload(name)
+                if error is not None:
+                    raise AgentError("handoff_failed", "expected Triton to unload {}, found "
+                                     "{}".format(name, error))
             shutil.rmtree(self.model_dir(name), ignore_errors=True)
             return
         number = self.triton_version(name, previous.version)
