@@ -319,12 +319,15 @@ class ModelSwitch(object):
     def _start_heal(self) -> None:
         """On a thread: each adapter's heal() with the committed versions it serves."""
         self.last_heal = time.monotonic()
+        healers = [e for e in self.entries if type(e.adapter).heal is not Adapter.heal]
+        if not healers:
+            return
         rows = [r for r in self.journal.active_versions() if r["state"] == "committed"]
         work_list = []
-        for entry in self.entries:
+        for entry in healers:
             versions = [ModelVersion(r["name"], r["version"], "", "", {}) for r in rows
                         if entry.serves(r["name"])]
-            if versions and type(entry.adapter).heal is not Adapter.heal:
+            if versions:
                 work_list.append((entry.adapter, versions))
         if not work_list:
             return
