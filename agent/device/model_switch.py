@@ -106,8 +106,10 @@ class ModelSwitch(object):
         self.disk_health: Dict[str, str] = {}
         self.last_disk_check = time.monotonic()
         self.writing: Dict[int, Tuple[Run, Dict[str, Any]]] = {}
-        # name -> the last thing an adapter's heal() did (models ls/show: "handoff").
-        self.handoff_notes: Dict[str, str] = {}
+        # name -> the last thing an adapter's heal() did (the models message and `models show`:
+        # "handoff"), kept in the journal's notes for the CLI.
+        self.handoff_notes: Dict[str, str] = {
+            k: v for k, v in (journal.note("handoff") or {}).items() if isinstance(v, str)}
         self.last_heal, self.healing = time.monotonic(), False
 
     # ------------------------------------------------------------------ intake and start-up
@@ -401,8 +403,9 @@ class ModelSwitch(object):
             return
         if ev.kind == "healed":
             self.healing = False
-            self.handoff_notes.update(ev.value or {})
             if ev.value:
+                self.handoff_notes.update(ev.value)
+                self.journal.note_put("handoff", self.handoff_notes)
                 for note in ev.value.values():
                     log.warning("model hand-off: %s", note)
                 self.changed()
@@ -462,7 +465,8 @@ class ModelSwitch(object):
         decision = p.state.decide(self.clock())
         if decision.action == commit_logic.COMMIT:
             dropped = self.journal.commit_version(p.name, p.version, self.m.keep_versions)
-            self.handoff_notes.pop(p.name, None)
+            if self.handoff_notes.pop(p.name, None) is not None:
+                self.journal.note_put("handoff", self.handoff_notes)
             self._drop_dirs(p.name, dropped)
             self.pending = None
             self.health[p.name] = "ok"

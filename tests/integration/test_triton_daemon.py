@@ -3,7 +3,7 @@ hand-off (explicit model control) deploys ``digits`` v1, then v2; each job ends 
 once Triton reports the version ready and answers a request (the adapter's confirm commits
 it), Triton answers inference with the new version, and requests made during the switch all
 succeed; Triton restarted (explicit mode: nothing loaded) gets the committed version back from
-the daemon's tick, reported in the models message. The
+the daemon's tick, reported in the models message and by ``models show``. The
 repository holds ``backend: python`` versions (no TensorRT backend runs on these hosts; the
 production path writes ``tensorrt_plan``)."""
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from agent.wire import protocol
-from tests.integration.test_named_models import named
+from tests.integration.test_named_models import cli, named
 from tests.integration.test_triton_handoff import triton  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
@@ -87,4 +87,6 @@ def test_the_daemon_hands_versions_to_a_real_triton(triton, controller,  # noqa:
     assert "digits@v2 (Triton version 2) loaded again after a Triton restart" in note or \
         "digits@v2 (Triton version 2) loaded again (Triton did not have it)" in note, note
     assert infer(triton.url, x)[0] == "2"
+    shown = cli("models", "show", "digits", "--state-dir", agent.state_dir, "--json")
+    assert shown["handoff"] == note  # `models show` says it too
     assert agent.stop() == 0
