@@ -8,9 +8,14 @@ file into an app if you like).
   calls ``callback(Current)`` after each switch.
 - ``report_health(name, version, ok, detail="")`` and ``commit(name, version=None)``: one request
   each on the agent's app socket (allowed for the configured app user or group only).
+- ``state(name, version=None)`` -> ``ModelState(name, version, state, previous, health,
+  pinned)``: what the agent says of the name's active version (or of ``version``): ``state``
+  is ``pending`` (switched, waiting for the app's or the probe's confirmation), ``committed``,
+  ``unconfirmed`` (nobody confirmed it in time), or ``rejected`` (asked for a version the
+  device rolled back); ``health``: ``ok``, the app's last problem or the rollback's reason.
 
-Defaults: ``$JETSON_AGENT_MODELS_DIR`` / ``$JETSON_AGENT_SOCKET``, else
-``/var/lib/jetson-agent/models`` and ``/var/lib/jetson-agent/app.sock``. Failures raise
+Defaults: ``$JETSON_AGENT_MODELS_DIR`` / ``$JETSON_AGENT_SOCKET``, else the shipped unit's
+``/var/lib/jetson-agent-models`` and ``/run/jetson-agent/app.sock``. Failures raise
 ``ClientError`` with a stable ``code`` (the agent's codes, docs/errors.md) and a message.
 """
 
@@ -22,14 +27,15 @@ import socket
 import sys
 import threading
 
-DEFAULT_MODELS_DIR = "/var/lib/jetson-agent/models"
-DEFAULT_SOCKET = "/var/lib/jetson-agent/app.sock"
+DEFAULT_MODELS_DIR = "/var/lib/jetson-agent-models"  # the shipped unit's (docs/daemon.md)
+DEFAULT_SOCKET = "/run/jetson-agent/app.sock"
 MAX_META = 1 << 20
 MAX_REPLY = 64 * 1024
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 
 Current = collections.namedtuple("Current", "name version engine meta")
+ModelState = collections.namedtuple("ModelState", "name version state previous health pinned")
 
 
 class ClientError(Exception):
@@ -177,6 +183,11 @@ def request(message, socket_path=None, timeout=10.0):
                 if not chunk:
                     break
                 data += chunk
+        except PermissionError as exc:
+            # The socket's mode and ACL admit the configured app users and group only.
+            raise ClientError("app_not_allowed", "expected a user or group the agent allows "
+                              "(models.app_users, models.app_group) to reach {}, found uid {} "
+                              "refused: {}".format(path, os.getuid(), exc.strerror or exc))
         except (socket.timeout, OSError) as exc:
             raise ClientError("agent_unreachable", "expected the agent to answer on {}, found "
                               "{}".format(path, getattr(exc, "strerror", None) or exc))
@@ -215,3 +226,26 @@ def commit(name, version=None, socket_path=None):
     if version is not None:
         message["version"] = _check_version(version)
     return request(message, socket_path)
+
+
+def state(name, version=None, socket_path=None):
+    """What the agent says of ``name``: ModelState of its active version, or of ``version``
+    (``rejected`` when the device rolled that version back and refuses it; ClientError
+    ``file_not_found`` for a name or version the device does not hold)."""
+    _check_name(name)
+    if version is not None:
+        _check_version(version)
+    models = request({"op": "list"}, socket_path).get("models")
+    row = next((m for m in models if isinstance(m, dict) and m.get("name") == name), None) \
+        if isinstance(models, list) else None
+    if row is None:
+        raise ClientError("file_not_found", "expected the agent to hold model {}, found it "
+                          "does not".format(name))
+    found = ModelState(name, row.get("version"), row.get("state"), row.get("previous"),
+                       row.get("health") or "ok", row.get("pinned"))
+    if version is None or version == found.version:
+        return found
+    if version in (row.get("rejected") or []):
+        return found._replace(version=version, state="rejected")
+    raise ClientError("file_not_found", "expected {}@{} to be the active or a rejected version, "
+                      "found {} active".format(name, version, found.version))

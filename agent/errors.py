@@ -132,12 +132,23 @@ CODES = {
     "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
     "keep it (active or as a rollback target).",
     "unknown_deployment": "A deployment id is not in the fleet database.",
+    # Named models on the device: pins and model sets
+    "model_pinned": "A job would switch a model name that an operator pinned on the device to "
+    "another version (jetson-agent models pin / unpin).",
+    "bad_model_set": "A job's model_set is malformed, does not name the job's model, or mixes "
+    "with the model set open on the device (one set at a time).",
+    # The registry's blob store (agent.fleet.database.blobs).
+    "artifact_unavailable": "A registry blob cannot be served: missing from the store, or its "
+    "bytes no longer match its sha256 (fleet models verify).",
+    "blob_store_unset": "The fleet database names no blob store and none was given (--store "
+    "on the service's host, or push through the service).",
+    "blob_too_large": "An uploaded blob is larger than the service accepts.",
     # Hand-off adapters (Triton, DeepStream) as they run in the field.
     "bad_tensor_name": "A tensor name in a version's meta.json is empty, too long, or holds a "
     "quote, backslash or control character (newline, NUL), so it cannot go into an app's "
     "config file.",
     "no_pipeline": "A model name has no DeepStream pipeline configured (the deepstream "
-    "hand-off's configs: maps each name to its own nvinfer config).",
+    "hand-off's pipelines: maps each name to its own nvinfer config).",
     "incompatible_engine": "An on-the-fly model update was refused: the new engine's input or "
     "output names, shapes or types differ from the engine the pipeline runs.",
 }

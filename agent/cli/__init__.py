@@ -106,6 +106,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     args.verbose = verbosity(args)
     setup_logging(args.verbose)
     try:
+        if args.command == "fleet":  # the audit trail records what changes the fleet
+            from agent.cli.fleet_audit import audited
+
+            return audited(args, args.func, sys.argv[1:] if argv is None else list(argv))
         return int(args.func(args) or 0)
     except AgentError as exc:
         if getattr(args, "json", False):

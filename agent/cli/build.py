@@ -327,7 +327,8 @@ def print_human(out: Dict[str, Any]) -> None:
         print("mismatch:    {} asked {}, runs {}".format(layer, asked, got))
 
 
-def save_engine(path: str, model: str, record: EngineRecord, backend: Backend) -> str:
+def save_engine(path: str, model: str, record: EngineRecord, backend: Backend,
+                shapes: Optional[Dict[str, Any]] = None, dla_core: Optional[int] = None) -> str:
     """The engine copied to ``path`` atomically (temporary file, fsync, rename) and its
     meta.json (``agent.device.model_meta``) written to ``path + ".json"``, the same way."""
     import re
@@ -369,7 +370,8 @@ def save_engine(path: str, model: str, record: EngineRecord, backend: Backend) -
                   layers_kept=(record.result or {}).get("layer_precisions") or {})
     meta = model_meta.build(label.strip("-.")[:64] or "model", sha[:12], sha, result,
                             info.to_dict(), info.fingerprint(backend.name), None, time.time(),
-                            "committed", sha256_file(path), os.path.getsize(path))
+                            "committed", sha256_file(path), os.path.getsize(path),
+                            dla_core=dla_core, shapes=shapes)
     atomic_write(path + ".json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
     return path
 
@@ -381,7 +383,9 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(note, file=sys.stderr)
     if args.save_engine:
-        out["saved_engine"] = save_engine(args.save_engine, args.model, record, backend)
+        out["saved_engine"] = save_engine(args.save_engine, args.model, record, backend,
+                                          parse_shapes(getattr(args, "shapes", None) or []),
+                                          getattr(args, "dla_core", None))
         out["saved_meta"] = out["saved_engine"] + ".json"
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))

@@ -18,6 +18,8 @@
   ``fleet deployments ls|show|pause|resume|rm|retry``; ``fleet label DEVICE key=value``.
 - ``fleet keygen --out DIR``: an Ed25519 key pair for signing job documents
   (docs/security.md); ``fleet rollout --signing-key KEY`` signs with it.
+- ``fleet audit [--since] [--json]``: who changed the fleet, when, how it ended (every command
+  here that changes the fleet is recorded: ``agent.cli.fleet_audit``).
 """
 
 import argparse
@@ -26,6 +28,7 @@ from typing import Any
 
 from agent.cli import (
     EXIT_OK,
+    fleet_audit,
     fleet_commands,
     fleet_db,
     fleet_deploy,
@@ -45,7 +48,7 @@ def add_parser(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fsub = p.add_subparsers(dest="fleet_command",
                             metavar="devices|rollout|rollouts|serve|db|rollback|models|deploy|"
-                                   "deployments|label|jobs|cancel|telemetry|keygen")
+                                   "deployments|label|jobs|cancel|telemetry|keygen|audit")
     fleet_registry.add_devices_parser(fsub)
     fleet_rollout.add_parser(fsub)
     fleet_serve.add_parsers(fsub, add_connection_args, connect)
@@ -56,6 +59,7 @@ def add_parser(sub: Any) -> None:
     fleet_registry.add_jobs_parser(fsub)
     fleet_commands.add_cancel_parser(fsub)
     fleet_commands.add_telemetry_parser(fsub)
+    fleet_audit.add_parser(fsub)
 
     k = fsub.add_parser("keygen", help="create an Ed25519 key pair for signing job documents",
                         description="Write NAME.key (private, mode 0600: keep it on the "

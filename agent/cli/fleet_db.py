@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import sys
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from agent.cli import EXIT_OK
 from agent.errors import AgentError
@@ -125,7 +125,7 @@ def add_db_parser(fsub: Any) -> None:
     d.set_defaults(func=lambda args: d.print_help() or 2)
 
 
-def upgrade_in_child(url: str) -> None:
+def upgrade_in_child(url: str, blob_store: Optional[str] = None) -> None:
     """``fleet serve``'s upgrade on start, in a child process (``fleet db upgrade``): the
     service itself never loads SQLAlchemy and Alembic (memory, and a garbage collector that
     would walk their objects for as long as it runs). The URL goes by the environment, not the
@@ -139,8 +139,11 @@ def upgrade_in_child(url: str) -> None:
         db.close()
     if state == "current":
         return
+    env = dict(os.environ, JETSON_AGENT_FLEET_DB=url)
+    if blob_store:  # where revision 0006 imports the registry's files
+        env["JETSON_AGENT_FLEET_STORE"] = blob_store
     out = subprocess.run([sys.executable, "-m", "agent", "fleet", "db", "upgrade", "--json"],
-                         env=dict(os.environ, JETSON_AGENT_FLEET_DB=url),
+                         env=env,
                          stdin=subprocess.DEVNULL, capture_output=True, text=True)
     try:
         reply = json.loads(out.stdout)
@@ -158,7 +161,7 @@ def run_db_upgrade(args: argparse.Namespace) -> int:
     from agent.fleet.database import migrate
 
     url = db_url(args)
-    before, after = migrate.upgrade(url)
+    before, after = migrate.upgrade(url, blob_store=args.store)
     out = {"db": store_schema.shown_url(url), "before": before, "revision": after,
            "head": store_schema.HEAD}
     if args.json:

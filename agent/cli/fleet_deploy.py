@@ -38,6 +38,13 @@ def add_parsers(fsub: Any) -> None:
     d.add_argument("--search", choices=SEARCH_MODES)
     d.add_argument("--no-accuracy-gate", action="store_true",
                    help="deploy a version pushed without goldens")
+    d.add_argument("--model-set", metavar="ID",
+                   help="NAME is one of a model set: switched and committed with the set's "
+                        "other names, or rolled back with them (one deployment per name, each "
+                        "with the same --model-set and --model-set-names; devices that list "
+                        "model_sets)")
+    d.add_argument("--model-set-names", metavar="A,B",
+                   help="with --model-set: every name of the set (2 to 8, comma-separated)")
     size = d.add_mutually_exclusive_group()
     size.add_argument("--batch", type=int, metavar="N", help="first wave: N devices per stage")
     size.add_argument("--percent", type=float, metavar="P",
@@ -109,6 +116,12 @@ def build_spec(args: argparse.Namespace, version: Dict[str, Any], dep_id: str
                  "policy": {"success_threshold": policy.success_threshold,
                             "abort_failure_rate": policy.abort_failure_rate,
                             "min_executed": policy.min_executed}})
+    from agent.fleet.rollouts.spec import model_set_spec
+
+    model_set = model_set_spec(getattr(args, "model_set", None),
+                               getattr(args, "model_set_names", None), version["name"])
+    if model_set is not None:
+        spec["model_set"] = model_set
     docs = fleet.doc_factory(spec)
     for kind in (["search"] if spec.get("search") else []) + ["deploy"]:
         docs("check", dep_id + "-c0", kind, None)

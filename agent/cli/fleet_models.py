@@ -9,12 +9,13 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Tuple
 
 from agent import fleet
 from agent.cli import EXIT_OK
-from agent.cli.fleet_db import add_db_args, add_to_store, db_url, store_dir
+from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
+from agent.fleet.database import blobs
 from agent.fleet.database.store import Store
 from agent.fleet.deployments import registry
 from agent.wire import model_names
@@ -23,10 +24,10 @@ from agent.wire import model_names
 def add_parser(fsub: Any) -> None:
     from agent.cli.fleet_rollout import CALIB_ALGORITHMS, GATE_STATS, SEARCH_MODES
 
-    p = fsub.add_parser("models", help="the model registry: push, ls, show, rm",
+    p = fsub.add_parser("models", help="the model registry: push, ls, show, rm, verify",
                         description="Model versions the fleet can deploy (fleet deploy "
                         "NAME@VERSION); see docs/fleet.md, Model registry.")
-    msub = p.add_subparsers(dest="models_command", metavar="push|ls|show|rm")
+    msub = p.add_subparsers(dest="models_command", metavar="push|ls|show|rm|verify")
     push = msub.add_parser("push", help="store a version: model, calibration set, goldens, "
                            "class labels and default settings (immutable)")
     push.add_argument("model", metavar="M.onnx")
@@ -52,6 +53,16 @@ def add_parser(fsub: Any) -> None:
     d.add_argument("--max-evaluations", type=int, metavar="N")
     d.add_argument("--layer-precisions", nargs="+", metavar="NAME:PREC", default=[])
     push.add_argument("--json", action="store_true")
+    h = push.add_argument_group("through the service (from another host)")
+    h.add_argument("--server", metavar="URL", default=os.environ.get(
+        "JETSON_AGENT_FLEET_SERVER"), help="the service's --http URL (http[s]://HOST:PORT; "
+        "default $JETSON_AGENT_FLEET_SERVER): the files are uploaded into its store. Without "
+        "it: straight into the store the --db database names (on the service's host)")
+    h.add_argument("--token-file", metavar="F", default=os.environ.get(
+        "JETSON_AGENT_FLEET_TOKEN_FILE"), help="the operator's token (the service's "
+        "--dashboard-token-file; default $JETSON_AGENT_FLEET_TOKEN_FILE)")
+    h.add_argument("--ca-file", metavar="F", help="with an https:// --server: the CA that "
+                   "signed its certificate (default: the system's)")
     add_db_args(push)
     push.set_defaults(func=run_push)
     for action, text in (("ls", "versions in the registry"),
@@ -62,6 +73,11 @@ def add_parser(fsub: Any) -> None:
         a.add_argument("--json", action="store_true")
         add_db_args(a)
         a.set_defaults(func=run_models, models_action=action)
+    v = msub.add_parser("verify", help="hash every blob in the registry's store and check "
+                        "every version's references (exit 1 with the problems)")
+    v.add_argument("--json", action="store_true")
+    add_db_args(v)
+    v.set_defaults(func=run_verify)
     p.set_defaults(func=lambda args: p.print_help() or 2)
 
 
@@ -75,7 +91,7 @@ def run_push(args: argparse.Namespace) -> int:
                 if k != "layer_precisions" and getattr(args, k, None) is not None}
     if layers:
         defaults["layer_precisions"] = layers
-    url = db_url(args)
+    url = "" if args.server else db_url(args)
     with tempfile.TemporaryDirectory(prefix="jetson-agent-push-") as work:
         files = fleet.prepare_rollout(
             args.model, args.precision or ("int8" if args.calib else "fp32"), work,
@@ -86,17 +102,16 @@ def run_push(args: argparse.Namespace) -> int:
         record: Dict[str, Any] = {"artifacts": artifacts, "defaults": defaults,
                                   "notes": str(args.notes)[:4096],
                                   "source": os.path.basename(args.model)[:255]}
-        store = Store(url)
-        try:
-            try:
-                current = registry.get(store, name, version)
-            except AgentError:
-                current = None
-            if current is None or current["digest"] == registry.digest(record):
-                add_to_store(store, store_dir(args, url), artifacts, files, copy=True)
-            added = registry.put(store, name, version, record)
-        finally:
-            store.close()
+        if args.server:
+            added = push_http(args.server, args.token_file, args.ca_file, name, version,
+                              record, files)
+        else:
+            store = Store(url)
+            try:  # straight into the store the database names (on the service's host)
+                root = blobs.directory(store, args.store, record=True)
+                added = registry.push(store, root, name, version, record, files)
+            finally:
+                store.close()
     out = {"name": name, "version": version, "added": added,
            "model": artifacts["model"]["sha256"], "artifacts": sorted(artifacts)}
     if args.json:
@@ -106,6 +121,96 @@ def run_push(args: argparse.Namespace) -> int:
             name, version, "stored" if added else "already stored, identical",
             artifacts["model"]["sha256"][:12], ", ".join(sorted(artifacts))))
     return EXIT_OK
+
+
+def push_http(server: str, token_file: Optional[str], ca_file: Optional[str], name: str,
+              version: str, record: Dict[str, Any], files: Dict[str, str]) -> bool:
+    """Upload the version's blobs (those the service lacks) and then its record to the
+    service's registry endpoint (agent.fleet.deployments.uploads)."""
+    import http.client
+    import ssl
+    from urllib.parse import urlsplit
+
+    from agent.fleet import web
+
+    if not token_file:
+        raise AgentError("bad_argument", "fleet models push --server: expected --token-file "
+                         "(the operator's token), found none")
+    token = web.read_token(token_file) or ""
+    url = urlsplit(server)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise AgentError("bad_argument", "--server: expected http[s]://HOST:PORT, found "
+                         "{!r}".format(server[:200]))
+
+    def request(method: str, path: str, body: Any = None, length: int = 0,
+                ctype: str = "application/octet-stream") -> Tuple[int, Dict[str, Any]]:
+        if url.scheme == "https":
+            ctx = ssl.create_default_context(cafile=ca_file)
+            conn: Any = http.client.HTTPSConnection(url.hostname or "", url.port or 443,
+                                                    timeout=120, context=ctx)
+        else:
+            conn = http.client.HTTPConnection(url.hostname or "", url.port or 80, timeout=120)
+        try:
+            headers = {"Authorization": "Bearer " + token, "Content-Type": ctype}
+            if method != "HEAD":
+                headers["Content-Length"] = str(length)
+            conn.request(method, url.path.rstrip("/") + path, body=body, headers=headers)
+            resp = conn.getresponse()
+            data = resp.read(1 << 20)
+        except (OSError, http.client.HTTPException) as exc:
+            raise AgentError("upload_refused", "--server {}: expected the service's HTTP "
+                             "endpoint, {} {} failed: {}".format(server, method, path, exc))
+        finally:
+            conn.close()
+        try:
+            doc = json.loads(data.decode("utf-8")) if data else {}
+        except ValueError:
+            doc = {}
+        if resp.status >= 400 and method != "HEAD":
+            err = (doc.get("error") if isinstance(doc, dict) else None) or {}
+            code = str(err.get("code") or "bad_argument")
+            from agent.errors import CODES
+
+            raise AgentError(code if code in CODES else "bad_argument", "--server {}: {} {}: "
+                             "{} {}".format(server, method, path, resp.status,
+                                            err.get("message") or resp.reason))
+        return resp.status, doc if isinstance(doc, dict) else {}
+
+    for role, (sha, _size) in sorted(blobs.refs_of(record).items()):
+        status, _doc = request("HEAD", "/registry/blobs/" + sha)
+        if status == 200:
+            continue  # the service has it, sound
+        if status in (401, 403):
+            request("PUT", "/registry/blobs/" + sha, b"", 0)  # raises with the reason
+        with open(files[role], "rb") as f:
+            request("PUT", "/registry/blobs/" + sha, f, os.fstat(f.fileno()).st_size)
+    body = json.dumps({"name": name, "version": version, "record": record}).encode("utf-8")
+    _status, doc = request("POST", "/registry/models", body, len(body), "application/json")
+    return bool(doc.get("added"))
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from agent.cli import EXIT_FAILED
+
+    store = Store(db_url(args, existing=True))
+    try:
+        root = blobs.directory(store, args.store)
+        problems = blobs.verify(store, root)
+        counts = blobs.refcounts(store)
+        n = len(blobs.rows(store))
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps({"store": root, "blobs": n, "references": sum(counts.values()),
+                          "problems": problems}, indent=2, sort_keys=True))
+    else:
+        for p in problems:
+            print("{}  {}  {}  (used by {})".format(p["kind"], p["sha256"][:16], p["message"],
+                                                    ", ".join(p["versions"]) or "nothing"))
+        print("store {}: {} blob(s), {} reference(s), {}".format(
+            root, n, sum(counts.values()), "{} problem(s)".format(len(problems)) if problems
+            else "all sound"))
+    return EXIT_FAILED if problems else EXIT_OK
 
 
 def _line(v: Dict[str, Any]) -> list:
@@ -132,13 +237,20 @@ def run_models(args: argparse.Namespace) -> int:
         if action == "show" and name is not None and version is not None:
             v = registry.get(store, name, version)
             v["used_by"] = registry.usage(store, name, version)
+            known = blobs.rows(store, [sha for sha, _n in blobs.refs_of(v).values()])
+            v["blobs"] = {role: {"sha256": sha, "versions": len(blobs.users(store, sha)),
+                                 "problem": (known.get(sha) or {"problem": "not in the store"}
+                                             )["problem"]}
+                          for role, (sha, _n) in blobs.refs_of(v).items()}
             if args.json:
                 print(json.dumps(v, indent=2, sort_keys=True, default=str))
             else:
                 print("{}@{}  (digest {})".format(name, version, v["digest"][:16]))
                 for role, ref in sorted(v["artifacts"].items()):
-                    print("  {:<12} {}  {} bytes  {}".format(role, ref["sha256"][:16],
-                                                              ref["size"], ref.get("name")))
+                    b = v["blobs"].get(role) or {}
+                    print("  {:<12} {}  {} bytes  {}  (blob used by {} version(s){})".format(
+                        role, ref["sha256"][:16], ref["size"], ref.get("name"),
+                        b.get("versions", 0), "; " + b["problem"] if b.get("problem") else ""))
                 print("  defaults: {}".format(json.dumps(v["defaults"], sort_keys=True)))
                 print("  notes: {}".format(v.get("notes") or "-"))
                 print("  deployments: {}".format(", ".join(v["used_by"]["deployments"])

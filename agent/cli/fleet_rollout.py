@@ -50,6 +50,13 @@ def add_rollout_args(r: argparse.ArgumentParser) -> None:
     a.add_argument("--version", metavar="V",
                    help="with --name: this version ([A-Za-z0-9][A-Za-z0-9_.+-]{0,63}; "
                         "default: the first 12 hex digits of the model's sha256)")
+    a.add_argument("--model-set", metavar="ID",
+                   help="with --name: this name is one of a model set, switched and committed "
+                        "with the other names of the set or rolled back with them (one "
+                        "rollout per name, each with the same --model-set and "
+                        "--model-set-names; sent to devices whose status lists model_sets)")
+    a.add_argument("--model-set-names", metavar="A,B",
+                   help="with --model-set: every name of the set (2 to 8, comma-separated)")
     a.add_argument("--precision", required=True, choices=("fp32", "fp16", "int8", "best"))
     a.add_argument("--fallback", choices=("allow", "reject"), default="reject",
                    help="where a device lacks --precision: fall back to a wider one (allow) or "
@@ -225,9 +232,10 @@ def run_rollout(args: argparse.Namespace) -> int:
     from agent.fleet.rollouts.spec import spec_from_args
 
     _check_numbers(args)
-    from agent.fleet.rollouts.spec import model_name_version
+    from agent.fleet.rollouts.spec import model_name_version, model_set_spec
 
     model_name_version(args.name, args.version, "0" * 64)  # checked before any work
+    model_set_spec(args.model_set, args.model_set_names, args.name)
     fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
                                     args.min_executed))
     user_layers = parse_layer_precisions(args.layer_precisions)

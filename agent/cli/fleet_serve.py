@@ -217,7 +217,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
     signal.signal(signal.SIGINT, request_stop)
     # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
     if not args.no_db_upgrade:
-        upgrade_in_child(url)
+        upgrade_in_child(url, args.store)
     store = Store(url, schema="require")
     notifier = Notifier()
     dashboard = None
@@ -248,9 +248,15 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
                                share_group=args.share_group, lease_s=args.lease,
                                http_base=None, http_min_bytes=args.http_min_bytes,
                                admission=make_admission(args, store))
+        from agent.fleet.database import blobs
         from agent.fleet.deployments.deployment_runner import DeploymentRunner
 
+        # The registry's blob store: the directory the database names (recorded now, from
+        # --store or the default, when it names none yet).
+        service.blob_root = blobs.directory(store, args.store or (
+            None if blobs.recorded(store) else store_dir(args, url)), record=True)
         service.deployments = DeploymentRunner(store, service.instance, args.lease)
+        service.deployments.blob_root = service.blob_root
         if getattr(args, "share_engines", False):
             if not args.http:
                 raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "
@@ -261,8 +267,12 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
                                          builder_key=service.builder_key)
             service.share_wait_s = float(args.share_wait)
         if args.http:
+            from agent.fleet import web
+            from agent.fleet.deployments.uploads import Uploads
+
+            uploads = Uploads(url, service.blob_root, web.read_token(args.dashboard_token_file))
             http = HttpSource(host, int(port), service.server.files,
-                              shares=service.sharing, tls=tls).start()
+                              shares=service.sharing, tls=tls, uploads=uploads).start()
             service.http_base = (base or "{}://{}:{}".format(
                 http.scheme, "[{}]".format(host) if ":" in host else host, http.port)
             ).rstrip("/")

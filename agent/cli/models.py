@@ -5,10 +5,17 @@
     models commit NAME [--version V]   commit the pending version (the app socket)
     models rollback NAME [--version V] back to a kept version (the app socket)
     models retry NAME VERSION          let a version the app rejected be activated again
+    models pin NAME VERSION            keep NAME at VERSION (switches to it if kept): jobs to
+                                       another version are refused (model_pinned)
+    models unpin NAME                  let jobs switch NAME again
+
+``state``: pending (switched, waiting for its confirmation), committed, or another state the
+journal records; ``health``: ``ok``, the app's last problem, or why the name was rolled back.
 
 ``ls`` and ``show`` read the daemon's journal and the models directory (the daemon may run);
-``commit``, ``rollback`` and ``retry`` ask the running daemon over its app socket, which takes
-them from root, the service user and the configured app users/group only.
+``commit``, ``rollback``, ``retry``, ``pin`` and ``unpin`` ask the running daemon over its app
+socket, which takes them from root, the service user and the configured app users/group only
+(``retry``, ``pin`` and ``unpin``: root and the service user).
 """
 
 import argparse
@@ -29,13 +36,16 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("models", help="named models on this device: list, show, commit, "
                        "roll back", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    ms = p.add_subparsers(dest="models_command", metavar="ls|show|commit|rollback|retry")
+    ms = p.add_subparsers(dest="models_command",
+                          metavar="ls|show|commit|rollback|retry|pin|unpin")
     ms.required = True
     for name, helptext in (("ls", "every model name and its active version"),
                            ("show", "one name: kept versions, meta.json, rejections"),
                            ("commit", "commit a pending version"),
                            ("rollback", "go back to a kept version"),
-                           ("retry", "forget that the app rejected a version")):
+                           ("retry", "forget that the app rejected a version"),
+                           ("pin", "keep a name at a version on this device"),
+                           ("unpin", "let jobs switch a pinned name again")):
         q = ms.add_parser(name, help=helptext)
         add_state_args(q)
         q.add_argument("--json", action="store_true", help="machine-readable output")
@@ -43,37 +53,59 @@ def add_parser(sub: Any) -> None:
             q.add_argument("name", help="the model name")
         if name == "retry":
             q.add_argument("version", help="the rejected version")
+        elif name == "pin":
+            q.add_argument("version", help="a version this device keeps")
         elif name in ("commit", "rollback"):
             q.add_argument("--version", help="a specific version (default: the pending one / "
                            "the previous one)")
         q.set_defaults(func=globals()["run_" + name])
 
 
-def _list(journal: Any) -> List[Dict[str, Any]]:
+def _list(journal: Any, notes: Any = None) -> List[Dict[str, Any]]:
     rejected: Dict[str, List[str]] = {}
     for r in journal.rejected_versions():
         rejected.setdefault(r["name"], []).append(r["version"])
+    pins = notes.pins if notes is not None else {}
+    health = notes.health if notes is not None else {}
     return [{"name": r["name"], "version": r["version"], "state": r["state"],
              "previous": r["previous"], "precision": r["precision"],
              "engine_key": r["engine_key"], "job_id": r["job_id"], "activated": r["activated"],
-             "rejected": rejected.get(r["name"], [])} for r in journal.active_versions()]
+             "rejected": rejected.get(r["name"], []), "pinned": pins.get(r["name"]),
+             "health": health.get(r["name"], "ok")} for r in journal.active_versions()]
+
+
+def _notes(args: argparse.Namespace) -> Any:
+    """The daemon's pins and last health per name (agent.device.model_notes), read-only."""
+    from agent.device.model_notes import ModelNotes
+
+    _, state_dir, _ = daemon_dirs(args.config, args.state_dir)
+    return ModelNotes.in_state_dir(state_dir)
 
 
 def run_ls(args: argparse.Namespace) -> int:
+    from agent.device.model_sets import ModelSets
+
     with open_journal(args) as journal:
-        rows = _list(journal)
+        rows = _list(journal, _notes(args))
+    rec = ModelSets.in_state_dir(daemon_dirs(args.config, args.state_dir)[1]).open or \
+        {"members": {}}
+    for r in rows:  # switched in a model set that may still revert
+        if (rec["members"].get(r["name"]) or {}).get("version") == r["version"]:
+            r["set"] = {"id": rec["id"], "state": "open"}
     if args.json:
         print(json.dumps({"models": rows}, indent=2, sort_keys=True))
         return 0
     if not rows:
         print("no models on this device")
         return 0
-    print("{:<24} {:<16} {:<10} {:<16} {:<9} {}".format("NAME", "VERSION", "STATE", "PREVIOUS",
-                                                         "PRECISION", "ENGINE"))
+    line = "{:<24} {:<16} {:<12} {:<16} {:<9} {:<16} {:<8} {}"
+    print(line.format("NAME", "VERSION", "STATE", "PREVIOUS", "PRECISION", "ENGINE", "PINNED",
+                      "HEALTH"))
     for r in rows:
-        print("{:<24} {:<16} {:<10} {:<16} {:<9} {}".format(
-            r["name"], r["version"], r["state"], r["previous"] or "-", r["precision"] or "-",
-            r["engine_key"][:16]))
+        state = r["state"] + (" (set {} open)".format(r["set"]["id"]) if r.get("set") else "")
+        print(line.format(
+            r["name"], r["version"], state, r["previous"] or "-", r["precision"] or "-",
+            r["engine_key"][:16], r["pinned"] or "-", r["health"][:80]))
     return 0
 
 
@@ -100,8 +132,10 @@ def run_show(args: argparse.Namespace) -> int:
             meta = read_meta(path)
         except (OSError, ValueError):
             meta = {}
+    notes = _notes(args)
     out = {"name": name, "current": current, "dir": models.name_dir(name),
-           "problem": problem, "meta": meta,
+           "problem": problem, "meta": meta, "pinned": notes.pins.get(name),
+           "health": notes.health.get(name, "ok"),
            "versions": [{k: v[k] for k in ("version", "active", "state", "precision",
                                             "engine_key", "job_id", "activated", "previous")}
                         for v in versions],
@@ -112,6 +146,9 @@ def run_show(args: argparse.Namespace) -> int:
     print("{}: current {} ({})".format(name, current or "none", out["dir"]))
     if problem:
         print("  problem: {}".format(problem))
+    print("  health: {}".format(out["health"]))
+    if out["pinned"]:
+        print("  pinned to {} (jetson-agent models unpin {})".format(out["pinned"], name))
     if handoff:
         print("  hand-off: {}".format(handoff))
     for v in out["versions"]:
@@ -142,6 +179,10 @@ def ask(path: str, request: Dict[str, Any], timeout: float = 30.0) -> Dict[str, 
             if not chunk:
                 break
             data += chunk
+    except PermissionError as exc:  # the socket's mode and ACL: not an app user or group
+        raise AgentError("app_not_allowed", "expected a user the daemon allows on {} (root, "
+                         "the service user, models.app_users, models.app_group), found uid {} "
+                         "refused: {}".format(path, os.getuid(), exc.strerror or exc))
     except OSError as exc:
         raise AgentError("file_not_found", "expected the daemon's app socket at {}, found: {} "
                          "(is the daemon running, and may this user use it?)".format(
@@ -167,7 +208,8 @@ def _socket_op(args: argparse.Namespace, op: str) -> int:
     if version is not None:
         request["version"] = validate_version(version)
     started = time.monotonic()
-    reply = ask(cfg.models.socket or os.path.join(state_dir, "app.sock"), request)
+    reply = ask(cfg.models.socket or os.environ.get("JETSON_AGENT_SOCKET") or os.path.join(
+        state_dir, "app.sock"), request)
     if args.json:
         print(json.dumps(reply, indent=2, sort_keys=True))
     else:
@@ -187,3 +229,11 @@ def run_rollback(args: argparse.Namespace) -> int:
 
 def run_retry(args: argparse.Namespace) -> int:
     return _socket_op(args, "retry")
+
+
+def run_pin(args: argparse.Namespace) -> int:
+    return _socket_op(args, "pin")
+
+
+def run_unpin(args: argparse.Namespace) -> int:
+    return _socket_op(args, "unpin")

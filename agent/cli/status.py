@@ -35,6 +35,10 @@ def add_state_args(p: argparse.ArgumentParser) -> None:
 # $CACHE_DIRECTORY are set for the service only, not in an operator's shell).
 UNIT_STATE_DIR = "/var/lib/jetson-agent"
 UNIT_CACHE_DIR = "/var/cache/jetson-agent"
+# The unit's models directory (made by install-jetson) and app socket (RuntimeDirectory=),
+# which it hands to the daemon as $JETSON_AGENT_MODELS_DIR and $JETSON_AGENT_SOCKET.
+UNIT_MODELS_DIR = "/var/lib/jetson-agent-models"
+UNIT_SOCKET = "/run/jetson-agent/app.sock"
 
 
 def _yaml_sets(path: str, *keys: str) -> bool:
@@ -65,6 +69,12 @@ def daemon_dirs(config_path: Optional[str], state_dir: Optional[str] = None
             state = UNIT_STATE_DIR
         if not _yaml_sets(config_path, "cache", "dir") and os.path.isdir(UNIT_CACHE_DIR):
             cache = UNIT_CACHE_DIR
+        if not _yaml_sets(config_path, "models", "dir") and os.path.isdir(UNIT_MODELS_DIR) \
+                and not os.environ.get("JETSON_AGENT_MODELS_DIR"):
+            cfg.models.dir = UNIT_MODELS_DIR
+        if not _yaml_sets(config_path, "models", "socket") and os.path.isdir(
+                os.path.dirname(UNIT_SOCKET)) and not os.environ.get("JETSON_AGENT_SOCKET"):
+            cfg.models.socket = UNIT_SOCKET
     return cfg, check_state_dir(state, create=False), cache
 
 

@@ -9,6 +9,8 @@ loop answers it with ``answer`` (the model switch does the work).
     {"op": "list"}                                                the models state
     {"op": "retry", "name", "version"}                            forget a rejection (root and
                                                                   the service user only)
+    {"op": "pin", "name", "version"} / {"op": "unpin", "name"}    pin a name to a kept version
+                                                                  (root and the service user)
 Replies ``{"ok": true, ...}`` or ``{"ok": false, "error": {"code", "message"}}``.
 """
 
@@ -25,6 +27,7 @@ log = logging.getLogger("agent.device.daemon")  # one logger name for the whole 
 
 ANSWER_WITHIN_S = 10.0
 OPS = ("health", "commit", "rollback", "list", "retry")
+OPS = OPS + ("pin", "unpin")  # type: ignore[assignment]  # operator pins
 
 
 class AppRequest(NamedTuple):
@@ -85,6 +88,11 @@ def _do(switch: Any, request: Dict[str, Any], peer: Dict[str, Any]) -> Dict[str,
         return switch.commit(name, version, by)
     if op == "rollback":
         return switch.rollback(name, version)
+    if op in ("pin", "unpin"):
+        if peer.get("uid") not in (0, os.getuid()):
+            raise AgentError("app_not_allowed", "expected root or the service user to {} a "
+                             "model, found uid {}".format(op, peer.get("uid")))
+        return switch.pin(name, version) if op == "pin" else switch.unpin(name)
     if peer.get("uid") not in (0, os.getuid()):
         raise AgentError("app_not_allowed", "expected root or the service user to retry a "
                          "rejected version, found uid {}".format(peer.get("uid")))
@@ -92,11 +100,23 @@ def _do(switch: Any, request: Dict[str, Any], peer: Dict[str, Any]) -> Dict[str,
 
 
 def allowed_ids(users: List[str], group: Optional[str]) -> Tuple[List[int], List[int]]:
-    """``models.app_users`` / ``models.app_group`` -> (uids, gids)."""
-    uids = [int(u) if u.isdigit() else pwd.getpwnam(u).pw_uid for u in users]
+    """``models.app_users`` / ``models.app_group`` -> (uids, gids). The service need not be a
+    member of the group (the socket's ACL names it); only a name this system does not know
+    stops the daemon."""
+    uids = []
+    for user in users:
+        try:
+            uids.append(int(user) if user.isdigit() else pwd.getpwnam(user).pw_uid)
+        except KeyError:
+            raise AgentError("bad_config", "models.app_users: expected users of this system "
+                             "(or numeric uids), found {!r}".format(user))
     gids = []
     if group:
-        gids.append(int(group) if group.isdigit() else grp.getgrnam(group).gr_gid)
+        try:
+            gids.append(int(group) if group.isdigit() else grp.getgrnam(group).gr_gid)
+        except KeyError:
+            raise AgentError("bad_config", "models.app_group: expected a group of this system "
+                             "(or a numeric gid), found {!r}".format(group))
     return uids, gids
 
 

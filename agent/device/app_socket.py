@@ -7,8 +7,12 @@ supplementary groups (``os.getgrouplist``) one of ``allowed_gids``; root and the
 uid are always allowed. Each connection carries ONE JSON line (at most 4 KiB, complete within
 ``read_timeout_s``) and gets one JSON line back; requests are rate-limited per uid (token
 bucket: ``rate_per_s``, ``burst``) and at most ``max_concurrent`` connections are served at
-once. The socket file is mode 0660, group ``socket_gid`` (default: the first allowed gid); a
-stale socket file is replaced at start. ``handle(request, peer) -> dict`` (core21's) does the
+once. The socket file is mode 0660, group ``socket_gid`` (default: the first allowed gid), with a
+POSIX ACL entry for each allowed uid and gid, so a listed user or group reaches it whether or
+not the service is in that group (setting an ACL needs ownership, not membership). Where the
+file system has no ACLs and a listed peer is outside the file's group, the mode is 0666 and
+the SO_PEERCRED check alone decides (a stranger then gets ``app_not_allowed``). A stale socket
+file is replaced at start. ``handle(request, peer) -> dict`` (core21's) does the
 work; refusals are ``{"ok": false, "error": {"code", "message"}}`` with ``app_not_allowed``,
 ``rate_limited`` or ``bad_message``.
 """
@@ -29,7 +33,13 @@ from agent.errors import AgentError
 
 MAX_LINE = 4096
 OPS = ("health", "commit", "rollback", "list")
+OPS = OPS + ("pin", "unpin")  # type: ignore[assignment]  # operator pins
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
+# linux/posix_acl_xattr.h: a version, then (tag, perm, id) entries sorted by tag and id.
+_ACL_HEADER, _ACL_ENTRY = struct.Struct("<I"), struct.Struct("<HHI")
+_ACL_USER_OBJ, _ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_MASK, _ACL_OTHER = (
+    0x01, 0x02, 0x04, 0x08, 0x10, 0x20)
+_NO_ID = 0xFFFFFFFF
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -38,6 +48,18 @@ Handler = Callable[[Dict[str, Any], Dict[str, Any]], Dict[str, Any]]
 
 def refusal(code: str, message: str) -> Dict[str, Any]:
     return {"ok": False, "error": {"code": code, "message": message}}
+
+
+def acl_rw(uids: Iterable[int], gids: Iterable[int]) -> bytes:
+    """A ``system.posix_acl_access`` value: owner and file group rw, each uid and gid rw,
+    others nothing (setfacl -m u:UID:rw,g:GID:rw,o::-)."""
+    rw = 4 | 2
+    entries = [(_ACL_USER_OBJ, rw, _NO_ID)]
+    entries += [(_ACL_USER, rw, uid) for uid in sorted(set(uids))]
+    entries.append((_ACL_GROUP_OBJ, rw, _NO_ID))
+    entries += [(_ACL_GROUP, rw, gid) for gid in sorted(set(gids))]
+    entries += [(_ACL_MASK, rw, _NO_ID), (_ACL_OTHER, 0, _NO_ID)]
+    return _ACL_HEADER.pack(2) + b"".join(_ACL_ENTRY.pack(*e) for e in entries)
 
 
 def peer_credentials(conn: socket.socket) -> Dict[str, int]:
@@ -132,18 +154,13 @@ class AppSocket:
 
     # -- life -------------------------------------------------------------------------------
     def start(self) -> "AppSocket":
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         self._remove_stale()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(self.path)
-            # Nobody can connect before listen(): set mode and group first.
-            os.chmod(self.path, 0o660)
-            if self.socket_gid is not None:
-                try:
-                    os.chown(self.path, -1, self.socket_gid)
-                except PermissionError as exc:
-                    raise AgentError("bad_config", "app socket {}: expected to give it group "
-                                     "{}, found {}".format(self.path, self.socket_gid, exc))
+            # Nobody can connect before listen(): set mode, group and ACL first.
+            self._set_access()
             sock.listen(16)
             sock.setblocking(False)
         except BaseException:
@@ -156,6 +173,28 @@ class AppSocket:
                                         daemon=True)
         self._thread.start()
         return self
+
+    def _set_access(self) -> None:
+        os.chmod(self.path, 0o660)
+        group = os.getegid()
+        if self.socket_gid is not None:
+            try:
+                os.chown(self.path, -1, self.socket_gid)
+                group = self.socket_gid
+            except PermissionError:
+                pass  # the service is not in that group: the ACL below lets it in instead
+        uids = self.allowed_uids - {0, self.own_uid}
+        gids = self.allowed_gids - {group}
+        if not uids and not gids:
+            return
+        try:
+            os.setxattr(self.path, "system.posix_acl_access", acl_rw(uids, gids))
+        except OSError as exc:
+            # No ACLs here: open the file to every local user and let SO_PEERCRED decide.
+            os.chmod(self.path, 0o666)
+            log.info("app socket %s: no ACL (%s): mode 0666, the peer check alone admits "
+                     "uids %s and gids %s", self.path, exc.strerror or exc, sorted(uids),
+                     sorted(gids))
 
     def _remove_stale(self) -> None:
         try:

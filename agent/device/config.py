@@ -110,7 +110,7 @@ class SecurityConfig:
 
 @dataclasses.dataclass
 class ModelsConfig:
-    dir: Optional[str] = None  # None: <state_dir>/models
+    dir: Optional[str] = None  # None: $JETSON_AGENT_MODELS_DIR (unit), else <state_dir>/models
     group: Optional[str] = None  # the app's group: files 0640, directories 0750 in it
     keep_versions: int = _f(2, min=2, max=16)  # per name, the active one included
     commit_timeout_s: float = _f(300.0, min=1, max=24 * 3600)
@@ -122,7 +122,7 @@ class ModelsConfig:
     app_confirms: List[str] = dataclasses.field(default_factory=list)
     app_users: List[str] = dataclasses.field(default_factory=list)  # may use the app socket
     app_group: Optional[str] = None
-    socket: Optional[str] = None  # None: <state_dir>/app.sock
+    socket: Optional[str] = None  # None: $JETSON_AGENT_SOCKET (unit), else <state_dir>/app.sock
 
 
 @dataclasses.dataclass
@@ -149,12 +149,14 @@ class Config:
 
     @property
     def models_dir(self) -> str:
-        return self.models.dir or os.path.join(self.state_dir or default_state_dir(), "models")
+        # The unit sets the variables the client library reads (docs/using-models.md).
+        return self.models.dir or os.environ.get("JETSON_AGENT_MODELS_DIR") or os.path.join(
+            self.state_dir or default_state_dir(), "models")
 
     @property
     def app_socket(self) -> str:
-        return self.models.socket or os.path.join(self.state_dir or default_state_dir(),
-                                                  "app.sock")
+        return self.models.socket or os.environ.get("JETSON_AGENT_SOCKET") or os.path.join(
+            self.state_dir or default_state_dir(), "app.sock")
 
     @property
     def cache_dir(self) -> str:

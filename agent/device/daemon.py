@@ -45,7 +45,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from agent import __version__
-from agent.device import app_requests, backend_check, handoff, state_lock
+from agent.device import app_requests, backend_check, handoff, state_lock, writable_paths
 from agent.device.artifact_downloads import ArtifactDownloads, reclaim_partials
 from agent.device.config import Config, http_ca_file
 from agent.device.daemon_state import DaemonState, ServiceStatus
@@ -229,10 +229,14 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
         publisher.set_state(run, "IN_PROGRESS", stage=stage, progress=None)
         show_activity()
 
+    # ProtectSystem=strict: a path missing from ReadWritePaths= is read-only; say so now.
+    for problem in writable_paths.problems(cfg.models_dir, cfg.handoff):
+        log.warning("%s", problem)
     switch = ModelSwitch(cfg, journal, ModelsDir(cfg.models_dir, cfg.models.group),
                          handoff.parse(cfg.handoff, "handoff"), events, shared, ending.end,
                          set_stage, publisher.publish_birth, platform_status)
     publisher.models_state = switch.models_list
+    publisher.models_pins = switch.pins
     switch.reconcile()
     supervisor = WorkerSupervisor(cfg, device, state_dir, store, journal, events, shared,
                                   publisher, ending, show_activity, switch.activate)

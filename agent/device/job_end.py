@@ -22,6 +22,8 @@ REJECT_CODES = frozenset(("bad_argument", "bad_model", "unsupported_model", "dyn
                           "golden_mismatch", "bad_golden_file", "unsupported_precision",
                           "backend_unavailable", "unknown_job_kind", "bad_message",
                           "bad_model_name", "bad_model_version", "version_rejected"))
+# A pin on the device, or a job that does not fit the open model set (model_notes, model_sets).
+REJECT_CODES = REJECT_CODES | frozenset(("model_pinned", "bad_model_set"))
 
 
 class JobEnding:

@@ -1,38 +1,52 @@
 """``meta.json`` of a model version in the models directory (docs/daemon.md): what an app needs
 to know about the engine it loads, and whether it may load it here (the portability
 record). Pure: built from the worker's result, the platform and the facts the caller measured
-(the engine's sha256 and size), so anyone can check that ``model.engine`` is whole."""
+(the engine's sha256 and size), so anyone can check that ``model.engine`` is whole.
 
+Its JSON Schema is ``agent/data/schemas/model_meta.json`` (``SCHEMA``); ``schema_version``
+grows when a key changes meaning or goes away (new keys alone keep it: readers ignore keys they
+do not know). A meta.json without ``schema_version`` was written before the key existed (0)."""
+
+import os
 from typing import Any, Dict, List, Mapping, Optional
 
-META_KEYS = ("name", "version", "model_sha256", "engine_key", "precision", "layer_precisions",
-             "inputs", "outputs", "backend", "tensorrt", "jetpack", "board", "portability",
-             "gate", "throughput_qps", "job_id", "activated", "state", "engine_sha256",
-             "engine_size")
+SCHEMA_VERSION = 1
+SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                      "schemas", "model_meta.json")
+MAX_PROFILE_INPUTS = 64  # as many as a job's plan.shapes may name
+
+META_KEYS = ("schema_version", "name", "version", "model_sha256", "engine_key", "precision",
+             "layer_precisions", "inputs", "outputs", "backend", "tensorrt", "jetpack", "board",
+             "portability", "gate", "throughput_qps", "job_id", "activated", "state",
+             "engine_sha256", "engine_size", "profiles")
 
 
 def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
           platform: Mapping[str, Any], fingerprint: Mapping[str, Any], job_id: Optional[str],
           activated: float, state: str, engine_sha256: str, engine_size: int,
-          dla_core: Optional[int] = None) -> Dict[str, Any]:
+          dla_core: Optional[int] = None,
+          shapes: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """The meta.json document. ``result``: the worker's deploy result (engine_key, precision,
     layers_kept, io, accuracy, throughput_qps, backend); ``platform``: the birth status's
     platform (board, jetpack, tensorrt); ``fingerprint``: the platform fingerprint (gpu,
-    compute_capability, cuda, tensorrt)."""
+    compute_capability, cuda, tensorrt, sm_count); ``dla_core``: the job's plan's (None: GPU);
+    ``shapes``: the plan's optimisation profile, input -> [min, opt, max]."""
     io: Dict[str, Any] = result["io"] if isinstance(result.get("io"), dict) else {}
     accuracy = result.get("accuracy") if isinstance(result.get("accuracy"), dict) else None
     gate: Dict[str, Any] = {"passed": None if accuracy is None else bool(accuracy.get("passed"))}
     for key, value in (accuracy or {}).items():
         if key != "passed" and isinstance(value, (int, float, str, bool)):
             gate[key] = value
+    inputs = _tensors(io.get("inputs"))
     return {
+        "schema_version": SCHEMA_VERSION,
         "name": name,
         "version": version,
         "model_sha256": model_sha256,
         "engine_key": result.get("engine_key"),
         "precision": result.get("precision"),
         "layer_precisions": dict(result.get("layers_kept") or {}),
-        "inputs": _tensors(io.get("inputs")),
+        "inputs": inputs,
         "outputs": _tensors(io.get("outputs")),
         "backend": result.get("backend") or fingerprint.get("backend"),
         "tensorrt": platform.get("tensorrt"),
@@ -53,7 +67,40 @@ def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
         "state": state,
         "engine_sha256": engine_sha256,
         "engine_size": int(engine_size),
+        "profiles": profiles(inputs, shapes),
     }
+
+
+def profiles(inputs: List[Dict[str, Any]],
+             shapes: Optional[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """The engine's optimisation profiles (one: the plan's), each input -> {min, opt, max}: the
+    plan's shapes where it gave them, else the input's shape where every dimension is fixed
+    (min = opt = max). An input with a dynamic dimension and no plan shape is left out (no
+    profile fixes it); no inputs at all: no profile."""
+    profile: Dict[str, Dict[str, List[int]]] = {}
+    given = shapes if isinstance(shapes, Mapping) else {}
+    for t in inputs[:MAX_PROFILE_INPUTS]:
+        triple = given.get(t["name"])
+        dims = [_dims(d) for d in triple] if isinstance(triple, (list, tuple)) and \
+            len(triple) == 3 else []
+        fixed = _dims(t["shape"])
+        if dims and all(d is not None for d in dims):
+            profile[t["name"]] = dict(zip(("min", "opt", "max"), dims))  # type: ignore[arg-type]
+        elif fixed is not None:
+            profile[t["name"]] = {"min": fixed, "opt": fixed, "max": fixed}
+    return [{"inputs": profile}] if profile else []
+
+
+def _dims(shape: Any) -> Optional[List[int]]:
+    """``shape`` as a list of positive ints, or None (dynamic, or not a shape)."""
+    if not isinstance(shape, (list, tuple)) or len(shape) > 16:
+        return None
+    out = []
+    for d in shape:
+        if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+            return None
+        out.append(d)
+    return out
 
 
 def _tensors(items: Any) -> List[Dict[str, Any]]:

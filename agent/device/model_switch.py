@@ -32,10 +32,11 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from agent.device import commit_logic, model_meta, models_guard
+from agent.device import commit_logic, model_meta, model_sets, models_guard
 from agent.device.handoff import Entry, adapters_for
 from agent.device.handoff.base import Adapter, ModelVersion
 from agent.device.job_run import Run
+from agent.device.model_notes import ModelNotes
 from agent.device.models_dir import ENGINE, ModelsDir, read_meta
 from agent.device.status_publisher import fit_result
 from agent.errors import AgentError
@@ -100,7 +101,13 @@ class ModelSwitch(object):
         self.m = cfg.models
         self.token = 0
         self.pending: Optional[Pending] = None
-        self.health: Dict[str, str] = {}  # name -> "ok" | the app's last problem
+        # Pins and each name's last health (the app's problem or a rollback's reason), kept
+        # across restarts (model_notes); the open model set's record (model_sets).
+        state_dir = getattr(cfg, "state_dir", None)
+        self.notes = ModelNotes.in_state_dir(state_dir)
+        self.health: Dict[str, str] = self.notes.health  # name -> "ok" | the app's last problem
+        self.sets = model_sets.ModelSets.in_state_dir(state_dir, clock)
+        self.last_set_check = 0.0
         # name -> what the last models list said of its files (models_guard): a version whose
         # engine went missing or corrupt is a health problem, rechecked every DISK_CHECK_EVERY_S.
         self.disk_health: Dict[str, str] = {}
@@ -117,6 +124,8 @@ class ModelSwitch(object):
     def check_job(self, doc: Dict[str, Any], model_sha: str) -> None:
         """Before any download: names valid, and not a version the app rejected here."""
         name, version = names_for(doc, model_sha)
+        self.notes.check(name, version)
+        self.sets.check(model_sets.parse(doc), name)
         for row in self.journal.rejected_versions(name):
             if row["version"] == version:
                 raise AgentError("version_rejected", "{}@{} was rejected on this device ({}); "
@@ -203,6 +212,12 @@ class ModelSwitch(object):
         here, now or when the version is committed or rolled back)."""
         model_sha = run.needed["model"][0]
         name, version = names_for(run.doc, model_sha)
+        try:  # a pin or a model set that came while this job was building
+            self.notes.check(name, version)
+            self.sets.check(model_sets.parse(run.doc), name)
+        except AgentError as exc:
+            self.end(run, "FAILED", error=exc.to_dict())
+            return
         key = str(result["engine_key"])
         held = self.journal.model_version(name, version)
         if held is not None and held["engine_key"] != key:
@@ -217,8 +232,10 @@ class ModelSwitch(object):
         activated = self.clock()
 
         def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
+            plan = run.doc.get("plan") or {}
             return model_meta.build(name, version, model_sha, result, platform, fingerprint,
-                                    run.job_id, activated, "pending", engine_sha, engine_size)
+                                    run.job_id, activated, "pending", engine_sha, engine_size,
+                                    dla_core=plan.get("dla_core"), shapes=plan.get("shapes"))
 
         self.writing[token] = (run, result)
 
@@ -253,6 +270,9 @@ class ModelSwitch(object):
                 active["engine_key"] == meta.get("engine_key") and active["state"] == "committed":
             need = frozenset()  # the same version again: refreshed, nothing to hand off
         deadline = self.clock() + self.m.commit_timeout_s
+        spec = model_sets.parse(run.doc)
+        if spec is not None:  # durable before the switch: a crash after it can revert the set
+            self.sets.started(spec, name, version, (active or {}).get("version"))
         replaced, dropped = self.journal.activate_version(
             name, version, meta["model_sha256"], str(meta.get("engine_key")),
             meta.get("precision"), run.job_id, info, "pending" if need else "committed",
@@ -437,6 +457,7 @@ class ModelSwitch(object):
         self._decide(p)
 
     def tick(self) -> None:
+        self._check_set()
         if time.monotonic() - self.last_disk_check >= DISK_CHECK_EVERY_S:
             before = dict(self.disk_health)
             self.models_list()
@@ -499,12 +520,97 @@ class ModelSwitch(object):
         self.pending = None
         self._drop_dirs(p.name, [p.version])
         self.health[p.name] = "rolled back from {}: {}".format(p.version, reason)[:200]
+        if (self.sets.member(p.name) or {}).get("version") == p.version:
+            self.sets.fail("{}@{} was rolled back: {}".format(p.name, p.version, reason))
+            self._check_set(force=True)
         if errors:
             log.warning("model %s: revert problems: %s", p.name, "; ".join(errors))
         if p.run is not None:
             self._fail_rolled_back(p.run, p.name, p.version, p.previous, reason, errors)
         else:
             self.changed()
+
+    # ------------------------------------------------------------------ model sets
+
+    def _check_set(self, force: bool = False) -> None:
+        """The open set committed, or reverted (model_sets.decide); on the main loop, at most
+        once a second unless ``force``."""
+        rec = self.sets.open
+        if rec is None or (not force and time.monotonic() - self.last_set_check < 1.0):
+            return
+        self.last_set_check = time.monotonic()
+        active = {r["name"]: (r["version"], r["state"]) for r in self.journal.active_versions()}
+        p = self.pending
+        if p is not None and p.name in rec["members"] and p.phase == "rolling_back" and \
+                not rec.get("failed"):
+            return  # its own rollback ends first (``_on_reverted`` fails the set)
+        action, reason = model_sets.decide(rec, active, self.clock())
+        if action == model_sets.COMMITTED:
+            log.info("model set %s committed (%s)", rec["id"], ", ".join(rec["names"]))
+            self.sets.close(model_sets.COMMITTED)
+            self.changed()
+        elif action == model_sets.REVERT:
+            self._revert_set(rec, active, reason)
+
+    def _revert_set(self, rec: Dict[str, Any], active: Dict[str, Tuple[str, str]],
+                    reason: str) -> None:
+        """Every member still at its set version back to the version the set replaced."""
+        log.warning("model set %s: reverting every name: %s", rec["id"], reason)
+        self.sets.close(model_sets.REVERT)
+        why = "model set {} reverted: {}".format(rec["id"], reason)
+        for name, version, before in model_sets.revert_plan(rec, active):
+            p = self.pending
+            if p is not None and p.name == name and p.version == version:
+                self._rollback(p, why)
+                continue
+            try:
+                if before is None:
+                    raise AgentError("no_previous_version", "{} had no version before the "
+                                     "set".format(name))
+                self.rollback(name, before)
+            except AgentError as exc:
+                log.warning("model set %s: %s stays at %s: %s", rec["id"], name, version,
+                            exc.message)
+                self.health[name] = "{}; stays at {}: {}".format(why, version, exc.message)
+                continue
+            self.health[name] = "rolled back from {}: {}".format(version, why)
+        self.changed()
+
+    # ------------------------------------------------------------------ pins
+
+    def pin(self, name: str, version: str) -> Dict[str, Any]:
+        """Pin ``name`` to ``version``: jobs to another version are refused (model_pinned);
+        the name switches to ``version`` now if that is a kept version and not the active one.
+        AgentError no_previous_version when it is neither active nor kept."""
+        validate_name(name)
+        validate_version(version)
+        active = self.journal.active_version(name)
+        kept = [r["version"] for r in self.journal.model_versions(name)]
+        if version not in kept:
+            raise AgentError("no_previous_version", "expected a version of {} this device "
+                             "keeps to pin, found {} (kept: {})".format(
+                                 name, version, ", ".join(kept) or "none"))
+        p = self.pending
+        if p is not None and p.name == name and p.version != version:
+            raise AgentError("not_pending", "{}@{} is being switched right now; expected no "
+                             "switch of {} in progress, pin it after it ends".format(
+                                 name, p.version, name))
+        switched = None
+        if active is not None and active["version"] != version:
+            switched = self.rollback(name, version)
+        self.notes.pin(name, version)
+        log.info("model %s pinned to %s", name, version)
+        self.changed()
+        return {"name": name, "version": version, "pinned": True,
+                "switched_from": switched["replaced"] if switched else None}
+
+    def unpin(self, name: str) -> Dict[str, Any]:
+        was = self.notes.unpin(name)
+        self.changed()
+        return {"name": name, "pinned": False, "was": was}
+
+    def pins(self) -> Dict[str, str]:
+        return dict(self.notes.pins)
 
     # ------------------------------------------------------------------ the job's end
 
@@ -518,6 +624,13 @@ class ModelSwitch(object):
         out["previous_engine"] = prev_row["engine_key"] if prev_row else None
         out["model"] = {"name": name, "version": version, "previous": previous,
                         "state": "committed"}
+        spec = model_sets.parse(run.doc) if run.doc.get("model_set") is not None else None
+        if spec is not None:
+            self._check_set(force=True)
+            state = "open" if self.sets.open and self.sets.open["id"] == spec.id else \
+                "committed" if self.sets.closed == (spec.id, model_sets.COMMITTED) else \
+                "reverted"
+            out["model"]["set"] = {"id": spec.id, "state": state}  # the rollout's view shows it
         run.details.pop("commit", None)
         self._end(run, "SUCCEEDED", result=fit_result(out))
         self.changed()
@@ -566,6 +679,10 @@ class ModelSwitch(object):
                              "{}, found version {!r}".format(
                                  name, active["version"] if active else "(none)", version))
         self.health[name] = "ok" if ok else (detail or "unhealthy")[:200]
+        if not ok and (self.sets.member(name) or {}).get("version") == active["version"]:
+            self.sets.fail("{}@{} reported unhealthy: {}".format(
+                name, active["version"], detail or "unhealthy"))
+            self._check_set(force=True)
         self.changed()
         return {"name": name, "version": active["version"], "state": active["state"]}
 
@@ -669,9 +786,14 @@ class ModelSwitch(object):
                         "engine_key": row["engine_key"], "job_id": row["job_id"],
                         "activated": row["activated"],
                         "health": (app if app != "ok" else on_disk)[:1024],
+                        "pinned": self.notes.pins.get(row["name"]),
                         **({"handoff": self.handoff_notes[row["name"]][:512]}
                            if row["name"] in self.handoff_notes else {}),
                         "rejected": rejected.get(row["name"], [])[-16:]})
+        rec = self.sets.open or {"members": {}}
+        for entry in out:
+            if (rec["members"].get(entry["name"]) or {}).get("version") == entry["version"]:
+                entry["set"] = {"id": rec["id"], "state": "open"}  # may still revert
         return out[:256]
 
 

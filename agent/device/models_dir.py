@@ -1,4 +1,5 @@
-"""The models directory (config ``models.dir``, default ``<state_dir>/models``): the stable place
+"""The models directory (config ``models.dir``, default ``$JETSON_AGENT_MODELS_DIR`` (the unit
+sets /var/lib/jetson-agent-models), else ``<state_dir>/models``): the stable place
 where applications find the deployed engines (docs/daemon.md). The I/O edge of the named
 models: the journal says which version is active, this module makes the disk say the same.
 
@@ -20,6 +21,7 @@ import grp
 import json
 import os
 import shutil
+import stat
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
 
 from agent.errors import AgentError
@@ -44,6 +46,14 @@ class ModelsDir(object):
         self.root = os.path.abspath(root)
         self.gid = _gid(group)
         self.on_step = on_step
+        if self.gid is not None and os.geteuid() != 0 and self.gid != os.getegid() and \
+                self.gid not in os.getgroups():
+            # Giving a file to a group needs membership: say so at start, not at the first
+            # activation.
+            raise AgentError("bad_config", "models.group {}: expected the service user to be a "
+                             "member (the unit's SupplementaryGroups=, docs/using-models.md), "
+                             "found uid {} in groups {}".format(
+                                 group, os.geteuid(), sorted(set(os.getgroups()))))
 
     def name_dir(self, name: str) -> str:
         return os.path.join(self.root, name)
@@ -58,9 +68,12 @@ class ModelsDir(object):
 
     def _own(self, path: str, mode: int) -> None:
         try:
-            if self.gid is not None and os.stat(path).st_gid != self.gid:
+            st = os.stat(path)
+            if self.gid is not None and st.st_gid != self.gid:
                 os.chown(path, -1, self.gid)
-            os.chmod(path, mode)
+            # Keep a directory's setgid bit (the installed models directory is 2750): what is
+            # made in it starts in the models group.
+            os.chmod(path, mode | (st.st_mode & stat.S_ISGID if stat.S_ISDIR(st.st_mode) else 0))
         except OSError as exc:
             raise AgentError("internal_error", "cannot give {} to the models group (mode {:o}): "
                              "{}".format(path, mode, exc.strerror or exc))

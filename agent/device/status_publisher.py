@@ -34,7 +34,9 @@ QUICK_DROP_S = 5.0
 QUICK_DROPS = 3
 # signed_engines: a shared engine comes with its builder's signature (checked here), and this
 # device signs the engines it offers.
-FEATURES = ("named_models", "signed_engines")
+# model_sets: the job's model_set (agent.device.model_sets); model_pins: the models message's
+# pins (jetson-agent models pin).
+FEATURES = ("named_models", "signed_engines", "model_sets", "model_pins")
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
@@ -93,6 +95,7 @@ class StatusPublisher:
         self.last_takeover_log = 0.0
         # The per-name models state (agent.device.model_switch), set once it is built.
         self.models_state: Callable[[], List[Dict[str, Any]]] = lambda: []
+        self.models_pins: Callable[[], Dict[str, str]] = lambda: {}  # name -> pinned version
 
     def _birth(self) -> Dict[str, Any]:
         return status_messages.status_message(
@@ -114,8 +117,12 @@ class StatusPublisher:
                           rollcall.encode_marker(self.device, self.boot), qos=1, retain=True)
 
     def models_message(self) -> Dict[str, Any]:
-        return {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,
-                "ts": time.time(), "models": self.models_state()}
+        msg = {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,
+               "ts": time.time(), "models": self.models_state()}
+        pins = self.models_pins()
+        if pins:  # only when there are any: a controller before pins knows no such key
+            msg["pins"] = dict(pins)
+        return msg
 
     def publish_models(self) -> None:
         """The retained ``{p}/devices/{id}/models`` (at birth and on every change), and the

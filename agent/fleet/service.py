@@ -112,6 +112,9 @@ class FleetService(object):
         # Deployments (fleet serve): an agent.fleet.deployments.deployment_runner.DeploymentRunner,
         # told of births, Wills, models messages and its jobs' ends; ticked before leases are taken.
         self.deployments: Any = None
+        # The registry's blob store (agent.fleet.database.blobs): the directory the database
+        # names; None: looked up there when a registry blob is first served.
+        self.blob_root: Optional[str] = None
 
     # -- publishing ---------------------------------------------------------------------------
 
@@ -214,10 +217,10 @@ class FleetService(object):
             for sha in [ref["sha256"]] + ([ref["blocks"]["sha256"]] if ref.get("blocks")
                                           else []):
                 try:
-                    if sha not in stored:
-                        raise AgentError("unknown_artifact", "not in the artifacts table")
-                    self.server.add_file(stored[sha]["path"], sha)
+                    self.server.add_file(self._artifact_path(sha, stored), sha)
                 except AgentError as exc:
+                    if exc.code == "artifact_unavailable":
+                        self.server.remove(sha)  # served earlier, damaged since: no more
                     log.error("rollout %s: artifact %s cannot be served: %s", rollout_id, sha,
                               exc.message)
         self.rollouts[rollout_id] = ro
@@ -256,6 +259,21 @@ class FleetService(object):
             return  # its lease went while it was being taken (the commit said so)
         log.info("rollout %s: taken over by %s (stage %d/%d)", rollout_id, self.instance,
                  ro.current + 1, len(ro.stages))
+
+    def _artifact_path(self, sha: str, stored: Dict[str, Dict[str, Any]]) -> str:
+        """Where an artifact's bytes are: a registry blob, verified (hashed once per process
+        and again when its file changed; AgentError artifact_unavailable, never served, when
+        it fails), else the file a rollout recorded."""
+        from agent.fleet.database import blobs
+
+        # Hashed in full when first served; afterwards again only when its file changed.
+        path = blobs.servable(self.store, self.blob_root, sha,
+                              full=sha not in self.server.files())
+        if path is not None:
+            return path
+        if sha not in stored:
+            raise AgentError("unknown_artifact", "not in the artifacts table")
+        return str(stored[sha]["path"])
 
     def features_of(self, device: str) -> frozenset:
         """What the device's last status says it understands (named models, ...): the
@@ -313,6 +331,8 @@ class FleetService(object):
     def _serve_all(self) -> None:
         """Serve every artifact in the database, not only those of our own rollouts: with a
         shared subscription a request may reach any instance (the store is shared)."""
+        from agent.fleet.database import blobs
+
         served = self.server.files()
         for sha, art in self.store.artifacts().items():
             if sha not in served and os.path.isfile(art["path"]):
@@ -320,6 +340,14 @@ class FleetService(object):
                     self.server.add_file(art["path"], sha)
                 except AgentError as exc:
                     log.warning("artifact %s cannot be served: %s", sha, exc.message)
+        for sha, row in blobs.rows(self.store).items():  # the registry's, when sound
+            if sha not in served and not row["problem"] and self.blob_root is not None:
+                try:
+                    path = blobs.servable(self.store, self.blob_root, sha, full=True)
+                    if path is not None:
+                        self.server.add_file(path, sha)
+                except AgentError as exc:
+                    log.warning("%s", exc.message)
 
     def _roll_call_due(self) -> None:
         """Start a roll call in the background (``pump`` carries it on) when one is due."""

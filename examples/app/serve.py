@@ -293,9 +293,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--name", required=True, help="the model's name")
     parser.add_argument("--models-dir", help="default: $JETSON_AGENT_MODELS_DIR, else "
-                        "/var/lib/jetson-agent/models")
+                        "/var/lib/jetson-agent-models")
     parser.add_argument("--socket", help="the agent's app socket (default: "
-                        "$JETSON_AGENT_SOCKET, else /var/lib/jetson-agent/app.sock)")
+                        "$JETSON_AGENT_SOCKET, else /run/jetson-agent/app.sock)")
     parser.add_argument("--no-report", action="store_true",
                         help="check versions but do not report to the agent")
     parser.add_argument("--checks", default=CHECKS, help="stored rows and true labels (.npz)")
@@ -309,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # The client's own defaults (contract): $JETSON_AGENT_MODELS_DIR, else the service's.
     models_dir = args.models_dir or os.environ.get("JETSON_AGENT_MODELS_DIR") \
-        or "/var/lib/jetson-agent/models"
+        or "/var/lib/jetson-agent-models"
     app = App(args.name, models_dir, args.socket,
               load_checks(args.checks), args.min_accuracy, report=not args.no_report)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), handler_for(app))

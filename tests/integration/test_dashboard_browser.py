@@ -157,7 +157,10 @@ def test_dashboard_of_a_running_rollout_in_chromium(mosquitto, agent_factory, tm
                   "document.getElementById('charts').dataset.ready", ["ro-a", "ro-b",
                                                                       "CPU load",
                                                                       "Job status changes",
-                                                                      "IN_PROGRESS"])]
+                                                                      "IN_PROGRESS"]),
+                 ("labels", "/labels", None, ["cam-1", "nano-1", "Pins"]),
+                 # the CLI's rollouts and the dashboard's pause, in the audit trail
+                 ("audit", "/audit", None, ["rollouts pause", "ro-b", "dashboard", "ro-nano"])]
         with Browser() as browser:
             for name, path, ready, expect in pages:
                 page = browser.load(base + path, ready)

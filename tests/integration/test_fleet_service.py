@@ -79,8 +79,8 @@ class Service:
             return f.read()[-n:].decode("utf-8", "replace")
 
 
-def fleet_cli(args, timeout=60):
-    env = dict(os.environ, PYTHONPATH=ROOT)
+def fleet_cli(args, timeout=60, env=None):
+    env = dict(os.environ if env is None else env, PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-m", "agent", "fleet"] + args, env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -63,6 +63,9 @@ ONLY_MODULES = {
                    "agent.fleet.database.migrations"},
     "alembic": {"agent.fleet.database.tables", "agent.fleet.database.migrate",
                 "agent.fleet.database.migrations"},
+    # the dashboard's templates (the controller's; autoescaped)
+    "jinja2": {"agent.fleet.web.pages"},
+    "markupsafe": {"agent.fleet.web.pages"},
 }
 
 

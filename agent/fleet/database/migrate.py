@@ -74,10 +74,11 @@ def compare_type(_ctx: Any, _inspected: Any, _declared: Any, found: Any, declare
     return None
 
 
-def config(connection: Any = None) -> Config:
+def config(connection: Any = None, blob_store: Optional[str] = None) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", SCRIPTS)
     cfg.attributes["connection"] = connection
+    cfg.attributes["blob_store"] = blob_store  # revision 0006 imports the registry's files there
     return cfg
 
 
@@ -126,7 +127,7 @@ def _check_legacy(conn: Any, names: set) -> None:
                                  ", ".join(missing)))
 
 
-def upgrade(url: str, target: str = "head", db: Any = None
+def upgrade(url: str, target: str = "head", db: Any = None, blob_store: Optional[str] = None
             ) -> Tuple[Optional[str], Optional[str]]:
     """Upgrade the database to ``target`` (default the newest revision); returns (revision
     before or "legacy" or None when empty, revision after)."""
@@ -136,7 +137,7 @@ def upgrade(url: str, target: str = "head", db: Any = None
             if conn.dialect.name == "postgresql":
                 conn.exec_driver_sql("SELECT pg_advisory_xact_lock({})".format(LOCK))
             names = set(sa.inspect(conn).get_table_names())
-            cfg = config(conn)
+            cfg = config(conn, blob_store)
             before: Optional[str] = None
             if "alembic_version" in names:
                 before = MigrationContext.configure(conn).get_current_revision()

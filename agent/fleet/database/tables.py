@@ -174,3 +174,28 @@ deployment_retries = sa.Table(
     "deployment_retries", metadata,
     sa.Column("deployment_id", TEXT, primary_key=True),
     sa.Column("device_id", TEXT, primary_key=True), sa.Column("at", DOUBLE, nullable=False))
+
+# agent.fleet.database.audit (revision 0007): one row per operator action (bounded by age and
+# count).
+audit = sa.Table(
+    "audit", metadata,
+    _id(), sa.Column("ts", DOUBLE, nullable=False), sa.Column("actor", TEXT, nullable=False),
+    sa.Column("via", TEXT, nullable=False), sa.Column("action", TEXT, nullable=False),
+    sa.Column("target", TEXT), sa.Column("args", TEXT), sa.Column("outcome", TEXT,
+                                                                  nullable=False),
+    sa.Column("message", TEXT),
+    sa.Index("audit_ts", "ts"))
+# agent.fleet.database.blobs (revision 0006): the registry's content-addressed blob store (the
+# directory is meta.blob_store) and each version's references to its blobs.
+blobs = sa.Table(
+    "blobs", metadata,
+    sa.Column("sha256", TEXT, primary_key=True), sa.Column("size", sa.BigInteger,
+                                                           nullable=False),
+    sa.Column("added", DOUBLE), sa.Column("checked", DOUBLE), sa.Column("stat", TEXT),
+    sa.Column("problem", TEXT))
+
+blob_refs = sa.Table(
+    "blob_refs", metadata,
+    sa.Column("name", TEXT, primary_key=True), sa.Column("version", TEXT, primary_key=True),
+    sa.Column("role", TEXT, primary_key=True), sa.Column("sha256", TEXT, nullable=False),
+    sa.Index("blob_refs_sha256", "sha256"))

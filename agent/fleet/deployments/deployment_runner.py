@@ -12,6 +12,10 @@ converge and keeps it so, working from changes, never from a scan of the fleet p
   decided again (``deployments.decide``) against the deployment that governs it now (the
   newest live one of each model name whose selector matches its labels); the devices that need
   their job are gathered and sent together in a catch-up rollout every ``CATCHUP_S``.
+- A deployment whose registry blobs cannot be served (agent.fleet.database.blobs: missing,
+  or their bytes no longer hash right) sends nothing: its devices that need the version are
+  ``failed`` with the reason ``artifact_unavailable: blob ... (model of NAME@VERSION) ...``,
+  looked at again every ``BLOB_RECHECK_S`` (bytes restored by a push of the version: they go).
 - One instance decides at a time: the runner holds a lease in the ``meta`` table (several
   services on one database: the others wait, then take over with a full scan).
 """
@@ -33,6 +37,7 @@ LEASE_KEY = "deployments_owner"
 # Devices decided at a time: their statuses, labels and models are read for each batch (a
 # service's start touches every device: 50,000 statuses decoded at once were 120 MiB).
 DECIDE_BATCH = 1000
+BLOB_RECHECK_S = 10.0  # a deployment's blobs are checked again after this (stat; hashed if changed)
 TERMINAL_ROLLOUT = ("succeeded", "failed", "aborted", "halted", "timed_out", "cancelled")
 
 
@@ -62,6 +67,10 @@ class DeploymentRunner(object):
         self.later: Dict[str, float] = {}  # busy device -> when to look again
         self.mine: Dict[str, float] = {}  # deployment -> the updated of our own last change
         self.stats = {"scans": 0, "decided": 0, "rollouts": 0}
+        self.blob_root: Optional[str] = None  # the registry's blob store (None: the database's)
+        # deployment -> (when checked, the reason its blobs cannot be served or None)
+        self.unservable: Dict[str, Tuple[float, Optional[str]]] = {}
+        self.rescan: Dict[str, float] = {}  # deployment -> when to scan it again (its blobs)
 
     # -- told by the service -------------------------------------------------------------------
 
@@ -102,6 +111,9 @@ class DeploymentRunner(object):
             self.dirty.add(dev)
             self.labels_seen = max(self.labels_seen, _ts)
         self._rollouts_ended()
+        for dep_id in [d for d, t in self.rescan.items() if t <= now]:
+            self.rescan.pop(dep_id, None)
+            self.full.add(dep_id)
         for dep_id in sorted(self.full):
             self._scan(dep_id)
         self.full.clear()
@@ -282,6 +294,9 @@ class DeploymentRunner(object):
                                              jobs.get(key), max(r.get(dev, 0.0),
                                                                 r.get(deployments.ALL, 0.0)))
                 self.stats["decided"] += 1
+                blocked = (self.unservable.get(dep_id) or (0.0, None))[1]
+                if verdict["send"] and blocked:  # as last decided: no flapping in between
+                    verdict = dict(verdict, state="failed", reason=blocked)
                 if verdict["send"]:
                     wanted.setdefault(dep_id, set()).add(dev)
                 else:  # an earlier decision to send stands no more
@@ -296,11 +311,43 @@ class DeploymentRunner(object):
 
     # -- sending -------------------------------------------------------------------------------
 
+    def _blocked(self, dep: Dict[str, Any], devices: List[str]) -> bool:
+        """Whether the deployment's blobs cannot be served now: then its ``devices`` are
+        recorded failed with the reason, and looked at again later."""
+        from agent.fleet.database import blobs
+
+        dep_id = dep["deployment_id"]
+        now = self.clock()
+        checked, reason = self.unservable.get(dep_id) or (-1e18, None)
+        if now - checked >= BLOB_RECHECK_S or reason is None:
+            found = blobs.problems_of(self.store, self.blob_root, dep["spec"])
+            reason = "artifact_unavailable: {}".format(found[1]) if found else None
+            if reason != self.unservable.get(dep_id, (0.0, None))[1]:
+                # The deployment's own reason carries the whole message (and is cleared when
+                # the bytes are back); each device's, the code with the blob and version.
+                full = "artifact_unavailable: {}".format(found[2]) if found else None
+                log.log(logging.ERROR if found else logging.INFO, "deployment %s: %s", dep_id,
+                        full or "its blobs can be served again")
+                if found or str(dep.get("reason") or "").startswith("artifact_unavailable"):
+                    self._set(self.deps.get(dep_id) or dict(dep), dep["state"], full)
+            self.unservable[dep_id] = (now, reason)
+        if reason is None:
+            return False
+        states = {d: {"state": "failed", "reason": reason} for d in devices
+                  if self.records.get((dep_id, d)) != ("failed", reason)}
+        for d in states:
+            self.records[(dep_id, d)] = ("failed", reason)
+        deployments.record_devices(self.store, dep_id, states)
+        self.rescan[dep_id] = now + BLOB_RECHECK_S
+        return True
+
     def _first_wave(self, dep: Dict[str, Any], devices: List[str]) -> None:
         spec = dep["spec"]
         if not devices:
             self._set(dep, "active", None)
             return
+        if self._blocked(dep, devices):
+            return  # pending, scanned again
         stages = policy.plan_stages(devices, spec.get("batch"), spec.get("percent"))
         self._rollout(dep, dep["deployment_id"] + "-w", "wave", stages)
         self._set(dep, "rolling", None)
@@ -317,6 +364,8 @@ class DeploymentRunner(object):
                 self.later[d] = now + BUSY_RETRY_S
             self.sends[dep_id] = set()
             self.last_send[dep_id] = now
+            if ready and self._blocked(dep, ready):
+                continue
             if ready:
                 n = len(deployments.rollouts_of(self.store, dep_id))
                 self._rollout(dep, "{}-c{}".format(dep_id, n), "catch-up", [ready])

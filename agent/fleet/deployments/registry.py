@@ -4,13 +4,18 @@ store, each stored once) and its default settings (gate, calibration, search), i
 ``model_versions`` table. A version is immutable: pushing anything different under an existing
 ``name@version`` is ``model_version_exists``; pushing the same again is a no-op.
 
-``fleet models push`` (agent.cli.fleet_models) checks the files and copies them into the store;
-this module owns the table: ``put``, ``get``, ``versions``, ``usage`` (who still needs a
-version: deployments, devices that keep it) and ``remove`` (refused while used).
+``fleet models push`` (agent.cli.fleet_models) checks the files; ``push`` puts them into the
+registry's own blob store (agent.fleet.database.blobs: the directory the database names, never
+a path on the pusher's machine) and records the version with its blob references, from the CLI
+on the service's host or from the service's upload endpoint (agent.fleet.deployments.uploads).
+This module owns the table: ``put``, ``get``, ``versions``, ``usage`` (who still needs a
+version: deployments, devices that keep it) and ``remove`` (refused while used; blobs no
+version references any more go with it).
 """
 
 import hashlib
 import json
+import os
 import time
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -64,6 +69,43 @@ def put(store: Any, name: str, version: str, record: Mapping[str, Any]) -> bool:
     return True
 
 
+def push(store: Any, root: str, name: str, version: str, record: Mapping[str, Any],
+         files: Optional[Mapping[str, str]] = None) -> bool:
+    """Store a version and its blobs: ``files`` (role -> local path, ``ROLE.blocks`` too) are
+    copied into the store first; without them every blob must be there already (uploaded).
+    False when this exact version was there already (its blobs restored if they were lost)."""
+    from agent.fleet.database import blobs
+
+    try:
+        current: Optional[Dict[str, Any]] = get(store, name, version)
+    except AgentError:
+        current = None
+    if current is not None and current["digest"] != digest(record):
+        put(store, name, version, record)  # raises model_version_exists with the difference
+    refs = blobs.refs_of(record)
+    for role, (sha, size) in sorted(refs.items()):
+        if files is not None and role in files:
+            blobs.add_file(root, files[role], sha)
+        path = blobs.path_of(root, sha)
+        if not os.path.isfile(path) or os.path.getsize(path) != size:
+            raise AgentError("bad_argument", "{}@{}: expected blob {} ({}, {} bytes) in the "
+                             "store before the version, found {}".format(
+                                 name, version, sha[:16], role, size, "none" if not
+                                 os.path.isfile(path) else "{} bytes".format(
+                                     os.path.getsize(path))))
+    with store.transaction():
+        for sha, size in sorted(refs.values()):
+            if not os.path.isfile(blobs.path_of(root, sha)):  # collected by an rm meanwhile
+                raise AgentError("artifact_unavailable", "{}@{}: blob {} was removed from the "
+                                 "store while this push ran (fleet models rm of the last "
+                                 "version using it); expected it there: push again".format(
+                                     name, version, sha[:16]))
+            blobs.register(store, root, sha, size)
+        added = put(store, name, version, record)
+        blobs.reference(store, name, version, record)
+    return added
+
+
 def _row(r: Tuple[Any, ...]) -> Dict[str, Any]:
     record = json.loads(r[3])
     record.update({"name": r[0], "version": r[1], "digest": r[2], "created": r[4]})
@@ -115,5 +157,10 @@ def remove(store: Any, name: str, version: str) -> None:
                          .format(name, version, ", ".join(used["deployments"]),
                                  len(used["devices"]), ", ".join(used["devices"][:20])),
                          used)
-    store.db.execute("DELETE FROM model_versions WHERE name = ? AND version = ?",
-                     (name, version))
+    from agent.fleet.database import blobs
+
+    with store.transaction():
+        store.db.execute("DELETE FROM model_versions WHERE name = ? AND version = ?",
+                         (name, version))
+        root = blobs.recorded(store)
+        blobs.unreference(store, root, name, version)

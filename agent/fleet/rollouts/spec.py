@@ -35,12 +35,41 @@ def model_name_version(name: Any, version: Any, model_sha: str
             else model_names.default_version(model_sha))
 
 
+def model_set_spec(set_id: Any, names: Any, model_name: Optional[str]
+                   ) -> Optional[Dict[str, Any]]:
+    """``--model-set ID --model-set-names a,b`` -> the job's ``model_set`` (None without them;
+    bad_argument), as the job document's schema wants it."""
+    from agent.errors import AgentError
+    from agent.wire import model_names, protocol
+
+    if set_id is None and names is None:
+        return None
+    listed = [n.strip() for n in str(names or "").split(",") if n.strip()]
+    try:
+        for n in listed:
+            model_names.validate_name(n)
+    except AgentError as exc:
+        raise AgentError("bad_argument", "--model-set-names: {}".format(exc.message))
+    if set_id is None or not protocol.valid_id(str(set_id)) or not model_name or \
+            model_name not in listed or len(set(listed)) != len(listed) or \
+            not 2 <= len(listed) <= 8:
+        raise AgentError("bad_argument", "a model set needs --model-set ID, --name NAME and "
+                         "--model-set-names listing 2 to 8 distinct names including NAME, "
+                         "found --model-set {!r}, --name {!r}, --model-set-names {!r}".format(
+                             set_id, model_name, names))
+    return {"id": str(set_id), "names": listed}
+
+
 def spec_from_args(args: Any, artifacts: Mapping[str, Mapping[str, Any]],
                    user_layers: Mapping[str, str], timeout: float) -> Dict[str, Any]:
     spec: Dict[str, Any] = {k: getattr(args, k, None) for k in DOC_KEYS}
     spec["model_name"], spec["model_version"] = model_name_version(
         getattr(args, "name", None), getattr(args, "version", None),
         str(artifacts["model"]["sha256"]))
+    model_set = model_set_spec(getattr(args, "model_set", None),
+                               getattr(args, "model_set_names", None), spec["model_name"])
+    if model_set is not None:
+        spec["model_set"] = model_set
     spec.update({"artifacts": {k: dict(v) for k, v in artifacts.items()},
                  "layer_precisions": dict(user_layers), "timeout": float(timeout),
                  "model_path": getattr(args, "model", None),
@@ -120,6 +149,9 @@ def doc_factory(spec: Mapping[str, Any],
             bench=bench if kind == "deploy" else None, timeout_s=spec.get("job_timeout"),
             names=names if names and (features is None or FEATURE in features(device))
             else None)
+        if spec.get("model_set") and doc.get("model_name") and (
+                features is None or "model_sets" in features(device)):
+            doc["model_set"] = dict(spec["model_set"])  # a device before sets refuses the key
         url = offer_url(device) if share and share.get("offer") and offer_url else None
         if url:
             doc["share"] = {"offer": url}

@@ -10,8 +10,11 @@ or use any HTTPS URL of a CDN or object store in the job document instead.
 ``files`` is a callable returning sha256 -> (path, size): the BlockServer's table.
 ``shares`` (engine sharing): an ``agent.fleet.transfer.sharing.ShareBoard`` taking ``PUT
 /shares/<token>``, a builder's engine upload to the one-time URL of its signed job document.
+``uploads`` (``fleet models push --server``): an ``agent.fleet.deployments.uploads.Uploads``
+taking ``/registry/...`` with the operator's token.
 """
 
+import json
 import logging
 import re
 import threading
@@ -23,6 +26,7 @@ from agent.fleet.transfer.http_bounds import BoundedHTTPServer
 log = logging.getLogger("agent.fleet")
 _PATH = re.compile(r"^/artifacts/([0-9a-f]{64})$")
 _SHARE = re.compile(r"^/shares/([0-9a-f]{32})$")
+_REGISTRY_BLOB = re.compile(r"^/registry/blobs/([0-9a-f]{64})$")
 _RANGE = re.compile(r"^bytes=(\d{1,15})-(\d{0,15})$")
 CHUNK = 1 << 16
 
@@ -30,9 +34,10 @@ CHUNK = 1 << 16
 class HttpSource(object):
     def __init__(self, host: str, port: int,
                  files: Callable[[], Dict[str, Tuple[str, int]]], shares: Any = None,
-                 tls: Any = None) -> None:
+                 tls: Any = None, uploads: Any = None) -> None:
         self.files = files
         self.shares = shares
+        self.uploads = uploads
         source = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -43,13 +48,22 @@ class HttpSource(object):
                 log.debug("http %s: " + fmt, self.client_address[0], *args)
 
             def do_HEAD(self) -> None:
+                if self.path.startswith("/registry/"):
+                    source._registry(self)
+                    return
                 source._serve(self, body=False)
 
             def do_GET(self) -> None:
                 source._serve(self, body=True)
 
             def do_PUT(self) -> None:
+                if self.path.startswith("/registry/"):
+                    source._registry(self)
+                    return
                 source._upload(self)
+
+            def do_POST(self) -> None:
+                source._registry(self)
 
         self.httpd = BoundedHTTPServer((host, port), Handler, tls=tls)
         self.scheme = "https" if tls is not None else "http"
@@ -92,6 +106,46 @@ class HttpSource(object):
         data = message.encode("utf-8")
         req.send_response(status)
         req.send_header("Content-Type", "text/plain")
+        req.send_header("Content-Length", str(len(data)))
+        req.end_headers()
+        req.wfile.write(data)
+
+    def _registry(self, req: BaseHTTPRequestHandler) -> None:
+        """The registry's upload endpoint (agent.fleet.deployments.uploads)."""
+        up = self.uploads
+        blob = _REGISTRY_BLOB.match(req.path)
+        route = ("blob" if blob else "models" if req.path == "/registry/models" else None)
+        if up is None or route is None or (route, req.command) not in (
+                ("blob", "HEAD"), ("blob", "PUT"), ("models", "POST")):
+            req.close_connection = True  # its body is unread: never parse it as a request
+            req.send_error(404, "no such registry endpoint")
+            return
+        refused = up.refused(req.headers)
+        if refused is None and req.command == "HEAD":
+            req.send_response(200 if up.has_blob(blob.group(1)) else 404)  # type: ignore
+            req.send_header("Content-Length", "0")
+            req.end_headers()
+            return
+        length = req.headers.get("Content-Length") or ""
+        if refused is None and (not length.isdigit() or len(length) > 15):
+            refused = (411, {"error": {"code": "bad_argument", "message": "a Content-Length "
+                                       "is required"}})
+        if refused is None:
+            try:
+                if route == "blob":
+                    refused = up.put_blob(blob.group(1), req.rfile, int(length))  # type: ignore
+                else:
+                    refused = up.put_version(req.rfile, int(length))
+            except (OSError, ConnectionError) as exc:
+                log.warning("http: registry upload failed: %s", exc)
+                refused = (500, {"error": {"code": "internal_error", "message": "the upload "
+                                           "could not be stored: {}".format(exc)}})
+        status, doc = refused
+        if status >= 400:
+            req.close_connection = True  # the body may be unread: never parse it as a request
+        data = json.dumps(doc, sort_keys=True).encode("utf-8")
+        req.send_response(status)
+        req.send_header("Content-Type", "application/json")
         req.send_header("Content-Length", str(len(data)))
         req.end_headers()
         req.wfile.write(data)

@@ -12,6 +12,7 @@ May import: every other subpackage of ``agent.fleet`` (``database``, ``rollouts`
 import argparse
 import logging
 import os
+import re
 from typing import Any, Dict, Optional, Tuple
 
 from agent.errors import AgentError
@@ -28,7 +29,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         "(e.g. :8480, loopback only; 0.0.0.0:8480 for every interface, with a warning; off "
         "by default)")
     g.add_argument("--dashboard-token-file", metavar="F", help="a file holding the token that "
-                   "enables dashboard actions (pause/resume/cancel, rollback); without it the "
+                   "enables dashboard actions (pause/resume/cancel, rollback), or one "
+                   "NAME:TOKEN per line (the audit trail names who acted); without it the "
                    "dashboard is read-only")
     g.add_argument("--telemetry-retention", type=float, default=history.RETENTION_S / 86400,
                    metavar="DAYS", help="how long telemetry history is kept (default "
@@ -45,18 +47,48 @@ def parse_hostport(text: str) -> Tuple[str, int]:
 
 
 def read_token(path: Optional[str]) -> Optional[str]:
+    """The first token of the file (``read_tokens``)."""
+    tokens = read_tokens(path)
+    return next(iter(tokens.values())) if tokens else None
+
+
+TOKEN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}\Z")
+MAX_TOKENS = 100
+DEFAULT_TOKEN_NAME = "dashboard"
+
+
+def read_tokens(path: Optional[str]) -> Optional[Dict[str, str]]:
+    """name -> token. The file holds one token (named ``dashboard``), or one ``NAME:TOKEN``
+    per line, one per operator, so that the audit trail names who acted; ``#`` comments."""
     if not path:
         return None
     try:
         with open(path, "r", encoding="utf-8") as f:
-            token = f.read(4096).strip()
+            text = f.read(65536)
     except OSError as exc:
         raise AgentError("file_not_found", "--dashboard-token-file {}: {}".format(
             path, exc.strerror or exc))
-    if len(token) < 16:
-        raise AgentError("bad_argument", "--dashboard-token-file {}: the token must be at least 16 "
-                         "characters, found {}".format(path, len(token)))
-    return token
+    tokens: Dict[str, str] = {}
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip()[0] == "#"]
+    for n, line in enumerate(lines[:MAX_TOKENS + 1], 1):
+        name, _, rest = line.partition(":")
+        if rest and TOKEN_NAME.match(name):
+            token = rest.strip()
+        else:
+            name, token = DEFAULT_TOKEN_NAME, line
+        if len(token) < 16:
+            raise AgentError("bad_argument", "--dashboard-token-file {}: the token must be at "
+                             "least 16 characters, found {} (line {})".format(
+                                 path, len(token), n))
+        if name in tokens or token in tokens.values() or len(tokens) >= MAX_TOKENS:
+            raise AgentError("bad_argument", "--dashboard-token-file {}: expected at most {} "
+                             "tokens, each name and token once, found {!r} again or more (line "
+                             "{})".format(path, MAX_TOKENS, name, n))
+        tokens[name] = token
+    if not tokens:
+        raise AgentError("bad_argument", "--dashboard-token-file {}: the token must be at least "
+                         "16 characters, found 0".format(path))
+    return tokens
 
 
 def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
@@ -78,5 +110,6 @@ def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
         service.conn.client.publish(service.conn.topics.commands(device),
                                     protocol.encode(cmd), qos=1)
 
-    dash = Dashboard(url, host, port, read_token(args.dashboard_token_file), send_rollback)
+    dash = Dashboard(url, host, port, None, send_rollback,
+                     tokens=read_tokens(args.dashboard_token_file))
     return dash.start()

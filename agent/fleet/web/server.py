@@ -1,6 +1,8 @@
 """The dashboard's HTTP server (stdlib ``http.server``, one thread per request): the pages of
 ``agent.fleet.web.pages``, Prometheus ``/metrics``, the vendored static files, and the
-actions (pause, resume, cancel a rollout; roll a device back), which need the token.
+actions (pause, resume, cancel a rollout; pause, resume, retry, undo a deployment; accept or
+reject a pending device; roll a device back), which need a token and are recorded in the audit
+trail under the token's name (agent.fleet.database.audit).
 
 Read-only unless a token is configured (``--dashboard-token-file``); an action without the right
 token is refused (401), compared in constant time. Bodies are bounded (``MAX_BODY``); ids in
@@ -16,11 +18,12 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, quote, urlsplit
 
 from agent.errors import AgentError
-from agent.fleet.database import device_models, history
+from agent.fleet.database import audit, device_models, history
 from agent.fleet.database.store import Store
+from agent.fleet.deployments import deployments
 from agent.fleet.rollouts import rollback, rollback_log
 from agent.fleet.transfer.http_bounds import BoundedHTTPServer
-from agent.fleet.web import metrics, pages, views
+from agent.fleet.web import metrics, operator_views, pages, views
 from agent.wire import protocol
 
 log = logging.getLogger("agent.fleet.web")
@@ -41,10 +44,15 @@ class Dashboard(object):
     """``Dashboard(store_url, host, port, token).start()``; ``url``; ``stop()``."""
 
     def __init__(self, store_url: str, host: str = "127.0.0.1", port: int = 0,
-                 token: Optional[str] = None, rollback: Optional[Rollback] = None) -> None:
+                 token: Optional[str] = None, rollback: Optional[Rollback] = None,
+                 tokens: Optional[Dict[str, str]] = None) -> None:
         self.store = Store(store_url)  # its own connection: readers never wait on the loop
         history.ensure_schema(self.store)
-        self.token = token or None
+        # name -> token: the audit trail names the operator whose token an action carried
+        self.tokens = dict(tokens or {})
+        if token:
+            self.tokens.setdefault("dashboard", token)
+        self.token = next(iter(self.tokens.values()), None)  # None: read-only
         self.rollback = rollback
         self.static = {n: os.path.join(STATIC, n) for n in os.listdir(STATIC)}
         app = self
@@ -87,7 +95,7 @@ class Dashboard(object):
         if not parts:
             return _html(pages.fleet_page(views.fleet_rows(self.store), views.rollout_rows(
                 self.store, states=pages.ACTIVE, failures=False), actions,
-                views.deployment_rows(self.store)))
+                views.deployment_rows(self.store), operator_views.fleet_labels(self.store)))
         if parts == ["metrics"]:
             body, ctype = metrics.exposition(self.store)
             return 200, ctype, body
@@ -107,8 +115,13 @@ class Dashboard(object):
         if len(parts) == 2 and parts[0] == "rollouts" and protocol.valid_id(parts[1]):
             row = self.store.rollout(parts[1])
             if row is not None:
+                dep = self.store.db.query("SELECT deployment_id FROM deployment_rollouts WHERE "
+                                          "rollout_id = ?", (parts[1],))
                 return _html(pages.rollout_page(views.rollout_detail(self.store, row), actions,
-                                                notice))
+                                                notice, dep[0][0] if dep else None))
+        page = self._operator_page(parts, query, actions, notice)
+        if page is not None:
+            return _html(page)
         if len(parts) == 2 and parts[0] == "devices" and protocol.valid_id(parts[1]):
             rows = views.fleet_rows(self.store, device=parts[1])
             if rows:
@@ -116,20 +129,87 @@ class Dashboard(object):
                     rows[0], views.job_rows(self.store, device=parts[1]),
                     history.series(self.store, parts[1]), actions, notice,
                     views.status_history(self.store, parts[1]),
-                    rollback_log.of_device(self.store, parts[1])))
+                    rollback_log.of_device(self.store, parts[1]),
+                    operator_views.device_labels(self.store, parts[1]),
+                    operator_views.device_deployments(self.store, parts[1])))
         return 404, "text/html; charset=utf-8", pages.message_page(
             "Not found", "nothing at {}".format(path[:200]), actions)
 
+    def _operator_page(self, parts: List[str], query: Dict[str, str], actions: bool,
+                       notice: str) -> Optional[bytes]:
+        """/deployments, /deployments/ID, /models, /labels, /audit (None: not one of them)."""
+        if parts == ["deployments"]:
+            live, ended = operator_views.deployment_lists(self.store)
+            return pages.deployments_page(live, ended, actions)
+        if len(parts) == 2 and parts[0] == "deployments" and protocol.valid_id(parts[1]):
+            try:
+                got = operator_views.deployment_detail(self.store, parts[1])
+            except AgentError:
+                return None
+            return pages.deployment_page(got["deployment"], got["devices"], got["rollouts"],
+                                         got["pins"], actions, notice, deployments.LIVE)
+        if parts == ["models"]:
+            return pages.models_page(operator_views.model_rows(self.store),
+                                     operator_views.has_blob_store(self.store), actions)
+        if parts == ["labels"]:
+            return pages.labels_page(operator_views.label_rows(self.store),
+                                     operator_views.pins(self.store), actions)
+        if parts == ["audit"]:
+            limit = _int(query.get("limit"), 500, 1, 5000)
+            return pages.audit_page(operator_views.audit_rows(self.store, limit), limit,
+                                    actions)
+        return None
+
     def post(self, path: str, form: Dict[str, str]) -> Tuple[int, str, bytes]:
-        """An action: (status, location or "", body)."""
+        """An action: (status, location or "", body). Every authorised action is recorded in
+        the audit trail with its outcome (agent.fleet.database.audit); a refused token is only
+        logged (a stranger must not be able to flood the trail)."""
         if self.token is None:
             raise _Refused(403, "unauthorized", "the dashboard is read-only: start fleet serve "
                            "with --dashboard-token-file to allow actions")
-        if not hmac.compare_digest(form.get("token", "").encode("utf-8"),
-                                   self.token.encode("utf-8")):
+        given = form.get("token", "").encode("utf-8")
+        actor = None
+        for name, token in sorted(self.tokens.items()):  # each compared, in constant time
+            if hmac.compare_digest(given, token.encode("utf-8")):
+                actor = name
+        if actor is None:
+            log.warning("dashboard: POST %s refused: wrong token", path[:200])
             raise _Refused(401, "unauthorized", "the token given does not match the "
                            "service's --dashboard-token-file")
         parts = [p for p in path.split("/") if p]
+        outcome, message = "internal_error", None
+        try:
+            result = self._act(parts, path, form, actor)
+            outcome = "ok"
+            return result
+        except _Refused as exc:
+            outcome, message = exc.code, exc.message
+            raise
+        except AgentError as exc:
+            outcome, message = exc.code, exc.message
+            raise
+        finally:
+            self._audit(actor, parts, form, outcome, message)
+
+    def _audit(self, actor: str, parts: List[str], form: Dict[str, str], outcome: str,
+               message: Optional[str]) -> None:
+        # "/rollouts/ID/pause" -> action "rollouts pause", target ID (as the CLI names them)
+        kind = parts[0] if parts else "-"
+        action = "{} {}".format(kind, parts[-1]) if len(parts) >= 3 else kind
+        try:
+            audit.record(self.store, actor, "dashboard", action[:64],
+                         parts[1] if len(parts) >= 2 else None,
+                         {k: v for k, v in form.items() if k != "token"}, outcome, message)
+        except Exception:  # noqa: BLE001 - the action's outcome stands; the log says why
+            log.exception("dashboard: the audit record of %s failed", action[:64])
+
+    def _act(self, parts: List[str], path: str, form: Dict[str, str], actor: str
+             ) -> Tuple[int, str, bytes]:
+        if len(parts) == 3 and parts[0] == "deployments" and protocol.valid_id(parts[1]) and \
+                parts[2] in operator_views.DEPLOYMENT_ACTIONS:
+            did = operator_views.control(self.store, parts[1], parts[2], actor)
+            log.info("dashboard: %s of deployment %s recorded", parts[2], did)
+            return 303, "/deployments/{}?done={}".format(quote(did), parts[2]), b""
         if len(parts) == 3 and parts[0] == "rollouts" and protocol.valid_id(parts[1]) and \
                 parts[2] in ROLLOUT_CONTROLS:
             self.store.request_control(parts[1], parts[2])
@@ -196,6 +276,8 @@ NOTICES = {  # the page after an action says what was done; no text from the URL
     "cancel": "cancel requested; the service applies it within a second",
     "accept": "device accepted: its key is pinned; the service admits it within seconds",
     "reject": "device rejected: its messages are dropped",
+    "retry": "retry recorded: the service sends the failed devices their job again",
+    "undo": "undo recorded: the deployment is back at its previous revision",
     "rollback": "rollback sent (request {}); the device's answer shows under Rollbacks below "
                 "(refused: with its reason), its models what it runs now",
 }

@@ -9,7 +9,7 @@ Everything a device reported is untrusted text: callers escape it (HTML) or boun
 
 import json
 import time
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from agent.fleet.database import device_models
 from agent.fleet.database.store import Store
@@ -186,6 +186,13 @@ def _engine_jobs(store: Store, done: Dict[str, List[Tuple[str, str]]],
     return out
 
 
+def ended_deployment_rollouts(store: Store) -> Set[str]:
+    """The rollouts of deployments that were removed or superseded."""
+    return {str(r[0]) for r in store.db.query(
+        "SELECT r.rollout_id FROM deployment_rollouts r JOIN deployments d ON "
+        "d.deployment_id = r.deployment_id WHERE d.state IN ('removed', 'superseded')")}
+
+
 def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] = None
                ) -> List[Dict[str, Any]]:
     """One row per device, sorted by id (``device``: only that one, [] if unknown). Only the
@@ -209,6 +216,7 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
         keys.reverse()
     jobs = _jobs_of(store, list(last.values()))
     engines = _engine_jobs(store, done, actives, jobs)
+    moot = ended_deployment_rollouts(store) if last else set()
     out = []
     for dev in devices:
         status = dev.get("status") or {}
@@ -217,7 +225,9 @@ def fleet_rows(store: Store, now: Optional[float] = None, device: Optional[str] 
         metrics = (dev.get("telemetry") or {}).get("metrics") or {}
         temps = temperatures(metrics)
         models = device_models.entries(status, held.get(dev["device"]))
-        word, why = health(dev, last_job, now, models)
+        # a failed job of a deployment since removed or superseded asks nothing of it now
+        word, why = health(dev, None if last_job is not None and last_job["rollout_id"] in moot
+                           else last_job, now, models)
         out.append({
             "device": dev["device"], "online": dev["online"], "board": dev.get("board"),
             "jetpack": platform.get("jetpack"), "tensorrt": platform.get("tensorrt"),
