@@ -143,6 +143,14 @@ CODES = {
     "blob_store_unset": "The fleet database names no blob store and none was given (--store "
     "on the service's host, or push through the service).",
     "blob_too_large": "An uploaded blob is larger than the service accepts.",
+    # Hand-off adapters (Triton, DeepStream) as they run in the field.
+    "bad_tensor_name": "A tensor name in a version's meta.json is empty, too long, or holds a "
+    "quote, backslash or control character (newline, NUL), so it cannot go into an app's "
+    "config file.",
+    "no_pipeline": "A model name has no DeepStream pipeline configured (the deepstream "
+    "hand-off's pipelines: maps each name to its own nvinfer config).",
+    "incompatible_engine": "An on-the-fly model update was refused: the new engine's input or "
+    "output names, shapes or types differ from the engine the pipeline runs.",
 }
 
 

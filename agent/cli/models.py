@@ -117,6 +117,7 @@ def run_show(args: argparse.Namespace) -> int:
     with open_journal(args) as journal:
         versions = journal.model_versions(name)
         rejected = journal.rejected_versions(name)
+        handoff = (journal.note("handoff") or {}).get(name)  # the daemon's last heal() of it
     if not versions and not rejected:
         raise AgentError("bad_argument", "expected a model name this device holds, found "
                          "{!r} (jetson-agent models ls lists them)".format(name))
@@ -138,7 +139,7 @@ def run_show(args: argparse.Namespace) -> int:
            "versions": [{k: v[k] for k in ("version", "active", "state", "precision",
                                             "engine_key", "job_id", "activated", "previous")}
                         for v in versions],
-           "rejected": rejected}
+           "rejected": rejected, "handoff": handoff}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
@@ -148,6 +149,8 @@ def run_show(args: argparse.Namespace) -> int:
     print("  health: {}".format(out["health"]))
     if out["pinned"]:
         print("  pinned to {} (jetson-agent models unpin {})".format(out["pinned"], name))
+    if handoff:
+        print("  hand-off: {}".format(handoff))
     for v in out["versions"]:
         print("  {:<16} {:<10} {:<9} engine {}  job {}  since {}{}".format(
             v["version"], v["state"] if v["active"] else "kept", v["precision"] or "-",

@@ -46,6 +46,7 @@ log = logging.getLogger("agent.device.daemon")  # one logger name for the whole 
 
 PROBE_EVERY_S = 2.0
 DISK_CHECK_EVERY_S = 30.0  # the files of the active versions: engine there, whole
+HEAL_EVERY_S = 5.0  # adapters' heal(): the app still has the committed versions (Triton restart)
 
 
 class SwitchEvent(NamedTuple):
@@ -55,6 +56,7 @@ class SwitchEvent(NamedTuple):
     kind: str  # "written" | "handoff" | "probe" | "reverted" | "restored"
     value: Any = None
     error: Optional[str] = None
+    code: Optional[str] = None  # the AgentError's code, where one failed the step
 
 
 def names_for(doc: Dict[str, Any], model_sha: str) -> Tuple[str, str]:
@@ -111,6 +113,11 @@ class ModelSwitch(object):
         self.disk_health: Dict[str, str] = {}
         self.last_disk_check = time.monotonic()
         self.writing: Dict[int, Tuple[Run, Dict[str, Any]]] = {}
+        # name -> the last thing an adapter's heal() did (the models message and `models show`:
+        # "handoff"), kept in the journal's notes for the CLI.
+        self.handoff_notes: Dict[str, str] = {
+            k: v for k, v in (journal.note("handoff") or {}).items() if isinstance(v, str)}
+        self.last_heal, self.healing = time.monotonic(), False
 
     # ------------------------------------------------------------------ intake and start-up
 
@@ -326,9 +333,38 @@ class ModelSwitch(object):
                 confirms = [a.confirm(new) for a in adapters]
                 self.events.put(SwitchEvent(p.token, "handoff", confirms))
             except Exception as exc:  # noqa: BLE001 - the switch fails with the reason
-                self.events.put(SwitchEvent(p.token, "handoff", step, error=_text(exc)))
+                self.events.put(SwitchEvent(p.token, "handoff", step, error=_text(exc),
+                                            code=getattr(exc, "code", None)))
 
         threading.Thread(target=work, name="model-handoff", daemon=True).start()
+
+    def _start_heal(self) -> None:
+        """On a thread: each adapter's heal() with the committed versions it serves."""
+        self.last_heal = time.monotonic()
+        healers = [e for e in self.entries if type(e.adapter).heal is not Adapter.heal]
+        if not healers:
+            return
+        rows = [r for r in self.journal.active_versions() if r["state"] == "committed"]
+        work_list = []
+        for entry in healers:
+            versions = [ModelVersion(r["name"], r["version"], "", "", {}) for r in rows
+                        if entry.serves(r["name"])]
+            if versions:
+                work_list.append((entry.adapter, versions))
+        if not work_list:
+            return
+        self.healing = True
+
+        def work() -> None:
+            notes: Dict[str, str] = {}
+            for adapter, versions in work_list:
+                try:
+                    notes.update(adapter.heal(versions))
+                except Exception as exc:  # noqa: BLE001 - tried again at the next tick
+                    log.warning("model hand-off %s: heal failed: %s", adapter.kind, _text(exc))
+            self.events.put(SwitchEvent(0, "healed", notes))
+
+        threading.Thread(target=work, name="model-heal", daemon=True).start()
 
     def _start_probe(self, p: Pending) -> None:
         from agent.device.handoff.command import model_env, run
@@ -385,6 +421,15 @@ class ModelSwitch(object):
         if ev.kind == "written":
             self._on_written(ev)
             return
+        if ev.kind == "healed":
+            self.healing = False
+            if ev.value:
+                self.handoff_notes.update(ev.value)
+                self.journal.note_put("handoff", self.handoff_notes)
+                for note in ev.value.values():
+                    log.warning("model hand-off: %s", note)
+                self.changed()
+            return
         if ev.kind == "restored":
             if ev.error:
                 log.warning("%s", ev.error)
@@ -396,7 +441,7 @@ class ModelSwitch(object):
             return
         if ev.kind == "handoff" and p.phase == "handoff":
             if ev.error is not None and ev.value == "prepare":
-                self._handoff_failed(p, ev.error)
+                self._handoff_failed(p, ev.error, ev.code)
                 return
             p.phase = "waiting"
             p.state.on_handoff(ev.value if ev.error is None else [], ev.error)
@@ -419,6 +464,9 @@ class ModelSwitch(object):
             if self.disk_health != before:
                 self.changed()  # the status and the models message say so
         p = self.pending
+        if p is None and not self.healing and \
+                time.monotonic() - self.last_heal >= HEAL_EVERY_S:
+            self._start_heal()
         if p is None:
             if self.shared.run is None:
                 self.orphans()
@@ -438,6 +486,8 @@ class ModelSwitch(object):
         decision = p.state.decide(self.clock())
         if decision.action == commit_logic.COMMIT:
             dropped = self.journal.commit_version(p.name, p.version, self.m.keep_versions)
+            if self.handoff_notes.pop(p.name, None) is not None:
+                self.journal.note_put("handoff", self.handoff_notes)
             self._drop_dirs(p.name, dropped)
             self.pending = None
             self.health[p.name] = "ok"
@@ -449,7 +499,7 @@ class ModelSwitch(object):
         elif decision.action == commit_logic.ROLLBACK:
             self._rollback(p, decision.reason)
 
-    def _handoff_failed(self, p: Pending, error: str) -> None:
+    def _handoff_failed(self, p: Pending, error: str, code: Optional[str] = None) -> None:
         """``prepare`` failed: nothing was switched; the previous version stays active."""
         self.journal.restore_version(p.name, p.previous)
         self.pending = None
@@ -460,7 +510,8 @@ class ModelSwitch(object):
             self._end(p.run, "FAILED", error=AgentError(
                 "handoff_failed", "handing {}@{} to the app failed before the switch: {}".format(
                     p.name, p.version, error),
-                {"name": p.name, "version": p.version, "previous": p.previous}).to_dict())
+                {"name": p.name, "version": p.version, "previous": p.previous,
+                 "cause": code or "handoff_failed"}).to_dict())
         self.changed()
 
     def _on_reverted(self, p: Pending, errors: List[str]) -> None:
@@ -736,6 +787,8 @@ class ModelSwitch(object):
                         "activated": row["activated"],
                         "health": (app if app != "ok" else on_disk)[:1024],
                         "pinned": self.notes.pins.get(row["name"]),
+                        **({"handoff": self.handoff_notes[row["name"]][:512]}
+                           if row["name"] in self.handoff_notes else {}),
                         "rejected": rejected.get(row["name"], [])[-16:]})
         rec = self.sets.open or {"members": {}}
         for entry in out:

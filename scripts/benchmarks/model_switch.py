@@ -14,6 +14,12 @@ activation to that first request (the app's own record); over the run: every fai
   hand-off running ``systemctl restart my-app``): the app process stopped and started again on
   the same port, ``JETSON_AGENT_RESTART_SWITCHES`` times (default 10; each costs ~1 s).
   Its failed-request count depends on how fast the clients retry (every 50 ms each).
+
+And a real Triton (``_triton_switch``): request latency p50/p99/max during
+``JETSON_AGENT_TRITON_SWITCHES`` switches of the ``triton`` hand-off (default 50; loads through
+Triton's gRPC endpoint) against the same load without switches, in one run; then
+``JETSON_AGENT_TRITON_HTTP_SWITCHES`` (default 5) loading through the HTTP load API instead.
+``JETSON_AGENT_SWITCHES=0`` runs the Triton part alone.
 """
 
 import os
@@ -26,9 +32,11 @@ from typing import Any, Dict, List
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 APP = os.path.join(ROOT, "examples", "app")
-if APP not in sys.path:
-    sys.path.insert(0, APP)
+for _path in (APP, os.path.dirname(os.path.abspath(__file__))):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
+import _triton_switch  # noqa: E402 - scripts/benchmarks/_triton_switch.py
 import demo_flow  # noqa: E402
 import fake_agent  # noqa: E402
 from loadgen import LoadGen  # noqa: E402
@@ -101,6 +109,11 @@ def restarts(workdir: str, switches: int) -> Dict[str, Any]:
 def run() -> List[Dict[str, Any]]:
     switches = int(os.environ.get("JETSON_AGENT_SWITCHES", "120"))
     restart_switches = int(os.environ.get("JETSON_AGENT_RESTART_SWITCHES", "10"))
+    triton_switches = int(os.environ.get("JETSON_AGENT_TRITON_SWITCHES", "50"))
+    triton_http = int(os.environ.get("JETSON_AGENT_TRITON_HTTP_SWITCHES", "5"))
+    triton_rows = _triton_switch.rows(triton_switches, triton_http) if triton_switches else []
+    if not switches:
+        return triton_rows
     workdir = tempfile.mkdtemp(prefix="bench-switch-")
     try:
         ours = hot_swap(workdir, switches)
@@ -127,7 +140,7 @@ def run() -> List[Dict[str, Any]]:
          "baseline": base["served"] if base else None, "unit": "count", "ratio": "-",
          "goal": "-"},
     ]
-    return rows
+    return rows + triton_rows
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """A real Triton serving what the daemon hands over: a daemon configured with the ``triton``
 hand-off (explicit model control) deploys ``digits`` v1, then v2; each job ends SUCCEEDED only
-once Triton reports the version ready (the adapter's confirm commits it), Triton answers
-inference with the new version, and requests made during the switch all succeed. The
+once Triton reports the version ready and answers a request (the adapter's confirm commits
+it), Triton answers inference with the new version, and requests made during the switch all
+succeed; Triton restarted (explicit mode: nothing loaded) gets the committed version back from
+the daemon's tick, reported in the models message and by ``models show``. The
 repository holds ``backend: python`` versions (no TensorRT backend runs on these hosts; the
 production path writes ``tensorrt_plan``)."""
 
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 from agent.wire import protocol
-from tests.integration.test_named_models import named
+from tests.integration.test_named_models import cli, named
 from tests.integration.test_triton_handoff import triton  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.slow
@@ -73,4 +75,18 @@ def test_the_daemon_hands_versions_to_a_real_triton(triton, controller,  # noqa:
     mapping = json.load(open(os.path.join(triton.repository, "digits",
                                           "jetson-agent-versions.json")))
     assert [e["version"] for e in mapping["versions"]] == ["v1", "v2"]
+
+    # Triton restarts (explicit mode: it loads nothing); the daemon's tick notices and loads
+    # the committed version again, and says so in the models message.
+    triton.stop()
+    triton.start()
+    controller.wait_for(lambda: next((m for m in controller.models[-1]["models"]
+                                      if m["name"] == "digits" and "handoff" in m), None)
+                        if controller.models else None, 60, "the models message to report it")
+    note = [m for m in controller.models[-1]["models"] if m["name"] == "digits"][0]["handoff"]
+    assert "digits@v2 (Triton version 2) loaded again after a Triton restart" in note or \
+        "digits@v2 (Triton version 2) loaded again (Triton did not have it)" in note, note
+    assert infer(triton.url, x)[0] == "2"
+    shown = cli("models", "show", "digits", "--state-dir", agent.state_dir, "--json")
+    assert shown["handoff"] == note  # `models show` says it too
     assert agent.stop() == 0

@@ -21,26 +21,27 @@ from onnx import TensorProto, helper, numpy_helper
 
 from agent.device.handoff.base import ModelVersion
 from agent.device.handoff.triton import from_config
+from agent.errors import AgentError
 from tests.integration.triton_server import TritonServer, unavailable
 
 X = [1.0, 2.0, 3.0, 4.0]
 
 
-def scale_model(k):
+def scale_model(k, width=4):
     graph = helper.make_graph(
         [helper.make_node("Mul", ["x", "k"], ["y"])], "scale",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])],
         [numpy_helper.from_array(np.array(k, dtype=np.float32), "k")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def make_version(models_dir, version, engine_bytes):
+def make_version(models_dir, version, engine_bytes, input_shape=(1, 4)):
     path = models_dir / "det" / version
     path.mkdir(parents=True)
     (path / "model.engine").write_bytes(engine_bytes)
     meta = {"name": "det", "version": version,
-            "inputs": [{"name": "x", "shape": [1, 4], "dtype": "float32"}],
+            "inputs": [{"name": "x", "shape": list(input_shape), "dtype": "float32"}],
             "outputs": [{"name": "y", "shape": [1, 4], "dtype": "float32"}]}
     (path / "meta.json").write_text(json.dumps(meta))
     return ModelVersion("det", version, str(path), str(path / "model.engine"), meta)
@@ -147,7 +148,9 @@ def test_versions_switch_under_load_and_a_broken_one_is_refused(triton, tmp_path
     with Load(triton.url) as load:
         adapter.prepare(v3, v2)
         adapter.switch(v3, v2)  # Triton refuses the load ...
-        assert adapter.confirm(v3) is False
+        with pytest.raises(AgentError) as info:
+            adapter.confirm(v3)
+        assert "load failed" in info.value.message or "UNAVAILABLE" in info.value.message
         assert "load failed" in adapter.last_error(v3) or "UNAVAILABLE" in adapter.last_error(v3)
         assert infer(triton.url) == (2.0, "4")  # ... and keeps serving v2
         adapter.revert(v2, v3)

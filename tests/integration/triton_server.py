@@ -2,9 +2,10 @@
 
 ``TritonServer(workdir, repository).start()`` runs it in explicit model control mode on a free
 loopback port with the Python backend (the stub copied next to the backend library, as the
-wheel's own launcher does; ``LD_LIBRARY_PATH`` at the wheel's bundled libraries) and returns once
-``/v2/health/ready`` answers 200. ``unavailable()`` says why the binary can't run here (None when
-it can): the tests skip with that reason only.
+wheel's own launcher does; ``LD_LIBRARY_PATH`` at the wheel's bundled libraries), HTTP and gRPC
+on loopback (``url``, ``grpc_target``), and returns once ``/v2/health/ready`` answers 200;
+``stop()`` then ``start()`` is a restart on the same ports. ``unavailable()`` says why the
+binary can't run here (None when it can): the tests skip with that reason only.
 """
 
 import importlib.util
@@ -48,6 +49,8 @@ class TritonServer:
         self.repository = str(repository)
         self.port = free_port()
         self.url = "http://127.0.0.1:{}".format(self.port)
+        self.grpc_port = free_port()
+        self.grpc_target = "127.0.0.1:{}".format(self.grpc_port)  # the adapter's grpc_url
         self.log = os.path.join(self.workdir, "tritonserver.log")
         self.proc = None
 
@@ -75,7 +78,8 @@ class TritonServer:
         cmd = [os.path.join(pkg, "tritonserver", "bin", "tritonserver"),
                "--model-repository", self.repository, "--model-control-mode=explicit",
                "--backend-directory", self._backends(pkg), "--http-port", str(self.port),
-               "--http-address", "127.0.0.1", "--allow-grpc=false", "--allow-metrics=false",
+               "--http-address", "127.0.0.1", "--grpc-port", str(self.grpc_port),
+               "--grpc-address", "127.0.0.1", "--allow-metrics=false",
                "--log-verbose=0", "--exit-timeout-secs=5"]
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,

@@ -46,11 +46,18 @@ def test_tensorrt_plan_configs_match_the_golden_files():
     ({"inputs": [], "outputs": []}, "expected a non-empty inputs list"),
     ({"inputs": [{"name": "x\"", "shape": [1], "dtype": "float32"}],
       "outputs": [{"name": "y", "shape": [1], "dtype": "float32"}]}, "expected a tensor name"),
+    ({"inputs": [{"name": "x\n", "shape": [1], "dtype": "float32"}],
+      "outputs": [{"name": "y", "shape": [1], "dtype": "float32"}]}, "expected a tensor name"),
+    ({"inputs": [{"name": "x", "shape": [1], "dtype": "float32"}],
+      "outputs": [{"name": "y\x00", "shape": [1], "dtype": "float32"}]}, "expected a tensor name"),
+    ({"inputs": [{"name": "a\tb", "shape": [1], "dtype": "float32"}],
+      "outputs": [{"name": "y", "shape": [1], "dtype": "float32"}]}, "expected a tensor name"),
 ])
 def test_meta_triton_cannot_describe_is_refused(meta, needle):
     with pytest.raises(AgentError) as info:
         triton.render_config("m", meta, [1])
-    assert info.value.code == "handoff_failed" and needle in info.value.message
+    code = "bad_tensor_name" if "tensor name" in needle else "handoff_failed"
+    assert info.value.code == code and needle in info.value.message
 
 
 def test_batched_config_needs_a_dynamic_batch_dimension():
@@ -70,6 +77,9 @@ def test_batched_config_needs_a_dynamic_batch_dimension():
     ({"repository": "r", "instance_group": {"kind": "tpu"}}, "instance_group.kind"),
     ({"repository": "r", "backend": "onnx"}, "backend"),
     ({"repository": "r", "platform": "x"}, "platform"),
+    ({"repository": "r", "url": "http://h:8000", "grpc_url": "h"}, "grpc_url"),
+    ({"repository": "r", "url": "http://h:8000", "grpc_url": "grpc://h:8001"}, "grpc_url"),
+    ({"repository": "r", "grpc_url": "h:8001"}, "url"),
 ])
 def test_triton_config_errors_name_the_key(section, key):
     with pytest.raises(AgentError) as info:
@@ -235,3 +245,48 @@ def test_unknown_precision_fails_before_any_write(tmp_path):
         adapter.prepare(v, None)
     assert info.value.code == "handoff_failed" and "network-mode" in info.value.message
     assert not config.exists()
+
+
+def test_a_top_level_deepstream_config_is_one_names_pipeline(tmp_path):
+    from agent.device import handoff
+    with pytest.raises(AgentError) as info:
+        handoff.parse([{"type": "deepstream", "models": ["*"], "config": "c"}])
+    assert info.value.code == "bad_config" and "pipelines" in info.value.message
+    with pytest.raises(AgentError) as info:
+        handoff.parse([{"type": "deepstream", "config": "c",
+                        "pipelines": {"a": {"config": "a"}}}])
+    assert info.value.code == "bad_config" and "not both" in info.value.message
+    with pytest.raises(AgentError) as info:
+        handoff.parse([{"type": "deepstream", "pipelines": {"a": {"config": "x"},
+                                                            "b": {"config": "x"}}}])
+    assert info.value.code == "bad_config" and "of its own per name" in info.value.message
+    (entry,) = handoff.parse([{"type": "deepstream", "models": ["detector"],
+                               "config": str(tmp_path / "pgie.txt")}])
+    with pytest.raises(AgentError) as info:
+        entry.adapter.prepare(version(tmp_path, "other", "v1"), None)
+    assert info.value.code == "no_pipeline" and "(detector)" in info.value.message
+
+
+def test_on_the_fly_update_keeps_the_engines_io(tmp_path):
+    adapter = deepstream.from_config({"pipelines": {"detector": {
+        "config": str(tmp_path / "pgie.txt"), "override": str(tmp_path / "ota" / "o.txt")}}},
+        "h")
+    v1, v2 = version(tmp_path, "detector", "v1"), version(tmp_path, "detector", "v2")
+    adapter.prepare(v2, v1)  # same inputs and outputs: fine
+    meta = json.loads(json.dumps(v2.meta))
+    meta["outputs"][0]["shape"] = [1, 20]
+    with pytest.raises(AgentError) as info:
+        adapter.prepare(ModelVersion(v2.name, v2.version, v2.path, v2.engine, meta), v1)
+    assert info.value.code == "incompatible_engine"
+    assert "detector@v1: inputs" in info.value.message and "[1, 20]" in info.value.message
+
+
+def test_grpc_model_control_messages_are_triton_protobuf():
+    from agent.device.handoff import triton_grpc
+    # RepositoryModelLoadRequest{model_name: "det"}: field 2, length 3.
+    assert triton_grpc.request("det") == b"\x12\x03det"
+    # ... plus parameters{"config": {string_param: "{}"}}: field 3 holding a map entry.
+    assert triton_grpc.request("det", "{}") == (
+        b"\x12\x03det" + b"\x1a\x0e" + b"\x0a\x06config" + b"\x12\x04" + b"\x1a\x02{}")
+    long = triton_grpc.request("m", "x" * 300)  # lengths above 127 take two varint bytes
+    assert b"\x1a\xac\x02" in long

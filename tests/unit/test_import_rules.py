@@ -58,6 +58,7 @@ ONLY = {
 # controller's; the daemon, the wire and the worker never load them, and the CLI only when a
 # schema changes).
 ONLY_MODULES = {
+    "grpc": {"agent.device.handoff.triton_grpc"},  # Triton's model control, optional
     "sqlalchemy": {"agent.fleet.database.tables", "agent.fleet.database.migrate",
                    "agent.fleet.database.migrations"},
     "alembic": {"agent.fleet.database.tables", "agent.fleet.database.migrate",

@@ -68,7 +68,10 @@ def parse(entries: Any, where: str = "handoff") -> List[Entry]:
             raise AgentError("bad_config", "{}.type expects triton, deepstream or command, "
                              "found {!r} (no such hand-off)".format(at, kind))
         rest = {k: v for k, v in entry.items() if k not in ("type", "models")}
-        out.append(Entry(module.from_config(rest, at), tuple(models)))  # type: ignore[attr-defined]
+        adapter = module.from_config(rest, at)  # type: ignore[attr-defined]
+        if hasattr(adapter, "bind_models"):
+            adapter.bind_models(list(models))  # an adapter whose files are per name
+        out.append(Entry(adapter, tuple(models)))
     return out
 
 

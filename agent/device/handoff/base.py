@@ -8,7 +8,7 @@ and posts the outcome back. Failures raise AgentError("handoff_failed", ...).
 """
 
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,12 @@ class Adapter(object):
 
     def revert(self, previous: Optional[ModelVersion], failed: ModelVersion) -> None:
         """Hand the previous version back (or unload when there is none)."""
+
+    def heal(self, committed: List[ModelVersion]) -> Dict[str, str]:
+        """Called every few seconds while no switch runs, with the committed versions this
+        adapter serves: hand back what the app lost (Triton restarted in explicit mode).
+        {name: what was done}; bounded and quick when there is nothing to do."""
+        return {}
 
 
 def from_config(section: Mapping[str, Any], where: str) -> Adapter:  # pragma: no cover

@@ -11,17 +11,28 @@ is always Triton's highest (the one served when a request names no version), als
 back to an older one.
 
 Steps: ``prepare`` writes the version folder (unlisted in config.pbtxt, so Triton ignores it);
-``switch`` writes config.pbtxt and, with ``url``, POSTs ``/v2/repository/models/<name>/load``
+``switch``, with ``url``, POSTs ``/v2/repository/models/<name>/load`` with the new config as the
+load API's ``config`` parameter (the loaded versions keep serving until the new one is ready;
+no repository rescan), then writes the same config to config.pbtxt for Triton's next start
 (without ``url`` Triton's ``poll`` mode picks the file up); ``confirm`` polls
-``/v2/models/<name>/versions/<N>/ready`` (False at once when the load failed; None without
-``url``); ``revert`` lists only the previous version and loads again (unloads when there is
-none). In explicit mode a failed load leaves the loaded versions serving.
+``/v2/models/<name>/versions/<N>/ready`` and then sends that version one inference request of
+zeros shaped from meta.json: a version that loads but cannot serve is refused with Triton's own
+error text (None without ``url``); ``revert`` lists only the previous version and loads again
+(unloads when there is none). In explicit mode a failed load leaves the loaded versions serving.
+``heal`` (the daemon's tick, every few seconds) asks whether each committed version is ready
+and loads again what a restarted Triton no longer has: explicit mode loads nothing at start.
+
+Files are 0640 and folders 0750 (the models group reads them, as in models_dir).
 
 Config keys (``from_config``): ``repository`` (required), ``url`` (http://host:port),
 ``max_batch_size`` (0: dims are the full shapes), ``instance_group`` ({kind: gpu|cpu|auto,
-count}), ``timeout_s`` (60), ``keep_versions`` (2: versions listed and kept on disk), ``backend``
+count}), ``timeout_s`` (60), ``keep_versions`` (2: versions listed, loaded and kept on disk: the new
+one and the newest ones before it; 1 keeps one in memory), ``backend``
 (``tensorrt``; ``python`` serves the host's emulated engine, an ONNX file, from a generated
-``model.py`` through onnxruntime in Triton's Python backend: hosts and tests only).
+``model.py`` through onnxruntime in Triton's Python backend: hosts and tests only),
+``grpc_url`` (HOST:PORT of Triton's gRPC endpoint, default port 8001: loads and unloads go there
+through ``triton_grpc``, so a load never holds a request on the HTTP endpoint the app uses; needs
+the ``grpcio`` package, the ``triton`` extra; readiness and inference checks stay on ``url``).
 """
 
 import errno
@@ -31,6 +42,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -39,13 +51,13 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent.device.handoff.base import Adapter, ModelVersion
 from agent.errors import AgentError
-from agent.fsio import atomic_write_text
+from agent.fsio import atomic_write, atomic_write_text
 
 MAP_FILE = "jetson-agent-versions.json"
 MAX_RESPONSE = 64 * 1024
 MAX_MAP_BYTES = 256 * 1024
 KEYS = ("repository", "url", "max_batch_size", "instance_group", "timeout_s", "keep_versions",
-        "backend")
+        "backend", "grpc_url")
 KINDS = {"gpu": "KIND_GPU", "cpu": "KIND_CPU", "auto": "KIND_AUTO"}
 # numpy dtype name (meta.json) -> Triton data type (model_config.proto's DataType).
 DTYPES = {
@@ -55,7 +67,20 @@ DTYPES = {
     "float16": "TYPE_FP16", "float32": "TYPE_FP32", "float64": "TYPE_FP64",
     "bfloat16": "TYPE_BF16",
 }
-_TENSOR_NAME = re.compile(r"^[^\"\\\n\r]{1,256}$")
+# numpy dtype name -> (KServe v2 datatype, bytes per element), for the readiness inference.
+WIRE = {
+    "bool": ("BOOL", 1), "uint8": ("UINT8", 1), "uint16": ("UINT16", 2), "uint32": ("UINT32", 4),
+    "uint64": ("UINT64", 8), "int8": ("INT8", 1), "int16": ("INT16", 2), "int32": ("INT32", 4),
+    "int64": ("INT64", 8), "float16": ("FP16", 2), "float32": ("FP32", 4),
+    "float64": ("FP64", 8), "bfloat16": ("BF16", 2),
+}
+# No quote, backslash or control character: a name goes into config.pbtxt verbatim, and a
+# trailing newline or NUL would end up in Triton's config (re.fullmatch: "$" allows a "\n").
+_TENSOR_NAME = re.compile(r"[^\"\\\x00-\x1f\x7f]{1,256}")
+FILE_MODE, DIR_MODE = 0o640, 0o750
+MAX_WARMUP_BYTES = 64 << 20  # larger inputs: readiness is Triton's ready alone
+HEALTH_TIMEOUT_S = 2.0
+MAX_HEAL = 16  # names loaded again per heal() call (the next tick takes the rest)
 
 # Served by Triton's Python backend in ``backend: python`` mode: the version folder's
 # model.plan is the host's emulated engine (ONNX), run by onnxruntime.
@@ -65,12 +90,15 @@ emulated engine, an ONNX file) with onnxruntime inside Triton's Python backend."
 import os
 
 import numpy as np
-import onnxruntime
 import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        # Imported here, not at the top: Triton also starts a stub per model load that only
+        # reads this file (its config hooks), and onnxruntime is most of a stub's start.
+        import onnxruntime
+
         path = os.path.join(args["model_repository"], args["model_version"], "model.plan")
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = 1
@@ -122,6 +150,23 @@ def parse_url(value: Any, where: str) -> str:
     return "{}://{}".format(parsed.scheme, parsed.netloc)
 
 
+def parse_grpc_url(value: Any, where: str) -> str:
+    parsed = urllib.parse.urlsplit("//" + value) if isinstance(value, str) else None
+    try:
+        port = parsed.port if parsed is not None else None
+    except ValueError:
+        port = None
+    if parsed is None or not parsed.hostname or not port or parsed.path or parsed.query or \
+            parsed.username or parsed.fragment:
+        raise _bad(where, "grpc_url", "HOST:PORT (Triton's gRPC endpoint)", value)
+    try:
+        import agent.device.handoff.triton_grpc  # noqa: F401 - grpcio is there
+    except ImportError:
+        raise _bad(where, "grpc_url", "the grpcio package installed (pip install "
+                   "'jetson-agent[triton]') for Triton's gRPC endpoint", value)
+    return parsed.netloc
+
+
 def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
     unknown = sorted(set(section) - set(KEYS))
     if unknown:
@@ -130,6 +175,11 @@ def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
     if not isinstance(repository, str) or not repository.strip():
         raise _bad(where, "repository", "the model repository's directory", repository)
     url = parse_url(section["url"], where) if section.get("url") is not None else None
+    grpc_url = parse_grpc_url(section["grpc_url"], where) \
+        if section.get("grpc_url") is not None else None
+    if grpc_url is not None and url is None:
+        raise _bad(where, "url", "http://HOST:PORT with grpc_url (readiness and inference "
+                   "checks use HTTP)", None)
     group = section.get("instance_group")
     instance: Optional[Tuple[str, int]] = None
     if group is not None:
@@ -149,7 +199,7 @@ def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
         instance_group=instance,
         timeout_s=_number(section, where, "timeout_s", 60.0, 0.1, 3600.0, float),
         keep_versions=_number(section, where, "keep_versions", 2, 1, 16),
-        backend=backend)
+        backend=backend, grpc_url=grpc_url)
 
 
 def _dims(tensor: Mapping[str, Any], max_batch_size: int, what: str) -> List[int]:
@@ -179,6 +229,39 @@ def _dims(tensor: Mapping[str, Any], max_batch_size: int, what: str) -> List[int
     return dims
 
 
+def check_tensor_name(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _TENSOR_NAME.fullmatch(value):
+        raise AgentError("bad_tensor_name", "{}: expected a tensor name (1-256 characters, no "
+                         "quote, backslash or control character), found {!r}".format(what, value))
+    return value
+
+
+def tensors(name: str, meta: Mapping[str, Any], max_batch_size: int = 0
+            ) -> Dict[str, List[Tuple[str, str, List[int]]]]:
+    """{"input": [(name, Triton data type, dims)], "output": [...]} from ``meta.json``."""
+    out: Dict[str, List[Tuple[str, str, List[int]]]] = {}
+    for section in ("input", "output"):
+        found = meta.get(section + "s")
+        if not isinstance(found, list) or not found or len(found) > 256:
+            raise AgentError("handoff_failed", "meta.json of {}: expected a non-empty {}s list "
+                             "(at most 256), found {!r}".format(name, section, found))
+        entries = []
+        for tensor in found:
+            what = "meta.json of {}: {} {!r}".format(name, section, (tensor or {}).get("name")
+                                                     if isinstance(tensor, dict) else tensor)
+            if not isinstance(tensor, dict):
+                raise AgentError("bad_tensor_name", "{}: expected a tensor name, found "
+                                 "{!r}".format(what, tensor))
+            tname = check_tensor_name(tensor.get("name"), what)
+            dtype = DTYPES.get(str(tensor.get("dtype")))
+            if dtype is None:
+                raise AgentError("handoff_failed", "{}: expected a dtype Triton knows ({}), "
+                                 "found {!r}".format(what, ", ".join(DTYPES), tensor.get("dtype")))
+            entries.append((tname, dtype, _dims(tensor, max_batch_size, what)))
+        out[section] = entries
+    return out
+
+
 def render_config(name: str, meta: Mapping[str, Any], versions: List[int], max_batch_size: int = 0,
                   instance_group: Optional[Tuple[str, int]] = None,
                   backend: str = "tensorrt") -> str:
@@ -186,28 +269,10 @@ def render_config(name: str, meta: Mapping[str, Any], versions: List[int], max_b
     lines = ['name: "{}"'.format(name)]
     lines.append('platform: "tensorrt_plan"' if backend == "tensorrt" else 'backend: "python"')
     lines.append("max_batch_size: {}".format(max_batch_size))
-    for section in ("input", "output"):
-        tensors = meta.get(section + "s")
-        if not isinstance(tensors, list) or not tensors:
-            raise AgentError("handoff_failed", "meta.json of {}: expected a non-empty {}s list, "
-                             "found {!r}".format(name, section, tensors))
-        entries = []
-        for tensor in tensors:
-            what = "meta.json of {}: {} {!r}".format(name, section, (tensor or {}).get("name")
-                                                     if isinstance(tensor, dict) else tensor)
-            if not isinstance(tensor, dict) or not isinstance(tensor.get("name"), str) or \
-                    not _TENSOR_NAME.match(tensor["name"]):
-                raise AgentError("handoff_failed", "{}: expected a tensor name, found {!r}".format(
-                    what, tensor))
-            dtype = DTYPES.get(str(tensor.get("dtype")))
-            if dtype is None:
-                raise AgentError("handoff_failed", "{}: expected a dtype Triton knows ({}), "
-                                 "found {!r}".format(what, ", ".join(DTYPES), tensor.get("dtype")))
-            dims = _dims(tensor, max_batch_size, what)
-            entries.append(
-                "  {{\n    name: \"{}\"\n    data_type: {}\n    dims: [ {} ]\n  }}".format(
-                    tensor["name"], dtype, ", ".join(str(d) for d in dims)))
-        lines.append("{} [\n{}\n]".format(section, ",\n".join(entries)))
+    for section, entries in tensors(name, meta, max_batch_size).items():
+        lines.append("{} [\n{}\n]".format(section, ",\n".join(
+            "  {{\n    name: \"{}\"\n    data_type: {}\n    dims: [ {} ]\n  }}".format(
+                tname, dtype, ", ".join(str(d) for d in dims)) for tname, dtype, dims in entries)))
     lines.append("version_policy: {{ specific: {{ versions: [ {} ] }} }}".format(
         ", ".join(str(v) for v in sorted(versions))))
     if instance_group is not None:
@@ -216,15 +281,61 @@ def render_config(name: str, meta: Mapping[str, Any], versions: List[int], max_b
     return "\n".join(lines) + "\n"
 
 
+def config_doc(name: str, meta: Mapping[str, Any], versions: List[int], max_batch_size: int = 0,
+               instance_group: Optional[Tuple[str, int]] = None,
+               backend: str = "tensorrt") -> Dict[str, Any]:
+    """The same ModelConfig as ``render_config``, as the JSON the load API's ``config``
+    parameter takes."""
+    doc: Dict[str, Any] = {"name": name, "max_batch_size": max_batch_size}
+    if backend == "tensorrt":
+        doc["platform"] = "tensorrt_plan"
+    else:
+        doc["backend"] = "python"
+    for section, entries in tensors(name, meta, max_batch_size).items():
+        doc[section] = [{"name": t, "data_type": d, "dims": dims} for t, d, dims in entries]
+    doc["version_policy"] = {"specific": {"versions": sorted(versions)}}
+    if instance_group is not None:
+        doc["instance_group"] = [{"count": instance_group[1], "kind": instance_group[0]}]
+    return doc
+
+
+def warmup_request(meta: Mapping[str, Any]) -> Optional[Tuple[bytes, int]]:
+    """One inference request of zeros for ``meta.json``'s inputs (dynamic dimensions 1), in
+    the KServe v2 binary tensor form: (body, JSON header length); None when the inputs are
+    larger than MAX_WARMUP_BYTES or of a type the wire has no size for."""
+    inputs, blobs, total = [], [], 0
+    for tensor in meta.get("inputs") or []:
+        wire = WIRE.get(str(tensor.get("dtype")))
+        shape = [d if isinstance(d, int) and not isinstance(d, bool) and d > 0 else 1
+                 for d in tensor.get("shape") or []]
+        if wire is None:
+            return None
+        count = 1
+        for d in shape:
+            count *= d
+        size = count * wire[1]
+        total += size
+        if total > MAX_WARMUP_BYTES:
+            return None
+        inputs.append({"name": tensor["name"], "shape": shape, "datatype": wire[0],
+                       "parameters": {"binary_data_size": size}})
+        blobs.append(size)
+    outputs = [{"name": t["name"], "parameters": {"binary_data": True}}
+               for t in meta.get("outputs") or []]
+    header = json.dumps({"inputs": inputs, "outputs": outputs}).encode("utf-8")
+    return header + b"\0" * sum(blobs), len(header)
+
+
 class TritonAdapter(Adapter):
     kind = "triton"
 
     def __init__(self, repository: str, url: Optional[str] = None, max_batch_size: int = 0,
                  instance_group: Optional[Tuple[str, int]] = None, timeout_s: float = 60.0,
                  keep_versions: int = 2, backend: str = "tensorrt",
-                 poll_s: float = 0.1) -> None:
+                 poll_s: float = 0.1, grpc_url: Optional[str] = None) -> None:
         self.repository = repository
         self.url = url
+        self.grpc_url = grpc_url
         self.max_batch_size = max_batch_size
         self.instance_group = instance_group
         self.timeout_s = timeout_s
@@ -232,6 +343,9 @@ class TritonAdapter(Adapter):
         self.backend = backend
         self.poll_s = poll_s
         self.load_errors: Dict[Tuple[str, int], str] = {}
+        # heal() skips a round while a switch or revert of this adapter runs.
+        self._busy = threading.Lock()
+        self.was_live: Optional[bool] = None  # Triton's liveness at the last heal()
         # No proxy for Triton: it is on this device (or next to it).
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -261,8 +375,9 @@ class TritonAdapter(Adapter):
                              "bytes), found something else".format(path, MAX_MAP_BYTES))
 
     def _write_map(self, name: str, entries: List[Dict[str, Any]]) -> None:
-        atomic_write_text(os.path.join(self.model_dir(name), MAP_FILE), json.dumps(
-            {"model": name, "versions": entries}, indent=1, sort_keys=True) + "\n")
+        atomic_write(os.path.join(self.model_dir(name), MAP_FILE), (json.dumps(
+            {"model": name, "versions": entries}, indent=1, sort_keys=True) + "\n").encode(),
+            FILE_MODE)
 
     def _on_disk(self, name: str) -> List[int]:
         try:
@@ -289,7 +404,9 @@ class TritonAdapter(Adapter):
 
     def _add_version(self, new: ModelVersion) -> int:
         model_dir = self.model_dir(new.name)
-        os.makedirs(model_dir, exist_ok=True)
+        if not os.path.isdir(model_dir):
+            os.makedirs(model_dir, exist_ok=True)
+            os.chmod(model_dir, DIR_MODE)
         entries = self.read_map(new.name)
         number = max([0] + [e["triton"] for e in entries] + self._on_disk(new.name)) + 1
         tmp = tempfile.mkdtemp(prefix=".tmp-", dir=model_dir)  # not a number: Triton skips it
@@ -305,8 +422,8 @@ class TritonAdapter(Adapter):
             if self.backend == "python":
                 atomic_write_text(os.path.join(tmp, "model.py"), PYTHON_MODEL)
             for path in os.listdir(tmp):
-                os.chmod(os.path.join(tmp, path), 0o644)
-            os.chmod(tmp, 0o755)
+                os.chmod(os.path.join(tmp, path), FILE_MODE)
+            os.chmod(tmp, DIR_MODE)
             os.rename(tmp, os.path.join(model_dir, str(number)))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -319,8 +436,13 @@ class TritonAdapter(Adapter):
         return number
 
     def _write_config(self, new: ModelVersion, versions: List[int]) -> None:
-        atomic_write_text(os.path.join(self.model_dir(new.name), "config.pbtxt"), render_config(
-            new.name, new.meta, versions, self.max_batch_size, self.instance_group, self.backend))
+        atomic_write(os.path.join(self.model_dir(new.name), "config.pbtxt"), render_config(
+            new.name, new.meta, versions, self.max_batch_size, self.instance_group,
+            self.backend).encode("utf-8"), FILE_MODE)
+
+    def _config_json(self, new: ModelVersion, versions: List[int]) -> str:
+        return json.dumps(config_doc(new.name, new.meta, versions, self.max_batch_size,
+                                     self.instance_group, self.backend), sort_keys=True)
 
     def _prune(self, name: str, keep: List[int]) -> None:
         """Remove the version folders config.pbtxt no longer lists (and their map entries)."""
@@ -333,17 +455,19 @@ class TritonAdapter(Adapter):
             self._write_map(name, kept)
 
     # -- Triton's HTTP API -------------------------------------------------------------------
-    def _request(self, method: str, path: str, timeout: float) -> Tuple[int, str]:
+    def _request(self, method: str, path: str, timeout: float, body: Optional[bytes] = None,
+                 headers: Optional[Dict[str, str]] = None) -> Tuple[int, str]:
         assert self.url is not None
-        request = urllib.request.Request(self.url + path, data=b"" if method == "POST" else None,
-                                         method=method)
+        data = (body if body is not None else b"") if method == "POST" else None
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers=headers or {})
         try:
             with self._opener.open(request, timeout=timeout) as response:
                 return response.status, response.read(MAX_RESPONSE).decode("utf-8", "replace")
         except urllib.error.HTTPError as exc:
-            body = exc.read(MAX_RESPONSE).decode("utf-8", "replace")
+            text = exc.read(MAX_RESPONSE).decode("utf-8", "replace")
             exc.close()
-            return exc.code, body
+            return exc.code, text
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             raise AgentError("handoff_failed", "expected Triton to answer {} {}{}, found {}".format(
                 method, self.url, path, getattr(exc, "reason", exc)))
@@ -358,17 +482,57 @@ class TritonAdapter(Adapter):
             pass
         return body.strip()[:500]
 
-    def _load(self, name: str) -> Optional[str]:
-        """POST load; the error text when Triton refused it (None when it loaded)."""
+    def _load(self, name: str, config: Optional[str] = None) -> Optional[str]:
+        """POST load (with ``config``: the load API's config override, so Triton loads what we
+        give it without rereading config.pbtxt); the error text when Triton refused it (None
+        when it loaded)."""
+        if self.grpc_url is not None:
+            from agent.device.handoff import triton_grpc
+            return triton_grpc.call(self.grpc_url, "RepositoryModelLoad", name, config,
+                                    self.timeout_s)
         quoted = urllib.parse.quote(name, safe="")
+        doc = None if config is None else json.dumps({"parameters": {"config": config}}).encode()
         status, body = self._request("POST", "/v2/repository/models/{}/load".format(quoted),
-                                     self.timeout_s)
+                                     self.timeout_s, doc,
+                                     {"Content-Type": "application/json"} if doc else None)
+        return None if status == 200 else "HTTP {}: {}".format(status, self._error_text(body))
+
+    def _unload(self, name: str) -> Optional[str]:
+        if self.grpc_url is not None:
+            from agent.device.handoff import triton_grpc
+            return triton_grpc.call(self.grpc_url, "RepositoryModelUnload", name, None,
+                                    self.timeout_s)
+        status, body = self._request("POST", "/v2/repository/models/{}/unload".format(
+            urllib.parse.quote(name, safe="")), self.timeout_s)
         return None if status == 200 else "HTTP {}: {}".format(status, self._error_text(body))
 
     def ready(self, name: str, number: int) -> bool:
         status, _body = self._request("GET", "/v2/models/{}/versions/{}/ready".format(
             urllib.parse.quote(name, safe=""), number), min(self.timeout_s, 10.0))
         return status == 200
+
+    def live(self) -> bool:
+        """``GET /v2/health/live`` answers 200 (False when Triton does not answer)."""
+        try:
+            status, _body = self._request("GET", "/v2/health/live",
+                                          min(self.timeout_s, HEALTH_TIMEOUT_S))
+        except AgentError:
+            return False
+        return status == 200
+
+    def infer_check(self, new: ModelVersion, number: int) -> Optional[str]:
+        """One request of zeros through Triton to version ``number``: None when it answered,
+        else Triton's error text. Skipped (None) for inputs too large to send."""
+        request = warmup_request(new.meta)
+        if request is None:
+            return None
+        body, header_length = request
+        status, text = self._request(
+            "POST", "/v2/models/{}/versions/{}/infer".format(
+                urllib.parse.quote(new.name, safe=""), number), self.timeout_s, body,
+            {"Content-Type": "application/octet-stream",
+             "Inference-Header-Content-Length": str(header_length)})
+        return None if status == 200 else "HTTP {}: {}".format(status, self._error_text(text))
 
     # -- the adapter steps -------------------------------------------------------------------
     def prepare(self, new: ModelVersion, previous: Optional[ModelVersion]) -> None:
@@ -381,11 +545,18 @@ class TritonAdapter(Adapter):
                              "under {}, found {}".format(new.name, self.repository, exc))
 
     def _listed(self, new_number: int, name: str, previous: Optional[ModelVersion]) -> List[int]:
+        """The new version, the previous one, then the newest others on disk: keep_versions."""
         listed = [new_number]
         if previous is not None and self.keep_versions > 1:
             prev_number = self.triton_version(name, previous.version)
             if prev_number is not None and prev_number != new_number:
                 listed.append(prev_number)
+        present = set(self._on_disk(name))
+        for entry in sorted(self.read_map(name), key=lambda e: -e["triton"]):
+            if len(listed) >= self.keep_versions:
+                break
+            if entry["triton"] in present and entry["triton"] not in listed:
+                listed.append(entry["triton"])
         return sorted(listed)
 
     def switch(self, new: ModelVersion, previous: Optional[ModelVersion]) -> None:
@@ -394,55 +565,114 @@ class TritonAdapter(Adapter):
             raise AgentError("handoff_failed", "expected a prepared Triton version of {}@{} "
                              "under {}, found none".format(new.name, new.version,
                                                            self.model_dir(new.name)))
-        listed = self._listed(number, new.name, previous)
-        self._write_config(new, listed)
-        self.load_errors.pop((new.name, number), None)
-        if self.url is not None:
-            error = self._load(new.name)
-            if error is not None:
-                self.load_errors[(new.name, number)] = error
-        self._prune(new.name, listed)
+        with self._busy:
+            listed = self._listed(number, new.name, previous)
+            self.load_errors.pop((new.name, number), None)
+            if self.url is None:
+                self._write_config(new, listed)
+            else:
+                # The load API's config override: Triton loads the new version beside the ones
+                # it serves, which answer until it is ready; config.pbtxt follows for its next
+                # start (explicit mode rereads it on a load without config: heal()).
+                error = self._load(new.name, self._config_json(new, listed))
+                if error is not None:
+                    self.load_errors[(new.name, number)] = error
+                else:
+                    self._write_config(new, listed)
+            self._prune(new.name, listed)
 
     def confirm(self, new: ModelVersion) -> Optional[bool]:
         if self.url is None:
             return None  # poll mode: the app (or a probe) says whether it serves
         number = self.triton_version(new.name, new.version)
-        if number is None or (new.name, number) in self.load_errors:
+        if number is None:
             return False
+        if (new.name, number) in self.load_errors:
+            raise AgentError("handoff_failed", "expected Triton to load {}@{} (version {}), "
+                             "found {}".format(new.name, new.version, number,
+                                               self.load_errors[(new.name, number)]))
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
                 if self.ready(new.name, number):
-                    return True
+                    break
             except AgentError:
                 pass  # Triton restarting: keep asking until the deadline
             if time.monotonic() >= deadline:
                 return False
             time.sleep(self.poll_s)
+        # Ready means loaded; one request through the server says it serves.
+        error = self.infer_check(new, number)
+        if error is not None:
+            self.load_errors[(new.name, number)] = error
+            raise AgentError("handoff_failed", "expected Triton to answer an inference request "
+                             "of zeros on {}@{} (version {}), found {}".format(
+                                 new.name, new.version, number, error))
+        return True
 
     def last_error(self, new: ModelVersion) -> Optional[str]:
         number = self.triton_version(new.name, new.version)
         return self.load_errors.get((new.name, number)) if number is not None else None
 
     def revert(self, previous: Optional[ModelVersion], failed: ModelVersion) -> None:
+        with self._busy:
+            self._revert(previous, failed)
+
+    def _revert(self, previous: Optional[ModelVersion], failed: ModelVersion) -> None:
         name = failed.name
         if previous is None:
             if self.url is not None:
-                quoted = urllib.parse.quote(name, safe="")
-                status, body = self._request(
-                    "POST", "/v2/repository/models/{}/unload".format(quoted), self.timeout_s)
-                if status != 200:
-                    raise AgentError("handoff_failed", "expected Triton to unload {}, found HTTP "
-                                     "{}: {}".format(name, status, self._error_text(body)))
+                error = self._unload(name)
+                if error is not None:
+                    raise AgentError("handoff_failed", "expected Triton to unload {}, found "
+                                     "{}".format(name, error))
             shutil.rmtree(self.model_dir(name), ignore_errors=True)
             return
         number = self.triton_version(name, previous.version)
         if number is None:
             number = self._add_version(previous)
-        self._write_config(previous, [number])
         if self.url is not None:
-            error = self._load(name)
+            error = self._load(name, self._config_json(previous, [number]))
             if error is not None:
                 raise AgentError("handoff_failed", "expected Triton to load {}@{} (version {}) "
                                  "again, found {}".format(name, previous.version, number, error))
+        self._write_config(previous, [number])
         self._prune(name, [number])
+
+    def heal(self, committed: List[ModelVersion]) -> Dict[str, str]:
+        """Load again the ``committed`` versions Triton does not report ready (a restart in
+        explicit mode loads nothing). {name: what happened} for each name acted on; {} when
+        all are ready, Triton is down (nothing to load into: the next call tries again) or a
+        switch of this adapter is running. Bounded: MAX_HEAL names, short timeouts."""
+        if self.url is None or not committed or not self._busy.acquire(blocking=False):
+            return {}
+        try:
+            live = self.live()
+            restarted = live and self.was_live is False
+            self.was_live = live
+            if not live:
+                return {}
+            out: Dict[str, str] = {}
+            for version in committed[:MAX_HEAL]:
+                number = self.triton_version(version.name, version.version)
+                if number is None:
+                    continue
+                try:
+                    if self.ready(version.name, number):
+                        continue
+                    # config.pbtxt lists what was loaded with it (the committed version and
+                    # the kept ones): a load without config rereads it.
+                    error = self._load(version.name)
+                except AgentError as exc:
+                    error = exc.message
+                when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+                cause = "after a Triton restart" if restarted else "(Triton did not have it)"
+                out[version.name] = (
+                    "{}@{} (Triton version {}) loaded again {} at {}".format(
+                        version.name, version.version, number, cause, when)
+                    if error is None else
+                    "{}@{} (Triton version {}) not loaded {}: {}".format(
+                        version.name, version.version, number, cause, error))[:500]
+            return out
+        finally:
+            self._busy.release()

@@ -1,0 +1,178 @@
+"""Switching a real Triton between versions under load (docs/benchmarks.md, "Model switch"):
+the ``triton`` hand-off against the ``tritonserver`` of the nvidia-pytriton wheel (explicit
+model control, ``backend: python`` versions serving the host's engine through onnxruntime).
+
+Load: ``THREADS`` clients, each on its own kept-alive HTTP connection, sending inference
+requests back to back to the model's default (newest) version; every request's latency is
+recorded. One run, same server, same load: first ``BASE_S`` seconds without switches (the
+baseline), then ``switches`` activations (prepare, switch, confirm: ready and one inference),
+alternating two versions, each committed before the next; then, for comparison, a few
+switches whose load goes through Triton's HTTP load API instead of gRPC.
+``JETSON_AGENT_TRITON_KEEP``: the hand-off's ``keep_versions`` (default 2).
+"""
+
+import http.client
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+THREADS = 2
+BASE_S = 20.0
+BODY = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                               "data": [1.0, 2.0, 3.0, 4.0]}]})
+
+
+class Load:
+    """Back-to-back requests from THREADS clients; (start, latency, ok) per request."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.stop = threading.Event()
+        self.records: List[Tuple[float, float, bool]] = []
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(THREADS)]
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                conn.request("POST", "/v2/models/det/infer", body=BODY,
+                             headers={"Content-Type": "application/json"})
+                response = conn.getresponse()
+                response.read()
+                ok = response.status == 200
+            except (OSError, http.client.HTTPException):
+                ok = False
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+            with self.lock:
+                self.records.append((started, time.monotonic() - started, ok))
+
+    def start(self) -> "Load":
+        for t in self.threads:
+            t.start()
+        return self
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
+
+    def window(self, start: float, end: float) -> List[Tuple[float, float, bool]]:
+        with self.lock:
+            return [r for r in self.records if start <= r[0] < end]
+
+
+def percentile(values: List[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def stats(records: List[Tuple[float, float, bool]]) -> Dict[str, Any]:
+    lat = [r[1] for r in records]
+    if not lat:
+        return {"n": 0, "p50": None, "p99": None, "max": None, "failed": 0}
+    return {"n": len(lat), "p50": round(1000 * percentile(lat, 0.5), 2),
+            "p99": round(1000 * percentile(lat, 0.99), 2), "max": round(1000 * max(lat), 1),
+            "failed": sum(1 for r in records if not r[2])}
+
+
+def switch_all(adapter: Any, versions: List[Any], count: int) -> List[float]:
+    times = []
+    previous = versions[0]
+    for i in range(count):
+        new = versions[(i + 1) % 2]
+        started = time.monotonic()
+        adapter.prepare(new, previous)
+        adapter.switch(new, previous)
+        if adapter.confirm(new) is not True:
+            raise RuntimeError("switch {} to {} not confirmed".format(i + 1, new.version))
+        times.append(time.monotonic() - started)
+        previous = new
+    return times
+
+
+def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
+    from agent.device.handoff.triton import from_config
+    from tests.integration.test_triton_handoff import make_version, scale_model
+    from tests.integration.triton_server import TritonServer, unavailable
+
+    if unavailable():
+        return None
+    workdir = Path(tempfile.mkdtemp(prefix="bench-triton-"))
+    server = None
+    try:
+        repo = workdir / "repo"
+        repo.mkdir()
+        server = TritonServer(workdir, repo).start()
+        models = workdir / "models"
+        versions = [make_version(models, v, scale_model(k).SerializeToString())
+                    for v, k in (("v1", 1.0), ("v2", 2.0))]
+        section = {"repository": str(repo), "url": server.url, "backend": "python",
+                   "timeout_s": 120,
+                   "keep_versions": int(os.environ.get("JETSON_AGENT_TRITON_KEEP", "2"))}
+        ours = from_config(dict(section, grpc_url=server.grpc_target), "handoff[0]")
+        ours.prepare(versions[0], None)
+        ours.switch(versions[0], None)
+        assert ours.confirm(versions[0]) is True
+        load = Load(server.port).start()
+        t0 = time.monotonic()
+        time.sleep(BASE_S)  # the baseline window: the same load, no switch
+        t1 = time.monotonic()
+        times = switch_all(ours, versions, switches)
+        t2 = time.monotonic()
+        http_times: List[float] = []
+        if http_switches:
+            plain = from_config(section, "handoff[0]")
+            http_times = switch_all(plain, versions, http_switches)
+        t3 = time.monotonic()
+        load.finish()
+        return {"base": stats(load.window(t0, t1)), "switching": stats(load.window(t1, t2)),
+                "http": stats(load.window(t2, t3)) if http_switches else None,
+                "switch_s": times, "http_switch_s": http_times}
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(str(workdir), ignore_errors=True)
+
+
+def rows(switches: int, http_switches: int) -> List[Dict[str, Any]]:
+    result = run_triton(switches, http_switches)
+    if result is None:
+        return [{"name": "Triton switches (skipped: no tritonserver on this host)",
+                 "ours": None, "baseline": None, "unit": "-", "ratio": "-", "goal": "-"}]
+    base, sw, plain = result["base"], result["switching"], result["http"]
+    out = [
+        {"name": "Triton: {} switches under load (ours) vs the same load without "
+                 "(baseline): requests".format(switches),
+         "ours": sw["n"], "baseline": base["n"], "unit": "count", "ratio": "-", "goal": "-"},
+        {"name": "Triton: request latency p50", "ours": sw["p50"], "baseline": base["p50"],
+         "unit": "ms", "goal": "-"},
+        {"name": "Triton: request latency p99", "ours": sw["p99"], "baseline": base["p99"],
+         "unit": "ms", "goal": "<= 1.5x"},
+        {"name": "Triton: request latency max", "ours": sw["max"], "baseline": base["max"],
+         "unit": "ms", "goal": "ours <= 250 ms"},
+        {"name": "Triton: failed requests", "ours": sw["failed"], "baseline": base["failed"],
+         "unit": "count", "ratio": "-", "goal": "0"},
+        {"name": "Triton: switch time p50 / max (prepare -> confirmed: ready + 1 inference)",
+         "ours": round(1000 * percentile(result["switch_s"], 0.5), 1),
+         "baseline": round(1000 * max(result["switch_s"]), 1), "unit": "ms", "ratio": "-",
+         "goal": "-"},
+    ]
+    if plain is not None:
+        out.append({"name": "Triton: latency max / p99 with {} switches loading through the "
+                            "HTTP load API instead of gRPC".format(len(result["http_switch_s"])),
+                    "ours": plain["max"], "baseline": plain["p99"], "unit": "ms", "ratio": "-",
+                    "goal": "-"})
+    return out
