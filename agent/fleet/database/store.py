@@ -333,6 +333,11 @@ class Store(object):
                                    for i, s in enumerate(stages[r[0]])]})
         return out
 
+    def newest_rollout_created(self) -> Optional[float]:
+        """The newest rollout's creation time (the rollouts_created index: one row read)."""
+        rows = self.db.query("SELECT MAX(created) FROM rollouts")
+        return rows[0][0] if rows and rows[0][0] is not None else None
+
     def rollout_states(self, ids: Iterable[str]) -> Dict[str, Dict[str, Any]]:
         """rollout id -> what a service decides on each tick (state, control, deadline,
         created, owner, lease_until): one light query, no spec, stages or jobs."""
