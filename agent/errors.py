@@ -132,6 +132,13 @@ CODES = {
     "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
     "keep it (active or as a rollback target).",
     "unknown_deployment": "A deployment id is not in the fleet database.",
+    # fleet preview, clean-up and decommissioning
+    "selector_matches_nothing": "A deployment's selector matches no eligible device (fleet "
+    "deploy --allow-empty records it anyway).",
+    "model_switching": "A model cannot be removed from a device while its app is switching "
+    "versions of it (a hand-off in progress): try again once the switch ended.",
+    "device_decommissioned": "The device was decommissioned (fleet devices rm): it is kept "
+    "as history only.",
 }
 
 

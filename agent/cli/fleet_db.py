@@ -47,7 +47,7 @@ def check_db_url(url: str, existing: bool = False) -> str:
     if existing and url.startswith("sqlite:"):
         path = os.path.abspath(sqlite_path(url))
         if not os.path.isfile(path):
-            raise AgentError("bad_argument", "--db {}: no fleet database at {} (expected the "
+            raise AgentError("file_not_found", "--db {}: no fleet database at {} (expected the "
                              "file `fleet serve` writes; check the path)".format(url, path))
     return url
 

@@ -272,7 +272,8 @@ def test_models_push_is_immutable_and_deploy_checks_its_input(tmp_path):
                        (["label", "nobody", "a=b"], "unknown_device")):
         out = fleet_cli(args + ["--db", db])
         assert out.returncode == 2 and code in out.stderr, (args, out.stderr)
-    deployed = fleet_cli(["deploy", "det@3", "--to", "site=w3", "--id", "d3", "--db", db])
+    deployed = fleet_cli(["deploy", "det@3", "--to", "site=w3", "--id", "d3", "--db", db,
+                          "--allow-empty"])
     assert deployed.returncode == 0, deployed.stderr
     refused = fleet_cli(["models", "rm", "det@3", "--db", db])
     assert refused.returncode == 2 and "model_in_use" in refused.stderr

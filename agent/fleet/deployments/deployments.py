@@ -33,6 +33,9 @@ STATES = ("converged", "in_progress", "failed", "offline", "waiting")
 # A job that ended so, or the device's app rejecting the version: not sent again until retried.
 FAILED_JOB = ("FAILED", "REJECTED")
 ALL = "*"  # deployment_retries.device_id of a retry of every device
+# spec["on_leave"]: what a device that leaves the selector does with the model (keep: nothing;
+# remove: the runner sends it a remove command, agent.fleet.deployments.deployment_runner).
+ON_LEAVE = ("keep", "remove")
 
 
 
