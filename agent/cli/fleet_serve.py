@@ -30,7 +30,7 @@ from agent.errors import AgentError
 from agent.fleet.database.store import Store
 from agent.fleet.rollouts import durable
 from agent.fleet.service import LEASE_S, FleetService, busy_check
-from agent.wire import job_signer
+from agent.wire import job_signer, protocol
 
 log = logging.getLogger("agent.fleet")
 
@@ -251,6 +251,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
         from agent.fleet.deployments.deployment_runner import DeploymentRunner
 
         service.deployments = DeploymentRunner(store, service.instance, args.lease)
+        service.deployments.send_command = lambda device, cmd: conn.publish(
+            conn.topics.commands(device), protocol.encode(cmd))
         if getattr(args, "share_engines", False):
             if not args.http:
                 raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "

@@ -5,11 +5,14 @@
   ``--selector`` lists the devices a selector matches;
 - ``fleet deploy --dry-run`` lists the matched devices and what would change for each (install,
   already converged) and records nothing: no deployment row, no rollout;
-- a selector that matches no device is refused with a code unless ``--allow-empty``.
+- a selector that matches no device is refused with a code unless ``--allow-empty``;
+- ``--on-leave remove``: a device relabelled out of the selector has the model uninstalled (its
+  journal's versions and its models directory), the others keep it.
 """
 
 import json
 import os
+import time
 
 from agent.fleet.database.store import Store
 from tests.integration.test_fleet_deployments import FP16, cli, wait_converged
@@ -87,3 +90,48 @@ def test_dry_run_lists_what_would_change_and_records_nothing(mosquitto, agent_fa
         assert counts(db)[:2] == after[:2]
     finally:
         service.stop()
+
+
+def test_on_leave_remove_uninstalls_from_a_device_that_leaves_the_selector(
+        mosquitto, agent_factory, tmp_path):
+    from tests.integration.test_fleet_deployments import models_held
+
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    names = ["rm-0", "rm-1"]
+    agents = {n: agent_factory(n, extra_config="labels:\n  site: a\n").start() for n in names}
+    wait_status(mosquitto, names, agents=list(agents.values()), timeout=120)
+    service = Service(mosquitto, db, tmp_path).start()
+    try:
+        wait_registered(db, names, service, timeout=60)
+        cli(["models", "push", os.path.join(FP16, "model.onnx"), "--name", "det", "--version",
+             "3", "--inputs", os.path.join(FP16, "inputs.json"), "--golden",
+             os.path.join(FP16, "golden.json"), "--precision", "fp32"], db)
+        cli(["deploy", "det@3", "--to", "site=a", "--id", "d3", "--on-leave", "remove",
+             "--timeout", "300"], db)
+        wait_converged(db, "d3", names, service)
+        gone = agents["rm-1"]
+        models = os.path.join(gone.state_dir, "models", "det")
+        assert os.path.isdir(models)
+
+        cli(["label", "rm-1", "site=b"], db)  # leaves the selector
+        deadline = time.monotonic() + 60
+        while models_held(db, "rm-1").get("det") is not None or os.path.exists(models):
+            assert time.monotonic() < deadline, service.tail() + gone.log_tail()
+            time.sleep(0.3)
+        with gone.journal() as journal:
+            assert journal.model_versions("det") == []
+        assert "model det removed" in gone.log_tail(20000)
+        assert models_held(db, "rm-0").get("det") == "3"  # still in the selector: kept
+        assert "rm-1" not in {d["device"] for d in device_rows(db, "d3")}
+    finally:
+        service.stop()
+
+
+def device_rows(db, dep):
+    from agent.fleet.deployments import deployments
+
+    store = Store(db)
+    try:
+        return deployments.device_states(store, dep)
+    finally:
+        store.close()
