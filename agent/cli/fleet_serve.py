@@ -50,7 +50,10 @@ def submit_or_embed(args: argparse.Namespace, rollout_id: str, spec: Dict[str, A
 
 
 def _targets(store: Store, args: argparse.Namespace, rollout_id: str) -> List[List[str]]:
+    from agent.fleet.admission import admission
+
     known = [d["device"] for d in store.devices()]
+    admission.check_members(store, args.devices or [], known)
     devices = fleet.select_devices(known, args.devices, args.all, args.match)
     busy_check(store, devices, rollout_id)
     return fleet.plan_stages(devices, args.batch, args.percent)

@@ -106,7 +106,8 @@ class Store(object):
         rows = self.db.query("SELECT device_id, online, boot, board, platform, status, reason, "
                              "first_seen, last_seen, telemetry, telemetry_ts FROM devices "
                              "WHERE device_id NOT IN (SELECT device_id FROM device_keys WHERE "
-                             "state IN ('pending', 'rejected')) ORDER BY device_id")
+                             "state IN ('pending', 'rejected', 'decommissioned')) ORDER BY "
+                             "device_id")
         return [self._device(r) for r in rows]
 
     def device(self, device_id: str) -> Optional[Dict[str, Any]]:

@@ -44,7 +44,7 @@ def eligible_devices(store: Any, ids: Optional[Iterable[str]] = None) -> Set[str
     admission has not sent back to pending or rejected (agent.fleet.admission.admission; a device
     not admitted never enters the registry at all)."""
     admitted = ("device_id NOT IN (SELECT device_id FROM device_keys WHERE state IN "
-                "('pending', 'rejected'))")
+                "('pending', 'rejected', 'decommissioned'))")
     if ids is None:
         return {r[0] for r in store.db.query(
             "SELECT device_id FROM devices WHERE " + admitted)}
