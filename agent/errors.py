@@ -137,8 +137,6 @@ CODES = {
     "deploy --allow-empty records it anyway).",
     "model_switching": "A model cannot be removed from a device while its app is switching "
     "versions of it (a hand-off in progress): try again once the switch ended.",
-    "device_decommissioned": "The device was decommissioned (fleet devices rm): it is kept "
-    "as history only.",
 }
 
 

@@ -158,6 +158,11 @@ def run_db_upgrade(args: argparse.Namespace) -> int:
     from agent.fleet.database import migrate
 
     url = db_url(args)
+    db = Db(url)  # a file that is not a database: bad_argument here, not a traceback
+    try:
+        store_schema.probe(db)
+    finally:
+        db.close()
     before, after = migrate.upgrade(url)
     out = {"db": store_schema.shown_url(url), "before": before, "revision": after,
            "head": store_schema.HEAD}
@@ -181,6 +186,11 @@ def run_db_current(args: argparse.Namespace) -> int:
         state, rev = store_schema.probe(db)
     finally:
         db.close()
+    if state == "other" and rev is not None:
+        from agent.fleet.database import migrate
+
+        if not migrate.known(rev):
+            state = "newer"  # made by a newer jetson-agent: upgrading the database cannot help
     out = {"db": store_schema.shown_url(url), "state": state, "revision": rev,
            "head": store_schema.HEAD}
     if args.json:
@@ -191,6 +201,10 @@ def run_db_current(args: argparse.Namespace) -> int:
     elif state == "empty":
         print("empty: no fleet tables (`{}` creates them)".format(
             store_schema.upgrade_command(url)))
+    elif state == "newer":
+        print("revision {}: newer than this jetson-agent knows (its newest is {}); a newer "
+              "jetson-agent upgraded it: upgrade jetson-agent, not the database".format(
+                  rev, store_schema.HEAD))
     else:
         print("{}: {}; upgrade with: {}".format(
             "made before migrations (no version stamp; the baseline {})".format(rev)
