@@ -237,7 +237,7 @@ def run_deployments(args: argparse.Namespace) -> int:
             dep["summary"] = deployments.summary(store, [did]).get(did, EMPTY)
             dep["devices"] = deployments.device_states(store, did)
             dep["rollouts"] = deployments.rollouts_of(store, did)
-            dep.pop("spec", None)
+            dep["on_leave"] = (dep.pop("spec", None) or {}).get("on_leave") or "keep"
             if args.json:
                 print(json.dumps(dep, indent=2, sort_keys=True, default=str))
                 return EXIT_OK
@@ -245,6 +245,7 @@ def run_deployments(args: argparse.Namespace) -> int:
                 did, dep["name"], dep["version"], dep["selector"] or "(all)", dep["state"],
                 " ({})".format(dep["reason"]) if dep["reason"] else ""))
             print("devices: " + _counts(dep["summary"]))
+            print("on leave: " + dep["on_leave"])
             print("rollouts: " + (", ".join(dep["rollouts"]) or "none yet"))
             table = [[d["device"], d["state"], d["reason"] or "-"] for d in dep["devices"]
                      if d["state"] != "converged"][:200]

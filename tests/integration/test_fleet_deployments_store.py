@@ -192,6 +192,42 @@ def test_a_newer_deployment_supersedes_without_touching_devices_on_it(store):
 
 
 
+def test_on_leave_remove_is_sent_to_devices_that_leave_not_to_those_handed_over(store):
+    runner = DeploymentRunner(store, "svc-1", clock=Clock())
+    sent = []
+    runner.send_command = lambda dev, cmd: sent.append((dev, cmd["command"], cmd["name"]))
+
+    def st(dev, online=True, old=False):
+        s = status(dev, online=online, site="w3")
+        s["platform"]["features"] = ["named_models"] + ([] if old else ["remove_model"])
+        return s
+
+    store.upsert_devices({"a": st("a"), "b": st("b"), "c": st("c", old=True),
+                          "d": st("d", online=False)})
+    deployments.insert(store, "d3", "det", "3", "site=w3", dict(spec("3", SHA3),
+                                                                  on_leave="remove"))
+    deployments.insert(store, "d3x", "det", "3", "site=w4", spec("3", SHA3))
+    runner.tick()
+    end_jobs(store, "d3-w")
+    for d in "abcd":
+        device_models.save(store, {d: models(d, det=("3", SHA3))})
+    runner.touch("abcd")
+    runner.tick()
+    labels.assign(store, "a", {"site": "lab"})  # leaves: removed
+    labels.assign(store, "b", {"site": "w4"})  # handed over to d3x (same name): kept
+    labels.assign(store, "c", {"site": "lab"})  # a daemon without remove_model: kept
+    labels.assign(store, "d", {"site": "lab"})  # offline: when it is back
+    runner.tick()
+    assert sent == [("a", "remove", "det")]
+    store.upsert_devices({"d": st("d")})
+    runner.touch(["d"])
+    runner.tick()
+    assert sent == [("a", "remove", "det"), ("d", "remove", "det")]
+    runner.touch("abcd")
+    runner.tick()
+    assert len(sent) == 2  # once each
+
+
 def test_metrics_and_dashboard_show_deployments(store):
     from agent.fleet.web import metrics, pages, views
 

@@ -109,6 +109,7 @@ def test_on_leave_remove_uninstalls_from_a_device_that_leaves_the_selector(
         cli(["deploy", "det@3", "--to", "site=a", "--id", "d3", "--on-leave", "remove",
              "--timeout", "300"], db)
         wait_converged(db, "d3", names, service)
+        assert "on leave: remove" in cli(["deployments", "show", "d3"], db)
         gone = agents["rm-1"]
         models = os.path.join(gone.state_dir, "models", "det")
         assert os.path.isdir(models)
