@@ -3,12 +3,13 @@ device, as a deployment's ``on_leave: remove`` asks when the device left its sel
 
 In order: refused with ``model_switching`` while the app is switching versions of that name (a
 pending version: the hand-off, the app's confirmation or a rollback are under way); the
-journal forgets every kept version (rollback targets included; its rejections stay); the name's
-directory is moved aside in one rename (the models directory never shows half a name, and a
-restart's reconcile ignores it); then, off the main loop, the hand-off entries that serve the
-name are told to let it go (``Adapter.revert`` with no previous version: Triton unloads it, a
-command adapter runs its revert) and the moved directory is deleted. Removing a name the
-device does not hold answers ``absent`` (a repeated command is harmless).
+journal forgets every kept version (rollback targets included; its rejections stay); the
+name's directory is moved aside in one rename (the models directory never shows half a name;
+a restart's reconcile deletes what this process could not); then, off the main loop, the
+hand-off entries that serve the name are told to let it go (``Adapter.revert`` with no
+previous version: Triton unloads it, a command adapter runs its revert) and the moved
+directory is deleted. Removing a name the device does not hold answers ``absent`` (a repeated
+command is harmless).
 """
 
 import logging
@@ -20,13 +21,11 @@ from typing import Any, Dict, List, Optional
 
 from agent.device.handoff import adapters_for
 from agent.device.handoff.base import ModelVersion
-from agent.device.models_dir import ENGINE, read_meta
+from agent.device.models_dir import ENGINE, REMOVED_PREFIX, read_meta
 from agent.errors import AgentError
 from agent.wire.model_names import validate_name
 
 log = logging.getLogger("agent.device.daemon")
-
-REMOVED_PREFIX = ".removed-"  # a name moved aside, deleted once its hand-off let it go
 
 
 def remove(switch: Any, name: str) -> Dict[str, Any]:

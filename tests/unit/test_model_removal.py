@@ -62,3 +62,11 @@ def test_the_command_needs_a_valid_name():
                 b'{"protocol": 1, "command": "remove", "name": "../etc"}'):
         with pytest.raises(AgentError):
             protocol.decode("command", bad)
+
+
+def test_a_name_moved_aside_and_not_deleted_goes_at_the_next_start(tmp_path):
+    models = ModelsDir(str(tmp_path / "models"))
+    os.makedirs(models.version_dir("det", "3"))
+    os.rename(models.name_dir("det"), str(tmp_path / "models" / ".removed-det-1"))  # a crash
+    models.reconcile({}, {})
+    assert os.listdir(str(tmp_path / "models")) == []
