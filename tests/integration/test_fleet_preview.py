@@ -98,7 +98,12 @@ def test_on_leave_remove_uninstalls_from_a_device_that_leaves_the_selector(
 
     db = "sqlite:///" + str(tmp_path / "fleet.db")
     names = ["rm-0", "rm-1"]
-    agents = {n: agent_factory(n, extra_config="labels:\n  site: a\n").start() for n in names}
+    events = str(tmp_path / "handoff-events")
+    handoff = ("handoff:\n  - type: command\n    models: [det]\n    command: [sh, -c, "
+               "'echo $JETSON_AGENT_MODEL_EVENT $JETSON_AGENT_MODEL_NAME "
+               "$JETSON_AGENT_MODEL_VERSION >> {}.$0', {{}}]\n".format(events))
+    agents = {n: agent_factory(n, extra_config="labels:\n  site: a\n" + handoff.replace(
+        "{}", n)).start() for n in names}
     wait_status(mosquitto, names, agents=list(agents.values()), timeout=120)
     service = Service(mosquitto, db, tmp_path).start()
     try:
@@ -122,6 +127,11 @@ def test_on_leave_remove_uninstalls_from_a_device_that_leaves_the_selector(
         with gone.journal() as journal:
             assert journal.model_versions("det") == []
         assert "model det removed" in gone.log_tail(20000)
+        deadline = time.monotonic() + 30  # its hand-off entry let it go (off the main loop)
+        while "revert det 3" not in open(events + ".rm-1").read():
+            assert time.monotonic() < deadline, gone.log_tail()
+            time.sleep(0.2)
+        assert open(events + ".rm-0").read().split("\n")[:-1] == ["switch det 3"]
         assert models_held(db, "rm-0").get("det") == "3"  # still in the selector: kept
         assert "rm-1" not in {d["device"] for d in device_rows(db, "d3")}
     finally:
