@@ -228,6 +228,31 @@ def test_on_leave_remove_is_sent_to_devices_that_leave_not_to_those_handed_over(
     assert len(sent) == 2  # once each
 
 
+def test_the_preview_judges_devices_as_the_runner_does(store):
+    from agent.fleet.admission import admission
+    from agent.fleet.deployments import preview, selectors
+
+    store.upsert_devices({"a": status("a", site="w3"), "b": status("b", site="w3"),
+                          "c": status("c", online=False, site="w3"),
+                          "e": status("e", site="lab"), "p": status("p", site="w3")})
+    device_models.save(store, {"b": models("b", det=("3", SHA3)),
+                               "a": models("a", det=("2", "2" * 64))})
+    store.put_device_key("p", {"device": "p", "state": "pending"})
+    labels.assign(store, "e", {"site": "w3"})  # the operator's word over its claim
+    dep = {"deployment_id": "d3", "name": "det", "version": "3", "selector": "site=w3",
+           "spec": spec("3", SHA3)}
+    plan = {r["device"]: (r["action"], r["current"])
+            for r in preview.plan(store, dep, selectors.parse("site=w3"))}
+    assert plan == {"a": ("install", "2"), "b": ("converged", "3"), "c": ("offline", None),
+                    "e": ("install", None), "p": ("not_eligible", None)}
+    assert [d["device"] for d in preview.matching(store, selectors.parse("site=lab"))] == []
+    admission.decommission(store, "a")
+    assert "a" not in {d["device"] for d in preview.matching(store, selectors.parse(
+        "site=w3"), eligible_only=True)}
+    assert deployments.rows(store) == []  # nothing recorded
+    assert store.db.query("SELECT COUNT(*) FROM rollouts")[0][0] == 0
+
+
 def test_metrics_and_dashboard_show_deployments(store):
     from agent.fleet.web import metrics, pages, views
 
