@@ -151,6 +151,11 @@ CODES = {
     "hand-off's pipelines: maps each name to its own nvinfer config).",
     "incompatible_engine": "An on-the-fly model update was refused: the new engine's input or "
     "output names, shapes or types differ from the engine the pipeline runs.",
+    # fleet preview, clean-up and decommissioning
+    "selector_matches_nothing": "A deployment's selector matches no eligible device (fleet "
+    "deploy --allow-empty records it anyway).",
+    "model_switching": "A model cannot be removed from a device while its app is switching "
+    "versions of it (a hand-off in progress): try again once the switch ended.",
 }
 
 

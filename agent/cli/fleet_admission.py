@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 import time
-from typing import Any, List
+from typing import Any, List, Set
 
 from agent.cli import EXIT_OK
 from agent.errors import AgentError
@@ -74,9 +74,57 @@ def run_admin(args: argparse.Namespace, store_url: str) -> int:
         if args.action == "accept":
             row = admission.accept(store, args.device, args.key)
             print("device {} admitted with key {}".format(args.device, row["key_id"]))
+        elif args.action == "rm":
+            admission.decommission(store, args.device)
+            cleared = clear_retained(args, args.device)
+            print("device {} decommissioned: key unpinned, {} retained topic(s) cleared, its "
+                  "rows kept as history; a later birth from it waits as a new pending device"
+                  .format(args.device, cleared))
         else:
             admission.reject(store, args.device)
-            print("device {} rejected: its messages are dropped".format(args.device))
+            print("device {} rejected: its messages are dropped until it presents a new key "
+                  "(then it waits in fleet devices pending) or an operator accepts it (fleet "
+                  "devices accept {})".format(args.device, args.device))
         return EXIT_OK
     finally:
         store.close()
+
+
+MAX_CLEARED = 100000  # retained topics of one device cleared at most (jobs, status, models)
+
+
+def clear_retained(args: argparse.Namespace, device: str, quiet: float = 0.5,
+                   limit: float = 10.0) -> int:
+    """Every retained message under the device's topics replaced by an empty retained one
+    (MQTT's way to delete it): its birth, models, job documents and statuses."""
+    import queue
+
+    from agent.cli.fleet_connect import connect
+    from agent.wire import mqtt, protocol
+
+    protocol.check_id("device id", device)
+    conn = connect(args)
+    try:
+        base = "{}/devices/{}/".format(args.prefix, device)
+        conn.client.subscribe(base + "#", 1)
+        topics: Set[str] = set()
+        deadline, quiet_until = time.monotonic() + limit, None
+        while time.monotonic() < deadline:
+            if quiet_until is not None and time.monotonic() >= quiet_until:
+                break
+            try:
+                ev = conn.client.events.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if ev.kind == mqtt.SUBSCRIBED:
+                quiet_until = time.monotonic() + quiet
+            elif ev.kind == mqtt.MESSAGE and ev.retain and ev.payload and \
+                    ev.topic.startswith(base) and len(topics) < MAX_CLEARED:
+                topics.add(ev.topic)
+                quiet_until = time.monotonic() + quiet
+        conn.client.unsubscribe(base + "#")
+        for topic in sorted(topics):
+            conn.publish(topic, b"", retain=True, wait=10.0)
+        return len(topics)
+    finally:
+        conn.close()

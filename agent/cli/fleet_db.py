@@ -47,7 +47,7 @@ def check_db_url(url: str, existing: bool = False) -> str:
     if existing and url.startswith("sqlite:"):
         path = os.path.abspath(sqlite_path(url))
         if not os.path.isfile(path):
-            raise AgentError("bad_argument", "--db {}: no fleet database at {} (expected the "
+            raise AgentError("file_not_found", "--db {}: no fleet database at {} (expected the "
                              "file `fleet serve` writes; check the path)".format(url, path))
     return url
 
@@ -161,6 +161,11 @@ def run_db_upgrade(args: argparse.Namespace) -> int:
     from agent.fleet.database import migrate
 
     url = db_url(args)
+    db = Db(url)  # a file that is not a database: bad_argument here, not a traceback
+    try:
+        store_schema.probe(db)
+    finally:
+        db.close()
     before, after = migrate.upgrade(url, blob_store=args.store)
     out = {"db": store_schema.shown_url(url), "before": before, "revision": after,
            "head": store_schema.HEAD}
@@ -184,6 +189,11 @@ def run_db_current(args: argparse.Namespace) -> int:
         state, rev = store_schema.probe(db)
     finally:
         db.close()
+    if state == "other" and rev is not None:
+        from agent.fleet.database import migrate
+
+        if not migrate.known(rev):
+            state = "newer"  # made by a newer jetson-agent: upgrading the database cannot help
     out = {"db": store_schema.shown_url(url), "state": state, "revision": rev,
            "head": store_schema.HEAD}
     if args.json:
@@ -194,6 +204,10 @@ def run_db_current(args: argparse.Namespace) -> int:
     elif state == "empty":
         print("empty: no fleet tables (`{}` creates them)".format(
             store_schema.upgrade_command(url)))
+    elif state == "newer":
+        print("revision {}: newer than this jetson-agent knows (its newest is {}); a newer "
+              "jetson-agent upgraded it: upgrade jetson-agent, not the database".format(
+                  rev, store_schema.HEAD))
     else:
         print("{}: {}; upgrade with: {}".format(
             "made before migrations (no version stamp; the baseline {})".format(rev)

@@ -15,7 +15,7 @@ from agent.cli import EXIT_OK
 from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
 from agent.fleet.database.store import Store
-from agent.fleet.deployments import deployments, labels, registry, selectors
+from agent.fleet.deployments import deployments, labels, preview, registry, selectors
 from agent.fleet.rollouts.spec import DOC_KEYS
 
 
@@ -55,6 +55,15 @@ def add_parsers(fsub: Any) -> None:
     d.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                    help="each rollout of the deployment gives up on devices after S s")
     d.add_argument("--job-timeout", type=float, metavar="S")
+    d.add_argument("--on-leave", choices=deployments.ON_LEAVE, default="keep",
+                   help="a device that leaves the selector (relabelled): keep the model "
+                        "(default) or remove it (devices that said they can)")
+    d.add_argument("--dry-run", action="store_true",
+                   help="list the devices the selector matches and what would change for "
+                        "each; record nothing")
+    d.add_argument("--allow-empty", action="store_true",
+                   help="record the deployment even if the selector matches no eligible "
+                        "device now (devices that join later converge)")
     d.add_argument("--json", action="store_true")
     add_db_args(d)
     d.set_defaults(func=run_deploy)
@@ -144,9 +153,19 @@ def run_deploy(args: argparse.Namespace) -> int:
     if len(dep_id) > 40:
         raise AgentError("bad_argument", "--id: expected at most 40 characters, found {}"
                          .format(len(dep_id)))
-    store = _open(args, existing=False)
+    store = _open(args)  # a mistyped --db is an error, not a new empty database
     try:
         spec = build_spec(args, registry.get(store, name, version), dep_id)
+        spec["on_leave"] = args.on_leave
+        if args.dry_run:
+            return _dry_run(args, store, {"deployment_id": dep_id, "name": name,
+                                          "version": version, "selector": selector.text,
+                                          "spec": spec}, selector)
+        if not args.allow_empty and not preview.matching(store, selector, eligible_only=True):
+            raise AgentError("selector_matches_nothing", "fleet deploy: the selector '{}' "
+                             "matches no eligible device (expected at least one; fleet devices "
+                             "--selector '{}' lists what it matches); --allow-empty records it "
+                             "anyway".format(selector.text, selector.text))
         older = deployments.insert(store, dep_id, name, version, selector.text, spec)
     finally:
         store.close()
@@ -157,6 +176,38 @@ def run_deploy(args: argparse.Namespace) -> int:
         print("deployment {}: {}@{} to '{}'{}; fleet serve converges it (fleet deployments "
               "show {})".format(dep_id, name, version, selector.text,
                                 "; supersedes " + ", ".join(older) if older else "", dep_id))
+    return EXIT_OK
+
+
+def _dry_run(args: argparse.Namespace, store: Store, dep: Dict[str, Any], selector: Any
+             ) -> int:
+    """``fleet deploy --dry-run``: what the service would do for each matched device."""
+    rows = preview.plan(store, dep, selector)
+    older = [r["deployment_id"] for r in deployments.rows(store, deployments.LIVE)
+             if r["name"] == dep["name"] and r["selector"] == selector.text]
+    if args.json:
+        print(json.dumps({"dry_run": True, "deployment_id": dep["deployment_id"],
+                          "selector": selector.text, "would_supersede": older,
+                          "on_leave": dep["spec"]["on_leave"], "devices": rows},
+                         indent=2, sort_keys=True))
+        return EXIT_OK
+    counts: Dict[str, int] = {}
+    for r in rows:
+        counts[r["action"]] = counts.get(r["action"], 0) + 1
+    print("dry run: {}@{} to '{}' matches {} device(s){}{}; nothing recorded".format(
+        dep["name"], dep["version"], selector.text or "(all)", len(rows),
+        " ({})".format(", ".join("{} {}".format(n, a) for a, n in sorted(counts.items())))
+        if rows else "", "; would supersede " + ", ".join(older) if older else ""))
+    if rows:
+        print(fleet.format_table(
+            ["DEVICE", "ONLINE", "LABELS", "NOW", "ACTION", "DETAIL"],
+            [[r["device"], "yes" if r["online"] else "no", preview.label_text(r["labels"]),
+              r["current"] or "-", r["action"], r["detail"]]
+             for r in rows[:preview.MAX_LISTED]]))
+        if len(rows) > preview.MAX_LISTED:
+            print("... {} more (--json lists every one)".format(len(rows) - preview.MAX_LISTED))
+    elif not args.allow_empty:
+        print("the selector matches no device: fleet deploy refuses it without --allow-empty")
     return EXIT_OK
 
 
@@ -199,7 +250,7 @@ def run_deployments(args: argparse.Namespace) -> int:
             dep["summary"] = deployments.summary(store, [did]).get(did, EMPTY)
             dep["devices"] = deployments.device_states(store, did)
             dep["rollouts"] = deployments.rollouts_of(store, did)
-            dep.pop("spec", None)
+            dep["on_leave"] = (dep.pop("spec", None) or {}).get("on_leave") or "keep"
             if args.json:
                 print(json.dumps(dep, indent=2, sort_keys=True, default=str))
                 return EXIT_OK
@@ -207,6 +258,7 @@ def run_deployments(args: argparse.Namespace) -> int:
                 did, dep["name"], dep["version"], dep["selector"] or "(all)", dep["state"],
                 " ({})".format(dep["reason"]) if dep["reason"] else ""))
             print("devices: " + _counts(dep["summary"]))
+            print("on leave: " + dep["on_leave"])
             print("rollouts: " + (", ".join(dep["rollouts"]) or "none yet"))
             table = [[d["device"], d["state"], d["reason"] or "-"] for d in dep["devices"]
                      if d["state"] != "converged"][:200]

@@ -22,18 +22,23 @@ def add_devices_parser(fsub: Any) -> None:
     d = fsub.add_parser("devices", help="devices that reported to the broker; pending, accept, "
                         "reject (admission)")
     d.add_argument("action", nargs="?", choices=("ls", "pending", "accept", "reject",
-                                                 "trust-legacy"), default="ls",
+                                                 "trust-legacy", "rm"), default="ls",
                    help="ls (default); pending: devices waiting for admission; accept ID / "
                         "reject ID; trust-legacy --window S: pin legacy devices' first keys "
-                        "for S seconds (docs/security.md)")
+                        "for S seconds (docs/security.md); rm ID: decommission a device (its "
+                        "key unpinned, its retained topics cleared, its rows kept as history)")
     d.add_argument("device", nargs="?", metavar="ID")
-    d.add_argument("--key", metavar="PUBKEY", help="accept: the key expected (base64 or PEM "
-                   "text), checked against the pending one")
+    d.add_argument("--key", metavar="PUBKEY", help="accept: the key expected (a .pub file, or "
+                   "the key as PEM, ssh-ed25519 or base64 text), checked against the pending "
+                   "one")
     d.add_argument("--window", type=float, default=7 * 24 * 3600.0, metavar="S",
                    help="trust-legacy: how long (default 7 days)")
     add_connection_args(d)
     d.add_argument("--wait", type=float, default=1.0, metavar="S",
                    help="listen S seconds for telemetry (default 1)")
+    d.add_argument("--selector", metavar="SELECTOR",
+                   help="ls: only the devices this label selector matches (fleet deploy --to's "
+                        "syntax; with the registry, operator labels count too)")
     d.add_argument("--json", action="store_true")
     d.add_argument("--db", metavar="URL", default=os.environ.get("JETSON_AGENT_FLEET_DB"),
                    help="read the registry of 'fleet serve' from this database (every "
@@ -74,9 +79,13 @@ def telemetry_summary(metrics: Any) -> str:
 
 
 def device_rows(directory: fleet.DeviceDirectory,
-                last_seen: Optional[Dict[str, Any]] = None) -> List[Dict[str, Any]]:
+                last_seen: Optional[Dict[str, Any]] = None,
+                assigned: Optional[Dict[str, Dict[str, str]]] = None) -> List[Dict[str, Any]]:
     """``last_seen``: device -> when the registry last heard from it (default: the time of
-    its last status). An offline device keeps the board its last full status named."""
+    its last status). An offline device keeps the board its last full status named.
+    ``assigned``: the labels an operator gave each device (fleet label; the registry's)."""
+    from agent.fleet.deployments import labels
+
     rows = []
     for dev in directory.known():
         st = directory.status[dev]
@@ -95,6 +104,7 @@ def device_rows(directory: fleet.DeviceDirectory,
             "models_text": device_models.text(models),
             "telemetry": tele,
             "last_seen": (last_seen or {}).get(dev, st.get("ts")),
+            "labels": labels.selectable(st, (assigned or {}).get(dev)),
         })
     return rows
 
@@ -102,6 +112,7 @@ def device_rows(directory: fleet.DeviceDirectory,
 def _db_directory(url: str) -> Any:
     """(directory, device -> last seen) from the registry of 'fleet serve'."""
     from agent.fleet.database.store import Store
+    from agent.fleet.deployments import labels
 
     store = Store(url, schema="read")
     try:
@@ -115,7 +126,8 @@ def _db_directory(url: str) -> Any:
                 directory.telemetry[dev["device"]] = dev["telemetry"]
         keys = store.device_keys()
         marks = {d: str((keys.get(d) or {}).get("state") or "") or None for d in seen}
-        return directory, seen, {d: m for d, m in marks.items() if m != "admitted" and m}
+        return directory, seen, {d: m for d, m in marks.items() if m != "admitted" and m}, \
+            labels.assigned(store)
     finally:
         store.close()
 
@@ -137,11 +149,15 @@ def run_devices(args: argparse.Namespace) -> int:
         from agent.fleet.database.store import default_db_url
 
         return run_admin(args, check_db_url(args.db or default_db_url(), existing=True))
+    from agent.fleet.deployments import preview, selectors
+
+    selector = selectors.parse(args.selector) if args.selector is not None else None
     url = registry_db(args)
     seen = None
     marks: Dict[str, str] = {}
+    assigned: Dict[str, Dict[str, str]] = {}
     if url:
-        directory, seen, marks = _db_directory(url)
+        directory, seen, marks, assigned = _db_directory(url)
     else:
         conn = connect(args)
         rows_keys = _admission_view()
@@ -150,14 +166,17 @@ def run_devices(args: argparse.Namespace) -> int:
             directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
         finally:
             conn.close()
-    rows = device_rows(directory, seen)
+    rows = device_rows(directory, seen, assigned)
+    if selector is not None:
+        rows = [r for r in rows if selector.matches(r["labels"])]
     for r in rows:
         r["admission"] = marks.get(r["device"])
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
         return EXIT_OK
     if not rows:
-        print("no device has reported to {} under {}/".format(args.broker, args.prefix))
+        print("no device matches the selector '{}'".format(selector.text) if selector is not None
+              else "no device has reported to {} under {}/".format(args.broker, args.prefix))
         return EXIT_OK
     table = []
     outside = [r for r in rows if r["admission"] not in MEMBERS]
@@ -169,11 +188,12 @@ def run_devices(args: argparse.Namespace) -> int:
         table.append([name, online, str(r["board"] or "-"), str(r["jetpack"] or "-"),
                       str(r["tensorrt"] or "-"), str(r["backend"] or "-"),
                       ",".join(r["precisions"] or []) or "-", r["models_text"],
-                      age(r["last_seen"]),
+                      preview.label_text(r["labels"], 40), age(r["last_seen"]),
                       "{} ({})".format(telemetry_summary(tele.get("metrics")), age(tele.get(
                           "ts"))) if tele else "-"])
     print(fleet.format_table(["DEVICE", "ONLINE", "BOARD", "JETPACK", "TENSORRT", "BACKEND",
-                              "PRECISIONS", "MODELS", "LAST SEEN", "TELEMETRY"], table)
+                              "PRECISIONS", "MODELS", "LABELS", "LAST SEEN", "TELEMETRY"],
+                             table)
           if table else "no admitted device")
     if outside:
         print("\nnot fleet members (births unsigned or not admitted; docs/security.md, "

@@ -285,6 +285,7 @@ def run_rollout(args: argparse.Namespace) -> int:
 def _dry_run(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any]) -> int:
     """Targets and stages from the registry (the service's database, else the broker's
     retained statuses): subscribes, publishes nothing."""
+    from agent.fleet.admission import admission
     from agent.fleet.database.store import Store
     from agent.fleet.rollouts import preview
 
@@ -296,6 +297,7 @@ def _dry_run(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any]) ->
             for dev in store.devices():
                 registry[dev["device"]] = {"status": dev["status"],
                                            "last_seen": dev["last_seen"]}
+            admission.check_members(store, args.devices or [], registry)
         finally:
             store.close()
     else:
@@ -314,3 +316,4 @@ def _dry_run(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any]) ->
     else:
         print(preview.dry_run_text(plan))
     return EXIT_OK
+

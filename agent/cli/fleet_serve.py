@@ -30,7 +30,7 @@ from agent.errors import AgentError
 from agent.fleet.database.store import Store
 from agent.fleet.rollouts import durable
 from agent.fleet.service import LEASE_S, FleetService, busy_check
-from agent.wire import job_signer
+from agent.wire import job_signer, protocol
 
 log = logging.getLogger("agent.fleet")
 
@@ -50,7 +50,10 @@ def submit_or_embed(args: argparse.Namespace, rollout_id: str, spec: Dict[str, A
 
 
 def _targets(store: Store, args: argparse.Namespace, rollout_id: str) -> List[List[str]]:
+    from agent.fleet.admission import admission
+
     known = [d["device"] for d in store.devices()]
+    admission.check_members(store, args.devices or [], known)
     devices = fleet.select_devices(known, args.devices, args.all, args.match)
     busy_check(store, devices, rollout_id)
     return fleet.plan_stages(devices, args.batch, args.percent)
@@ -257,6 +260,8 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
             None if blobs.recorded(store) else store_dir(args, url)), record=True)
         service.deployments = DeploymentRunner(store, service.instance, args.lease)
         service.deployments.blob_root = service.blob_root
+        service.deployments.send_command = lambda device, cmd: conn.publish(
+            conn.topics.commands(device), protocol.encode(cmd))
         if getattr(args, "share_engines", False):
             if not args.http:
                 raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "

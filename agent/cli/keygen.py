@@ -1,6 +1,6 @@
 """``jetson-agent keygen --device [PATH]``: this device's own key pair (docs/security.md,
 "Device identity"): PATH (PKCS#8 PEM, mode 0600, default /etc/jetson-agent/device.key) and
-PATH.pub, the public key a controller's ``--admission-keys`` file may list. Never
+PATH with .pub for .key, the public key a controller's ``--admission-keys`` file may list. Never
 overwrites: a new key is a new identity (the controller puts the device back to pending).
 """
 
@@ -28,7 +28,9 @@ def run(args: argparse.Namespace) -> int:
     from agent.wire.device_identity import create_device_key
 
     key = create_device_key(args.device)
-    out = {"private_key": key.path, "public_key": key.path + ".pub", "key_id": key.key_id,
+    # generate_keypair writes NAME.key and NAME.pub (not NAME.key.pub)
+    out = {"private_key": key.path, "public_key": key.path[:-len(".key")] + ".pub",
+           "key_id": key.key_id,
            "public_base64": key.public_base64}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))

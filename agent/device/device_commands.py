@@ -1,5 +1,5 @@
-"""Device commands on the command topic (cancel, diag, rollback), each answered with a reply on
-the topic the command names (or this device's reply topic)."""
+"""Device commands on the command topic (cancel, diag, rollback, remove), each answered with a
+reply on the topic the command names (or this device's reply topic)."""
 
 import logging
 import time
@@ -48,6 +48,10 @@ class DeviceCommands:
                 from agent.device import engine_rollback
 
                 result = engine_rollback.rollback(self.journal, self.switch, cmd)
+            elif cmd["command"] == "remove":
+                from agent.device import model_removal
+
+                result = model_removal.remove(self.switch, cmd["name"])
             else:
                 result = self.diag()
         except AgentError as exc:

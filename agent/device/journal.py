@@ -330,6 +330,11 @@ class Journal(object):
         with self._tx() as db:
             journal_models.reject(db, name, version, model_sha, reason, self._clock())
 
+    def forget_model(self, name: str) -> List[str]:
+        """Every kept version of ``name`` (journal_models.forget_name)."""
+        with self._tx() as db:
+            return journal_models.forget_name(db, name)
+
     def forget_rejected(self, name: str, version: str) -> bool:
         with self._tx() as db:
             return journal_models.forget_rejected(db, name, version)

@@ -95,6 +95,14 @@ def reject(db: sqlite3.Connection, name: str, version: str, model_sha: Optional[
                (name, name, MAX_REJECTED_PER_NAME))
 
 
+def forget_name(db: sqlite3.Connection, name: str) -> List[str]:
+    """Every kept version of ``name`` forgotten (the model removed from the device); returns
+    them. Its rejections stay: a version the app refused is not tried again if it returns."""
+    gone = [r["version"] for r in versions(db, name)]
+    db.execute("DELETE FROM models WHERE name = ?", (name,))
+    return gone
+
+
 def forget_rejected(db: sqlite3.Connection, name: str, version: str) -> bool:
     return db.execute("DELETE FROM rejected_versions WHERE name = ? AND version = ?",
                       (name, version)).rowcount > 0

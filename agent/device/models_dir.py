@@ -30,6 +30,7 @@ from agent.fsio import fsync_dir, sha256_file
 ENGINE, ONNX, META, CURRENT = "model.engine", "model.onnx", "meta.json", "current"
 CALIBRATION = "calibration.cache"  # INT8: TensorRT calibration cache (int8-calib-file)
 TMP_PREFIX = ".tmp-"
+REMOVED_PREFIX = ".removed-"  # a removed name moved aside (agent.device.model_removal)
 FILE_MODE, DIR_MODE = 0o640, 0o750
 
 
@@ -182,7 +183,14 @@ class ModelsDir(object):
         """At start-up: temporary leftovers removed, ``current`` of each name pointed at the
         journal's active version (when its directory is there), version directories the
         journal no longer keeps removed. A name the journal does not know keeps its current
-        directory (never left dangling), and loses the rest."""
+        directory (never left dangling), and loses the rest. Names a removal moved aside and
+        did not get to delete (a crash) go."""
+        try:
+            aside = [n for n in os.listdir(self.root) if n.startswith(REMOVED_PREFIX)]
+        except OSError:
+            aside = []
+        for item in aside:
+            shutil.rmtree(os.path.join(self.root, item), ignore_errors=True)
         for name in self.names():
             base = self.name_dir(name)
             for item in os.listdir(base):

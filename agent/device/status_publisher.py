@@ -36,7 +36,8 @@ QUICK_DROPS = 3
 # device signs the engines it offers.
 # model_sets: the job's model_set (agent.device.model_sets); model_pins: the models message's
 # pins (jetson-agent models pin).
-FEATURES = ("named_models", "signed_engines", "model_sets", "model_pins")
+# remove_model: the remove command (agent.device.model_removal; a deployment's on_leave).
+FEATURES = ("named_models", "signed_engines", "model_sets", "model_pins", "remove_model")
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 

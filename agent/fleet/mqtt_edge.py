@@ -298,7 +298,8 @@ class FleetConnection(object):
         deadline = time.monotonic() + limit
         got_suback = False
         while time.monotonic() < deadline and not got_suback:
-            got_suback = self.pump(on_message, 0.1)
+            # One event at a time: the wait ends with the acknowledgement, not 0.1 s later.
+            got_suback = self.pump(on_message, 0.1, max_events=1)
         seen = [0]
 
         def counting(info: TopicInfo, msg: Any) -> None:

@@ -35,6 +35,9 @@ log = logging.getLogger("agent.fleet")
 # clock; agent.fleet.database.leases); a restart under the same name takes its own back at once.
 LEASE_S = 6.0
 TICK_S = 0.5  # how often leases, controls, deadlines and the registry are looked at
+# How often the newest rollout's creation time is read (one indexed row): a new rollout is
+# taken at once (the next tick early), not up to TICK_S later.
+NEW_ROLLOUT_POLL_S = 0.1
 # The roll call (agent.fleet.admission.rollcall): at start, every ROLL_CALL_EVERY_S, and
 # BURST_QUIET_S after a burst of at least BURST_BIRTHS new devices (births the broker's queue may
 # have cut).
@@ -84,6 +87,8 @@ class FleetService(object):
         # device -> telemetry message, at each flush (agent.fleet.database.history keeps the series)
         self.on_telemetry: Optional[Callable[[Dict[str, Dict[str, Any]]], None]] = None
         self.last_tick = 0.0
+        self.last_new_check = 0.0
+        self.newest_seen: Optional[float] = None  # the newest rollout's "created" seen
         # Artifacts of at least http_min_bytes are also offered at http_base/artifacts/SHA.
         self.http_base = http_base.rstrip("/") if http_base else None
         self.http_min_bytes = int(http_min_bytes)
@@ -240,8 +245,10 @@ class FleetService(object):
                    for j in ro.job_ids]
         self.conn.subscribe(filters)
         ids = set(ro.job_ids)  # other traffic does not hold the wait up
-        self.conn.settle(self.on_message, quiet=0.3, limit=5.0,
-                         counted=lambda info: info.kind == "job_status" and
+        # Retained statuses follow the SUBACK at once; a rollout never started only has some
+        # if its id was used before the database was (an earlier run): a short quiet suffices.
+        self.conn.settle(self.on_message, quiet=0.3 if ro.current >= 0 or owed else 0.1,
+                         limit=5.0, counted=lambda info: info.kind == "job_status" and
                          info.job_id in ids)
         for f in filters:
             self.conn.client.unsubscribe(f)
@@ -615,17 +622,32 @@ class FleetService(object):
         wait = streaming.pump_timeout(unsent, streaming.doc_quota(len(self.unacked)), timeout)
         if due is not None:
             wait = max(0.0, min(wait, due - time.monotonic()))
+        wait = min(wait, NEW_ROLLOUT_POLL_S)
         # What came is handled (a bounded batch) before more documents are built: statuses
         # that wait hold memory and delay the rollout's end.
         self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS, drain=True)
         self._commit_pending()
-        tick = time.monotonic() - self.last_tick >= TICK_S
+        tick = time.monotonic() - self.last_tick >= TICK_S or self._new_rollout()
         self._collect_acks(full=tick)
         if tick:
             self.last_tick = time.monotonic()
             self._tick()
 
+    def _new_rollout(self) -> bool:
+        """True when a rollout was created since the last look (at most every
+        NEW_ROLLOUT_POLL_S): the tick that claims it comes now."""
+        now = time.monotonic()
+        if now - self.last_new_check < NEW_ROLLOUT_POLL_S:
+            return False
+        self.last_new_check = now
+        newest = self.store.newest_rollout_created()
+        if newest is None or (self.newest_seen is not None and newest <= self.newest_seen):
+            return False
+        self.newest_seen = newest
+        return True
+
     def start(self) -> None:
+        self.newest_seen = self.store.newest_rollout_created()
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
         last = self.conn.last_roll_call  # discover() may have taken one just now

@@ -89,7 +89,7 @@ def load_device_key(path: str) -> DeviceKey:
     except AgentError as exc:
         raise AgentError("device_key_unreadable", "security.device_key: expected a readable "
                          "Ed25519 private key at {}, found: {} (make one with 'jetson-agent "
-                         "keygen --device {}', or start once with --create-device-key)".format(
+                         "keygen --device {}', or set security.create_device_key: true)".format(
                              path, exc.message, path), {"path": path})
 
 

@@ -106,6 +106,9 @@ class MqttClient:
         self.server_max_packet: Optional[int] = None  # the broker's CONNACK Maximum Packet Size
         self._subscriptions: Dict[str, int] = {}
         self._sub_mids: Dict[int, bool] = {}
+        # SUBACKs handled before subscribe() returned their mid (paho's thread won the race):
+        # recorded here, or the mid would wait for ever and no SUBSCRIBED event would follow.
+        self._sub_early: Set[int] = set()
         self._pending: Dict[int, PublishHandle] = {}
         self._early: Dict[int, Tuple[bool, str]] = {}
         self._abandoned: Set[int] = set()
@@ -309,7 +312,10 @@ class MqttClient:
         rc, mid = self._client.subscribe(subs)
         if rc == paho.MQTT_ERR_SUCCESS and mid is not None:
             with self._lock:
-                self._sub_mids[mid] = True
+                if mid in self._sub_early:
+                    self._sub_early.discard(mid)  # acknowledged already (SUBSCRIBED was put)
+                else:
+                    self._sub_mids[mid] = True
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, rc: Any,
                     properties: Any = None) -> None:
@@ -337,6 +343,7 @@ class MqttClient:
         with self._lock:
             subs = list(self._subscriptions.items())
             self._sub_mids.clear()
+            self._sub_early.clear()
         self._put(Event(CONNECTED, session_present=session_present))
         if subs:
             self._send_subscriptions(subs)
@@ -384,7 +391,8 @@ class MqttClient:
         if refused:
             log.warning("broker refused a subscription: %s", refused)
         with self._lock:
-            self._sub_mids.pop(mid, None)
+            if self._sub_mids.pop(mid, None) is None and len(self._sub_early) < 1024:
+                self._sub_early.add(mid)
             done = not self._sub_mids
         if done:
             self._put(Event(SUBSCRIBED, ok=not refused))

@@ -155,6 +155,14 @@ def parse_public_key(text: str) -> bytes:
     return raw
 
 
+def public_key_from_spki(der: bytes) -> bytes:
+    """The raw key of an Ed25519 SubjectPublicKeyInfo (a PEM body without its armour).
+    ValueError else."""
+    if len(der) != 44 or not der.startswith(_SPKI_PREFIX):
+        raise ValueError("not an Ed25519 SubjectPublicKeyInfo")
+    return der[len(_SPKI_PREFIX):]
+
+
 def public_key_pem(raw: bytes) -> str:
     b64 = base64.b64encode(_SPKI_PREFIX + raw).decode("ascii")
     return "-----BEGIN PUBLIC KEY-----\n{}\n-----END PUBLIC KEY-----\n".format(b64)

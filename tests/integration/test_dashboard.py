@@ -133,8 +133,8 @@ def test_metrics_parse_with_prometheus_client(dash):
     name = ("model", "sha-" + MODEL[:12])
     assert samples[("jetson_fleet_engine_throughput_qps", (("device", "orin-1"), name,
                                                            ("precision", "fp16")))] == 812.5
-    assert samples[("jetson_fleet_engine_latency_ms", (("device", "orin-1"), name,
-                                                       ("quantile", "0.99")))] == 2.5
+    assert samples[("jetson_fleet_engine_latency_seconds", (("device", "orin-1"), name,
+                                                            ("stat", "p99")))] == 0.0025
     assert samples[("jetson_fleet_engine_accuracy", (("device", "orin-1"),
                                                      ("metric", "max_abs_error"), name))] == 0.002
     assert samples[("jetson_fleet_device_model_info", (("device", "orin-1"), name,
@@ -145,6 +145,22 @@ def test_metrics_parse_with_prometheus_client(dash):
     assert samples[("jetson_fleet_device_power_watts", (("device", "orin-1"),
                                                         ("rail", "total")))] == 7.3
     assert samples[("jetson_fleet_devices_by_health", (("health", "hot"),))] == 1
+
+
+def test_metrics_pass_promtool_check_metrics(dash):
+    """Prometheus' own linter: base units, counters ending in _total, no quantile label on a
+    gauge (Debian's prometheus package ships promtool; scripts/test installs it)."""
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus)")
+    status, _, text = get(dash, "/metrics")
+    assert status == 200
+    out = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_actions_need_the_token(db, dash):

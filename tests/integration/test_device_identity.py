@@ -4,6 +4,8 @@ controller that subscribes later verifies the birth) and the Will (pre-signed at
 that boot); the birth announces the key and whether the device requires signed jobs; a
 configured key that cannot be read stops the daemon with its code."""
 
+import json
+import os
 import queue
 import subprocess
 import sys
@@ -75,6 +77,8 @@ def test_keygen_device_makes_a_key_pair(tmp_path):
                           "--json"], stdout=subprocess.PIPE, check=True)
     assert b"key_id" in out.stdout
     assert (path.stat().st_mode & 0o777) == 0o600
+    public = json.loads(out.stdout)["public_key"]  # the file it wrote, by its real name
+    assert public == str(tmp_path / "etc" / "device.pub") and os.path.isfile(public)
     again = subprocess.run([sys.executable, "-m", "agent", "keygen", "--device", str(path)],
                            stderr=subprocess.PIPE)
     assert again.returncode != 0  # never overwritten: a new key is a new identity

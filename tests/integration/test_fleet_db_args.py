@@ -9,12 +9,16 @@ from tests.integration.test_fleet_service import fleet_cli
 
 
 @pytest.mark.parametrize("command", [["rollouts", "ls"], ["rollouts", "show", "r1"],
-                                     ["devices"], ["jobs"]])
+                                     ["devices"], ["jobs"], ["deploy", "det@1", "--to", "a=b"],
+                                     ["deploy", "det@1", "--to", "a=b", "--dry-run"],
+                                     ["deployments", "ls"], ["label", "cam-1", "a=b"],
+                                     ["devices", "accept", "cam-1"], ["db", "current"]])
 def test_a_missing_sqlite_database_is_refused_by_the_commands_that_read_it(tmp_path, command):
     db = tmp_path / "typo" / "fleet.db"
     out = fleet_cli(command + ["--db", "sqlite:///" + str(db)])
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "no fleet database at " + str(db) in out.stderr
+    assert "file_not_found" in out.stderr
     assert not os.path.exists(str(db)) and not os.path.exists(str(db.parent))
 
 

@@ -192,6 +192,67 @@ def test_a_newer_deployment_supersedes_without_touching_devices_on_it(store):
 
 
 
+def test_on_leave_remove_is_sent_to_devices_that_leave_not_to_those_handed_over(store):
+    runner = DeploymentRunner(store, "svc-1", clock=Clock())
+    sent = []
+    runner.send_command = lambda dev, cmd: sent.append((dev, cmd["command"], cmd["name"]))
+
+    def st(dev, online=True, old=False):
+        s = status(dev, online=online, site="w3")
+        s["platform"]["features"] = ["named_models"] + ([] if old else ["remove_model"])
+        return s
+
+    store.upsert_devices({"a": st("a"), "b": st("b"), "c": st("c", old=True),
+                          "d": st("d", online=False)})
+    deployments.insert(store, "d3", "det", "3", "site=w3", dict(spec("3", SHA3),
+                                                                  on_leave="remove"))
+    deployments.insert(store, "d3x", "det", "3", "site=w4", spec("3", SHA3))
+    runner.tick()
+    end_jobs(store, "d3-w")
+    for d in "abcd":
+        device_models.save(store, {d: models(d, det=("3", SHA3))})
+    runner.touch("abcd")
+    runner.tick()
+    labels.assign(store, "a", {"site": "lab"})  # leaves: removed
+    labels.assign(store, "b", {"site": "w4"})  # handed over to d3x (same name): kept
+    labels.assign(store, "c", {"site": "lab"})  # a daemon without remove_model: kept
+    labels.assign(store, "d", {"site": "lab"})  # offline: when it is back
+    runner.tick()
+    assert sent == [("a", "remove", "det")]
+    store.upsert_devices({"d": st("d")})
+    runner.touch(["d"])
+    runner.tick()
+    assert sent == [("a", "remove", "det"), ("d", "remove", "det")]
+    runner.touch("abcd")
+    runner.tick()
+    assert len(sent) == 2  # once each
+
+
+def test_the_preview_judges_devices_as_the_runner_does(store):
+    from agent.fleet.admission import admission
+    from agent.fleet.deployments import preview, selectors
+
+    store.upsert_devices({"a": status("a", site="w3"), "b": status("b", site="w3"),
+                          "c": status("c", online=False, site="w3"),
+                          "e": status("e", site="lab"), "p": status("p", site="w3")})
+    device_models.save(store, {"b": models("b", det=("3", SHA3)),
+                               "a": models("a", det=("2", "2" * 64))})
+    store.put_device_key("p", {"device": "p", "state": "pending"})
+    labels.assign(store, "e", {"site": "w3"})  # the operator's word over its claim
+    dep = {"deployment_id": "d3", "name": "det", "version": "3", "selector": "site=w3",
+           "spec": spec("3", SHA3)}
+    plan = {r["device"]: (r["action"], r["current"])
+            for r in preview.plan(store, dep, selectors.parse("site=w3"))}
+    assert plan == {"a": ("install", "2"), "b": ("converged", "3"), "c": ("offline", None),
+                    "e": ("install", None), "p": ("not_eligible", None)}
+    assert [d["device"] for d in preview.matching(store, selectors.parse("site=lab"))] == []
+    admission.decommission(store, "a")
+    assert "a" not in {d["device"] for d in preview.matching(store, selectors.parse(
+        "site=w3"), eligible_only=True)}
+    assert deployments.rows(store) == []  # nothing recorded
+    assert store.db.query("SELECT COUNT(*) FROM rollouts")[0][0] == 0
+
+
 def test_metrics_and_dashboard_show_deployments(store):
     from agent.fleet.web import metrics, pages, views
 
@@ -272,7 +333,8 @@ def test_models_push_is_immutable_and_deploy_checks_its_input(tmp_path):
                        (["label", "nobody", "a=b"], "unknown_device")):
         out = fleet_cli(args + ["--db", db])
         assert out.returncode == 2 and code in out.stderr, (args, out.stderr)
-    deployed = fleet_cli(["deploy", "det@3", "--to", "site=w3", "--id", "d3", "--db", db])
+    deployed = fleet_cli(["deploy", "det@3", "--to", "site=w3", "--id", "d3", "--db", db,
+                          "--allow-empty"])
     assert deployed.returncode == 0, deployed.stderr
     refused = fleet_cli(["models", "rm", "det@3", "--db", db])
     assert refused.returncode == 2 and "model_in_use" in refused.stderr

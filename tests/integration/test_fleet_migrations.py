@@ -278,7 +278,20 @@ def test_the_commands_a_refusal_names_and_read_only_commands_that_never_migrate(
         out = fleet_cli(args + ["--db", url])
         assert out.returncode == 2 and "error [db_schema]" in out.stderr, out.stderr
         assert "9999_future" in out.stderr and "upgrade jetson-agent" in out.stderr
+    current = fleet_cli(["db", "current", "--db", url])  # says so, not "upgrade with"
+    assert current.returncode == 0 and "newer than this jetson-agent" in current.stdout
+    assert "upgrade jetson-agent, not the database" in current.stdout
+    assert "upgrade with" not in current.stdout
     assert probe(url) == ("other", "9999_future")
+
+
+def test_db_upgrade_of_a_file_that_is_not_a_database_is_an_error(tmp_path):
+    path = tmp_path / "notes.db"
+    path.write_text("not a database\n")
+    out = fleet_cli(["db", "upgrade", "--db", "sqlite:///" + str(path)])
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "error [bad_argument]" in out.stderr and "file is not a database" in out.stderr
+    assert path.read_text() == "not a database\n"
 
 
 def test_a_database_that_is_not_the_fleets_is_refused_untouched(tmp_path):

@@ -13,7 +13,10 @@ anything reads it. A device is, in the ``device_keys`` table:
   open (``fleet devices trust-legacy --for S``).
 - *pending* (``fleet devices pending``; ``accept`` / ``reject``): only signed births reach
   the list, which holds at most ``max_pending`` devices (the oldest evicted, counted).
-- *rejected*: dropped.
+- *rejected*: dropped; a signed birth with another key than the one rejected (a re-flashed
+  device asking again, as Mender's new authentication set) puts it back to *pending*.
+- *decommissioned* (``fleet devices rm``): its key unpinned, its rows kept as history, counted
+  nowhere; a later signed birth is a new device's (pending, or admitted by the policy).
 
 A device in no row is admitted by the policy: ``manual`` (default: pending), ``keys`` (its
 key is in the pre-provisioned list, else pending) or ``open`` (labs: any first key pinned,
@@ -230,6 +233,13 @@ class Admission(object):
                 self._new_key(device, info, ev)
             return False
         if state == "rejected":
+            if info.kind == "status" and row is not None:
+                birth = self._signed_birth(device, info, ev)
+                if birth is not None and key_id(birth[0]) not in (row.get("pending_key_id"),
+                                                                   row.get("key_id")):
+                    log.warning("device %s (rejected) asks again with a new key %s",
+                                device, key_id(birth[0]))
+                    self._pending(device, birth[0], birth[1], "pending")
             return self._drop()
         # pending or unknown: a signed birth may (re)enter the list or be admitted by policy
         if info.kind == "status":
@@ -385,11 +395,13 @@ def accept(store: Any, device: str, key: Optional[str] = None) -> Dict[str, Any]
         raise AgentError("device_not_admitted", "device {} has no key waiting (fleet devices "
                          "pending lists them; a device appears there once its signed birth "
                          "reached the controller)".format(device))
+    given = key_arg(key) if key is not None else None
     raw = base64.b64decode(str(row.get("pending_public_key"))) if row.get(
-        "pending_public_key") else parse_public_key(str(key))
-    if key is not None and parse_public_key(key) != raw:
+        "pending_public_key") else given
+    assert raw is not None
+    if given is not None and given != raw:
         raise AgentError("bad_argument", "device {}: expected the pending key {}, found {}"
-                         .format(device, key_id(raw), key_id(parse_public_key(key))))
+                         .format(device, key_id(raw), key_id(given)))
     row.update(state="admitted", key_id=key_id(raw),
                public_key=base64.b64encode(raw).decode("ascii"), pending_key_id=None,
                pending_public_key=None, pending_since=None)
@@ -399,9 +411,82 @@ def accept(store: Any, device: str, key: Optional[str] = None) -> Dict[str, Any]
     return row
 
 
+MAX_KEY_FILE = 64 * 1024
+
+
+def key_arg(text: str) -> bytes:
+    """``accept --key``: a public key file's path (``device.pub``), or the key itself as
+    PEM text, an ``ssh-ed25519`` line, base64 of the raw 32 bytes or a bare base64 line of a
+    PEM body (its SubjectPublicKeyInfo). AgentError bad_argument otherwise."""
+    import os
+
+    from agent.wire.signing import public_key_from_spki
+
+    source = "--key"
+    if os.path.isfile(text):
+        source = "--key {}".format(text)
+        try:
+            with open(text, "rb") as f:
+                text = f.read(MAX_KEY_FILE + 1).decode("utf-8", "replace")
+        except OSError as exc:
+            raise AgentError("file_not_found", "{}: cannot be read: {}".format(
+                source, exc.strerror or exc))
+        if len(text) > MAX_KEY_FILE:
+            raise AgentError("bad_argument", "{}: expected a public key file, found more than "
+                             "{} bytes".format(source, MAX_KEY_FILE))
+    try:
+        return parse_public_key(text)
+    except ValueError as exc:
+        try:
+            return public_key_from_spki(base64.b64decode(text.strip(), validate=True))
+        except ValueError:
+            pass
+        raise AgentError("bad_argument", "{}: expected an Ed25519 public key (a .pub file, PEM, "
+                         "ssh-ed25519 or base64), found {}".format(source, exc))
+
+
+def _known(store: Any, device: str) -> Dict[str, Any]:
+    """The device's admission row; AgentError unknown_device when neither admission nor the
+    registry has heard of it (a typo must not create a row)."""
+    row = store.device_keys().get(device)
+    if row is None and store.device(device) is None:
+        raise AgentError("unknown_device", "expected a device that reported to this fleet "
+                         "(fleet devices; fleet devices pending), found {!r}".format(device))
+    return row or {"device": device}
+
+
 def reject(store: Any, device: str) -> Dict[str, Any]:
-    row = store.device_keys().get(device) or {"device": device}
+    """Its messages dropped; a signed birth with a new key puts it back to pending."""
+    row = _known(store, device)
     row.update(state="rejected")
+    store.put_device_key(device, row)
+    return row
+
+
+def check_members(store: Any, ids: Any, known: Any) -> None:
+    """Named targets (``--devices``) the registry leaves out because admission keeps them out:
+    AgentError device_not_admitted saying so, with the fix (not "never reported")."""
+    wanted = [d for d in ids if d not in known]
+    if not wanted:
+        return
+    rows = store.device_keys()
+    for dev in wanted:
+        state = (rows.get(dev) or {}).get("state")
+        if state == "pending":
+            raise AgentError("device_not_admitted", "{} is pending admission: fleet devices "
+                             "accept {}".format(dev, dev))
+        if state in ("rejected", "decommissioned"):
+            raise AgentError("device_not_admitted", "{} is {}: it returns to fleet devices "
+                             "pending when it presents a new key (rejected) or is born again "
+                             "(decommissioned)".format(dev, state))
+
+
+def decommission(store: Any, device: str) -> Dict[str, Any]:
+    """``fleet devices rm``: the key unpinned and the device out of every count (the
+    registry's rows stay, as history); a later birth is a new device's."""
+    row = _known(store, device)
+    row.update(state="decommissioned", key_id=None, public_key=None, pending_key_id=None,
+               pending_public_key=None, pending_since=None, pending_status=None)
     store.put_device_key(device, row)
     return row
 

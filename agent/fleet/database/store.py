@@ -106,7 +106,8 @@ class Store(object):
         rows = self.db.query("SELECT device_id, online, boot, board, platform, status, reason, "
                              "first_seen, last_seen, telemetry, telemetry_ts FROM devices "
                              "WHERE device_id NOT IN (SELECT device_id FROM device_keys WHERE "
-                             "state IN ('pending', 'rejected')) ORDER BY device_id")
+                             "state IN ('pending', 'rejected', 'decommissioned')) ORDER BY "
+                             "device_id")
         return [self._device(r) for r in rows]
 
     def device(self, device_id: str) -> Optional[Dict[str, Any]]:
@@ -332,6 +333,11 @@ class Store(object):
                 "stage_progress": [{"stage": i + 1, "devices": len(s), "counts": per_stage[i]}
                                    for i, s in enumerate(stages[r[0]])]})
         return out
+
+    def newest_rollout_created(self) -> Optional[float]:
+        """The newest rollout's creation time (the rollouts_created index: one row read)."""
+        rows = self.db.query("SELECT MAX(created) FROM rollouts")
+        return rows[0][0] if rows and rows[0][0] is not None else None
 
     def rollout_states(self, ids: Iterable[str]) -> Dict[str, Dict[str, Any]]:
         """rollout id -> what a service decides on each tick (state, control, deadline,

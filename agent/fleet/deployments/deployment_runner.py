@@ -16,6 +16,9 @@ converge and keeps it so, working from changes, never from a scan of the fleet p
   or their bytes no longer hash right) sends nothing: its devices that need the version are
   ``failed`` with the reason ``artifact_unavailable: blob ... (model of NAME@VERSION) ...``,
   looked at again every ``BLOB_RECHECK_S`` (bytes restored by a push of the version: they go).
+- A device that leaves the selector of a deployment with ``on_leave: remove`` (and is governed
+  by no other deployment of that model name) is sent the ``remove`` command, once it is online,
+  if its status lists the feature ``remove_model`` (older daemons keep the model; logged).
 - One instance decides at a time: the runner holds a lease in the ``meta`` table (several
   services on one database: the others wait, then take over with a full scan).
 """
@@ -23,8 +26,10 @@ converge and keeps it so, working from changes, never from a scan of the fleet p
 import json
 import logging
 import time
+import uuid
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
+from agent.fleet.database import device_models
 from agent.fleet.deployments import deployments, labels
 from agent.fleet.rollouts import policy
 from agent.wire import protocol
@@ -66,11 +71,15 @@ class DeploymentRunner(object):
         self.last_send: Dict[str, float] = {}
         self.later: Dict[str, float] = {}  # busy device -> when to look again
         self.mine: Dict[str, float] = {}  # deployment -> the updated of our own last change
-        self.stats = {"scans": 0, "decided": 0, "rollouts": 0}
         self.blob_root: Optional[str] = None  # the registry's blob store (None: the database's)
         # deployment -> (when checked, the reason its blobs cannot be served or None)
         self.unservable: Dict[str, Tuple[float, Optional[str]]] = {}
         self.rescan: Dict[str, float] = {}  # deployment -> when to scan it again (its blobs)
+        self.stats = {"scans": 0, "decided": 0, "rollouts": 0, "removals": 0}
+        # on_leave remove: device -> model names to remove (sent once it is online); the
+        # service sets send_command(device, command document) to publish on its command topic.
+        self.removals: Dict[str, Set[str]] = {}
+        self.send_command: Optional[Callable[[str, Dict[str, Any]], None]] = None
 
     # -- told by the service -------------------------------------------------------------------
 
@@ -253,6 +262,7 @@ class DeploymentRunner(object):
         self.stats["scans"] += 1
         facts = self._facts(None)
         wanted = self._evaluate(facts, [dep_id])
+        self._remove(facts)
         if dep["state"] == "pending":
             self._first_wave(dep, sorted(wanted.get(dep_id, ())))
         else:
@@ -266,6 +276,7 @@ class DeploymentRunner(object):
                     deployments.record_devices(self.store, key[0], {dev: None})
                     self.records.pop(key, None)
         wanted = self._evaluate(facts, list(self.deps), devices)
+        self._remove(facts)
         for dep_id, devs in wanted.items():
             if self.deps[dep_id]["state"] != "pending":  # pending: its first wave scans
                 self.sends.setdefault(dep_id, set()).update(devs)
@@ -280,7 +291,8 @@ class DeploymentRunner(object):
         changes: Dict[str, Dict[str, Any]] = {}
         wanted: Dict[str, Set[str]] = {}
         for dev, f in facts.items():
-            gov = {d["deployment_id"] for d in deployments.governing(live, f["labels"]).values()}
+            by_name = deployments.governing(live, f["labels"])
+            gov = {d["deployment_id"] for d in by_name.values()}
             for dep_id in dep_ids:
                 dep = self.deps[dep_id]
                 key = (dep_id, dev)
@@ -288,6 +300,9 @@ class DeploymentRunner(object):
                     if key in self.records:
                         changes.setdefault(dep_id, {})[dev] = None
                         self.records.pop(key, None)
+                        if dep["spec"].get("on_leave") == "remove" and \
+                                dep["name"] not in by_name:  # left, not handed over
+                            self.removals.setdefault(dev, set()).add(dep["name"])
                     continue
                 r = retried[dep_id]
                 verdict = deployments.decide(dep, f["online"], f["models"], f["models_at"],
@@ -308,6 +323,24 @@ class DeploymentRunner(object):
         for dep_id, states in changes.items():
             deployments.record_devices(self.store, dep_id, states)
         return wanted
+
+    def _remove(self, facts: Mapping[str, Dict[str, Any]]) -> None:
+        """The removals owed to the online devices of ``facts`` (on_leave remove)."""
+        for dev in [d for d in self.removals if d in facts and facts[d]["online"]]:
+            f = facts[dev]
+            held = {m["name"] for m in device_models.entries(f["status"], f["models"])}
+            for name in sorted(self.removals.pop(dev) & held):
+                if "remove_model" not in device_models.features(f["status"]):
+                    log.warning("device %s left a deployment of %s (on_leave remove) but its "
+                                "daemon cannot remove models (no feature remove_model): kept",
+                                dev, name)
+                    continue
+                if self.send_command is not None:
+                    self.send_command(dev, {"protocol": protocol.PROTOCOL_VERSION,
+                                            "command": "remove", "name": name,
+                                            "request_id": "rm" + uuid.uuid4().hex[:10]})
+                    self.stats["removals"] += 1
+                    log.info("device %s left the deployments of %s: remove sent", dev, name)
 
     # -- sending -------------------------------------------------------------------------------
 

@@ -33,6 +33,9 @@ STATES = ("converged", "in_progress", "failed", "offline", "waiting")
 # A job that ended so, or the device's app rejecting the version: not sent again until retried.
 FAILED_JOB = ("FAILED", "REJECTED")
 ALL = "*"  # deployment_retries.device_id of a retry of every device
+# spec["on_leave"]: what a device that leaves the selector does with the model (keep: nothing;
+# remove: the runner sends it a remove command, agent.fleet.deployments.deployment_runner).
+ON_LEAVE = ("keep", "remove")
 
 
 
@@ -41,7 +44,7 @@ def eligible_devices(store: Any, ids: Optional[Iterable[str]] = None) -> Set[str
     admission has not sent back to pending or rejected (agent.fleet.admission.admission; a device
     not admitted never enters the registry at all)."""
     admitted = ("device_id NOT IN (SELECT device_id FROM device_keys WHERE state IN "
-                "('pending', 'rejected'))")
+                "('pending', 'rejected', 'decommissioned'))")
     if ids is None:
         return {r[0] for r in store.db.query(
             "SELECT device_id FROM devices WHERE " + admitted)}

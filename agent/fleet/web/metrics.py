@@ -41,16 +41,18 @@ class FleetCollector(object):
         return []  # collected on demand; no registration-time scrape of the database
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         def gauge(name: str, doc: str, labels: List[str]) -> Any:
             return GaugeMetricFamily(PREFIX + name, doc, labels=labels)
 
         now = time.time()
         counters = self.store.admission_counters()
-        dropped = gauge("messages_dropped", "device messages dropped by admission (device not "
-                        "admitted, bad or missing signature, replayed), and pending devices "
-                        "evicted", ["reason"])
+        # A counter (exposed as ..._total): the admission counters only grow.
+        dropped = CounterMetricFamily(PREFIX + "messages_dropped", "device messages dropped by "
+                                      "admission (device not admitted, bad or missing "
+                                      "signature, replayed), and pending devices evicted",
+                                      labels=["reason"])
         for reason in ("dropped", "bad_signature", "replayed", "pending_evicted"):
             dropped.add_metric([reason], float(counters.get(reason, 0)))
         yield dropped
@@ -62,8 +64,10 @@ class FleetCollector(object):
                      ["device"])
         tput = gauge("engine_throughput_qps", "active engine throughput (inferences/s)",
                      ["device", "model", "precision"])
-        lat = gauge("engine_latency_ms", "active engine latency", ["device", "model",
-                                                                   "quantile"])
+        # Seconds (Prometheus' base unit); "stat", not "quantile": a gauge of the device's
+        # measured p50/p99, not a summary.
+        lat = gauge("engine_latency_seconds", "active engine latency (the device's benchmark: "
+                    "stat p50, p99)", ["device", "model", "stat"])
         acc = gauge("engine_accuracy", "active engine accuracy against the goldens",
                     ["device", "model", "metric"])
         info = gauge("device_model_info", "1 per model a device holds (its version and "
@@ -94,9 +98,9 @@ class FleetCollector(object):
                 if job["throughput_qps"] is not None:
                     tput.add_metric([dev, model, _label(job["precision"])],
                                     job["throughput_qps"])
-                for q, k in (("0.5", "latency_p50_ms"), ("0.99", "latency_p99_ms")):
+                for stat, k in (("p50", "latency_p50_ms"), ("p99", "latency_p99_ms")):
                     if job[k] is not None:
-                        lat.add_metric([dev, model, q], job[k])
+                        lat.add_metric([dev, model, stat], job[k] / 1000.0)
                 for name, value in sorted((job["accuracy"] or {}).items()):
                     v = views._num(value)
                     if v is not None and name in ACCURACY_KEYS:
