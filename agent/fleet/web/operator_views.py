@@ -32,8 +32,8 @@ def has_table(store: Store, name: str) -> bool:
 
 
 def has_blob_store(store: Store) -> bool:
-    """Whether the registry keeps its own blob store (a table of blobs, whatever its name)."""
-    return any("blob" in t for t in store_schema.table_names(store.db))
+    """Whether the registry keeps its own blob store (revision 0006 on)."""
+    return has_table(store, "blobs")
 
 
 def pins(store: Store, device: Optional[str] = None) -> List[Dict[str, Any]]:
