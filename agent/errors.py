@@ -132,6 +132,11 @@ CODES = {
     "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
     "keep it (active or as a rollback target).",
     "unknown_deployment": "A deployment id is not in the fleet database.",
+    # fleet pins and deployment revisions (agent.fleet.deployments.pins, revisions)
+    "no_previous_revision": "fleet deployments undo: the deployment has no earlier revision to "
+    "return to.",
+    "not_pinned": "fleet unpin: the device's model has no fleet pin (a device's own pin is "
+    "removed on the device).",
 }
 
 

@@ -15,7 +15,7 @@ from agent.cli import EXIT_OK
 from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
 from agent.fleet.database.store import Store
-from agent.fleet.deployments import deployments, labels, registry, selectors
+from agent.fleet.deployments import deployments, labels, pins, registry, revisions, selectors
 from agent.fleet.rollouts.spec import DOC_KEYS
 
 
@@ -48,18 +48,43 @@ def add_parsers(fsub: Any) -> None:
     d.add_argument("--timeout", type=float, default=3600.0, metavar="S",
                    help="each rollout of the deployment gives up on devices after S s")
     d.add_argument("--job-timeout", type=float, metavar="S")
+    d.add_argument("--max-attempts", type=int, default=deployments.MAX_ATTEMPTS, metavar="N",
+                   help="a device may time out in N rollouts (first wave, catch-ups; each "
+                   "after an exponential backoff) before the deployment halts with its reason "
+                   "(default %(default)s; fleet deployments retry resumes it)")
+    d.add_argument("--retry-backoff", type=float, default=deployments.BACKOFF_S, metavar="S",
+                   help="the first backoff after a timed-out rollout, doubled each time, capped "
+                   "at {:g} s (default %(default)s)".format(deployments.BACKOFF_CAP_S))
     d.add_argument("--json", action="store_true")
     add_db_args(d)
     d.set_defaults(func=run_deploy)
 
-    s = fsub.add_parser("deployments", help="deployments: ls, show, pause, resume, rm, retry")
-    s.add_argument("action", choices=("ls", "show", "pause", "resume", "rm", "retry"))
+    s = fsub.add_parser("deployments", help="deployments: ls, show, pause, resume, rm, retry, "
+                        "undo, history")
+    s.add_argument("action", choices=("ls", "show", "pause", "resume", "rm", "retry", "undo",
+                                      "history"))
     s.add_argument("deployment_id", nargs="?", metavar="ID")
     s.add_argument("--devices", nargs="+", default=[], metavar="ID",
                    help="retry: only these devices (default every failed one)")
     s.add_argument("--json", action="store_true")
     add_db_args(s)
     s.set_defaults(func=run_deployments)
+
+    p = fsub.add_parser("pin", help="hold a device's model at a version; deployments honour it",
+                        description="Record a pin: the device runs NAME@VERSION whatever a "
+                        "deployment says (fleet serve sends the version when the device lacks "
+                        "it). See docs/fleet.md, One truth.")
+    p.add_argument("device", metavar="DEVICE", nargs="?")
+    p.add_argument("ref", metavar="NAME@VERSION", nargs="?")
+    p.add_argument("--reason", metavar="TEXT", help="why (shown with the pin)")
+    p.add_argument("--json", action="store_true")
+    add_db_args(p)
+    p.set_defaults(func=run_pin)
+    u = fsub.add_parser("unpin", help="remove a device's pin: its deployment governs it again")
+    u.add_argument("device", metavar="DEVICE")
+    u.add_argument("name", metavar="NAME")
+    add_db_args(u)
+    u.set_defaults(func=run_unpin)
 
     lab = fsub.add_parser("label", help="a device's labels: show, set key=value, --remove key")
     lab.add_argument("device", metavar="DEVICE")
@@ -100,12 +125,21 @@ def build_spec(args: argparse.Namespace, version: Dict[str, Any], dep_id: str
         fleet.plan_stages(["check"], args.batch, args.percent)  # the numbers checked
     if not args.timeout > 0:
         raise AgentError("bad_argument", "--timeout must be > 0, found {}".format(args.timeout))
+    attempts = getattr(args, "max_attempts", deployments.MAX_ATTEMPTS)
+    backoff = getattr(args, "retry_backoff", deployments.BACKOFF_S)
+    if not 1 <= attempts <= 100:
+        raise AgentError("bad_argument", "--max-attempts: expected 1 to 100, found {}".format(
+            attempts))
+    if not 0 < backoff <= deployments.BACKOFF_CAP_S:
+        raise AgentError("bad_argument", "--retry-backoff: expected > 0 and <= {:g} s, found "
+                         "{}".format(deployments.BACKOFF_CAP_S, backoff))
     spec: Dict[str, Any] = {k: merged.get(k) for k in DOC_KEYS}
     spec.update({"model_name": version["name"], "model_version": version["version"],
                  "artifacts": {k: dict(v) for k, v in arts.items()},
                  "layer_precisions": dict(merged.get("layer_precisions") or {}),
                  "timeout": float(args.timeout), "model_path": None,
                  "batch": args.batch, "percent": args.percent,
+                 "max_attempts": attempts, "retry_backoff": float(backoff),
                  "policy": {"success_threshold": policy.success_threshold,
                             "abort_failure_rate": policy.abort_failure_rate,
                             "min_executed": policy.min_executed}})
@@ -134,7 +168,8 @@ def run_deploy(args: argparse.Namespace) -> int:
     store = _open(args, existing=False)
     try:
         spec = build_spec(args, registry.get(store, name, version), dep_id)
-        older = deployments.insert(store, dep_id, name, version, selector.text, spec)
+        older = deployments.insert(store, dep_id, name, version, selector.text, spec,
+                                   pins.actor())
     finally:
         store.close()
     if args.json:
@@ -149,12 +184,14 @@ def run_deploy(args: argparse.Namespace) -> int:
 
 def _counts(s: Dict[str, Any]) -> str:
     failed = ", ".join("{} {}".format(n, r) for r, n in sorted(s["failed_by"].items()))
-    return "{}/{} converged, {} in progress, {} failed{}, {} offline, {} waiting".format(
-        s["converged"], s["desired"], s["in_progress"], s["failed"],
-        " ({})".format(failed) if failed else "", s["offline"], s["waiting"])
+    waiting = ", ".join("{} {}".format(n, r) for r, n in sorted(s["waiting_by"].items()))
+    return "{}/{} converged, {} in progress, {} retrying, {} failed{}, {} waiting{}".format(
+        s["converged"], s["desired"], s["in_progress"], s.get("retrying", 0), s["failed"],
+        " ({})".format(failed) if failed else "", s["waiting"],
+        " ({})".format(waiting) if waiting else "")
 
 
-EMPTY = dict({k: 0 for k in deployments.STATES}, desired=0, failed_by={})
+EMPTY = deployments.empty_summary()
 
 
 def run_deployments(args: argparse.Namespace) -> int:
@@ -186,6 +223,11 @@ def run_deployments(args: argparse.Namespace) -> int:
             dep["summary"] = deployments.summary(store, [did]).get(did, EMPTY)
             dep["devices"] = deployments.device_states(store, did)
             dep["rollouts"] = deployments.rollouts_of(store, did)
+            dep["revision"] = (revisions.history(store, did) or [{"revision": 0}])[-1]["revision"]
+            dep["max_attempts"] = deployments.max_attempts(dep["spec"])
+            mine = {d["device"] for d in dep["devices"]}
+            dep["pins"] = [p for p in pins.list_pins(store)
+                           if p["name"] == dep["name"] and p["device_id"] in mine]
             dep.pop("spec", None)
             if args.json:
                 print(json.dumps(dep, indent=2, sort_keys=True, default=str))
@@ -194,11 +236,33 @@ def run_deployments(args: argparse.Namespace) -> int:
                 did, dep["name"], dep["version"], dep["selector"] or "(all)", dep["state"],
                 " ({})".format(dep["reason"]) if dep["reason"] else ""))
             print("devices: " + _counts(dep["summary"]))
-            print("rollouts: " + (", ".join(dep["rollouts"]) or "none yet"))
+            print("revision {}; rollouts: {}".format(dep["revision"], ", ".join(
+                dep["rollouts"]) or "none yet"))
+            for p in dep["pins"]:
+                print("pin: {} {}@{} ({}{}{})".format(
+                    p["device_id"], p["name"], p["version"] or "(rollback in flight)",
+                    p["source"], ", by " + p["actor"] if p["actor"] else "",
+                    ": " + p["reason"] if p["reason"] else ""))
             table = [[d["device"], d["state"], d["reason"] or "-"] for d in dep["devices"]
                      if d["state"] != "converged"][:200]
             if table:
                 print(fleet.format_table(["DEVICE", "STATE", "REASON"], table))
+            return EXIT_OK
+        if args.action == "history":
+            revs = revisions.history(store, did)
+            if args.json:
+                print(json.dumps(revs, indent=2, sort_keys=True, default=str))
+            else:
+                print(fleet.format_table(["REVISION", "VERSION", "SELECTOR", "BY", "CREATED"], [
+                    [str(r["revision"]), r["version"], r["selector"] or "(all)",
+                     r["actor"] or "-", time.strftime("%Y-%m-%d %H:%M:%S",
+                                                      time.localtime(r["created"] or 0))]
+                    for r in revs]))
+            return EXIT_OK
+        if args.action == "undo":
+            row = revisions.undo(store, dep)
+            print("deployment {}: {}@{} to '{}' again ({}); fleet serve converges it".format(
+                did, row["name"], row["version"], row["selector"] or "(all)", row["reason"]))
             return EXIT_OK
         return _control(store, dep, args.action, args.devices)
     finally:
@@ -226,6 +290,8 @@ def _control(store: Store, dep: Dict[str, Any], action: str, devices: List[str])
         deployments.cancel_rollouts(store, did)
     else:
         deployments.retry(store, did, devices)
+        if dep["state"] == "halted":  # attempts spent, or a wave's policy: go on
+            deployments.set_state(store, did, "active", None)
     print("deployment {}: {} recorded; fleet serve applies it within a second".format(
         did, action))
     return EXIT_OK
@@ -253,4 +319,49 @@ def run_label(args: argparse.Namespace) -> int:
         for part in ("derived", "assigned", "reported"):
             print("{:<9} {}".format(part + ":", ", ".join(
                 "{}={}".format(k, v) for k, v in sorted(out[part].items())) or "-"))
+    return EXIT_OK
+
+
+def run_pin(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        if not args.device:  # the list
+            rows = pins.list_pins(store)
+            if args.json:
+                print(json.dumps(rows, indent=2, sort_keys=True, default=str))
+            elif rows:
+                print(fleet.format_table(["DEVICE", "MODEL", "SOURCE", "BY", "REASON"], [
+                    [p["device_id"], "{}@{}".format(p["name"], p["version"] or "?"),
+                     p["source"], p["actor"] or "-", p["reason"] or "-"] for p in rows]))
+            else:
+                print("no pins (fleet pin DEVICE NAME@VERSION)")
+            return EXIT_OK
+        name, version = registry.parse_ref(args.ref or "")
+        if version is None:
+            raise AgentError("bad_argument", "fleet pin: expected DEVICE NAME@VERSION, found "
+                             "{!r}".format(args.ref))
+        if store.device(args.device) is None:
+            raise AgentError("unknown_device", "expected a device that reported to this fleet "
+                             "database, found {!r}".format(args.device))
+        registry.get(store, name, version)  # a version the fleet can send
+        row = pins.pin(store, args.device, name, version, reason=args.reason)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(row, indent=2, sort_keys=True))
+    else:
+        print("{} pinned to {}@{}; deployments leave it there (fleet unpin {} {})".format(
+            args.device, name, version, args.device, name))
+    return EXIT_OK
+
+
+def run_unpin(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        if not pins.unpin(store, args.device, args.name):
+            raise AgentError("not_pinned", "expected a fleet pin of {} on {} (fleet pin), found "
+                             "none".format(args.name, args.device))
+    finally:
+        store.close()
+    print("{} {}: unpinned; its deployment governs it again".format(args.device, args.name))
     return EXIT_OK

@@ -174,3 +174,20 @@ deployment_retries = sa.Table(
     "deployment_retries", metadata,
     sa.Column("deployment_id", TEXT, primary_key=True),
     sa.Column("device_id", TEXT, primary_key=True), sa.Column("at", DOUBLE, nullable=False))
+
+# agent.fleet.deployments.pins, revisions (revision 0005): an operator's pins of a device's
+# model to a version (version NULL: pinned to what a rollback in flight makes active), and
+# every spec a deployment has had.
+device_pins = sa.Table(
+    "device_pins", metadata,
+    sa.Column("device_id", TEXT, primary_key=True), sa.Column("name", TEXT, primary_key=True),
+    sa.Column("version", TEXT), sa.Column("actor", TEXT), sa.Column("reason", TEXT),
+    sa.Column("created", DOUBLE))
+
+deployment_revisions = sa.Table(
+    "deployment_revisions", metadata,
+    sa.Column("deployment_id", TEXT, primary_key=True),
+    sa.Column("revision", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("version", TEXT, nullable=False),
+    sa.Column("selector", TEXT, nullable=False), sa.Column("spec", TEXT, nullable=False),
+    sa.Column("actor", TEXT), sa.Column("created", DOUBLE))

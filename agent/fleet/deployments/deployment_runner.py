@@ -21,7 +21,7 @@ import logging
 import time
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
-from agent.fleet.deployments import deployments, labels
+from agent.fleet.deployments import deployments, labels, pins
 from agent.fleet.rollouts import policy
 from agent.wire import protocol
 
@@ -61,6 +61,7 @@ class DeploymentRunner(object):
         self.last_send: Dict[str, float] = {}
         self.later: Dict[str, float] = {}  # busy device -> when to look again
         self.mine: Dict[str, float] = {}  # deployment -> the updated of our own last change
+        self.pins: Dict[Tuple[str, str], Any] = {}  # the fleet pins: (device, name) -> version
         self.stats = {"scans": 0, "decided": 0, "rollouts": 0}
 
     # -- told by the service -------------------------------------------------------------------
@@ -101,6 +102,7 @@ class DeploymentRunner(object):
         for dev, _ts in labels.changed_since(self.store, self.labels_seen):
             self.dirty.add(dev)
             self.labels_seen = max(self.labels_seen, _ts)
+        self._pins_changed()
         self._rollouts_ended()
         for dep_id in sorted(self.full):
             self._scan(dep_id)
@@ -149,6 +151,13 @@ class DeploymentRunner(object):
                 self.full.add(dep_id)
             else:  # superseded or removed: the devices it governed go to the others
                 self.dirty.update(d for (dp, d) in self.records if dp == dep_id)
+
+    def _pins_changed(self) -> None:
+        """The fleet pins (a small table, read whole): the devices whose pins changed."""
+        now = {k: (r["version"],) for k, r in pins.fleet_pins(self.store).items()}
+        for key in set(now) ^ set(self.pins) | {k for k in now if self.pins.get(k) != now[k]}:
+            self.dirty.add(key[0])
+        self.pins = now
 
     def _rollouts_ended(self) -> None:
         if not self.open:
@@ -203,8 +212,10 @@ class DeploymentRunner(object):
                 if dev in out:
                     out[dev]["models"] = json.loads(message) if message else None
                     out[dev]["models_at"] = float(updated or 0)
+        pinned = pins.fleet_pins(self.store, None if devices is None else list(out))
         for dev, f in out.items():
             f["labels"] = labels.selectable(f["status"], assigned.get(dev))
+            f["pins"] = {name: row for (d, name), row in pinned.items() if d == dev}
         return out
 
     def _last_jobs(self, dep_ids: List[str], devices: Optional[List[str]]
@@ -224,12 +235,15 @@ class DeploymentRunner(object):
             for dep, dev, state, data, updated, ro_state, created in self.store.db.query(
                     sql, params):
                 key = (dep, dev)
+                timeouts = out[key]["timeouts"] if key in out else []
+                if state == deployments.TIMED_OUT:  # each one an attempt
+                    timeouts.append(float(updated or 0))
                 if key in out and out[key]["created"] > float(created or 0):
                     continue
                 item = json.loads(data) if data else {}
                 out[key] = {"state": state, "error": item.get("error"),
                             "updated": float(updated or 0), "created": float(created or 0),
-                            "open": ro_state in ("running", "paused")}
+                            "open": ro_state in ("running", "paused"), "timeouts": timeouts}
         return out
 
     def _scan(self, dep_id: str) -> None:
@@ -267,6 +281,8 @@ class DeploymentRunner(object):
         retried = {d: deployments.retries(self.store, d) for d in dep_ids}
         changes: Dict[str, Dict[str, Any]] = {}
         wanted: Dict[str, Set[str]] = {}
+        spent: Dict[str, List[str]] = {}  # deployment -> devices whose attempts are spent
+        at_now = self.clock()
         for dev, f in facts.items():
             gov = {d["deployment_id"] for d in deployments.governing(live, f["labels"]).values()}
             for dep_id in dep_ids:
@@ -278,10 +294,19 @@ class DeploymentRunner(object):
                         self.records.pop(key, None)
                     continue
                 r = retried[dep_id]
-                verdict = deployments.decide(dep, f["online"], f["models"], f["models_at"],
-                                             jobs.get(key), max(r.get(dev, 0.0),
-                                                                r.get(deployments.ALL, 0.0)))
+                since = max(r.get(dev, 0.0), r.get(deployments.ALL, 0.0))
+                job = jobs.get(key)
+                verdict = deployments.decide(
+                    dep, f["online"], f["models"], f["models_at"], job, since,
+                    pin=pins.effective(f["pins"].get(dep["name"]), f["models"], dep["name"]),
+                    attempts=sum(1 for t in (job or {}).get("timeouts", ()) if t > since),
+                    now=at_now)
                 self.stats["decided"] += 1
+                if verdict["at"] is not None:  # a backoff: decided again then
+                    self.later[dev] = min(self.later.get(dev, verdict["at"]), verdict["at"])
+                if verdict["halt"]:
+                    spent.setdefault(dep_id, []).append(
+                        "{} ({})".format(dev, verdict["reason"]))
                 if verdict["send"]:
                     wanted.setdefault(dep_id, set()).add(dev)
                 else:  # an earlier decision to send stands no more
@@ -292,6 +317,12 @@ class DeploymentRunner(object):
                     changes.setdefault(dep_id, {})[dev] = {"state": now[0], "reason": now[1]}
         for dep_id, states in changes.items():
             deployments.record_devices(self.store, dep_id, states)
+        for dep_id, devs in spent.items():
+            dep = self.deps[dep_id]
+            if dep["state"] in deployments.SENDING:
+                self._set(dep, "halted", "gave up after {} attempt(s) on {} device(s): {}".format(
+                    deployments.max_attempts(dep["spec"]), len(devs), ", ".join(devs[:10])))
+                self.sends.pop(dep_id, None)
         return wanted
 
     # -- sending -------------------------------------------------------------------------------

@@ -1,0 +1,43 @@
+"""Pins and deployment revisions (agent.fleet.deployments.pins, revisions): ``device_pins``
+holds an operator's pin of one device's model to a version (``fleet pin``, or ``fleet
+rollback`` of a device a deployment governs), which deployments honour; ``deployment_revisions``
+keeps every spec a deployment has had, for ``fleet deployments undo``. Created only where
+missing.
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-12-05
+"""
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+NAMES = ("device_pins", "deployment_revisions")
+
+
+def _tables() -> sa.MetaData:
+    T, D, N = sa.Text, sa.DOUBLE_PRECISION, sa.Integer
+    m = sa.MetaData()
+    sa.Table("device_pins", m, sa.Column("device_id", T, primary_key=True),
+             sa.Column("name", T, primary_key=True), sa.Column("version", T),
+             sa.Column("actor", T), sa.Column("reason", T), sa.Column("created", D))
+    sa.Table("deployment_revisions", m, sa.Column("deployment_id", T, primary_key=True),
+             sa.Column("revision", N, primary_key=True, autoincrement=False),
+             sa.Column("version", T, nullable=False),
+             sa.Column("selector", T, nullable=False), sa.Column("spec", T, nullable=False),
+             sa.Column("actor", T), sa.Column("created", D))
+    return m
+
+
+def upgrade() -> None:
+    _tables().create_all(op.get_bind(), checkfirst=True)
+
+
+def downgrade() -> None:
+    for name in reversed(NAMES):
+        op.drop_table(name)

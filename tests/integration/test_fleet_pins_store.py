@@ -1,0 +1,182 @@
+"""Pins, attempts and revisions decided by the service's runner over the fleet database
+(SQLite and a real PostgreSQL), the devices' side played by writing what the service would
+record (as in test_fleet_deployments_store): a fleet pin and a device's own pin hold a
+device out of its deployment, unpin lets it converge; a device that times out is retried
+after a backoff and, its attempts spent, halts the deployment with its reason until a retry;
+``undo`` returns a deployment (and the one it superseded) to the previous revision; the
+figures leave out rejected devices and superseded deployments."""
+
+import pytest
+
+from agent.errors import AgentError
+from agent.fleet.database import device_models
+from agent.fleet.deployments import deployments, pins, revisions
+from agent.fleet.deployments.deployment_runner import CATCHUP_S, DeploymentRunner
+from tests.integration.postgres import postgres  # noqa: F401 - fixture
+from tests.integration.test_fleet_deployments_store import (
+    SHA3,
+    SHA4,
+    Clock,
+    devices_of,
+    end_jobs,
+    models,
+    spec,
+    states,
+    status,
+)
+
+
+def converged(store, runner, clock, rollout, devices):
+    end_jobs(store, rollout)
+    for d in devices:
+        device_models.save(store, {d: models(d, det=(rollout_version(store, rollout),
+                                                     SHA3 if rollout_version(store, rollout)
+                                                     == "3" else SHA4))})
+    runner.touch(devices)
+    clock.t += CATCHUP_S
+    runner.tick()
+
+
+def rollout_version(store, rollout):
+    return store.rollout(rollout)["spec"]["model_version"]
+
+
+def test_pins_hold_a_device_and_unpin_releases_it(store):
+    clock = Clock()
+    runner = DeploymentRunner(store, "svc-1", clock=clock)
+    store.upsert_devices({d: status(d, site="w3") for d in "abc"})
+    deployments.insert(store, "d4", "det", "4", "site=w3", spec("4", SHA4))
+    runner.tick()
+    converged(store, runner, clock, "d4-w", "abc")
+    assert {s[0] for s in states(store, "d4").values()} == {"converged"}
+    # a: rolled back (a pin in flight, then settled by the reply); b: the device's own pin
+    pins.rollback_pins(store, [{"request_id": "r1", "device": "a", "name": "det",
+                                "version": None}], None)
+    store.db.execute("INSERT INTO rollbacks (request_id, device_id, name, sent) VALUES "
+                     "('r1', 'a', 'det', 1)")
+    pins.on_rollback_reply(store, "a", {"request_id": "r1", "ok": True,
+                                        "result": {"version": "3"}})
+    device_models.save(store, {"a": models("a", boot=1, det=("3", SHA3))})
+    msg = models("b", boot=1, det=("3", SHA3))
+    msg["pins"] = {"det": "3", "bad name!": "1"}
+    device_models.save(store, {"b": msg})
+    runner.touch(["a", "b"])
+    for _ in range(3):
+        clock.t += CATCHUP_S
+        runner.tick()
+    assert deployments.rollouts_of(store, "d4") == ["d4-w"]  # neither is sent @4 again
+    assert states(store, "d4")["a"] == ("waiting", "pinned to det@3")
+    assert states(store, "d4")["b"] == ("waiting", "pinned to det@3")
+    listed = {(p["device_id"], p["source"]): p for p in pins.list_pins(store)}
+    assert set(listed) == {("a", "fleet"), ("b", "device")}
+    assert listed[("a", "fleet")]["version"] == "3" and listed[("a", "fleet")]["actor"]
+    s = deployments.summary(store, ["d4"])["d4"]
+    assert (s["converged"], s["pinned"], s["waiting_by"]) == (1, 2, {"pinned": 2})
+    # a service restart (a new runner on the same database) keeps them
+    runner = DeploymentRunner(store, "svc-1", clock=clock, lease_s=0.0)
+    clock.t += 60
+    runner.tick()
+    assert deployments.rollouts_of(store, "d4") == ["d4-w"]
+    # unpin: a converges again
+    assert pins.unpin(store, "a", "det") and not pins.unpin(store, "a", "det")
+    clock.t += CATCHUP_S
+    runner.tick()
+    clock.t += CATCHUP_S
+    runner.tick()
+    assert devices_of(store, "d4-c1") == ["a"]
+    # a fleet pin to the deployment's own version on a device that holds it: converged
+    pins.pin(store, "c", "det", "4", "ops", "hold")
+    clock.t += CATCHUP_S
+    runner.tick()
+    assert states(store, "d4")["c"] == ("converged", None)
+    # a rollback of a model no deployment governs makes no pin
+    assert pins.rollback_pins(store, [{"request_id": "r2", "device": "c", "name": "other",
+                                       "version": None}]) == {}
+
+
+def test_timeouts_back_off_then_halt_with_their_reason_until_retried(store):
+    import time
+
+    clock = Clock()
+    clock.t = time.time()  # the jobs' ends are stamped with the real time
+    runner = DeploymentRunner(store, "svc-1", clock=clock)
+    store.upsert_devices({"a": status("a", site="w3")})
+    sp = dict(spec("3", SHA3), max_attempts=2, retry_backoff=10.0)
+    deployments.insert(store, "d3", "det", "3", "site=w3", sp)
+    runner.tick()
+    assert devices_of(store, "d3-w") == ["a"]
+    store.upsert_devices({"a": status("a", online=False, site="w3")})  # gone mid-wave
+    runner.touch(["a"])
+    end_jobs(store, "d3-w", "TIMED_OUT")
+    store.db.execute("UPDATE rollouts SET state = 'timed_out' WHERE rollout_id = 'd3-w'")
+    runner.tick()
+    assert deployments.get(store, "d3")["state"] == "active"
+    state, reason = states(store, "d3")["a"]
+    assert state == "retrying" and reason.startswith("attempt 2 at "), reason
+    clock.t += CATCHUP_S
+    runner.tick()
+    assert deployments.rollouts_of(store, "d3") == ["d3-w"]  # backing off
+    clock.t += 10.0
+    runner.tick()
+    clock.t += CATCHUP_S
+    runner.tick()
+    assert devices_of(store, "d3-c1") == ["a"]  # sent again: the job waits for it
+    end_jobs(store, "d3-c1", "TIMED_OUT")
+    runner.touch(["a"])
+    clock.t += 100
+    runner.tick()
+    dep = deployments.get(store, "d3")
+    assert dep["state"] == "halted" and "a (offline)" in dep["reason"], dep
+    assert states(store, "d3")["a"] == ("failed", "offline")
+    assert deployments.summary(store, ["d3"])["d3"]["failed_by"] == {"offline": 1}
+    clock.t += 1000
+    runner.tick()
+    assert len(deployments.rollouts_of(store, "d3")) == 2  # halted: no more catch-ups
+    # back, and retried: sent again
+    from agent.cli.fleet_deploy import _control
+
+    store.upsert_devices({"a": status("a", site="w3")})
+    runner.touch(["a"])
+    clock.t += 1
+    _control(store, deployments.get(store, "d3"), "retry", [])
+    assert deployments.get(store, "d3")["state"] == "active"
+    clock.t += CATCHUP_S
+    runner.tick()
+    clock.t += CATCHUP_S
+    runner.tick()
+    assert devices_of(store, "d3-c2") == ["a"]
+
+
+def test_undo_returns_to_the_previous_revision(store):
+    clock = Clock()
+    runner = DeploymentRunner(store, "svc-1", clock=clock)
+    store.upsert_devices({d: status(d, site="w3") for d in "ab"})
+    deployments.insert(store, "d3", "det", "3", "site=w3", spec("3", SHA3))
+    with pytest.raises(AgentError) as exc:
+        revisions.undo(store, "d3")
+    assert exc.value.code == "no_previous_revision"
+    runner.tick()
+    converged(store, runner, clock, "d3-w", "ab")
+    deployments.insert(store, "d4", "det", "4", "site=w3", spec("4", SHA4))
+    runner.tick()
+    converged(store, runner, clock, "d4-w", "ab")
+    # d3, superseded, counts its devices as superseded, not converged
+    assert deployments.summary(store, ["d3"])["d3"]["waiting_by"] == {"superseded": 2}
+    assert [r["version"] for r in revisions.history(store, "d4")] == ["3", "4"]
+    with pytest.raises(AgentError) as exc:
+        revisions.undo(store, "d3")
+    assert exc.value.code == "bad_state_transition"
+    row = revisions.undo(store, deployments.get(store, "d4"), actor="ops")
+    assert (row["version"], row["state"]) == ("3", "active")
+    assert [(r["version"], r["actor"]) for r in revisions.history(store, "d4")][-1] == \
+        ("3", "ops")
+    clock.t += CATCHUP_S
+    runner.tick()
+    clock.t += CATCHUP_S
+    runner.tick()
+    catchup = deployments.rollouts_of(store, "d4")[-1]
+    assert devices_of(store, catchup) == ["a", "b"]
+    assert rollout_version(store, catchup) == "3"
+    # a rejected device is left out of the figures
+    store.put_device_key("b", {"device": "b", "state": "rejected"})
+    assert deployments.summary(store, ["d4"])["d4"]["desired"] == 1
