@@ -343,16 +343,53 @@ def run_pin(args: argparse.Namespace) -> int:
         if store.device(args.device) is None:
             raise AgentError("unknown_device", "expected a device that reported to this fleet "
                              "database, found {!r}".format(args.device))
-        registry.get(store, name, version)  # a version the fleet can send
+        record = registry.get(store, name, version)  # a version the fleet can send
         row = pins.pin(store, args.device, name, version, reason=args.reason)
+        row["rollout_id"] = _send_pinned(store, args.device, record)
     finally:
         store.close()
     if args.json:
         print(json.dumps(row, indent=2, sort_keys=True))
     else:
-        print("{} pinned to {}@{}; deployments leave it there (fleet unpin {} {})".format(
-            args.device, name, version, args.device, name))
+        print("{} pinned to {}@{}; deployments leave it there (fleet unpin {} {}){}".format(
+            args.device, name, version, args.device, name,
+            "; it runs another version: rollout {} sends it (fleet rollouts show {})".format(
+                row["rollout_id"], row["rollout_id"]) if row["rollout_id"] else ""))
     return EXIT_OK
+
+
+def _send_pinned(store: Store, device: str, record: Dict[str, Any]) -> Any:
+    """A pin to a version the device does not run: a one-device rollout of it (the
+    governing deployment's settings, else the version's defaults), driven by ``fleet serve``
+    like any. None when the device runs it already."""
+    from agent.fleet.database import device_models
+
+    name, version = record["name"], record["version"]
+    msg = device_models.load(store, [device]).get(device)
+    if any(m["name"] == name and m["version"] == version
+           for m in device_models.entries(None, msg)):
+        return None
+    busy = store.busy_devices([device])
+    if busy:
+        raise AgentError("device_busy", "pinned; but device {} is in rollout {}: expected it "
+                         "idle to send {}@{}, found it busy (pin again when it ends)".format(
+                             device, busy[device], name, version))
+    rid = fleet.check_rollout_id("pin-{}-{}".format(device[:40], uuid.uuid4().hex[:6]))
+    dep_id = pins.governed_by(store, device, name)
+    if dep_id is not None:
+        spec = dict(deployments.get(store, dep_id)["spec"])
+        spec.update(model_version=version,
+                    artifacts={k: dict(v) for k, v in record["artifacts"].items()})
+        if "goldens" not in spec["artifacts"]:
+            spec["search"] = None  # a search judges against goldens this version lacks
+    else:
+        spec = build_spec(argparse.Namespace(
+            precision=None, fallback=None, search=None, job_timeout=None,
+            no_accuracy_gate=True, success_threshold=1.0, abort_failure_rate=None,
+            min_executed=1, batch=None, percent=None, timeout=3600.0), record, rid)
+    store.insert_rollout(rid, spec, [[device]], time.time() + float(spec.get("timeout") or
+                                                                    3600.0))
+    return rid
 
 
 def run_unpin(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ Mosquitto, ``fleet serve`` on SQLite and the operator's CLI as a user types it:
   of the service running and across a service restart the deployment sends nothing to it,
   ``fleet deployments show`` and /metrics show the pin; ``fleet unpin`` lets it converge;
   ``fleet deployments undo`` returns the deployment to its previous revision (the version it
-  superseded) and the devices follow;
+  superseded) and the devices follow; ``fleet pin`` to a version a device does not run sends
+  it;
 - a wave whose only device goes away (frozen, then killed: its Will) halts after its
   attempts with the reason "offline"; back, the device converges after ``fleet deployments
   retry``.
@@ -129,6 +130,15 @@ def test_a_rollback_of_a_governed_device_holds_until_unpinned(mosquitto, agent_f
         wait_for("undone", lambda: on_version(db, "dp2", names, "1"), service)
         history = json.loads(cli(["deployments", "history", "dp2", "--json"], db))
         assert [r["version"] for r in history] == ["1", "2", "1"]
+
+        # a pin to a version the device does not run sends it; the deployment leaves it there
+        out = cli(["pin", "pin-1", "det@2", "--reason", "canary"], db)
+        assert "rollout pin-pin-1-" in out, out
+        wait_for("pinned to @2", lambda: models_held(db, "pin-1").get("det") == "2" and
+                 device_states(db, "dp2").get("pin-1") == "waiting", service)
+        listed = json.loads(cli(["pin", "--json"], db))
+        assert [(p["device_id"], p["version"], p["reason"]) for p in listed] == [
+            ("pin-1", "2", "canary")]
         for agent in agents.values():
             assert agent.alive(), agent.log_tail()
     finally:

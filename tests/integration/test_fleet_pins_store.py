@@ -180,3 +180,29 @@ def test_undo_returns_to_the_previous_revision(store):
     # a rejected device is left out of the figures
     store.put_device_key("b", {"device": "b", "state": "rejected"})
     assert deployments.summary(store, ["d4"])["d4"]["desired"] == 1
+
+
+def test_a_pin_to_a_version_the_device_lacks_sends_it(store):
+    from agent.cli.fleet_deploy import _send_pinned
+    from agent.fleet.deployments import registry
+    from tests.integration.test_fleet_deployments_store import record
+
+    clock = Clock()
+    runner = DeploymentRunner(store, "svc-1", clock=clock)
+    store.upsert_devices({d: status(d, site="w3") for d in "ab"})
+    for v, sha in (("3", SHA3), ("4", SHA4)):
+        registry.put(store, "det", v, record(sha))
+    deployments.insert(store, "d4", "det", "4", "site=w3", spec("4", SHA4))
+    runner.tick()
+    converged(store, runner, clock, "d4-w", "ab")
+    pins.pin(store, "a", "det", "4")
+    assert _send_pinned(store, "a", registry.get(store, "det", "4")) is None  # runs it
+    pins.pin(store, "a", "det", "3")
+    rid = _send_pinned(store, "a", registry.get(store, "det", "3"))
+    ro = store.rollout(rid)
+    assert ro["stages"] == [["a"]] and ro["spec"]["model_version"] == "3"
+    assert ro["spec"]["artifacts"]["model"]["sha256"] == SHA3
+    assert ro["spec"]["precision"] == "fp16"  # the deployment's settings
+    with pytest.raises(AgentError) as exc:  # in that rollout still
+        _send_pinned(store, "a", registry.get(store, "det", "3"))
+    assert exc.value.code == "device_busy"
