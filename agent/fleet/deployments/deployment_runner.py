@@ -212,10 +212,13 @@ class DeploymentRunner(object):
                 if dev in out:
                     out[dev]["models"] = json.loads(message) if message else None
                     out[dev]["models_at"] = float(updated or 0)
-        pinned = pins.fleet_pins(self.store, None if devices is None else list(out))
+        pinned: Dict[str, Dict[str, Any]] = {}
+        for (dev, name), row in pins.fleet_pins(
+                self.store, None if devices is None else list(out)).items():
+            pinned.setdefault(dev, {})[name] = row
         for dev, f in out.items():
             f["labels"] = labels.selectable(f["status"], assigned.get(dev))
-            f["pins"] = {name: row for (d, name), row in pinned.items() if d == dev}
+            f["pins"] = pinned.get(dev, {})
         return out
 
     def _last_jobs(self, dep_ids: List[str], devices: Optional[List[str]]
