@@ -177,9 +177,14 @@ def test_undo_returns_to_the_previous_revision(store):
     catchup = deployments.rollouts_of(store, "d4")[-1]
     assert devices_of(store, catchup) == ["a", "b"]
     assert rollout_version(store, catchup) == "3"
-    # a rejected device is left out of the figures
+    # a rejected device is left out of the figures; a re-keyed one too, shown as waiting
     store.put_device_key("b", {"device": "b", "state": "rejected"})
     assert deployments.summary(store, ["d4"])["d4"]["desired"] == 1
+    store.put_device_key("a", {"device": "a", "state": "pending",
+                               "pending_status": status("a", site="w3")})
+    assert deployments.summary(store, ["d4"]).get("d4", {}).get("desired", 0) == 0
+    assert states(store, "d4") == {"a": ("waiting", "pending admission (fleet devices accept "
+                                         "a)")}
 
 
 def test_a_pin_to_a_version_the_device_lacks_sends_it(store):

@@ -245,6 +245,32 @@ def device_states(store: Any, deployment_id: str) -> List[Dict[str, Any]]:
                             " ORDER BY dd.device_id", (deployment_id,)):
         state, reason = _shown(dep_state, r[1], r[2])
         out.append({"device": r[0], "state": state, "reason": reason, "updated": r[3]})
+    return out + pending_admission(store, deployment_id)
+
+
+MAX_PENDING_SHOWN = 200
+
+
+def pending_admission(store: Any, deployment_id: str) -> List[Dict[str, Any]]:
+    """Devices waiting for an operator's admission (new, or re-keyed) whose labels, as their
+    pending birth states them, the deployment's selector matches: shown as waiting, never
+    counted (admission bounds how many wait)."""
+    from agent.fleet.deployments.labels import selectable
+    from agent.fleet.deployments.selectors import parse
+
+    dep = store.db.query("SELECT selector, state FROM deployments WHERE deployment_id = ?",
+                         (deployment_id,))
+    if not dep or dep[0][1] not in LIVE:
+        return []
+    selector = parse(dep[0][0])
+    out: List[Dict[str, Any]] = []
+    for dev, row in sorted(store.device_keys("pending").items()):
+        status = row.get("pending_status")
+        if isinstance(status, Mapping) and selector.matches(selectable(status, None)):
+            out.append({"device": dev, "state": "waiting", "reason": "pending admission "
+                        "(fleet devices accept {})".format(dev), "updated": row.get("updated")})
+            if len(out) >= MAX_PENDING_SHOWN:
+                break
     return out
 
 
