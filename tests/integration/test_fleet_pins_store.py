@@ -211,3 +211,69 @@ def test_a_pin_to_a_version_the_device_lacks_sends_it(store):
     with pytest.raises(AgentError) as exc:  # in that rollout still
         _send_pinned(store, "a", registry.get(store, "det", "3"))
     assert exc.value.code == "device_busy"
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "postgresql"])
+def test_revision_0005_gives_existing_deployments_their_first_revision(kind, tmp_path,
+                                                                      request):
+    import json
+
+    from agent.fleet.database import migrate
+    from agent.fleet.database.store import Store
+
+    url = request.getfixturevalue("postgres").url if kind == "postgresql" else \
+        "sqlite:///" + str(tmp_path / "fleet.db")
+    migrate.upgrade(url, target="0004")
+    from agent.fleet.database.db import Db
+
+    db = Db(url)
+    try:
+        db.execute("INSERT INTO deployments (deployment_id, name, version, selector, spec, "
+                   "state, created, updated) VALUES ('d3', 'det', '3', 'site=w3', ?, 'active', "
+                   "1, 1)", (json.dumps(spec("3", SHA3)),))
+    finally:
+        db.close()
+    migrate.upgrade(url)
+    store = Store(url)
+    try:
+        assert [(r["revision"], r["version"]) for r in revisions.history(store, "d3")] == [
+            (1, "3")]
+        deployments.insert(store, "d4", "det", "4", "site=w3", spec("4", SHA4))
+        assert revisions.undo(store, "d4")["version"] == "3"
+        assert pins.list_pins(store) == []
+    finally:
+        store.close()
+
+
+def test_pin_unpin_and_undo_commands_check_their_input(tmp_path):
+    from agent.fleet.database.store import Store
+    from agent.fleet.deployments import registry
+    from tests.integration.test_fleet_deployments_store import record
+    from tests.integration.test_fleet_service import fleet_cli
+
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    store = Store(db)
+    try:
+        store.upsert_devices({"a": status("a", site="w3")})
+        registry.put(store, "det", "3", record(SHA3))
+        deployments.insert(store, "d3", "det", "3", "site=w3", spec("3", SHA3))
+    finally:
+        store.close()
+    for args, code in ((["pin", "a", "det"], "bad_argument"),
+                       (["pin", "nobody", "det@3"], "unknown_device"),
+                       (["pin", "a", "det@9"], "unknown_model_version"),
+                       (["pin", "a", "det@3", "--reason", "x" * 600], "bad_argument"),
+                       (["unpin", "a", "det"], "not_pinned"),
+                       (["deployments", "undo", "d3"], "no_previous_revision"),
+                       (["deployments", "undo", "d9"], "unknown_deployment"),
+                       (["deploy", "det@3", "--to", "site=w3", "--no-accuracy-gate",
+                         "--max-attempts", "0"],
+                        "bad_argument")):
+        out = fleet_cli(args + ["--db", db])
+        assert out.returncode == 2 and code in out.stderr, (args, out.stdout, out.stderr)
+    out = fleet_cli(["pin", "a", "det@3", "--reason", "hold", "--db", db])
+    assert out.returncode == 0 and "rollout pin-a-" in out.stdout, out.stdout + out.stderr
+    assert "a" in fleet_cli(["pin", "--db", db]).stdout
+    assert fleet_cli(["unpin", "a", "det", "--db", db]).returncode == 0
+    out = fleet_cli(["deployments", "history", "d3", "--db", db])
+    assert out.returncode == 0 and "site=w3" in out.stdout, out.stderr

@@ -1,8 +1,8 @@
 """Pins and deployment revisions (agent.fleet.deployments.pins, revisions): ``device_pins``
 holds an operator's pin of one device's model to a version (``fleet pin``, or ``fleet
 rollback`` of a device a deployment governs), which deployments honour; ``deployment_revisions``
-keeps every spec a deployment has had, for ``fleet deployments undo``. Created only where
-missing.
+keeps every spec a deployment has had, for ``fleet deployments undo`` (an existing
+deployment's spec becomes its revision 1). Created only where missing.
 
 Revision ID: 0005
 Revises: 0004
@@ -36,6 +36,11 @@ def _tables() -> sa.MetaData:
 
 def upgrade() -> None:
     _tables().create_all(op.get_bind(), checkfirst=True)
+    # The deployments of the previous release: their spec as it is now is revision 1.
+    op.execute("INSERT INTO deployment_revisions (deployment_id, revision, version, selector, "
+               "spec, created) SELECT deployment_id, 1, version, selector, spec, created FROM "
+               "deployments WHERE deployment_id NOT IN (SELECT deployment_id FROM "
+               "deployment_revisions)")
 
 
 def downgrade() -> None:
