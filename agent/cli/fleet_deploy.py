@@ -225,9 +225,8 @@ def run_deployments(args: argparse.Namespace) -> int:
             dep["rollouts"] = deployments.rollouts_of(store, did)
             dep["revision"] = (revisions.history(store, did) or [{"revision": 0}])[-1]["revision"]
             dep["max_attempts"] = deployments.max_attempts(dep["spec"])
-            mine = {d["device"] for d in dep["devices"]}
-            dep["pins"] = [p for p in pins.list_pins(store)
-                           if p["name"] == dep["name"] and p["device_id"] in mine]
+            dep["pins"] = [p for p in pins.list_pins(store, [d["device"] for d in dep["devices"]])
+                           if p["name"] == dep["name"]]
             dep.pop("spec", None)
             if args.json:
                 print(json.dumps(dep, indent=2, sort_keys=True, default=str))

@@ -69,6 +69,8 @@ def test_pins_hold_a_device_and_unpin_releases_it(store):
     assert states(store, "d4")["b"] == ("waiting", "pinned to det@3")
     listed = {(p["device_id"], p["source"]): p for p in pins.list_pins(store)}
     assert set(listed) == {("a", "fleet"), ("b", "device")}
+    assert [(p["device_id"], p["source"]) for p in pins.list_pins(store, ["b", "c"])] == [
+        ("b", "device")]
     assert listed[("a", "fleet")]["version"] == "3" and listed[("a", "fleet")]["actor"]
     s = deployments.summary(store, ["d4"])["d4"]
     assert (s["converged"], s["pinned"], s["waiting_by"]) == (1, 2, {"pinned": 2})

@@ -91,16 +91,27 @@ def fleet_pins(store: Any, devices: Optional[Iterable[str]] = None
     return {(r[0], r[1]): _row(r) for r in found}
 
 
-def list_pins(store: Any) -> List[Dict[str, Any]]:
-    """Every pin: the fleet's rows and the devices' own (from their retained models
-    messages), sorted by device and name; a device pin that a fleet pin overrides is left
-    out. {device_id, name, version, source ('fleet'|'device'), actor, reason, created}."""
+def list_pins(store: Any, devices: Optional[Iterable[str]] = None) -> List[Dict[str, Any]]:
+    """Every pin (``devices``: of these only): the fleet's rows and the devices' own (from
+    their retained models messages), sorted by device and name; a device pin that a fleet pin
+    overrides is left out. {device_id, name, version, source ('fleet'|'device'), actor,
+    reason, created}."""
     import json
 
-    out = fleet_pins(store)
-    for dev, message, updated in store.db.query(
-            "SELECT device_id, message, updated FROM device_models WHERE message LIKE ?",
-            ('%"pins"%',)):
+    wanted = None if devices is None else sorted(set(devices))
+    out = fleet_pins(store, wanted)
+    rows: List[Any] = []
+    if wanted is None:
+        rows = store.db.query("SELECT device_id, message, updated FROM device_models WHERE "
+                              "message LIKE ?", ('%"pins"%',))
+    else:
+        for i in range(0, len(wanted), 500):
+            chunk = wanted[i:i + 500]
+            rows += store.db.query(
+                "SELECT device_id, message, updated FROM device_models WHERE device_id IN ({}) "
+                "AND message LIKE ?".format(", ".join("?" for _ in chunk)),
+                list(chunk) + ['%"pins"%'])
+    for dev, message, updated in rows:
         try:
             msg = json.loads(message) if message else None
         except ValueError:
