@@ -76,6 +76,8 @@ def test_waiting_says_why():
     assert deployments.decide(dep(), False, held("3"), 1.0, None, 0.0)["reason"] == "offline"
     assert deployments.decide(dep("paused"), True, held("3"), 1.0, None, 0.0)["reason"] == \
         "paused"
+    v = deployments.decide(dep("halted"), True, held("3"), 1.0, None, 0.0)
+    assert (v["state"], v["reason"], v["send"]) == ("waiting", "halted", False)
     failed = {"state": "FAILED", "error": {"code": "accuracy_gate_failed", "message": "0.2 > "
                                            "0.1"}, "updated": 5.0, "open": False}
     v = deployments.decide(dep(), True, held("3"), 1.0, failed, 0.0)

@@ -368,12 +368,12 @@ def decide(dep: Mapping[str, Any], online: bool, models_msg: Optional[Mapping[st
             at = ended + backoff(spec, attempts)
             reason = "attempt {} at {}".format(attempts + 1, time.strftime(
                 "%H:%M:%S", time.localtime(at)))
-            if dep.get("state") == "paused":
-                return out("waiting", "paused")
+            if dep.get("state") in ("paused", "halted"):
+                return out("waiting", str(dep["state"]))
             # A device that went away mid-rollout is sent again too: the job waits for it.
             return out("retrying", reason, send=now >= at, at=None if now >= at else at)
-    if dep.get("state") == "paused":
-        return out("waiting", "paused")
+    if dep.get("state") in ("paused", "halted"):  # sends nothing until resumed / retried
+        return out("waiting", str(dep["state"]))
     if not online:
         return out("waiting", "offline")
     return out("waiting", None, send=True)
