@@ -279,3 +279,27 @@ def test_pin_unpin_and_undo_commands_check_their_input(tmp_path):
     assert fleet_cli(["unpin", "a", "det", "--db", db]).returncode == 0
     out = fleet_cli(["deployments", "history", "d3", "--db", db])
     assert out.returncode == 0 and "site=w3" in out.stdout, out.stderr
+
+
+def test_a_refused_rollback_leaves_no_pin(store):
+    clock = Clock()
+    runner = DeploymentRunner(store, "svc-1", clock=clock)
+    store.upsert_devices({"a": status("a", site="w3")})
+    deployments.insert(store, "d4", "det", "4", "site=w3", spec("4", SHA4))
+    runner.tick()
+    converged(store, runner, clock, "d4-w", "a")
+    for rid, version in (("r1", None), ("r2", "2")):
+        store.db.execute("INSERT INTO rollbacks (request_id, device_id, name, version, sent) "
+                         "VALUES (?, 'a', 'det', ?, 1)", (rid, version))
+        assert pins.rollback_pins(store, [{"request_id": rid, "device": "a", "name": "det",
+                                           "version": version}], "why") == {rid: "d4"}
+        assert pins.list_pins(store)[0]["version"] == version
+        pins.on_rollback_reply(store, "a", {"request_id": rid, "ok": False,
+                                            "error": {"code": "no_previous_version"}})
+        assert pins.list_pins(store) == []
+    # a malformed answer leaves the pin in flight as it was
+    pins.rollback_pins(store, [{"request_id": "r1", "device": "a", "name": "det",
+                                "version": None}])
+    pins.on_rollback_reply(store, "a", {"request_id": "r1", "ok": True,
+                                        "result": {"version": "../x"}})
+    assert [p["version"] for p in pins.list_pins(store)] == [None]

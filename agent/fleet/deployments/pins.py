@@ -179,18 +179,25 @@ def governed_by(store: Any, device: str, name: str) -> Optional[str]:
 
 def on_rollback_reply(store: Any, device: str, reply: Mapping[str, Any]) -> None:
     """A device's reply to a rollback (the service hears every one): a pin waiting for its
-    version gets the one the device made active; a refusal leaves no such pin behind."""
+    version gets the one the device made active; a refusal leaves no pin of it behind (nor
+    one to the version it asked for)."""
     res: Mapping[str, Any] = reply["result"] if isinstance(reply.get("result"), Mapping) \
         else {}
-    rows = store.db.query("SELECT name FROM rollbacks WHERE request_id = ? AND device_id = ?",
-                          (str(reply.get("request_id")), device))
+    rows = store.db.query("SELECT name, version FROM rollbacks WHERE request_id = ? AND "
+                          "device_id = ?", (str(reply.get("request_id")), device))
     name = res.get("name") or (rows[0][0] if rows else None)
     if not isinstance(name, str):
         return
-    version = res.get("version") if reply.get("ok") else None
+    if not reply.get("ok"):
+        asked = rows[0][1] if rows else None
+        if asked is not None:
+            store.db.execute("DELETE FROM device_pins WHERE device_id = ? AND name = ? AND "
+                             "version = ?", (device, name, asked))
+        settle(store, device, name, None)
+        return
     try:
         settle(store, device, model_names.validate_name(name),
-               None if version is None else model_names.validate_version(version))
+               model_names.validate_version(res.get("version")))
     except AgentError:  # the device's word, malformed: the pin stays as it was
         return
 

@@ -207,6 +207,7 @@ def _run(args: argparse.Namespace, connect: Any, store: Any, hold: Any = None) -
         raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
             args.rollout))
     conn = connect(args)
+    pinned: Dict[str, str] = {}  # request id -> the deployment its pin holds the device from
     replies: Dict[str, Dict[str, Any]] = {}
     requests: Dict[str, Dict[str, Any]] = {}
     try:
@@ -223,8 +224,8 @@ def _run(args: argparse.Namespace, connect: Any, store: Any, hold: Any = None) -
             requests[rid] = dict(t, request_id=rid)
         if store is not None:  # before the commands leave: a fast reply finds its record
             rollback_log.record(store, list(requests.values()))
-            pinned = hold[0](store, list(requests.values()), getattr(args, "reason", None)) \
-                if hold else {}
+            if hold:
+                pinned = hold[0](store, list(requests.values()), getattr(args, "reason", None))
         for rid, t in requests.items():
             conn.publish(conn.topics.commands(t["device"]), protocol.encode(command(
                 t["model"], rid, t["name"], t["version"])), qos=1)
@@ -240,7 +241,6 @@ def _run(args: argparse.Namespace, connect: Any, store: Any, hold: Any = None) -
             if rid in pinned and hold:  # the version it went back to, or no pin (refused)
                 hold[1](store, requests[rid]["device"], answer)
     out: List[Dict[str, Any]] = []
-    pinned = pinned if store is not None else {}
     for rid, t in sorted(requests.items(), key=lambda kv: kv[1]["device"]):
         reply = replies.get(rid)
         out.append({"device": t["device"], "model": t["model"], "name": t["name"],
