@@ -156,6 +156,11 @@ CODES = {
     "deploy --allow-empty records it anyway).",
     "model_switching": "A model cannot be removed from a device while its app is switching "
     "versions of it (a hand-off in progress): try again once the switch ended.",
+    # fleet pins and deployment revisions (agent.fleet.deployments.pins, revisions)
+    "no_previous_revision": "fleet deployments undo: the deployment has no earlier revision to "
+    "return to.",
+    "not_pinned": "fleet unpin: the device's model has no fleet pin (a device's own pin is "
+    "removed on the device).",
 }
 
 

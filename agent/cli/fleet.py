@@ -48,12 +48,16 @@ def add_parser(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fsub = p.add_subparsers(dest="fleet_command",
                             metavar="devices|rollout|rollouts|serve|db|rollback|models|deploy|"
-                                   "deployments|label|jobs|cancel|telemetry|keygen|audit")
+                                   "deployments|label|pin|unpin|jobs|cancel|telemetry|keygen|"
+                                   "audit")
     fleet_registry.add_devices_parser(fsub)
     fleet_rollout.add_parser(fsub)
     fleet_serve.add_parsers(fsub, add_connection_args, connect)
     fleet_db.add_db_parser(fsub)
-    rollback.add_parser(fsub, add_connection_args, connect)
+    from agent.fleet.deployments import pins  # a governed device's rollback becomes a pin
+
+    rollback.add_parser(fsub, add_connection_args, connect,
+                        (pins.rollback_pins, pins.on_rollback_reply))
     fleet_models.add_parser(fsub)
     fleet_deploy.add_parsers(fsub)
     fleet_registry.add_jobs_parser(fsub)

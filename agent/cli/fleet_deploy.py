@@ -15,7 +15,15 @@ from agent.cli import EXIT_OK
 from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
 from agent.fleet.database.store import Store
-from agent.fleet.deployments import deployments, labels, preview, registry, selectors
+from agent.fleet.deployments import (
+    deployments,
+    labels,
+    pins,
+    preview,
+    registry,
+    revisions,
+    selectors,
+)
 from agent.fleet.rollouts.spec import DOC_KEYS
 
 
@@ -64,18 +72,43 @@ def add_parsers(fsub: Any) -> None:
     d.add_argument("--allow-empty", action="store_true",
                    help="record the deployment even if the selector matches no eligible "
                         "device now (devices that join later converge)")
+    d.add_argument("--max-attempts", type=int, default=deployments.MAX_ATTEMPTS, metavar="N",
+                   help="a device may time out in N rollouts (first wave, catch-ups; each "
+                   "after an exponential backoff) before the deployment halts with its reason "
+                   "(default %(default)s; fleet deployments retry resumes it)")
+    d.add_argument("--retry-backoff", type=float, default=deployments.BACKOFF_S, metavar="S",
+                   help="the first backoff after a timed-out rollout, doubled each time, capped "
+                   "at {:g} s (default %(default)s)".format(deployments.BACKOFF_CAP_S))
     d.add_argument("--json", action="store_true")
     add_db_args(d)
     d.set_defaults(func=run_deploy)
 
-    s = fsub.add_parser("deployments", help="deployments: ls, show, pause, resume, rm, retry")
-    s.add_argument("action", choices=("ls", "show", "pause", "resume", "rm", "retry"))
+    s = fsub.add_parser("deployments", help="deployments: ls, show, pause, resume, rm, retry, "
+                        "undo, history")
+    s.add_argument("action", choices=("ls", "show", "pause", "resume", "rm", "retry", "undo",
+                                      "history"))
     s.add_argument("deployment_id", nargs="?", metavar="ID")
     s.add_argument("--devices", nargs="+", default=[], metavar="ID",
                    help="retry: only these devices (default every failed one)")
     s.add_argument("--json", action="store_true")
     add_db_args(s)
     s.set_defaults(func=run_deployments)
+
+    p = fsub.add_parser("pin", help="hold a device's model at a version; deployments honour it",
+                        description="Record a pin: the device runs NAME@VERSION whatever a "
+                        "deployment says (fleet serve sends the version when the device lacks "
+                        "it). See docs/fleet.md, One truth.")
+    p.add_argument("device", metavar="DEVICE", nargs="?")
+    p.add_argument("ref", metavar="NAME@VERSION", nargs="?")
+    p.add_argument("--reason", metavar="TEXT", help="why (shown with the pin)")
+    p.add_argument("--json", action="store_true")
+    add_db_args(p)
+    p.set_defaults(func=run_pin)
+    u = fsub.add_parser("unpin", help="remove a device's pin: its deployment governs it again")
+    u.add_argument("device", metavar="DEVICE")
+    u.add_argument("name", metavar="NAME")
+    add_db_args(u)
+    u.set_defaults(func=run_unpin)
 
     lab = fsub.add_parser("label", help="a device's labels: show, set key=value, --remove key")
     lab.add_argument("device", metavar="DEVICE")
@@ -116,12 +149,21 @@ def build_spec(args: argparse.Namespace, version: Dict[str, Any], dep_id: str
         fleet.plan_stages(["check"], args.batch, args.percent)  # the numbers checked
     if not args.timeout > 0:
         raise AgentError("bad_argument", "--timeout must be > 0, found {}".format(args.timeout))
+    attempts = getattr(args, "max_attempts", deployments.MAX_ATTEMPTS)
+    backoff = getattr(args, "retry_backoff", deployments.BACKOFF_S)
+    if not 1 <= attempts <= 100:
+        raise AgentError("bad_argument", "--max-attempts: expected 1 to 100, found {}".format(
+            attempts))
+    if not 0 < backoff <= deployments.BACKOFF_CAP_S:
+        raise AgentError("bad_argument", "--retry-backoff: expected > 0 and <= {:g} s, found "
+                         "{}".format(deployments.BACKOFF_CAP_S, backoff))
     spec: Dict[str, Any] = {k: merged.get(k) for k in DOC_KEYS}
     spec.update({"model_name": version["name"], "model_version": version["version"],
                  "artifacts": {k: dict(v) for k, v in arts.items()},
                  "layer_precisions": dict(merged.get("layer_precisions") or {}),
                  "timeout": float(args.timeout), "model_path": None,
                  "batch": args.batch, "percent": args.percent,
+                 "max_attempts": attempts, "retry_backoff": float(backoff),
                  "policy": {"success_threshold": policy.success_threshold,
                             "abort_failure_rate": policy.abort_failure_rate,
                             "min_executed": policy.min_executed}})
@@ -166,7 +208,8 @@ def run_deploy(args: argparse.Namespace) -> int:
                              "matches no eligible device (expected at least one; fleet devices "
                              "--selector '{}' lists what it matches); --allow-empty records it "
                              "anyway".format(selector.text, selector.text))
-        older = deployments.insert(store, dep_id, name, version, selector.text, spec)
+        older = deployments.insert(store, dep_id, name, version, selector.text, spec,
+                                   pins.actor())
     finally:
         store.close()
     if args.json:
@@ -213,12 +256,14 @@ def _dry_run(args: argparse.Namespace, store: Store, dep: Dict[str, Any], select
 
 def _counts(s: Dict[str, Any]) -> str:
     failed = ", ".join("{} {}".format(n, r) for r, n in sorted(s["failed_by"].items()))
-    return "{}/{} converged, {} in progress, {} failed{}, {} offline, {} waiting".format(
-        s["converged"], s["desired"], s["in_progress"], s["failed"],
-        " ({})".format(failed) if failed else "", s["offline"], s["waiting"])
+    waiting = ", ".join("{} {}".format(n, r) for r, n in sorted(s["waiting_by"].items()))
+    return "{}/{} converged, {} in progress, {} retrying, {} failed{}, {} waiting{}".format(
+        s["converged"], s["desired"], s["in_progress"], s.get("retrying", 0), s["failed"],
+        " ({})".format(failed) if failed else "", s["waiting"],
+        " ({})".format(waiting) if waiting else "")
 
 
-EMPTY = dict({k: 0 for k in deployments.STATES}, desired=0, failed_by={})
+EMPTY = deployments.empty_summary()
 
 
 def run_deployments(args: argparse.Namespace) -> int:
@@ -250,7 +295,12 @@ def run_deployments(args: argparse.Namespace) -> int:
             dep["summary"] = deployments.summary(store, [did]).get(did, EMPTY)
             dep["devices"] = deployments.device_states(store, did)
             dep["rollouts"] = deployments.rollouts_of(store, did)
-            dep["on_leave"] = (dep.pop("spec", None) or {}).get("on_leave") or "keep"
+            dep["on_leave"] = (dep.get("spec") or {}).get("on_leave") or "keep"
+            dep["revision"] = (revisions.history(store, did) or [{"revision": 0}])[-1]["revision"]
+            dep["max_attempts"] = deployments.max_attempts(dep["spec"])
+            dep["pins"] = [p for p in pins.list_pins(store, [d["device"] for d in dep["devices"]])
+                           if p["name"] == dep["name"]]
+            dep.pop("spec", None)
             if args.json:
                 print(json.dumps(dep, indent=2, sort_keys=True, default=str))
                 return EXIT_OK
@@ -259,11 +309,33 @@ def run_deployments(args: argparse.Namespace) -> int:
                 " ({})".format(dep["reason"]) if dep["reason"] else ""))
             print("devices: " + _counts(dep["summary"]))
             print("on leave: " + dep["on_leave"])
-            print("rollouts: " + (", ".join(dep["rollouts"]) or "none yet"))
+            print("revision {}; rollouts: {}".format(dep["revision"], ", ".join(
+                dep["rollouts"]) or "none yet"))
+            for p in dep["pins"]:
+                print("pin: {} {}@{} ({}{}{})".format(
+                    p["device_id"], p["name"], p["version"] or "(rollback in flight)",
+                    p["source"], ", by " + p["actor"] if p["actor"] else "",
+                    ": " + p["reason"] if p["reason"] else ""))
             table = [[d["device"], d["state"], d["reason"] or "-"] for d in dep["devices"]
                      if d["state"] != "converged"][:200]
             if table:
                 print(fleet.format_table(["DEVICE", "STATE", "REASON"], table))
+            return EXIT_OK
+        if args.action == "history":
+            revs = revisions.history(store, did)
+            if args.json:
+                print(json.dumps(revs, indent=2, sort_keys=True, default=str))
+            else:
+                print(fleet.format_table(["REVISION", "VERSION", "SELECTOR", "BY", "CREATED"], [
+                    [str(r["revision"]), r["version"], r["selector"] or "(all)",
+                     r["actor"] or "-", time.strftime("%Y-%m-%d %H:%M:%S",
+                                                      time.localtime(r["created"] or 0))]
+                    for r in revs]))
+            return EXIT_OK
+        if args.action == "undo":
+            row = revisions.undo(store, dep)
+            print("deployment {}: {}@{} to '{}' again ({}); fleet serve converges it".format(
+                did, row["name"], row["version"], row["selector"] or "(all)", row["reason"]))
             return EXIT_OK
         return _control(store, dep, args.action, args.devices)
     finally:
@@ -291,6 +363,8 @@ def _control(store: Store, dep: Dict[str, Any], action: str, devices: List[str])
         deployments.cancel_rollouts(store, did)
     else:
         deployments.retry(store, did, devices)
+        if dep["state"] == "halted":  # attempts spent, or a wave's policy: go on
+            deployments.set_state(store, did, "active", None)
     print("deployment {}: {} recorded; fleet serve applies it within a second".format(
         did, action))
     return EXIT_OK
@@ -318,4 +392,86 @@ def run_label(args: argparse.Namespace) -> int:
         for part in ("derived", "assigned", "reported"):
             print("{:<9} {}".format(part + ":", ", ".join(
                 "{}={}".format(k, v) for k, v in sorted(out[part].items())) or "-"))
+    return EXIT_OK
+
+
+def run_pin(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        if not args.device:  # the list
+            rows = pins.list_pins(store)
+            if args.json:
+                print(json.dumps(rows, indent=2, sort_keys=True, default=str))
+            elif rows:
+                print(fleet.format_table(["DEVICE", "MODEL", "SOURCE", "BY", "REASON"], [
+                    [p["device_id"], "{}@{}".format(p["name"], p["version"] or "?"),
+                     p["source"], p["actor"] or "-", p["reason"] or "-"] for p in rows]))
+            else:
+                print("no pins (fleet pin DEVICE NAME@VERSION)")
+            return EXIT_OK
+        name, version = registry.parse_ref(args.ref or "")
+        if version is None:
+            raise AgentError("bad_argument", "fleet pin: expected DEVICE NAME@VERSION, found "
+                             "{!r}".format(args.ref))
+        if store.device(args.device) is None:
+            raise AgentError("unknown_device", "expected a device that reported to this fleet "
+                             "database, found {!r}".format(args.device))
+        record = registry.get(store, name, version)  # a version the fleet can send
+        row = pins.pin(store, args.device, name, version, reason=args.reason)
+        row["rollout_id"] = _send_pinned(store, args.device, record)
+    finally:
+        store.close()
+    if args.json:
+        print(json.dumps(row, indent=2, sort_keys=True))
+    else:
+        print("{} pinned to {}@{}; deployments leave it there (fleet unpin {} {}){}".format(
+            args.device, name, version, args.device, name,
+            "; it runs another version: rollout {} sends it (fleet rollouts show {})".format(
+                row["rollout_id"], row["rollout_id"]) if row["rollout_id"] else ""))
+    return EXIT_OK
+
+
+def _send_pinned(store: Store, device: str, record: Dict[str, Any]) -> Any:
+    """A pin to a version the device does not run: a one-device rollout of it (the
+    governing deployment's settings, else the version's defaults), driven by ``fleet serve``
+    like any. None when the device runs it already."""
+    from agent.fleet.database import device_models
+
+    name, version = record["name"], record["version"]
+    msg = device_models.load(store, [device]).get(device)
+    if any(m["name"] == name and m["version"] == version
+           for m in device_models.entries(None, msg)):
+        return None
+    busy = store.busy_devices([device])
+    if busy:
+        raise AgentError("device_busy", "pinned; but device {} is in rollout {}: expected it "
+                         "idle to send {}@{}, found it busy (pin again when it ends)".format(
+                             device, busy[device], name, version))
+    rid = fleet.check_rollout_id("pin-{}-{}".format(device[:40], uuid.uuid4().hex[:6]))
+    dep_id = pins.governed_by(store, device, name)
+    if dep_id is not None:
+        spec = dict(deployments.get(store, dep_id)["spec"])
+        spec.update(model_version=version,
+                    artifacts={k: dict(v) for k, v in record["artifacts"].items()})
+        if "goldens" not in spec["artifacts"]:
+            spec["search"] = None  # a search judges against goldens this version lacks
+    else:
+        spec = build_spec(argparse.Namespace(
+            precision=None, fallback=None, search=None, job_timeout=None,
+            no_accuracy_gate=True, success_threshold=1.0, abort_failure_rate=None,
+            min_executed=1, batch=None, percent=None, timeout=3600.0), record, rid)
+    store.insert_rollout(rid, spec, [[device]], time.time() + float(spec.get("timeout") or
+                                                                    3600.0))
+    return rid
+
+
+def run_unpin(args: argparse.Namespace) -> int:
+    store = _open(args)
+    try:
+        if not pins.unpin(store, args.device, args.name):
+            raise AgentError("not_pinned", "expected a fleet pin of {} on {} (fleet pin), found "
+                             "none".format(args.name, args.device))
+    finally:
+        store.close()
+    print("{} {}: unpinned; its deployment governs it again".format(args.device, args.name))
     return EXIT_OK

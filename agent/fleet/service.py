@@ -22,7 +22,7 @@ from agent.errors import AgentError
 from agent.fleet.admission import bounds
 from agent.fleet.database import device_models, instance_name, leases
 from agent.fleet.database.store import Store
-from agent.fleet.deployments import deployment_runner
+from agent.fleet.deployments import deployment_runner, pins
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollouts import durable, rollback_log, streaming
 from agent.fleet.rollouts.rollout import Rollout
@@ -529,6 +529,7 @@ class FleetService(object):
         elif info.kind == "command_reply":
             if msg.get("command") in (None, "rollback"):  # recorded by rollback_log, if ours
                 rollback_log.on_reply(self.store, info.device, msg)
+                pins.on_rollback_reply(self.store, info.device, msg)  # its pin's version
         elif info.kind == "telemetry":
             msg, dropped = bounds.cap_telemetry(msg)
             if dropped:

@@ -102,7 +102,7 @@ def test_deployments_converge_over_real_agents(mosquitto, agent_factory, tmp_pat
              "--timeout", "300"], db)
         online_w3 = [d for d in W3 if d not in OFFLINE]
         wait_converged(db, "d3", online_w3, service)
-        assert {d for d, s in device_states(db, "d3").items() if s == "offline"} == \
+        assert {d for d, s in device_states(db, "d3").items() if s == "waiting"} == \
             set(OFFLINE)
         assert all(models_held(db, d).get("det") == "3" for d in online_w3)
 

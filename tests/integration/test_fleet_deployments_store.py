@@ -95,12 +95,12 @@ def test_a_deployment_converges_and_stays_converged(store):
     assert deployments.get(store, "d3")["state"] == "rolling"
     assert devices_of(store, "d3-w") == ["a", "b", "c"]  # d offline, e elsewhere
     assert len(store.rollout("d3-w")["stages"]) == 2  # --percent 50
-    assert states(store, "d3")["d"] == ("offline", None)
+    assert states(store, "d3")["d"] == ("waiting", "offline")
     end_jobs(store, "d3-w")
     runner.tick()
     assert deployments.get(store, "d3")["state"] == "active"
     assert {d: s[0] for d, s in states(store, "d3").items()} == {
-        "a": "converged", "b": "converged", "c": "converged", "d": "offline"}
+        "a": "converged", "b": "converged", "c": "converged", "d": "waiting"}
     # d returns; f is registered: one catch-up each (gathered CATCHUP_S apart at most)
     store.upsert_devices({"d": status("d", site="w3")})
     runner.touch(["d"])
@@ -152,7 +152,7 @@ def test_a_deployment_converges_and_stays_converged(store):
     end_jobs(store, "d3-c5", "FAILED", {"code": "accuracy_gate_failed", "message": "x"})
     runner.touch(["c"])
     runner.tick()
-    assert states(store, "d3")["c"] == ("failed", "accuracy_gate_failed")
+    assert states(store, "d3")["c"] == ("failed", "accuracy_gate_failed: x")
     summary = deployments.summary(store, ["d3"])["d3"]
     assert summary["failed_by"] == {"accuracy_gate_failed": 1}
     # rm of a version refused while deployed and kept; a different push refused
@@ -298,7 +298,7 @@ def test_pause_resume_and_rm(store):
     clock.t += CATCHUP_S
     runner.tick()
     assert deployments.rollouts_of(store, "d3") == ["d3-w"]
-    assert states(store, "d3")["c"] == ("waiting", None)
+    assert states(store, "d3")["c"] == ("waiting", "paused")
     _control(store, deployments.get(store, "d3"), "resume", [])
     clock.t += CATCHUP_S
     runner.tick()

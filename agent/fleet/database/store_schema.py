@@ -22,7 +22,7 @@ from typing import Optional, Set, Tuple
 from agent.errors import AgentError
 from agent.fleet.database.db import Db
 
-HEAD = "0007"  # the newest revision in fleet/database/migrations/versions (a test keeps it so)
+HEAD = "0008"  # the newest revision in fleet/database/migrations/versions (a test keeps it so)
 BASELINE = "0001"  # the schema of the release before migrations
 # The baseline's tables: a database with any of them and no alembic_version is a legacy one.
 BASELINE_TABLES = ("meta", "devices", "rollouts", "stages", "jobs", "job_history", "artifacts",

@@ -199,3 +199,19 @@ blob_refs = sa.Table(
     sa.Column("name", TEXT, primary_key=True), sa.Column("version", TEXT, primary_key=True),
     sa.Column("role", TEXT, primary_key=True), sa.Column("sha256", TEXT, nullable=False),
     sa.Index("blob_refs_sha256", "sha256"))
+# agent.fleet.deployments.pins, revisions (revision 0008): an operator's pins of a device's
+# model to a version (version NULL: pinned to what a rollback in flight makes active), and
+# every spec a deployment has had.
+device_pins = sa.Table(
+    "device_pins", metadata,
+    sa.Column("device_id", TEXT, primary_key=True), sa.Column("name", TEXT, primary_key=True),
+    sa.Column("version", TEXT), sa.Column("actor", TEXT), sa.Column("reason", TEXT),
+    sa.Column("created", DOUBLE))
+
+deployment_revisions = sa.Table(
+    "deployment_revisions", metadata,
+    sa.Column("deployment_id", TEXT, primary_key=True),
+    sa.Column("revision", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("version", TEXT, nullable=False),
+    sa.Column("selector", TEXT, nullable=False), sa.Column("spec", TEXT, nullable=False),
+    sa.Column("actor", TEXT), sa.Column("created", DOUBLE))

@@ -30,7 +30,7 @@ import uuid
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set, Tuple
 
 from agent.fleet.database import device_models
-from agent.fleet.deployments import deployments, labels
+from agent.fleet.deployments import deployments, labels, pins
 from agent.fleet.rollouts import policy
 from agent.wire import protocol
 
@@ -80,6 +80,7 @@ class DeploymentRunner(object):
         # service sets send_command(device, command document) to publish on its command topic.
         self.removals: Dict[str, Set[str]] = {}
         self.send_command: Optional[Callable[[str, Dict[str, Any]], None]] = None
+        self.pins: Dict[Tuple[str, str], Any] = {}  # the fleet pins: (device, name) -> version
 
     # -- told by the service -------------------------------------------------------------------
 
@@ -119,6 +120,7 @@ class DeploymentRunner(object):
         for dev, _ts in labels.changed_since(self.store, self.labels_seen):
             self.dirty.add(dev)
             self.labels_seen = max(self.labels_seen, _ts)
+        self._pins_changed()
         self._rollouts_ended()
         for dep_id in [d for d, t in self.rescan.items() if t <= now]:
             self.rescan.pop(dep_id, None)
@@ -170,6 +172,13 @@ class DeploymentRunner(object):
                 self.full.add(dep_id)
             else:  # superseded or removed: the devices it governed go to the others
                 self.dirty.update(d for (dp, d) in self.records if dp == dep_id)
+
+    def _pins_changed(self) -> None:
+        """The fleet pins (a small table, read whole): the devices whose pins changed."""
+        now = {k: (r["version"],) for k, r in pins.fleet_pins(self.store).items()}
+        for key in set(now) ^ set(self.pins) | {k for k in now if self.pins.get(k) != now[k]}:
+            self.dirty.add(key[0])
+        self.pins = now
 
     def _rollouts_ended(self) -> None:
         if not self.open:
@@ -224,8 +233,13 @@ class DeploymentRunner(object):
                 if dev in out:
                     out[dev]["models"] = json.loads(message) if message else None
                     out[dev]["models_at"] = float(updated or 0)
+        pinned: Dict[str, Dict[str, Any]] = {}
+        for (dev, name), row in pins.fleet_pins(
+                self.store, None if devices is None else list(out)).items():
+            pinned.setdefault(dev, {})[name] = row
         for dev, f in out.items():
             f["labels"] = labels.selectable(f["status"], assigned.get(dev))
+            f["pins"] = pinned.get(dev, {})
         return out
 
     def _last_jobs(self, dep_ids: List[str], devices: Optional[List[str]]
@@ -245,12 +259,15 @@ class DeploymentRunner(object):
             for dep, dev, state, data, updated, ro_state, created in self.store.db.query(
                     sql, params):
                 key = (dep, dev)
+                timeouts = out[key]["timeouts"] if key in out else []
+                if state == deployments.TIMED_OUT:  # each one an attempt
+                    timeouts.append(float(updated or 0))
                 if key in out and out[key]["created"] > float(created or 0):
                     continue
                 item = json.loads(data) if data else {}
                 out[key] = {"state": state, "error": item.get("error"),
                             "updated": float(updated or 0), "created": float(created or 0),
-                            "open": ro_state in ("running", "paused")}
+                            "open": ro_state in ("running", "paused"), "timeouts": timeouts}
         return out
 
     def _scan(self, dep_id: str) -> None:
@@ -290,6 +307,8 @@ class DeploymentRunner(object):
         retried = {d: deployments.retries(self.store, d) for d in dep_ids}
         changes: Dict[str, Dict[str, Any]] = {}
         wanted: Dict[str, Set[str]] = {}
+        spent: Dict[str, List[str]] = {}  # deployment -> devices whose attempts are spent
+        at_now = self.clock()
         for dev, f in facts.items():
             by_name = deployments.governing(live, f["labels"])
             gov = {d["deployment_id"] for d in by_name.values()}
@@ -305,13 +324,22 @@ class DeploymentRunner(object):
                             self.removals.setdefault(dev, set()).add(dep["name"])
                     continue
                 r = retried[dep_id]
-                verdict = deployments.decide(dep, f["online"], f["models"], f["models_at"],
-                                             jobs.get(key), max(r.get(dev, 0.0),
-                                                                r.get(deployments.ALL, 0.0)))
+                since = max(r.get(dev, 0.0), r.get(deployments.ALL, 0.0))
+                job = jobs.get(key)
+                verdict = deployments.decide(
+                    dep, f["online"], f["models"], f["models_at"], job, since,
+                    pin=pins.effective(f["pins"].get(dep["name"]), f["models"], dep["name"]),
+                    attempts=sum(1 for t in (job or {}).get("timeouts", ()) if t > since),
+                    now=at_now)
                 self.stats["decided"] += 1
                 blocked = (self.unservable.get(dep_id) or (0.0, None))[1]
                 if verdict["send"] and blocked:  # as last decided: no flapping in between
                     verdict = dict(verdict, state="failed", reason=blocked)
+                if verdict["at"] is not None:  # a backoff: decided again then
+                    self.later[dev] = min(self.later.get(dev, verdict["at"]), verdict["at"])
+                if verdict["halt"]:
+                    spent.setdefault(dep_id, []).append(
+                        "{} ({})".format(dev, verdict["reason"]))
                 if verdict["send"]:
                     wanted.setdefault(dep_id, set()).add(dev)
                 else:  # an earlier decision to send stands no more
@@ -322,6 +350,12 @@ class DeploymentRunner(object):
                     changes.setdefault(dep_id, {})[dev] = {"state": now[0], "reason": now[1]}
         for dep_id, states in changes.items():
             deployments.record_devices(self.store, dep_id, states)
+        for dep_id, devs in spent.items():
+            dep = self.deps[dep_id]
+            if dep["state"] in deployments.SENDING:
+                self._set(dep, "halted", "gave up after {} attempt(s) on {} device(s): {}".format(
+                    deployments.max_attempts(dep["spec"]), len(devs), ", ".join(devs[:10])))
+                self.sends.pop(dep_id, None)
         return wanted
 
     def _remove(self, facts: Mapping[str, Dict[str, Any]]) -> None:

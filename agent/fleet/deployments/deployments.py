@@ -25,17 +25,24 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set
 
 from agent.errors import AgentError
 from agent.fleet.database import device_models
+from agent.fleet.deployments import pins, revisions
 from agent.wire import protocol
 
 LIVE = ("pending", "rolling", "active", "paused", "halted")  # still governs its devices
 SENDING = ("pending", "rolling", "active")  # may send jobs
-STATES = ("converged", "in_progress", "failed", "offline", "waiting")
+# A device's state for its deployment; a reason says why it waits (offline, paused, pinned to
+# N@V, pending admission, superseded), how it failed (the job's code: message) or when it is
+# tried again (retrying).
+STATES = ("converged", "in_progress", "retrying", "failed", "waiting")
 # A job that ended so, or the device's app rejecting the version: not sent again until retried.
 FAILED_JOB = ("FAILED", "REJECTED")
 ALL = "*"  # deployment_retries.device_id of a retry of every device
 # spec["on_leave"]: what a device that leaves the selector does with the model (keep: nothing;
 # remove: the runner sends it a remove command, agent.fleet.deployments.deployment_runner).
 ON_LEAVE = ("keep", "remove")
+TIMED_OUT = "TIMED_OUT"  # a job its rollout gave up on: one attempt
+MAX_ATTEMPTS = 5  # rollouts a device may time out in before its deployment halts
+BACKOFF_S, BACKOFF_CAP_S = 5.0, 600.0  # after attempt n: BACKOFF_S * 2**(n-1), capped
 
 
 
@@ -98,9 +105,10 @@ def set_state(store: Any, deployment_id: str, state: str, reason: Optional[str] 
 
 
 def insert(store: Any, deployment_id: str, name: str, version: str, selector: str,
-           spec: Mapping[str, Any]) -> List[str]:
+           spec: Mapping[str, Any], actor: Optional[str] = None) -> List[str]:
     """A new deployment (state pending); the live deployments of the same name and selector
-    are superseded by it (their unfinished rollouts cancelled). Returns the superseded ids."""
+    are superseded by it (their unfinished rollouts cancelled) and their revision history is
+    its own (``revisions``). Returns the superseded ids."""
     from agent.fleet.deployments.selectors import parse
 
     selector = parse(selector).text  # the group: the same requirements, the same text
@@ -121,6 +129,8 @@ def insert(store: Any, deployment_id: str, name: str, version: str, selector: st
                          " state, created, updated) VALUES (?, ?, ?, ?, ?, 'pending', ?, ?)",
                          (deployment_id, name, version, selector,
                           json.dumps(dict(spec), sort_keys=True), now, now))
+        revisions.record(store, deployment_id, version, selector, spec, actor,
+                         inherit=older[-1] if older else None)
     for old in older:
         cancel_rollouts(store, old)
     return older
@@ -174,29 +184,97 @@ def record_devices(store: Any, deployment_id: str,
         "excluded.state, reason = excluded.reason, updated = excluded.updated", kept)
 
 
+# Devices a deployment's figures leave out: sent back to pending (a new key: re-keyed) or
+# rejected by admission. The same rule as eligible_devices, at read time: a row the runner has
+# not removed yet is not counted.
+_COUNTED = ("dd.device_id NOT IN (SELECT device_id FROM device_keys WHERE state IN "
+            "('pending', 'rejected'))")
+
+
+def empty_summary() -> Dict[str, Any]:
+    return dict({k: 0 for k in STATES}, desired=0, failed_by={}, waiting_by={}, offline=0,
+                pinned=0)
+
+
 def summary(store: Any, deployment_ids: Optional[Sequence[str]] = None
             ) -> Dict[str, Dict[str, Any]]:
-    """deployment -> {desired, converged, in_progress, failed: {reason: n}, offline, waiting}:
-    one grouped query over ``deployment_devices``."""
+    """deployment -> {desired, converged, in_progress, retrying, failed, waiting, failed_by:
+    {code: n}, waiting_by: {reason: n}, offline, pinned}: one grouped query over
+    ``deployment_devices``. The one set of figures: ``fleet deployments show|ls``, the
+    dashboard and /metrics all read it. A deployment that no longer governs (superseded,
+    removed) counts its last devices as waiting, "superseded" (or "removed"), never converged:
+    a device counts in one live deployment of a model."""
+    states = {r[0]: r[1] for r in store.db.query("SELECT deployment_id, state FROM deployments")}
     out: Dict[str, Dict[str, Any]] = {}
     for dep, state, reason, n in store.db.query(
-            "SELECT deployment_id, state, reason, COUNT(*) FROM deployment_devices GROUP BY "
-            "deployment_id, state, reason"):
+            "SELECT dd.deployment_id, dd.state, dd.reason, COUNT(*) FROM deployment_devices dd "
+            "WHERE " + _COUNTED + " GROUP BY dd.deployment_id, dd.state, dd.reason"):
         if deployment_ids is not None and dep not in deployment_ids:
             continue
-        s = out.setdefault(dep, dict({k: 0 for k in STATES}, desired=0, failed_by={}))
-        s["desired"] += int(n)
-        s[state] = s.get(state, 0) + int(n)
+        state, reason = _shown(states.get(dep), state, reason)
+        s = out.setdefault(dep, empty_summary())
+        n = int(n)
+        s["desired"] += n
+        s[state] = s.get(state, 0) + n
         if state == "failed":
-            s["failed_by"][reason or "-"] = s["failed_by"].get(reason or "-", 0) + int(n)
+            code = (reason or "-").split(":", 1)[0]
+            s["failed_by"][code] = s["failed_by"].get(code, 0) + n
+        elif state == "waiting":
+            why = reason or "to be sent"
+            if why.startswith("pinned"):
+                s["pinned"] += n
+                why = "pinned"
+            s["waiting_by"][why] = s["waiting_by"].get(why, 0) + n
+            if why == "offline":
+                s["offline"] += n
     return out
 
 
+def _shown(dep_state: Optional[str], state: str, reason: Optional[str]) -> Any:
+    if dep_state is not None and dep_state not in LIVE:
+        return "waiting", dep_state
+    if state == "offline":  # recorded by an earlier release
+        return "waiting", "offline"
+    return state, reason
+
+
 def device_states(store: Any, deployment_id: str) -> List[Dict[str, Any]]:
-    return [{"device": r[0], "state": r[1], "reason": r[2], "updated": r[3]}
-            for r in store.db.query("SELECT device_id, state, reason, updated FROM "
-                                    "deployment_devices WHERE deployment_id = ? ORDER BY "
-                                    "device_id", (deployment_id,))]
+    """Per device: {device, state, reason, updated}, the devices ``summary`` counts."""
+    dep_state = (store.db.query("SELECT state FROM deployments WHERE deployment_id = ?",
+                                (deployment_id,)) or [[None]])[0][0]
+    out = []
+    for r in store.db.query("SELECT dd.device_id, dd.state, dd.reason, dd.updated FROM "
+                            "deployment_devices dd WHERE dd.deployment_id = ? AND " + _COUNTED +
+                            " ORDER BY dd.device_id", (deployment_id,)):
+        state, reason = _shown(dep_state, r[1], r[2])
+        out.append({"device": r[0], "state": state, "reason": reason, "updated": r[3]})
+    return out + pending_admission(store, deployment_id)
+
+
+MAX_PENDING_SHOWN = 200
+
+
+def pending_admission(store: Any, deployment_id: str) -> List[Dict[str, Any]]:
+    """Devices waiting for an operator's admission (new, or re-keyed) whose labels, as their
+    pending birth states them, the deployment's selector matches: shown as waiting, never
+    counted (admission bounds how many wait)."""
+    from agent.fleet.deployments.labels import selectable
+    from agent.fleet.deployments.selectors import parse
+
+    dep = store.db.query("SELECT selector, state FROM deployments WHERE deployment_id = ?",
+                         (deployment_id,))
+    if not dep or dep[0][1] not in LIVE:
+        return []
+    selector = parse(dep[0][0])
+    out: List[Dict[str, Any]] = []
+    for dev, row in sorted(store.device_keys("pending").items()):
+        status = row.get("pending_status")
+        if isinstance(status, Mapping) and selector.matches(selectable(status, None)):
+            out.append({"device": dev, "state": "waiting", "reason": "pending admission "
+                        "(fleet devices accept {})".format(dev), "updated": row.get("updated")})
+            if len(out) >= MAX_PENDING_SHOWN:
+                break
+    return out
 
 
 # ---------------------------------------------------------------------------- decisions
@@ -231,33 +309,77 @@ def rejected(dep: Mapping[str, Any], models_msg: Optional[Mapping[str, Any]]) ->
     return False
 
 
+def backoff(spec: Mapping[str, Any], attempts: int) -> float:
+    """Seconds to wait after the ``attempts``-th timed-out rollout before the next:
+    exponential from the spec's ``retry_backoff`` (default 5 s), capped at ``BACKOFF_CAP_S``."""
+    base = float(spec.get("retry_backoff") or BACKOFF_S)
+    return min(BACKOFF_CAP_S, base * (2 ** max(0, attempts - 1)))
+
+
+def max_attempts(spec: Mapping[str, Any]) -> int:
+    return int(spec.get("max_attempts") or MAX_ATTEMPTS)
+
+
+def _failed_reason(err: Any, state: str) -> str:
+    """``code: message`` of a job's error (the figure groups by the code)."""
+    err = err if isinstance(err, Mapping) else {}
+    code = str(err.get("code") or state.lower())
+    msg = str(err.get("message") or "")[:160]
+    return "{}: {}".format(code, msg) if msg else code
+
+
 def decide(dep: Mapping[str, Any], online: bool, models_msg: Optional[Mapping[str, Any]],
-           models_at: float, last_job: Optional[Mapping[str, Any]], retried_at: float
-           ) -> Dict[str, Any]:
-    """What one device governed by ``dep`` needs: {state, reason, send}. ``last_job``: its
+           models_at: float, last_job: Optional[Mapping[str, Any]], retried_at: float,
+           pin: Optional[Mapping[str, Any]] = None, attempts: int = 0,
+           now: Optional[float] = None) -> Dict[str, Any]:
+    """What one device governed by ``dep`` needs: {state, reason, send, at}. ``last_job``: its
     newest job of this deployment ({state, error, updated, open}: open while its rollout
     runs); ``models_at``: when its models message was stored; ``retried_at``: the operator's
-    last retry for it (0: none)."""
+    last retry for it (0: none); ``pin``: the pin that holds this model on it
+    (``pins.effective``); ``attempts``: its jobs of this deployment that timed out since the
+    retry. ``at``: when to decide again (a backoff), else None. ``halt``: its attempts are
+    spent (the deployment halts)."""
+    now = time.time() if now is None else now
     held = holds(dep, models_msg)
+
+    def out(state: str, reason: Optional[str] = None, send: bool = False,
+            at: Optional[float] = None, halt: bool = False) -> Dict[str, Any]:
+        return {"state": state, "reason": reason, "send": send, "at": at, "halt": halt}
+
+    if pin is not None:  # the pin wins: the deployment neither sends nor counts it as behind
+        if held and pin.get("version") == dep["version"]:
+            return out("converged")
+        return out("waiting", pins.label(pin))
     if held:
-        return {"state": "converged", "reason": None, "send": False}
+        return out("converged")
     if rejected(dep, models_msg) and models_at > retried_at:
-        return {"state": "failed", "reason": "version_rejected", "send": False}
+        return out("failed", "version_rejected")
     if last_job is not None:
         state = str(last_job.get("state"))
         if last_job.get("open") and not protocol.is_terminal(state):
-            return {"state": "in_progress", "reason": None, "send": False}
+            return out("in_progress")
         ended = float(last_job.get("updated") or 0)
         if state == "SUCCEEDED" and (held is None or models_at <= ended):
             # A device without models messages, or whose message predates the success.
-            return {"state": "converged", "reason": None, "send": False}
+            return out("converged")
         if state in FAILED_JOB and ended > retried_at:
-            err = last_job.get("error") or {}
-            return {"state": "failed", "reason": str(err.get("code") or state.lower()),
-                    "send": False}
+            return out("failed", _failed_reason(last_job.get("error"), state))
+        if state == TIMED_OUT and ended > retried_at and attempts > 0:
+            spec = dep["spec"]
+            if attempts >= max_attempts(spec):
+                return out("failed", "offline" if not online else "timed_out", halt=True)
+            at = ended + backoff(spec, attempts)
+            reason = "attempt {} at {}".format(attempts + 1, time.strftime(
+                "%H:%M:%S", time.localtime(at)))
+            if dep.get("state") in ("paused", "halted"):
+                return out("waiting", str(dep["state"]))
+            # A device that went away mid-rollout is sent again too: the job waits for it.
+            return out("retrying", reason, send=now >= at, at=None if now >= at else at)
+    if dep.get("state") in ("paused", "halted"):  # sends nothing until resumed / retried
+        return out("waiting", str(dep["state"]))
     if not online:
-        return {"state": "offline", "reason": None, "send": False}
-    return {"state": "waiting", "reason": None, "send": True}
+        return out("waiting", "offline")
+    return out("waiting", None, send=True)
 
 
 @functools.lru_cache(maxsize=256)

@@ -11,7 +11,7 @@ import json
 from typing import Any, Dict, List, Mapping, Optional
 
 from agent.fleet.database import device_models
-from agent.fleet.deployments import deployments, labels
+from agent.fleet.deployments import deployments, labels, pins
 
 MAX_LISTED = 1000  # devices printed by the table views (--json lists every one)
 
@@ -56,23 +56,34 @@ def current(name: str, device: Mapping[str, Any]) -> Optional[str]:
 def plan(store: Any, dep: Mapping[str, Any], selector: Any) -> List[Dict[str, Any]]:
     """For each device ``selector`` matches: {device, online, labels, current, action,
     detail} where action is install, converged, offline (installs when it is back), failed
-    (its app rejected this version) or not_eligible (admission: pending, rejected)."""
+    (its app rejected this version), pinned (a pin holds another version: fleet unpin) or
+    not_eligible (admission: pending, rejected)."""
     out = []
     ref = "{}@{}".format(dep["name"], dep["version"])
-    for d in matching(store, selector):
+    found = matching(store, selector)
+    fleet_pins = pins.fleet_pins(store, [d["device"] for d in found])
+    for d in found:
         row = {"device": d["device"], "online": d["online"], "labels": d["labels"],
                "current": current(dep["name"], d)}
         if not d["eligible"]:
             row.update(action="not_eligible", detail="admission: {}; fleet devices accept {}"
                        .format(d["admission"] or "not admitted", d["device"]))
         else:
+            pin = pins.effective(fleet_pins.get((d["device"], dep["name"])), d["models"],
+                                 dep["name"])
             verdict = deployments.decide(dep, d["online"], d["models"], d["models_at"], None,
-                                         0.0)
-            action = {"converged": "converged", "failed": "failed", "offline": "offline",
-                      "waiting": "install"}.get(verdict["state"], verdict["state"])
+                                         0.0, pin=pin)
+            state, reason = verdict["state"], verdict["reason"]
+            action = state
+            if state == "waiting":
+                action = {None: "install", "offline": "offline"}.get(
+                    reason, "pinned" if pin is not None else "waiting")
             detail = {"converged": "already runs " + ref,
-                      "failed": "its app rejected {} ({})".format(ref, verdict["reason"]),
+                      "failed": "its app rejected {} ({})".format(ref, reason),
                       "offline": "installs {} when it is back online".format(ref),
+                      "pinned": "keeps its pin ({}): fleet unpin to let it converge".format(
+                          reason),
+                      "waiting": "waits ({})".format(reason),
                       "install": "installs {} (now: {})".format(
                           ref, row["current"] or "none")}.get(action, "")
             row.update(action=action, detail=detail)

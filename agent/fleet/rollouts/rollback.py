@@ -182,7 +182,10 @@ def _outcome(r: Mapping[str, Any], wait: float) -> str:
     return "refused: {} {}".format(err.get("code"), err.get("message", ""))
 
 
-def run(args: argparse.Namespace, connect: Any) -> int:
+def run(args: argparse.Namespace, connect: Any, hold: Any = None) -> int:
+    """``hold``: (pin, settle) of agent.fleet.deployments.pins, wired by the CLI: a rollback of
+    a model a deployment governs becomes a pin (recorded before the command leaves, so the
+    deployment never sends its version back in between), settled by the device's reply."""
     if not args.device and not args.rollout:
         raise AgentError("bad_argument", "fleet rollback needs --device ID (repeatable) or "
                          "--rollout ID")
@@ -193,17 +196,18 @@ def run(args: argparse.Namespace, connect: Any) -> int:
 
         store = Store(url)
     try:
-        return _run(args, connect, store)
+        return _run(args, connect, store, hold)
     finally:
         if store is not None:
             store.close()
 
 
-def _run(args: argparse.Namespace, connect: Any, store: Any) -> int:
+def _run(args: argparse.Namespace, connect: Any, store: Any, hold: Any = None) -> int:
     if store is not None and args.rollout and store.rollout(args.rollout) is None:
         raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
             args.rollout))
     conn = connect(args)
+    pinned: Dict[str, str] = {}  # request id -> the deployment its pin holds the device from
     replies: Dict[str, Dict[str, Any]] = {}
     requests: Dict[str, Dict[str, Any]] = {}
     try:
@@ -220,6 +224,8 @@ def _run(args: argparse.Namespace, connect: Any, store: Any) -> int:
             requests[rid] = dict(t, request_id=rid)
         if store is not None:  # before the commands leave: a fast reply finds its record
             rollback_log.record(store, list(requests.values()))
+            if hold:
+                pinned = hold[0](store, list(requests.values()), getattr(args, "reason", None))
         for rid, t in requests.items():
             conn.publish(conn.topics.commands(t["device"]), protocol.encode(command(
                 t["model"], rid, t["name"], t["version"])), qos=1)
@@ -232,6 +238,8 @@ def _run(args: argparse.Namespace, connect: Any, store: Any) -> int:
     if store is not None:
         for rid, answer in replies.items():
             rollback_log.on_reply(store, requests[rid]["device"], answer)
+            if rid in pinned and hold:  # the version it went back to, or no pin (refused)
+                hold[1](store, requests[rid]["device"], answer)
     out: List[Dict[str, Any]] = []
     for rid, t in sorted(requests.items(), key=lambda kv: kv[1]["device"]):
         reply = replies.get(rid)
@@ -239,17 +247,21 @@ def _run(args: argparse.Namespace, connect: Any, store: Any) -> int:
                     "version": t["version"], "rollout_id": t["rollout_id"],
                     "request_id": rid, "ok": bool(reply and reply.get("ok")),
                     "result": (reply or {}).get("result"), "error": (reply or {}).get("error"),
-                    "replied": reply is not None})
+                    "replied": reply is not None, "pinned_by": pinned.get(rid)})
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
         for r in out:
             what = r["name"] or r["model"][:12]
-            print("{} {}: {}".format(r["device"], what, _outcome(r, args.wait)))
+            print("{} {}: {}{}".format(r["device"], what, _outcome(r, args.wait),
+                                       "; pinned: deployment {} leaves it there (fleet unpin {} "
+                                       "{})".format(r["pinned_by"], r["device"], r["name"])
+                                       if r["pinned_by"] and (r["ok"] or not r["replied"])
+                                       else ""))
     return EXIT_OK if out and all(r["ok"] for r in out) else EXIT_FAILED
 
 
-def add_parser(fsub: Any, add_connection_args: Any, connect: Any) -> None:
+def add_parser(fsub: Any, add_connection_args: Any, connect: Any, hold: Any = None) -> None:
     from agent.cli.fleet_db import add_db_args
 
     b = fsub.add_parser("rollback", help="make devices go back to a model's previous version",
@@ -274,5 +286,7 @@ def add_parser(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    "sha256 (today's form)")
     b.add_argument("--wait", type=float, default=10.0, metavar="S",
                    help="wait S seconds for the devices' replies (default 10)")
+    b.add_argument("--reason", metavar="TEXT", help="why: kept with the pin a rollback of a "
+                   "device that a deployment governs becomes")
     b.add_argument("--json", action="store_true")
-    b.set_defaults(func=lambda a: run(a, connect))
+    b.set_defaults(func=lambda a: run(a, connect, hold))

@@ -151,8 +151,8 @@ class FleetCollector(object):
         info = gauge("deployment_info", "1 per live deployment (model name@version, selector, "
                      "state)", ["deployment", "model", "version", "selector", "state"])
         per_state = gauge("deployment_devices", "devices a deployment governs, by state "
-                          "(converged, in_progress, failed, offline, waiting)",
-                          ["deployment", "state"])
+                          "(converged, in_progress, retrying, failed, waiting; offline and "
+                          "pinned: waiting for that reason)", ["deployment", "state"])
         failed = gauge("deployment_failed_devices", "failed devices of a deployment by reason",
                        ["deployment", "reason"])
         ratio = gauge("deployment_converged_ratio", "converged / desired devices",
@@ -162,7 +162,7 @@ class FleetCollector(object):
             info.add_metric([did, _label(d["name"]), _label(d["version"]),
                              _label(d["selector"]), d["state"]], 1)
             s = sums.get(d["deployment_id"]) or {}
-            for state in deployments.STATES:
+            for state in deployments.STATES + ("offline", "pinned"):
                 per_state.add_metric([did, state], s.get(state, 0))
             for reason, n in sorted(s.get("failed_by", {}).items())[:MAX_REASONS]:
                 failed.add_metric([did, _label(reason)], n)

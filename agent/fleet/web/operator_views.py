@@ -61,7 +61,7 @@ def deployment_detail(store: Store, deployment_id: str) -> Dict[str, Any]:
     records: state, reason and what else it keeps), its rollouts and the pins of its model."""
     dep = deployments.get(store, deployment_id)
     did = dep["deployment_id"]
-    empty = dict({k: 0 for k in deployments.STATES}, desired=0, failed_by={})
+    empty = deployments.empty_summary()
     dep["summary"] = deployments.summary(store, [did]).get(did, empty)
     devices = deployments.device_states(store, did)[:MAX_ROWS]
     return {"deployment": dep, "devices": devices,

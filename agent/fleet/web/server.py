@@ -240,6 +240,11 @@ class Dashboard(object):
                 plan, request_id=request_id, origin="dashboard",
                 rollout_id=rollback_log.rollout_for(self.store, parts[1], plan["name"],
                                                     plan["model"], job_id=job_id))])
+            from agent.fleet.deployments import pins  # governed: the rollback holds
+
+            if plan["name"] is not None and pins.governed_by(self.store, parts[1], plan["name"]):
+                pins.pin(self.store, parts[1], plan["name"], None, who="dashboard",
+                         reason="rollback from the dashboard")
             self.rollback(parts[1], cmd)
             return 303, "/devices/{}?done=rollback&request={}".format(
                 quote(parts[1]), quote(request_id)), b""

@@ -333,5 +333,5 @@ def deployment_rows(store: Any, limit: int = 100) -> List[Dict[str, Any]]:
 
     live = deployments.rows(store, deployments.LIVE)[-limit:]
     sums = deployments.summary(store, [d["deployment_id"] for d in live])
-    empty = dict({k: 0 for k in deployments.STATES}, desired=0, failed_by={})
-    return [dict(d, summary=sums.get(d["deployment_id"], empty)) for d in reversed(live)]
+    return [dict(d, summary=sums.get(d["deployment_id"], deployments.empty_summary()))
+            for d in reversed(live)]
