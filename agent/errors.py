@@ -132,6 +132,9 @@ CODES = {
     "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
     "keep it (active or as a rollback target).",
     "unknown_deployment": "A deployment id is not in the fleet database.",
+    # the app socket (versions that can't be lost)
+    "model_not_owned": "An app on the app socket acted on (committed, reported on, rolled "
+    "back) a model name that models.app_names does not give to its user or group.",
 }
 
 

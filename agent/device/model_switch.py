@@ -36,6 +36,7 @@ from agent.device import commit_logic, model_meta, models_guard
 from agent.device.handoff import Entry, adapters_for
 from agent.device.handoff.base import Adapter, ModelVersion
 from agent.device.job_run import Run
+from agent.device.journal_models import UNCONFIRMED, UNCONFIRMED_PREFIX
 from agent.device.models_dir import ENGINE, ModelsDir, read_meta
 from agent.device.status_publisher import fit_result
 from agent.errors import AgentError
@@ -77,6 +78,8 @@ class Pending(object):
         self.phase = "handoff"  # handoff | waiting | rolling_back
         self.probe_running = False
         self.last_probe = 0.0
+        self.probe_failed = False  # the probe ran and said no: an answer, not silence
+        self.retries = 0  # commit windows reopened because nobody answered (journal info)
 
 
 class ModelSwitch(object):
@@ -111,7 +114,7 @@ class ModelSwitch(object):
         """Before any download: names valid, and not a version the app rejected here."""
         name, version = names_for(doc, model_sha)
         for row in self.journal.rejected_versions(name):
-            if row["version"] == version:
+            if row["version"] == version and row["state"] != UNCONFIRMED:
                 raise AgentError("version_rejected", "{}@{} was rejected on this device ({}); "
                                  "expected a new version, or an operator's retry (jetson-agent "
                                  "models retry {} {})".format(name, version, row["reason"],
@@ -168,12 +171,15 @@ class ModelSwitch(object):
                                        "the version was rolled back while the agent stopped")
             return
         self._track(run, name, version, row["previous"], row["deadline"] or 0.0)
+        p: Pending = self.pending  # type: ignore[assignment]
+        p.retries = int(row["info"].get("unconfirmed_retries") or 0)
         run.stage = committing_stage(run)
         self.set_stage(run, run.stage)
-        if (row["deadline"] or 0.0) <= self.clock():
-            self._rollback(self.pending, row["info"].get("rollback_reason") or  # type: ignore
-                           "no confirmation within {:g} s (the agent restarted)".format(
-                               self.m.commit_timeout_s))
+        if row["info"].get("rollback_reason") and (row["deadline"] or 0.0) <= self.clock():
+            self._rollback(p, row["info"]["rollback_reason"])  # a rollback the kill cut short
+        elif (row["deadline"] or 0.0) <= self.clock():
+            self._unanswered(p, "no confirmation within {:g} s (the agent was down)".format(
+                self.m.commit_timeout_s))
         else:
             log.info("model %s@%s: still pending after a restart; handing it off again "
                      "(%.0f s left)", name, version, (row["deadline"] or 0) - self.clock())
@@ -384,6 +390,7 @@ class ModelSwitch(object):
         elif ev.kind == "probe":
             p.probe_running = False
             p.state.on_probe(bool(ev.value))
+            p.probe_failed = p.probe_failed or not ev.value
             if not ev.value:
                 log.info("model %s@%s: probe not yet: %s", p.name, p.version, ev.error)
         elif ev.kind == "reverted":
@@ -411,12 +418,17 @@ class ModelSwitch(object):
     def _decide(self, p: Pending) -> None:
         if p.phase == "rolling_back":
             return
+        if p.run is not None and self.shared.run is not p.run:
+            # Its job ended under it (cancelled by the controller): never committed later.
+            self._rollback(p, UNCONFIRMED_PREFIX + "its job was cancelled")
+            return
         if p.phase == "handoff" and p.state.failure is None and p.state.committed_by is None \
                 and p.state.deadline > self.clock():
             return  # the adapters' switch is still running
         decision = p.state.decide(self.clock())
         if decision.action == commit_logic.COMMIT:
             dropped = self.journal.commit_version(p.name, p.version, self.m.keep_versions)
+            self.journal.forget_rejected(p.name, p.version)  # an earlier unconfirmed try
             self._drop_dirs(p.name, dropped)
             self.pending = None
             self.health[p.name] = "ok"
@@ -426,7 +438,29 @@ class ModelSwitch(object):
             else:
                 self.changed()
         elif decision.action == commit_logic.ROLLBACK:
-            self._rollback(p, decision.reason)
+            if p.state.failure is None and not p.probe_failed:
+                self._unanswered(p, decision.reason)
+            else:
+                self._rollback(p, decision.reason)
+
+    def _unanswered(self, p: Pending, reason: str) -> None:
+        """The commit window closed with no answer (no report, no commit, the probe never
+        ran to an end, the agent down): the app never judged the version. Its window reopens
+        (the hand-off again) ``models.unconfirmed_retries`` times, then it is rolled back as
+        ``unconfirmed`` (a later job may bring it again: not refused like a rejected one)."""
+        if p.retries >= self.m.unconfirmed_retries:
+            self._rollback(p, UNCONFIRMED_PREFIX + reason)
+            return
+        p.retries += 1
+        deadline = self.clock() + self.m.commit_timeout_s
+        log.warning("model %s@%s: unconfirmed (%s); handing it off again (retry %d of %d, "
+                    "%.0f s)", p.name, p.version, reason, p.retries, self.m.unconfirmed_retries,
+                    self.m.commit_timeout_s)
+        self.journal.retry_pending(p.name, p.version, deadline, p.retries, reason)
+        p.state = commit_logic.CommitState(p.state.need, deadline, self.m.commit_timeout_s)
+        p.phase, p.probe_failed = "handoff", False
+        self.changed()
+        self._start_handoff(p)
 
     def _handoff_failed(self, p: Pending, error: str) -> None:
         """``prepare`` failed: nothing was switched; the previous version stays active."""
@@ -604,8 +638,10 @@ class ModelSwitch(object):
         """Per name, what the models message and ``models ls`` show."""
         out = []
         rejected: Dict[str, List[str]] = {}
+        unconfirmed: Dict[str, List[str]] = {}
         for r in self.journal.rejected_versions():
-            rejected.setdefault(r["name"], []).append(r["version"])
+            (unconfirmed if r["state"] == UNCONFIRMED else rejected).setdefault(
+                r["name"], []).append(r["version"])
         problems = models_guard.check_models(self.models.root)
         self.last_disk_check = time.monotonic()
         self.disk_health = {}
@@ -618,7 +654,9 @@ class ModelSwitch(object):
                         "engine_key": row["engine_key"], "job_id": row["job_id"],
                         "activated": row["activated"],
                         "health": (app if app != "ok" else on_disk)[:1024],
-                        "rejected": rejected.get(row["name"], [])[-16:]})
+                        "rejected": rejected.get(row["name"], [])[-16:],
+                        "unconfirmed": unconfirmed.get(row["name"], [])[-16:],
+                        "retries": int(row["info"].get("unconfirmed_retries") or 0)})
         return out[:256]
 
 
