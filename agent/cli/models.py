@@ -4,7 +4,7 @@
     models show NAME [--json]          its kept versions, meta.json of the current one, rejections
     models commit NAME [--version V]   commit the pending version (the app socket)
     models rollback NAME [--version V] back to a kept version (the app socket)
-    models retry NAME VERSION          let a version the app rejected be activated again
+    models retry NAME VERSION          let a rejected (or unconfirmed) version be activated again
 
 ``ls`` and ``show`` read the daemon's journal and the models directory (the daemon may run);
 ``commit``, ``rollback`` and ``retry`` ask the running daemon over its app socket, which takes
@@ -51,12 +51,17 @@ def add_parser(sub: Any) -> None:
 
 def _list(journal: Any) -> List[Dict[str, Any]]:
     rejected: Dict[str, List[str]] = {}
+    unconfirmed: Dict[str, List[str]] = {}  # rolled back with nobody answering: not refused
     for r in journal.rejected_versions():
-        rejected.setdefault(r["name"], []).append(r["version"])
+        (unconfirmed if r.get("state") == "unconfirmed" else rejected).setdefault(
+            r["name"], []).append(r["version"])
     return [{"name": r["name"], "version": r["version"], "state": r["state"],
              "previous": r["previous"], "precision": r["precision"],
              "engine_key": r["engine_key"], "job_id": r["job_id"], "activated": r["activated"],
-             "rejected": rejected.get(r["name"], [])} for r in journal.active_versions()]
+             "rejected": rejected.get(r["name"], []),
+             "unconfirmed": unconfirmed.get(r["name"], []),
+             "retries": int((r.get("info") or {}).get("unconfirmed_retries") or 0)}
+            for r in journal.active_versions()]
 
 
 def run_ls(args: argparse.Namespace) -> int:

@@ -9,6 +9,9 @@ loop answers it with ``answer`` (the model switch does the work).
     {"op": "list"}                                                the models state
     {"op": "retry", "name", "version"}                            forget a rejection (root and
                                                                   the service user only)
+
+``models.app_names`` (``names_of``) limits health, commit and rollback per name: the socket
+checks it (``model_not_owned``) before a request reaches the main loop.
 Replies ``{"ok": true, ...}`` or ``{"ok": false, "error": {"code", "message"}}``.
 """
 

