@@ -79,6 +79,7 @@ class Pending(object):
         self.probe_running = False
         self.last_probe = 0.0
         self.probe_failed = False  # the probe ran and said no: an answer, not silence
+        self.handoff_running = False  # an adapter still in switch(): never run a second
         self.retries = 0  # commit windows reopened because nobody answered (journal info)
 
 
@@ -299,6 +300,7 @@ class ModelSwitch(object):
         adapters = adapters_for(self.entries, p.name)
         new, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
         assert new is not None
+        p.handoff_running = True
 
         def work() -> None:
             step = "prepare"
@@ -380,6 +382,8 @@ class ModelSwitch(object):
         p = self.pending
         if p is None or ev.token != p.token:
             return
+        if ev.kind == "handoff":
+            p.handoff_running = False
         if ev.kind == "handoff" and p.phase == "handoff":
             if ev.error is not None and ev.value == "prepare":
                 self._handoff_failed(p, ev.error)
@@ -420,7 +424,9 @@ class ModelSwitch(object):
             return
         if p.run is not None and self.shared.run is not p.run:
             # Its job ended under it (cancelled by the controller): never committed later.
-            self._rollback(p, UNCONFIRMED_PREFIX + "its job was cancelled")
+            row = self.journal.job(p.run.job_id)
+            self._rollback(p, UNCONFIRMED_PREFIX + "its job ended {}".format(
+                row["state"] if row else "elsewhere"))
             return
         if p.phase == "handoff" and p.state.failure is None and p.state.committed_by is None \
                 and p.state.deadline > self.clock():
@@ -438,7 +444,11 @@ class ModelSwitch(object):
             else:
                 self.changed()
         elif decision.action == commit_logic.ROLLBACK:
-            if p.state.failure is None and not p.probe_failed:
+            if p.state.failure is None and not p.probe_failed and p.handoff_running:
+                # An adapter still switching at the deadline: not judged, but not handed off
+                # again over the running one either.
+                self._rollback(p, UNCONFIRMED_PREFIX + decision.reason)
+            elif p.state.failure is None and not p.probe_failed:
                 self._unanswered(p, decision.reason)
             else:
                 self._rollback(p, decision.reason)

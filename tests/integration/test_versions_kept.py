@@ -5,18 +5,24 @@ committed, v3 refused: back to v1 works); ``models retry`` un-rejects it (the CL
 socket); a daemon killed during the commit window finds the version ``unconfirmed`` on restart
 and reopens its window once (the app commits it then); a job cancelled while its version is
 pending is rolled back, never committed later; slow clients on the app socket do not starve
-the app's commit, and a nested JSON line gets an error reply.
+the app's commit, and a nested JSON line gets an error reply; an app acts only on the names
+``models.app_names`` gives it, and a uid that may not use the socket is told so.
 """
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+
+import pytest
 
 from tests.integration.conftest import ROOT
 from tests.integration.test_named_models import ask, cli, current, final, named, reply_to
+from tests.unit.test_app_socket import NOBODY, as_other_user
 
 
 def cli_error(*args):
@@ -202,3 +208,30 @@ def test_slow_clients_do_not_starve_the_apps_commit(controller, agent_factory, d
         slow.wait(10)
     assert agent.alive() and "Traceback" not in agent.log_tail(200000)
     assert agent.stop() == 0
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="clients as other uids need root (setuid)")
+def test_apps_act_only_on_their_names_and_strangers_are_told_so(controller, agent_factory):
+    sock_dir = tempfile.mkdtemp(prefix="appsock-", dir="/tmp")  # traversable by other uids
+    os.chmod(sock_dir, 0o755)
+    sock = os.path.join(sock_dir, "app.sock")
+    try:
+        extra = ("models:\n  socket: {}\n  app_users: [nobody]\n  app_names:\n"
+                 "    nobody: [cls]\n".format(sock))
+        agent = agent_factory(extra_config=extra).start()
+        controller.wait_online()
+        controller.wait_for(lambda: os.path.exists(sock), 30, "the app socket")
+        os.chmod(sock, 0o666)  # the socket's own modes are not what this test is about
+        refused = as_other_user(sock, NOBODY, NOBODY, {"op": "commit", "name": "det"})
+        assert refused["error"]["code"] == "model_not_owned", refused
+        assert "models.app_names: cls" in refused["error"]["message"]
+        owned = as_other_user(sock, NOBODY, NOBODY, {"op": "commit", "name": "cls"})
+        assert owned["error"]["code"] == "not_pending", owned  # its own: the daemon answers
+        assert as_other_user(sock, NOBODY, NOBODY, {"op": "list"})["ok"]
+        stranger = as_other_user(sock, 54321, 54321, {"op": "list"})
+        assert stranger["error"]["code"] == "app_not_allowed", stranger
+        assert ask(sock, {"op": "rollback", "name": "det"})["error"]["code"] == \
+            "no_previous_version"  # root: every name, past the ownership check
+        assert agent.stop() == 0
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
