@@ -122,7 +122,8 @@ def run_show(args: argparse.Namespace) -> int:
             v["engine_key"][:16], v["job_id"], when(v["activated"]),
             "  (active)" if v["active"] else ""))
     for r in rejected:
-        print("  rejected {}: {} ({})".format(r["version"], r["reason"], when(r["at"])))
+        print("  {} {}: {} ({})".format(r.get("state", "rejected"), r["version"], r["reason"],
+                                         when(r["at"])))
     if meta:
         print("  meta.json: {} {}, inputs {}, outputs {}".format(
             meta.get("precision"), meta.get("backend"),

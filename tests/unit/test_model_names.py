@@ -66,6 +66,14 @@ def test_schema_patterns_are_the_validators():
     assert models["version"]["pattern"] == "^" + model_names.VERSION_PATTERN + "$"
 
 
+def test_reserved_words_are_the_models_layouts():
+    from agent.device import models_dir
+    from agent.wire import model_names
+
+    assert models_dir.CURRENT in model_names.RESERVED_VERSIONS
+    assert models_dir.TMP_PREFIX.startswith(".")  # no name or version starts with "."
+
+
 @pytest.mark.parametrize("version", ["current"])
 def test_versions_the_models_layout_uses_are_refused(version):
     with pytest.raises(AgentError) as e:
