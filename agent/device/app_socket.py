@@ -38,6 +38,8 @@ from agent.errors import AgentError
 
 MAX_LINE = 4096
 MAX_DEPTH = 8  # a request is a flat object: deeper nesting is refused before parsing
+LINGER_S = 0.5  # a refused connection stays open this long for the peer's line to drain
+MAX_LINGERING = 256
 OPS = ("health", "commit", "rollback", "list", "retry")
 OWNED_OPS = ("health", "commit", "rollback")  # what models.app_names restricts
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
@@ -188,6 +190,7 @@ class AppSocket:
         self._thread: Optional[threading.Thread] = None
         self._inode: Optional[int] = None
         self._reading: Dict[int, _Reading] = {}  # fd -> connection, oldest first
+        self._lingering: Dict[int, Any] = {}  # fd -> (refused connection, close at), oldest first
 
     # -- life -------------------------------------------------------------------------------
     def start(self) -> "AppSocket":
@@ -235,6 +238,9 @@ class AppSocket:
         for r in list(self._reading.values()):
             r.conn.close()
         self._reading.clear()
+        for conn, _ in list(self._lingering.values()):
+            conn.close()
+        self._lingering.clear()
         try:
             if self._inode is not None and os.stat(self.path).st_ino == self._inode:
                 os.unlink(self.path)
@@ -257,6 +263,8 @@ class AppSocket:
                     try:
                         if key.fileobj is self._sock:
                             self._accept(selector)
+                        elif key.fd in self._lingering:
+                            self._drain(selector, key.fd)
                         else:
                             self._read(selector, key.fd)
                     except Exception:  # noqa: BLE001 - one connection never stops the loop
@@ -267,6 +275,48 @@ class AppSocket:
                         self._drop(selector, fd, "bad_message", "expected one complete JSON "
                                    "line within {:g} s, found {} bytes and no newline".format(
                                        self.read_timeout_s, len(r.data)))
+                for fd, (_conn, close_at) in list(self._lingering.items()):
+                    if close_at <= now:
+                        self._close_lingering(selector, fd)
+
+    def _refuse_soon(self, selector: selectors.BaseSelector, conn: socket.socket, code: str,
+                     message: str) -> None:
+        """A refusal from the selector thread: the reply now (a fresh socket's buffer takes
+        it), then the connection lingers (LINGER_S) while the peer's line drains. Closing at
+        once would reset a peer still sending, and it could lose the reply unread; waiting
+        here would hold up every other client."""
+        self.counts["refused"] += 1
+        try:
+            conn.setblocking(False)
+            conn.send(json.dumps(refusal(code, message), sort_keys=True).encode("utf-8") +
+                      b"\n")
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            conn.close()
+            return
+        if len(self._lingering) >= MAX_LINGERING:
+            self._close_lingering(selector, next(iter(self._lingering)))
+        self._lingering[conn.fileno()] = (conn, time.monotonic() + LINGER_S)
+        selector.register(conn, selectors.EVENT_READ)
+
+    def _drain(self, selector: selectors.BaseSelector, fd: int) -> None:
+        conn, _ = self._lingering[fd]
+        try:
+            if conn.recv(MAX_LINE):
+                return  # more may come: until the peer closes or LINGER_S
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            pass
+        self._close_lingering(selector, fd)
+
+    def _close_lingering(self, selector: selectors.BaseSelector, fd: int) -> None:
+        conn, _ = self._lingering.pop(fd)
+        try:
+            selector.unregister(conn)
+        except (KeyError, ValueError):
+            pass
+        conn.close()
 
     def _accept(self, selector: selectors.BaseSelector) -> None:
         assert self._sock is not None
@@ -282,7 +332,7 @@ class AppSocket:
         if not self.allowed(peer):
             log.warning("app socket: refused pid %s uid %s gid %s", peer["pid"], peer["uid"],
                         peer["gid"])
-            self._refuse(conn, "app_not_allowed", (
+            self._refuse_soon(selector, conn, "app_not_allowed", (
                 "expected a process of the configured app user or group, found uid {} "
                 "(gid {})").format(peer["uid"], peer["gid"]))
             return
@@ -331,8 +381,8 @@ class AppSocket:
         del self._reading[fd]
         line = r.data.split(b"\n", 1)[0]
         if not self.slots.acquire(blocking=False):
-            self._refuse(r.conn, "rate_limited", "expected at most a few requests at once on "
-                         "the app socket, found more: ask again shortly")
+            self._refuse_soon(selector, r.conn, "rate_limited", "expected at most a few requests "
+                              "at once on the app socket, found more: ask again shortly")
             return
         r.conn.setblocking(True)
         threading.Thread(target=self._serve, args=(r.conn, r.peer, line),
@@ -347,18 +397,20 @@ class AppSocket:
             selector.unregister(r.conn)
         except (KeyError, ValueError):
             pass
-        r.conn.setblocking(True)
-        self._refuse(r.conn, code, message)
+        self._refuse_soon(selector, r.conn, code, message)
 
     def _refuse(self, conn: socket.socket, code: str, message: str) -> None:
         self.counts["refused"] += 1
         try:
             self._reply(conn, refusal(code, message), timeout=0.2)
             # Drain what the peer already sent: closing an AF_UNIX socket with unread data
-            # resets the peer, which could lose the refusal before it reads it.
+            # resets the peer, which could lose the refusal before it reads it. Non-blocking:
+            # a timeout would make recv wait for a peer that sends nothing more (this runs on
+            # the selector thread, which must never wait on one client).
             conn.shutdown(socket.SHUT_WR)
+            conn.setblocking(False)
             for _ in range(16):
-                if not conn.recv(MAX_LINE, socket.MSG_DONTWAIT):
+                if not conn.recv(MAX_LINE):
                     break
         except OSError:
             pass
