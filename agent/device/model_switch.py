@@ -79,6 +79,7 @@ class Pending(object):
         self.probe_running = False
         self.last_probe = 0.0
         self.probe_failed = False  # the probe ran and said no: an answer, not silence
+        # (until it says yes: a probe that passed leaves only the app's silence)
         self.handoff_running = False  # an adapter still in switch(): never run a second
         self.retries = 0  # commit windows reopened because nobody answered (journal info)
 
@@ -394,7 +395,7 @@ class ModelSwitch(object):
         elif ev.kind == "probe":
             p.probe_running = False
             p.state.on_probe(bool(ev.value))
-            p.probe_failed = p.probe_failed or not ev.value
+            p.probe_failed = not ev.value and "probe" not in p.state.confirmed
             if not ev.value:
                 log.info("model %s@%s: probe not yet: %s", p.name, p.version, ev.error)
         elif ev.kind == "reverted":
@@ -444,11 +445,12 @@ class ModelSwitch(object):
             else:
                 self.changed()
         elif decision.action == commit_logic.ROLLBACK:
-            if p.state.failure is None and not p.probe_failed and p.handoff_running:
+            refused = p.state.failure is not None or p.probe_failed
+            if not refused and p.handoff_running:
                 # An adapter still switching at the deadline: not judged, but not handed off
                 # again over the running one either.
                 self._rollback(p, UNCONFIRMED_PREFIX + decision.reason)
-            elif p.state.failure is None and not p.probe_failed:
+            elif not refused:
                 self._unanswered(p, decision.reason)
             else:
                 self._rollback(p, decision.reason)

@@ -466,3 +466,25 @@ def test_a_cancelled_pending_job_is_rolled_back(tmp_path):
     assert e.value.code == "not_pending"
     assert "j2" not in h.ended  # it stays CANCELED
     assert h.journal.job("j2")["state"] == "CANCELED"
+
+
+def test_a_failing_probe_is_an_answer_and_a_passing_one_leaves_the_apps_silence(tmp_path):
+    flag = tmp_path / "healthy"
+    probe = [sys.executable, "-c", "import os, sys; sys.exit(0 if os.path.exists({!r}) else 1)"
+             .format(str(flag))]
+    h = Harness(tmp_path, probe=probe, app_confirms=["det"], commit_timeout_s=60,
+                unconfirmed_retries=0)
+    flag.write_text("")
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(lambda: h.switch.pending is not None and "probe" in h.switch.pending.state.confirmed)
+    h.switch.pending.state.deadline = 0  # the probe said yes; the app said nothing
+    h.pump(lambda: "j1" in h.ended)
+    assert "unconfirmed: no confirmation (app)" in h.ended["j1"][1]["message"]
+    flag.unlink()
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(lambda: h.switch.pending is not None and h.switch.pending.probe_failed)
+    h.switch.pending.state.deadline = 0  # the probe said no until the end: refused
+    h.pump(lambda: "j2" in h.ended)
+    assert "unconfirmed" not in h.ended["j2"][1]["message"]
+    assert [(r["version"], r["state"]) for r in h.journal.rejected_versions("det")] == [
+        ("v1", "unconfirmed"), ("v2", "rejected")]
