@@ -294,3 +294,14 @@ def test_every_code_the_client_raises_is_documented():
     with open(client.__file__) as f:
         used = set(re.findall(r'ClientError\("([a-z_]+)"', f.read()))
     assert used and used <= set(CODES), used - set(CODES)
+
+
+def test_app_names_resolve_users_and_groups():
+    from agent.device.app_requests import names_of
+
+    assert names_of({}) is None  # not configured: every name
+    lookup = names_of({"root": ["det"], "@0": ["cls"], "4242": ["seg"]})
+    assert lookup({"uid": 0, "groups": [0]}) == {"det", "cls"}
+    assert lookup({"uid": 4242, "groups": [7]}) == {"seg"}
+    assert lookup({"uid": 77, "groups": [0, 7]}) == {"cls"}  # a member of group 0
+    assert lookup({"uid": 77, "groups": [7]}) == set()  # given nothing: acts on nothing
