@@ -161,6 +161,9 @@ CODES = {
     "return to.",
     "not_pinned": "fleet unpin: the device's model has no fleet pin (a device's own pin is "
     "removed on the device).",
+    # the app socket (versions that can't be lost)
+    "model_not_owned": "An app on the app socket acted on (committed, reported on, rolled "
+    "back) a model name that models.app_names does not give to its user or group.",
 }
 
 

@@ -4,7 +4,6 @@
     models show NAME [--json]          its kept versions, meta.json of the current one, rejections
     models commit NAME [--version V]   commit the pending version (the app socket)
     models rollback NAME [--version V] back to a kept version (the app socket)
-    models retry NAME VERSION          let a version the app rejected be activated again
     models pin NAME VERSION            keep NAME at VERSION (switches to it if kept): jobs to
                                        another version are refused (model_pinned)
     models unpin NAME                  let jobs switch NAME again
@@ -63,15 +62,20 @@ def add_parser(sub: Any) -> None:
 
 def _list(journal: Any, notes: Any = None) -> List[Dict[str, Any]]:
     rejected: Dict[str, List[str]] = {}
+    unconfirmed: Dict[str, List[str]] = {}  # rolled back with nobody answering: not refused
     for r in journal.rejected_versions():
-        rejected.setdefault(r["name"], []).append(r["version"])
+        (unconfirmed if r.get("state") == "unconfirmed" else rejected).setdefault(
+            r["name"], []).append(r["version"])
     pins = notes.pins if notes is not None else {}
     health = notes.health if notes is not None else {}
     return [{"name": r["name"], "version": r["version"], "state": r["state"],
              "previous": r["previous"], "precision": r["precision"],
              "engine_key": r["engine_key"], "job_id": r["job_id"], "activated": r["activated"],
-             "rejected": rejected.get(r["name"], []), "pinned": pins.get(r["name"]),
-             "health": health.get(r["name"], "ok")} for r in journal.active_versions()]
+             "rejected": rejected.get(r["name"], []),
+             "unconfirmed": unconfirmed.get(r["name"], []),
+             "retries": int((r.get("info") or {}).get("unconfirmed_retries") or 0),
+             "pinned": pins.get(r["name"]), "health": health.get(r["name"], "ok")}
+            for r in journal.active_versions()]
 
 
 def _notes(args: argparse.Namespace) -> Any:
@@ -157,7 +161,8 @@ def run_show(args: argparse.Namespace) -> int:
             v["engine_key"][:16], v["job_id"], when(v["activated"]),
             "  (active)" if v["active"] else ""))
     for r in rejected:
-        print("  rejected {}: {} ({})".format(r["version"], r["reason"], when(r["at"])))
+        print("  {} {}: {} ({})".format(r.get("state", "rejected"), r["version"], r["reason"],
+                                         when(r["at"])))
     if meta:
         print("  meta.json: {} {}, inputs {}, outputs {}".format(
             meta.get("precision"), meta.get("backend"),

@@ -11,6 +11,9 @@ loop answers it with ``answer`` (the model switch does the work).
                                                                   the service user only)
     {"op": "pin", "name", "version"} / {"op": "unpin", "name"}    pin a name to a kept version
                                                                   (root and the service user)
+
+``models.app_names`` (``names_of``) limits health, commit and rollback per name: the socket
+checks it (``model_not_owned``) before a request reaches the main loop.
 Replies ``{"ok": true, ...}`` or ``{"ok": false, "error": {"code", "message"}}``.
 """
 
@@ -19,15 +22,14 @@ import logging
 import os
 import pwd
 import queue
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 from agent.errors import AgentError
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
 ANSWER_WITHIN_S = 10.0
-OPS = ("health", "commit", "rollback", "list", "retry")
-OPS = OPS + ("pin", "unpin")  # type: ignore[assignment]  # operator pins
+OPS = ("health", "commit", "rollback", "list", "retry", "pin", "unpin")
 
 
 class AppRequest(NamedTuple):
@@ -131,6 +133,32 @@ def open_socket(cfg: Any, events: Any) -> Any:
         log.warning("no app socket: %s", exc)
         return None
     uids, gids = allowed_ids(cfg.models.app_users, cfg.models.app_group)
-    sock = module.AppSocket(cfg.app_socket, uids, gids, handler(events))
+    sock = module.AppSocket(cfg.app_socket, uids, gids, handler(events),
+                            names_of=names_of(cfg.models.app_names or {}))
     sock.start()
     return sock
+
+
+def names_of(app_names: Dict[str, Any]) -> Optional[Callable[[Dict[str, Any]], Set[str]]]:
+    """``models.app_names`` ({user | "@group": [names]}) -> ``names_of(peer)``: the names the
+    peer's uid and groups are given (empty: none); None when it is not configured."""
+    if not app_names:
+        return None
+    by_uid: Dict[int, Set[str]] = {}
+    by_gid: Dict[int, Set[str]] = {}
+    for who, names in app_names.items():
+        if who.startswith("@"):
+            group = who[1:]
+            gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+            by_gid.setdefault(gid, set()).update(names)
+        else:
+            uid = int(who) if who.isdigit() else pwd.getpwnam(who).pw_uid
+            by_uid.setdefault(uid, set()).update(names)
+
+    def lookup(peer: Dict[str, Any]) -> Set[str]:
+        out = set(by_uid.get(peer.get("uid", -1), ()))
+        for gid in peer.get("groups") or ():
+            out.update(by_gid.get(gid, ()))
+        return out
+
+    return lookup

@@ -120,8 +120,14 @@ class ModelsConfig:
     # The models whose app confirms (["*"]: all): a new version of one stays pending until the
     # app reports it healthy or commits it.
     app_confirms: List[str] = dataclasses.field(default_factory=list)
+    # A commit window that closes with no answer (the app absent, the agent down) reopens this
+    # many times before the version is rolled back as unconfirmed.
+    unconfirmed_retries: int = _f(1, min=0, max=5)
     app_users: List[str] = dataclasses.field(default_factory=list)  # may use the app socket
     app_group: Optional[str] = None
+    # Which names each app may commit, report on or roll back: {user | "@group": [names] |
+    # ["*"]}. Empty: every allowed app, every name (root and the service user: always all).
+    app_names: Dict[str, Any] = _f(None, mapping=True)
     socket: Optional[str] = None  # None: $JETSON_AGENT_SOCKET (unit), else <state_dir>/app.sock
 
 
@@ -324,6 +330,32 @@ def http_ca_file(cfg: Config) -> Optional[str]:
     return cfg.transfer.http_ca_file or cfg.broker.tls.ca_file or None
 
 
+def _check_app_names(app_names: Dict[str, Any]) -> None:
+    """``models.app_names``: user or @group -> a list of model names (or "*"), bounded."""
+    from agent.wire.model_names import validate_name
+
+    if len(app_names) > 64:
+        raise AgentError("bad_config", "models.app_names: expected at most 64 users and "
+                         "groups, found {}".format(len(app_names)))
+    for who, names in app_names.items():
+        where = "models.app_names.{}".format(who)
+        if isinstance(names, str):
+            names = app_names[who] = [names]
+        if not isinstance(names, list) or len(names) > 256:
+            raise AgentError("bad_config", "{}: expected a list of at most 256 model names, "
+                             "found {!r}".format(where, names))
+        for name in names:
+            if name != "*":
+                try:
+                    validate_name(name)
+                except AgentError as exc:
+                    raise AgentError("bad_config", "{}: {}".format(where, exc.message))
+        if who.startswith("@"):
+            _check_account(where, who[1:], "getgrnam")
+        else:
+            _check_account(where, who, "getpwnam")
+
+
 def _finish_models(cfg: Config) -> None:
     """The models section and the hand-off list, checked now (bad_config naming the key)."""
     from agent.device import handoff
@@ -340,6 +372,8 @@ def _finish_models(cfg: Config) -> None:
         _check_account("models.app_users", user, "getpwnam")
     if m.app_group:
         _check_account("models.app_group", m.app_group, "getgrnam")
+    m.app_names = m.app_names or {}
+    _check_app_names(m.app_names)
     if m.group:
         _check_account("models.group", m.group, "getgrnam")
     cfg.handoff = cfg.handoff or []

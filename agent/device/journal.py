@@ -319,6 +319,11 @@ class Journal(object):
         with self._tx() as db:
             journal_models.expire(db, name, version, reason)
 
+    def retry_pending(self, name: str, version: str, deadline: float, retries: int,
+                      reason: str) -> None:
+        with self._tx() as db:
+            journal_models.retry_pending(db, name, version, deadline, retries, reason)
+
     def restore_version(self, name: str, to_version: Optional[str],
                         reject_reason: Optional[str] = None) -> Optional[Dict[str, Any]]:
         """The kept ``to_version`` active again; returns the dropped active row."""

@@ -14,6 +14,11 @@ from agent.device.journal_schema import dumps, loads
 _COLUMNS = ("name, version, active, state, model_sha, engine_key, precision, activated, job_id, "
             "info, deadline, previous")
 MAX_REJECTED_PER_NAME = 16  # the oldest rejections beyond this are forgotten
+# A version rolled back because nobody answered in its commit window (no report, no commit,
+# the daemon down) is ``unconfirmed``, not rejected: the app never judged it, so a job may
+# activate it again. Marked by its reason's prefix (the table has no state column to add).
+UNCONFIRMED = "unconfirmed"
+UNCONFIRMED_PREFIX = UNCONFIRMED + ": "
 
 
 def activate(db: sqlite3.Connection, name: str, version: str, model_sha: str, engine_key: str,
@@ -34,13 +39,9 @@ def activate(db: sqlite3.Connection, name: str, version: str, model_sha: str, en
     db.execute("INSERT OR REPLACE INTO models ({}) VALUES (?, ?, 1, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
                .format(_COLUMNS), (name, version, state, model_sha, engine_key, precision, now,
                                    job_id, dumps(dict(info)), deadline, previous))
-    dropped = []
-    others = [r for r in versions(db, name) if not r["active"]]
-    for row in others[max(0, keep - 1):]:
-        if row["version"] == previous and state == "pending":
-            continue  # the rollback target of a pending version stays until it commits
-        db.execute("DELETE FROM models WHERE name = ? AND version = ?", (name, row["version"]))
-        dropped.append(row["version"])
+    # A pending version is not kept yet: pruning waits for its commit, so every version an
+    # operator could roll back to before it came is still there if it is refused.
+    dropped = [] if state == "pending" else _prune(db, name, keep)
     return (current if current is not None and current["version"] != version else None), dropped
 
 
@@ -48,6 +49,11 @@ def commit(db: sqlite3.Connection, name: str, version: str, keep: int) -> List[s
     """The pending active version committed; returns versions no longer kept."""
     db.execute("UPDATE models SET state = 'committed', deadline = NULL WHERE name = ? AND "
                "version = ? AND active = 1", (name, version))
+    return _prune(db, name, keep)
+
+
+def _prune(db: sqlite3.Connection, name: str, keep: int) -> List[str]:
+    """The kept versions beyond ``keep`` (the active one included), oldest first, dropped."""
     dropped = []
     for row in [r for r in versions(db, name) if not r["active"]][max(0, keep - 1):]:
         db.execute("DELETE FROM models WHERE name = ? AND version = ?", (name, row["version"]))
@@ -86,6 +92,18 @@ def expire(db: sqlite3.Connection, name: str, ver: str, reason: str) -> None:
                    (dumps(info), name, ver))
 
 
+def retry_pending(db: sqlite3.Connection, name: str, ver: str, deadline: float, retries: int,
+                  reason: str) -> None:
+    """A pending version nobody answered for: its commit window reopened (a new deadline), the
+    count and the last silence in its info."""
+    row = version(db, name, ver)
+    if row is not None and row["state"] == "pending":
+        info = dict(row["info"], unconfirmed_retries=retries, unconfirmed_reason=reason[:500])
+        info.pop("rollback_reason", None)
+        db.execute("UPDATE models SET deadline = ?, info = ? WHERE name = ? AND version = ?",
+                   (deadline, dumps(info), name, ver))
+
+
 def reject(db: sqlite3.Connection, name: str, version: str, model_sha: Optional[str],
            reason: str, now: float) -> None:
     db.execute("INSERT OR REPLACE INTO rejected_versions (name, version, model_sha, reason, at) "
@@ -113,7 +131,8 @@ def rejected(db: sqlite3.Connection, name: Optional[str] = None) -> List[Dict[st
     args: Tuple[Any, ...] = ()
     if name is not None:
         sql, args = sql + " WHERE name = ?", (name,)
-    return [{"name": r[0], "version": r[1], "model": r[2], "reason": r[3], "at": float(r[4])}
+    return [{"name": r[0], "version": r[1], "model": r[2], "reason": r[3], "at": float(r[4]),
+             "state": UNCONFIRMED if r[3].startswith(UNCONFIRMED_PREFIX) else "rejected"}
             for r in db.execute(sql + " ORDER BY name, at", args).fetchall()]
 
 

@@ -36,6 +36,7 @@ from agent.device import commit_logic, model_meta, model_sets, models_guard
 from agent.device.handoff import Entry, adapters_for
 from agent.device.handoff.base import Adapter, ModelVersion
 from agent.device.job_run import Run
+from agent.device.journal_models import UNCONFIRMED, UNCONFIRMED_PREFIX
 from agent.device.model_notes import ModelNotes
 from agent.device.models_dir import ENGINE, ModelsDir, read_meta
 from agent.device.status_publisher import fit_result
@@ -80,6 +81,10 @@ class Pending(object):
         self.phase = "handoff"  # handoff | waiting | rolling_back
         self.probe_running = False
         self.last_probe = 0.0
+        self.probe_failed = False  # the probe ran and said no: an answer, not silence
+        # (until it says yes: a probe that passed leaves only the app's silence)
+        self.handoff_running = False  # an adapter still in switch(): never run a second
+        self.retries = 0  # commit windows reopened because nobody answered (journal info)
 
 
 class ModelSwitch(object):
@@ -127,7 +132,7 @@ class ModelSwitch(object):
         self.notes.check(name, version)
         self.sets.check(model_sets.parse(doc), name)
         for row in self.journal.rejected_versions(name):
-            if row["version"] == version:
+            if row["version"] == version and row["state"] != UNCONFIRMED:
                 raise AgentError("version_rejected", "{}@{} was rejected on this device ({}); "
                                  "expected a new version, or an operator's retry (jetson-agent "
                                  "models retry {} {})".format(name, version, row["reason"],
@@ -184,12 +189,15 @@ class ModelSwitch(object):
                                        "the version was rolled back while the agent stopped")
             return
         self._track(run, name, version, row["previous"], row["deadline"] or 0.0)
+        p: Pending = self.pending  # type: ignore[assignment]
+        p.retries = int(row["info"].get("unconfirmed_retries") or 0)
         run.stage = committing_stage(run)
         self.set_stage(run, run.stage)
-        if (row["deadline"] or 0.0) <= self.clock():
-            self._rollback(self.pending, row["info"].get("rollback_reason") or  # type: ignore
-                           "no confirmation within {:g} s (the agent restarted)".format(
-                               self.m.commit_timeout_s))
+        if row["info"].get("rollback_reason") and (row["deadline"] or 0.0) <= self.clock():
+            self._rollback(p, row["info"]["rollback_reason"])  # a rollback the kill cut short
+        elif (row["deadline"] or 0.0) <= self.clock():
+            self._unanswered(p, "no confirmation within {:g} s (the agent was down)".format(
+                self.m.commit_timeout_s))
         else:
             log.info("model %s@%s: still pending after a restart; handing it off again "
                      "(%.0f s left)", name, version, (row["deadline"] or 0) - self.clock())
@@ -320,6 +328,7 @@ class ModelSwitch(object):
         adapters = adapters_for(self.entries, p.name)
         new, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
         assert new is not None
+        p.handoff_running = True
 
         def work() -> None:
             step = "prepare"
@@ -439,6 +448,8 @@ class ModelSwitch(object):
         p = self.pending
         if p is None or ev.token != p.token:
             return
+        if ev.kind == "handoff":
+            p.handoff_running = False
         if ev.kind == "handoff" and p.phase == "handoff":
             if ev.error is not None and ev.value == "prepare":
                 self._handoff_failed(p, ev.error, ev.code)
@@ -449,6 +460,7 @@ class ModelSwitch(object):
         elif ev.kind == "probe":
             p.probe_running = False
             p.state.on_probe(bool(ev.value))
+            p.probe_failed = not ev.value and "probe" not in p.state.confirmed
             if not ev.value:
                 log.info("model %s@%s: probe not yet: %s", p.name, p.version, ev.error)
         elif ev.kind == "reverted":
@@ -480,6 +492,12 @@ class ModelSwitch(object):
     def _decide(self, p: Pending) -> None:
         if p.phase == "rolling_back":
             return
+        if p.run is not None and self.shared.run is not p.run:
+            # Its job ended under it (cancelled by the controller): never committed later.
+            row = self.journal.job(p.run.job_id)
+            self._rollback(p, UNCONFIRMED_PREFIX + "its job ended {}".format(
+                row["state"] if row else "elsewhere"))
+            return
         if p.phase == "handoff" and p.state.failure is None and p.state.committed_by is None \
                 and p.state.deadline > self.clock():
             return  # the adapters' switch is still running
@@ -488,6 +506,7 @@ class ModelSwitch(object):
             dropped = self.journal.commit_version(p.name, p.version, self.m.keep_versions)
             if self.handoff_notes.pop(p.name, None) is not None:
                 self.journal.note_put("handoff", self.handoff_notes)
+            self.journal.forget_rejected(p.name, p.version)  # an earlier unconfirmed try
             self._drop_dirs(p.name, dropped)
             self.pending = None
             self.health[p.name] = "ok"
@@ -497,7 +516,34 @@ class ModelSwitch(object):
             else:
                 self.changed()
         elif decision.action == commit_logic.ROLLBACK:
-            self._rollback(p, decision.reason)
+            refused = p.state.failure is not None or p.probe_failed
+            if not refused and p.handoff_running:
+                # An adapter still switching at the deadline: not judged, but not handed off
+                # again over the running one either.
+                self._rollback(p, UNCONFIRMED_PREFIX + decision.reason)
+            elif not refused:
+                self._unanswered(p, decision.reason)
+            else:
+                self._rollback(p, decision.reason)
+
+    def _unanswered(self, p: Pending, reason: str) -> None:
+        """The commit window closed with no answer (no report, no commit, the probe never
+        ran to an end, the agent down): the app never judged the version. Its window reopens
+        (the hand-off again) ``models.unconfirmed_retries`` times, then it is rolled back as
+        ``unconfirmed`` (a later job may bring it again: not refused like a rejected one)."""
+        if p.retries >= self.m.unconfirmed_retries:
+            self._rollback(p, UNCONFIRMED_PREFIX + reason)
+            return
+        p.retries += 1
+        deadline = self.clock() + self.m.commit_timeout_s
+        log.warning("model %s@%s: unconfirmed (%s); handing it off again (retry %d of %d, "
+                    "%.0f s)", p.name, p.version, reason, p.retries, self.m.unconfirmed_retries,
+                    self.m.commit_timeout_s)
+        self.journal.retry_pending(p.name, p.version, deadline, p.retries, reason)
+        p.state = commit_logic.CommitState(p.state.need, deadline, self.m.commit_timeout_s)
+        p.phase, p.probe_failed = "handoff", False
+        self.changed()
+        self._start_handoff(p)
 
     def _handoff_failed(self, p: Pending, error: str, code: Optional[str] = None) -> None:
         """``prepare`` failed: nothing was switched; the previous version stays active."""
@@ -772,8 +818,10 @@ class ModelSwitch(object):
         """Per name, what the models message and ``models ls`` show."""
         out = []
         rejected: Dict[str, List[str]] = {}
+        unconfirmed: Dict[str, List[str]] = {}
         for r in self.journal.rejected_versions():
-            rejected.setdefault(r["name"], []).append(r["version"])
+            (unconfirmed if r["state"] == UNCONFIRMED else rejected).setdefault(
+                r["name"], []).append(r["version"])
         problems = models_guard.check_models(self.models.root)
         self.last_disk_check = time.monotonic()
         self.disk_health = {}
@@ -789,7 +837,9 @@ class ModelSwitch(object):
                         "pinned": self.notes.pins.get(row["name"]),
                         **({"handoff": self.handoff_notes[row["name"]][:512]}
                            if row["name"] in self.handoff_notes else {}),
-                        "rejected": rejected.get(row["name"], [])[-16:]})
+                        "rejected": rejected.get(row["name"], [])[-16:],
+                        "unconfirmed": unconfirmed.get(row["name"], [])[-16:],
+                        "retries": int(row["info"].get("unconfirmed_retries") or 0)})
         rec = self.sets.open or {"members": {}}
         for entry in out:
             if (rec["members"].get(entry["name"]) or {}).get("version") == entry["version"]:

@@ -4,7 +4,9 @@ environment values on devices. Pure; Python 3.6-compatible.
 
 - name: ``^[a-z0-9][a-z0-9_.-]{0,63}$``
 - version: ``^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$`` (never ``.`` or ``..``: the first character
-  is a letter or digit)
+  is a letter or digit), and never a name the models directory's layout uses (``current``,
+  the link to the active version: ``RESERVED_VERSIONS``; the layout's temporary entries start
+  with ``.``, which neither pattern allows). A reserved word is ``bad_argument``.
 - default version: the first 12 hex digits of the model's SHA-256 (``default_version``); a job
   without a name runs under ``sha-<first 12 hex>`` (``derived_name``).
 """
@@ -19,6 +21,10 @@ VERSION_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}"
 _NAME_RE = re.compile(NAME_PATTERN)
 _VERSION_RE = re.compile(VERSION_PATTERN)
 _SHA_RE = re.compile(r"[0-9a-f]{64}")
+RESERVED_VERSIONS = ("current",)  # <models_dir>/<name>/current -> <version>
+# The job schema's version pattern: the same, never a reserved word (a lookahead: the schemas
+# may use ``$`` only as their end anchor).
+JOB_VERSION_PATTERN = r"(?!current(?![A-Za-z0-9_.+-]))" + VERSION_PATTERN
 FEATURE = "named_models"  # what a device's status.platform.features says when it knows names
 
 
@@ -42,6 +48,10 @@ def validate_version(s: Any) -> str:
         raise AgentError("bad_model_version", "expected a model version of 1-64 characters of "
                          "[A-Za-z0-9_.+-] starting with a letter or digit, found {}"
                          .format(_shown(s)))
+    if s in RESERVED_VERSIONS:
+        raise AgentError("bad_argument", "expected a model version other than {} (the models "
+                         "directory's link to the active version), found {}".format(
+                             " or ".join(RESERVED_VERSIONS), _shown(s)))
     return s
 
 

@@ -92,6 +92,9 @@ BAD_INPUT = [
     (fp16_args("--abort-failure-rate", "1.5", "--devices", "d1"), "bad_argument",
      ["--abort-failure-rate"]),
     (fp16_args("--devices", "d1", "--batch", "0"), "bad_argument", ["--batch"]),
+    # the devices' models directory links current -> the active version
+    (fp16_args("--name", "det", "--version", "current", "--devices", "d1"), "bad_argument",
+     ["'current'", "link to the active version"]),
 ]
 
 

@@ -163,6 +163,9 @@ def test_a_deployment_converges_and_stays_converged(store):
     with pytest.raises(AgentError) as exc:
         registry.put(store, "det", "3", record(SHA4))
     assert exc.value.code == "model_version_exists"
+    with pytest.raises(AgentError) as exc:  # the devices' models layout: current -> version
+        registry.put(store, "det", "current", record(SHA4))
+    assert exc.value.code == "bad_argument"
 
 
 def test_a_newer_deployment_supersedes_without_touching_devices_on_it(store):

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 
 from agent import client
-from agent.device.app_socket import AppSocket, TokenBucket, groups_of
+from agent.device.app_socket import AppSocket, TokenBucket, groups_of, nesting_depth
 from agent.errors import CODES, AgentError
 
 NOBODY = 65534
@@ -110,17 +110,59 @@ def test_rate_limit_per_uid_and_connection_cap(sock_dir):
     with AppSocket(path, [], [], echo, rate_per_s=0.001, burst=3):
         codes = [ask(path, b'{"op": "list"}\n').get("error", {}).get("code") for _ in range(5)]
     assert codes == [None, None, None, "rate_limited", "rate_limited"]
-    with AppSocket(path, [], [], echo, max_concurrent=1, read_timeout_s=5) as app:
-        holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        holder.connect(path)
-        holder.sendall(b'{"op": ')  # holds the only slot until its deadline
-        reply = ask(path, b'{"op": "list"}\n')
-        assert reply["error"]["code"] == "rate_limited" and "at once" in \
-            reply["error"]["message"]
-        holder.sendall(b'"list"}\n')
-        assert json.loads(holder.makefile("rb").readline())["ok"] is True
-        holder.close()
-        assert app.counts["refused"] == 1
+    with AppSocket(path, [], [], echo, max_concurrent=1, max_per_uid=2,
+                   read_timeout_s=5) as app:
+        holders = []
+        for _ in range(3):  # three slow clients of one uid, each still sending its line
+            holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            holder.connect(path)
+            holder.sendall(b'{"op": ')
+            holders.append(holder)
+        # A sender holds no worker: the complete request is served at once.
+        assert ask(path, b'{"op": "list"}\n')["ok"] is True
+        # The uid's third and fourth connections pushed out its oldest ones (per-uid cap).
+        for pushed in holders[:2]:
+            reply = json.loads(pushed.makefile("rb").readline())
+            assert reply["error"]["code"] == "rate_limited" and "at once" in \
+                reply["error"]["message"]
+        assert app.counts["served"] == 1 and app.counts["refused"] >= 2
+        holders[2].close()
+
+
+@pytest.mark.parametrize("payload", [
+    b"[" * 100000,  # over the line limit: refused unread
+    b'{"op": "list", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}\n",
+    b'{"op": "list", "x": ' + b'{"a": ' * 600 + b"1" + b"}" * 600 + b"}\n",
+])
+def test_nested_or_oversized_json_gets_a_reply_and_the_socket_lives_on(sock_dir, payload,
+                                                                        caplog):
+    path = os.path.join(sock_dir, "app.sock")
+    with AppSocket(path, [], [], echo):
+        reply = ask(path, payload[:4096] + b"\n" if len(payload) < 100000 else payload)
+        assert reply["ok"] is False and reply["error"]["code"] == "bad_message", reply
+        assert ask(path, b'{"op": "list"}\n')["ok"] is True  # the socket serves on
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records
+                                                   if r.levelname == "ERROR"]
+
+
+def test_nesting_depth_ignores_brackets_in_strings():
+    assert nesting_depth(b'{"a": "[[[{{{", "b": [1, {"c": "\\"]]"}]}') == 3
+    assert nesting_depth(b"[" * 9 + b"]" * 9) == 9
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="running a client as another uid needs root "
+                    "(setuid); root and the service user may act on every name")
+def test_names_restrict_what_an_app_may_act_on(sock_dir):
+    path = os.path.join(sock_dir, "app.sock")
+    with AppSocket(path, [NOBODY], [], echo, names_of=lambda peer: {"cls"}):
+        os.chmod(path, 0o666)
+        for op in ("commit", "rollback"):
+            reply = as_other_user(path, NOBODY, NOBODY, {"op": op, "name": "det"})
+            assert reply["error"]["code"] == "model_not_owned", reply
+            assert "found 'det'" in reply["error"]["message"]
+        assert as_other_user(path, NOBODY, NOBODY, {"op": "commit", "name": "cls"})["ok"]
+        assert as_other_user(path, NOBODY, NOBODY, {"op": "list"})["ok"]
+        assert ask(path, b'{"op": "commit", "name": "det"}\n')["ok"]  # root: every name
 
 
 def test_token_bucket_refills():
@@ -130,7 +172,7 @@ def test_token_bucket_refills():
     assert bucket.take(8, now=0.5) is True  # per uid
 
 
-def as_other_user(path, uid, gid):
+def as_other_user(path, uid, gid, request=None):
     """A forked child drops to uid/gid (no supplementary groups), asks, and pipes back the
     reply (only raw socket and os calls in the child: safe after fork)."""
     read_end, write_end = os.pipe()
@@ -145,7 +187,7 @@ def as_other_user(path, uid, gid):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.settimeout(10)
             s.connect(path)
-            s.sendall(b'{"op": "list"}\n')
+            s.sendall(json.dumps(request or {"op": "list"}).encode() + b"\n")
             data = b""
             while not data.endswith(b"\n"):
                 chunk = s.recv(65536)
@@ -252,3 +294,14 @@ def test_every_code_the_client_raises_is_documented():
     with open(client.__file__) as f:
         used = set(re.findall(r'ClientError\("([a-z_]+)"', f.read()))
     assert used and used <= set(CODES), used - set(CODES)
+
+
+def test_app_names_resolve_users_and_groups():
+    from agent.device.app_requests import names_of
+
+    assert names_of({}) is None  # not configured: every name
+    lookup = names_of({"root": ["det"], "@0": ["cls"], "4242": ["seg"]})
+    assert lookup({"uid": 0, "groups": [0]}) == {"det", "cls"}
+    assert lookup({"uid": 4242, "groups": [7]}) == {"seg"}
+    assert lookup({"uid": 77, "groups": [0, 7]}) == {"cls"}  # a member of group 0
+    assert lookup({"uid": 77, "groups": [7]}) == set()  # given nothing: acts on nothing

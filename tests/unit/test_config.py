@@ -86,6 +86,11 @@ def test_wrong_type_names_key_expected_and_found(tmp_path):
     ("broker:\n  password: hunter2\n", "password_file"),
     ("broker:\n  tls:\n    enabled: yes please\n", "a boolean"),
     ("a: [\n", "not valid YAML"),
+    ("models:\n  app_names:\n    root: [Det]\n", "models.app_names.root: expected a model"),
+    ("models:\n  app_names:\n    no-such-user-x: [det]\n", "expected a user"),
+    ("models:\n  app_names:\n    '@no-such-group-x': [det]\n", "expected a group"),
+    ("models:\n  app_names:\n    root: {det: 1}\n", "a list of at most 256"),
+    ("models:\n  unconfirmed_retries: 9\n", "<= 5"),
 ])
 def test_bad_values(tmp_path, text, needle):
     with pytest.raises(AgentError) as exc:
@@ -163,3 +168,12 @@ def test_example_yaml_loads_back(tmp_path):
     text = config.example_yaml()
     cfg = load(write(tmp_path, text.replace("device_id: null", "device_id: x")))
     assert cfg.device_id == "x"
+
+
+def test_app_names_and_unconfirmed_retries(tmp_path):
+    cfg = load()
+    assert cfg.models.app_names == {} and cfg.models.unconfirmed_retries == 1
+    cfg = load(write(tmp_path, "models:\n  unconfirmed_retries: 0\n  app_names:\n"
+                               "    root: det\n    '@root': ['*']\n"))
+    assert cfg.models.app_names == {"root": ["det"], "@root": ["*"]}
+    assert cfg.models.unconfirmed_retries == 0

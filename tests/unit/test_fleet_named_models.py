@@ -56,6 +56,7 @@ def test_name_and_version_checked_where_they_enter():
     for args, code in ((("Detector", None), "bad_model_name"),
                        (("det", ".."), "bad_model_version"),
                        (("det", "v/1"), "bad_model_version"),
+                       (("det", "current"), "bad_argument"),
                        ((None, "v1"), "bad_argument")):
         with pytest.raises(AgentError) as e:
             model_name_version(args[0], args[1], SHA)

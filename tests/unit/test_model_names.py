@@ -61,8 +61,29 @@ def test_schema_patterns_are_the_validators():
     models = protocol.schema("models")["$defs"]
     from agent.wire import model_names
     assert job["model_name"]["pattern"] == "^" + model_names.NAME_PATTERN + "$"
-    assert job["model_version"]["pattern"] == "^" + model_names.VERSION_PATTERN + "$"
-    assert models["name"] == job["model_name"] and models["version"] == job["model_version"]
+    assert job["model_version"]["pattern"] == "^" + model_names.JOB_VERSION_PATTERN + "$"
+    assert models["name"] == job["model_name"]
+    assert models["version"]["pattern"] == "^" + model_names.VERSION_PATTERN + "$"
+
+
+def test_reserved_words_are_the_models_layouts():
+    from agent.device import models_dir
+    from agent.wire import model_names
+
+    assert models_dir.CURRENT in model_names.RESERVED_VERSIONS
+    assert models_dir.TMP_PREFIX.startswith(".")  # no name or version starts with "."
+
+
+@pytest.mark.parametrize("version", ["current"])
+def test_versions_the_models_layout_uses_are_refused(version):
+    with pytest.raises(AgentError) as e:
+        validate_version(version)
+    assert e.value.code == "bad_argument" and "link to the active version" in e.value.message
+    assert validate_version("current2") == "current2" and validate_version("v-current")
+    with pytest.raises(AgentError) as e:
+        protocol.validate("job", _job(model_name="det", model_version=version))
+    assert e.value.code == "bad_message" and "model_version" in e.value.message
+    protocol.validate("job", _job(model_name="det", model_version="currently"))
 
 
 def _job(**extra):

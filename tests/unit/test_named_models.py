@@ -190,15 +190,19 @@ class Harness:
         class Shared:
             run = None
 
+        self.shared = Shared()  # the job in hand, as the daemon's (JobEnding frees it)
+
         def end(run, state, error=None, result=None):
             self.journal.set_state(run.job_id, state, error=error, result=result)
             self.ended[run.job_id] = (state, error, result)
+            if self.shared.run is run:
+                self.shared.run = None
 
         def changed():
             self.changes += 1
 
         sw = ModelSwitch(self.cfg, self.journal, ModelsDir(self.cfg.models_dir),
-                         handoff.parse(handoff_list), self.events, Shared(), end,
+                         handoff.parse(handoff_list), self.events, self.shared, end,
                          lambda run, stage: self.journal.set_state(
                              run.job_id, "IN_PROGRESS", stage=stage, details=run.details),
                          changed, lambda: {"board": "test"})
@@ -217,6 +221,7 @@ class Harness:
         run = Run({"job_id": job_id, "kind": "deploy", "details": {},
                    "doc": {"model_name": name, "model_version": version}}, 60)
         run.needed["model"] = (sha, 1)
+        self.shared.run = run
         self.switch.activate(run, {"engine_key": "key-" + job_id, "precision": "fp16"},
                              str(engine))
         return run
@@ -347,7 +352,7 @@ def test_restart_while_pending_resumes_or_rolls_back(tmp_path):
     flag = tmp_path / "healthy"
     probe = [sys.executable, "-c", "import os, sys; sys.exit(0 if os.path.exists({!r}) else 1)"
              .format(str(flag))]
-    h = Harness(tmp_path, probe=probe, commit_timeout_s=60)
+    h = Harness(tmp_path, probe=probe, commit_timeout_s=60, unconfirmed_retries=0)
     flag.write_text("")
     h.deploy("j1", "det", "v1", b"one")
     h.pump(lambda: "j1" in h.ended)
@@ -359,7 +364,8 @@ def test_restart_while_pending_resumes_or_rolls_back(tmp_path):
     assert h.current("det") == "v2"
     row = h.journal.job("j2")
     assert row["details"]["commit"] == "pending"
-    h.switch.resume(Run(row, 60))
+    h.shared.run = Run(row, 60)  # the scheduler's
+    h.switch.resume(h.shared.run)
     flag.write_text("")
     h.pump(lambda: "j2" in h.ended)
     assert h.ended["j2"][0] == "SUCCEEDED" and h.current("det") == "v2"
@@ -373,8 +379,112 @@ def test_restart_while_pending_resumes_or_rolls_back(tmp_path):
     db.close()
     h.restart()
     assert h.current("det") == "v2"  # straight back, before anything else runs
-    h.switch.resume(Run(h.journal.job("j3"), 60))
+    h.shared.run = Run(h.journal.job("j3"), 60)
+    h.switch.resume(h.shared.run)
     h.pump(lambda: "j3" in h.ended)
     assert h.ended["j3"][1]["code"] == "handoff_rolled_back"
+    assert "unconfirmed: " in h.ended["j3"][1]["message"]  # nobody answered: not rejected
+    assert [(r["version"], r["state"]) for r in h.journal.rejected_versions("det")] == [
+        ("v3", "unconfirmed")]
     assert h.journal.active_version("det")["version"] == "v2"
     assert run.job_id == "j2"
+
+
+def _pending(h, version):
+    return lambda: h.current("det") == version and h.switch.pending is not None and \
+        h.switch.pending.phase == "waiting"
+
+
+def test_a_pending_version_keeps_every_rollback_target(tmp_path):
+    h = Harness(tmp_path, app_confirms=["det"], commit_timeout_s=30, keep_versions=2)
+    for job, version in (("j1", "v1"), ("j2", "v2")):
+        h.deploy(job, "det", version, version.encode())
+        h.pump(_pending(h, version))
+        h.switch.commit("det", None, "the app")
+    h.deploy("j3", "det", "v3", b"three")
+    h.pump(_pending(h, "v3"))
+    # v3 pending does not count against keep_versions: v1 is still a rollback target
+    assert [r["version"] for r in h.journal.model_versions("det")] == ["v3", "v2", "v1"]
+    assert h.switch.models.versions("det") == ["v1", "v2", "v3"]
+    h.switch.report_health("det", "v3", False, "refused by the probe")
+    h.pump(lambda: "j3" in h.ended)
+    assert h.current("det") == "v2"
+    out = h.switch.rollback("det", "v1")
+    assert out["version"] == "v1" and h.current("det") == "v1"
+    # a commit prunes: v1, v2 committed with keep_versions 2 keeps the active and one more
+    h.deploy("j4", "det", "v4", b"four")
+    h.pump(_pending(h, "v4"))
+    h.switch.commit("det", None, "the app")
+    assert [r["version"] for r in h.journal.model_versions("det")] == ["v4", "v1"]
+
+
+def test_unconfirmed_version_is_retried_once_then_not_rejected(tmp_path):
+    h = Harness(tmp_path, app_confirms=["det"], commit_timeout_s=30)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(_pending(h, "v1"))
+    h.switch.pending.state.deadline = 0  # the commit window closes: nobody answered
+    h.pump(lambda: h.switch.pending.retries == 1 and h.switch.pending.phase == "waiting")
+    row = h.journal.active_version("det")
+    assert row["state"] == "pending" and row["info"]["unconfirmed_retries"] == 1
+    assert row["deadline"] > time.time() + 20  # a new window
+    assert h.switch.models_list()[0]["retries"] == 1
+    h.switch.commit("det", None, "the app")
+    assert h.ended["j1"][0] == "SUCCEEDED"
+    h.deploy("j2", "det", "v2", b"two")
+    for _ in range(2):  # its window closes twice: the retry is spent
+        h.pump(_pending(h, "v2"))
+        h.switch.pending.state.deadline = 0
+        h.switch.tick()
+    h.pump(lambda: "j2" in h.ended)
+    state, error, _ = h.ended["j2"]
+    assert state == "FAILED" and error["code"] == "handoff_rolled_back"
+    assert "unconfirmed: no confirmation (app)" in error["message"]
+    assert h.current("det") == "v1"
+    listed = h.switch.models_list()[0]
+    assert listed["unconfirmed"] == ["v2"] and listed["rejected"] == []
+    h.switch.check_job({"model_name": "det", "model_version": "v2"}, A)  # not refused
+    h.deploy("j3", "det", "v2", b"two")  # brought again, and committed this time
+    h.pump(_pending(h, "v2"))
+    h.switch.commit("det", None, "the app")
+    assert h.ended["j3"][0] == "SUCCEEDED" and h.journal.rejected_versions("det") == []
+
+
+def test_a_cancelled_pending_job_is_rolled_back(tmp_path):
+    h = Harness(tmp_path, app_confirms=["det"], commit_timeout_s=30)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(_pending(h, "v1"))
+    h.switch.commit("det", None, "the app")
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(_pending(h, "v2"))
+    # the controller cancels j2: intake ends it (JobEnding frees the job in hand)
+    h.journal.set_state("j2", "CANCELED")
+    h.shared.run = None
+    h.pump(lambda: h.switch.pending is None)
+    assert h.current("det") == "v1" and h.journal.active_version("det")["version"] == "v1"
+    with pytest.raises(AgentError) as e:
+        h.switch.commit("det", "v2", "the app")
+    assert e.value.code == "not_pending"
+    assert "j2" not in h.ended  # it stays CANCELED
+    assert h.journal.job("j2")["state"] == "CANCELED"
+
+
+def test_a_failing_probe_is_an_answer_and_a_passing_one_leaves_the_apps_silence(tmp_path):
+    flag = tmp_path / "healthy"
+    probe = [sys.executable, "-c", "import os, sys; sys.exit(0 if os.path.exists({!r}) else 1)"
+             .format(str(flag))]
+    h = Harness(tmp_path, probe=probe, app_confirms=["det"], commit_timeout_s=60,
+                unconfirmed_retries=0)
+    flag.write_text("")
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(lambda: h.switch.pending is not None and "probe" in h.switch.pending.state.confirmed)
+    h.switch.pending.state.deadline = 0  # the probe said yes; the app said nothing
+    h.pump(lambda: "j1" in h.ended)
+    assert "unconfirmed: no confirmation (app)" in h.ended["j1"][1]["message"]
+    flag.unlink()
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(lambda: h.switch.pending is not None and h.switch.pending.probe_failed)
+    h.switch.pending.state.deadline = 0  # the probe said no until the end: refused
+    h.pump(lambda: "j2" in h.ended)
+    assert "unconfirmed" not in h.ended["j2"][1]["message"]
+    assert [(r["version"], r["state"]) for r in h.journal.rejected_versions("det")] == [
+        ("v1", "unconfirmed"), ("v2", "rejected")]

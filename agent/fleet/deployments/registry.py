@@ -47,7 +47,10 @@ def digest(record: Mapping[str, Any]) -> str:
 
 def put(store: Any, name: str, version: str, record: Mapping[str, Any]) -> bool:
     """Store a version; False when this exact version was there already. AgentError
-    model_version_exists when ``name@version`` exists with other contents."""
+    model_version_exists when ``name@version`` exists with other contents; bad_model_name,
+    bad_model_version, bad_argument (a version the devices' models layout uses) before."""
+    model_names.validate_name(name)
+    model_names.validate_version(version)
     d = digest(record)
     with store.transaction():
         rows = store.db.query("SELECT digest, record FROM model_versions WHERE name = ? AND "
