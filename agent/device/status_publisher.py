@@ -34,7 +34,7 @@ QUICK_DROP_S = 5.0
 QUICK_DROPS = 3
 # signed_engines: a shared engine comes with its builder's signature (checked here), and this
 # device signs the engines it offers.
-FEATURES = ("named_models", "signed_engines")
+FEATURES = ("named_models", "signed_engines", "revoke_engine")
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 

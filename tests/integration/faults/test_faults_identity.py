@@ -221,7 +221,7 @@ def test_a_trojan_upload_forged_results_and_a_leaked_token_change_nothing(arena,
     db = "sqlite:///" + str(tmp_path / "fleet.db")
     agents = [started(arena.agent(d)) for d in SHARE_DEVICES]
     service = arena.service(db, "--http", "127.0.0.1:0", "--http-min-bytes", "1",
-                            "--share-engines", "--share-wait", "120")
+                            "--share-engines", "--share-wait", "120", "--builders", "b-0")
     attacker_key = device_identity.create_device_key(str(tmp_path / "attacker.key"))
     try:
         wait_registered(db, SHARE_DEVICES, service, timeout=60)
