@@ -292,6 +292,9 @@ def test_an_insider_trojan_is_refused_and_a_revoked_engine_rolled_back(
         assert "its builder in-b reported engine " + genuine[:16] in listed[trojan]["why"]
         assert listed[genuine]["adopters"] == ["in-c", "in-d"], listed
         assert "refused" in fleet_cli(["engines", "ls", "--db", db]).stdout
+        text = fleet_cli(["rollouts", "show", "ro-ins", "--db", db]).stdout
+        assert "in-b: engine upload {} refused: its builder in-b reported".format(
+            trojan[:16]) in text, text
 
         kid = key_id(stolen.raw_public)
         for agent in adopters:

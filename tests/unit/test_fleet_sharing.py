@@ -94,6 +94,9 @@ def test_an_upload_the_builder_did_not_report_is_refused():
     refused = ro.runs["a"].share["refused"]
     assert [r["sha256"] for r in refused] == ["7" * 64], refused
     assert ro.sharing.refused == 1
+    shown = share_summary(ro.runs["a"].share, {"mode": "built", "offered": True})
+    assert shown["refused"] == [{"sha256": "7" * 64, "why": "its builder a reported engine " +
+                                 REF["sha256"][:16]}], shown
 
 
 def test_an_upload_of_a_builder_that_reported_no_offer_is_refused():

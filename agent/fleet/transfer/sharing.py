@@ -404,5 +404,8 @@ def share_summary(controller: Mapping[str, Any], reported: Any) -> Optional[Dict
     out: Dict[str, Any] = {"mode": mode or None, "role": role or None, "reason": reason or None}
     if rep.get("offered") is not None:
         out["offered"] = bool(rep.get("offered"))
+    if controller.get("refused"):  # uploads its own signed report did not name
+        out["refused"] = [{"sha256": str(r.get("sha256")), "why": str(r.get("why"))}
+                          for r in controller["refused"] if isinstance(r, dict)]
     return out
 
