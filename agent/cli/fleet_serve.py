@@ -261,6 +261,7 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
                                          builder_key=service.builder_key,
                                          designated=lambda d: d in service.designated_builders)
             service.share_wait_s = float(args.share_wait)
+            service.share_quorum = max(1, int(args.share_quorum))
             service.share_builders = frozenset(
                 b.strip() for b in (args.builders or "").split(",") if b.strip())
         if args.http:
@@ -405,6 +406,10 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                         "engines are shared (besides those labelled role=builder by an "
                         "operator); the others of a class with none in the rollout build "
                         "themselves")
+    s.add_argument("--share-quorum", type=int, default=1, metavar="K",
+                   help="with --share-engines: K designated builders of a class build, and "
+                        "the others adopt only once K of them reported the same outputs on "
+                        "the rollout's inputs (default 1)")
     s.add_argument("--share-wait", type=float, default=900.0, metavar="S",
                    help="with --share-engines: a device waits at most S s for its class's "
                         "engine, then builds itself (default 900)")

@@ -100,6 +100,7 @@ class FleetService(object):
         self.designated_builders: frozenset = frozenset()
         self.revoked_engines: set = set()  # fleet engines revoke: never handed out again
         self.revocations_read = 0.0
+        self.share_quorum = 1  # fleet serve --share-quorum
         self.roll_call_every_s = ROLL_CALL_EVERY_S
         self.last_roll_call = 0.0
         self.new_births = 0  # devices first heard since the last roll call
@@ -222,7 +223,8 @@ class FleetService(object):
             self.revoked_engines = set(self.store.engine_revocations())
             ro.sharing = SharePolicy({d: device_class(statuses.get(d)) for d in ro.runs},
                                      self.share_wait_s, builders,
-                                     revoked=lambda sha: sha in self.revoked_engines)
+                                     revoked=lambda sha: sha in self.revoked_engines,
+                                     quorum=self.share_quorum)
         row = self.store.rollout(rollout_id) or {}
         stored = self.store.artifacts()
         for ref in (row.get("spec") or {}).get("artifacts", {}).values():

@@ -25,10 +25,10 @@ from tests.integration.test_fleet_service import (
 )
 
 
-def share_service(mosquitto, db, tmp_path, builders="sh-a,sh-0"):
+def share_service(mosquitto, db, tmp_path, builders="sh-a,sh-0", extra=()):
     service = Service(mosquitto, db, tmp_path)
     service.args += ["--http", "127.0.0.1:0", "--http-min-bytes", "1", "--share-engines",
-                     "--share-wait", "90", "--builders", builders]
+                     "--share-wait", "90", "--builders", builders] + list(extra)
     return service.start()
 
 
@@ -322,4 +322,37 @@ def test_an_insider_trojan_is_refused_and_a_revoked_engine_rolled_back(
     finally:
         service.kill()
     for agent in [builder] + adopters:
+        agent.assert_store_sound()
+
+
+def test_a_quorum_of_two_builders_agrees_before_the_class_adopts(
+        mosquitto, agent_factory, tmp_path):
+    """``--share-quorum 2``: two designated builders build the engine independently and
+    report the digest of its outputs on the rollout's inputs; the third device adopts only
+    once both reports agree."""
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    names = ["q-a", "q-b", "q-c"]
+    agents = [agent_factory(n).start() for n in names]
+    wait_status(mosquitto, names, agents=agents)
+    service = share_service(mosquitto, db, tmp_path, builders="q-a,q-b",
+                            extra=["--share-quorum", "2"])
+    try:
+        wait_registered(db, names, service)
+        out = fleet_cli(["rollout"] + fp16_args() + ["--devices"] + names + [
+            "--rollout-id", "ro-quorum", "--db", db, "--submit", "--json"], timeout=180)
+        assert out.returncode == 0, out.stderr + service.tail()
+        rows = {r["device"]: r for r in json.loads(out.stdout)["devices"]}
+        assert {d: r["share"]["mode"] for d, r in rows.items()} == {
+            "q-a": "built", "q-b": "built", "q-c": "adopted"}, rows
+        store = Store(db)
+        try:
+            results = {j["device"]: j.get("result") or {} for j in
+                       store.rollout_jobs("ro-quorum")}
+        finally:
+            store.close()
+        digests = {d: results[d]["share"].get("outputs_sha256") for d in ("q-a", "q-b")}
+        assert digests["q-a"] and digests["q-a"] == digests["q-b"], results
+    finally:
+        service.kill()
+    for agent in agents:
         agent.assert_store_sound()

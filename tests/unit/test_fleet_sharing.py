@@ -116,3 +116,40 @@ def test_a_revoked_engine_is_not_handed_out():
     ro.start()
     ro.engine_offered("a", REF)
     assert sent(status(ro, "a", "SUCCEEDED")) == {"b": None}
+
+
+def quorum_rollout():
+    clock = Clock()
+    classes = {"a": "orin", "b": "orin", "c": "orin"}
+    ro = Rollout("ro", [list(classes)], docs, Policy(0.5, None, 1), clock=clock)
+    ro.sharing = SharePolicy(classes, 60.0, builders={"a", "b"}, quorum=2)
+    return ro
+
+
+def built(sha, digest):
+    return {"share": {"mode": "built", "offered": True, "sha256": sha,
+                      "outputs_sha256": digest}}
+
+
+def test_a_quorum_of_builders_must_agree_on_the_outputs():
+    ro = quorum_rollout()
+    assert sent(ro.start()) == {"a": {"offer": True}, "b": {"offer": True}}
+    other = dict(REF, sha256="f" * 64)
+    ro.engine_offered("a", REF)
+    ro.engine_offered("b", other)
+    assert sent(status(ro, "a", "SUCCEEDED", result=built(REF["sha256"], "1" * 64))) == {}
+    assert ro.runs["c"].state == "PENDING"  # one report is not a quorum
+    assert sent(status(ro, "b", "SUCCEEDED", result=built(other["sha256"], "1" * 64))) == {
+        "c": {"engine": REF}}
+
+
+def test_builders_that_disagree_leave_each_device_to_build():
+    ro = quorum_rollout()
+    ro.start()
+    other = dict(REF, sha256="f" * 64)
+    ro.engine_offered("a", REF)
+    ro.engine_offered("b", other)
+    status(ro, "a", "SUCCEEDED", result=built(REF["sha256"], "1" * 64))
+    assert sent(status(ro, "b", "SUCCEEDED", result=built(other["sha256"], "2" * 64))) == {
+        "c": None}
+    assert "fewer than 2 of the class's builders" in ro.runs["c"].share["note"]

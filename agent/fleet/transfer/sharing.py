@@ -15,7 +15,10 @@ Only *designated builders* offer (``fleet serve --builders ID,...`` or the opera
 their admitted, signed status. An engine a builder uploaded is handed to its class only when
 the builder's own signed SUCCEEDED report names that upload's sha256 (``result.share.sha256``):
 an upload the builder did not report (its key stolen, its token raced) is refused, and said
-so. A revoked engine (``fleet engines revoke SHA``) is never handed out again.
+so. A revoked engine (``fleet engines revoke SHA``) is never handed out again. With a quorum
+of K (``fleet serve --share-quorum K``), K designated builders of a class build, and the
+engine is handed out only once K of them reported the same digest of their outputs on the
+rollout's inputs (``result.share.outputs_sha256``): one compromised builder is not enough.
 
 ``ShareBoard`` is the service's side of the uploads: upload tokens, the ``PUT
 /shares/<token>`` handler ``HttpSource`` calls, and the content-addressed store the engines
@@ -85,7 +88,7 @@ class SharePolicy(object):
 
     def __init__(self, classes: Mapping[str, Optional[str]], wait_s: float = DEFAULT_WAIT_S,
                  builders: Optional[Any] = None,
-                 revoked: Optional[Callable[[str], bool]] = None) -> None:
+                 revoked: Optional[Callable[[str], bool]] = None, quorum: int = 1) -> None:
         self.classes = dict(classes)
         self.wait_s = float(wait_s)
         # Designated builders (None: every device may build for its class, the old rule;
@@ -93,6 +96,9 @@ class SharePolicy(object):
         self.builders = None if builders is None else frozenset(builders)
         self.revoked = revoked or (lambda sha: False)
         self.refused = 0  # uploads refused because the builder's report did not name them
+        # fleet serve --share-quorum K: K builders of a class build, and their reported
+        # outputs on the rollout's inputs must agree before anyone adopts.
+        self.quorum = max(1, int(quorum))
 
     def designated(self, device: str) -> bool:
         return self.builders is None or device in self.builders
@@ -108,7 +114,10 @@ class SharePolicy(object):
         rep = (run.result or {}).get("share") if isinstance(run.result, dict) else None
         rep = rep if isinstance(rep, dict) else {}
         sha = str(rep.get("sha256") or "") if rep.get("offered") else ""
-        offers = [o for o in (share.get("offers") or []) if isinstance(o, dict)]
+        # A run saved by the previous release holds its one upload as "engine".
+        offers = [o for o in (share.get("offers") or
+                              ([share["engine"]] if share.get("engine") else []))
+                  if isinstance(o, dict)]
         chosen = next((o for o in offers if o.get("sha256") == sha), None)
         if not share.get("judged"):
             share["judged"] = True
@@ -129,14 +138,29 @@ class SharePolicy(object):
         return dict(chosen) if chosen is not None else None
 
     def engine_of(self, runs: Any, cls: str) -> Optional[Dict[str, Any]]:
+        """The class's engine: its builder's reported upload; with a quorum of K, the first
+        of K builders whose reported output digests agree (None until they do)."""
+        agreeing: Dict[str, List[Dict[str, Any]]] = {}
         for run in runs:
             share = run.share or {}
             if share.get("class") == cls and share.get("role") == "builder" and \
                     run.state == "SUCCEEDED":
                 ref = self.reported(run)
-                if ref is not None:
+                if ref is None:
+                    continue
+                if self.quorum == 1:
                     return ref
+                rep = (run.result or {}).get("share") or {}
+                digest = str(rep.get("outputs_sha256") or "")
+                if digest:
+                    agreeing.setdefault(digest, []).append(ref)
+                    if len(agreeing[digest]) >= self.quorum:
+                        return agreeing[digest][0]
         return None
+
+    def builders_of(self, runs: Any, cls: str) -> int:
+        return sum(1 for r in runs if (r.share or {}).get("class") == cls and
+                   (r.share or {}).get("role") == "builder")
 
     def builder_of(self, runs: Any, cls: str) -> Optional[Any]:
         for run in runs:
@@ -157,6 +181,10 @@ class SharePolicy(object):
         if ref is not None:
             run.share = {"role": "adopting", "class": cls, "engine": ref["sha256"]}
             return "engine", ref
+        if self.quorum > 1 and self.designated(run.device) and \
+                self.builders_of(runs, cls) < self.quorum:
+            run.share = {"role": "builder", "class": cls, "since": now}  # one of the quorum
+            return "offer", None
         builder = self.builder_of(runs, cls)
         if builder is not None:
             run.share = {"role": "waiting", "class": cls, "since": now}
@@ -196,10 +224,12 @@ class SharePolicy(object):
             elif builder is None:
                 refused = any((r.share or {}).get("refused") for r in runs
                               if (r.share or {}).get("class") == cls)
-                run.share = {"role": "building", "class": cls,
-                             "note": "built: the class's builder offered no engine" +
-                                     (" it reported (its upload was refused)" if refused
-                                      else "")}
+                note = "built: the class's builder offered no engine" + (
+                    " it reported (its upload was refused)" if refused else "")
+                if self.quorum > 1:
+                    note = ("built: fewer than {} of the class's builders reported the same "
+                            "outputs on the rollout's inputs".format(self.quorum))
+                run.share = {"role": "building", "class": cls, "note": note}
                 out.append((run, None, run.share["note"]))
             elif now - float(share.get("since") or now) >= self.wait_s:
                 run.share = {"role": "building", "class": cls,
