@@ -304,6 +304,12 @@ def test_an_insider_trojan_is_refused_and_a_revoked_engine_rolled_back(
             assert shared[0]["built_by"]["key_id"] == kid
             assert shared[0]["built_by"]["shared_sha256"] == genuine
             assert shared[0]["built_by"]["sig"]
+            journal = agent.journal()
+            try:  # the journal's row of the version records the builder too
+                row = journal.model_version(shared[0]["name"], shared[0]["version"])
+            finally:
+                journal.close()
+            assert row["info"]["built_by"] == shared[0]["built_by"], row
 
         # Revoked: no longer offered, and its adopters roll back to their previous version.
         out = fleet_cli(["engines", "revoke", genuine, "--reason", "test", "--db", db,
