@@ -160,7 +160,10 @@ def run_revoke(args: argparse.Namespace, connect: Any) -> int:
 
 
 def _row(device: str, reply: Any) -> Dict[str, Any]:
-    return {"device": device, "ok": bool(reply and reply.get("ok")),
+    versions = ((reply or {}).get("result") or {}).get("versions") or []
+    # ok: the device answered and no version of it stays on the engine.
+    return {"device": device, "ok": bool(reply and reply.get("ok")) and
+            not any(v.get("error") for v in versions if isinstance(v, dict)),
             "replied": reply is not None, "result": (reply or {}).get("result"),
             "error": (reply or {}).get("error")}
 

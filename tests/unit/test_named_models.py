@@ -378,3 +378,20 @@ def test_restart_while_pending_resumes_or_rolls_back(tmp_path):
     assert h.ended["j3"][1]["code"] == "handoff_rolled_back"
     assert h.journal.active_version("det")["version"] == "v2"
     assert run.job_id == "j2"
+
+
+def test_meta_names_the_builder_of_an_adopted_engine_only():
+    import base64
+    import hashlib
+
+    raw = b"k" * 32
+    doc = {"artifacts": {"engine": {"sha256": "e" * 64, "builder": {
+        "device": "orin-b", "job_id": "ro-1", "sig": "c2ln",
+        "public_key": base64.b64encode(raw).decode("ascii"), "engine_class": None}}}}
+    got = model_meta.provenance(doc, {"share": {"mode": "adopted"}})
+    assert got == {"device": "orin-b", "key_id": hashlib.sha256(raw).hexdigest()[:16],
+                   "job_id": "ro-1", "sig": "c2ln", "shared_sha256": "e" * 64}
+    assert model_meta.provenance(doc, {"share": {"mode": "built"}}) is None
+    assert model_meta.provenance({}, {"share": {"mode": "adopted"}}) is None
+    bad = {"artifacts": {"engine": {"builder": {"device": "x", "public_key": "%%"}}}}
+    assert model_meta.provenance(bad, {"share": {"mode": "adopted"}})["key_id"] is None
