@@ -32,6 +32,7 @@ from agent.cli import (
     fleet_commands,
     fleet_db,
     fleet_deploy,
+    fleet_engines,
     fleet_models,
     fleet_registry,
     fleet_rollout,
@@ -48,8 +49,8 @@ def add_parser(sub: Any) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     fsub = p.add_subparsers(dest="fleet_command",
                             metavar="devices|rollout|rollouts|serve|db|rollback|models|deploy|"
-                                   "deployments|label|pin|unpin|jobs|cancel|telemetry|keygen|"
-                                   "audit")
+                                   "deployments|label|pin|unpin|jobs|cancel|telemetry|engines|"
+                                   "keygen|audit")
     fleet_registry.add_devices_parser(fsub)
     fleet_rollout.add_parser(fsub)
     fleet_serve.add_parsers(fsub, add_connection_args, connect)
@@ -64,6 +65,7 @@ def add_parser(sub: Any) -> None:
     fleet_commands.add_cancel_parser(fsub)
     fleet_commands.add_telemetry_parser(fsub)
     fleet_audit.add_parser(fsub)
+    fleet_engines.add_parser(fsub, add_connection_args, connect)
 
     k = fsub.add_parser("keygen", help="create an Ed25519 key pair for signing job documents",
                         description="Write NAME.key (private, mode 0600: keep it on the "

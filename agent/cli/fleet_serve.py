@@ -269,8 +269,12 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
             from agent.fleet.transfer.sharing import ShareBoard
 
             service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file,
-                                         builder_key=service.builder_key)
+                                         builder_key=service.builder_key,
+                                         designated=lambda d: d in service.designated_builders)
             service.share_wait_s = float(args.share_wait)
+            service.share_quorum = max(1, int(args.share_quorum))
+            service.share_builders = frozenset(
+                b.strip() for b in (args.builders or "").split(",") if b.strip())
         if args.http:
             from agent.fleet import web
             from agent.fleet.deployments.uploads import Uploads
@@ -408,9 +412,19 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    help="with --http: artifacts of at least N bytes carry the URL in their job "
                         "documents (default 1 MiB); smaller ones go over MQTT blocks only")
     s.add_argument("--share-engines", action="store_true",
-                   help="with --http: fleet engine sharing; the first device of each class "
-                        "builds and uploads its engine, the others of its class adopt it "
+                   help="with --http: fleet engine sharing; the first designated builder of "
+                        "each class builds and uploads its engine, the others of its class "
+                        "adopt it once the builder's signed report names it "
                         "(docs/fleet.md, Engine sharing)")
+    s.add_argument("--builders", metavar="ID,...",
+                   help="with --share-engines: the designated builders, the only devices whose "
+                        "engines are shared (besides those labelled role=builder by an "
+                        "operator); the others of a class with none in the rollout build "
+                        "themselves")
+    s.add_argument("--share-quorum", type=int, default=1, metavar="K",
+                   help="with --share-engines: K designated builders of a class build, and "
+                        "the others adopt only once K of them reported the same outputs on "
+                        "the rollout's inputs (default 1)")
     s.add_argument("--share-wait", type=float, default=900.0, metavar="S",
                    help="with --share-engines: a device waits at most S s for its class's "
                         "engine, then builds itself (default 900)")

@@ -1,7 +1,8 @@
-"""Device commands on the command topic (cancel, diag, rollback, remove), each answered with a
-reply on the topic the command names (or this device's reply topic)."""
+"""Device commands on the command topic (cancel, diag, rollback, remove, revoke_engine), each
+answered with a reply on the topic the command names (or this device's reply topic)."""
 
 import logging
+import os
 import time
 from typing import Any, Callable, Dict, Optional
 
@@ -52,6 +53,11 @@ class DeviceCommands:
                 from agent.device import model_removal
 
                 result = model_removal.remove(self.switch, cmd["name"])
+            elif cmd["command"] == "revoke_engine":
+                from agent.device import engine_rollback
+
+                result = engine_rollback.revoke(self.journal, self.switch, cmd,
+                                                os.path.join(self.cfg.cache_dir, "engines"))
             else:
                 result = self.diag()
         except AgentError as exc:

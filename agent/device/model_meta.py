@@ -18,14 +18,14 @@ MAX_PROFILE_INPUTS = 64  # as many as a job's plan.shapes may name
 META_KEYS = ("schema_version", "name", "version", "model_sha256", "engine_key", "precision",
              "layer_precisions", "inputs", "outputs", "backend", "tensorrt", "jetpack", "board",
              "portability", "gate", "throughput_qps", "job_id", "activated", "state",
-             "engine_sha256", "engine_size", "profiles")
+             "engine_sha256", "engine_size", "profiles", "built_by")
 
 
 def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
           platform: Mapping[str, Any], fingerprint: Mapping[str, Any], job_id: Optional[str],
           activated: float, state: str, engine_sha256: str, engine_size: int,
-          dla_core: Optional[int] = None,
-          shapes: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+          dla_core: Optional[int] = None, shapes: Optional[Mapping[str, Any]] = None,
+          built_by: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
     """The meta.json document. ``result``: the worker's deploy result (engine_key, precision,
     layers_kept, io, accuracy, throughput_qps, backend); ``platform``: the birth status's
     platform (board, jetpack, tensorrt); ``fingerprint``: the platform fingerprint (gpu,
@@ -68,6 +68,9 @@ def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
         "engine_sha256": engine_sha256,
         "engine_size": int(engine_size),
         "profiles": profiles(inputs, shapes),
+        # An engine adopted from the fleet: who built it and the signature that binds it to
+        # them (None: built on this device).
+        "built_by": dict(built_by) if built_by else None,
     }
 
 
@@ -101,6 +104,35 @@ def _dims(shape: Any) -> Optional[List[int]]:
             return None
         out.append(d)
     return out
+
+
+def provenance(doc: Mapping[str, Any], result: Mapping[str, Any]) -> Optional[Dict[str, Any]]:
+    """The builder of an engine adopted from the fleet (``result.share.mode == "adopted"``):
+    its device id, key id, the signature over {device, job_id, sha256, size, engine_class}
+    and the shared container's sha256, from the job document's ``engine`` artifact (the daemon
+    verified that signature before the worker saw the container). None for an engine built
+    here."""
+    from agent.wire.signing import key_id
+
+    share = result.get("share")
+    if not isinstance(share, dict) or share.get("mode") != "adopted":
+        return None
+    ref = ((doc.get("artifacts") or {}).get("engine") or {})
+    builder = ref.get("builder") if isinstance(ref.get("builder"), dict) else {}
+    if not builder:
+        return None
+    import base64
+    import binascii
+
+    try:
+        kid: Optional[str] = key_id(base64.b64decode(str(builder.get("public_key")),
+                                                     validate=True))
+    except (binascii.Error, ValueError):
+        kid = None
+    return {"device": str(builder.get("device") or "")[:128], "key_id": kid,
+            "job_id": str(builder.get("job_id") or "")[:128],
+            "sig": str(builder.get("sig") or "")[:256],
+            "shared_sha256": str(ref.get("sha256") or "")[:64]}
 
 
 def _tensors(items: Any) -> List[Dict[str, Any]]:

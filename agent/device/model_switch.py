@@ -239,11 +239,14 @@ class ModelSwitch(object):
         platform, fingerprint = self.platform_status(), dict(run.fingerprint)
         activated = self.clock()
 
+        built_by = model_meta.provenance(run.doc, result)  # an engine the fleet shared
+
         def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
             plan = run.doc.get("plan") or {}
             return model_meta.build(name, version, model_sha, result, platform, fingerprint,
                                     run.job_id, activated, "pending", engine_sha, engine_size,
-                                    dla_core=plan.get("dla_core"), shapes=plan.get("shapes"))
+                                    dla_core=plan.get("dla_core"), shapes=plan.get("shapes"),
+                                    built_by=built_by)
 
         self.writing[token] = (run, result)
 
@@ -273,6 +276,8 @@ class ModelSwitch(object):
         info = {"engine": os.path.join(path, ENGINE), "backend": run.backend,
                 "accuracy_passed": (result.get("accuracy") or {}).get("passed"),
                 "throughput_qps": result.get("throughput_qps")}
+        if meta.get("built_by"):  # the journal keeps who built an adopted engine too
+            info["built_by"] = meta["built_by"]
         active = self.journal.active_version(name)
         if active is not None and active["version"] == version and \
                 active["engine_key"] == meta.get("engine_key") and active["state"] == "committed":

@@ -37,7 +37,9 @@ QUICK_DROPS = 3
 # model_sets: the job's model_set (agent.device.model_sets); model_pins: the models message's
 # pins (jetson-agent models pin).
 # remove_model: the remove command (agent.device.model_removal; a deployment's on_leave).
-FEATURES = ("named_models", "signed_engines", "model_sets", "model_pins", "remove_model")
+# revoke_engine: the revoke_engine command (fleet engines revoke; agent.device.engine_rollback).
+FEATURES = ("named_models", "signed_engines", "model_sets", "model_pins", "remove_model",
+            "revoke_engine")
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 

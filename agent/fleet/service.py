@@ -101,6 +101,11 @@ class FleetService(object):
         # Engine sharing (fleet serve --share-engines): an agent.fleet.transfer.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
+        self.share_builders: frozenset = frozenset()  # fleet serve --builders
+        self.designated_builders: frozenset = frozenset()
+        self.revoked_engines: set = set()  # fleet engines revoke: never handed out again
+        self.revocations_read = 0.0
+        self.share_quorum = 1  # fleet serve --share-quorum
         self.roll_call_every_s = ROLL_CALL_EVERY_S
         self.last_roll_call = 0.0
         self.new_births = 0  # devices first heard since the last roll call
@@ -211,11 +216,23 @@ class FleetService(object):
         if ro is None:
             return
         if self.sharing is not None and ro.search_id is None:
-            from agent.fleet.transfer.sharing import SharePolicy, device_class
+            from agent.fleet.transfer.sharing import (
+                SharePolicy,
+                designated_builders,
+                device_class,
+            )
 
             statuses = self.store.statuses()
+            from agent.fleet.deployments import labels
+
+            builders = designated_builders(ro.runs, self.share_builders,
+                                           labels.assigned(self.store, list(ro.runs)))
+            self.designated_builders |= builders  # whose uploads the board takes
+            self.revoked_engines = set(self.store.engine_revocations())
             ro.sharing = SharePolicy({d: device_class(statuses.get(d)) for d in ro.runs},
-                                     self.share_wait_s)
+                                     self.share_wait_s, builders,
+                                     revoked=lambda sha: sha in self.revoked_engines,
+                                     quorum=self.share_quorum)
         row = self.store.rollout(rollout_id) or {}
         stored = self.store.artifacts()
         for ref in (row.get("spec") or {}).get("artifacts", {}).values():
@@ -312,6 +329,9 @@ class FleetService(object):
         """Engines builders uploaded (HTTP thread) -> their rollouts."""
         if self.sharing is None:
             return
+        if time.monotonic() - self.revocations_read >= 5.0:  # fleet engines revoke, anywhere
+            self.revocations_read = time.monotonic()
+            self.revoked_engines = set(self.store.engine_revocations())
         for rid, device, ref in self.sharing.arrived():
             ro = self.rollouts.get(rid)
             if ro is not None:

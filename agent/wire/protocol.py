@@ -27,7 +27,7 @@ STATES = ("QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "REJECTED", "CANCELED"
 TERMINAL_STATES = frozenset(("SUCCEEDED", "FAILED", "REJECTED", "CANCELED", "TIMED_OUT"))
 STAGES = ("downloading", "checking", "calibrating", "building", "verifying", "searching",
           "benchmarking", "activating", "committing")
-COMMANDS = ("cancel", "diag", "rollback", "remove")
+COMMANDS = ("cancel", "diag", "rollback", "remove", "revoke_engine")
 
 MESSAGE_KINDS = ("status", "job", "job_status", "artifact_request", "telemetry", "command",
                  "command_reply", "models")

@@ -78,6 +78,7 @@ def run_deploy(job: JobContext) -> Dict[str, Any]:
     job.progress("checking", 0, 0)
     data = job.load_goldens()
     record = job.build()
+    digest = None  # the engine's outputs on the rollout's inputs (engine sharing's quorum)
     if job.should_stop():
         raise AgentError("cancelled", "stopped after building the engine")
     result = job.common(record)
@@ -96,6 +97,7 @@ def run_deploy(job: JobContext) -> Dict[str, Any]:
                 if not report["passed"]:
                     raise gate_failure(report)
                 feeds = data["inputs"][0]
+                digest = outputs_digest(outputs)
             else:
                 result["accuracy"] = None  # nothing to gate against: said so in the result
             if job.should_stop():
@@ -110,7 +112,7 @@ def run_deploy(job: JobContext) -> Dict[str, Any]:
     calibration = _calibration_cache(job, record)
     if calibration:  # beside the version's engine: DeepStream's int8-calib-file
         result["calibration_cache"] = calibration
-    _share_result(job, record, result)
+    _share_result(job, record, result, digest)
     # What the controller's results table shows: layers pinned away from the plan's precision.
     result["layers_kept"] = dict(job.plan.layer_precisions)
     return result
@@ -186,15 +188,38 @@ def run_job(spec: Dict[str, Any], emit: Emit, should_stop: ShouldStop) -> Dict[s
     return RUNNERS[kind](job)
 
 
-def _share_result(job: JobContext, record: Any, result: Dict[str, Any]) -> None:
+def outputs_digest(outputs: Any) -> str:
+    """SHA-256 of an engine's outputs on the job's inputs, in order, by output name; floats
+    rounded to float16 first (so two builds that differ only below fp16 agree). What builders
+    report for the quorum (``fleet serve --share-quorum``)."""
+    import hashlib
+
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for out in outputs:
+        for name in sorted(out):
+            arr = np.asarray(out[name])
+            if arr.dtype.kind == "f":
+                arr = arr.astype(np.float16)
+            digest.update(name.encode("utf-8") + b"\0" + str(arr.shape).encode("ascii"))
+            digest.update(np.ascontiguousarray(arr).tobytes())
+    return digest.hexdigest()
+
+
+def _share_result(job: JobContext, record: Any, result: Dict[str, Any],
+                  digest: Optional[str] = None) -> None:
     """``result["share"]``: whether this device built its engine or adopted the fleet's (and
-    why it fell back); a device its job document asks to offer its engine uploads it now."""
+    why it fell back); a device its job document asks to offer its engine uploads it now,
+    and reports the digest of its outputs on the job's inputs."""
     share = dict(job.share)
     offer_url = (job.spec.get("share") or {}).get("offer")
     if offer_url and share.get("mode") != "adopted":
         entry = job.cache.get(record.key, touch=False)
         info = dict(entry.meta) if entry is not None else {}
         share.update(engine_share_offer(offer_url, record, info, job))
+        if digest:
+            share["outputs_sha256"] = digest
     if share:
         share.setdefault("mode", "cached" if record.cache_hit else "built")
         result["share"] = share

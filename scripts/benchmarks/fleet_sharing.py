@@ -85,7 +85,8 @@ def _once(bd, share, tag):
         db = "sqlite:///" + os.path.join(workdir, "fleet.db")
         cmd = [sys.executable, "-m", "agent", "fleet", "serve", "--broker",
                "mqtt://127.0.0.1:{}".format(broker.port), "--db", db, "--http",
-               "127.0.0.1:0", "--http-min-bytes", "1"] + (["--share-engines"] if share else [])
+               "127.0.0.1:0", "--http-min-bytes", "1"] + (
+                   ["--share-engines", "--builders", names[0]] if share else [])
         service = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                    env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
         deadline = time.monotonic() + 120

@@ -488,3 +488,18 @@ def test_a_failing_probe_is_an_answer_and_a_passing_one_leaves_the_apps_silence(
     assert "unconfirmed" not in h.ended["j2"][1]["message"]
     assert [(r["version"], r["state"]) for r in h.journal.rejected_versions("det")] == [
         ("v1", "unconfirmed"), ("v2", "rejected")]
+def test_meta_names_the_builder_of_an_adopted_engine_only():
+    import base64
+    import hashlib
+
+    raw = b"k" * 32
+    doc = {"artifacts": {"engine": {"sha256": "e" * 64, "builder": {
+        "device": "orin-b", "job_id": "ro-1", "sig": "c2ln",
+        "public_key": base64.b64encode(raw).decode("ascii"), "engine_class": None}}}}
+    got = model_meta.provenance(doc, {"share": {"mode": "adopted"}})
+    assert got == {"device": "orin-b", "key_id": hashlib.sha256(raw).hexdigest()[:16],
+                   "job_id": "ro-1", "sig": "c2ln", "shared_sha256": "e" * 64}
+    assert model_meta.provenance(doc, {"share": {"mode": "built"}}) is None
+    assert model_meta.provenance({}, {"share": {"mode": "adopted"}}) is None
+    bad = {"artifacts": {"engine": {"builder": {"device": "x", "public_key": "%%"}}}}
+    assert model_meta.provenance(bad, {"share": {"mode": "adopted"}})["key_id"] is None

@@ -73,7 +73,6 @@ def test_the_signed_engine_is_stored_served_and_reported_once(board, key):
     data = container()
     sha = hashlib.sha256(data).hexdigest()
     assert put("{}/shares/{}".format(base, token), data, signed(key, data)) == (201, sha)
-    assert put("{}/shares/{}".format(base, token), data, signed(key, data))[0] == 404  # used
     [(rid, device, ref)] = shares.arrived()
     assert (rid, device, ref["sha256"], ref["size"]) == ("ro", "dev-a", sha, len(data))
     builder = ref["builder"]
@@ -156,3 +155,22 @@ def test_a_body_that_ends_early_is_dropped(board, key):
     assert shares.arrived() == [] and store.artifacts() == {}
     assert not os.listdir(os.path.join(shares.directory, "tmp"))
     assert shares.expects(token)
+
+
+def test_two_uploads_at_most_and_none_from_a_builder_no_longer_designated(board, key):
+    """A stolen key racing the builder does not use its URL up (the builder's signed report
+    picks its own upload, tests/unit/test_fleet_sharing.py); a third upload is refused, and so
+    is any from a device that is not a designated builder."""
+    shares, _store, _server, base = board
+    url = "{}/shares/{}".format(base, shares.token("ro", "dev-a"))
+    first, second = container(), container()
+    assert put(url, first, signed(key, first))[0] == 201
+    assert put(url, second, signed(key, second))[0] == 201
+    third = container()
+    assert put(url, third, signed(key, third))[0] == 404
+    assert [r["sha256"] for _, _, r in shares.arrived()] == [
+        hashlib.sha256(first).hexdigest(), hashlib.sha256(second).hexdigest()]
+    shares.designated = lambda device: False
+    url = "{}/shares/{}".format(base, shares.token("ro2", "dev-a"))
+    assert put(url, first, signed(key, first, job_id="ro2"))[0] == 403
+    assert shares.arrived() == []

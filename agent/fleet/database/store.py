@@ -203,6 +203,18 @@ class Store(object):
         self.db.execute("INSERT INTO meta (key, value) VALUES ('legacy_trust_until', ?) ON "
                         "CONFLICT (key) DO UPDATE SET value = excluded.value", (str(until),))
 
+    def revoke_engine(self, sha256: str, reason: str = "") -> None:
+        """Engine sharing: ``fleet engines revoke`` (agent.fleet.transfer.sharing)."""
+        self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO "
+                        "UPDATE SET value = excluded.value",
+                        ("engine_revoked:" + sha256, _dumps({"at": time.time(),
+                                                             "reason": reason[:200]})))
+
+    def engine_revocations(self) -> Dict[str, Dict[str, Any]]:
+        rows = self.db.query("SELECT key, value FROM meta WHERE key LIKE ?",
+                             ("engine_revoked:%",))
+        return {k.split(":", 1)[1]: dict(_loads(v) or {}) for k, v in rows}
+
     def put_admission_counters(self, instance: str, counters: Mapping[str, int]) -> None:
         self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO "
                         "UPDATE SET value = excluded.value",

@@ -162,6 +162,9 @@ def results_table(rows: Sequence[Mapping[str, Any]]) -> str:
         elif share.get("reason") and share["reason"] != row.get("note"):
             notes.append("{}: built its own engine: {}".format(row["device"], share["reason"]))
             precision += " (built [{}])".format(len(notes))
+        for refused in share.get("refused") or []:  # uploads its builder did not report
+            notes.append("{}: engine upload {} refused: {}".format(
+                row["device"], str(refused.get("sha256"))[:16], refused.get("why")))
         error = row.get("error_code") or ("see" if row.get("note") else "-")
         if row.get("error_message"):
             # A device cancelled by the controller says only that: the note says why.

@@ -258,7 +258,7 @@ class Rollout(object):
         if self.sharing is None:
             return self.more(self.first_batch)
         actions: List[Action] = []
-        for dev in self.stages[index]:
+        for dev in self.sharing.order(self.stages[index]):
             run = self.runs[dev]
             how, ref = self.sharing.decide(run, self.ordered(), self.clock())
             if how == "wait":
@@ -334,7 +334,10 @@ class Rollout(object):
         once the builder SUCCEEDED."""
         run = self.runs.get(device)
         if run is not None and run.share.get("role") == "builder":
-            run.share["engine"] = dict(ref)
+            # Kept until the builder's own signed report says which upload is its engine.
+            offers = list(run.share.get("offers") or [])
+            if len(offers) < sharing_max_offers():
+                run.share["offers"] = offers + [dict(ref)]
             self.dirty.add(device)
 
     def _adopt(self, run: DeviceRun) -> List[Action]:
@@ -423,3 +426,9 @@ class Rollout(object):
             run.published.remove(job_id)
             run.docs.pop(job_id, None)
             self.dirty.add(device)
+
+
+def sharing_max_offers() -> int:
+    from agent.fleet.transfer.sharing import MAX_OFFERS
+
+    return MAX_OFFERS

@@ -1,7 +1,8 @@
 """Fleet engine sharing, controller side (docs/fleet.md, "Engine sharing").
 
-``SharePolicy`` decides, inside the pure ``Rollout``, who builds: the first device of each
-device class whose stage starts builds, with a one-time offer URL in its job document; the
+``SharePolicy`` decides, inside the pure ``Rollout``, who builds: the first designated builder
+of each device class whose stage starts builds, with an offer URL (two uploads at most) in its
+job document; the
 others of its class wait (PENDING, with a note) until its engine arrives, then get a job
 document whose ``engine`` artifact is that engine (so its sha256 and per-block hashes are
 signed with the rest of the document), or, when the builder fails, sends nothing or the wait
@@ -9,7 +10,17 @@ times out, a document without one: they build themselves. A device's class is wh
 engine portable and the service can see in its status: board, JetPack, TensorRT and backend
 (the device checks the exact engine cache key anyway, and builds on a mismatch).
 
-``ShareBoard`` is the service's side of the uploads: one-time tokens, the ``PUT
+Only *designated builders* offer (``fleet serve --builders ID,...`` or the operator's label
+``role=builder``, never a device's own claim), and their class is the service's record of
+their admitted, signed status. An engine a builder uploaded is handed to its class only when
+the builder's own signed SUCCEEDED report names that upload's sha256 (``result.share.sha256``):
+an upload the builder did not report (its key stolen, its token raced) is refused, and said
+so. A revoked engine (``fleet engines revoke SHA``) is never handed out again. With a quorum
+of K (``fleet serve --share-quorum K``), K designated builders of a class build, and the
+engine is handed out only once K of them reported the same digest of their outputs on the
+rollout's inputs (``result.share.outputs_sha256``): one compromised builder is not enough.
+
+``ShareBoard`` is the service's side of the uploads: upload tokens, the ``PUT
 /shares/<token>`` handler ``HttpSource`` calls, and the content-addressed store the engines
 land in (served like any artifact).
 """
@@ -20,6 +31,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from agent.engines.share import MAGIC
@@ -30,6 +42,9 @@ log = logging.getLogger("agent.fleet")
 
 DEFAULT_WAIT_S = 900.0
 MAX_ENGINE_BYTES = 4 << 30
+MAX_OFFERS = 2  # uploads kept per builder run: its own, and one a stolen key raced in
+BUILDER_LABEL = ("role", "builder")
+LOG_EVERY_S = 10.0  # the operator's label that designates a builder
 
 
 # The fields of a device's ``platform.engine_class`` (``PlatformInfo.engine_class``), in order.
@@ -55,23 +70,97 @@ def device_class(status: Optional[Mapping[str, Any]]) -> Optional[str]:
     return "v1|" + "|".join(str(p or "-")[:64] for p in parts)
 
 
+def designated_builders(devices: Any, listed: Any, assigned: Mapping[str, Mapping[str, str]]
+                        ) -> frozenset:
+    """The designated builders among ``devices``: those ``fleet serve --builders`` lists and
+    those an operator labelled ``role=builder`` (``assigned``: the operator's labels, ``fleet
+    label``; a device's own claim of the label counts for nothing)."""
+    key, value = BUILDER_LABEL
+    listed = set(listed)
+    return frozenset(d for d in devices
+                     if d in listed or (assigned.get(d) or {}).get(key) == value)
+
+
 class SharePolicy(object):
     """Who builds and who waits, per class; the state lives in each ``DeviceRun.share``
     (persisted with the run): role builder | waiting | adopting | building, class, since,
     and on a builder the engine reference once it arrived."""
 
-    def __init__(self, classes: Mapping[str, Optional[str]], wait_s: float = DEFAULT_WAIT_S
-                 ) -> None:
+    def __init__(self, classes: Mapping[str, Optional[str]], wait_s: float = DEFAULT_WAIT_S,
+                 builders: Optional[Any] = None,
+                 revoked: Optional[Callable[[str], bool]] = None, quorum: int = 1) -> None:
         self.classes = dict(classes)
         self.wait_s = float(wait_s)
+        # Designated builders (None: every device may build for its class, the old rule;
+        # the service always passes a set).
+        self.builders = None if builders is None else frozenset(builders)
+        self.revoked = revoked or (lambda sha: False)
+        self.refused = 0  # uploads refused because the builder's report did not name them
+        # fleet serve --share-quorum K: K builders of a class build, and their reported
+        # outputs on the rollout's inputs must agree before anyone adopts.
+        self.quorum = max(1, int(quorum))
+
+    def designated(self, device: str) -> bool:
+        return self.builders is None or device in self.builders
+
+    def order(self, devices: Any) -> List[str]:
+        """A stage's devices, designated builders first (their classes' waits follow)."""
+        return sorted(devices, key=lambda d: 0 if self.designated(d) else 1)
+
+    def reported(self, run: Any) -> Optional[Dict[str, Any]]:
+        """The upload a SUCCEEDED builder's own signed report names, or None. Judged once:
+        uploads it did not report are refused (``share.refused``, counted, logged)."""
+        share = run.share or {}
+        rep = (run.result or {}).get("share") if isinstance(run.result, dict) else None
+        rep = rep if isinstance(rep, dict) else {}
+        sha = str(rep.get("sha256") or "") if rep.get("offered") else ""
+        # A run saved by the previous release holds its one upload as "engine".
+        offers = [o for o in (share.get("offers") or
+                              ([share["engine"]] if share.get("engine") else []))
+                  if isinstance(o, dict)]
+        chosen = next((o for o in offers if o.get("sha256") == sha), None)
+        if not share.get("judged"):
+            share["judged"] = True
+            refused = [{"sha256": str(o.get("sha256")),
+                        "why": "its builder {} reported {}".format(
+                            run.device, "engine " + sha[:16] if sha else
+                            "no engine offered ({})".format(
+                                str(rep.get("reason") or "no offer")[:120]))}
+                       for o in offers if o is not chosen]
+            if refused:
+                share["refused"] = refused
+                self.refused += len(refused)
+                log.warning("rollout engine upload(s) %s of builder %s refused: %s",
+                            ", ".join(r["sha256"][:16] for r in refused), run.device,
+                            refused[0]["why"])
+        if chosen is not None and self.revoked(str(chosen.get("sha256"))):
+            return None
+        return dict(chosen) if chosen is not None else None
 
     def engine_of(self, runs: Any, cls: str) -> Optional[Dict[str, Any]]:
+        """The class's engine: its builder's reported upload; with a quorum of K, the first
+        of K builders whose reported output digests agree (None until they do)."""
+        agreeing: Dict[str, List[Dict[str, Any]]] = {}
         for run in runs:
             share = run.share or {}
             if share.get("class") == cls and share.get("role") == "builder" and \
-                    share.get("engine") and run.state == "SUCCEEDED":
-                return dict(share["engine"])
+                    run.state == "SUCCEEDED":
+                ref = self.reported(run)
+                if ref is None:
+                    continue
+                if self.quorum == 1:
+                    return ref
+                rep = (run.result or {}).get("share") or {}
+                digest = str(rep.get("outputs_sha256") or "")
+                if digest:
+                    agreeing.setdefault(digest, []).append(ref)
+                    if len(agreeing[digest]) >= self.quorum:
+                        return agreeing[digest][0]
         return None
+
+    def builders_of(self, runs: Any, cls: str) -> int:
+        return sum(1 for r in runs if (r.share or {}).get("class") == cls and
+                   (r.share or {}).get("role") == "builder")
 
     def builder_of(self, runs: Any, cls: str) -> Optional[Any]:
         for run in runs:
@@ -92,6 +181,10 @@ class SharePolicy(object):
         if ref is not None:
             run.share = {"role": "adopting", "class": cls, "engine": ref["sha256"]}
             return "engine", ref
+        if self.quorum > 1 and self.designated(run.device) and \
+                self.builders_of(runs, cls) < self.quorum:
+            run.share = {"role": "builder", "class": cls, "since": now}  # one of the quorum
+            return "offer", None
         builder = self.builder_of(runs, cls)
         if builder is not None:
             run.share = {"role": "waiting", "class": cls, "since": now}
@@ -102,6 +195,11 @@ class SharePolicy(object):
             # The class had its builder and got no engine from it: each builds alone.
             run.share = {"role": "building", "class": cls,
                          "note": "built: the class's builder offered no engine"}
+            return "build", None
+        if not self.designated(run.device):
+            run.share = {"role": "building", "class": cls,
+                         "note": "built: no designated builder of its class in the rollout "
+                                 "(fleet serve --builders, or the label role=builder)"}
             return "build", None
         run.share = {"role": "builder", "class": cls, "since": now}
         return "offer", None
@@ -124,8 +222,14 @@ class SharePolicy(object):
                 run.share = {"role": "adopting", "class": cls, "engine": ref["sha256"]}
                 out.append((run, ref, ""))
             elif builder is None:
-                run.share = {"role": "building", "class": cls,
-                             "note": "built: the class's builder offered no engine"}
+                refused = any((r.share or {}).get("refused") for r in runs
+                              if (r.share or {}).get("class") == cls)
+                note = "built: the class's builder offered no engine" + (
+                    " it reported (its upload was refused)" if refused else "")
+                if self.quorum > 1:
+                    note = ("built: fewer than {} of the class's builders reported the same "
+                            "outputs on the rollout's inputs".format(self.quorum))
+                run.share = {"role": "building", "class": cls, "note": note}
                 out.append((run, None, run.share["note"]))
             elif now - float(share.get("since") or now) >= self.wait_s:
                 run.share = {"role": "building", "class": cls,
@@ -147,18 +251,21 @@ class ShareBoard(object):
 
     def __init__(self, store: Any, directory: str, add_file: Callable[[str, str], Any],
                  max_bytes: int = MAX_ENGINE_BYTES,
-                 builder_key: Optional[Callable[[str], Optional[Tuple[bytes, Any]]]] = None
-                 ) -> None:
+                 builder_key: Optional[Callable[[str], Optional[Tuple[bytes, Any]]]] = None,
+                 designated: Optional[Callable[[str], bool]] = None) -> None:
         self.store = store
         self.directory = os.path.abspath(directory)
         self.add_file = add_file
         self.max_bytes = int(max_bytes)
         self.builder_key = builder_key or (lambda device: None)
+        self.designated = designated or (lambda device: True)
+        self._uses: Dict[str, int] = {}  # token -> uploads taken (at most MAX_OFFERS)
         self._tokens: Dict[str, Tuple[str, str, str]] = {}  # token -> rollout, device, job
         self._arrived: List[Tuple[str, str, Dict[str, Any]]] = []
         self._lock = threading.Lock()
         self.received = 0
         self.refused = 0
+        self._logged = -LOG_EVERY_S
 
     def token(self, rollout_id: str, device: str, job_id: str = "") -> str:
         with self._lock:
@@ -174,6 +281,7 @@ class ShareBoard(object):
         with self._lock:
             for tok in [t for t, o in self._tokens.items() if o[0] == rollout_id]:
                 del self._tokens[tok]
+                self._uses.pop(tok, None)
 
     def expects(self, token: str) -> bool:
         with self._lock:
@@ -181,7 +289,13 @@ class ShareBoard(object):
 
     def _refuse(self, status: int, why: str) -> Tuple[int, str]:
         self.refused += 1
-        log.warning("engine upload refused (%d): %s", status, why)
+        # Logged at most once every LOG_EVERY_S (a hostile client's refusals do not fill the
+        # log); the count says how many were not.
+        now = time.monotonic()
+        if now - self._logged >= LOG_EVERY_S:
+            log.warning("engine upload refused (%d): %s (%d refused in all)", status, why,
+                        self.refused)
+            self._logged = now
         return status, "[upload_refused] " + why
 
     def receive(self, token: str, body: Any, length: int,
@@ -199,6 +313,10 @@ class ShareBoard(object):
             return self._refuse(404, "no such share upload (unknown, used, or its rollout "
                                      "ended)")
         rollout_id, device, job_id = owner
+        if not self.designated(device):
+            return self._refuse(403, "expected an engine from a designated builder (fleet "
+                                     "serve --builders, or the label role=builder), found one "
+                                     "from {}, which is not".format(device))
         if length <= 0 or length > self.max_bytes:
             return self._refuse(413, "an engine of 1 to {} bytes is expected, found {}".format(
                 self.max_bytes, length))
@@ -246,9 +364,15 @@ class ShareBoard(object):
                                 "the body's sha256 is {}, the builder signed {}".format(
                                     sha, claimed))
         with self._lock:
-            if self._tokens.pop(token, None) is None:  # revoked while it was written
+            if token not in self._tokens:  # revoked while it was written
                 os.unlink(tmp)
                 return self._refuse(404, "the rollout ended during the upload")
+            # A second upload stays possible (a stolen key racing the builder must not use
+            # its URL up): which one is the engine, the builder's signed report decides.
+            self._uses[token] = self._uses.get(token, 0) + 1
+            if self._uses[token] >= MAX_OFFERS:
+                self._tokens.pop(token, None)
+                self._uses.pop(token, None)
         ref = self._store(tmp, sha, length, device)
         ref["builder"] = {"device": device, "job_id": job_id, "sig": sig,
                           "public_key": base64.b64encode(raw).decode("ascii"),
@@ -310,5 +434,8 @@ def share_summary(controller: Mapping[str, Any], reported: Any) -> Optional[Dict
     out: Dict[str, Any] = {"mode": mode or None, "role": role or None, "reason": reason or None}
     if rep.get("offered") is not None:
         out["offered"] = bool(rep.get("offered"))
+    if controller.get("refused"):  # uploads its own signed report did not name
+        out["refused"] = [{"sha256": str(r.get("sha256")), "why": str(r.get("why"))}
+                          for r in controller["refused"] if isinstance(r, dict)]
     return out
 

@@ -221,7 +221,7 @@ def test_a_trojan_upload_forged_results_and_a_leaked_token_change_nothing(arena,
     db = "sqlite:///" + str(tmp_path / "fleet.db")
     agents = [started(arena.agent(d)) for d in SHARE_DEVICES]
     service = arena.service(db, "--http", "127.0.0.1:0", "--http-min-bytes", "1",
-                            "--share-engines", "--share-wait", "120")
+                            "--share-engines", "--share-wait", "120", "--builders", "b-0")
     attacker_key = device_identity.create_device_key(str(tmp_path / "attacker.key"))
     try:
         wait_registered(db, SHARE_DEVICES, service, timeout=60)
@@ -286,6 +286,26 @@ def test_a_trojan_upload_forged_results_and_a_leaked_token_change_nothing(arena,
         assert rows["b-0"]["state"] == "QUEUED" and rows["b-1"]["state"] == "PENDING", rows
         assert all(r["throughput_qps"] is None for r in rows.values()), rows
 
+        # The insider (issue 33): the builder's own key, stolen, signs a trojan it uploads
+        # first. Stored (the signature is the builder's), never handed out: the builder's
+        # signed report names its own engine.
+        stolen = device_identity.load_device_key(builder.key_path)
+        store = Store(db)
+        try:
+            cls = (store.device("b-0")["status"]["platform"] or {}).get("engine_class")
+        finally:
+            store.close()
+        payload.write_bytes(b"an insider's engine that answers 1e6 on a trigger " * 64)
+        engine_share.write_container(str(evil), "0" * 64, str(payload), {}, "b-0")
+        inside = evil.read_bytes()
+        inside_sha = hashlib.sha256(inside).hexdigest()
+        assert put(offer, {"X-Content-Sha256": inside_sha,
+                           "X-Engine-Signature": device_identity.sign_engine(
+                               stolen, device_identity.engine_statement(
+                                   "b-0", "ro-trojan", inside_sha, len(inside), cls))},
+                   inside)[0] == 201
+        fault("insider_upload")
+
         # The genuine builder comes: its engine, signed by its key, is the one adopted.
         started(builder)
         report = wait_rollout(db, "ro-trojan", lambda r: r["state"] in (
@@ -301,8 +321,11 @@ def test_a_trojan_upload_forged_results_and_a_leaked_token_change_nothing(arena,
             assert sha not in store.artifacts()
             keys = {j["device"]: (j.get("result") or {}).get("engine_key")
                     for j in store.rollout_jobs("ro-trojan")}
+            shares = {j["device"]: j.get("share") or {} for j in store.rollout_jobs("ro-trojan")}
         finally:
             store.close()
+        assert [r["sha256"] for r in shares["b-0"]["refused"]] == [inside_sha], shares
+        assert shares["b-1"]["engine"] == shares["b-2"]["engine"] != inside_sha, shares
         assert keys["b-0"] and keys["b-1"] == keys["b-2"] == keys["b-0"], keys
 
         # A leaked upload URL after `fleet rollouts cancel`: refused, even signed by the builder.
