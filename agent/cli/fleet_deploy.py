@@ -8,7 +8,7 @@ import argparse
 import json
 import time
 import uuid
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 from agent import fleet
 from agent.cli import EXIT_OK
@@ -16,6 +16,7 @@ from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
 from agent.fleet.database.store import Store
 from agent.fleet.deployments import (
+    controls,
     deployments,
     labels,
     pins,
@@ -332,42 +333,16 @@ def run_deployments(args: argparse.Namespace) -> int:
                                                       time.localtime(r["created"] or 0))]
                     for r in revs]))
             return EXIT_OK
+        row = controls.apply(store, did, args.action, args.devices, pins.actor())
         if args.action == "undo":
-            row = revisions.undo(store, dep)
             print("deployment {}: {}@{} to '{}' again ({}); fleet serve converges it".format(
                 did, row["name"], row["version"], row["selector"] or "(all)", row["reason"]))
-            return EXIT_OK
-        return _control(store, dep, args.action, args.devices)
+        else:
+            print("deployment {}: {} recorded; fleet serve applies it within a second".format(
+                did, args.action))
+        return EXIT_OK
     finally:
         store.close()
-
-
-def _control(store: Store, dep: Dict[str, Any], action: str, devices: List[str]) -> int:
-    did = dep["deployment_id"]
-    live = dep["state"] in deployments.LIVE
-    if not live:
-        raise AgentError("bad_state_transition", "deployment {} is {}; expected a live one "
-                         "(pending, rolling, active, paused or halted)".format(did,
-                                                                              dep["state"]))
-    if action == "pause":
-        deployments.set_state(store, did, "paused", "paused by the operator")
-        deployments.cancel_rollouts(store, did, "pause")
-    elif action == "resume":
-        wave = [r for r in deployments.rollouts_of(store, did) if r.endswith("-w")]
-        running = wave and (store.rollout(wave[0]) or {}).get("state") in ("running", "paused")
-        state = "rolling" if running else ("pending" if not wave else "active")
-        deployments.set_state(store, did, state, None)
-        deployments.cancel_rollouts(store, did, "resume")
-    elif action == "rm":
-        deployments.set_state(store, did, "removed", "removed by the operator")
-        deployments.cancel_rollouts(store, did)
-    else:
-        deployments.retry(store, did, devices)
-        if dep["state"] == "halted":  # attempts spent, or a wave's policy: go on
-            deployments.set_state(store, did, "active", None)
-    print("deployment {}: {} recorded; fleet serve applies it within a second".format(
-        did, action))
-    return EXIT_OK
 
 
 def run_label(args: argparse.Namespace) -> int:

@@ -14,7 +14,6 @@ import pytest
 from agent.fleet.database import audit, device_models
 from agent.fleet.database.store import Store
 from agent.fleet.deployments import deployments, registry
-from agent.fleet.web import operator_views
 from agent.fleet.web.server import Dashboard
 from tests.integration.browser import Browser, find_chromium
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
@@ -118,10 +117,8 @@ def test_deployment_actions_need_the_token_and_are_recorded(dash, operator_db):
     assert post(dash, "/deployments/d3/retry", {"token": TOKEN})[0] == 303
     code, _, body = post(dash, "/deployments/gone/resume", {"token": TOKEN})
     assert code == 409 and "bad_state_transition" in body
-    no_revisions = operator_views._optional("agent.fleet.deployments.revisions", "undo") is None
-    if no_revisions:
-        code, _, body = post(dash, "/deployments/d3/undo", {"token": TOKEN})
-        assert code == 409 and "keeps deployment revisions" in body  # refused, recorded
+    code, _, body = post(dash, "/deployments/d3/undo", {"token": TOKEN})
+    assert code == 409 and "no_previous_revision" in body  # its first revision: refused
     store = Store(operator_db)
     try:
         assert deployments.get(store, "d3")["state"] != "paused"
@@ -133,8 +130,8 @@ def test_deployment_actions_need_the_token_and_are_recorded(dash, operator_db):
     assert trail == [("dashboard", "deployments pause", "d3", "ok"),
                      ("dashboard", "deployments resume", "d3", "ok"),
                      ("dashboard", "deployments retry", "d3", "ok"),
-                     ("dashboard", "deployments resume", "gone", "bad_state_transition")] + (
-        [("dashboard", "deployments undo", "d3", "bad_argument")] if no_revisions else [])
+                     ("dashboard", "deployments resume", "gone", "bad_state_transition"),
+                     ("dashboard", "deployments undo", "d3", "no_previous_revision")]
 
 
 def test_a_device_of_a_removed_deployment_is_not_failing(dash, operator_db):

@@ -1,50 +1,25 @@
 """The read models of the operator's pages (deployments, one deployment, models, labels and
 pins, audit) and the deployment actions the dashboard offers (pause, resume, retry, undo: what
-``fleet deployments ACTION`` records). Tables another part of the controller adds later (pins,
-blobs) are read through ``pins`` and ``has_table``: an empty list or no column while a database
-has none.
+``fleet deployments ACTION`` records, through agent.fleet.deployments.controls).
 """
 
-import importlib
 import logging
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from agent.errors import AgentError
-from agent.fleet.database import device_models, store_schema
+from agent.fleet.database import device_models
 from agent.fleet.database.store import Store
-from agent.fleet.deployments import deployments, labels, registry
+from agent.fleet.deployments import controls, deployments, labels, registry
+from agent.fleet.deployments import pins as pins_of
 
 log = logging.getLogger("agent.fleet.web")
 DEPLOYMENT_ACTIONS = ("pause", "resume", "retry", "undo")
 MAX_ROWS = 2000  # devices per deployment page, devices per label page
 
 
-def _optional(module: str, name: str) -> Any:
-    """A function of a module this controller may not have (pins, revisions), else None."""
-    try:
-        return getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-
-
-def has_table(store: Store, name: str) -> bool:
-    return name in store_schema.table_names(store.db)
-
-
-def has_blob_store(store: Store) -> bool:
-    """Whether the registry keeps its own blob store (revision 0006 on)."""
-    return has_table(store, "blobs")
-
-
 def pins(store: Store, device: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Every pin (device, name -> version, who, why, when), [] where pins do not exist yet."""
-    if not has_table(store, "pins"):
-        return []
-    list_pins = _optional("agent.fleet.deployments.pins", "list_pins")
-    if list_pins is None:
-        return []
-    rows = [dict(p) for p in list_pins(store)]
-    return [p for p in rows if device is None or p.get("device_id") == device]
+    """Every pin (device, name -> version, source, who, why, when); ``device``: its only."""
+    return pins_of.list_pins(store, None if device is None else [device])
 
 
 def deployment_lists(store: Store) -> Tuple[List[Dict[str, Any]], List[Dict[str, Any]]]:
@@ -82,8 +57,7 @@ def device_deployments(store: Store, device: str) -> List[Dict[str, Any]]:
 
 def model_rows(store: Store) -> List[Tuple[str, List[Dict[str, Any]]]]:
     """[(name, versions)] with each version's live deployments, the devices holding it (as
-    active, pending or kept to go back to) and, where the blob store exists, which versions
-    share each of its blobs."""
+    active, pending or kept to go back to) and which versions share each of its blobs."""
     versions = registry.versions(store)
     live = deployments.rows(store, deployments.LIVE)
     held: Dict[Tuple[str, str], List[str]] = {}
@@ -120,33 +94,11 @@ def label_rows(store: Store) -> List[Dict[str, Any]]:
 
 def control(store: Store, deployment_id: str, action: str, actor: str) -> str:
     """A deployment action from the dashboard, recorded as ``fleet deployments ACTION``
-    records it; returns the deployment id."""
-    dep = deployments.get(store, deployment_id)
-    did = dep["deployment_id"]
-    if dep["state"] not in deployments.LIVE:
-        raise AgentError("bad_state_transition", "deployment {} is {}; expected a live one "
-                         "(pending, rolling, active, paused or halted)".format(did, dep["state"]))
-    if action == "undo":
-        undo = _optional("agent.fleet.deployments.revisions", "undo")
-        if undo is None:
-            raise AgentError("bad_argument", "deployment {}: expected a controller that keeps "
-                             "deployment revisions for undo, found none".format(did))
-        undo(store, did, actor=actor)  # the deployment by its id, as `fleet deployments undo`
-    elif action == "pause":
-        deployments.set_state(store, did, "paused", "paused by the operator")
-        deployments.cancel_rollouts(store, did, "pause")
-    elif action == "resume":
-        wave = [r for r in deployments.rollouts_of(store, did) if r.endswith("-w")]
-        running = wave and (store.rollout(wave[0]) or {}).get("state") in ("running", "paused")
-        deployments.set_state(store, did, "rolling" if running else (
-            "pending" if not wave else "active"), None)
-        deployments.cancel_rollouts(store, did, "resume")
-    elif action == "retry":
-        deployments.retry(store, did, ())
-    else:
+    records it (agent.fleet.deployments.controls); returns the deployment id."""
+    if action not in DEPLOYMENT_ACTIONS:
         raise AgentError("bad_argument", "expected a deployment action ({}), found {!r}".format(
             ", ".join(DEPLOYMENT_ACTIONS), action[:40]))
-    return did
+    return str(controls.apply(store, deployment_id, action, (), actor)["deployment_id"])
 
 
 def device_labels(store: Store, device: str) -> Dict[str, str]:

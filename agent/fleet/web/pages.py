@@ -195,9 +195,9 @@ def deployment_page(d: Mapping[str, Any], devices: Sequence[Mapping[str, Any]],
                   notice=notice, extra_columns=extra[:6], live_states=live_states)
 
 
-def models_page(models: Sequence[Any], blobs: bool, actions: bool) -> bytes:
+def models_page(models: Sequence[Any], actions: bool) -> bytes:
     """``models``: [(name, [version rows with deployments, devices, blobs])]."""
-    return render("models.html", "Models", "models", actions, models=models, blobs=blobs)
+    return render("models.html", "Models", "models", actions, models=models)
 
 
 def labels_page(rows: Sequence[Mapping[str, Any]], pins: Sequence[Mapping[str, Any]],

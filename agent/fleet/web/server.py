@@ -149,8 +149,7 @@ class Dashboard(object):
             return pages.deployment_page(got["deployment"], got["devices"], got["rollouts"],
                                          got["pins"], actions, notice, deployments.LIVE)
         if parts == ["models"]:
-            return pages.models_page(operator_views.model_rows(self.store),
-                                     operator_views.has_blob_store(self.store), actions)
+            return pages.models_page(operator_views.model_rows(self.store), actions)
         if parts == ["labels"]:
             return pages.labels_page(operator_views.label_rows(self.store),
                                      operator_views.pins(self.store), actions)
