@@ -60,13 +60,17 @@ def rollouts(db, dep):
         store.close()
 
 
-def metrics(db):
+def dashboard(db, *paths):
+    """The bodies of the dashboard's ``paths`` (a dashboard on the same database)."""
     from agent.fleet.web.server import Dashboard
 
     dash = Dashboard(db).start()
     try:
-        with urllib.request.urlopen(dash.url + "/metrics", timeout=10) as r:
-            return r.read().decode()
+        out = []
+        for path in paths:
+            with urllib.request.urlopen(dash.url + path, timeout=10) as r:
+                out.append(r.read().decode())
+        return out
     finally:
         dash.stop()
 
@@ -100,7 +104,10 @@ def test_a_rollback_of_a_governed_device_holds_until_unpinned(mosquitto, agent_f
             assert models_held(db, "pin-0").get("det") == "1", service.tail()
             assert rollouts(db, "dp2") == sent
             time.sleep(1.0)
-        body = metrics(db)
+        body, page, pins_page = dashboard(db, "/metrics", "/deployments/dp2", "/labels")
+        assert "<h2>Pins</h2>" in page and "camera drift" in page, page
+        assert 'href="/devices/pin-0"' in page.split("<h2>Pins</h2>")[1], page
+        assert "camera drift" in pins_page, pins_page
         assert 'jetson_fleet_deployment_devices{deployment="dp2",state="pinned"} 1.0' in body
         assert 'jetson_fleet_deployment_devices{deployment="dp2",state="converged"} 1.0' in body
         shown = json.loads(cli(["deployments", "show", "dp2", "--json"], db))
