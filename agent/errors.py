@@ -132,6 +132,13 @@ CODES = {
     "model_in_use": "A registry version cannot be removed while a deployment uses it or devices "
     "keep it (active or as a rollback target).",
     "unknown_deployment": "A deployment id is not in the fleet database.",
+    # Admission: a sticky identity (agent.fleet.admission).
+    "admission_key_ambiguous": "fleet devices accept without --key, for a device id for "
+    "which more than one key was seen: name the device's own key (the message lists them).",
+    "admission_key_changed": "The key id an operator was shown (the dashboard's accept form) "
+    "is not among the keys seen for the device: look again before accepting.",
+    "device_already_admitted": "fleet devices accept for a device that is already admitted: "
+    "its pinned key changes only by fleet devices rekey ID --key NEW.",
 }
 
 

@@ -22,13 +22,17 @@ def add_devices_parser(fsub: Any) -> None:
     d = fsub.add_parser("devices", help="devices that reported to the broker; pending, accept, "
                         "reject (admission)")
     d.add_argument("action", nargs="?", choices=("ls", "pending", "accept", "reject",
-                                                 "trust-legacy"), default="ls",
+                                                 "trust-legacy") + ("show", "rekey"),
+                   default="ls",
                    help="ls (default); pending: devices waiting for admission; accept ID / "
                         "reject ID; trust-legacy --window S: pin legacy devices' first keys "
-                        "for S seconds (docs/security.md)")
+                        "for S seconds; show ID: its identity (pinned key, keys seen, "
+                        "impostor events); rekey ID --key NEW: pin a new key "
+                        "(docs/security.md)")
     d.add_argument("device", nargs="?", metavar="ID")
     d.add_argument("--key", metavar="PUBKEY", help="accept: the key expected (base64 or PEM "
-                   "text), checked against the pending one")
+                   "text), one of those seen for the device (without it: the only key ever "
+                   "seen); rekey: the device's new key")
     d.add_argument("--window", type=float, default=7 * 24 * 3600.0, metavar="S",
                    help="trust-legacy: how long (default 7 days)")
     add_connection_args(d)

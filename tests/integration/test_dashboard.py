@@ -260,7 +260,7 @@ def test_pending_devices_are_listed_accepted_and_rejected_with_the_token(db, das
     assert "new-1" not in get(dash, "/")[2]  # not a fleet member
     assert post(dash, "/pending/new-1/accept", {"token": "wrong", "key_id": kid})[0] == 401
     code, _, body = post(dash, "/pending/new-1/accept", {"token": TOKEN, "key_id": "0" * 16})
-    assert code == 409 and "expected the pending key" in body
+    assert code == 409 and "admission_key_changed" in body and "the one shown" in body
     code, where, _ = post(dash, "/pending/new-1/accept", {"token": TOKEN, "key_id": kid})
     assert code == 303 and where == "/pending?done=accept"
     code, _, _ = post(dash, "/pending/new-2/reject", {"token": TOKEN})

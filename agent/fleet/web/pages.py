@@ -334,6 +334,17 @@ def device_page(row: Dict[str, Any], jobs: List[Dict[str, Any]], series: Sequenc
                      _e(row["jetpack"] or "-"), _e(row["tensorrt"] or "-"),
                      _e(row["backend"] or "-"), _e(row["agent_version"] or "-"), _engine(row),
                      _e(eng.get("job_id") or "-"), _e(age(row["last_seen"]))))
+    ident = row.get("identity") or {}
+    if ident:  # admission: the pinned key and any impostor events (docs/security.md)
+        last = ident.get("last_impostor") or {}
+        parts.append('<dl class="facts identity"><dt>admission</dt><dd>{}</dd><dt>pinned key'
+                     '</dt><dd><code>{}</code></dd><dt>impostor events</dt><dd>{}{}</dd></dl>'
+                     .format(badge(str(ident.get("state") or "-")),
+                             _e(ident.get("key_id") or "-"),
+                             _e(ident.get("impostor_events") or 0),
+                             " (last: key <code>{}</code>, {})".format(
+                                 _e(last.get("key_id")), _e(when(last.get("ts"))))
+                             if last else ""))
     models = row.get("models") or []
     parts.append("<h2>Models</h2>")
     parts.append(table(["model", "version", "state", "previous", "precision", "engine",
