@@ -285,9 +285,16 @@ class Admission(object):
                              "devices accept %s)", device, kid, device)
 
     def _protected(self, device: str) -> bool:
-        """Never evicted: an operator looked at it lately, or its key is listed."""
-        return device in self.viewed or \
-            (self.rows.get(device) or {}).get("pending_key_id") in self.keys
+        """Never evicted: an operator looked at it lately (read again before an eviction: a
+        look since the last refresh counts), or its key is listed."""
+        if device in self.viewed or \
+                (self.rows.get(device) or {}).get("pending_key_id") in self.keys:
+            return True
+        ts = self.store.meta_get(identity_events.VIEWED + device)
+        if isinstance(ts, (int, float)) and ts >= time.time() - VIEWED_S:
+            self.viewed.add(device)
+            return True
+        return False
 
     def _evict_one(self) -> bool:
         """Room for one more pending device: the oldest one not protected leaves (the
@@ -363,6 +370,8 @@ class Admission(object):
         # pending or unknown: a signed birth may (re)enter the list or be admitted by policy
         if info.kind == "status":
             birth = self._signed_birth(device, info, ev)
+            if birth is not None and self._changed_elsewhere(device, state):
+                return self.check(info, ev)  # accepted (or rejected) meanwhile: judge again
             if birth is not None:
                 raw, status = birth
                 listed = self.policy == "keys" and key_id(raw) in self.keys
@@ -380,6 +389,18 @@ class Admission(object):
                 log.warning("device %s admitted unsigned, as legacy (--admission open)", device)
                 return True
         return self._drop()
+
+    def _changed_elsewhere(self, device: str, state: Optional[str]) -> bool:
+        """Whether ``fleet devices accept`` (another process) changed the device's row since
+        the last refresh: read before a birth writes the row, so that a birth arriving in
+        between never overwrites an operator's decision."""
+        fresh = self.store.device_keys(device=device).get(device)
+        if fresh is None or fresh.get("state") == state:
+            return False
+        self.rows[device] = _held(fresh)
+        if fresh.get("state") != "pending":
+            self.pending_q.pop(device, None)
+        return True
 
     def _drop(self) -> bool:
         self.counters["dropped"] += 1

@@ -134,12 +134,15 @@ class Store(object):
     _KEY_COLUMNS = ("state", "key_id", "public_key", "pending_key_id", "pending_public_key",
                     "pending_since", "pending_status", "updated")
 
-    def device_keys(self, state: Optional[str] = None, since: Optional[float] = None
-                    ) -> Dict[str, Dict[str, Any]]:
+    def device_keys(self, state: Optional[str] = None, since: Optional[float] = None,
+                    device: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
         """device -> its admission row (``state``: only those; ``since``: only rows written
-        at or after that time, a refresh of what changed)."""
+        at or after that time, a refresh of what changed; ``device``: only its row)."""
         sql = "SELECT device_id, " + ", ".join(self._KEY_COLUMNS) + " FROM device_keys"
         where, params = [], []  # type: Tuple[List[str], List[Any]]
+        if device is not None:
+            where.append("device_id = ?")
+            params.append(device)
         if state:
             where.append("state = ?")
             params.append(state)
