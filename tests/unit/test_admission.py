@@ -121,6 +121,8 @@ def test_an_admitted_identity_is_sticky_an_impostor_changes_nothing(store, tmp_p
         assert [d["device"] for d in store.devices()] == ["cam-1"]
         assert g2.check(*dev.job_status("IN_PROGRESS", 5 + len(policy)))
         assert g2.counters["impostor"] == 1
+        # The forged SUCCEEDED of issue 33 item 4, signed by the impostor's key: dropped.
+        assert not g2.check(*dev.job_status("SUCCEEDED", 99, signer=impostor.signer))
     view = admission.identity_view(store, "cam-1")
     assert view["impostor_events"] >= 1 and view["last_impostor"]["key_id"] == impostor.key.key_id
     # The operator re-keys a re-flashed device; a rotation is a birth signed by the old key.
