@@ -219,8 +219,6 @@ class Admission(object):
                     self.pending_q.setdefault(dev, None)
                 else:
                     self.pending_q.pop(dev, None)
-        self.claims = {k: str(v) for k, v in self.store.meta_prefix(
-            identity_events.CLAIM).items()}
         self.viewed = {d for d, ts in self.store.meta_prefix(identity_events.VIEWED).items()
                        if isinstance(ts, (int, float)) and ts >= wall - VIEWED_S}
         for dev, row in changed.items():
@@ -324,14 +322,17 @@ class Admission(object):
             self.ratelog.warning("bound", "device %s: key %s is bound to device %s in "
                                  "--admission-keys; dropped", device, kid, self.bound[kid])
             return False
-        claimed = self.claims.get(kid)
+        claimed = self.claims.get(kid)  # written here or by another instance: read once
         if claimed is None:
             claimed = self.store.meta_get(identity_events.CLAIM + kid)
+            if claimed is not None:
+                self.claims[kid] = str(claimed)
         if claimed is None:
             self.store.meta_put(identity_events.CLAIM + kid, device)
             self.claims[kid] = device
-            log.warning("device %s claims the unbound key %s of --admission-keys: it is now "
-                        "this id's only (bind it with a line '%s KEY')", device, kid, device)
+            self.ratelog.warning("claim", "device %s claims the unbound key %s of "
+                                 "--admission-keys: it is now this id's only (bind it with a "
+                                 "line '%s KEY')", device, kid, device)
             return True
         if claimed == device:
             return True
