@@ -457,6 +457,12 @@ class Admission(object):
         """A Will passes only while its session is the device's current one (a device of
         the previous release states none: its Wills pass as before)."""
         current = self.sessions.get(device)
+        if current is None:  # a service just started: the session of the last status it kept
+            known = self.store.device(device)
+            ident = ((known or {}).get("status") or {}).get("platform") or {}
+            ident = ident.get("identity") if isinstance(ident, Mapping) else None
+            if isinstance(ident, Mapping) and isinstance(ident.get("session"), str):
+                current = self.sessions[device] = str(ident["session"])[:64]
         session = _session_of(ev.payload)
         if current is None or session == current:
             return True
