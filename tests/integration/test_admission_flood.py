@@ -1,6 +1,8 @@
 """100,000 pending ids through the admission gate itself (agent.fleet.admission.admission over
 a real SQLite store): births signed as a daemon signs them, each made-up id with its own key
-(the per-key rate limit does not help here), interleaved with an admitted device's job
+(the per-key rate limit does not help here), all of them read (the gate's limit of births
+for ids not admitted, ``PENDING_RATE`` a second, lifted: as an attacker staying under it for
+half an hour would), interleaved with an admitted device's job
 statuses, as a rollout's would be. The listed device and the one an operator looked at are
 never evicted; the pending list stays within its bound; the admitted device's messages pass
 the gate about as fast as without the flood; the log gets a few lines, not one per id.
@@ -49,6 +51,7 @@ def test_100000_pending_ids_do_not_evict_a_listed_device(tmp_path, caplog):
     store.put_device_key("cam-ok", {"state": "admitted", "key_id": admitted.key_id,
                                     "public_key": admitted.public_base64})
     gate.refresh(force=True)
+    gate.flood = identity_events.KeyBuckets(10 ** 9, 10 ** 9)  # every birth read
     signer = device_identity.ReportSigner(admitted, "cam-ok", 1)
     topic = T.job_status("cam-ok", "ro-1")
 

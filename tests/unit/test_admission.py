@@ -225,6 +225,13 @@ def test_eviction_spares_listed_and_viewed_devices_and_a_key_is_rate_limited(sto
         d = Device(tmp_path, "k{}".format(i), key=one.key)
         assert not g.check(*d.birth())
     assert g.counters["pending_rate_limited"] == 5
+    # All keys together: births for ids not admitted beyond PENDING_BURST are dropped unread.
+    g.flood = admission.identity_events.KeyBuckets(60, 2)
+    before = g.counters["pending_rate_limited"]
+    for i in range(5):
+        assert not g.check(*Device(tmp_path, "r{}".format(i)).birth())
+    assert g.counters["pending_rate_limited"] - before == 3
+    assert "r4" not in store.device_keys()
 
 
 def test_a_replayed_will_is_dropped(store, tmp_path):

@@ -56,6 +56,8 @@ FULL_REFRESH_S = 60.0  # rows deleted elsewhere dropped this often; else what ch
 CLOCK_MARGIN_S = 5.0  # rows written this long before the last refresh are read again
 VIEWED_S = 30 * 60.0  # a device an operator looked at this recently is never evicted
 PENDING_PER_KEY = 10  # new pending ids a key id may add a minute (a burst of as many)
+PENDING_RATE = 50  # births for ids not admitted read a second, all keys together
+PENDING_BURST = 500
 DEVICE_KINDS = ("status", "models", "telemetry", "job_status", "command_reply",
                 "artifact_request")
 
@@ -159,6 +161,7 @@ class Admission(object):
                          "pending_rate_limited": 0, "will_replayed": 0, "rotated": 0}
         self.records = identity_events.Records(store)
         self.buckets = identity_events.KeyBuckets(PENDING_PER_KEY, PENDING_PER_KEY)
+        self.flood = identity_events.KeyBuckets(PENDING_RATE * 60, PENDING_BURST)
         self.ratelog = identity_events.RateLog(log)
         self.pending_q: "OrderedDict[str, None]" = OrderedDict()  # oldest first
         self.viewed: Set[str] = set()
@@ -369,6 +372,8 @@ class Admission(object):
         if state == "rejected":
             return self._drop()
         # pending or unknown: a signed birth may (re)enter the list or be admitted by policy
+        if info.kind == "status" and not self._may_read(state, ev):
+            return self._drop()
         if info.kind == "status":
             birth = self._signed_birth(device, info, ev)
             if birth is not None and self._changed_elsewhere(device, state):
@@ -390,6 +395,27 @@ class Admission(object):
                 log.warning("device %s admitted unsigned, as legacy (--admission open)", device)
                 return True
         return self._drop()
+
+    def _may_read(self, state: Optional[str], ev: Any) -> bool:
+        """Whether a birth for a pending or unknown id is read at all (decoded, verified,
+        written): a flood of made-up ids costs the service a few microseconds each, not a
+        signature check and database writes, so admitted devices' messages behind it in the
+        queue are not held up. Under ``open`` (a new id is admitted, not pending) and for a
+        key listed in --admission-keys, always; an unsigned birth, never (only signed births
+        reach the list); the rest share ``PENDING_RATE`` a second. A genuine new device
+        dropped here is read at the next roll call (its birth is retained)."""
+        if self.policy == "open" and state is None:
+            return True
+        sig = device_identity.signature_of(ev.user_properties)
+        if sig is None:
+            return False
+        if sig.get("key_id") in self.keys or self.flood.take("*"):
+            return True
+        self.counters["pending_rate_limited"] += 1
+        self.ratelog.warning("flood", "more than %d births a second for devices not admitted; "
+                             "the rest dropped unread (a genuine one is read at the next roll "
+                             "call)", PENDING_RATE)
+        return False
 
     def _changed_elsewhere(self, device: str, state: Optional[str]) -> bool:
         """Whether ``fleet devices accept`` (another process) changed the device's row since

@@ -21,8 +21,10 @@ test_admission_flood.py.
 
 import json
 import queue
+import threading
 import time
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from agent.fleet.database.store import Store
@@ -33,9 +35,15 @@ from agent.wire.topics import Topics
 from tests.integration.faults import test_faults_identity as identity_suite
 from tests.integration.faults.suite import fault, finish, started
 from tests.integration.faults.test_faults_identity import counters, pending_has
-from tests.integration.test_fleet_service import fleet_cli, wait_registered
+from tests.integration.test_fleet_service import (
+    fleet_cli,
+    fp16_args,
+    wait_registered,
+    wait_rollout,
+)
 
 T = Topics()
+FLOOD_IDS = 20000
 arena = identity_suite.arena  # the fixture: an open broker, then the shipped TLS+ACL one
 
 
@@ -161,8 +169,9 @@ def test_an_impostor_birth_leaves_the_device_admitted_and_serving(arena, tmp_pat
         if service is not None:
             service.kill()
         client = attacker(arena)
-        try:  # the retained impostor birth goes (the shared open broker outlives the test)
-            client.publish(T.status("f-0"), b"", retain=True).wait(10)
+        try:  # the retained forgeries go (the shared open broker outlives the test)
+            for dev in ("f-0", "thief", "u-1", "u-2"):
+                client.publish(T.status(dev), b"", retain=True).wait(10)
         finally:
             client.stop()
         finish(agent)
@@ -203,8 +212,12 @@ def test_accept_needs_a_key_seen_and_a_pending_flood_spares_listed_devices(arena
             dev = "flood-{:04d}".format(i)
             body, props = birth(dev, new_key())
             intruder.publish(T.status(dev), body, qos=0, user_properties=props)
-        publish_birth(intruder, "intruder", third, retain=False)  # after the flood, in order
-        wait_for(lambda: third.key_id in show(db, "intruder")["keys_seen"], service, 120)
+
+        def sentinel():  # after the flood, in order (again while the flood's limit drops it)
+            publish_birth(intruder, "intruder", third, retain=False)
+            return third.key_id in show(db, "intruder")["keys_seen"]
+
+        wait_for(sentinel, service, 120)
         fault("pending_flood", 300)
         assert pending_has(db, "b-0") and pending_has(db, "b-1")
         store = Store(db)
@@ -293,3 +306,56 @@ def _next_status(client, online):
     return ev.payload, list(ev.user_properties or [])
 
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arena", ["open"], indirect=True)
+def test_a_pending_flood_does_not_slow_an_unrelated_rollout(arena, tmp_path):
+    """Open broker only (on the ACL broker an account writes its own id only): the same
+    rollout to an admitted device, quiet and while 20,000 made-up ids, each signed by its
+    own key, flood the pending list; the flooded one within 1.5x of the quiet one."""
+    db = "sqlite:///" + str(tmp_path / "fleet.db")
+    agent = started(arena.agent("f-0"))
+    service = arena.service(db)
+    births = []
+    for i in range(FLOOD_IDS):
+        dev = "flood-{:05d}".format(i)
+        births.append((T.status(dev),) + birth(dev, new_key()))
+    intruder = arena.client("intruder")
+    try:
+        wait_registered(db, ["f-0"], service, timeout=60)
+
+        def rollout(rid):
+            t0 = time.monotonic()
+            out = fleet_cli(["rollout"] + fp16_args() + [
+                "--devices", "f-0", "--rollout-id", rid, "--db", db, "--submit", "--detach"])
+            assert out.returncode == 0, out.stderr
+            report = wait_rollout(db, rid, lambda r: r["state"] in (
+                "succeeded", "failed", "aborted"), service, timeout=300)
+            assert report["state"] == "succeeded", report
+            return time.monotonic() - t0
+
+        rollout("ro-warm")  # the engine built once: both measured rollouts hit the cache
+        quiet = rollout("ro-quiet")
+        done = threading.Event()
+
+        def flood():
+            for topic, body, props in births:
+                if done.is_set():
+                    return
+                intruder.publish(topic, body, qos=0, user_properties=props)
+
+        flooder = threading.Thread(target=flood, daemon=True)
+        flooder.start()
+        flooded = rollout("ro-flood")
+        done.set()
+        flooder.join(60)
+        fault("pending_flood", FLOOD_IDS)
+        print("rollout to an admitted device: {:.1f} s quiet, {:.1f} s during a flood of {} "
+              "pending ids ({:.2f}x); admission {}".format(
+                  quiet, flooded, FLOOD_IDS, flooded / quiet, counters(db)))
+        assert flooded <= 1.5 * quiet, (quiet, flooded)
+    finally:
+        intruder.stop()
+        service.kill()
+        finish(agent)
