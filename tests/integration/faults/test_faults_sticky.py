@@ -163,8 +163,11 @@ def test_an_impostor_birth_leaves_the_device_admitted_and_serving(arena, tmp_pat
                 fault("bound_key_takeover", 2)
             service.kill()
             service = None
-        # A forged SUCCEEDED under open, signed by the impostor's key: never counted.
         assert key_row(db, "f-0")["key_id"] == real.key_id
+        # Only an operator changes it (a re-flashed device): fleet devices rekey.
+        out = fleet_cli(["devices", "rekey", "f-0", "--key", evil.public_base64, "--db", db])
+        assert out.returncode == 0 and evil.key_id in out.stdout, out.stderr
+        assert key_row(db, "f-0")["key_id"] == evil.key_id
     finally:
         if service is not None:
             service.kill()
