@@ -366,8 +366,11 @@ class Admission(object):
         if state == "admitted" and row is not None:
             if self._verified(device, row, info, ev):
                 return True
-            if info.kind == "status":
-                self._new_key(device, info, ev)
+            if info.kind == "status":  # checked at the flood's rate: a signature check each
+                if self.flood.take("*"):
+                    self._new_key(device, info, ev)
+                else:
+                    self.counters["pending_rate_limited"] += 1
             return False
         if state == "rejected":
             return self._drop()
