@@ -697,7 +697,9 @@ def identity_view(store: Any, device: str) -> Dict[str, Any]:
     rec = identity_events.record(store, device)
     seen = identity_events.keys_seen(store, device, row)
     return {"state": row.get("state"), "key_id": row.get("key_id"),
-            "pending_key_id": row.get("pending_key_id"), "keys_seen": list(seen),
+            "pending_key_id": row.get("pending_key_id"),
+            "keys_seen": ([row["key_id"]] if row.get("key_id") else []) +
+            [k for k in seen if k != row.get("key_id")],
             "impostor_events": int(rec.get("impostors") or 0),
             "last_impostor": rec.get("last")}
 
