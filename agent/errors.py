@@ -164,6 +164,13 @@ CODES = {
     # the app socket (versions that can't be lost)
     "model_not_owned": "An app on the app socket acted on (committed, reported on, rolled "
     "back) a model name that models.app_names does not give to its user or group.",
+    # Admission: a sticky identity (agent.fleet.admission).
+    "admission_key_ambiguous": "fleet devices accept without --key, for a device id for "
+    "which more than one key was seen: name the device's own key (the message lists them).",
+    "admission_key_changed": "The key id an operator was shown (the dashboard's accept form) "
+    "is not among the keys seen for the device: look again before accepting.",
+    "device_already_admitted": "fleet devices accept for a device that is already admitted: "
+    "its pinned key changes only by fleet devices rekey ID --key NEW.",
 }
 
 

@@ -153,10 +153,11 @@ class SimulatedFleet(object):
                 self.signers[dev] = ReportSigner(DeviceKey(Ed25519PrivateKey.generate()), dev, 1)
 
     def write_keys(self, path: str) -> str:
-        """The devices' public keys, one a line (``--admission-keys``)."""
+        """The devices' public keys, one a line after the id each is bound to
+        (``--admission-keys``: ``ID KEY``)."""
         with open(path, "w") as f:
-            for signer in self.signers.values():
-                f.write(signer.key.public_base64 + "\n")
+            for dev, signer in self.signers.items():
+                f.write(dev + " " + signer.key.public_base64 + "\n")
         return path
 
     def _publish(self, dev: str, topic: str, payload: bytes, retain: bool = False) -> None:

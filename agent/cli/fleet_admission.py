@@ -24,8 +24,10 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
                         "open (labs only: anyone); $JETSON_AGENT_FLEET_ADMISSION")
     g.add_argument("--admission-keys", metavar="FILE",
                    default=os.environ.get("JETSON_AGENT_FLEET_ADMISSION_KEYS"),
-                   help="the devices' public keys, one per line (from manufacturing: "
-                        "jetson-agent keygen --device); $JETSON_AGENT_FLEET_ADMISSION_KEYS")
+                   help="the devices' public keys, one per line, each best after the device "
+                        "id it is bound to ('ID KEY'; from manufacturing: jetson-agent keygen "
+                        "--device); a key without an id admits its first id only; "
+                        "$JETSON_AGENT_FLEET_ADMISSION_KEYS")
     g.add_argument("--max-pending", type=int, default=admission.MAX_PENDING, metavar="N",
                    help="devices the pending list holds (the oldest evicted; default "
                         "%(default)s)")
@@ -35,9 +37,10 @@ def make_admission(args: argparse.Namespace, store: Any) -> admission.Admission:
     if args.admission == "keys" and not args.admission_keys:
         raise AgentError("bad_argument", "--admission keys needs --admission-keys FILE (the "
                          "devices' public keys, one per line)")
-    keys = admission.load_keys_file(args.admission_keys) if args.admission_keys else {}
+    keys, bound = admission.load_keys_bindings(args.admission_keys) if \
+        args.admission_keys else ({}, {})
     return admission.Admission(store, args.admission, keys, max_pending=args.max_pending,
-                               keys_path=args.admission_keys)
+                               keys_path=args.admission_keys, bound=bound)
 
 
 def run_admin(args: argparse.Namespace, store_url: str) -> int:
@@ -71,9 +74,33 @@ def run_admin(args: argparse.Namespace, store_url: str) -> int:
         if not args.device:
             raise AgentError("bad_argument", "fleet devices {} needs a device id".format(
                 args.action))
+        if args.action == "show":
+            from agent.fleet.admission import identity_events
+
+            identity_events.mark_viewed(store, args.device)  # kept in the pending list
+            view = dict(admission.identity_view(store, args.device), device=args.device)
+            if args.json:
+                print(json.dumps(view, indent=2, sort_keys=True))
+            else:
+                last = view["last_impostor"] or {}
+                print("device {}: {}, key {}; keys seen: {}; impostor events: {}{}".format(
+                    args.device, view["state"] or "unknown", view["key_id"] or "-",
+                    ", ".join(view["keys_seen"]) or "-", view["impostor_events"],
+                    " (last: key {} at {})".format(last.get("key_id"), time.strftime(
+                        "%Y-%m-%d %H:%M:%S", time.gmtime(last.get("ts") or 0)))
+                    if last else ""))
+            return EXIT_OK
+        if args.action == "rekey":
+            if not args.key:
+                raise AgentError("bad_argument", "fleet devices rekey {} needs --key NEW (the "
+                                 "device's new public key)".format(args.device))
+            row = admission.rekey(store, args.device, args.key)
+            print("device {} re-keyed: key {}".format(args.device, row["key_id"]))
+            return EXIT_OK
         if args.action == "accept":
             row = admission.accept(store, args.device, args.key)
-            print("device {} admitted with key {}".format(args.device, row["key_id"]))
+            print("device {} admitted with key {}{}".format(
+                args.device, row["key_id"], "" if args.key else " (the only key seen for it)"))
         elif args.action == "rm":
             admission.decommission(store, args.device)
             cleared = clear_retained(args, args.device)

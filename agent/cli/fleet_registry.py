@@ -22,15 +22,18 @@ def add_devices_parser(fsub: Any) -> None:
     d = fsub.add_parser("devices", help="devices that reported to the broker; pending, accept, "
                         "reject (admission)")
     d.add_argument("action", nargs="?", choices=("ls", "pending", "accept", "reject",
-                                                 "trust-legacy", "rm"), default="ls",
+                                                 "trust-legacy", "rm", "show", "rekey"),
+                   default="ls",
                    help="ls (default); pending: devices waiting for admission; accept ID / "
                         "reject ID; trust-legacy --window S: pin legacy devices' first keys "
-                        "for S seconds (docs/security.md); rm ID: decommission a device (its "
-                        "key unpinned, its retained topics cleared, its rows kept as history)")
+                        "for S seconds; rm ID: decommission a device (its key unpinned, its "
+                        "retained topics cleared, its rows kept as history); show ID: its "
+                        "identity (pinned key, keys seen, impostor events); rekey ID --key NEW: "
+                        "pin a new key (docs/security.md)")
     d.add_argument("device", nargs="?", metavar="ID")
     d.add_argument("--key", metavar="PUBKEY", help="accept: the key expected (a .pub file, or "
-                   "the key as PEM, ssh-ed25519 or base64 text), checked against the pending "
-                   "one")
+                   "the key as PEM, ssh-ed25519 or base64 text), one of those seen for the "
+                   "device (without it: the only key ever seen); rekey: the device's new key")
     d.add_argument("--window", type=float, default=7 * 24 * 3600.0, metavar="S",
                    help="trust-legacy: how long (default 7 days)")
     add_connection_args(d)

@@ -62,7 +62,7 @@ from agent.device.telemetry_publisher import TelemetryPublisher, open_telemetry
 from agent.device.worker_process import WorkerEvent
 from agent.device.worker_supervisor import WorkerSupervisor, clean_work_dirs
 from agent.errors import AgentError
-from agent.wire import protocol, security_posture, status_messages
+from agent.wire import device_identity, protocol, security_posture, status_messages
 from agent.wire.artifacts import ArtifactStore
 from agent.wire.device_identity import (
     DeviceKey,
@@ -162,9 +162,12 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     if backend_problem:
         log.warning("%s", backend_problem)
     key = device_key(cfg)
+    # The identity the birth and the Will state; its ``session`` is new for every connection
+    # (the Will below), so a Will captured and replayed later is not this connection's.
+    identity = key.identity() if key is not None else None
     platform_status = functools.partial(
         status_platform, platform, backend, backend_problem, cfg.labels,
-        identity=key.identity() if key is not None else None,
+        identity=identity,
         requires_signed_jobs=not cfg.security.allow_unsigned)
 
     def publish_request(topic: str, payload: bytes, qos: int = 1, retain: bool = False) -> None:
@@ -181,9 +184,14 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
         tls = TlsOptions(b.tls.ca_file, b.tls.cert_file, b.tls.key_file, b.tls.insecure)
     # Every report is signed with the device's key, bound to this boot (device_identity).
     signer = ReportSigner(key, device, boot) if key is not None else None
-    will_payload = protocol.encode(status_messages.will_message(device, boot, platform_status()))
-    will = Will(topics.status(device), will_payload, user_properties=signer.properties(
-        topics.status(device), will_payload, will=True) if signer is not None else None)
+
+    def will() -> Will:
+        if identity is not None:
+            identity["session"] = device_identity.new_session()
+        payload = protocol.encode(status_messages.will_message(device, boot, platform_status()))
+        return Will(topics.status(device), payload, user_properties=signer.properties(
+            topics.status(device), payload, will=True) if signer is not None else None)
+
     mqtt = MqttClient(
         device, b.host, b.port, protocol=b.protocol, keepalive=b.keepalive,
         username=b.username, password=b.password, tls=tls, will=will,

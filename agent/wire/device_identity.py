@@ -13,8 +13,11 @@ its boot counter, the per-boot sequence, the topic, the job id a job message nam
 sha256 of the payload: an old signed message cannot be replayed as a newer one (the
 controller keeps the last sequence per topic and boot), moved to another topic or device,
 or altered. The payload itself is unchanged, so controllers of the previous release (whose
-schemas refuse unknown top-level fields) read it as before. The Will is signed once, at
-connect, for that boot only.
+schemas refuse unknown top-level fields) read it as before. The Will is signed once per
+connection, for that boot only, and states the connection's session (``platform.identity.
+session``, random, also in the birth that follows): a controller drops a Will whose session
+is not the device's current one, so a captured Will replayed later changes nothing.
+Controllers of the previous release ignore the field (``platform`` allows any).
 
 A builder's shared engine is bound to it the same way: it signs ``ENGINE_DOMAIN`` + the
 canonical ``{device, job_id, sha256, size, engine_class}`` of its container
@@ -98,6 +101,12 @@ def default_key_path(config_source: Optional[str]) -> str:
     base = os.path.dirname(config_source) if config_source else os.path.join(
         os.path.expanduser("~"), ".config", "jetson-agent")
     return os.path.join(base, DEFAULT_KEY_NAME)
+
+
+def new_session() -> str:
+    """A connection's session (``platform.identity.session`` of its birth and its Will): a
+    controller takes a Will only while its session is the device's current one."""
+    return binascii.hexlify(os.urandom(8)).decode("ascii")
 
 
 def public_key_of(identity: Any) -> Optional[bytes]:

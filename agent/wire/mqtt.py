@@ -21,7 +21,7 @@ import ssl
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 import paho.mqtt.client as paho
 
@@ -78,7 +78,7 @@ class MqttClient:
         username: Optional[str] = None,
         password: Optional[str] = None,
         tls: Optional[TlsOptions] = None,
-        will: Optional[Will] = None,
+        will: "Optional[Union[Will, Callable[[], Will]]]" = None,
         session_expiry: int = 7 * 24 * 3600,
         clean_start: bool = False,
         max_packet_bytes: Optional[int] = None,
@@ -137,12 +137,10 @@ class MqttClient:
             self._client.tls_set(ca_certs=tls.ca_file, certfile=tls.cert_file,
                                  keyfile=tls.key_file, cert_reqs=ssl.CERT_REQUIRED)
             self._client.tls_insecure_set(tls.insecure)
-        if will is not None:
-            will_props = None
-            if v5 and will.user_properties:
-                will_props = self._properties("WILLMESSAGE", will.user_properties)
-            self._client.will_set(will.topic, will.payload, will.qos, will.retain,
-                                  properties=will_props)
+        # A callable Will is made again for every connection (a device's Will states its
+        # connection's session: a captured one replayed later is dropped, device_identity).
+        self._will_factory = will if callable(will) else None
+        self._set_will(will() if callable(will) else will)
         self._client.on_connect = self._on_connect
         self._client.on_connect_fail = self._on_connect_fail
         self._client.on_disconnect = self._on_disconnect
@@ -151,6 +149,15 @@ class MqttClient:
         self._client.on_subscribe = self._on_subscribe
         self._socket_error = ""  # paho's last socket-level warning (a TLS alert, a reset)
         self._client.enable_logger(PahoLog(self))  # type: ignore[arg-type]
+
+    def _set_will(self, will: Optional[Will]) -> None:
+        if will is None:
+            return
+        will_props = None
+        if self.protocol == "v5" and will.user_properties:
+            will_props = self._properties("WILLMESSAGE", will.user_properties)
+        self._client.will_set(will.topic, will.payload, will.qos, will.retain,
+                              properties=will_props)
 
     # --- owner's API --------------------------------------------------------------------------
 
@@ -361,6 +368,8 @@ class MqttClient:
         rc = args[1] if self._v2 else args[0]
         was_connected = self._connected.is_set()
         self._connected.clear()
+        if self._will_factory is not None and not self._closing:
+            self._set_will(self._will_factory())  # the next connection's, before it opens
         reason = reason_text(rc) if is_failure(rc) else "disconnected"
         flags = args[0] if self._v2 else None
         from_server = bool(getattr(flags, "is_disconnect_packet_from_server", False))

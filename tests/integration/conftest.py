@@ -33,9 +33,10 @@ def admission_keys(tmp_path_factory, monkeypatch):
     return str(path)
 
 
-def provision_device_key(workdir, keys_file=None):
+def provision_device_key(workdir, keys_file=None, device=None):
     """``device.key`` in ``workdir`` (beside its agent.yaml: the default place) and its public
-    key appended to the keys file (default: this test's, from the environment)."""
+    key appended to the keys file (default: this test's, from the environment), bound to
+    ``device`` when given (an ``ID KEY`` line)."""
     from agent.wire.device_identity import create_device_key
 
     key_path = os.path.join(str(workdir), "device.key")
@@ -43,7 +44,7 @@ def provision_device_key(workdir, keys_file=None):
     keys_file = keys_file or os.environ.get("JETSON_AGENT_FLEET_ADMISSION_KEYS")
     if key is not None and keys_file:
         with open(keys_file, "a") as f:
-            f.write(key.public_base64 + "\n")
+            f.write((device + " " if device else "") + key.public_base64 + "\n")
     return key_path
 
 
@@ -150,7 +151,7 @@ class AgentProcess:
         self.state_dir = os.path.join(self.workdir, "state")
         self.config = os.path.join(self.workdir, "agent.yaml")
         self.log = os.path.join(self.workdir, "agent.log")
-        self.key_path = provision_device_key(self.workdir) if identity else None
+        self.key_path = provision_device_key(self.workdir, device=device) if identity else None
         with open(self.config, "w") as f:
             f.write(
                 "device_id: {dev}\n"

@@ -275,8 +275,10 @@ def test_pending_devices_are_listed_accepted_and_rejected_with_the_token(db, das
     assert "new-1" in body and "new-2" in body and kid in body and "<b>" not in body
     assert "new-1" not in get(dash, "/")[2]  # not a fleet member
     assert post(dash, "/pending/new-1/accept", {"token": "wrong", "key_id": kid})[0] == 401
+    code, _, body = post(dash, "/pending/new-1/accept", {"token": TOKEN})  # no key id shown
+    assert code == 409 and "admission_key_changed" in body
     code, _, body = post(dash, "/pending/new-1/accept", {"token": TOKEN, "key_id": "0" * 16})
-    assert code == 409 and "expected the pending key" in body
+    assert code == 409 and "admission_key_changed" in body and "the one shown" in body
     code, where, _ = post(dash, "/pending/new-1/accept", {"token": TOKEN, "key_id": kid})
     assert code == 303 and where == "/pending?done=accept"
     code, _, _ = post(dash, "/pending/new-2/reject", {"token": TOKEN})
@@ -290,3 +292,13 @@ def test_pending_devices_are_listed_accepted_and_rejected_with_the_token(db, das
     finally:
         store.close()
     assert "accepted" in get(dash, where)[2] and "new-1" not in get(dash, "/pending")[2]
+    # A birth for new-1 signed by another key: an impostor event, shown on its page.
+    from agent.fleet.admission import identity_events
+
+    store = Store(db)
+    try:
+        identity_events.Records(store).impostor("new-1", "badc0ffee0ddf00d", "x", time.time())
+    finally:
+        store.close()
+    _, _, body = get(dash, "/devices/new-1")
+    assert "impostor events" in body and "badc0ffee0ddf00d" in body and kid in body

@@ -135,12 +135,15 @@ class Store(object):
     _KEY_COLUMNS = ("state", "key_id", "public_key", "pending_key_id", "pending_public_key",
                     "pending_since", "pending_status", "updated")
 
-    def device_keys(self, state: Optional[str] = None, since: Optional[float] = None
-                    ) -> Dict[str, Dict[str, Any]]:
+    def device_keys(self, state: Optional[str] = None, since: Optional[float] = None,
+                    device: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
         """device -> its admission row (``state``: only those; ``since``: only rows written
-        at or after that time, a refresh of what changed)."""
+        at or after that time, a refresh of what changed; ``device``: only its row)."""
         sql = "SELECT device_id, " + ", ".join(self._KEY_COLUMNS) + " FROM device_keys"
         where, params = [], []  # type: Tuple[List[str], List[Any]]
+        if device is not None:
+            where.append("device_id = ?")
+            params.append(device)
         if state:
             where.append("state = ?")
             params.append(state)
@@ -182,6 +185,9 @@ class Store(object):
         self.db.execute("DELETE FROM device_keys WHERE device_id = ?", (rows[0][0],))
         return str(rows[0][0])
 
+    def delete_device_key(self, device: str) -> None:
+        self.db.execute("DELETE FROM device_keys WHERE device_id = ?", (device,))
+
     def seed_legacy_devices(self) -> None:
         """Once, when admission first runs on a database: every device already in the
         registry (a fleet of the previous release) becomes *legacy*: served as before."""
@@ -214,6 +220,25 @@ class Store(object):
         rows = self.db.query("SELECT key, value FROM meta WHERE key LIKE ?",
                              ("engine_revoked:%",))
         return {k.split(":", 1)[1]: dict(_loads(v) or {}) for k, v in rows}
+    # An admitted identity's record (agent.fleet.admission.identity_events): the keys seen for
+    # a device, its impostor events, the operator's last look at it, a listed key's claim.
+    # Rows of ``meta`` under a prefix, so no schema change.
+
+    def meta_get(self, key: str) -> Any:
+        rows = self.db.query("SELECT value FROM meta WHERE key = ?", (key,))
+        return _loads(rows[0][0]) if rows else None
+
+    def meta_put(self, key: str, value: Any) -> None:
+        self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO "
+                        "UPDATE SET value = excluded.value", (key, _dumps(value)))
+
+    def meta_delete(self, key: str) -> None:
+        self.db.execute("DELETE FROM meta WHERE key = ?", (key,))
+
+    def meta_prefix(self, prefix: str) -> Dict[str, Any]:
+        """key (without ``prefix``) -> value of every meta row under ``prefix``."""
+        return {str(k)[len(prefix):]: _loads(v) for k, v in self.db.query(
+            "SELECT key, value FROM meta WHERE key LIKE ?", (prefix + "%",))}
 
     def put_admission_counters(self, instance: str, counters: Mapping[str, int]) -> None:
         self.db.execute("INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO "

@@ -53,7 +53,8 @@ class FleetCollector(object):
                                       "admission (device not admitted, bad or missing "
                                       "signature, replayed), and pending devices evicted",
                                       labels=["reason"])
-        for reason in ("dropped", "bad_signature", "replayed", "pending_evicted"):
+        for reason in ("dropped", "bad_signature", "replayed", "pending_evicted") + (
+                "impostor", "key_bound_elsewhere", "pending_rate_limited", "will_replayed"):
             dropped.add_metric([reason], float(counters.get(reason, 0)))
         yield dropped
         rows = views.fleet_rows(self.store, now)

@@ -125,6 +125,10 @@ class Dashboard(object):
         if len(parts) == 2 and parts[0] == "devices" and protocol.valid_id(parts[1]):
             rows = views.fleet_rows(self.store, device=parts[1])
             if rows:
+                from agent.fleet.admission import admission, identity_events
+
+                identity_events.mark_viewed(self.store, parts[1])  # spared by eviction
+                rows[0]["identity"] = admission.identity_view(self.store, parts[1])
                 return _html(pages.device_page(
                     rows[0], views.job_rows(self.store, device=parts[1]),
                     history.series(self.store, parts[1]), actions, notice,
@@ -251,14 +255,8 @@ class Dashboard(object):
                 parts[2] in ("accept", "reject"):
             from agent.fleet.admission import admission
 
-            row = self.store.device_keys().get(parts[1]) or {}
-            if parts[2] == "accept":
-                if form.get("key_id") and form.get("key_id") != row.get("pending_key_id"):
-                    raise AgentError("bad_argument", "device {}: expected the pending key {}, "
-                                     "found {} (a new key arrived since the page was shown)"
-                                     .format(parts[1], row.get("pending_key_id"),
-                                             form.get("key_id")))
-                admission.accept(self.store, parts[1])
+            if parts[2] == "accept":  # pins the key id the page showed, never another
+                admission.accept(self.store, parts[1], seen_key_id=str(form.get("key_id")))
             else:
                 admission.reject(self.store, parts[1])
             log.info("dashboard: device %s %sed", parts[1], parts[2])
