@@ -125,6 +125,7 @@ def _run(fetcher: Any, sha256: str, fetch: Any, url: str,
                 # over again should it be lost on the way).
                 with fetcher._lock:
                     fetch.http = False
+                    fetch.injected = i  # not a block from the broker (transfer.BlockFetcher)
                 fetcher.inject(fetcher._topics.block(fetcher.device, sha256, i), block)
                 return
             path = fetcher.on_block(sha256, i, block)

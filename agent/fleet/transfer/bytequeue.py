@@ -25,7 +25,8 @@ trusted (an unknown id, a pending one: anyone can make those up) shares ``untrus
 (4 MiB) with all the others, and each trusted device holds at most ``source_bytes`` (1 MiB) in
 the queue. Over its budget a message is dropped unread and counted (``untrusted_dropped``,
 ``source_dropped``), a warning at most every ``WARN_EVERY_S``. A dropped retained birth is
-still at the broker (the periodic roll call reads it); a device's newest status is retained,
+still at the broker (counted in ``reread_dropped`` too: a roll call reads it again, as when a
+large fleet's births first arrive); a device's newest status is retained,
 so nothing a trusted device said is lost for good. The queue thus holds at most
 ``untrusted_bytes`` + (admitted devices x ``source_bytes``) of device messages, however many
 ids a flood makes up (40,000 signed 60 KB births for made-up ids once took a service from
@@ -136,6 +137,8 @@ class ByteQueue(object):
                         self.untrusted_dropped += 1
                     else:
                         self.source_dropped += 1
+                    if rereadable(event):  # a roll call reads it again (a fleet's first start)
+                        self.reread_dropped += 1
                     self.dropped += 1
                     self._warn()
                     return
