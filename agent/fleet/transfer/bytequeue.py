@@ -22,8 +22,10 @@ order stays; across topics a held status may come after later messages.
 Per source, so that no flood of messages is kept whatever the budget: with ``trusted`` (device
 id -> whether it is admitted; the service's admission gate), every message of a device not
 trusted (an unknown id, a pending one: anyone can make those up) shares ``untrusted_bytes``
-(4 MiB) with all the others, and each trusted device holds at most ``source_bytes`` (1 MiB) in
-the queue. Over its budget a message is dropped unread and counted (``untrusted_dropped``,
+(4 MiB) with all the others, all of them together enter at most ``untrusted_rate`` (2 MiB)
+a second (bounding the work behind the queue too: verifying, recording pending devices),
+and each trusted device holds at most ``source_bytes`` (1 MiB) in the queue.
+Over its budget a message is dropped unread and counted (``untrusted_dropped``,
 ``source_dropped``), a warning at most every ``WARN_EVERY_S``. A dropped retained birth is
 still at the broker (counted in ``reread_dropped`` too: a roll call reads it again, as when a
 large fleet's births first arrive); a device's newest status is retained,
@@ -53,7 +55,8 @@ FINAL = tuple('"{}"'.format(s).encode() for s in sorted(protocol.TERMINAL_STATES
 # Larger than any message the controller decodes (protocol.MAX_BYTES): refused there anyway,
 # so not held here whatever the budget (a hostile client's big payloads pile up otherwise).
 MAX_PAYLOAD = max(protocol.MAX_BYTES.values())
-UNTRUSTED_BYTES = 8 << 20  # every device not admitted, together
+UNTRUSTED_BYTES = 4 << 20  # every device not admitted, together
+UNTRUSTED_RATE = 2 << 20  # ... and their bytes a second into the queue (a token bucket)
 SOURCE_BYTES = 1 << 20  # each admitted device: 16 of the largest messages it may send
 WARN_EVERY_S = 30.0
 UNTRUSTED = ""  # the one source key of every device not trusted
@@ -88,13 +91,16 @@ class ByteQueue(object):
     def __init__(self, max_bytes: int = 64 << 20, hold_s: float = HOLD_S,
                  reread_bytes: int = REREAD_BYTES,
                  trusted: Optional[Callable[[str], bool]] = None,
-                 untrusted_bytes: int = UNTRUSTED_BYTES, source_bytes: int = SOURCE_BYTES
-                 ) -> None:
+                 untrusted_bytes: int = UNTRUSTED_BYTES, source_bytes: int = SOURCE_BYTES,
+                 untrusted_rate: float = UNTRUSTED_RATE) -> None:
         self.max_bytes = int(max_bytes)
         self.trusted = trusted
         self.untrusted_bytes = int(untrusted_bytes)
         self.source_bytes = int(source_bytes)
         self._sources: Dict[str, int] = {}  # source -> its bytes queued (UNTRUSTED: shared)
+        self.untrusted_rate = float(untrusted_rate)
+        self._tokens = float(self.untrusted_bytes)  # what devices not admitted may still send
+        self._filled = time.monotonic()
         self.untrusted_dropped = 0
         self.source_dropped = 0
         self._warned = (0.0, 0)  # (when, drops then) of the last warning
@@ -132,7 +138,8 @@ class ByteQueue(object):
             source = self._source(topic)
             if source is not None:
                 budget = self.untrusted_bytes if source == UNTRUSTED else self.source_bytes
-                if self._sources.get(source, 0) + size > budget:
+                if self._sources.get(source, 0) + size > budget or \
+                        source == UNTRUSTED and not self._take_tokens(size):
                     if source == UNTRUSTED:
                         self.untrusted_dropped += 1
                     else:
@@ -175,6 +182,19 @@ class ByteQueue(object):
             return device if self.trusted(device) else UNTRUSTED
         except Exception:  # noqa: BLE001 - paho's thread must go on; the gate decides later
             return UNTRUSTED
+
+    def _take_tokens(self, size: int) -> bool:
+        """The rate of devices not admitted: ``untrusted_rate`` bytes a second, bursts up to
+        ``untrusted_bytes`` (what the service then verifies, records as pending and writes is
+        bounded in time too, not only what waits here)."""
+        now = time.monotonic()
+        self._tokens = min(float(self.untrusted_bytes),
+                           self._tokens + (now - self._filled) * self.untrusted_rate)
+        self._filled = now
+        if self._tokens < size:
+            return False
+        self._tokens -= size
+        return True
 
     def _unsource(self, entry: List[Any]) -> None:
         source = entry[4]
