@@ -11,6 +11,7 @@ receives.
 """
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -22,6 +23,8 @@ from agent.wire.artifacts import ArtifactStore
 from agent.wire.block_assembly import Transfer
 from agent.wire.block_server import BlockServer, Publish, block_digests, sha256_file
 from agent.wire.topics import Topics
+
+log = logging.getLogger("agent.wire.transfer")
 
 __all__ = ["BlockFetcher", "BlockServer", "block_digests", "sha256_file"]
 
@@ -51,6 +54,9 @@ class _Fetch(object):
         self.url: Optional[str] = None  # the trusted source (the service's HTTP), if any
         self.mqtt_blocks = 0  # blocks that came over MQTT (anyone may send those)
         self.refetched = False  # fetched again from the trusted source after a mismatch
+        # ... from it only (no MQTT blocks taken; HTTP retried every MAX_BACKOFF_S)
+        self.trusted_only = False
+        self.retry_at = 0.0
         self.injected: Optional[int] = None  # the HTTP thread's last block, sent as MQTT's
 
 
@@ -192,7 +198,17 @@ class BlockFetcher(object):
         with self._lock:
             if self._fetches.get(sha256) is fetch and fetch.http:
                 fetch.http = False
+                if fetch.trusted_only:  # the trusted source again, later (see tick)
+                    fetch.retry_at = self._clock() + MAX_BACKOFF_S
+                    return
                 self._request(sha256, fetch)
+
+    def _http_start(self, sha256: str, fetch: _Fetch) -> None:
+        from agent.wire import http_fetch
+
+        fetch.http = True
+        threading.Thread(target=http_fetch.run, args=(self, sha256, fetch, fetch.url),
+                         name="http-fetch", daemon=True).start()
 
     def _list_done(self, list_sha: str, path: Optional[str],
                    mqtt: bool = True) -> Optional[str]:
@@ -222,7 +238,7 @@ class BlockFetcher(object):
                            wanted.block_size, wanted.url)
 
     def _request(self, sha256: str, fetch: _Fetch) -> None:
-        if fetch.http:
+        if fetch.http or fetch.trusted_only:
             return
         free = self.window - len(fetch.in_flight)
         if free <= 0:
@@ -293,9 +309,13 @@ class BlockFetcher(object):
                                 and not fetch.refetched:
                             # Blocks from the broker (anyone's, without per-block hashes):
                             # the whole artifact again from the trusted source, once.
+                            log.warning("artifact %s failed its sha256 after blocks from the "
+                                        "broker (junk from another client?): fetching it again "
+                                        "from %s only", sha256, fetch.url)
                             self._start(sha256, transfer.size, fetch.job_id, None, None,
                                         fetch.url)
-                            self._fetches[sha256].refetched = True
+                            again = self._fetches[sha256]
+                            again.refetched = again.trusted_only = True
                             return None
                         raise
                     if sha256 in self._lists:
@@ -330,6 +350,10 @@ class BlockFetcher(object):
             if fetch is not None:
                 if fetch.injected == info.block:
                     fetch.injected = None  # HTTP's last block, handed over by the daemon
+                elif fetch.trusted_only:
+                    raise AgentError("unknown_artifact", "block {} of artifact {} from the "
+                                     "broker: it is fetched from its trusted source only"
+                                     .format(info.block, info.sha256))
                 else:
                     fetch.mqtt_blocks += 1
                 if not info.device:
@@ -348,6 +372,8 @@ class BlockFetcher(object):
             now = self._clock()
             for sha, fetch in list(self._fetches.items()):
                 fetch.transfer.flush()
+                if fetch.trusted_only and not fetch.http and now >= fetch.retry_at:
+                    self._http_start(sha, fetch)
                 expired = [i for i, t in fetch.in_flight.items() if now - t >= fetch.timeout]
                 if expired:
                     if fetch.fanout and not fetch.shared_blocks:
