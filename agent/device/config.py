@@ -88,7 +88,7 @@ class LimitsConfig:
 class TransferConfig:
     block_size: int = _f(128 * 1024, size=True, min=1024, max=1024 * 1024)
     window: int = _f(64, min=1, max=1024)  # blocks requested and not yet received
-    timeout_s: float = _f(10.0, min=0.1)  # re-request blocks that did not come (doubles to 60 s)
+    timeout_s: float = _f(10.0, min=0.1)  # re-request blocks that did not come (doubles to 8 s)
     # The CA that verifies HTTPS artifact URLs and the engine upload URL (fleet serve --http
     # with --http-tls-cert). None: broker.tls.ca_file when set, else the system's CAs.
     http_ca_file: Optional[str] = None

@@ -83,7 +83,7 @@ from agent.wire.mqtt import (
 )
 from agent.wire.mqtt_types import Event, TlsOptions, Will
 from agent.wire.topics import Topics
-from agent.wire.transfer import BlockFetcher
+from agent.wire.transfer import MAX_BACKOFF_S, BlockFetcher
 
 log = logging.getLogger("agent.device.daemon")
 
@@ -176,7 +176,7 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     t = cfg.transfer
     fetcher = BlockFetcher(store, publish_request, topics, device, block_size=t.block_size,
                            window=t.window, timeout_s=t.timeout_s,
-                           max_timeout_s=max(60.0, t.timeout_s))
+                           max_timeout_s=max(MAX_BACKOFF_S, t.timeout_s))
     fetcher.http_ca_file = http_ca_file(cfg)  # https:// artifact URLs
     b = cfg.broker
     tls = None

@@ -107,6 +107,11 @@ class FleetConnection(object):
         # (topic info, MQTT event) -> whether a device's message may be read at all
         # (agent.fleet.admission.admission.Admission.check); None: every message is.
         self.gate: Optional[Callable[[TopicInfo, Any], bool]] = None
+        # device id -> whether it is admitted (the service's admission), read by the event
+        # queue on paho's thread: devices not admitted share one small budget there
+        # (agent.fleet.transfer.bytequeue). None (no admission): every device is, each
+        # within its own budget.
+        self.admitted: Optional[Callable[[str], bool]] = None
 
     def connect(self) -> "FleetConnection":
         from agent.wire import mqtt, mqtt_types
@@ -118,7 +123,8 @@ class FleetConnection(object):
             self.client_id, self.host, self.port,
             protocol=self.protocol_version, username=self.username, password=self.password,
             tls=tls, session_expiry=0, clean_start=True, reconnect_min=0.5, reconnect_max=5.0,
-            max_packet_bytes=None, events=ByteQueue())  # type: ignore[arg-type]
+            max_packet_bytes=None,
+            events=ByteQueue(trusted=self._trusted))  # type: ignore[arg-type]
         self.client.start()
         deadline = time.monotonic() + self.connect_timeout
         while True:
@@ -141,6 +147,9 @@ class FleetConnection(object):
                                  "{}:{}: {} (is it running? check --broker)".format(
                                      self.host, self.port, ev.reason),
                                  {"host": self.host, "port": self.port})
+
+    def _trusted(self, device: str) -> bool:
+        return self.admitted is None or self.admitted(device)
 
     def close(self) -> None:
         if self.client is not None:

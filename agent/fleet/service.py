@@ -118,6 +118,8 @@ class FleetService(object):
         self.last_counters = 0.0
         if admission is not None:
             conn.gate = admission.check
+            conn.admitted = lambda device: (admission.rows.get(device) or {}).get(
+                "state") in ("admitted", "legacy")  # the event queue's per-source budgets
             admission.on_admitted = self._admitted
         # Deployments (fleet serve): an agent.fleet.deployments.deployment_runner.DeploymentRunner,
         # told of births, Wills, models messages and its jobs' ends; ticked before leases are taken.

@@ -14,8 +14,11 @@ what to check) and the artifact comes over MQTT blocks.
 """
 
 import hashlib
+import http.client
 import logging
+import random
 import ssl
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Optional
@@ -27,6 +30,10 @@ log = logging.getLogger("agent.wire.transfer")
 RUN_BLOCKS = 64
 TIMEOUT_S = 30.0
 MAX_BAD_BLOCKS = 16
+# A busy server (503: its connections from this address are all taken, as when many devices
+# share one NAT address; under HTTPS the connection is only closed) is asked again this many
+# times, Retry-After apart (1..5 s, with jitter), before the blocks come over MQTT instead.
+BUSY_TRIES = 12
 
 
 def tls_context(url: str, ca_file: Optional[str]) -> Optional[ssl.SSLContext]:
@@ -105,7 +112,10 @@ def _run(fetcher: Any, sha256: str, fetch: Any, url: str,
             if i != last + 1:
                 break
             last = i
-        data = _get_range(url, first * bs, min(size, (last + 1) * bs) - 1, size, context)
+        data = _busy_retry(fetcher, sha256, fetch, _get_range, url, first * bs,
+                           min(size, (last + 1) * bs) - 1, size, context)
+        if data is None:
+            return  # cancelled or completed while waiting
         for i in range(first, last + 1):
             off = (i - first) * bs
             block = data[off:off + protocol.block_length(size, bs, i)]
@@ -125,9 +135,46 @@ def _run(fetcher: Any, sha256: str, fetch: Any, url: str,
                 # over again should it be lost on the way).
                 with fetcher._lock:
                     fetch.http = False
+                    fetch.injected = i  # not a block from the broker (transfer.BlockFetcher)
                 fetcher.inject(fetcher._topics.block(fetcher.device, sha256, i), block)
                 return
             path = fetcher.on_block(sha256, i, block)
             if path is not None:
                 fetcher.http_completed.append((sha256, path))
                 return
+
+
+def _busy(exc: BaseException) -> Optional[float]:
+    """Seconds to wait when ``exc`` says the server is busy, else None."""
+    if isinstance(exc, urllib.error.HTTPError) and exc.code == 503:
+        try:
+            return min(5.0, max(1.0, float(exc.headers.get("Retry-After") or 1)))
+        except ValueError:
+            return 1.0
+    reason = getattr(exc, "reason", exc)
+    if isinstance(reason, (ConnectionResetError, http.client.RemoteDisconnected,
+                           ssl.SSLEOFError)) or isinstance(exc, (
+                               ConnectionResetError, http.client.RemoteDisconnected,
+                               ssl.SSLEOFError)):
+        return 1.0  # an HTTPS server closes a connection past its bounds without an answer
+    return None
+
+
+def _busy_retry(fetcher: Any, sha256: str, fetch: Any, get: Any, *args: Any
+                ) -> Optional[bytes]:
+    """``get(*args)``, asked again while the server is busy (see BUSY_TRIES); None when the
+    fetch was cancelled or handed over meanwhile."""
+    for attempt in range(BUSY_TRIES + 1):
+        try:
+            return bytes(get(*args))
+        except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
+            wait = _busy(exc)
+            if wait is None or attempt == BUSY_TRIES:
+                raise
+            log.info("HTTP server busy for artifact %s (%s): asking again in %.1f s", sha256,
+                     exc, wait)
+            time.sleep(wait * (1.0 + random.random() / 2))  # noqa: S311 - jitter only
+            with fetcher._lock:
+                if fetcher._fetches.get(sha256) is not fetch or not fetch.http:
+                    return None
+    return None

@@ -11,6 +11,7 @@ receives.
 """
 
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -23,11 +24,16 @@ from agent.wire.block_assembly import Transfer
 from agent.wire.block_server import BlockServer, Publish, block_digests, sha256_file
 from agent.wire.topics import Topics
 
+log = logging.getLogger("agent.wire.transfer")
+
 __all__ = ["BlockFetcher", "BlockServer", "block_digests", "sha256_file"]
 
 
 FANOUT_FIRST_TIMEOUT_S = 3.0  # just over BlockServer's 2 s fan-out window
-MAX_LIST_TRIES = 5  # a hash list that keeps failing its sha256 ends the transfer
+MAX_LIST_TRIES = 5  # a hash list the trusted source (HTTP) keeps failing ends the transfer
+# ... from the broker, where anyone may answer (an open broker): junk costs a try only here
+MAX_MQTT_LIST_TRIES = 100
+MAX_BACKOFF_S = 8.0  # the re-request timeout's ceiling: an interrupted download resumes soon
 PER_REQUEST = 64  # blocks per request message (what a BlockServer answers at most)
 
 
@@ -45,6 +51,13 @@ class _Fetch(object):
         self.http = False  # an HTTP thread fetches it (agent.wire.http_fetch); MQTT waits
         self.fanout = False  # subscribed to the artifact's shared block topic
         self.shared_blocks = 0  # blocks that came on it
+        self.url: Optional[str] = None  # the trusted source (the service's HTTP), if any
+        self.mqtt_blocks = 0  # blocks that came over MQTT (anyone may send those)
+        self.refetched = False  # fetched again from the trusted source after a mismatch
+        # ... from it only (no MQTT blocks taken; HTTP retried every MAX_BACKOFF_S)
+        self.trusted_only = False
+        self.retry_at = 0.0
+        self.injected: Optional[int] = None  # the HTTP thread's last block, sent as MQTT's
 
 
 class _ListFor(NamedTuple):
@@ -54,8 +67,9 @@ class _ListFor(NamedTuple):
     size: int
     block_size: int
     job_id: Optional[str]
-    tries: int
+    tries: int  # failed fetches from the trusted source (HTTP)
     url: Optional[str]
+    mqtt_tries: int = 0  # failed fetches over MQTT
 
 
 class BlockFetcher(object):
@@ -76,7 +90,7 @@ class BlockFetcher(object):
         block_size: int = protocol.DEFAULT_BLOCK_SIZE,
         window: int = 64,
         timeout_s: float = 10.0,
-        max_timeout_s: float = 60.0,
+        max_timeout_s: float = MAX_BACKOFF_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
@@ -134,8 +148,9 @@ class BlockFetcher(object):
                                              block_size))
                 digests = self._stored_list(list_sha, count)
                 if digests is None:
-                    self._lists[list_sha] = _ListFor(sha256, size, block_size, job_id, 1, url)
-                    self._start(list_sha, 32 * count, job_id, None, None)
+                    self._lists[list_sha] = _ListFor(sha256, size, block_size, job_id, 0, url)
+                    self._start(list_sha, 32 * count, job_id, None, None,
+                                sibling_url(url, sha256, list_sha))
                     return None
                 return self._start(sha256, size, job_id, digests, block_size, url)
             return self._start(sha256, size, job_id, None, None, url)
@@ -160,6 +175,7 @@ class BlockFetcher(object):
         if transfer.complete():  # every block arrived before a restart
             return transfer.finish()
         fetch = _Fetch(transfer, job_id, self._clock(), self.timeout_s, digests)
+        fetch.url = url if url and url.startswith(("http://", "https://")) else None
         self._fetches[sha256] = fetch
         if self.subscribe is not None:
             self.subscribe(self._topics.fanout_blocks(sha256), 1)
@@ -182,20 +198,39 @@ class BlockFetcher(object):
         with self._lock:
             if self._fetches.get(sha256) is fetch and fetch.http:
                 fetch.http = False
+                if fetch.trusted_only:  # the trusted source again, later (see tick)
+                    fetch.retry_at = self._clock() + MAX_BACKOFF_S
+                    return
                 self._request(sha256, fetch)
 
-    def _list_done(self, list_sha: str, path: Optional[str]) -> Optional[str]:
+    def _http_start(self, sha256: str, fetch: _Fetch) -> None:
+        from agent.wire import http_fetch
+
+        fetch.http = True
+        threading.Thread(target=http_fetch.run, args=(self, sha256, fetch, fetch.url),
+                         name="http-fetch", daemon=True).start()
+
+    def _list_done(self, list_sha: str, path: Optional[str],
+                   mqtt: bool = True) -> Optional[str]:
         """A hash list completed (``path``) or failed its sha256 (None): start the artifact,
-        or fetch the list again (a poisoned first answer must not end the job)."""
+        or fetch the list again, from the trusted source (the service's HTTP) when the job
+        named one (a poisoned answer must not end the job: junk from the broker counts only
+        against MAX_MQTT_LIST_TRIES, the trusted source's own failures against
+        MAX_LIST_TRIES)."""
         wanted = self._lists.pop(list_sha)
         if path is None:
-            if wanted.tries >= MAX_LIST_TRIES:
+            list_url = sibling_url(wanted.url, wanted.sha256, list_sha)
+            trusted = not mqtt and list_url is not None
+            wanted = wanted._replace(tries=wanted.tries + trusted,
+                                     mqtt_tries=wanted.mqtt_tries + (not trusted))
+            if wanted.tries >= MAX_LIST_TRIES or wanted.mqtt_tries >= MAX_MQTT_LIST_TRIES:
                 raise AgentError("hash_mismatch", "the per-block hash list {} of artifact {} "
-                                 "failed its sha256 {} times".format(list_sha, wanted.sha256,
-                                                                     wanted.tries))
-            self._lists[list_sha] = wanted._replace(tries=wanted.tries + 1)
+                                 "failed its sha256 {} times from {} and {} times over MQTT"
+                                 .format(list_sha, wanted.sha256, wanted.tries,
+                                         list_url or "no HTTP source", wanted.mqtt_tries))
+            self._lists[list_sha] = wanted
             self._start(list_sha, 32 * protocol.block_count(wanted.size, wanted.block_size),
-                        wanted.job_id, None, None)
+                        wanted.job_id, None, None, list_url)
             return None
         digests = self._stored_list(list_sha, protocol.block_count(wanted.size,
                                                                     wanted.block_size))
@@ -203,7 +238,7 @@ class BlockFetcher(object):
                            wanted.block_size, wanted.url)
 
     def _request(self, sha256: str, fetch: _Fetch) -> None:
-        if fetch.http:
+        if fetch.http or fetch.trusted_only:
             return
         free = self.window - len(fetch.in_flight)
         if free <= 0:
@@ -269,7 +304,19 @@ class BlockFetcher(object):
                         path = transfer.finish()
                     except AgentError as exc:
                         if sha256 in self._lists and exc.code == "hash_mismatch":
-                            return self._list_done(sha256, None)
+                            return self._list_done(sha256, None, fetch.mqtt_blocks > 0)
+                        if exc.code == "hash_mismatch" and fetch.url and fetch.mqtt_blocks \
+                                and not fetch.refetched:
+                            # Blocks from the broker (anyone's, without per-block hashes):
+                            # the whole artifact again from the trusted source, once.
+                            log.warning("artifact %s failed its sha256 after blocks from the "
+                                        "broker (junk from another client?): fetching it again "
+                                        "from %s only", sha256, fetch.url)
+                            self._start(sha256, transfer.size, fetch.job_id, None, None,
+                                        fetch.url)
+                            again = self._fetches[sha256]
+                            again.refetched = again.trusted_only = True
+                            return None
                         raise
                     if sha256 in self._lists:
                         return self._list_done(sha256, path)
@@ -298,10 +345,18 @@ class BlockFetcher(object):
             raise AgentError("message_too_large", "a block may be at most {} bytes, found {}"
                              .format(protocol.MAX_BLOCK_SIZE, len(payload)))
         assert info.sha256 is not None and info.block is not None
-        if not info.device:
-            with self._lock:
-                fetch = self._fetches.get(info.sha256)
-                if fetch is not None:
+        with self._lock:
+            fetch = self._fetches.get(info.sha256)
+            if fetch is not None:
+                if fetch.injected == info.block:
+                    fetch.injected = None  # HTTP's last block, handed over by the daemon
+                elif fetch.trusted_only:
+                    raise AgentError("unknown_artifact", "block {} of artifact {} from the "
+                                     "broker: it is fetched from its trusted source only"
+                                     .format(info.block, info.sha256))
+                else:
+                    fetch.mqtt_blocks += 1
+                if not info.device:
                     fetch.shared_blocks += 1
         path = self.on_block(info.sha256, info.block, bytes(payload))
         if path is None:
@@ -317,6 +372,8 @@ class BlockFetcher(object):
             now = self._clock()
             for sha, fetch in list(self._fetches.items()):
                 fetch.transfer.flush()
+                if fetch.trusted_only and not fetch.http and now >= fetch.retry_at:
+                    self._http_start(sha, fetch)
                 expired = [i for i, t in fetch.in_flight.items() if now - t >= fetch.timeout]
                 if expired:
                     if fetch.fanout and not fetch.shared_blocks:
@@ -377,3 +434,12 @@ class BlockFetcher(object):
     def active(self) -> List[str]:
         with self._lock:
             return sorted(self._fetches)
+
+
+def sibling_url(url: Optional[str], sha256: str, other: str) -> Optional[str]:
+    """The URL of artifact ``other`` on the server that serves ``sha256`` at ``url`` (the
+    service's ``/artifacts/<sha256>``); None when ``url`` is not such a URL."""
+    if not url or not url.startswith(("http://", "https://")):
+        return None
+    base, sep, last = url.rpartition("/")
+    return base + sep + other if sep and last == sha256 else None

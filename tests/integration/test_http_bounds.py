@@ -2,7 +2,9 @@
 (the rest are answered 503 at once), a client trickling its request is cut at the connection's
 deadline, clients that reset are one log line, no traceback; ``--http :PORT`` is loopback."""
 
+import hashlib
 import logging
+import os
 import socket
 import struct
 import threading
@@ -112,3 +114,126 @@ def test_port_alone_listens_on_loopback_and_another_address_warns(caplog):
         with pytest.raises(AgentError) as err:
             listen_address(bad, "--http")
         assert err.value.code == "bad_argument" and "expects HOST:PORT" in err.value.message
+
+
+# ------------------------------------------------ one client cannot starve the others (#33)
+
+SLOW = "127.0.0.2"  # loopback too: the attacker's address, distinct from the clients' 127.0.0.1
+
+
+class _SlowClient(object):
+    """Keeps ``count`` connections from ``SLOW`` open, each a request never finished (a TLS
+    handshake never begun, for half of them under HTTPS); a connection the server closes is
+    opened again at once, for as long as the attack runs."""
+
+    def __init__(self, port, count=80, tls=False):
+        self.port, self.count, self.tls = port, count, tls
+        self.opened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self, i):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind((SLOW, 0))
+        s.settimeout(5)
+        s.connect(("127.0.0.1", self.port))
+        if not self.tls or i % 2:
+            s.sendall(b"GET /artifacts/")  # never finished (under TLS: junk, not a hello)
+        self.opened += 1
+        return s
+
+    def _run(self):
+        held = []
+        while not self._stop.is_set():
+            for s in list(held):  # closed by the server: open another
+                s.setblocking(False)
+                try:
+                    if s.recv(4096) == b"":
+                        raise OSError("closed")
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    pass
+                held.remove(s)
+                s.close()
+            while len(held) < self.count and not self._stop.is_set():
+                try:
+                    held.append(self._open(len(held)))
+                except OSError:
+                    break
+            self._stop.wait(0.05)
+        for s in held:
+            s.close()
+
+    def __enter__(self):
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while self.opened < self.count:  # the whole attack is in place before clients come
+            assert time.monotonic() < deadline, self.opened
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _served(urls, context=None):
+    """How many of the GETs of ``urls`` were answered 200 with their whole body."""
+    import urllib.request
+
+    ok = 0
+    for url, expected in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=10, context=context) as resp:
+                ok += resp.status == 200 and (expected is None or resp.read() == expected)
+        except OSError:
+            pass
+    return ok
+
+
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_80_slow_connections_from_one_client_leave_the_others_served(scheme, tmp_path):
+    import ssl
+
+    from agent.fleet.transfer.http_bounds import server_tls_context
+    from tests.integration.pki import Pki
+
+    body = os.urandom(200 << 10)
+    (tmp_path / "model.onnx").write_bytes(body)
+    sha = hashlib.sha256(body).hexdigest()
+    files = {sha: (str(tmp_path / "model.onnx"), len(body))}
+    tls = context = None
+    if scheme == "https":
+        pki = Pki(tmp_path / "pki")
+        tls = server_tls_context(*pki.server("fleet"))
+        context = ssl.create_default_context(cafile=pki.ca_file)
+    source = HttpSource("127.0.0.1", 0, lambda: files, tls=tls).start()
+    url = "{}://127.0.0.1:{}/artifacts/{}".format(scheme, source.port, sha)
+    try:
+        assert _served([(url, body)], context) == 1
+        with _SlowClient(source.port, 80, tls=tls is not None) as attack:
+            served = _served([(url, body)] * 40, context)
+            held = source.httpd._by_client.get(SLOW, 0)
+        print("\n{}: {} of 40 legitimate requests served under 80 slow connections ({} "
+              "opened, {} refused, {} held by the attacker)".format(
+                  scheme, served, attack.opened, source.httpd.refused_client, held))
+        assert served >= 38  # >= 95 %
+        assert held <= 8 and source.httpd.refused_client >= 72
+    finally:
+        source.stop()
+
+
+def test_the_dashboard_and_metrics_stay_served_under_80_slow_connections(tmp_path):
+    from agent.fleet.web.server import Dashboard
+
+    dash = Dashboard("sqlite:///" + str(tmp_path / "fleet.db")).start()
+    port = dash.httpd.server_address[1]
+    base = "http://127.0.0.1:{}".format(port)
+    try:
+        with _SlowClient(port, 80):
+            served = _served([(base + path, None) for path in ("/", "/metrics", "/healthz",
+                                                               "/rollouts")] * 10)
+        assert served >= 38, served
+    finally:
+        dash.stop()

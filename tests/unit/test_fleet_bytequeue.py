@@ -3,6 +3,7 @@ network thread); over budget only block requests and telemetry are dropped (and 
 
 import queue
 import threading
+import time
 
 import pytest
 
@@ -107,3 +108,56 @@ def test_retained_births_and_models_over_their_budget_are_left_at_the_broker():
     assert q.reread_dropped == 16 and q.dropped == 16  # the roll call reads those again
     assert kept[-2:] == [live, final]
     assert len(kept) == 6
+
+
+def test_devices_not_admitted_share_one_small_budget_admitted_ones_keep_theirs(caplog):
+    """A flood of births for made-up ids fills only the shared budget of devices not
+    admitted (the rest dropped, one warning); an admitted device's messages still go in,
+    each admitted device within its own budget."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="agent.fleet")
+    q = ByteQueue(trusted=lambda d: d.startswith("real"), untrusted_bytes=100000,
+                  source_bytes=30000, hold_s=0, untrusted_rate=1e12)
+    for i in range(1000):
+        q.put(msg("p/devices/fake{}/status".format(i), 9000))
+    assert q.untrusted_dropped == 1000 - 10 and q.qsize() == 10
+    q.put(msg("p/devices/real1/status", 9000))
+    q.put(msg("p/devices/real1/jobs/j/status", 9000))
+    q.put(msg("p/devices/real2/status", 9000))
+    assert q.qsize() == 13 and q.bytes < 100000 + 2 * 30000
+    for i in range(5):  # an admitted device flooding: over its own budget, dropped
+        q.put(msg("p/devices/real1/telemetry/x{}".format(i), 9000))
+    assert q.source_dropped == 4
+    assert len([r for r in caplog.records if "dropped" in r.getMessage()]) == 1
+    while not q.empty():  # the budgets come back as messages are taken
+        q.get(timeout=0.1)
+    assert q.bytes == 0 and not q._sources
+    q.put(msg("p/devices/fake0/status", 9000))
+    assert q.qsize() == 1
+
+
+def test_a_coalesced_status_returns_its_source_budget():
+    q = ByteQueue(trusted=lambda d: False, untrusted_bytes=20000, hold_s=0,
+                  untrusted_rate=1e12)
+    for _ in range(100):
+        q.put(msg("p/devices/x/jobs/j/status", 9000))
+    assert q.qsize() == 1 and q.untrusted_dropped == 0 and q.coalesced == 99
+
+
+def test_devices_not_admitted_enter_at_most_their_rate():
+    """A queue drained at once still lets devices not admitted in at ``untrusted_rate``
+    bytes a second only (the work behind the queue is bounded too), admitted ones as before."""
+    q = ByteQueue(trusted=lambda d: d == "real", untrusted_bytes=100000, hold_s=0,
+                  untrusted_rate=10000.0)
+    taken = 0
+    t0 = time.monotonic()
+    for i in range(2000):
+        q.put(msg("p/devices/fake{}/status".format(i), 9000))
+        while not q.empty():
+            q.get(timeout=0.1)
+            taken += 1
+    elapsed = time.monotonic() - t0
+    assert taken <= 12 + elapsed * 10000 / 9000 + 1, (taken, elapsed)
+    q.put(msg("p/devices/real/status", 9000))
+    assert q.qsize() == 1

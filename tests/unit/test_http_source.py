@@ -62,6 +62,40 @@ def test_a_device_fetches_over_http_resuming_and_checking_hashes(env, tmp_path):
         http.stop()
 
 
+def test_a_busy_server_is_asked_again_before_mqtt_takes_over(env, tmp_path, monkeypatch):
+    """The server's connections from this address are all taken (devices behind one NAT
+    address): 503 with Retry-After; the device asks again a second later and gets it over
+    HTTP, no MQTT block asked."""
+    import socket
+
+    from agent.fleet.transfer import http_bounds
+
+    monkeypatch.setattr(http_bounds, "PER_CLIENT", 1)
+    data = blob(6 * BS)
+    sha = serve(env, tmp_path, data)
+    http = HttpSource("127.0.0.1", 0, env.server.files).start()
+    held = socket.create_connection(("127.0.0.1", http.port), timeout=5)
+    try:
+        held.sendall(b"GET /artifacts/")  # the address's one connection, half-sent
+        deadline = time.monotonic() + 10
+        while http.httpd.busy < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        url = "http://127.0.0.1:{}/artifacts/{}".format(http.port, sha)
+        assert env.fetcher.want(sha, len(data), "j1", url=url) is None
+        deadline = time.monotonic() + 10
+        while http.httpd.refused_client < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        held.close()  # the slot comes back
+        done = wait_http(env, sha)
+        assert done == [(sha, env.store.path(sha))]
+        assert [r for r in env.requests if r["sha256"] == sha] == []
+    finally:
+        held.close()
+        http.stop()
+
+
 def test_a_junk_or_dead_source_hands_over_to_mqtt_blocks(env, tmp_path):
     data = blob(6 * BS)
     sha, blocks = serve_with_hashes(env, tmp_path, data)
@@ -157,7 +191,8 @@ def test_https_verified_with_the_device_ca_and_refused_without_it(env, tmp_path,
         assert [r for r in env.requests if r["sha256"] == sha]  # MQTT took over
         refused = [r.getMessage() for r in caplog.records if "server_untrusted" in
                    r.getMessage()]
-        assert len(refused) == 1 and "CERTIFICATE_VERIFY_FAILED" in refused[0], refused
+        # one line each for the hash list and the artifact (both fetched over HTTP first)
+        assert len(refused) == 2 and "CERTIFICATE_VERIFY_FAILED" in refused[0], refused
         assert "the system's CAs" in refused[0] and "transfer.http_ca_file" in refused[0]
         _until(lambda: http.httpd.handshake_failures > before, "no handshake failure counted")
         lines = [r.getMessage() for r in caplog.records if "TLS handshake failed" in

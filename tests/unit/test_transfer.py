@@ -196,6 +196,27 @@ def test_timeouts_back_off_while_nothing_arrives(env, tmp_path):
     assert gaps[:3] == [5.0, 10.0, 20.0] and set(gaps[3:]) == {20.0}
 
 
+def test_by_default_the_back_off_stops_at_a_few_seconds(env, tmp_path):
+    """An interrupted download (the controller gone a while) is asked for again every 8 s at
+    most, not every 60 s: it resumes within seconds of the controller's return."""
+    from agent.wire.transfer import MAX_BACKOFF_S
+
+    data = blob(4 * BS)
+    sha = serve(env, tmp_path, data)
+    env.fetcher = BlockFetcher(env.store, env.publish, T, "dev", block_size=BS, window=8,
+                               timeout_s=1.0, clock=env.clock)
+    env.drop = lambda topic: True
+    sent = []
+    real = env.publish
+    env.fetcher._publish = lambda *a: (sent.append(env.clock.now), real(*a))
+    env.fetcher.want(sha, len(data))
+    for _ in range(120):
+        env.clock.now += 1.0
+        env.fetcher.tick()
+    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    assert gaps[:4] == [1.0, 2.0, 4.0, MAX_BACKOFF_S] and set(gaps[4:]) == {MAX_BACKOFF_S}
+
+
 def test_hash_mismatch_from_a_wrong_file(env, tmp_path):
     data = blob(5 * BS, seed=1)
     wrong = tmp_path / "wrong.bin"

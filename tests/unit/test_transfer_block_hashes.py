@@ -94,3 +94,43 @@ def test_without_hashes_the_transfer_is_as_before(env, tmp_path):
     assert env.fetcher.want(sha, len(data), "j1") is None
     run_to_completion(env, lambda s: False)
     assert env.completed == [(sha, env.store.path(sha))]
+
+
+def test_a_hash_list_poisoned_on_every_mqtt_answer_for_a_while_does_not_fail_the_job(
+        env, tmp_path):
+    """Junk completing the list 20 times (more than MAX_LIST_TRIES): junk from the broker,
+    where anyone may answer, never counts towards failing the job."""
+    from agent.wire.transfer import MAX_LIST_TRIES
+
+    data = blob(5 * BS)
+    sha, blocks = serve_with_hashes(env, tmp_path, data)
+    assert env.fetcher.want(sha, len(data), "j1", blocks=blocks) is None
+    for _ in range(4 * MAX_LIST_TRIES):  # the list is one block of 5 x 32 bytes
+        assert env.fetcher.handle_block(T.block("dev", blocks["sha256"], 0), b"\1" * 160) \
+            is None
+    run_to_completion(env, lambda s: False)
+    with open(env.store.path(sha), "rb") as f:
+        assert f.read() == data
+
+
+def test_the_hash_list_comes_from_the_trusted_http_source_when_the_job_names_one(
+        env, tmp_path):
+    """With the service's URL the list is fetched over HTTP like the artifact: junk on the
+    broker answering every block request changes nothing."""
+    from agent.fleet.transfer.http_source import HttpSource
+    from tests.unit.test_http_source import wait_http
+
+    data = blob(6 * BS)
+    sha, blocks = serve_with_hashes(env, tmp_path, data)
+    http = HttpSource("127.0.0.1", 0, env.server.files).start()
+    try:
+        url = "http://127.0.0.1:{}/artifacts/{}".format(http.port, sha)
+        assert env.fetcher.want(sha, len(data), "j1", blocks=blocks, url=url) is None
+        attack_then_serve(env, lambda s: True)  # nothing asked over MQTT
+        done = wait_http(env, sha)
+        assert done == [(sha, env.store.path(sha))]
+        with open(env.store.path(sha), "rb") as f:
+            assert f.read() == data
+        assert not [r for r in env.requests if r["sha256"] in (sha, blocks["sha256"])]
+    finally:
+        http.stop()

@@ -124,6 +124,9 @@ def _held(row: Mapping[str, Any]) -> Dict[str, Any]:
     empty columns left out (``get`` reads them as None) and its device and state strings
     shared."""
     out = {k: v for k, v in row.items() if v is not None or k == "state"}
+    # A pending device's birth (up to 64 KiB, 1,000 of them): the store keeps it, the gate
+    # never reads it (a flood of signed births once held ~60 MB of them here).
+    out.pop("pending_status", None)
     for k in ("device", "state"):
         if isinstance(out.get(k), str):
             out[k] = sys.intern(out[k])

@@ -10,7 +10,13 @@ slot for one deadline, never the service's threads or memory. ``listen_address``
 TLS (``--http-tls-cert`` / ``--http-tls-key``, ``server_tls_context``): each accepted socket is
 wrapped in the connection's own thread, its handshake within the head deadline, so a client
 that stalls or fails its handshake holds one slot for one deadline, never the accept loop; a
-failed handshake is one log line (with what to check), counted in ``handshake_failures``."""
+failed handshake is one log line (with what to check), counted in ``handshake_failures``.
+
+No one client starves the others: a client (its address) holds at most ``PER_CLIENT``
+connections, and once only ``reserve`` slots are left (a quarter of the cap, at most
+``RESERVE``) they go to clients holding none yet; a connection past either bound is refused
+like one past the cap (``refused_client`` counts those). Slow connections from one address
+then cost that address its own slots, not everyone's."""
 
 import ipaddress
 import logging
@@ -27,6 +33,8 @@ from agent.errors import AgentError
 log = logging.getLogger("agent.fleet")
 
 MAX_CONNECTIONS = 64
+PER_CLIENT = 8  # connections one address may hold at once (a browser opens about 6)
+RESERVE = 16  # of the last free slots, these go only to addresses holding none
 HEAD_DEADLINE_S = 30.0  # from a connection's accept (or its previous answer) to its headers
 REQUEST_DEADLINE_S = 3600.0  # one request: body received and answer sent (a slow download)
 LINGER_S = 2.0  # after a TLS connection's last answer: what the client still sends is read...
@@ -46,8 +54,13 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         super().__init__(address, type(handler.__name__, (_Deadlines, handler), {}))
-        self._slots = threading.BoundedSemaphore(max_connections)
-        self.refused = 0  # connections answered 503 because every slot was taken
+        self.max_connections = int(max_connections)
+        self.per_client = PER_CLIENT
+        self.reserve = min(RESERVE, self.max_connections // 4)
+        self.busy = 0  # connections being handled
+        self._by_client: Dict[str, int] = {}  # address -> its connections being handled
+        self.refused = 0  # connections answered 503: every slot taken, or the client's
+        self.refused_client = 0  # ... of which refused by the per-client bound or the reserve
         self.head_deadline_s = head_deadline_s
         self.request_deadline_s = request_deadline_s
         self.cut = 0  # connections closed at their deadline
@@ -85,12 +98,37 @@ class BoundedHTTPServer(ThreadingHTTPServer):
                 except OSError:
                     pass
 
+    def _admit(self, client: str) -> str:
+        """Take a slot for ``client``: "" when taken, else why not."""
+        with self._lock:
+            held = self._by_client.get(client, 0)
+            if self.busy >= self.max_connections:
+                return "all {} slots busy".format(self.max_connections)
+            if held >= self.per_client:
+                return "{} holds {} connections, the most one client may".format(client, held)
+            if held and self.max_connections - self.busy <= self.reserve:
+                return "the last {} slots are kept for other clients".format(self.reserve)
+            self.busy += 1
+            self._by_client[client] = held + 1
+            return ""
+
+    def _release(self, client: str) -> None:
+        with self._lock:
+            self.busy -= 1
+            held = self._by_client.pop(client, 0) - 1
+            if held > 0:
+                self._by_client[client] = held
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        client = str(client_address[0]) if client_address else "?"
+        why = self._admit(client)
+        if why:
             self.refused += 1
+            if not why.startswith("all"):
+                self.refused_client += 1
             if self.refused in (1, 10, 100) or self.refused % 1000 == 0:
-                log.warning("http: %d connections refused so far: all %s slots busy",
-                            self.refused, self._slots._initial_value)  # type: ignore[attr-defined]
+                log.warning("http: %d connections refused so far (the latest: %s)",
+                            self.refused, why)
             try:  # (a TLS client could not read a plain answer: it is only closed)
                 if self.tls is None:
                     request.settimeout(1.0)
@@ -102,7 +140,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._release(client)
             raise
 
     def finish_request(self, request: Any, client_address: Any) -> None:
@@ -158,7 +196,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         finally:
             with self._lock:
                 self._deadlines.pop(request, None)
-            self._slots.release()
+            self._release(str(client_address[0]) if client_address else "?")
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         exc = sys.exc_info()[1]
