@@ -8,7 +8,8 @@ recorded. One run, same server, same load: first ``BASE_S`` seconds without swit
 baseline), then ``switches`` activations (prepare, switch, confirm: ready and one inference),
 alternating two versions, each committed before the next; then, for comparison, a few
 switches whose load goes through Triton's HTTP load API instead of gRPC.
-``JETSON_AGENT_TRITON_KEEP``: the hand-off's ``keep_versions`` (default 2).
+``JETSON_AGENT_TRITON_KEEP``: the hand-off's ``keep_versions`` (default 2: folders on disk);
+``JETSON_AGENT_TRITON_LOADED``: its ``loaded_versions`` (default 1: versions Triton holds).
 """
 
 import http.client
@@ -121,7 +122,8 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
                     for v, k in (("v1", 1.0), ("v2", 2.0))]
         section = {"repository": str(repo), "url": server.url, "backend": "python",
                    "timeout_s": 120,
-                   "keep_versions": int(os.environ.get("JETSON_AGENT_TRITON_KEEP", "2"))}
+                   "keep_versions": int(os.environ.get("JETSON_AGENT_TRITON_KEEP", "2")),
+                   "loaded_versions": int(os.environ.get("JETSON_AGENT_TRITON_LOADED", "1"))}
         ours = from_config(dict(section, grpc_url=server.grpc_target), "handoff[0]")
         ours.prepare(versions[0], None)
         ours.switch(versions[0], None)
