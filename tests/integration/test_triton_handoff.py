@@ -1,12 +1,12 @@
 """The Triton hand-off against a real ``tritonserver`` (explicit model control mode).
 
 v1 loads and is ready; v2 is prepared and loaded while v1 keeps answering (no failed request),
-then v2 answers; going back to v1 gets a fresh, higher Triton version; a broken v3 fails to load
-and Triton keeps serving v2 (confirm() False), revert() lists v2 alone again; revert() with no
-previous version unloads. The repository holds ``backend: python`` versions whose model.py
-serves the host's emulated engine (ONNX) through onnxruntime: no TensorRT backend runs here
-(the production ``tensorrt_plan`` config is checked against golden files in
-tests/unit/test_handoff_triton.py).
+then v2 answers and v1 is unloaded but kept on disk; going back to v1 gets a fresh, higher
+Triton version; a broken v3 fails to load and Triton keeps serving v2 (confirm() False),
+revert() lists v2 alone again; revert() with no previous version unloads. The repository
+holds ``backend: python`` versions whose model.py serves the host's emulated engine (ONNX)
+through onnxruntime: no TensorRT backend runs here (the production ``tensorrt_plan`` config is
+checked against golden files in tests/unit/test_handoff_triton.py).
 """
 
 import json
@@ -128,7 +128,9 @@ def test_versions_switch_under_load_and_a_broken_one_is_refused(triton, tmp_path
     assert load.failures == []
     assert 1.0 in load.served and load.served[-1] == 2.0
     config = open(os.path.join(triton.repository, "det", "config.pbtxt")).read()
-    assert "versions: [ 1, 2 ]" in config  # the previous version stays loaded
+    assert "versions: [ 2 ]" in config  # Triton holds one version (loaded_versions 1) ...
+    assert not adapter.ready("det", 1)
+    assert "1" in os.listdir(os.path.join(triton.repository, "det"))  # ... v1 stays on disk
 
     # Rolling back to an older version: a fresh, higher Triton version serves it.
     adapter.prepare(v1, v2)

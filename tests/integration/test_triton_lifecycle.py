@@ -2,7 +2,8 @@
 version that loads but fails every request is refused with Triton's own error, the previous
 one keeps serving), a restart in explicit mode (which loads nothing) ends with the committed
 versions loaded again by ``heal()`` (loads through Triton's gRPC endpoint), ``keep_versions``
-is the number of versions Triton holds, and the repository's files and folders have the
+is the number of versions kept on disk and ``loaded_versions`` the number Triton holds (one by
+default; a rollback to a kept version works), and the repository's files and folders have the
 documented modes."""
 
 import os
@@ -78,7 +79,7 @@ def test_a_restarted_triton_gets_the_committed_versions_back(triton, tmp_path): 
     assert set(notes) == {"det"}
     assert "det@v2 (Triton version 2) loaded again after a Triton restart" in notes["det"]
     assert infer(triton.url) == (2.0, "2")
-    assert adapter.ready("det", 1)  # the kept version too: config.pbtxt lists both
+    assert not adapter.ready("det", 1)  # kept on disk only: config.pbtxt lists v2 alone
     assert adapter.heal([v2]) == {}
 
 
@@ -87,15 +88,15 @@ def test_keep_versions_is_what_triton_holds_and_files_have_the_documented_modes(
     models = tmp_path / "models"
     versions = [make_version(models, "v{}".format(i), scale_model(float(i)).SerializeToString())
                 for i in range(1, 5)]
-    adapter = adapter_for(triton, keep_versions=3)
+    adapter = adapter_for(triton, keep_versions=3, loaded_versions=2)
     previous = None
     for v in versions:
         assert activate(adapter, v, previous) is True
         previous = v
     model_dir = os.path.join(triton.repository, "det")
     config = open(os.path.join(model_dir, "config.pbtxt")).read()
-    assert "versions: [ 2, 3, 4 ]" in config
-    assert [adapter.ready("det", n) for n in (1, 2, 3, 4)] == [False, True, True, True]
+    assert "versions: [ 3, 4 ]" in config
+    assert [adapter.ready("det", n) for n in (1, 2, 3, 4)] == [False, False, True, True]
     assert sorted(os.listdir(model_dir)) == ["2", "3", "4", "config.pbtxt",
                                              "jetson-agent-versions.json"]
 
@@ -111,3 +112,33 @@ def test_keep_versions_is_what_triton_holds_and_files_have_the_documented_modes(
     assert activate(one, v5, versions[-1]) is True
     assert [one.ready("det", n) for n in (2, 3, 4, 5)] == [False, False, False, True]
     assert infer(triton.url) == (5.0, "5")
+
+
+def test_triton_holds_one_version_by_default_and_the_kept_one_is_a_rollback_target(
+        triton, tmp_path):  # noqa: F811
+    models = tmp_path / "models"
+    v1 = make_version(models, "v1", scale_model(1.0).SerializeToString())
+    v2 = make_version(models, "v2", scale_model(2.0).SerializeToString())
+    v3 = make_version(models, "v3", b"not an engine at all")
+    adapter = adapter_for(triton, grpc_url=triton.grpc_target)  # the defaults: keep 2, load 1
+    model_dir = os.path.join(triton.repository, "det")
+    assert activate(adapter, v1, None) is True
+    assert activate(adapter, v2, v1) is True
+    assert [adapter.ready("det", n) for n in (1, 2)] == [False, True]  # one in memory ...
+    assert {"1", "2"} <= set(os.listdir(model_dir))  # ... two on disk
+    assert "versions: [ 2 ]" in open(os.path.join(model_dir, "config.pbtxt")).read()
+
+    adapter.revert(v1, v2)  # v2 rolled back: the kept v1 folder is loaded again, none added
+    assert infer(triton.url) == (1.0, "1")
+    assert [adapter.ready("det", n) for n in (1, 2)] == [True, False]
+    assert sorted(os.listdir(model_dir)) == ["1", "config.pbtxt", "jetson-agent-versions.json"]
+
+    adapter.prepare(v3, v1)
+    adapter.switch(v3, v1)  # Triton refuses the load and keeps serving v1
+    with pytest.raises(AgentError):
+        adapter.confirm(v3)
+    adapter.revert(v1, v3)
+    assert infer(triton.url) == (1.0, "1")
+    assert activate(adapter, v2, v1) is True  # and forward again
+    assert infer(triton.url) == (2.0, "2")
+    assert [adapter.ready("det", n) for n in (1, 2)] == [False, True]

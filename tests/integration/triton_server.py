@@ -44,8 +44,9 @@ def unavailable():
 
 
 class TritonServer:
-    def __init__(self, workdir, repository):
+    def __init__(self, workdir, repository, extra_args=()):
         self.workdir = str(workdir)
+        self.extra_args = list(extra_args)  # more tritonserver flags (benchmarks compare them)
         self.repository = str(repository)
         self.port = free_port()
         self.url = "http://127.0.0.1:{}".format(self.port)
@@ -80,7 +81,7 @@ class TritonServer:
                "--backend-directory", self._backends(pkg), "--http-port", str(self.port),
                "--http-address", "127.0.0.1", "--grpc-port", str(self.grpc_port),
                "--grpc-address", "127.0.0.1", "--allow-metrics=false",
-               "--log-verbose=0", "--exit-timeout-secs=5"]
+               "--log-verbose=0", "--exit-timeout-secs=5"] + self.extra_args
         with open(self.log, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          cwd=self.workdir)

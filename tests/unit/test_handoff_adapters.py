@@ -73,6 +73,8 @@ def test_batched_config_needs_a_dynamic_batch_dimension():
     ({"repository": "r", "url": "http://h:8000/v2"}, "url"),
     ({"repository": "r", "max_batch_size": -1}, "max_batch_size"),
     ({"repository": "r", "keep_versions": 0}, "keep_versions"),
+    ({"repository": "r", "loaded_versions": 0}, "loaded_versions"),
+    ({"repository": "r", "keep_versions": 2, "loaded_versions": 3}, "loaded_versions"),
     ({"repository": "r", "timeout_s": "soon"}, "timeout_s"),
     ({"repository": "r", "instance_group": {"kind": "tpu"}}, "instance_group.kind"),
     ({"repository": "r", "backend": "onnx"}, "backend"),
@@ -99,7 +101,9 @@ def version(tmp_path, name, ver, precision="fp16", dla=None, engine=b"plan"):
 
 
 def test_repository_without_url_links_engines_and_keeps_the_previous(tmp_path):
-    adapter = triton.from_config({"repository": str(tmp_path / "repo")}, "handoff[0]")
+    # loaded_versions 2: the previous version is listed (and so held by Triton) too.
+    adapter = triton.from_config({"repository": str(tmp_path / "repo"), "loaded_versions": 2},
+                                 "handoff[0]")
     v1, v2, v3 = (version(tmp_path, "detector", v) for v in ("v1", "v2", "v3"))
     model_dir = tmp_path / "repo" / "detector"
     adapter.prepare(v1, None)
@@ -290,3 +294,18 @@ def test_grpc_model_control_messages_are_triton_protobuf():
         b"\x12\x03det" + b"\x1a\x0e" + b"\x0a\x06config" + b"\x12\x04" + b"\x1a\x02{}")
     long = triton_grpc.request("m", "x" * 300)  # lengths above 127 take two varint bytes
     assert b"\x1a\xac\x02" in long
+
+
+def test_by_default_the_previous_version_stays_on_disk_but_is_not_listed(tmp_path):
+    adapter = triton.from_config({"repository": str(tmp_path / "repo")}, "handoff[0]")
+    assert (adapter.keep_versions, adapter.loaded_versions) == (2, 1)
+    v1, v2, v3 = (version(tmp_path, "detector", v) for v in ("v1", "v2", "v3"))
+    model_dir = tmp_path / "repo" / "detector"
+    for new, previous in ((v1, None), (v2, v1), (v3, v2)):
+        adapter.prepare(new, previous)
+        adapter.switch(new, previous)
+    assert "versions: [ 3 ]" in (model_dir / "config.pbtxt").read_text()
+    assert sorted(os.listdir(str(model_dir))) == ["2", "3", "config.pbtxt", triton.MAP_FILE]
+    adapter.revert(v2, v3)  # the kept version: listed again from its folder, none added
+    assert "versions: [ 2 ]" in (model_dir / "config.pbtxt").read_text()
+    assert sorted(os.listdir(str(model_dir))) == ["2", "config.pbtxt", triton.MAP_FILE]

@@ -3,12 +3,14 @@ Triton's explicit model control API.
 
 Owns ``<repository>/<name>/``: ``config.pbtxt`` (``platform: "tensorrt_plan"``, inputs and
 outputs with Triton data types and dims from meta.json, ``version_policy: { specific { versions
-[...] } }`` listing the new version and the previous one), integer version folders
+[...] } }`` listing the versions Triton is to hold in memory: ``loaded_versions`` of them, the
+new one first), integer version folders
 ``<N>/model.plan`` (a hard link to the engine, a copy across filesystems) with ``<N>/meta.json``
 (the version's meta plus ``"triton": {"model", "version"}``), and ``jetson-agent-versions.json``
-mapping every N to our version. Each activation gets a fresh N, so the version being switched to
-is always Triton's highest (the one served when a request names no version), also when rolling
-back to an older one.
+mapping every N to our version; ``keep_versions`` folders stay on disk (unlisted ones are
+rollback targets Triton ignores until a revert lists them). Each activation gets a fresh N, so
+the version being switched to is always Triton's highest (the one served when a request names
+no version), also when rolling back to an older one.
 
 Steps: ``prepare`` writes the version folder (unlisted in config.pbtxt, so Triton ignores it);
 ``switch``, with ``url``, POSTs ``/v2/repository/models/<name>/load`` with the new config as the
@@ -26,8 +28,12 @@ Files are 0640 and folders 0750 (the models group reads them, as in models_dir).
 
 Config keys (``from_config``): ``repository`` (required), ``url`` (http://host:port),
 ``max_batch_size`` (0: dims are the full shapes), ``instance_group`` ({kind: gpu|cpu|auto,
-count}), ``timeout_s`` (60), ``keep_versions`` (2: versions listed, loaded and kept on disk: the new
-one and the newest ones before it; 1 keeps one in memory), ``backend``
+count}), ``timeout_s`` (60), ``keep_versions`` (2: version folders kept on disk: the new one, the
+previous one, then the newest others), ``loaded_versions`` (1, at most ``keep_versions``: how
+many of them Triton holds in memory. Why 1: Triton reloads every listed version on each load,
+even one it already serves, because the version list is part of the config, so each extra
+loaded version costs a full load per switch; the old version still serves until the new one is
+ready), ``backend``
 (``tensorrt``; ``python`` serves the host's emulated engine, an ONNX file, from a generated
 ``model.py`` through onnxruntime in Triton's Python backend: hosts and tests only),
 ``grpc_url`` (HOST:PORT of Triton's gRPC endpoint, default port 8001: loads and unloads go there
@@ -57,7 +63,7 @@ MAP_FILE = "jetson-agent-versions.json"
 MAX_RESPONSE = 64 * 1024
 MAX_MAP_BYTES = 256 * 1024
 KEYS = ("repository", "url", "max_batch_size", "instance_group", "timeout_s", "keep_versions",
-        "backend", "grpc_url")
+        "backend", "grpc_url", "loaded_versions")
 KINDS = {"gpu": "KIND_GPU", "cpu": "KIND_CPU", "auto": "KIND_AUTO"}
 # numpy dtype name (meta.json) -> Triton data type (model_config.proto's DataType).
 DTYPES = {
@@ -193,13 +199,16 @@ def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
     backend = section.get("backend", "tensorrt")
     if backend not in ("tensorrt", "python"):
         raise _bad(where, "backend", "tensorrt (or python: hosts and tests)", backend)
+    keep = _number(section, where, "keep_versions", 2, 1, 16)
+    loaded = _number(section, where, "loaded_versions", 1, 1, 16)
+    if loaded > keep:
+        raise _bad(where, "loaded_versions", "at most keep_versions ({})".format(keep), loaded)
     return TritonAdapter(
         repository=os.path.abspath(repository), url=url,
         max_batch_size=_number(section, where, "max_batch_size", 0, 0, 1 << 20),
         instance_group=instance,
         timeout_s=_number(section, where, "timeout_s", 60.0, 0.1, 3600.0, float),
-        keep_versions=_number(section, where, "keep_versions", 2, 1, 16),
-        backend=backend, grpc_url=grpc_url)
+        keep_versions=keep, loaded_versions=loaded, backend=backend, grpc_url=grpc_url)
 
 
 def _dims(tensor: Mapping[str, Any], max_batch_size: int, what: str) -> List[int]:
@@ -332,7 +341,8 @@ class TritonAdapter(Adapter):
     def __init__(self, repository: str, url: Optional[str] = None, max_batch_size: int = 0,
                  instance_group: Optional[Tuple[str, int]] = None, timeout_s: float = 60.0,
                  keep_versions: int = 2, backend: str = "tensorrt",
-                 poll_s: float = 0.1, grpc_url: Optional[str] = None) -> None:
+                 poll_s: float = 0.1, grpc_url: Optional[str] = None,
+                 loaded_versions: int = 1) -> None:
         self.repository = repository
         self.url = url
         self.grpc_url = grpc_url
@@ -340,6 +350,7 @@ class TritonAdapter(Adapter):
         self.instance_group = instance_group
         self.timeout_s = timeout_s
         self.keep_versions = keep_versions
+        self.loaded_versions = min(loaded_versions, keep_versions)
         self.backend = backend
         self.poll_s = poll_s
         self.load_errors: Dict[Tuple[str, int], str] = {}
@@ -544,20 +555,27 @@ class TritonAdapter(Adapter):
             raise AgentError("handoff_failed", "expected to write {}'s Triton version folder "
                              "under {}, found {}".format(new.name, self.repository, exc))
 
-    def _listed(self, new_number: int, name: str, previous: Optional[ModelVersion]) -> List[int]:
-        """The new version, the previous one, then the newest others on disk: keep_versions."""
-        listed = [new_number]
+    def _kept(self, new_number: int, name: str, previous: Optional[ModelVersion],
+              exclude: Optional[int] = None) -> List[int]:
+        """The versions kept on disk, most wanted first: the new one, the previous one, then
+        the newest others (never ``exclude``, a version being reverted): keep_versions. The
+        first loaded_versions of them are the ones Triton holds (``_loaded``)."""
+        kept = [new_number]
         if previous is not None and self.keep_versions > 1:
             prev_number = self.triton_version(name, previous.version)
-            if prev_number is not None and prev_number != new_number:
-                listed.append(prev_number)
+            if prev_number is not None and prev_number not in (new_number, exclude):
+                kept.append(prev_number)
         present = set(self._on_disk(name))
         for entry in sorted(self.read_map(name), key=lambda e: -e["triton"]):
-            if len(listed) >= self.keep_versions:
+            if len(kept) >= self.keep_versions:
                 break
-            if entry["triton"] in present and entry["triton"] not in listed:
-                listed.append(entry["triton"])
-        return sorted(listed)
+            if entry["triton"] in present and entry["triton"] not in kept and \
+                    entry["triton"] != exclude:
+                kept.append(entry["triton"])
+        return kept
+
+    def _loaded(self, kept: List[int]) -> List[int]:
+        return sorted(kept[:self.loaded_versions])
 
     def switch(self, new: ModelVersion, previous: Optional[ModelVersion]) -> None:
         number = self.triton_version(new.name, new.version)
@@ -566,7 +584,8 @@ class TritonAdapter(Adapter):
                              "under {}, found none".format(new.name, new.version,
                                                            self.model_dir(new.name)))
         with self._busy:
-            listed = self._listed(number, new.name, previous)
+            kept = self._kept(number, new.name, previous)
+            listed = self._loaded(kept)
             self.load_errors.pop((new.name, number), None)
             if self.url is None:
                 self._write_config(new, listed)
@@ -579,7 +598,7 @@ class TritonAdapter(Adapter):
                     self.load_errors[(new.name, number)] = error
                 else:
                     self._write_config(new, listed)
-            self._prune(new.name, listed)
+            self._prune(new.name, kept)
 
     def confirm(self, new: ModelVersion) -> Optional[bool]:
         if self.url is None:
@@ -631,13 +650,16 @@ class TritonAdapter(Adapter):
         number = self.triton_version(name, previous.version)
         if number is None:
             number = self._add_version(previous)
+        # The failed version goes; the other kept ones stay on disk as rollback targets.
+        kept = self._kept(number, name, None, exclude=self.triton_version(name, failed.version))
+        listed = self._loaded(kept)
         if self.url is not None:
-            error = self._load(name, self._config_json(previous, [number]))
+            error = self._load(name, self._config_json(previous, listed))
             if error is not None:
                 raise AgentError("handoff_failed", "expected Triton to load {}@{} (version {}) "
                                  "again, found {}".format(name, previous.version, number, error))
-        self._write_config(previous, [number])
-        self._prune(name, [number])
+        self._write_config(previous, listed)
+        self._prune(name, kept)
 
     def heal(self, committed: List[ModelVersion]) -> Dict[str, str]:
         """Load again the ``committed`` versions Triton does not report ready (a restart in
@@ -660,8 +682,8 @@ class TritonAdapter(Adapter):
                 try:
                     if self.ready(version.name, number):
                         continue
-                    # config.pbtxt lists what was loaded with it (the committed version and
-                    # the kept ones): a load without config rereads it.
+                    # config.pbtxt lists what was loaded with it (the committed version, and
+                    # kept ones with loaded_versions above 1): a load without config rereads it.
                     error = self._load(version.name)
                 except AgentError as exc:
                     error = exc.message
