@@ -10,7 +10,8 @@ alternating two versions, each committed before the next; then, for comparison, 
 switches whose load goes through Triton's HTTP load API instead of gRPC.
 ``JETSON_AGENT_TRITON_KEEP``: the hand-off's ``keep_versions`` (default 2: folders on disk);
 ``JETSON_AGENT_TRITON_LOADED``: its ``loaded_versions`` (default 1: versions Triton holds);
-``JETSON_AGENT_TRITON_ARGS``: more ``tritonserver`` flags, space-separated.
+``JETSON_AGENT_TRITON_ARGS``: more ``tritonserver`` flags, space-separated;
+``JETSON_AGENT_TRITON_RATE``: requests a second per client (default 0: back to back).
 """
 
 import http.client
@@ -29,6 +30,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 THREADS = 2
+# Requests a second per client (JETSON_AGENT_TRITON_RATE; 0: back to back, which saturates a
+# 2-core host so that any CPU the switch itself uses shows as latency).
+RATE = float(os.environ.get("JETSON_AGENT_TRITON_RATE", "0"))
 BASE_S = 20.0
 SLOW_S = 0.25  # the goal's max: how many requests took longer (a loaded host stalls some)
 BODY = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
@@ -47,7 +51,16 @@ class Load:
 
     def _run(self) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        gap = 1.0 / RATE if RATE > 0 else 0.0
+        due = time.monotonic()
         while not self.stop.is_set():
+            if gap:  # an app's steady stream (frames), not a saturating loop: wait for its slot
+                due += gap
+                wait = due - time.monotonic()
+                if wait > 0:
+                    self.stop.wait(wait)
+                else:
+                    due = time.monotonic()  # behind: no burst to catch up
             started = time.monotonic()
             try:
                 conn.request("POST", "/v2/models/det/infer", body=BODY,
