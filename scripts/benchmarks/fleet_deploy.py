@@ -11,7 +11,9 @@ job documents signed (``--signing-key``).
 - then LATE devices (default 1,000) born at once: the time from their births until all of them
   converged (catch-up rollouts), the controller's CPU for it;
 - the controller's CPU over IDLE_S seconds once converged (the tick works from changes: no
-  scan of the fleet per tick).
+  scan of the fleet per tick);
+- once the registry is complete, the devices each view counts (``fleet devices --db``, the
+  dashboard, ``/metrics``); FLEET_DEPLOY_REGISTRY_ONLY=1 stops there.
 
     python scripts/lib/bench.py fleet_deploy     (FLEET_DEPLOY_SCALE=1000 FLEET_DEPLOY_LATE=100)
     python scripts/benchmarks/fleet_deploy.py --big-queue
@@ -51,6 +53,25 @@ def wait(db_path, n, serve, what):
         time.sleep(0.2)
 
 
+def count_views(db, web):
+    """Devices each view counts: ``fleet devices --db``, the dashboard's overview card and
+    ``/metrics`` (jetson_fleet_devices, summed over state and board)."""
+    import json
+    import re
+    import urllib.request
+
+    out = fs.cli(["devices", "--json"], db, timeout=600)
+    listed = len(json.loads(out.stdout)) if out.returncode == 0 else -1
+    base = "http://127.0.0.1:{}".format(web)
+    page = urllib.request.urlopen(base + "/", timeout=60).read().decode()
+    card = re.search(r"<b>(\d+)</b> devices", page)
+    metrics = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
+    total = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("jetson_fleet_devices{"))
+    return {"fleet devices --db": listed, "dashboard": int(card.group(1)) if card else -1,
+            "/metrics": int(total)}
+
+
 def measure(scale=SCALE, late=LATE):
     import shutil
 
@@ -76,8 +97,10 @@ def measure(scale=SCALE, late=LATE):
         fleet.start()
         env = dict(os.environ, PYTHONPATH=ROOT)
         t_start = time.monotonic()
+        web = fs.free_port()
         serve = subprocess.Popen([sys.executable, "-m", "agent", "fleet", "serve", "--broker",
                                   "mqtt://127.0.0.1:{}".format(port), "--db", db,
+                                  "--dashboard", "127.0.0.1:{}".format(web),
                                   "--admission", "keys", "--admission-keys", keys,
                                   "--signing-key", signing],
                                  env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -87,6 +110,10 @@ def measure(scale=SCALE, late=LATE):
             assert time.monotonic() < deadline and serve.poll() is None, "registry"
             time.sleep(0.5)
         registry_s = time.monotonic() - t_start
+        views = count_views(db, web)
+        if os.environ.get("FLEET_DEPLOY_REGISTRY_ONLY") == "1":  # the registry's figures alone
+            return {"devices": scale, "registry_s": registry_s, "views": views,
+                    "queue": limits or fs.BIG_QUEUE, "load": [load0, os.getloadavg()]}
         out = fs.cli(["models", "push", os.path.join(fs.FP16, "model.onnx"), "--name", "det",
                       "--version", "3", "--inputs", os.path.join(fs.FP16, "inputs.json"),
                       "--golden", os.path.join(fs.FP16, "golden.json"), "--precision",
@@ -113,7 +140,7 @@ def measure(scale=SCALE, late=LATE):
                 "late_s": t2 - t1, "late_cpu": cpu2 - cpu1, "rss": max(rss1, rss2),
                 "idle_cpu_per_s": (cpu3 - cpu2) / IDLE_S, "jobs": jobs,
                 "converged": converged(db_path), "rollouts": rollouts,
-                "registry_s": registry_s, "queue": limits or fs.BIG_QUEUE,
+                "registry_s": registry_s, "views": views, "queue": limits or fs.BIG_QUEUE,
                 "load": [load0, os.getloadavg()]}
     finally:
         fleet.stop()
@@ -128,8 +155,12 @@ def measure(scale=SCALE, late=LATE):
 
 def run():
     r = measure()
+    if "wave_s" not in r:
+        print(r)
+        return []
     n = r["devices"] + r["late"]
     assert r["converged"] == n and r["jobs"] == n, r
+    print("devices counted by each view once the registry was complete: {}".format(r["views"]))
     print("broker queue {}, load average at start {:.1f}/{:.1f}/{:.1f}, at end "
           "{:.1f}/{:.1f}/{:.1f}".format(r["queue"], *(r["load"][0] + r["load"][1])))
     return [

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Tuple
 
 AFTER_S = 30.0  # no change for this long: the status may have been dropped on the way
 ATTEMPTS = 3
-BATCH = 200  # statuses asked for in one round (the shipped broker queues 1000 + 100)
+BATCH = 500  # statuses asked for in one round (the shipped broker queues 1000 + 100)
 
 
 class Reread(object):
