@@ -5,8 +5,9 @@ the copy sent to the controller passes its session queue, where Mosquitto drops 
 fit (``max_queued_messages``): a device whose SUCCEEDED was dropped would sit QUEUED or
 IN_PROGRESS until its stage timed it out, although the broker holds its answer. A run whose
 state has not changed for ``after_s`` s is read again (an exact subscription to its status
-topic brings the retained copy), at most ``attempts`` times, at most ``batch`` a round (a
-round must fit the broker's queue itself). Pure bookkeeping: the service subscribes.
+topic brings the retained copy), at most ``attempts`` times, each wait twice the last (a long
+build reports no new state for minutes), at most ``batch`` a round (a round must fit the
+broker's queue itself). Pure bookkeeping: the service subscribes.
 """
 
 from typing import Any, Dict, Iterable, List, Tuple
@@ -36,12 +37,13 @@ class Reread(object):
             if run.terminal or run.state == "PENDING" or not run.job_id:
                 self._seen.pop(key, None)
                 continue
-            now_is = (run.state, run.job_id)
+            now_is = (run.state, run.job_id, run.job_stage)
             rec = self._seen.get(key)
             if rec is None or rec[0] != now_is:
                 self._seen[key] = [now_is, now, 0]
                 continue
-            if len(out) < room and rec[2] < self.attempts and now - rec[1] >= self.after_s:
+            if len(out) < room and rec[2] < self.attempts and \
+                    now - rec[1] >= self.after_s * 2 ** rec[2]:
                 rec[1], rec[2] = now, rec[2] + 1
                 out.append((run.device, run.job_id, rec[2]))
         self.asked += len(out)
