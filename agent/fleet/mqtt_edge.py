@@ -203,6 +203,9 @@ class FleetConnection(object):
             try:
                 ev = self.client.events.get(timeout=max(0.0, min(left, 0.1)))
             except queue.Empty:
+                # A quiet connection still times out the roll call's round: its closing mark
+                # may be what the broker's queue dropped, and nothing else may come.
+                self._poll_roll_call()
                 if left <= 0:
                     return subscribed
                 continue

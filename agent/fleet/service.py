@@ -25,6 +25,7 @@ from agent.fleet.database.store import Store
 from agent.fleet.deployments import deployment_runner, pins
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollouts import durable, rollback_log, streaming
+from agent.fleet.rollouts.reread import Reread
 from agent.fleet.rollouts.rollout import Rollout
 from agent.wire import fanout_rounds, protocol
 from agent.wire.topics import TopicInfo
@@ -42,6 +43,7 @@ NEW_ROLLOUT_POLL_S = 0.1
 # BURST_QUIET_S after a burst of at least BURST_BIRTHS new devices (births the broker's queue may
 # have cut).
 ROLL_CALL_EVERY_S = 600.0
+REREAD_EVERY_S = 5.0  # a round of job statuses read again (agent.fleet.rollouts.reread)
 BURST_BIRTHS = 100
 BURST_QUIET_S = 2.0
 REREAD_EVERY_S = 30.0
@@ -97,7 +99,11 @@ class FleetService(object):
         self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
         self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0,
                       "telemetry_capped": 0, "telemetry_keys_dropped": 0, "fenced": 0,
-                      "suppressed": 0}
+                      "suppressed": 0, "reread": 0}
+        # Jobs whose status never came: their retained statuses are read again.
+        self.reread = Reread()
+        self.reread_filters: List[str] = []
+        self.last_reread = 0.0
         # Engine sharing (fleet serve --share-engines): an agent.fleet.transfer.sharing.ShareBoard
         self.sharing: Any = None
         self.share_wait_s = 900.0
@@ -353,6 +359,7 @@ class FleetService(object):
             self.sharing.revoke(rollout_id)  # its upload URLs end with it
         ro = self.rollouts.pop(rollout_id, None)
         self.evaluated.pop(rollout_id, None)
+        self.reread.forget(rollout_id)
         if ro is not None:
             for job_id in ro.job_ids:
                 self.by_job.pop(job_id, None)
@@ -472,6 +479,35 @@ class FleetService(object):
                                               row["deadline"] - row["created"])))
             if ro.done:
                 self._drop(rid)
+        self._reread_due()
+
+    def _reread_due(self) -> None:
+        """Ask the broker again for the retained statuses of jobs unchanged for a while (their
+        status may have been dropped by the broker's queue on its way here), a bounded round
+        every REREAD_EVERY_S s; the last round's exact subscriptions end first."""
+        mono = time.monotonic()
+        if mono - self.last_reread < REREAD_EVERY_S:
+            return
+        self.last_reread = mono
+        for f in self.reread_filters:
+            self.conn.client.unsubscribe(f)
+        self.reread_filters = []
+        for rid, ro in list(self.rollouts.items()):
+            room = self.reread.batch - len(self.reread_filters)
+            if ro.done or room <= 0:
+                continue
+            due = self.reread.due(rid, ro.runs.values(), mono, room)
+            if not due:
+                continue
+            log.warning("rollout %s: %d job(s) with no new status for %.0f s or more: reading "
+                        "the devices' retained statuses again (attempt %d of at most %d; the "
+                        "broker's queue may have dropped them)", rid, len(due),
+                        self.reread.after_s, max(a for _d, _j, a in due), self.reread.attempts)
+            self.stats["reread"] += len(due)
+            for device, job_id, _attempt in due:
+                self.reread_filters.append(self.topics.job_status(device, job_id))
+        if self.reread_filters:
+            self.conn.subscribe(self.reread_filters)
 
     def _claim(self) -> Dict[str, int]:
         """Renew this process's leases, take free and expired ones (agent.fleet.database.leases)."""

@@ -1,5 +1,9 @@
 """Deployments at scale: ``fleet serve`` (SQLite) with simulated devices
-(scripts/simulate_devices.py, labelled ``site=bench``) on a local Mosquitto.
+(scripts/simulate_devices.py, labelled ``site=bench``) on a local Mosquitto, run as the product
+runs: the broker with the shipped queue limits (systemd/mosquitto/jetson-fleet.conf; ``--big-queue``
+or FLEET_BIG_QUEUE=1: a queue nothing fills, for comparison), every device with its own key
+and admitted by the service's ``keys`` policy (the default ``manual`` would hold them pending),
+job documents signed (``--signing-key``).
 
 - ``fleet deploy det@3 --to site=bench`` over SCALE devices (default 10,000), one stage: the
   time until every device is converged (the deployment's recorded states), the controller's
@@ -7,9 +11,12 @@
 - then LATE devices (default 1,000) born at once: the time from their births until all of them
   converged (catch-up rollouts), the controller's CPU for it;
 - the controller's CPU over IDLE_S seconds once converged (the tick works from changes: no
-  scan of the fleet per tick).
+  scan of the fleet per tick);
+- once the registry is complete, the devices each view counts (``fleet devices --db``, the
+  dashboard, ``/metrics``); FLEET_DEPLOY_REGISTRY_ONLY=1 stops there.
 
     python scripts/lib/bench.py fleet_deploy     (FLEET_DEPLOY_SCALE=1000 FLEET_DEPLOY_LATE=100)
+    python scripts/benchmarks/fleet_deploy.py --big-queue
 """
 
 import os
@@ -46,27 +53,67 @@ def wait(db_path, n, serve, what):
         time.sleep(0.2)
 
 
+def count_views(db, web):
+    """Devices each view counts: ``fleet devices --db``, the dashboard's overview card and
+    ``/metrics`` (jetson_fleet_devices, summed over state and board)."""
+    import json
+    import re
+    import urllib.request
+
+    out = fs.cli(["devices", "--json"], db, timeout=600)
+    listed = len(json.loads(out.stdout)) if out.returncode == 0 else -1
+    base = "http://127.0.0.1:{}".format(web)
+    page = urllib.request.urlopen(base + "/", timeout=60).read().decode()
+    card = re.search(r"<b>(\d+)</b> devices", page)
+    metrics = urllib.request.urlopen(base + "/metrics", timeout=60).read().decode()
+    total = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("jetson_fleet_devices{"))
+    return {"fleet devices --db": listed, "dashboard": int(card.group(1)) if card else -1,
+            "/metrics": int(total)}
+
+
 def measure(scale=SCALE, late=LATE):
     import shutil
 
     work = tempfile.mkdtemp(prefix="fleet-deploy-")
-    mosq, port = fs.broker(work)
+    limits = None if fs.big_queue() else fs.shipped_limits()
+    mosq, port = fs.broker(work, limits)
     db_path = os.path.join(work, "fleet.db")
     db = "sqlite:///" + db_path
-    fleet = SimulatedFleet("127.0.0.1", port, scale, name="sim", labels={"site": "bench"})
-    joiners = SimulatedFleet("127.0.0.1", port, late, name="late", labels={"site": "bench"})
+    fleet = SimulatedFleet("127.0.0.1", port, scale, name="sim", labels={"site": "bench"},
+                           identity=True)
+    joiners = SimulatedFleet("127.0.0.1", port, late, name="late", labels={"site": "bench"},
+                             identity=True)
+    keys = os.path.join(work, "device-keys")
+    with open(keys, "w") as f:  # as from manufacturing: every device's key, late ones too
+        for sim in (fleet, joiners):
+            f.write(open(sim.write_keys(keys + "." + sim.devices[0])).read())
+    from agent.wire import job_signer
+
+    signing = job_signer.generate_keypair(work, "bench-signing")["private_key"]
     serve = None
+    load0 = os.getloadavg()
     try:
         fleet.start()
         env = dict(os.environ, PYTHONPATH=ROOT)
+        t_start = time.monotonic()
+        web = fs.free_port()
         serve = subprocess.Popen([sys.executable, "-m", "agent", "fleet", "serve", "--broker",
-                                  "mqtt://127.0.0.1:{}".format(port), "--db", db],
+                                  "mqtt://127.0.0.1:{}".format(port), "--db", db,
+                                  "--dashboard", "127.0.0.1:{}".format(web),
+                                  "--admission", "keys", "--admission-keys", keys,
+                                  "--signing-key", signing],
                                  env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                                  stderr=open(os.path.join(work, "serve.log"), "w"))
         deadline = time.monotonic() + TIMEOUT
         while fs.count(db_path, "SELECT COUNT(*) FROM devices") < scale:
             assert time.monotonic() < deadline and serve.poll() is None, "registry"
             time.sleep(0.5)
+        registry_s = time.monotonic() - t_start
+        views = count_views(db, web)
+        if os.environ.get("FLEET_DEPLOY_REGISTRY_ONLY") == "1":  # the registry's figures alone
+            return {"devices": scale, "registry_s": registry_s, "views": views,
+                    "queue": limits or fs.BIG_QUEUE, "load": [load0, os.getloadavg()]}
         out = fs.cli(["models", "push", os.path.join(fs.FP16, "model.onnx"), "--name", "det",
                       "--version", "3", "--inputs", os.path.join(fs.FP16, "inputs.json"),
                       "--golden", os.path.join(fs.FP16, "golden.json"), "--precision",
@@ -92,7 +139,9 @@ def measure(scale=SCALE, late=LATE):
         return {"devices": scale, "late": late, "wave_s": t1 - t0, "wave_cpu": cpu1 - cpu0,
                 "late_s": t2 - t1, "late_cpu": cpu2 - cpu1, "rss": max(rss1, rss2),
                 "idle_cpu_per_s": (cpu3 - cpu2) / IDLE_S, "jobs": jobs,
-                "converged": converged(db_path), "rollouts": rollouts}
+                "converged": converged(db_path), "rollouts": rollouts,
+                "registry_s": registry_s, "views": views, "queue": limits or fs.BIG_QUEUE,
+                "load": [load0, os.getloadavg()]}
     finally:
         fleet.stop()
         joiners.stop()
@@ -106,9 +155,17 @@ def measure(scale=SCALE, late=LATE):
 
 def run():
     r = measure()
+    if "wave_s" not in r:
+        print(r)
+        return []
     n = r["devices"] + r["late"]
     assert r["converged"] == n and r["jobs"] == n, r
+    print("devices counted by each view once the registry was complete: {}".format(r["views"]))
+    print("broker queue {}, load average at start {:.1f}/{:.1f}/{:.1f}, at end "
+          "{:.1f}/{:.1f}/{:.1f}".format(r["queue"], *(r["load"][0] + r["load"][1])))
     return [
+        {"name": "registry complete ({} devices, admitted by keys) after the service's "
+                 "start".format(r["devices"]), "ours": r["registry_s"], "unit": "s"},
         {"name": "deploy to {} devices (one stage): converged".format(r["devices"]),
          "ours": r["wave_s"], "unit": "s"},
         {"name": "controller CPU for the first wave, per 1,000 devices",

@@ -67,12 +67,34 @@ def free_port():
         return s.getsockname()[1]
 
 
-def broker(work):
+SHIPPED_CONF = os.path.join(ROOT, "systemd", "mosquitto", "jetson-fleet.conf")
+BIG_QUEUE = {"max_queued_messages": 1000000, "max_inflight_messages": 1000}
+
+
+def shipped_limits():
+    """The queue limits of the broker config the project ships, as its lines say."""
+    import re
+
+    with open(SHIPPED_CONF) as f:
+        text = f.read()
+    return {key: int(re.search(r"^{}\s+(\d+)\s*$".format(key), text, re.M).group(1))
+            for key in ("max_queued_messages", "max_inflight_messages")}
+
+
+def big_queue():
+    """``--big-queue`` (or FLEET_BIG_QUEUE=1): the comparison run with a queue nothing fills."""
+    return "--big-queue" in sys.argv[1:] or os.environ.get("FLEET_BIG_QUEUE") == "1"
+
+
+def broker(work, limits=None):
+    """A local Mosquitto; ``limits``: its queue limits (default: a queue nothing fills)."""
     port = free_port()
     conf = os.path.join(work, "mosquitto.conf")
+    limits = limits or BIG_QUEUE
     with open(conf, "w") as f:
         f.write("listener {} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-                "max_queued_messages 1000000\nmax_inflight_messages 1000\n".format(port))
+                "max_queued_messages {}\nmax_inflight_messages {}\n".format(
+                    port, limits["max_queued_messages"], limits["max_inflight_messages"]))
     proc = subprocess.Popen([MOSQUITTO, "-c", conf], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     for _ in range(100):

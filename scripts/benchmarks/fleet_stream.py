@@ -15,7 +15,11 @@ of the stream:
   the host's idle CPU over the same window (``STREAM_TIMELINE=1``: the service's RSS every
   second from its launch; ``STREAM_PROFILE=FILE`` / ``STREAM_PROFILE_SIM=FILE``: py-spy).
 
-    STREAM_DEVICES=50000 python scripts/benchmarks/fleet_stream.py
+The broker runs with the shipped queue limits (systemd/mosquitto/jetson-fleet.conf;
+``--big-queue`` or FLEET_BIG_QUEUE=1: a queue nothing fills, for comparison) and the service
+signs its job documents (``--signing-key``), as devices require by default.
+
+    STREAM_DEVICES=50000 python scripts/benchmarks/fleet_stream.py [--big-queue]
 """
 
 import json
@@ -162,7 +166,8 @@ def _others_cpu(broker_pid, fleet):
 
 def run_once(n, timeout=3600):
     work = tempfile.mkdtemp(prefix="fleet-stream-")
-    mosq, port = fleet_scale.broker(work)
+    limits = None if fleet_scale.big_queue() else fleet_scale.shipped_limits()
+    mosq, port = fleet_scale.broker(work, limits)
     db_path = os.path.join(work, "fleet.db")
     db = "sqlite:///" + db_path
     if PROCESSES > 1:
@@ -176,11 +181,14 @@ def run_once(n, timeout=3600):
     try:
         fleet.start()
         keys = fleet.write_keys(os.path.join(work, "device-keys"))
+        from agent.wire import job_signer
+
+        signing = job_signer.generate_keypair(work, "bench-signing")["private_key"]
         env = dict(os.environ, PYTHONPATH=ROOT)
         serve = subprocess.Popen(
             [sys.executable, "-m", "agent", "fleet", "serve", "--broker",
              "mqtt://127.0.0.1:{}".format(port), "--db", db, "--admission", "keys",
-             "--admission-keys", keys],
+             "--admission-keys", keys, "--signing-key", signing],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
             stderr=open(os.path.join(work, "serve.log"), "w"))
         sampler = _RssSampler(serve.pid)
@@ -258,6 +266,7 @@ def run_once(n, timeout=3600):
                                  sampler.samples[::5]] if os.environ.get("STREAM_TIMELINE")
                 else None,
                 "sim_connects": fleet.connects, "load_before": load0,
+                "queue": limits or fleet_scale.BIG_QUEUE,
                 "load_at_submit": load1, "load_after": os.getloadavg(), "cores": os.cpu_count()}
     finally:
         for p in profilers_sim:

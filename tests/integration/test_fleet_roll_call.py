@@ -187,3 +187,42 @@ def test_devices_of_the_previous_release_still_register_the_old_way(shipped_brok
         conn.close()
         old.stop()
         new.stop()
+
+
+@pytest.fixture
+def tight_broker(tmp_path):
+    """A broker whose session queue (20 in flight + 100 queued) is far below one roll-call
+    round at 3,000 devices: a round's retained messages and its closing mark are dropped."""
+    if not os.path.exists(MOSQUITTO):
+        pytest.skip("mosquitto is not installed")
+    workdir = tmp_path / "broker"
+    workdir.mkdir()
+    broker = Broker(workdir)
+    with open(broker.config) as f:
+        lines = [ln for ln in f if not ln.startswith("max_queued_messages")]
+    with open(broker.config, "w") as f:
+        f.writelines(lines)
+        f.write("max_queued_messages 100\nmax_inflight_messages 20\n")
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop(kill=False)
+
+
+def test_a_round_whose_mark_was_dropped_times_out_on_a_quiet_connection(tight_broker):
+    """Issue 37: the round's timeout was checked only after handling a message, so a round
+    whose mark the broker dropped never ended while nothing else arrived. Here nothing else
+    arrives: the roll call must still finish, every device known."""
+    fleet = SimulatedFleet(tight_broker.host, tight_broker.port, 3000, name="quiet")
+    births(fleet)
+    conn = FleetConnection(tight_broker.url).connect()
+    try:
+        conn.roll_call(lambda info, msg: None, limit=120)
+        stats = conn.last_roll_call.stats if conn.last_roll_call else None
+        assert conn.rollcall is None, conn.rollcall.stats  # finished, not given up
+        assert stats["overflows"] >= 1  # the limit is real here: a round was cut
+        assert sorted(conn.directory.status) == fleet.devices, stats
+    finally:
+        conn.close()
+        fleet.stop()
