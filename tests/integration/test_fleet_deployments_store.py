@@ -281,35 +281,35 @@ def test_metrics_and_dashboard_show_deployments(store):
 
 
 def test_pause_resume_and_rm(store):
-    from agent.cli.fleet_deploy import _control
+    from agent.fleet.deployments.controls import apply
 
     clock = Clock()
     runner = DeploymentRunner(store, "svc-1", clock=clock)
     store.upsert_devices({d: status(d, site="w3") for d in "ab"})
     deployments.insert(store, "d3", "det", "3", "site=w3", spec("3", SHA3))
-    _control(store, deployments.get(store, "d3"), "pause", [])
+    apply(store, "d3", "pause")
     runner.tick()  # paused before its first wave: nothing sent
     assert deployments.rollouts_of(store, "d3") == []
-    _control(store, deployments.get(store, "d3"), "resume", [])
+    apply(store, "d3", "resume")
     runner.tick()
     assert devices_of(store, "d3-w") == ["a", "b"]
     end_jobs(store, "d3-w")
     runner.tick()
-    _control(store, deployments.get(store, "d3"), "pause", [])
+    apply(store, "d3", "pause")
     store.upsert_devices({"c": status("c", site="w3")})
     runner.touch(["c"])
     clock.t += CATCHUP_S
     runner.tick()
     assert deployments.rollouts_of(store, "d3") == ["d3-w"]
     assert states(store, "d3")["c"] == ("waiting", "paused")
-    _control(store, deployments.get(store, "d3"), "resume", [])
+    apply(store, "d3", "resume")
     clock.t += CATCHUP_S
     runner.tick()
     assert devices_of(store, "d3-c1") == ["c"]
-    _control(store, deployments.get(store, "d3"), "rm", [])
+    apply(store, "d3", "rm")
     assert store.rollout("d3-c1")["control"] == "cancel"
     with pytest.raises(AgentError) as exc:
-        _control(store, deployments.get(store, "d3"), "resume", [])
+        apply(store, "d3", "resume")
     assert exc.value.code == "bad_state_transition"
 
 

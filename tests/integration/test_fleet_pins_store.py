@@ -135,12 +135,12 @@ def test_timeouts_back_off_then_halt_with_their_reason_until_retried(store):
     runner.tick()
     assert len(deployments.rollouts_of(store, "d3")) == 2  # halted: no more catch-ups
     # back, and retried: sent again
-    from agent.cli.fleet_deploy import _control
+    from agent.fleet.deployments.controls import apply
 
     store.upsert_devices({"a": status("a", site="w3")})
     runner.touch(["a"])
     clock.t += 1
-    _control(store, deployments.get(store, "d3"), "retry", [])
+    apply(store, "d3", "retry")
     assert deployments.get(store, "d3")["state"] == "active"
     clock.t += CATCHUP_S
     runner.tick()

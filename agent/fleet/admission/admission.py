@@ -374,6 +374,10 @@ class Admission(object):
                 return True
             if info.kind == "status":  # checked at the flood's rate: a signature check each
                 if self.flood.take("*"):
+                    # An operator may have rejected, re-keyed or decommissioned it since the
+                    # last refresh (another process): judged on the row as it is now.
+                    if self._changed_elsewhere(device, state):
+                        return self.check(info, ev)
                     self._new_key(device, info, ev)
                 else:
                     self.counters["pending_rate_limited"] += 1
@@ -434,11 +438,14 @@ class Admission(object):
         return False
 
     def _changed_elsewhere(self, device: str, state: Optional[str]) -> bool:
-        """Whether ``fleet devices accept`` (another process) changed the device's row since
-        the last refresh: read before a birth writes the row, so that a birth arriving in
-        between never overwrites an operator's decision."""
+        """Whether an operator (``fleet devices accept|reject|rekey|rm``, another process)
+        changed the device's row since the last refresh: read before a birth writes the row or
+        counts as an impostor, so that a birth arriving in between never overrides an
+        operator's decision."""
         fresh = self.store.device_keys(device=device).get(device)
-        if fresh is None or fresh.get("state") == state:
+        held = self.rows.get(device) or {}
+        if fresh is None or (fresh.get("state"), fresh.get("key_id")) == (
+                state, held.get("key_id")):
             return False
         self.rows[device] = _held(fresh)
         if fresh.get("state") != "pending":
