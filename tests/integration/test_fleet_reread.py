@@ -1,5 +1,5 @@
 """No job left behind (issue 37, item 2): with a broker whose session queue drops what does
-not fit (here 300 + 20, below the shipped 1000 + 100 so that 1,500 simulated devices overflow
+not fit (here 600 + 20, below the shipped 1000 + 100 so that 1,500 simulated devices overflow
 it), some devices' final statuses never reach the controller, although the broker retains
 them. The controller reads those retained statuses again (agent.fleet.rollouts.reread) and the
 stage ends with every job final, none timed out."""
@@ -31,7 +31,9 @@ def dropping_broker(tmp_path):
         lines = [ln for ln in f if not ln.startswith("max_queued_messages")]
     with open(broker.config, "w") as f:
         f.writelines(lines)
-        f.write("max_queued_messages 300\nmax_inflight_messages 20\n")
+        # Below the burst of 1,500 final statuses, above one re-read round (500): the first
+        # read-back round fits, so the test waits one re-read delay, not three.
+        f.write("max_queued_messages 600\nmax_inflight_messages 20\n")
     broker.start()
     try:
         yield broker
