@@ -5,6 +5,7 @@ the broker mid-transfer call ``broker.stop()`` / ``broker.start()`` (same port) 
 ``broker.restart()``.
 """
 
+import contextlib
 import os
 import shutil
 import socket
@@ -67,10 +68,27 @@ def wait_accepting(host, port, timeout=10.0, proc=None):
     raise RuntimeError("mosquitto did not accept on {}:{} within {} s".format(host, port, timeout))
 
 
+@contextlib.contextmanager
+def limited_broker(tmp_path, max_queued, max_inflight):
+    """A broker whose session queue holds ``max_queued`` messages (``max_inflight`` in flight):
+    what does not fit is dropped, as Mosquitto does (the shipped config, or one tighter)."""
+    if not os.path.exists(MOSQUITTO):
+        pytest.skip("mosquitto is not installed")
+    workdir = tmp_path / "broker"
+    workdir.mkdir()
+    broker = Broker(workdir, max_queued=max_queued, max_inflight=max_inflight)
+    broker.start()
+    try:
+        yield broker
+    finally:
+        broker.stop(kill=False)
+
+
 class Broker:
     host = "127.0.0.1"
 
-    def __init__(self, workdir, port=None, message_size_limit=0):
+    def __init__(self, workdir, port=None, message_size_limit=0, max_queued=10000,
+                 max_inflight=None):
         self.workdir = str(workdir)
         self.port = port or free_port()
         self.config = os.path.join(self.workdir, "mosquitto.conf")
@@ -79,7 +97,9 @@ class Broker:
             f.write("listener {} 127.0.0.1\n".format(self.port))
             f.write("allow_anonymous true\n")
             f.write("persistence false\n")
-            f.write("max_queued_messages 10000\n")
+            f.write("max_queued_messages {}\n".format(max_queued))
+            if max_inflight is not None:
+                f.write("max_inflight_messages {}\n".format(max_inflight))
             f.write("set_tcp_nodelay true\n")  # as systemd/mosquitto/jetson-fleet.conf
             f.write("message_size_limit {}\n".format(message_size_limit))
         self.proc = None

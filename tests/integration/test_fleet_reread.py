@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import MOSQUITTO, Broker
+from tests.integration.conftest import limited_broker
 from tests.integration.test_fleet_service import ROOT, fleet_cli, fp16_args
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -22,23 +22,10 @@ COUNT = 1500
 
 @pytest.fixture
 def dropping_broker(tmp_path):
-    if not os.path.exists(MOSQUITTO):
-        pytest.skip("mosquitto is not installed")
-    workdir = tmp_path / "broker"
-    workdir.mkdir()
-    broker = Broker(workdir)
-    with open(broker.config) as f:
-        lines = [ln for ln in f if not ln.startswith("max_queued_messages")]
-    with open(broker.config, "w") as f:
-        f.writelines(lines)
-        # Below the burst of 1,500 final statuses, above one re-read round (500): the first
-        # read-back round fits, so the test waits one re-read delay, not three.
-        f.write("max_queued_messages 600\nmax_inflight_messages 20\n")
-    broker.start()
-    try:
+    # Below the burst of 1,500 final statuses, above one re-read round (500): the first
+    # read-back round fits, so the test waits one re-read delay, not three.
+    with limited_broker(tmp_path, 600, 20) as broker:
         yield broker
-    finally:
-        broker.stop(kill=False)
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from agent.fleet.admission.admission import Admission, load_keys_file
 from agent.fleet.database.store import Store
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.service import FleetService
-from tests.integration.conftest import MOSQUITTO, ROOT, Broker
+from tests.integration.conftest import ROOT, limited_broker
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
@@ -42,24 +42,11 @@ def shipped_limits():
 
 @pytest.fixture
 def shipped_broker(tmp_path):
-    if not os.path.exists(MOSQUITTO):
-        pytest.skip("mosquitto is not installed")
-    workdir = tmp_path / "broker"
-    workdir.mkdir()
-    broker = Broker(workdir)
-    with open(broker.config) as f:
-        lines = [ln for ln in f if not ln.startswith("max_queued_messages")]
     limits = shipped_limits()
     assert limits["max_queued_messages"] == 1000
-    with open(broker.config, "w") as f:
-        f.writelines(lines)
-        for key, value in sorted(limits.items()):
-            f.write("{} {}\n".format(key, value))
-    broker.start()
-    try:
+    with limited_broker(tmp_path, limits["max_queued_messages"],
+                        limits["max_inflight_messages"]) as broker:
         yield broker
-    finally:
-        broker.stop(kill=False)
 
 
 def births(fleet):
@@ -193,21 +180,8 @@ def test_devices_of_the_previous_release_still_register_the_old_way(shipped_brok
 def tight_broker(tmp_path):
     """A broker whose session queue (20 in flight + 100 queued) is far below one roll-call
     round at 3,000 devices: a round's retained messages and its closing mark are dropped."""
-    if not os.path.exists(MOSQUITTO):
-        pytest.skip("mosquitto is not installed")
-    workdir = tmp_path / "broker"
-    workdir.mkdir()
-    broker = Broker(workdir)
-    with open(broker.config) as f:
-        lines = [ln for ln in f if not ln.startswith("max_queued_messages")]
-    with open(broker.config, "w") as f:
-        f.writelines(lines)
-        f.write("max_queued_messages 100\nmax_inflight_messages 20\n")
-    broker.start()
-    try:
+    with limited_broker(tmp_path, 100, 20) as broker:
         yield broker
-    finally:
-        broker.stop(kill=False)
 
 
 def test_a_round_whose_mark_was_dropped_times_out_on_a_quiet_connection(tight_broker):
