@@ -332,24 +332,14 @@ def http_ca_file(cfg: Config) -> Optional[str]:
 
 def _check_app_names(app_names: Dict[str, Any]) -> None:
     """``models.app_names``: user or @group -> a list of model names (or "*"), bounded."""
-    from agent.wire.model_names import validate_name
+    from agent.wire.model_names import name_list
 
     if len(app_names) > 64:
         raise AgentError("bad_config", "models.app_names: expected at most 64 users and "
                          "groups, found {}".format(len(app_names)))
     for who, names in app_names.items():
         where = "models.app_names.{}".format(who)
-        if isinstance(names, str):
-            names = app_names[who] = [names]
-        if not isinstance(names, list) or len(names) > 256:
-            raise AgentError("bad_config", "{}: expected a list of at most 256 model names, "
-                             "found {!r}".format(where, names))
-        for name in names:
-            if name != "*":
-                try:
-                    validate_name(name)
-                except AgentError as exc:
-                    raise AgentError("bad_config", "{}: {}".format(where, exc.message))
+        app_names[who] = name_list(names, where, empty=True)
         if who.startswith("@"):
             _check_account(where, who[1:], "getgrnam")
         else:

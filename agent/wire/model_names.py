@@ -12,7 +12,7 @@ environment values on devices. Pure; Python 3.6-compatible.
 """
 
 import re
-from typing import Any
+from typing import Any, List
 
 from agent.errors import AgentError
 
@@ -53,6 +53,22 @@ def validate_version(s: Any) -> str:
                          "directory's link to the active version), found {}".format(
                              " or ".join(RESERVED_VERSIONS), _shown(s)))
     return s
+
+
+def name_list(value: Any, where: str, limit: int = 256, empty: bool = False) -> List[str]:
+    """A config's list of model names (a single name, or ``"*"`` for every name, allowed;
+    ``empty``: [] too); AgentError ``bad_config`` naming ``where`` otherwise."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not (names or empty) or len(names) > limit:
+        raise AgentError("bad_config", "{}: expected [\"*\"] or a list of at most {} model "
+                         "names, found {}".format(where, limit, _shown(value)))
+    for name in names:
+        if name != "*":
+            try:
+                validate_name(name)
+            except AgentError as exc:
+                raise AgentError("bad_config", "{}: {}".format(where, exc.message))
+    return names
 
 
 def default_version(sha256: str) -> str:

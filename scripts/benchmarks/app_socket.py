@@ -20,34 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.append(ROOT)  # after PYTHONPATH: PYTHONPATH=<another tree> times that tree
 
+from tests.integration.test_versions_kept import SLOW_CLIENT  # noqa: E402 - the same slow client
+
 REQUESTS = 400
 SLOW = 12
-SLOW_CLIENT = r"""
-import socket, sys, time
-path, count = sys.argv[1], int(sys.argv[2])
-conns, said = [], False
-while True:
-    while len(conns) < count:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.connect(path)
-        s.setblocking(False)
-        conns.append(s)
-    if not said:
-        print("holding", flush=True)
-        said = True
-    for s in list(conns):
-        try:
-            s.send(b" ")
-            s.recv(4096)
-            s.close()
-            conns.remove(s)
-        except BlockingIOError:
-            pass
-        except OSError:
-            s.close()
-            conns.remove(s)
-    time.sleep(0.05)
-"""
 
 
 def _ask(path):

@@ -10,7 +10,7 @@ from typing import Any, List, Mapping, NamedTuple, Sequence
 
 from agent.device.handoff.base import Adapter, ModelVersion
 from agent.errors import AgentError
-from agent.wire.model_names import validate_name
+from agent.wire.model_names import name_list
 
 TYPE_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 MAX_ENTRIES = 32
@@ -48,18 +48,7 @@ def parse(entries: Any, where: str = "handoff") -> List[Entry]:
         if not isinstance(kind, str) or not TYPE_RE.match(kind) or kind == "base":
             raise AgentError("bad_config", "{}.type expects triton, deepstream or command, "
                              "found {!r}".format(at, kind))
-        models = entry.get("models", ["*"])
-        if isinstance(models, str):
-            models = [models]
-        if not isinstance(models, list) or not models:
-            raise AgentError("bad_config", "{}.models expects [\"*\"] or a list of model names, "
-                             "found {!r}".format(at, models))
-        for name in models:
-            if name != "*":
-                try:
-                    validate_name(name)
-                except AgentError as exc:
-                    raise AgentError("bad_config", "{}.models: {}".format(at, exc.message))
+        models = name_list(entry.get("models", ["*"]), at + ".models")
         try:
             module = importlib.import_module("agent.device.handoff." + kind)
         except ImportError as exc:
