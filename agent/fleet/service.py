@@ -43,7 +43,7 @@ NEW_ROLLOUT_POLL_S = 0.1
 # BURST_QUIET_S after a burst of at least BURST_BIRTHS new devices (births the broker's queue may
 # have cut).
 ROLL_CALL_EVERY_S = 600.0
-REREAD_EVERY_S = 5.0  # a round of job statuses read again (agent.fleet.rollouts.reread)
+JOB_REREAD_EVERY_S = 5.0  # a round of job statuses read again (agent.fleet.rollouts.reread)
 BURST_BIRTHS = 100
 BURST_QUIET_S = 2.0
 REREAD_EVERY_S = 30.0
@@ -484,9 +484,9 @@ class FleetService(object):
     def _reread_due(self) -> None:
         """Ask the broker again for the retained statuses of jobs unchanged for a while (their
         status may have been dropped by the broker's queue on its way here), a bounded round
-        every REREAD_EVERY_S s; the last round's exact subscriptions end first."""
+        every JOB_REREAD_EVERY_S s; the last round's exact subscriptions end first."""
         mono = time.monotonic()
-        if mono - self.last_reread < REREAD_EVERY_S:
+        if mono - self.last_reread < JOB_REREAD_EVERY_S:
             return
         self.last_reread = mono
         for f in self.reread_filters:
@@ -586,8 +586,8 @@ class FleetService(object):
                 self._flush_devices()
         elif info.kind == "command_reply":
             if msg.get("command") in (None, "rollback"):  # recorded by rollback_log, if ours
-                rollback_log.on_reply(self.store, info.device, msg)
-                pins.on_rollback_reply(self.store, info.device, msg)  # its pin's version
+                if rollback_log.on_reply(self.store, info.device, msg):  # its first reply
+                    pins.on_rollback_reply(self.store, info.device, msg)  # its pin's version
         elif info.kind == "telemetry":
             msg, dropped = bounds.cap_telemetry(msg)
             if dropped:

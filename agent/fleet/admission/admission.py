@@ -228,8 +228,11 @@ class Admission(object):
                     self.pending_q.setdefault(dev, None)
                 else:
                     self.pending_q.pop(dev, None)
-        self.viewed = {d for d, ts in self.store.meta_prefix(identity_events.VIEWED).items()
+        viewed = self.store.meta_prefix(identity_events.VIEWED)
+        self.viewed = {d for d, ts in viewed.items()
                        if isinstance(ts, (int, float)) and ts >= wall - VIEWED_S}
+        for dev in set(viewed) - self.viewed:  # expired looks: the prefix stays small
+            self.store.meta_delete(identity_events.VIEWED + dev)
         for dev, row in changed.items():
             if row["state"] in ("admitted", "legacy") and \
                     (before.get(dev) or {}).get("state") not in ("admitted", "legacy") and before:
@@ -644,7 +647,7 @@ def accept(store: Any, device: str, key: Optional[str] = None,
     dashboard showed), the public key ``key`` (one of the keys seen, or any key for a device
     that has none waiting: pre-authorised), or else the only key ever seen for the id; with
     several seen, AgentError admission_key_ambiguous naming them."""
-    row = store.device_keys().get(device)
+    row = store.device_keys(device=device).get(device)
     seen = identity_events.keys_seen(store, device, row)
     if row is not None and row.get("state") == "admitted":
         raise AgentError("device_already_admitted", "device {} is already admitted with key "
@@ -674,7 +677,7 @@ def accept(store: Any, device: str, key: Optional[str] = None,
     status = row.get("pending_status") if row.get("pending_key_id") == key_id(raw) else None
     row.update(state="admitted", key_id=key_id(raw),
                public_key=base64.b64encode(raw).decode("ascii"), pending_key_id=None,
-               pending_public_key=None, pending_since=None)
+               pending_public_key=None, pending_since=None, pending_status=None)
     store.put_device_key(device, row)
     if status:
         store.upsert_devices({device: status})
@@ -686,7 +689,7 @@ def accept(store: Any, device: str, key: Optional[str] = None,
 def rekey(store: Any, device: str, key: str) -> Dict[str, Any]:
     """An operator's explicit new key for a known device (re-flashed, or its key replaced):
     the only way besides a rotation signed by the old key that a pinned key changes."""
-    row = store.device_keys().get(device)
+    row = store.device_keys(device=device).get(device)
     if row is None or row.get("state") not in ("admitted", "legacy", "pending"):
         raise AgentError("device_not_admitted", "device {}: expected an admitted, legacy or "
                          "pending device to re-key, found {}".format(
@@ -740,7 +743,7 @@ def key_arg(text: str) -> bytes:
 def _known(store: Any, device: str) -> Dict[str, Any]:
     """The device's admission row; AgentError unknown_device when neither admission nor the
     registry has heard of it (a typo must not create a row)."""
-    row = store.device_keys().get(device)
+    row = store.device_keys(device=device).get(device)
     if row is None and store.device(device) is None:
         raise AgentError("unknown_device", "expected a device that reported to this fleet "
                          "(fleet devices; fleet devices pending), found {!r}".format(device))
@@ -784,7 +787,7 @@ def decommission(store: Any, device: str) -> Dict[str, Any]:
 def identity_view(store: Any, device: str) -> Dict[str, Any]:
     """What ``fleet devices show`` and the dashboard say of a device's identity: its
     state, pinned key, keys seen and impostor events."""
-    row = store.device_keys().get(device) or {}
+    row = store.device_keys(device=device).get(device) or {}
     rec = identity_events.record(store, device)
     seen = identity_events.keys_seen(store, device, row)
     return {"state": row.get("state"), "key_id": row.get("key_id"),

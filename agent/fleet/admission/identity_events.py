@@ -105,8 +105,8 @@ class Records(object):
         self._write(device, rec, force=True)
 
     def forget(self, device: str) -> None:
-        if self.cache.pop(device, None) is not None:
-            self.store.meta_delete(PREFIX + device)
+        self.cache.pop(device, None)
+        self.store.meta_delete(PREFIX + device)  # also a record this process never cached
         self.written.pop(device, None)
 
 

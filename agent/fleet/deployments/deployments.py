@@ -46,12 +46,17 @@ BACKOFF_S, BACKOFF_CAP_S = 5.0, 600.0  # after attempt n: BACKOFF_S * 2**(n-1), 
 
 
 
+# Devices no deployment targets or counts: admission sent them back to pending (a new key:
+# re-keyed), rejected them, or an operator decommissioned them (fleet devices rm).
+_LEFT_OUT = ("(SELECT device_id FROM device_keys WHERE state IN ('pending', 'rejected', "
+             "'decommissioned'))")
+
+
 def eligible_devices(store: Any, ids: Optional[Iterable[str]] = None) -> Set[str]:
     """The devices deployments may target (``ids``: of these): the registered devices that
     admission has not sent back to pending or rejected (agent.fleet.admission.admission; a device
     not admitted never enters the registry at all)."""
-    admitted = ("device_id NOT IN (SELECT device_id FROM device_keys WHERE state IN "
-                "('pending', 'rejected', 'decommissioned'))")
+    admitted = "device_id NOT IN " + _LEFT_OUT
     if ids is None:
         return {r[0] for r in store.db.query(
             "SELECT device_id FROM devices WHERE " + admitted)}
@@ -184,11 +189,9 @@ def record_devices(store: Any, deployment_id: str,
         "excluded.state, reason = excluded.reason, updated = excluded.updated", kept)
 
 
-# Devices a deployment's figures leave out: sent back to pending (a new key: re-keyed) or
-# rejected by admission. The same rule as eligible_devices, at read time: a row the runner has
-# not removed yet is not counted.
-_COUNTED = ("dd.device_id NOT IN (SELECT device_id FROM device_keys WHERE state IN "
-            "('pending', 'rejected'))")
+# A deployment's figures leave out the devices eligible_devices leaves out, at read time: a
+# row the runner has not removed yet is not counted.
+_COUNTED = "dd.device_id NOT IN " + _LEFT_OUT
 
 
 def empty_summary() -> Dict[str, Any]:

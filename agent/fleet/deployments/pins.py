@@ -185,7 +185,7 @@ def on_rollback_reply(store: Any, device: str, reply: Mapping[str, Any]) -> None
         else {}
     rows = store.db.query("SELECT name, version FROM rollbacks WHERE request_id = ? AND "
                           "device_id = ?", (str(reply.get("request_id")), device))
-    name = res.get("name") or (rows[0][0] if rows else None)
+    name = rows[0][0] if rows else None  # the rollback's own record, not the device's word
     if not isinstance(name, str):
         return
     if not reply.get("ok"):

@@ -245,9 +245,8 @@ class Dashboard(object):
                                                     plan["model"], job_id=job_id))])
             from agent.fleet.deployments import pins  # governed: the rollback holds
 
-            if plan["name"] is not None and pins.governed_by(self.store, parts[1], plan["name"]):
-                pins.pin(self.store, parts[1], plan["name"], None, who="dashboard",
-                         reason="rollback from the dashboard")
+            pins.rollback_pins(self.store, [dict(plan, device=parts[1], request_id=request_id)],
+                               reason="rollback from the dashboard")
             self.rollback(parts[1], cmd)
             return 303, "/devices/{}?done=rollback&request={}".format(
                 quote(parts[1]), quote(request_id)), b""
@@ -256,7 +255,7 @@ class Dashboard(object):
             from agent.fleet.admission import admission
 
             if parts[2] == "accept":  # pins the key id the page showed, never another
-                admission.accept(self.store, parts[1], seen_key_id=str(form.get("key_id")))
+                admission.accept(self.store, parts[1], seen_key_id=form.get("key_id") or None)
             else:
                 admission.reject(self.store, parts[1])
             log.info("dashboard: device %s %sed", parts[1], parts[2])
