@@ -247,5 +247,7 @@ def state(name, version=None, socket_path=None):
         return found
     if version in (row.get("rejected") or []):
         return found._replace(version=version, state="rejected")
+    if version in (row.get("unconfirmed") or []):
+        return found._replace(version=version, state="unconfirmed")
     raise ClientError("file_not_found", "expected {}@{} to be the active or a rejected version, "
                       "found {} active".format(name, version, found.version))

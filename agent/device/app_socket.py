@@ -37,7 +37,7 @@ import stat
 import struct
 import threading
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Set
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from agent.errors import AgentError
 
@@ -199,6 +199,7 @@ class AppSocket:
         self.allowed_gids = set(allowed_gids)
         self.handle = handle
         self.names_of = names_of
+        self._group_cache: Dict[Tuple[int, int], Tuple[float, List[int]]] = {}
         self.bucket = TokenBucket(rate_per_s, burst)
         self.slots = threading.BoundedSemaphore(max_concurrent)
         self.max_per_uid, self.max_open = max(1, max_per_uid), max(1, max_open)
@@ -357,6 +358,20 @@ class AppSocket:
             pass
         conn.close()
 
+    def _groups(self, uid: int, gid: int) -> List[int]:
+        """groups_of, cached a minute per (uid, gid): a user database lookup (NSS: LDAP, sssd)
+        on the selector thread for every connection would let a stranger's connect loop stall
+        every app's request."""
+        now = time.monotonic()
+        hit = self._group_cache.get((uid, gid))
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        groups = groups_of(uid, gid)
+        if len(self._group_cache) >= 256:
+            self._group_cache.clear()
+        self._group_cache[(uid, gid)] = (now + 60.0, groups)
+        return groups
+
     def _accept(self, selector: selectors.BaseSelector) -> None:
         assert self._sock is not None
         try:
@@ -367,7 +382,7 @@ class AppSocket:
             log.warning("app socket: accept failed: %s", exc)
             return
         peer: Dict[str, Any] = dict(peer_credentials(conn))
-        peer["groups"] = groups_of(peer["uid"], peer["gid"])
+        peer["groups"] = self._groups(peer["uid"], peer["gid"])
         if not self.allowed(peer):
             log.warning("app socket: refused pid %s uid %s gid %s", peer["pid"], peer["uid"],
                         peer["gid"])

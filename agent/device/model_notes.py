@@ -13,7 +13,7 @@ damaged file never stops the daemon.
 import json
 import logging
 import os
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from agent import fsio
 from agent.errors import AgentError
@@ -121,3 +121,11 @@ class _Health(dict):  # type: ignore[type-arg]
             super(_Health, self).pop(next(iter(self)))
         super(_Health, self).__setitem__(name, text)
         self.notes._save()
+
+    def pop(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        """Forget ``name`` (a removed model), saved like an assignment."""
+        if name not in self:
+            return default
+        out = super(_Health, self).pop(name)
+        self.notes._save()
+        return out

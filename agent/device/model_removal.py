@@ -52,6 +52,7 @@ def remove(switch: Any, name: str) -> Dict[str, Any]:
         mv = ModelVersion(name, active["version"], path, os.path.join(path, ENGINE), meta)
     adapters = adapters_for(switch.entries, name) if mv is not None else []
     switch.health.pop(name, None)
+    switch.notes.unpin(name)  # a pin of a removed name would refuse its next deployment
     switch.disk_health.pop(name, None)
     switch.changed()  # the models message without the name
     threading.Thread(target=_let_go, args=(adapters, mv, aside), name="model-remove",

@@ -437,10 +437,11 @@ class ModelSwitch(object):
             return
         if ev.kind == "healed":
             self.healing = False
-            if ev.value:
-                self.handoff_notes.update(ev.value)
+            new = {k: v for k, v in (ev.value or {}).items() if self.handoff_notes.get(k) != v}
+            if new:  # the same failure again: nothing to write, log or publish
+                self.handoff_notes.update(new)
                 self.journal.note_put("handoff", self.handoff_notes)
-                for note in ev.value.values():
+                for note in new.values():
                     log.warning("model hand-off: %s", note)
                 self.changed()
             return
@@ -474,7 +475,13 @@ class ModelSwitch(object):
         self._decide(p)
 
     def tick(self) -> None:
-        self._check_set()
+        try:
+            self._check_set()
+        except (KeyError, TypeError, ValueError) as exc:  # a damaged model_set.json
+            log.error("model set record unreadable (%s): closed, its names stay as they are",
+                      exc)
+            self.sets.open = None
+            self.sets.close(model_sets.REVERT)
         if time.monotonic() - self.last_disk_check >= DISK_CHECK_EVERY_S:
             before = dict(self.disk_health)
             self.models_list()
@@ -612,7 +619,8 @@ class ModelSwitch(object):
         for name, version, before in model_sets.revert_plan(rec, active):
             p = self.pending
             if p is not None and p.name == name and p.version == version:
-                self._rollback(p, why)
+                # Its app never judged it: reverted with the set, not refused next time.
+                self._rollback(p, UNCONFIRMED_PREFIX + why)
                 continue
             try:
                 if before is None:
@@ -648,7 +656,7 @@ class ModelSwitch(object):
                                  name, p.version, name))
         switched = None
         if active is not None and active["version"] != version:
-            switched = self.rollback(name, version)
+            switched = self.rollback(name, version, override_pin=True)
         self.notes.pin(name, version)
         log.info("model %s pinned to %s", name, version)
         self.changed()
@@ -746,13 +754,20 @@ class ModelSwitch(object):
                 name, "{}@{} ({})".format(p.name, p.version, p.phase) if p else "none pending"))
         return p
 
-    def rollback(self, name: str, version: Optional[str] = None) -> Dict[str, Any]:
+    def rollback(self, name: str, version: Optional[str] = None,
+                 override_pin: bool = False) -> Dict[str, Any]:
         """Back to a kept version (the previous one unless ``version``): the journal and
         ``current`` at once, the hand-off of the restored version on a thread.
-        AgentError no_previous_version."""
+        AgentError no_previous_version; model_pinned for a name pinned to another version
+        (``override_pin``: the pin itself switching)."""
         validate_name(name)
         if version is not None:
             validate_version(version)
+        pinned = self.notes.pins.get(name)
+        if pinned is not None and not override_pin and version != pinned:
+            raise AgentError("model_pinned", "{} is pinned to version {} on this device; "
+                             "expected a rollback to it, or jetson-agent models unpin {} "
+                             "first".format(name, pinned, name))
         p = self.pending
         if p is not None and p.name == name:
             if p.phase != "rolling_back":

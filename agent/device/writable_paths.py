@@ -21,10 +21,16 @@ def handoff_paths(entries: Any) -> List[Tuple[str, str]]:
         if entry.get("type") == "triton" and isinstance(entry.get("repository"), str):
             out.append((where + ".repository", entry["repository"]))
         elif entry.get("type") == "deepstream":
-            for key in ("config", "override"):
-                if isinstance(entry.get(key), str) and entry[key]:
-                    out.append(("{}.{}".format(where, key), os.path.dirname(
-                        os.path.abspath(os.path.expanduser(entry[key])))))
+            named = entry.get("pipelines")
+            named = named if isinstance(named, Mapping) else {}
+            places = [(where, entry)] + [("{}.pipelines.{}".format(where, n), p)
+                                         for n, p in sorted(named.items(), key=str)
+                                         if isinstance(p, Mapping)]
+            for at, section in places:
+                for key in ("config", "override"):
+                    if isinstance(section.get(key), str) and section[key]:
+                        out.append(("{}.{}".format(at, key), os.path.dirname(
+                            os.path.abspath(os.path.expanduser(section[key])))))
     return out
 
 

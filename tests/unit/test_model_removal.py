@@ -6,6 +6,7 @@ import os
 import pytest
 
 from agent.device.journal import Journal
+from agent.device.model_notes import ModelNotes
 from agent.device.model_removal import remove
 from agent.device.models_dir import ModelsDir
 from agent.errors import AgentError
@@ -18,6 +19,7 @@ class Switch(object):
     def __init__(self, journal, models, pending=None):
         self.journal, self.models, self.pending, self.entries = journal, models, pending, []
         self.health, self.disk_health, self.changes = {"det": "ok"}, {}, 0
+        self.notes = ModelNotes(None)  # pins: a removed name's pin goes with it
 
     def changed(self):
         self.changes += 1

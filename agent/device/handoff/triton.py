@@ -86,7 +86,8 @@ _TENSOR_NAME = re.compile(r"[^\"\\\x00-\x1f\x7f]{1,256}")
 FILE_MODE, DIR_MODE = 0o640, 0o750
 MAX_WARMUP_BYTES = 64 << 20  # larger inputs: readiness is Triton's ready alone
 HEALTH_TIMEOUT_S = 2.0
-MAX_HEAL = 16  # names loaded again per heal() call (the next tick takes the rest)
+MAX_HEAL = 16  # names looked at per heal() call (a cursor: the next call takes the next ones)
+HEAL_RETRY_S = 60.0  # a version Triton failed to load again is tried again after this
 
 # Served by Triton's Python backend in ``backend: python`` mode: the version folder's
 # model.plan is the host's emulated engine (ONNX), run by onnxruntime.
@@ -357,6 +358,8 @@ class TritonAdapter(Adapter):
         # heal() skips a round while a switch or revert of this adapter runs.
         self._busy = threading.Lock()
         self.was_live: Optional[bool] = None  # Triton's liveness at the last heal()
+        self._heal_cursor = 0
+        self._heal_failed: Dict[Tuple[str, int], float] = {}  # (name, number) -> retry at
         # No proxy for Triton: it is on this device (or next to it).
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -675,9 +678,13 @@ class TritonAdapter(Adapter):
             if not live:
                 return {}
             out: Dict[str, str] = {}
-            for version in committed[:MAX_HEAL]:
+            start = self._heal_cursor % len(committed)
+            turn = (committed[start:] + committed[:start])[:MAX_HEAL]
+            self._heal_cursor = start + len(turn)
+            now = time.monotonic()
+            for version in turn:
                 number = self.triton_version(version.name, version.version)
-                if number is None:
+                if number is None or self._heal_failed.get((version.name, number), 0) > now:
                     continue
                 try:
                     if self.ready(version.name, number):
@@ -687,6 +694,10 @@ class TritonAdapter(Adapter):
                     error = self._load(version.name)
                 except AgentError as exc:
                     error = exc.message
+                if error is not None:  # not every 5 s: a load can take its whole timeout
+                    self._heal_failed[(version.name, number)] = now + HEAL_RETRY_S
+                    while len(self._heal_failed) > 4 * MAX_HEAL:
+                        self._heal_failed.pop(next(iter(self._heal_failed)))
                 when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
                 cause = "after a Triton restart" if restarted else "(Triton did not have it)"
                 out[version.name] = (

@@ -81,6 +81,7 @@ class DeploymentRunner(object):
         self.removals: Dict[str, Set[str]] = {}
         self.send_command: Optional[Callable[[str, Dict[str, Any]], None]] = None
         self.pins: Dict[Tuple[str, str], Any] = {}  # the fleet pins: (device, name) -> version
+        self.pins_mark: Any = None  # pins.changed_mark when they were last read
 
     # -- told by the service -------------------------------------------------------------------
 
@@ -174,7 +175,12 @@ class DeploymentRunner(object):
                 self.dirty.update(d for (dp, d) in self.records if dp == dep_id)
 
     def _pins_changed(self) -> None:
-        """The fleet pins (a small table, read whole): the devices whose pins changed."""
+        """The devices whose fleet pins changed: one row a tick (the change mark), the table
+        only when it moved."""
+        mark = pins.changed_mark(self.store)
+        if mark == self.pins_mark and self.pins_mark is not None:
+            return
+        self.pins_mark = mark
         now = {k: (r["version"],) for k, r in pins.fleet_pins(self.store).items()}
         for key in set(now) ^ set(self.pins) | {k for k in now if self.pins.get(k) != now[k]}:
             self.dirty.add(key[0])

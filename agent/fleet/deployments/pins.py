@@ -16,6 +16,7 @@ model (the operator's word, as with labels).
 import getpass
 import os
 import time
+import uuid
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from agent.errors import AgentError
@@ -77,6 +78,19 @@ def _row(r: Any) -> Dict[str, Any]:
             "actor": r[3], "reason": r[4], "created": r[5]}
 
 
+CHANGED_KEY = "pins_changed"  # meta row: a new value at every write of device_pins
+
+
+def _touch(store: Any) -> None:
+    """Tell the deployments' runner that the pins changed (it reads one row a tick, and the
+    table only then)."""
+    store.meta_put(CHANGED_KEY, uuid.uuid4().hex)
+
+
+def changed_mark(store: Any) -> Any:
+    return store.meta_get(CHANGED_KEY)
+
+
 def fleet_pins(store: Any, devices: Optional[Iterable[str]] = None
                ) -> Dict[Tuple[str, str], Dict[str, Any]]:
     """(device, name) -> its fleet pin (``devices``: of these only)."""
@@ -126,7 +140,7 @@ def list_pins(store: Any, devices: Optional[Iterable[str]] = None) -> List[Dict[
 def pin(store: Any, device: str, name: str, version: Optional[str], who: Optional[str] = None,
         reason: Optional[str] = None) -> Dict[str, Any]:
     """Record (or replace) the fleet pin of ``device``'s ``name``; returns the row. The
-    deployments' runner reads the (small) table every tick and decides the changed devices."""
+    deployments' runner sees the change mark and decides the changed devices."""
     protocol.check_id("device", device)
     model_names.validate_name(name)
     if version is not None:
@@ -142,6 +156,7 @@ def pin(store: Any, device: str, name: str, version: Optional[str], who: Optiona
         "excluded.version, actor = excluded.actor, reason = excluded.reason, created = "
         "excluded.created",
         (device, name, version, row["actor"], reason, row["created"]))
+    _touch(store)
     return row
 
 
@@ -154,6 +169,7 @@ def settle(store: Any, device: str, name: str, version: Optional[str]) -> None:
     else:
         store.db.execute("UPDATE device_pins SET version = ? WHERE device_id = ? AND name = ? "
                          "AND version IS NULL", (version, device, name))
+    _touch(store)
 
 
 def unpin(store: Any, device: str, name: str) -> bool:
@@ -161,6 +177,7 @@ def unpin(store: Any, device: str, name: str) -> bool:
     found = store.db.query("SELECT 1 FROM device_pins WHERE device_id = ? AND name = ?",
                            (device, name))
     store.db.execute("DELETE FROM device_pins WHERE device_id = ? AND name = ?", (device, name))
+    _touch(store)
     return bool(found)
 
 
