@@ -90,7 +90,10 @@ def test_accept_reject_pending_and_decommission(mosquitto, agent_factory, tmp_pa
         assert b.stop() == 0
         os.unlink(b.key_path)
         os.unlink(os.path.join(os.path.dirname(b.key_path), "device.pub"))
-        provision_device_key(os.path.dirname(b.key_path))  # re-flashed: a new identity
+        # Re-flashed: a new identity, not in the test's --admission-keys (a listed key would be
+        # admitted at once instead of waiting as pending).
+        provision_device_key(os.path.dirname(b.key_path),
+                             keys_file=str(tmp_path / "not-listed.keys"))
         b.start()
         wait_pending(db, "ad-2", service)
         assert key_state(db, "ad-2")[0] == "pending"

@@ -80,11 +80,6 @@ class Uploads(object):
             blobs.receive(self.root, body, length, sha256)
         except AgentError as exc:
             return _error(400, exc.code, exc.message)
-        store = self._store()
-        try:  # known at once: a push retried after a failure does not send it again (HEAD)
-            blobs.register(store, self.root, sha256, length)
-        finally:
-            store.close()
         log.info("registry: blob %s received (%d bytes)", sha256[:16], length)
         return 201, {"ok": True, "sha256": sha256, "size": length}
 

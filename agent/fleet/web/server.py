@@ -255,7 +255,7 @@ class Dashboard(object):
             from agent.fleet.admission import admission
 
             if parts[2] == "accept":  # pins the key id the page showed, never another
-                admission.accept(self.store, parts[1], seen_key_id=form.get("key_id") or None)
+                admission.accept(self.store, parts[1], seen_key_id=str(form.get("key_id") or ""))
             else:
                 admission.reject(self.store, parts[1])
             log.info("dashboard: device %s %sed", parts[1], parts[2])
