@@ -174,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
         golden.save_inputs(args.save_inputs, inputs)
     if args.save_outputs:
         golden.save_outputs(args.save_outputs, outputs, runner=runner_name)
-    cmp = compare_outputs(outputs, goldens, runner=runner_name, reference=source, **opts)
+    cmp = compare_outputs(outputs, goldens, runner=runner_name, reference=source,
+                          describe=not args.json, **opts)
     print_comparison(args, cmp, record.to_dict())
     return EXIT_OK if cmp.passed else EXIT_FAILED
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from agent.errors import AgentError
 from agent.precision.comparison import Comparison, OutputResult
-from agent.precision.metrics import cosine_similarity, sqnr_db, stat, summary
+from agent.precision.metrics import cosine_similarity, error_stats, sqnr_db, summary
 
 ERROR_STATS = ("elemwise", "max", "mean", "median", "quantile")
 DEFAULT_ATOL = 1e-5
@@ -140,8 +140,12 @@ def compare_arrays(out: np.ndarray, golden: np.ndarray, atol: float = DEFAULT_AT
                    rtol: float = DEFAULT_RTOL, check_error_stat: str = DEFAULT_STAT,
                    error_quantile: float = DEFAULT_QUANTILE,
                    infinities_compare_equal: bool = False, name: str = "output",
-                   iteration: int = 0) -> OutputResult:
-    """Compare one output with its golden (check_outputs_match in Polygraphy)."""
+                   iteration: int = 0, describe: bool = False) -> OutputResult:
+    """Compare one output with its golden (check_outputs_match in Polygraphy).
+
+    ``describe`` adds the four summaries only Polygraphy's text report prints (output, golden,
+    both differences): each is nine reductions, the cost that dominated a gate or a search
+    evaluation over thousands of small outputs. The pass/fail figures are the same either way."""
     res = OutputResult(iteration, name, atol, rtol, check_error_stat, error_quantile)
     out = np.asarray(out)
     golden = np.asarray(golden)
@@ -169,16 +173,11 @@ def compare_arrays(out: np.ndarray, golden: np.ndarray, atol: float = DEFAULT_AT
     with np.errstate(all="ignore"):
         reldiff = np.divide(absdiff, np.abs(g_eps))
 
-    # The error statistics are the summaries' own figures (the same reductions: computed
-    # once; a model with tens of thousands of small outputs spent its time here).
-    q = error_quantile
-    res.abs_stats = summary(absdiff)
-    res.rel_stats = summary(reldiff)
-    for which in ("max", "mean", "median"):
-        res.absdiff[which] = res.abs_stats[which]
-        res.reldiff[which] = res.rel_stats[which]
-    res.absdiff["quantile"] = stat(absdiff, "quantile", q)
-    res.reldiff["quantile"] = stat(reldiff, "quantile", q)
+    res.absdiff.update(error_stats(absdiff, error_quantile))
+    res.reldiff.update(error_stats(reldiff, error_quantile))
+    if describe:
+        res.abs_stats = summary(absdiff)
+        res.rel_stats = summary(reldiff)
 
     def stat_failed(diff: float, tol: float) -> bool:
         return math.isnan(diff) or diff > tol
@@ -202,8 +201,9 @@ def compare_arrays(out: np.ndarray, golden: np.ndarray, atol: float = DEFAULT_AT
     res.required_rtol = res.reldiff[key]
     res.sqnr_db = sqnr_db(out, golden) if out.dtype != np.bool_ else None
     res.cosine = cosine_similarity(out, golden) if out.dtype != np.bool_ else None
-    res.out_stats = summary(out)
-    res.golden_stats = summary(golden)
+    if describe:
+        res.out_stats = summary(out)
+        res.golden_stats = summary(golden)
     return res
 
 
@@ -223,11 +223,13 @@ def compare_outputs(
     infinities_compare_equal: bool = False,
     runner: str = "jetson-agent",
     reference: str = "golden",
+    describe: bool = False,
 ) -> Comparison:
     """Compare outputs (one dict per iteration, or one dict) with the goldens.
 
     Every golden output must be among ``outputs`` (extra outputs, e.g. marked tensors, are
-    ignored); the iteration counts must match. Tolerances are validated first (bad_argument)."""
+    ignored); the iteration counts must match. Tolerances are validated first (bad_argument).
+    ``describe``: the summaries ``format_report`` prints (see ``compare_arrays``)."""
     outs = _as_iterations(outputs)
     golds = _as_iterations(golden)
     if not golds:
@@ -256,5 +258,5 @@ def compare_outputs(
                 check_error_stat=str(_per_output(check_error_stat, name, DEFAULT_STAT)),
                 error_quantile=float(_per_output(error_quantile, name, DEFAULT_QUANTILE)),
                 infinities_compare_equal=infinities_compare_equal,
-                name=name, iteration=it))
+                name=name, iteration=it, describe=describe))
     return Comparison(results, runner=runner, reference=reference)

@@ -1,4 +1,4 @@
-"""100,000 pending ids through the admission gate itself (agent.fleet.admission.admission over
+"""A flood of pending ids through the admission gate itself (agent.fleet.admission.admission over
 a real SQLite store): births signed as a daemon signs them, each made-up id with its own key
 (the per-key rate limit does not help here), all of them read (the gate's limit of births
 for ids not admitted, ``PENDING_RATE`` a second, lifted: as an attacker staying under it for
@@ -7,10 +7,14 @@ statuses, as a rollout's would be. The listed device and the one an operator loo
 never evicted; the pending list stays within its bound; the admitted device's messages pass
 the gate about as fast as without the flood; the log gets a few lines, not one per id.
 The same flood through a broker, smaller: tests/integration/faults/test_faults_sticky.py.
+
+20,000 ids (20 times the pending bound) in the suite; ``JETSON_AGENT_FLOOD=100000`` gives the
+100,000 of docs/benchmarks.md.
 """
 
 import json
 import logging
+import os
 import time
 
 import pytest
@@ -23,7 +27,7 @@ from agent.wire.mqtt_types import Event
 from agent.wire.topics import Topics
 
 T = Topics()
-FLOOD = 100000
+FLOOD = int(os.environ.get("JETSON_AGENT_FLOOD", "20000"))
 EVERY = 50  # an admitted device's message after this many flood births
 
 
@@ -40,7 +44,7 @@ def new_key():
 
 
 @pytest.mark.slow
-def test_100000_pending_ids_do_not_evict_a_listed_device(tmp_path, caplog):
+def test_a_flood_of_pending_ids_does_not_evict_a_listed_device(tmp_path, caplog):
     store = Store("sqlite:///" + str(tmp_path / "fleet.db"))
     listed, viewed, admitted = new_key(), new_key(), new_key()
     gate = admission.Admission(store, "manual", {listed.key_id: listed.raw_public},

@@ -138,7 +138,7 @@ def test_model_set_switches_and_reverts_together_and_state_is_visible(controller
 
 def test_model_set_crash_mid_way_recovers_to_the_set_it_replaced(controller, agent_factory,
                                                                  digits_files):
-    extra = "models:\n  commit_timeout_s: 20\n  app_confirms: [det, cls]\n"
+    extra = "models:\n  commit_timeout_s: 12\n  app_confirms: [det, cls]\n"
     agent = agent_factory(extra_config=extra).start()
     controller.wait_online()
     sock = os.path.join(agent.state_dir, "app.sock")

@@ -6,7 +6,7 @@ import pytest
 
 from agent.errors import AgentError
 from agent.precision.compare import EPSILON, compare_arrays, compare_outputs, parse_per_output
-from agent.precision.metrics import cosine_similarity, sqnr_db, top1_agreement
+from agent.precision.metrics import cosine_similarity, error_stats, sqnr_db, top1_agreement
 
 GOLD = np.array([1.0, 2.0, 4.0, 8.0], dtype=np.float32)
 
@@ -158,6 +158,12 @@ def test_iterations_and_report():
     assert doc["outputs"]["y"]["required_atol"] == 1.0
     assert doc["outputs"]["y"]["passed"] is False
     assert doc["results"][0]["sqnr_db"] is None  # identical: infinite SQNR
+    assert "| Stats: mean=" not in text  # the buffers' summaries: only when described
+    described = compare_outputs(outputs, golden, runner="trt-runner",
+                                reference="onnxrt-runner", describe=True)
+    assert described.to_dict() == doc  # the same figures and verdicts either way
+    text = described.format_report()
+    assert "trt-runner: y | Stats: mean=" in text and "Absolute Difference | Stats:" in text
 
 
 def test_nan_statistics_stay_json_safe():
@@ -166,3 +172,19 @@ def test_nan_statistics_stay_json_safe():
     doc = compare_outputs({"y": out}, {"y": GOLD}).to_dict()
     json.dumps(doc, allow_nan=False)
     assert doc["outputs"]["y"]["required_atol"] is None
+
+
+def test_error_stats_are_numpys_from_one_sort():
+    rng = np.random.default_rng(7)
+    for n in (1, 2, 3, 10, 1001):
+        for q in (0.0, 0.5, 0.9, 0.99, 1.0):
+            buf = np.abs(rng.standard_normal((n, 1))).astype(np.float32)
+            got = error_stats(buf, q)
+            want = {"max": np.amax(buf), "mean": np.mean(buf.astype(np.float64)),
+                    "median": np.median(buf), "quantile": np.quantile(buf, q)}
+            for key, value in want.items():
+                assert got[key] == pytest.approx(float(value), rel=1e-6), (n, q, key)
+    assert error_stats(np.zeros((0,), np.float32), 0.5)["max"] == 0.0
+    with_nan = error_stats(np.array([1.0, np.nan, 2.0]), 0.5)
+    assert all(np.isnan(v) for v in with_nan.values())
+    assert error_stats(np.array([1.0, np.inf]), 0.0)["quantile"] == 1.0  # numpy: inf * 0
