@@ -42,6 +42,9 @@ def cache_key(
     if calibration:
         for field in _CALIBRATION_PATH_FIELDS:
             calibration.pop(field, None)
+    # A plugin library enters by its content (moving it must not change the key).
+    if plan_dict.get("plugins"):
+        plan_dict["plugins"] = sorted(str(p.get("sha256")) for p in plan_dict["plugins"])
     doc = {
         "format": FORMAT,
         "model": model_digest,

@@ -1,0 +1,199 @@
+"""Issue 34, items 2 and 3: models with TensorRT plugin ops (a real ``EfficientNMS_TRT``
+export written with onnx-graphsurgeon on a wheel detector's outputs) and DLA builds that say
+where their layers run, under the fake TensorRT profiles (``tests/fake_trt.py``)."""
+
+import os
+
+import pytest
+
+from agent.engines import plugins
+from agent.engines.backends import tensorrt_network
+from agent.engines.backends.base import BuildPlan
+from agent.engines.backends.onnxruntime import create as create_host
+from agent.engines.cache_key import cache_key
+from agent.errors import AgentError
+from tests import fake_trt
+from tests.models import efficientnms_detector
+from tests.trt_builds import build as _build
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logger(monkeypatch):
+    monkeypatch.setattr(tensorrt_network, "_LOGGER", None)
+
+
+@pytest.fixture(scope="module")
+def nms_model(tmp_path_factory):
+    path = efficientnms_detector(tmp_path_factory.mktemp("nms") / "det_nms.onnx")
+    if path is None:
+        pytest.skip("ddddocr (requirements-models.txt) or onnx-graphsurgeon is not installed")
+    return path
+
+
+def _build_file(monkeypatch, tmp_path, profile, plan, model_path, num_dla_cores=0):
+    trt, cuda = fake_trt.install(monkeypatch, profile, num_dla_cores=num_dla_cores)
+    from agent.engines.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(trt.__version__)
+    return backend, backend.build(model_path, plan, str(tmp_path / "e.engine")), trt
+
+
+# -- plugins -----------------------------------------------------------------------------------
+
+def test_the_host_backend_names_the_plugin_op_and_leaves_it_to_the_device(nms_model, tmp_path):
+    with pytest.raises(AgentError) as err:
+        create_host().build(nms_model, BuildPlan("fp32"), str(tmp_path / "e.onnx"))
+    assert err.value.code == "plugin_op_on_host"
+    assert "nms (EfficientNMS_TRT)" in err.value.message and "device" in err.value.message
+    assert err.value.details["plugin_ops"] == [{"node": "nms", "op": "EfficientNMS_TRT",
+                                                "domain": ""}]
+
+
+@pytest.mark.parametrize("profile", fake_trt.PROFILES)
+def test_an_efficientnms_model_builds_with_the_standard_plugins(monkeypatch, tmp_path,
+                                                                nms_model, profile):
+    backend, result, trt = _build_file(monkeypatch, tmp_path, profile, BuildPlan("fp32"),
+                                       nms_model)
+    layers = trt._driver.builds[-1]["layers"]
+    assert [la["plugin"] for la in layers if la["plugin"]] == ["EfficientNMS_TRT"]
+    # A fresh process (nothing registered yet) deserializes it: the runner registers first.
+    trt._driver.plugins.clear()
+    tensorrt_network._LOGGER.plugins_ready = False
+    with backend.open(result.engine_path) as runner:
+        assert [o.name for o in runner.outputs][:1] == ["num_detections"]
+    assert "EfficientNMS_TRT" in trt._driver.plugins
+
+
+def test_a_shipped_plugin_library_is_pinned_loaded_and_keyed(monkeypatch, tmp_path,
+                                                            nms_model):
+    import onnx
+
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    lib = models_dir / "libmynms.so"
+    lib.write_bytes(b"\x7fELF fake plugin")
+    model = onnx.load(nms_model)
+    [node] = [n for n in model.graph.node if n.op_type == "EfficientNMS_TRT"]
+    node.op_type = "MyNMS_TRT"  # not in TensorRT's standard library
+    path = str(tmp_path / "custom.onnx")
+    onnx.save(model, path)
+    entry = plugins.check_library(str(lib), str(models_dir))
+    trt, _ = fake_trt.install(monkeypatch, "10.3")
+    trt._driver.library_plugins["libmynms.so"] = ["MyNMS_TRT"]
+    from agent.engines.backends.tensorrt import TensorRTBackend
+
+    backend = TensorRTBackend(trt.__version__)
+    with pytest.raises(AgentError) as err:  # without the library: the parser names the op
+        backend.build(path, BuildPlan("fp16"), str(tmp_path / "a.engine"))
+    assert err.value.code == "unsupported_model" and "MyNMS_TRT" in err.value.message
+    plan = BuildPlan("fp16", plugins=[entry])
+    result = backend.build(path, plan, str(tmp_path / "b.engine"))
+    assert trt._driver.libraries == [str(lib)]
+    assert result.details["plugins"] == [entry]
+    assert tensorrt_network.read_plugins(result.engine_path) == [entry]
+    # The key follows the library's content, not where it lies.
+    moved = BuildPlan("fp16", plugins=[dict(entry, path="/elsewhere/libmynms.so")])
+    other = BuildPlan("fp16", plugins=[dict(entry, sha256="0" * 64)])
+    keys = [cache_key("m", p, None, {}, {}) for p in (plan, moved, other)]
+    assert keys[0] == keys[1] != keys[2]
+    assert cache_key("m", BuildPlan("fp16"), None, {}, {}) == cache_key(
+        "m", BuildPlan.from_dict(BuildPlan("fp16").to_dict()), None, {}, {})
+    lib.write_bytes(b"\x7fELF changed")  # the pinned digest no longer holds
+    trt._driver.plugins.clear()
+    tensorrt_network._LOGGER.plugin_libraries.clear()
+    with pytest.raises(AgentError) as err:
+        backend.open(result.engine_path)
+    assert err.value.code == "plugin_digest_mismatch"
+
+
+def test_a_plugin_library_outside_the_models_directory_is_refused(tmp_path):
+    models_dir = tmp_path / "models"
+    models_dir.mkdir()
+    outside = tmp_path / "libevil.so"
+    outside.write_bytes(b"x")
+    link = models_dir / "libevil.so"
+    os.symlink(str(outside), str(link))
+    for path in (outside, link):  # a symlink out counts as outside
+        with pytest.raises(AgentError) as err:
+            plugins.check_library(str(path), str(models_dir))
+        assert err.value.code == "plugin_path_refused"
+        assert str(models_dir) in err.value.message
+
+
+# -- DLA -----------------------------------------------------------------------------------------
+
+def _conv_model(batch="N"):
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 3, 3, 3), np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Gather", ["r", "idx"], ["y"], name="gather", axis=1)]
+    idx = numpy_helper.from_array(np.array([0, 1], np.int64), "idx")
+    graph = helper.make_graph(nodes, "dla",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                             [batch, 3, 8, 8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                             [batch, 2, 8, 8])], [w, idx])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+FIXED = {"x": ((1, 3, 8, 8), (1, 3, 8, 8), (1, 3, 8, 8))}
+
+
+@pytest.mark.parametrize("profile", ["8.2", "8.5", "10.3"])
+def test_a_dla_build_reports_where_each_layer_runs(monkeypatch, tmp_path, profile):
+    _, result, trt, _ = _build(monkeypatch, tmp_path, profile,
+                               BuildPlan("fp16", dla_core=0, shapes=FIXED),
+                               model=_conv_model(), num_dla_cores=2)
+    placement = result.details["dla_placement"]
+    assert placement["dla"] == ["conv", "relu"] and placement["gpu"] == ["gather"]
+    assert placement["engine_dla"] == ["conv", "relu"]  # the inspector agrees
+
+
+@pytest.mark.parametrize("profile", ["8.0", "8.6", "10.3"])
+def test_a_dla_build_with_a_dynamic_profile_is_refused_with_the_reason(monkeypatch, tmp_path,
+                                                                      profile):
+    dynamic = {"x": ((1, 3, 8, 8), (4, 3, 8, 8), (8, 3, 8, 8))}
+    with pytest.raises(AgentError) as err:
+        _build(monkeypatch, tmp_path, profile, BuildPlan("fp16", dla_core=0, shapes=dynamic),
+               model=_conv_model(), num_dla_cores=1)
+    assert err.value.code == "dla_dynamic_shape"
+    assert "min [1, 3, 8, 8], opt [4, 3, 8, 8], max [8, 3, 8, 8]" in err.value.message
+    assert "--shapes x:4x3x8x8" in err.value.message
+
+
+def test_no_gpu_fallback_names_the_layers_dla_cannot_run(monkeypatch, tmp_path):
+    with pytest.raises(AgentError) as err:
+        _build(monkeypatch, tmp_path, "8.5",
+               BuildPlan("fp16", dla_core=0, shapes=FIXED, dla_gpu_fallback=False),
+               model=_conv_model(), num_dla_cores=1)
+    assert err.value.code == "dla_layers_on_gpu" and "gather" in err.value.message
+    _, result, trt, _ = _build(monkeypatch, tmp_path, "8.5",
+                               BuildPlan("fp16", dla_core=0, shapes=FIXED,
+                                         dla_gpu_fallback=False),
+                               model=_dla_only(), num_dla_cores=1)
+    assert "GPU_FALLBACK" not in " ".join(trt._driver.builds[-1]["flags"])
+    assert result.details["dla_placement"]["gpu"] == []
+
+
+def _dla_only():
+    model = _conv_model(batch=1)
+    del model.graph.node[2]
+    model.graph.output[0].name = "r"
+    model.graph.output[0].type.tensor_type.shape.dim[1].dim_value = 4
+    del model.graph.initializer[1]
+    return model
+
+
+def test_opening_a_dla_engine_creates_no_builder(monkeypatch, tmp_path):
+    backend, result, trt, _ = _build(monkeypatch, tmp_path, "8.5",
+                                     BuildPlan("fp16", dla_core=1, shapes=FIXED),
+                                     model=_conv_model(), num_dla_cores=2)
+    created = []
+    real = trt.Builder
+    monkeypatch.setattr(trt, "Builder", lambda logger: created.append(1) or real(logger))
+    with backend.open(result.engine_path) as runner:
+        assert runner.engine.dla_core == 1
+    assert created == []
