@@ -197,3 +197,36 @@ def test_opening_a_dla_engine_creates_no_builder(monkeypatch, tmp_path):
     with backend.open(result.engine_path) as runner:
         assert runner.engine.dla_core == 1
     assert created == []
+
+
+def test_a_jobs_plugins_are_files_of_the_models_plugins_folder_pinned_by_the_job(tmp_path):
+    import json
+    import types
+
+    from agent.device.job_scheduler import JobScheduler
+    from agent.wire import job_semantics, protocol
+    from tests.unit.wire_samples import job_doc
+
+    folder = tmp_path / "models" / "plugins"
+    folder.mkdir(parents=True)
+    (folder / "libnms.so").write_bytes(b"\x7fELF nms")
+    sha = plugins.sha256_of(str(folder / "libnms.so"))
+    doc = job_doc(plan={"precision": "fp16", "dla_core": 0, "dla_gpu_fallback": False,
+                        "plugins": [{"file": "libnms.so", "sha256": sha}]})
+    protocol.decode("job", json.dumps(doc).encode())  # the schema takes them
+    for bad in ({"file": "../libnms.so", "sha256": sha}, {"file": "libnms.so", "sha256": "x"}):
+        with pytest.raises(AgentError):
+            protocol.decode("job", json.dumps(job_doc(plan={"plugins": [bad]})).encode())
+    plan = job_semantics.plan_dict(doc)
+    assert plan["dla_gpu_fallback"] is False
+    scheduler = types.SimpleNamespace(cfg=types.SimpleNamespace(
+        models_dir=str(tmp_path / "models")))
+    resolved = JobScheduler._plugins(scheduler, plan["plugins"])
+    assert resolved == [{"path": str(folder / "libnms.so"), "sha256": sha}]
+    built = BuildPlan.from_dict(dict(plan, plugins=resolved))
+    assert (built.plugins, built.dla_gpu_fallback) == (resolved, False)
+    with pytest.raises(AgentError) as err:
+        JobScheduler._plugins(scheduler, [{"file": "libnms.so", "sha256": "0" * 64}])
+    assert err.value.code == "plugin_digest_mismatch"
+    # Without either, the plan reads as it did before (same keys, same engine-cache key).
+    assert "plugins" not in job_semantics.plan_dict(job_doc(plan={"precision": "fp16"}))

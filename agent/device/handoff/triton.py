@@ -43,8 +43,9 @@ ready), ``backend``
 ``tensorrt`` (the TensorRT version Triton's tensorrt backend runs, e.g. ``8.5.2``: an engine
 built with another major.minor.patch is refused, ``tensorrt_version_mismatch``; not checked
 when absent), ``grpc_url`` (HOST:PORT of Triton's gRPC endpoint, default port 8001: loads and
-unloads go there through ``triton_grpc``, so a load never holds a request on the HTTP endpoint the app uses; needs
-the ``grpcio`` package, the ``triton`` extra; readiness and inference checks stay on ``url``).
+unloads go there through ``triton_grpc``, so a load never holds a request on the HTTP endpoint
+the app uses; needs the ``grpcio`` package, the ``triton`` extra; readiness and inference checks
+stay on ``url``).
 """
 
 import errno
