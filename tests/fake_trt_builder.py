@@ -165,6 +165,7 @@ def add_builder(trt, p, drv):
                     types_.get(o, TensorProto.FLOAT), "float32"))) if plugin else Tensor(o, dtype)
                     for o in node.output]
                 layer = Layer(node.name, getattr(trt.LayerType, kind), outs, node.op_type)
+                layer.const_weights = len(node.input) > 1 and node.input[1] in inits
                 if node.op_type == "Cast" and kind == "IDENTITY":
                     layer.output_types[0] = dtype  # the 8.x importer's setOutputType
                     layer.precision_is_set = False
@@ -222,6 +223,8 @@ def add_builder(trt, p, drv):
             return self.timing
 
         def can_run_on_DLA(self, layer):
+            if layer.type == getattr(trt.LayerType, "MATRIX_MULTIPLY", None):
+                return bool(getattr(layer, "const_weights", False))  # as fully connected
             if layer.type not in [getattr(trt.LayerType, t) for t in _DLA_CAPABLE
                                   if hasattr(trt.LayerType, t)]:
                 return False
