@@ -230,3 +230,53 @@ def test_a_jobs_plugins_are_files_of_the_models_plugins_folder_pinned_by_the_job
     assert err.value.code == "plugin_digest_mismatch"
     # Without either, the plan reads as it did before (same keys, same engine-cache key).
     assert "plugins" not in job_semantics.plan_dict(job_doc(plan={"precision": "fp16"}))
+
+
+def test_the_11_profile_is_the_tensorrt_jetpack_ships_with_dla_on_agx_orin(monkeypatch,
+                                                                          tmp_path):
+    """Issue 34: JetPack's TensorRT 11 starts at 11.4.1 (JetPack 7.2.2), where DLA is back
+    on AGX Orin for strongly typed networks: the 11.x profile is 11.4.1 and builds for DLA."""
+    from agent.engines.backends.tensorrt_plan import Features, parse_version
+    from agent.platform.matrix import load_matrix
+
+    profile = fake_trt.load_profile("11.x")
+    version = parse_version(profile["version"])
+    [release] = [r for r in load_matrix().releases if r["l4t"] == "39.2.2"]
+    assert version >= parse_version(release["tensorrt"]) >= (11, 4, 1)
+    assert Features(version).dla and Features(version).strongly_typed
+    _, result, trt, _ = _build(monkeypatch, tmp_path, "11.x",
+                               BuildPlan("fp16", dla_core=0, shapes=FIXED),
+                               model=_conv_model(), num_dla_cores=2)
+    assert result.details["strongly_typed"]
+    assert result.details["dla_placement"]["dla"] == ["conv", "relu"]
+
+
+def test_the_11_inspector_key_is_DataType(monkeypatch, tmp_path):
+    import json
+
+    from agent.engines.backends.tensorrt_inspect import parse_engine_information
+
+    doc = {"Layers": [{"Name": "Add", "Outputs": [{"Format": "Row major linear",
+                                                   "DataType": "Half"}]}]}
+    assert [la.precision for la in parse_engine_information(json.dumps(doc))] == ["float16"]
+    assert fake_trt.load_profile("11.x")["inspector"]["dtype_keys"] == ["Format", "DataType"]
+    _, result, _, _ = _build(monkeypatch, tmp_path, "11.x", BuildPlan("fp32"))
+    assert set(result.layer_precisions.values()) == {"float32"}  # read back through DataType
+
+
+@pytest.mark.parametrize("profile", ["8.5", "10.3"])
+def test_timing_cache_failures_are_reported_not_ignored(monkeypatch, tmp_path, profile):
+    from agent.engines.backends import tensorrt_caches
+
+    monkeypatch.setattr(tensorrt_caches, "state_dir", lambda: str(tmp_path / "state"))
+    _, first, _, _ = _build(monkeypatch, tmp_path, profile, BuildPlan("fp16"))
+    path = first.details["timing_cache"]["path"]
+    assert "errors" not in first.details["timing_cache"]
+    with open(path, "wb") as f:
+        f.write(b"garbage, not a timing cache")
+    _, result, _, _ = _build(monkeypatch, tmp_path, profile, BuildPlan("fp16"),
+                             engine="f.engine")
+    errors = result.details["timing_cache"]["errors"]
+    assert [e.split(" is unreadable, ")[1].split(":")[0] for e in errors] == [
+        "not used", "replaced by this build's"]
+    assert all(path in e for e in errors) and errors[0] in result.details["notes"]
