@@ -124,3 +124,26 @@ def verify_pinned(entry: Dict[str, str]) -> str:
                          "plugin library {}: expected sha256 {}, found {}".format(
                              path, want, found), {"path": path})
     return path
+
+
+def install_library(source: str, sha256: str, models_dir: str) -> Dict[str, str]:
+    """A job's ``plugin`` artifact (its SHA-256 already checked by the artifact store) put
+    where plugin libraries may be loaded from and the app can read them:
+    ``<models_dir>/plugins/<sha256>.so``, written atomically (kept when already there)."""
+    from agent.fsio import atomic_write
+
+    folder = os.path.join(models_dir, "plugins")
+    os.makedirs(folder, mode=0o750, exist_ok=True)
+    target = os.path.join(folder, "{}.so".format(sha256))
+    if not (os.path.isfile(target) and sha256_of(target) == sha256):
+        with open(source, "rb") as f:
+            data = f.read(MAX_PLUGIN_BYTES + 1)
+        if len(data) > MAX_PLUGIN_BYTES:
+            raise AgentError("plugin_path_refused", "plugin artifact: expected at most {} MiB, "
+                             "found more".format(MAX_PLUGIN_BYTES >> 20))
+        atomic_write(target, data, mode=0o640)  # the models group (the app) reads it
+    entry = check_library(target, models_dir)
+    if entry["sha256"] != sha256:
+        raise AgentError("plugin_digest_mismatch", "plugin artifact {}: expected sha256 {}, "
+                         "found {}".format(target, sha256, entry["sha256"]))
+    return entry
