@@ -280,9 +280,11 @@ def register_plugins(trt: Any, logger: Any, plugins: Sequence[Dict[str, str]] = 
             continue
         registry = trt.get_plugin_registry()
         if hasattr(registry, "load_library"):  # TensorRT >= 8.6
+            mark = logger.mark()
             if registry.load_library(path) is None:
                 raise AgentError("bad_engine", "TensorRT could not load plugin library {}: "
-                                 "{}".format(path, " | ".join(logger.since(0)[-3:])))
+                                 "{}".format(path, " | ".join(logger.since(mark)[-3:])
+                                             or "no message"))
         else:  # before 8.6 a library registers its creators when it is loaded
             import ctypes
 
