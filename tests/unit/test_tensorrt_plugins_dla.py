@@ -280,3 +280,19 @@ def test_timing_cache_failures_are_reported_not_ignored(monkeypatch, tmp_path, p
     assert [e.split(" is unreadable, ")[1].split(":")[0] for e in errors] == [
         "not used", "replaced by this build's"]
     assert all(path in e for e in errors) and errors[0] in result.details["notes"]
+
+
+def test_a_dla_engines_sidecars_reach_the_version_folder(monkeypatch, tmp_path):
+    """The app opens ``<models>/<name>/<version>/model.engine``: its DLA core, platform record
+    and plugin list travel with it (they stayed in the engine cache before)."""
+    from agent.device.models_dir import ModelsDir
+
+    _, result, _, _ = _build(monkeypatch, tmp_path, "8.5",
+                             BuildPlan("fp16", dla_core=1, shapes=FIXED),
+                             model=_conv_model(), num_dla_cores=2)
+    models = ModelsDir(str(tmp_path / "models"))
+    path = models.write_version("det", "v1", result.engine_path, None,
+                                lambda sha, size: {"engine_sha256": sha, "engine_size": size})
+    assert sorted(os.listdir(path)) == ["meta.json", "model.engine", "model.engine.dla-core",
+                                        "model.engine.platform.json"]
+    assert tensorrt_network.read_dla_core(os.path.join(path, "model.engine")) == 1
