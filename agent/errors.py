@@ -171,6 +171,22 @@ CODES = {
     "is not among the keys seen for the device: look again before accepting.",
     "device_already_admitted": "fleet devices accept for a device that is already admitted: "
     "its pinned key changes only by fleet devices rekey ID --key NEW.",
+    # TensorRT plugins and DLA (agent.engines.plugins, tensorrt_plan, the hand-offs).
+    "plugin_op_on_host": "The model uses TensorRT plugin ops (e.g. EfficientNMS_TRT, or an op "
+    "outside the standard ONNX domains) that the host backend cannot emulate: build it with "
+    "--backend tensorrt on a device, which decides.",
+    "plugin_path_refused": "A plugin library outside the models directory (or too large): "
+    "plugin code runs in the worker, so it is loaded only from there; copy it in.",
+    "plugin_digest_mismatch": "A plugin library's content is not the SHA-256 pinned in the "
+    "plan or job: it changed after the plan was made.",
+    "dla_dynamic_shape": "A DLA build with a dynamic shape profile: DLA needs min = opt = max "
+    "for every input; give one fixed shape (--shapes NAME:DIMS).",
+    "dla_layers_on_gpu": "A DLA build without GPU fallback has layers DLA cannot run (named), "
+    "or the layers expected on DLA ran on the GPU.",
+    "batch_size_exceeds_profile": "The hand-off's batch size (Triton max_batch_size, "
+    "DeepStream batch-size) is above the engine's optimisation profile maximum.",
+    "tensorrt_version_mismatch": "The application's TensorRT (Triton's) is not the one the "
+    "engine was built with; rebuild the engine or use a matching Triton.",
 }
 
 

@@ -21,6 +21,9 @@ from tests.fake_pycuda import make_pycuda
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trt_profiles")
 PROFILES = ("8.0", "8.2", "8.5", "8.6", "10.3", "10.13", "11.x")
+# TensorRT's standard plugins (plugin/README.md), registered by init_libnvinfer_plugins.
+STANDARD_PLUGINS = ("EfficientNMS_TRT", "BatchedNMS_TRT", "BatchedNMSDynamic_TRT", "NMS_TRT",
+                    "ROIAlign_TRT", "PyramidROIAlign_TRT", "InstanceNormalization_TRT")
 
 
 def load_profile(name):
@@ -84,6 +87,12 @@ class Driver(object):
         self.builders_alive = 0
         self.builders_at_deserialize = []  # builders alive at each deserialization
         self.on_execute = None  # install() points it at the fake GPU's clock
+        # The plugin registry: creators registered in this process (init_libnvinfer_plugins
+        # adds the standard ones, load_library what a library registers: tests fill
+        # ``library_plugins`` {file name: [op names]}, a fake .so registering those).
+        self.plugins = set()
+        self.library_plugins = {}
+        self.libraries = []
 
     def execute(self):
         if self.on_execute is not None:
@@ -163,6 +172,31 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
     for base in api["calibrators"]:
         setattr(trt, base, type(base, (object,), {"__init__": lambda self: None}))
     trt._attach = attach
+
+    def init_libnvinfer_plugins(logger, namespace):
+        drv.plugins.update(STANDARD_PLUGINS)
+        return True
+
+    class Registry(object):
+        @property
+        def plugin_creator_list(self):
+            return [types.SimpleNamespace(name=n, plugin_version="1", plugin_namespace="")
+                    for n in sorted(drv.plugins)]
+
+        def get_plugin_creator(self, name, version, namespace=""):
+            return (types.SimpleNamespace(name=name, plugin_version=version)
+                    if name in drv.plugins else None)
+
+    if version_tuple(p) >= (8, 6):  # IPluginRegistry::loadLibrary arrived in 8.6
+        def load_library(self, path):
+            drv.libraries.append(path)
+            drv.plugins.update(drv.library_plugins.get(os.path.basename(path), ()))
+            return types.SimpleNamespace(path=path)
+        Registry.load_library = load_library
+
+    registry = Registry()
+    trt.init_libnvinfer_plugins = init_libnvinfer_plugins
+    trt.get_plugin_registry = lambda: registry
     from tests.fake_trt_builder import add_builder  # they read this module's tables
     from tests.fake_trt_runtime import add_runtime
 

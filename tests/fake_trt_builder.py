@@ -23,6 +23,11 @@ _OP_LAYER = {"Conv": "CONVOLUTION", "Relu": "ACTIVATION", "Sigmoid": "ACTIVATION
              "Softmax": "SOFTMAX", "Shape": "SHAPE", "Constant": "CONSTANT",
              "Gather": "GATHER", "Identity": "IDENTITY", "Reshape": "SHUFFLE"}
 _INT8_CAPABLE = ("CONVOLUTION", "MATRIX_MULTIPLY", "FULLY_CONNECTED")
+# Layer types DLA runs (TensorRT's "DLA supported layers", abridged); anything else, a plugin
+# or a layer with integer outputs is GPU-only.
+_DLA_CAPABLE = ("CONVOLUTION", "DECONVOLUTION", "FULLY_CONNECTED", "ACTIVATION", "POOLING",
+                "LRN", "SCALE", "ELEMENTWISE", "CONCATENATION", "RESIZE", "UNARY", "SLICE",
+                "SOFTMAX", "SHUFFLE", "REDUCE")
 
 
 def add_builder(trt, p, drv):
@@ -94,8 +99,9 @@ def add_builder(trt, p, drv):
             self.outputs.append(tensor)
 
     class ParserError(object):
-        def __init__(self, desc):
+        def __init__(self, desc, node=-1):
             self._desc = desc
+            self._node = node
 
         def code(self):
             return "ErrorCode.UNSUPPORTED_NODE"
@@ -104,7 +110,7 @@ def add_builder(trt, p, drv):
             return self._desc
 
         def node(self):
-            return -1
+            return self._node
 
     class OnnxParser(object):
         def __init__(self, network, logger):
@@ -133,21 +139,33 @@ def add_builder(trt, p, drv):
                 net.inputs.append(Tensor(vi.name, getattr(trt, _ONNX_TO_ALIAS[
                     vi.type.tensor_type.elem_type]), dims))
             by_name = {t.name: t for t in net.inputs}
-            for node in model.graph.node:
+            for index, node in enumerate(model.graph.node):
+                plugin = node.domain not in ("", "ai.onnx") or not onnx.defs.has(node.op_type)
+                if plugin and node.op_type not in drv.plugins:
+                    # onnx-tensorrt: an op without an importer is looked up in the plugin
+                    # registry; not registered there, the node is unsupported.
+                    self.errors.append(ParserError(
+                        "No importer registered for op: {}. Attempted to import as plugin: "
+                        "Plugin not found, are the plugin name, version, and namespace "
+                        "correct?".format(node.op_type), index))
+                    return False
                 if node.op_type == "Cast":
                     kind = p["cast_layer"]
                     to = helper.get_attribute_value(
                         [a for a in node.attribute if a.name == "to"][0])
                     dtype = getattr(trt, _ONNX_TO_ALIAS[to])
                 else:
-                    kind = _OP_LAYER.get(node.op_type, "ELEMENTWISE")
+                    kind = "PLUGIN_V2" if plugin else _OP_LAYER.get(node.op_type, "ELEMENTWISE")
                     dtype = getattr(trt, _ONNX_TO_ALIAS.get(types_.get(node.output[0],
                                                                        TensorProto.FLOAT),
                                                             "float32"))
                     if node.op_type == "Shape":
                         dtype = getattr(trt, "int64", trt.int32)
-                outs = [Tensor(o, dtype) for o in node.output]
+                outs = [Tensor(o, getattr(trt, _ONNX_TO_ALIAS.get(
+                    types_.get(o, TensorProto.FLOAT), "float32"))) if plugin else Tensor(o, dtype)
+                    for o in node.output]
                 layer = Layer(node.name, getattr(trt.LayerType, kind), outs, node.op_type)
+                layer.const_weights = len(node.input) > 1 and node.input[1] in inits
                 if node.op_type == "Cast" and kind == "IDENTITY":
                     layer.output_types[0] = dtype  # the 8.x importer's setOutputType
                     layer.precision_is_set = False
@@ -192,6 +210,8 @@ def add_builder(trt, p, drv):
             self.calibration_profile = prof
 
         def create_timing_cache(self, data):
+            if data and not bytes(data).startswith(b"timing"):
+                raise RuntimeError("Failed to deserialize the timing cache: invalid data")
             return types.SimpleNamespace(data=bytes(data), serialize=lambda: b"timing",
                                          combine=lambda other, ignore: True)
 
@@ -201,6 +221,15 @@ def add_builder(trt, p, drv):
 
         def get_timing_cache(self):
             return self.timing
+
+        def can_run_on_DLA(self, layer):
+            if layer.type == getattr(trt.LayerType, "MATRIX_MULTIPLY", None):
+                return bool(getattr(layer, "const_weights", False))  # as fully connected
+            if layer.type not in [getattr(trt.LayerType, t) for t in _DLA_CAPABLE
+                                  if hasattr(trt.LayerType, t)]:
+                return False
+            return all(layer.get_output(j).dtype in (trt.float32, trt.float16)
+                       for j in range(layer.num_outputs))
 
     if api["memory_pool"]:
         def set_memory_pool_limit(self, pool, size):
@@ -289,11 +318,18 @@ def add_builder(trt, p, drv):
                         pass
                     calib.write_calibration_cache(b"TRT-calibration-cache\n")
             layers = []
+            on_dla = config.default_device_type == trt.DeviceType.DLA
             for layer in network.layers:
                 prec = choose(layer, config, strongly_typed)
+                dla = on_dla and config.can_run_on_DLA(layer)
+                if on_dla and not dla and _flag("GPU_FALLBACK") not in config.flags:
+                    emit(Severity.ERROR, "{} cannot run on DLA and GPU fallback is "
+                         "disabled".format(layer.name))
+                    return None
                 layers.append({"name": layer.name, "type": str(layer.type).split(".")[-1],
                                "precision": str(prec).split(".")[-1],
-                               "metadata": layer.metadata})
+                               "metadata": layer.metadata, "dla": dla,
+                               "plugin": layer.op if "PLUGIN" in str(layer.type) else None})
             io = [{"name": t.name, "dtype": str(t.dtype).split(".")[-1],
                    "shape": list(t.shape), "input": True} for t in network.inputs]
             io += [{"name": t.name, "dtype": str(t.dtype).split(".")[-1],

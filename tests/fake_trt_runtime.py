@@ -23,19 +23,32 @@ def add_runtime(trt, p, drv):
             words = {"FLOAT": "Float", "HALF": "Half", "INT8": "Int8", "INT32": "Int32",
                      "INT64": "Int64", "BOOL": "Bool", "BF16": "BFloat16", "FP8": "FP8"}
             layers = []
+            run = []  # consecutive DLA layers: one {ForeignNode[first...last]} of type DLA
+
+            def close_run():
+                if run:
+                    layers.append({"Name": "{{ForeignNode[{}...{}]}}".format(run[0], run[-1]),
+                                   "LayerType": "DLA", "Outputs": [], "Metadata": ""})
+                    del run[:]
+
             for layer in self.plan["layers"]:
                 if not self.plan["detailed"]:
                     layers.append(layer["name"])
                     continue
+                if layer.get("dla"):
+                    run.append(layer["name"])
+                    continue
+                close_run()
                 word = words.get(layer["precision"], layer["precision"])
                 if insp["dtype_keys"] == ["Format/Datatype"]:
                     tensor = {"Name": layer["name"] + "_out",
                               "Format/Datatype": "Row major linear " + word}
                 else:
                     tensor = {"Name": layer["name"] + "_out", "Format": "Row major linear",
-                              "Datatype": word}
+                              insp["dtype_keys"][1]: word}
                 layers.append({"Name": layer["name"], "LayerType": layer["type"],
                                "Outputs": [tensor], "Metadata": layer["metadata"]})
+            close_run()
             return json.dumps({"Layers": layers,
                                insp["io_key"]: [t["name"] for t in self.plan["io"]]})
 
@@ -137,6 +150,8 @@ def add_runtime(trt, p, drv):
             attach(logger)
             self.DLA_core = -1
             drv.runtimes.append(self)
+            if api["num_dla_cores"]:
+                self.num_DLA_cores = drv.num_dla_cores
 
         def __del__(self):
             drv.live -= 1
@@ -151,6 +166,11 @@ def add_runtime(trt, p, drv):
             if plan["version"] != p["version"]:
                 emit(Severity.ERROR, "engine built with TensorRT {}".format(plan["version"]))
                 return None
+            for layer in plan["layers"]:
+                if layer.get("plugin") and layer["plugin"] not in drv.plugins:
+                    emit(Severity.ERROR, "getPluginCreator could not find plugin: {} version: "
+                         "1".format(layer["plugin"]))
+                    return None
             core = None
             if plan["dla_core"] is not None:
                 core = self.DLA_core if self.DLA_core >= 0 else 0

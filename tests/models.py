@@ -92,3 +92,52 @@ def digits_classifier(hidden=(64, 32), seed=0, batch=None):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
     onnx.checker.check_model(model)
     return model, split
+
+
+def efficientnms_detector(path):
+    """A real detector with TensorRT's ``EfficientNMS_TRT`` plugin on its outputs, as YOLO and
+    TAO exports ship it, written with onnx-graphsurgeon: ddddocr's character detector
+    (``common_det.onnx`` in its wheel, output [1, 3549, 6]: cx, cy, w, h, objectness, class)
+    split into boxes [1, 3549, 4] and scores [1, 3549, 1] (objectness x class) feeding the
+    plugin node. Saved at ``path``; None when ddddocr or onnx-graphsurgeon is missing."""
+    import importlib.util
+    import os
+
+    spec = importlib.util.find_spec("ddddocr")
+    gs_spec = importlib.util.find_spec("onnx_graphsurgeon")
+    if spec is None or gs_spec is None or not spec.submodule_search_locations:
+        return None
+    source = os.path.join(list(spec.submodule_search_locations)[0], "common_det.onnx")
+    if not os.path.isfile(source):
+        return None
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(onnx.load(source))
+    out = graph.outputs[0]
+
+    def piece(name, start, end):
+        t = gs.Variable(name, np.float32, [1, 3549, end - start])
+        graph.nodes.append(gs.Node("Slice", name="slice_" + name, inputs=[
+            out, gs.Constant(name + "_s", np.array([start], np.int64)),
+            gs.Constant(name + "_e", np.array([end], np.int64)),
+            gs.Constant(name + "_a", np.array([2], np.int64))], outputs=[t]))
+        return t
+
+    boxes, objectness, cls = piece("boxes", 0, 4), piece("obj", 4, 5), piece("cls", 5, 6)
+    scores = gs.Variable("scores", np.float32, [1, 3549, 1])
+    graph.nodes.append(gs.Node("Mul", name="score_mul", inputs=[objectness, cls],
+                               outputs=[scores]))
+    outputs = [gs.Variable("num_detections", np.int32, [1, 1]),
+               gs.Variable("detection_boxes", np.float32, [1, 100, 4]),
+               gs.Variable("detection_scores", np.float32, [1, 100]),
+               gs.Variable("detection_classes", np.int32, [1, 100])]
+    graph.nodes.append(gs.Node("EfficientNMS_TRT", name="nms", inputs=[boxes, scores],
+                               outputs=outputs, attrs={
+                                   "plugin_version": "1", "background_class": -1,
+                                   "max_output_boxes": 100, "score_threshold": 0.25,
+                                   "iou_threshold": 0.45, "score_activation": 0,
+                                   "box_coding": 1}))
+    graph.outputs = outputs
+    graph.cleanup().toposort()
+    onnx.save(gs.export_onnx(graph), str(path))
+    return str(path)

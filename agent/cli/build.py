@@ -22,6 +22,7 @@ from agent.cli import STATE_DIR_HELP
 from agent.cli.models_location import add_models_dir_arg, models_dir
 from agent.device import config, config_schema, models_guard
 from agent.device.state_lock import check_state_dir
+from agent.engines import plugins
 from agent.engines.backends.base import (
     BACKENDS,
     CALIB_ALGORITHMS,
@@ -109,7 +110,13 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
         g.add_argument("--workspace", type=float, metavar="MIB",
                        help="builder workspace limit in MiB (tensorrt)")
         g.add_argument("--dla-core", type=int, metavar="N",
-                       help="build for DLA core N (tensorrt)")
+                       help="build for DLA core N (tensorrt; needs fixed --shapes)")
+        g.add_argument("--dla-no-gpu-fallback", action="store_true",
+                       help="with --dla-core: fail the build when a layer cannot run on the "
+                            "DLA instead of moving it to the GPU (trtexec's default)")
+        g.add_argument("--plugin", action="append", default=[], metavar="LIB.so",
+                       help="a TensorRT plugin library the model needs (repeatable); it must "
+                            "lie in the models directory, and is pinned by its SHA-256")
     g = p.add_argument_group("where and how")
     # compare and search take the detected platform's backend without an import check.
     g.add_argument("--backend", choices=BACKENDS,
@@ -179,6 +186,7 @@ def plan_from_args(args: argparse.Namespace, precision: Optional[str] = None) ->
         workspace_bytes=int(args.workspace * (1 << 20)) if getattr(args, "workspace", None)
         else None,
         dla_core=getattr(args, "dla_core", None),
+        dla_gpu_fallback=not getattr(args, "dla_no_gpu_fallback", False),
     )
     if plan.needs_calibration:
         if calibration is None:
@@ -264,6 +272,8 @@ def build_from_args(args: argparse.Namespace, model: str
     plan = plan_from_args(args, decision.plan_precision)
     backend = make_backend(backend_name, args.threads)
     cache, state = open_cache(args)
+    if getattr(args, "plugin", None):  # loaded only from the models directory, pinned
+        plan.plugins = plugins.check_libraries(args.plugin, models_dir(args, state))
     record = build_engine(os.path.abspath(model), plan, backend, cache,
                           info.fingerprint(backend_name), progress=progress_for(args),
                           calibration_dir=os.path.join(state, "calibration"),
@@ -371,7 +381,8 @@ def save_engine(path: str, model: str, record: EngineRecord, backend: Backend,
     meta = model_meta.build(label.strip("-.")[:64] or "model", sha[:12], sha, result,
                             info.to_dict(), info.fingerprint(backend.name), None, time.time(),
                             "committed", sha256_file(path), os.path.getsize(path),
-                            dla_core=dla_core, shapes=shapes)
+                            dla_core=dla_core, shapes=shapes,
+                            plugins=((record.result or {}).get("details") or {}).get("plugins"))
     atomic_write(path + ".json", (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
     return path
 

@@ -5,7 +5,8 @@ limits, before any download; then hand it to the downloads. A cancel job interru
 is finished here."""
 
 import logging
-from typing import Any, Callable, Dict, Optional
+import os
+from typing import Any, Callable, Dict, List, Optional
 
 from agent.device.config import Config
 from agent.device.daemon_state import DaemonState
@@ -103,6 +104,22 @@ class JobScheduler:
                 type(exc).__name__, exc)))
         self.show_activity()
 
+    def _plugins(self, wanted: List[Dict[str, str]]) -> List[Dict[str, str]]:
+        """A job's plugin libraries: files of ``<models dir>/plugins/`` (nowhere else) whose
+        content is the SHA-256 the signed job pins (``plugin_digest_mismatch`` otherwise)."""
+        from agent.engines import plugins
+
+        root = self.cfg.models_dir
+        out = []
+        for item in wanted:
+            entry = plugins.check_library(os.path.join(root, "plugins", item["file"]), root)
+            if entry["sha256"] != item["sha256"]:
+                raise AgentError("plugin_digest_mismatch", "plugin library {}: expected sha256 "
+                                 "{} (the job's), found {}".format(entry["path"], item["sha256"],
+                                                                   entry["sha256"]))
+            out.append(entry)
+        return out
+
     def _check(self, run: Run) -> None:
         """Platform decision (before any download) and limits."""
         from agent import platform
@@ -110,6 +127,8 @@ class JobScheduler:
 
         doc = run.doc
         run.plan = job_semantics.plan_dict(doc)
+        if run.plan.get("plugins"):
+            run.plan["plugins"] = self._plugins(run.plan["plugins"])
         request = [run.plan["precision"]] + list(doc.get("fallback") or [])
         decision = platform.decide(request, self.platform, "reject", backend=self.backend,
                                    buildable=BUILDABLE)

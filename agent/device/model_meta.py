@@ -18,19 +18,21 @@ MAX_PROFILE_INPUTS = 64  # as many as a job's plan.shapes may name
 META_KEYS = ("schema_version", "name", "version", "model_sha256", "engine_key", "precision",
              "layer_precisions", "inputs", "outputs", "backend", "tensorrt", "jetpack", "board",
              "portability", "gate", "throughput_qps", "job_id", "activated", "state",
-             "engine_sha256", "engine_size", "profiles", "built_by")
+             "engine_sha256", "engine_size", "profiles", "built_by", "plugins")
 
 
 def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
           platform: Mapping[str, Any], fingerprint: Mapping[str, Any], job_id: Optional[str],
           activated: float, state: str, engine_sha256: str, engine_size: int,
           dla_core: Optional[int] = None, shapes: Optional[Mapping[str, Any]] = None,
-          built_by: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+          built_by: Optional[Mapping[str, Any]] = None,
+          plugins: Optional[List[Mapping[str, Any]]] = None) -> Dict[str, Any]:
     """The meta.json document. ``result``: the worker's deploy result (engine_key, precision,
     layers_kept, io, accuracy, throughput_qps, backend); ``platform``: the birth status's
     platform (board, jetpack, tensorrt); ``fingerprint``: the platform fingerprint (gpu,
     compute_capability, cuda, tensorrt, sm_count); ``dla_core``: the job's plan's (None: GPU);
-    ``shapes``: the plan's optimisation profile, input -> [min, opt, max]."""
+    ``shapes``: the plan's optimisation profile, input -> [min, opt, max]; ``plugins``: the
+    plan's TensorRT plugin libraries ({path, sha256}), which the app must load too."""
     io: Dict[str, Any] = result["io"] if isinstance(result.get("io"), dict) else {}
     accuracy = result.get("accuracy") if isinstance(result.get("accuracy"), dict) else None
     gate: Dict[str, Any] = {"passed": None if accuracy is None else bool(accuracy.get("passed"))}
@@ -71,6 +73,9 @@ def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
         # An engine adopted from the fleet: who built it and the signature that binds it to
         # them (None: built on this device).
         "built_by": dict(built_by) if built_by else None,
+        "plugins": [{"path": str(p.get("path") or "")[:4096],
+                     "sha256": str(p.get("sha256") or "")[:64]}
+                    for p in (plugins or [])[:8] if isinstance(p, Mapping)],
     }
 
 

@@ -246,7 +246,8 @@ class ModelSwitch(object):
             return model_meta.build(name, version, model_sha, result, platform, fingerprint,
                                     run.job_id, activated, "pending", engine_sha, engine_size,
                                     dla_core=plan.get("dla_core"), shapes=plan.get("shapes"),
-                                    built_by=built_by)
+                                    built_by=built_by,
+                                    plugins=(run.plan or {}).get("plugins"))  # with paths
 
         self.writing[token] = (run, result)
 

@@ -6,6 +6,8 @@ models: the journal says which version is active, this module makes the disk say
     <models_dir>/<name>/<version>/model.engine   hard link to the engine cache's file
                                   model.onnx     hard link to the artifact store's model
                                   meta.json      agent.device.model_meta
+                                  model.engine.dla-core / .platform.json / .plugins.json
+                                                 the engine's sidecars, when it has them
     <models_dir>/<name>/current -> <version>     relative symlink
 
 A version directory is written under a temporary name (``.tmp-<version>``), every file and the
@@ -24,6 +26,7 @@ import shutil
 import stat
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
 
+from agent.engines.share import SIDECARS
 from agent.errors import AgentError
 from agent.fsio import fsync_dir, sha256_file
 
@@ -95,6 +98,9 @@ class ModelsDir(object):
         os.makedirs(tmp)
         try:
             _link_or_copy(engine, os.path.join(tmp, ENGINE))
+            for suffix in SIDECARS:  # the DLA core, platform record, plugin list: the app's too
+                if os.path.isfile(engine + suffix):
+                    _link_or_copy(engine + suffix, os.path.join(tmp, ENGINE + suffix))
             if onnx:
                 _link_or_copy(onnx, os.path.join(tmp, ONNX))
             if calibration and os.path.isfile(calibration):

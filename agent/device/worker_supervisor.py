@@ -113,6 +113,12 @@ class WorkerSupervisor:
         run.work_dir = os.path.join(self.state_dir, "work", run.job_id)
         os.makedirs(run.work_dir, exist_ok=True)
         paths, refused = shared_engine_paths(run, self.engine_class())
+        if "plugin" in paths:  # a signed plugin artifact: loaded only from the models dir
+            from agent.engines import plugins
+
+            entry = plugins.install_library(paths.pop("plugin"), run.needed["plugin"][0],
+                                            self.cfg.models_dir)
+            run.plan = dict(run.plan, plugins=list(run.plan.get("plugins") or []) + [entry])
         spec = jobs.make_spec(
             run.job_id, run.kind, run.plan, paths, run.backend, run.work_dir,
             os.path.join(self.cfg.cache_dir, "engines"),

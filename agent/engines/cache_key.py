@@ -42,6 +42,9 @@ def cache_key(
     if calibration:
         for field in _CALIBRATION_PATH_FIELDS:
             calibration.pop(field, None)
+    # A plugin library enters by its content (moving it must not change the key).
+    if plan_dict.get("plugins"):
+        plan_dict["plugins"] = sorted(str(p.get("sha256")) for p in plan_dict["plugins"])
     doc = {
         "format": FORMAT,
         "model": model_digest,
@@ -76,8 +79,18 @@ def platform_mismatches(recorded: Dict[str, str], here: Dict[str, str]
     """(field, this device's value, the engine's value) for each field of ``PLATFORM_FIELDS``
     where an engine built on ``recorded`` cannot run ``here``. Unknown values ("") are not
     mismatches, a newer CUDA driver here is not one (drivers run older CUDA), and a
-    version-compatible engine runs on a later TensorRT of the same major version."""
-    free = set(_HW_COMPAT_FREE.get(str(recorded.get("hardware_compatibility") or ""), ()))
+    version-compatible engine runs on a later TensorRT of the same major version.
+
+    The compatibility settings relax only what TensorRT says they do: an ``ampere_plus``
+    engine runs on Ampere and later GPUs only (compute capability >= 8.0 here); neither
+    setting applies to a DLA engine (TensorRT: not supported with DLA), nor version
+    compatibility before 8.6 (the flag arrived then). The CUDA runtime may differ in its minor
+    version (CUDA's minor version compatibility), not in its major."""
+    level = str(recorded.get("hardware_compatibility") or "")
+    dla = str(recorded.get("dla_core") or "").isdigit()
+    free = set() if dla else set(_HW_COMPAT_FREE.get(level, ()))
+    if level == "ampere_plus" and _vkey(str(here.get("compute_capability") or "0")) < (8, 0):
+        free = set()
     out = []
     for field in PLATFORM_FIELDS:
         want, found = str(here.get(field) or ""), str(recorded.get(field) or "")
@@ -92,7 +105,10 @@ def platform_mismatches(recorded: Dict[str, str], here: Dict[str, str]
             continue
         if field == "cuda_driver" and _vkey(want) >= _vkey(found):
             continue
+        if field == "cuda_runtime" and _vkey(want)[:1] == _vkey(found)[:1]:
+            continue
         if field == "tensorrt" and str(recorded.get("version_compatible")) == "true" and \
+                not dla and _vkey(found) >= (8, 6) and \
                 _vkey(want)[:1] == _vkey(found)[:1] and _vkey(want) >= _vkey(found):
             continue
         out.append((field, want, found or "-"))

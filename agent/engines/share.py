@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"JAENGINE1\n"
 MAX_HEADER = 256 * 1024
 # Files kept beside an engine (``<engine><suffix>``) that travel with it.
-SIDECARS = (".dla-core", ".platform.json")
+SIDECARS = (".dla-core", ".platform.json", ".plugins.json")
 MAX_SIDECAR = 16 * 1024
 
 

@@ -32,6 +32,11 @@ def plan_dict(doc: Mapping[str, Any]) -> Dict[str, Any]:
         "workspace_bytes": plan.get("workspace_bytes"),
         "dla_core": plan.get("dla_core"),
     }
+    # Sent only when asked for, so a plan without them reads (and keys) as before.
+    if plan.get("dla_gpu_fallback") is False:
+        out["dla_gpu_fallback"] = False
+    if plan.get("plugins"):
+        out["plugins"] = [{"file": p["file"], "sha256": p["sha256"]} for p in plan["plugins"]]
     calib = plan.get("calibration")
     needs = out["precision"] in ("int8", "best") or "int8" in out["layer_precisions"].values()
     if calib or needs:

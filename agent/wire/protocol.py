@@ -22,7 +22,7 @@ from agent.wire.json_schema import Validator, json_type, short
 PROTOCOL_VERSION = 1
 
 JOB_KINDS = ("deploy", "search", "bench", "cancel")
-ARTIFACT_ROLES = ("model", "calibration", "inputs", "goldens", "labels", "engine")
+ARTIFACT_ROLES = ("model", "calibration", "inputs", "goldens", "labels", "plugin", "engine")
 STATES = ("QUEUED", "IN_PROGRESS", "SUCCEEDED", "FAILED", "REJECTED", "CANCELED", "TIMED_OUT")
 TERMINAL_STATES = frozenset(("SUCCEEDED", "FAILED", "REJECTED", "CANCELED", "TIMED_OUT"))
 STAGES = ("downloading", "checking", "calibrating", "building", "verifying", "searching",

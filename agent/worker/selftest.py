@@ -62,6 +62,10 @@ EXAMPLES: Dict[str, Dict[str, Any]] = {
         "labels": "labels.npy",
         "top1": 0.95,
         "shapes": {"input": ((1, 64), (54, 64), (54, 64))},
+        # DLA has no dynamic shapes: one fixed profile (the inputs' batch of 54), and the row
+        # passes only when these nodes run on the DLA (GPU fallback would hide it).
+        "dla": {"shapes": {"input": ((54, 64), (54, 64), (54, 64))},
+                "layers": ["fc0", "relu0", "fc1", "relu1", "fc_out"]},
     },
 }
 CALIB_BATCH = 32
@@ -71,6 +75,8 @@ FIX_FAILED = ("run `jetson-agent compare {model} --{precision} --load-inputs {in
 FIX_MISMATCH = ("the device and the host emulation disagree on {precision}: attach this "
                 "report (both verdicts are in it) to the bug report")
 FIX_BUILD = "see docs/errors.md ({code}); attach this report to the bug report"
+FIX_DLA = ("build with --dla-no-gpu-fallback to see why TensorRT refuses those layers on the "
+           "DLA (docs/tensorrt.md, DLA), and attach this report to the bug report")
 
 
 def _versions(info: Any, backend: str) -> Dict[str, Optional[str]]:
@@ -153,9 +159,10 @@ class Selftest(object):
                 os.path.join(self.examples_dir, example, str(spec["calib"])), "entropy2",
                 batch_size=CALIB_BATCH)
         layers = dict(spec["layers"].get(precision, {}))
+        shapes = spec["dla"]["shapes"] if dla_core is not None else spec.get("shapes")
         return BuildPlan(precision=precision, layer_precisions=layers,
                          precision_constraints="obey" if layers else "none",
-                         calibration=calibration, shapes=dict(spec.get("shapes") or {}),
+                         calibration=calibration, shapes=dict(shapes or {}),
                          dla_core=dla_core)
 
     # -- one row ----------------------------------------------------------------------------
@@ -179,6 +186,8 @@ class Selftest(object):
         out["build"] = {"seconds": round(time.monotonic() - started, 3),
                         "calibrated": bool(record.result.get("calibrated")),
                         "mismatches": [list(m) for m in record.result.get("mismatches") or []]}
+        if plan.dla_core is not None:
+            out["placement"] = _placement(spec, record.result)
         started = time.monotonic()
         with backend.open(record.engine_path) as runner:
             outputs = [runner.infer(feed) for feed in inputs]
@@ -207,7 +216,7 @@ class Selftest(object):
                                 "p99_ms": b["latency_ms"].get("p99"),
                                 "inferences_per_second":
                                     b["throughput"]["inferences_per_second"]}
-        out["passed"] = passed
+        out["passed"] = passed and out.get("placement", {}).get("passed", True)
         return out
 
     def row(self, example: str, precision: str, dla_core: Optional[int] = None
@@ -231,7 +240,13 @@ class Selftest(object):
             return row
         row.update(got)
         row["status"] = "passed" if got["passed"] else "failed"
-        if not got["passed"]:
+        placement = got.get("placement") or {}
+        if placement and not placement["passed"]:
+            self.problem("{} {}{}: {} ran on the GPU, not the DLA".format(
+                example, precision, _dla(dla_core),
+                ", ".join(placement["on_gpu"]) or "the placement is unknown"),
+                FIX_DLA, "dla")
+        elif not got["passed"]:
             folder = os.path.join("examples", example)
             self.problem("{} {}{} does not match its goldens{}".format(
                 example, precision, _dla(dla_core), _why(got)), FIX_FAILED.format(
@@ -311,6 +326,18 @@ class Selftest(object):
             "problems": self.problems,
             "ok": counts["failed"] == 0 and counts["error"] == 0,
         })
+
+
+def _placement(spec: Dict[str, Any], result: Dict[str, Any]) -> Dict[str, Any]:
+    """Whether the layers the example expects on the DLA are there: in TensorRT's placement
+    (``can_run_on_DLA``) and, where the engine inspector shows DLA layers, in the engine."""
+    placement = (result.get("details") or {}).get("dla_placement") or {}
+    expected = list(spec["dla"]["layers"])
+    on_dla = set(placement.get("dla") or [])
+    if placement.get("engine_dla"):
+        on_dla &= set(placement["engine_dla"])
+    missing = [n for n in expected if n not in on_dla]
+    return {"expected": expected, "on_gpu": missing, "passed": bool(placement) and not missing}
 
 
 def _dla(core: Optional[int]) -> str:

@@ -151,6 +151,8 @@ def test_cache_ls_verify_purge(work, tmp_path):
     (["build", "{digits}", "--int8", "--calib", "{root}/no-such-dir"], "file_not_found"),
     (["build", "{digits}", "--fp16", "--layer-precisions", "Add"], "bad_argument"),
     (["build", "{digits}", "--shapes", "input:1xA"], "bad_argument"),
+    # a plugin library runs inside the worker: only from the models directory (issue 34)
+    (["build", "{digits}", "--plugin", "{root}/libnms.so"], "plugin_path_refused"),
     (["cache", "purge"], "bad_argument"),
     (["bench", "{digits}", "--iterations", "0"], "bad_argument"),
 ])

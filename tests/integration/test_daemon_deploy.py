@@ -88,3 +88,32 @@ def test_deploy_int8_then_cache_hit(controller, agent_factory, digits_files):
     offline = controller.wait_for(
         lambda: [s for s in controller.device_status if s["online"] is False], 10, "offline")
     assert offline[-1]["reason"] == "shutdown"
+
+
+def test_a_plugin_artifact_is_installed_in_the_models_directory_and_named_in_meta(
+        controller, agent_factory, digits_files, tmp_path):
+    """Issue 34: a job ships a TensorRT plugin library as a signed artifact (SHA-256 pinned
+    like the model): the daemon installs it as <models dir>/plugins/<sha256>.so, the only
+    place plugins load from, and the version's meta.json names it for the app (DeepStream's
+    custom-lib-path, Triton's plugin preload). The host backend runs the plain model."""
+    import json
+
+    from agent.engines.plugins import sha256_of
+
+    lib = tmp_path / "libnms_plugin.so"
+    lib.write_bytes(b"\x7fELF a plugin library")
+    sha = sha256_of(str(lib))
+    agent = agent_factory().start()
+    files = {"model": digits_files["model"], "plugin": str(lib)}
+    doc = deploy_doc(controller, files, "plugin-1", plan={"precision": "fp32"},
+                     bench={"iterations": 5, "warmup": 1})
+    del doc["gate"]  # no inputs or goldens: nothing to compare
+    controller.send_job(doc)
+    final = controller.wait_state("plugin-1", protocol.TERMINAL_STATES, timeout=120)
+    assert final["state"] == "SUCCEEDED", (final, agent.log_tail())
+    installed = os.path.join(agent.state_dir, "models", "plugins", sha + ".so")
+    assert sha256_of(installed) == sha
+    name = "sha-" + doc["artifacts"]["model"]["sha256"][:12]
+    with open(os.path.join(agent.state_dir, "models", name, "current", "meta.json")) as f:
+        assert json.load(f)["plugins"] == [{"path": installed, "sha256": sha}]
+    assert agent.stop() == 0

@@ -98,3 +98,39 @@ def test_on_a_device_each_row_is_checked_against_the_host_emulation(tmp_path, mo
     dla = [r for r in report["results"] if r["dla_core"] == 0]
     assert [r["precision"] for r in dla] == ["fp16", "int8"] and report["dla"]["rows"] == 2
     assert not report["ok"]
+
+
+def test_a_dla_row_passes_only_when_its_layers_run_on_the_dla(tmp_path, monkeypatch):
+    """Issue 34: the DLA rows build with one fixed profile (DLA has no dynamic shapes) and
+    check placement: the fake's DLA takes the digits MLP's Gemm (constant weights, as fully
+    connected) and Relu layers; with Gemm refused, GPU fallback would move them silently and
+    the row must fail naming them."""
+    from agent.engines.backends import tensorrt_network
+    from tests import fake_trt
+
+    monkeypatch.setattr(tensorrt_network, "_LOGGER", None)
+    trt, _ = fake_trt.install(monkeypatch, "8.5", num_dla_cores=1)
+    info = for_row("agx-orin")
+    info.tensorrt, info.jetpack = "8.5.2.2", "5.1.2"
+    st = _dla_selftest(info, tmp_path / "a")
+    row = st.row("digits", "fp16", dla_core=0)
+    profiles = trt._driver.builds[-1]["profiles"]
+    assert profiles == [{"input": [[54, 64], [54, 64], [54, 64]]}]
+    assert row["placement"] == {"expected": ["fc0", "relu0", "fc1", "relu1", "fc_out"],
+                                "on_gpu": [], "passed": True}
+    original = trt.IBuilderConfig.can_run_on_DLA
+    monkeypatch.setattr(trt.IBuilderConfig, "can_run_on_DLA", lambda self, layer: (
+        layer.op != "Gemm" and original(self, layer)))
+    st = _dla_selftest(info, tmp_path / "b")
+    row = st.row("digits", "fp16", dla_core=0)
+    assert row["status"] == "failed" and row["placement"]["on_gpu"] == ["fc0", "fc1", "fc_out"]
+    [problem] = [p for p in st.problems if p["where"] == "dla"]
+    assert "fc0, fc1, fc_out ran on the GPU" in problem["problem"]
+
+
+def _dla_selftest(info, scratch):
+    st = selftest.Selftest(info, str(scratch), bench_iterations=1)
+    st.scratch = str(scratch)
+    st._open_backends()
+    st.emulation = None  # the device rows only
+    return st

@@ -156,3 +156,30 @@ def test_the_sharing_class_separates_modules_and_releases():
     old = device_class(_status("agx-orin", "Jetson AGX Orin 64GB", engine_class=False))
     new = device_class(_status("agx-orin", "Jetson AGX Orin 64GB"))
     assert old.startswith("v1|") and new.startswith("v2|") and old != new
+
+
+def test_compatibility_settings_relax_only_what_tensorrt_allows_and_cuda_minors_pass():
+    """Issue 34: an ampere_plus engine needs an Ampere+ GPU here; neither setting covers a DLA
+    engine, nor version compatibility before 8.6; a CUDA runtime of another minor version of
+    the same major runs the engine (CUDA minor version compatibility), another major does
+    not."""
+    here = {"tensorrt": "10.3.0", "gpu": "Orin", "compute_capability": "8.7", "sm_count": "16",
+            "cuda_runtime": "12.6", "cuda_driver": "12.6", "dla_cores": "2",
+            "hardware_compatibility": "none", "version_compatible": "false"}
+    volta = dict(here, gpu="Xavier", compute_capability="7.2", sm_count="8")
+    ampere_plus = dict(here, gpu="A100", compute_capability="8.0", sm_count="108",
+                       hardware_compatibility="ampere_plus")
+    assert [m[0] for m in platform_mismatches(ampere_plus, volta)] == [
+        "gpu", "compute_capability", "sm_count"]
+    dla_plus = dict(ampere_plus, dla_core="0")
+    assert [m[0] for m in platform_mismatches(dla_plus, here)] == [
+        "gpu", "compute_capability", "sm_count"]
+    dla_compatible = dict(here, tensorrt="10.1.0", version_compatible="true", dla_core="0")
+    assert [m[0] for m in platform_mismatches(dla_compatible, here)] == ["tensorrt"]
+    old = dict(here, tensorrt="8.5.2", version_compatible="true")
+    assert [m[0] for m in platform_mismatches(old, dict(here, tensorrt="8.6.1"))] == [
+        "tensorrt"]
+    assert platform_mismatches(dict(here, cuda_runtime="12.2"), here) == []
+    assert platform_mismatches(dict(here, cuda_runtime="12.8"), here) == []
+    assert [m[0] for m in platform_mismatches(dict(here, cuda_runtime="11.4"), here)] == [
+        "cuda_runtime"]

@@ -10,6 +10,8 @@ and posts the outcome back. Failures raise AgentError("handoff_failed", ...).
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional
 
+from agent.errors import AgentError
+
 
 @dataclass(frozen=True)
 class ModelVersion:
@@ -50,3 +52,43 @@ def from_config(section: Mapping[str, Any], where: str) -> Adapter:  # pragma: n
     """Per adapter module: build the adapter of one ``handoff:`` entry; validates its own keys
     (AgentError bad_config naming ``where``.key)."""
     raise NotImplementedError
+
+
+# -- what an engine's meta.json tells every adapter (pure) -----------------------------------
+
+def engine_batch_max(meta: Mapping[str, Any]) -> Optional[int]:
+    """The largest batch the engine's optimisation profile takes: the smallest profile max of
+    the inputs' first dimension (None when meta.json has no profile)."""
+    found: List[int] = []
+    for profile in meta.get("profiles") or []:
+        inputs = profile.get("inputs") if isinstance(profile, Mapping) else None
+        for triple in (inputs or {}).values() if isinstance(inputs, Mapping) else []:
+            hi = triple.get("max") if isinstance(triple, Mapping) else None
+            if isinstance(hi, list) and hi and isinstance(hi[0], int):
+                found.append(hi[0])
+    return min(found) if found else None
+
+
+def check_batch_size(new: ModelVersion, batch: int, key: str) -> None:
+    """``batch_size_exceeds_profile`` when the app would send batches the engine's profile
+    does not take (Triton refuses such a model at load; nvinfer fails at its first batch)."""
+    most = engine_batch_max(new.meta)
+    if most is not None and batch > most:
+        raise AgentError(
+            "batch_size_exceeds_profile",
+            "{} {} for {}@{}: expected at most {}, the engine's profile maximum (first input "
+            "dimension); rebuild with --shapes NAME:...,...,{}x... or lower {}".format(
+                key, batch, new.name, new.version, most, batch, key),
+            {"batch_size": batch, "profile_max": most})
+
+
+def dla_core(meta: Mapping[str, Any]) -> Optional[int]:
+    """The DLA core the engine was built for (meta.json's portability), None: the GPU."""
+    core = (meta.get("portability") or {}).get("dla_core")
+    return core if isinstance(core, int) and not isinstance(core, bool) and core >= 0 else None
+
+
+def plugin_libraries(meta: Mapping[str, Any]) -> List[str]:
+    """The TensorRT plugin libraries the engine needs (meta.json's ``plugins``)."""
+    return [str(p["path"]) for p in meta.get("plugins") or []
+            if isinstance(p, Mapping) and isinstance(p.get("path"), str) and p["path"]]

@@ -5,10 +5,13 @@ Owns two files named in the config: ``config`` (the nvinfer config: the user's `
 any, with the ``[property]`` keys below replaced, else a ``[property]`` group with only them) and,
 optionally, ``override`` (the file passed to ``deepstream-test5-app -o``). Keys written:
 ``model-engine-file`` (the version folder's engine), ``network-mode`` (0 FP32, 1 INT8, 2 FP16,
-from meta.json's precision), ``batch-size``, ``gpu-id``, ``int8-calib-file`` (INT8 only, when the
-version folder holds ``calibration.cache`` or the config names one), ``enable-dla`` /
-``use-dla-core`` (engines built for a DLA core), and ``onnx-file`` only with ``onnx_file: true``
-(it lets nvinfer rebuild an engine nobody gated when the engine does not fit).
+from meta.json's precision; ``best`` is INT8), ``batch-size`` (at most the engine profile's
+maximum batch: ``batch_size_exceeds_profile``), ``gpu-id``, ``int8-calib-file`` (INT8 only, when
+the version folder holds ``calibration.cache`` or the config names one), ``enable-dla`` /
+``use-dla-core`` (engines built for a DLA core), ``custom-lib-path`` (the TensorRT plugin library
+the engine needs, from meta.json's ``plugins``; nvinfer loads one), and ``onnx-file`` only with
+``onnx_file: true`` (it lets nvinfer rebuild an engine nobody gated when the engine does not
+fit).
 
 The override file is a deepstream-app config with a ``[primary-gie]`` group (``enable=1``,
 ``config-file``, ``model-engine-file``). test5 re-reads it on inotify events: a close-after-write
@@ -40,7 +43,13 @@ import tempfile
 import time
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
-from agent.device.handoff.base import Adapter, ModelVersion
+from agent.device.handoff.base import (
+    Adapter,
+    ModelVersion,
+    check_batch_size,
+    dla_core,
+    plugin_libraries,
+)
 from agent.device.models_dir import CALIBRATION
 from agent.errors import AgentError
 from agent.fsio import atomic_write_text, fsync_dir
@@ -50,9 +59,10 @@ KEYS = ("config", "template", "override", "batch_size", "gpu_id", "onnx_file", "
         "pipelines")
 PIPELINE_KEYS = ("config", "template", "override")
 MAX_PIPELINES = 64
-NETWORK_MODE = {"fp32": 0, "int8": 1, "fp16": 2}
+# best (int8 and fp16 allowed) is an int8 engine to nvinfer: its calibration file goes with it.
+NETWORK_MODE = {"fp32": 0, "int8": 1, "fp16": 2, "best": 1}
 MANAGED = ("model-engine-file", "network-mode", "batch-size", "gpu-id", "int8-calib-file",
-           "enable-dla", "use-dla-core", "onnx-file")
+           "enable-dla", "use-dla-core", "onnx-file", "custom-lib-path")
 MAX_TEMPLATE = 1 << 20
 DATA_LINK = "..data"
 
@@ -179,19 +189,27 @@ def property_keys(version: ModelVersion, batch_size: int = 1, gpu_id: int = 0,
     precision = str(version.meta.get("precision", "")).lower()
     if precision not in NETWORK_MODE:
         raise AgentError("handoff_failed", "meta.json of {}@{}: expected precision fp32, fp16 "
-                         "or int8 for nvinfer's network-mode, found {!r}".format(
+                         "int8 or best for nvinfer's network-mode, found {!r}".format(
                              version.name, version.version, version.meta.get("precision")))
+    check_batch_size(version, batch_size, "batch-size")
     keys = [("model-engine-file", version.engine),
             ("network-mode", str(NETWORK_MODE[precision])),
             ("batch-size", str(batch_size)), ("gpu-id", str(gpu_id))]
-    if precision == "int8":
+    if NETWORK_MODE[precision] == 1:
         in_folder = os.path.join(version.path, CALIBRATION)
         calib = in_folder if os.path.isfile(in_folder) else int8_calib_file
         if calib:
             keys.append(("int8-calib-file", calib))
-    dla = (version.meta.get("portability") or {}).get("dla_core")
-    if isinstance(dla, int) and not isinstance(dla, bool) and dla >= 0:
+    dla = dla_core(version.meta)
+    if dla is not None:
         keys += [("enable-dla", "1"), ("use-dla-core", str(dla))]
+    libraries = plugin_libraries(version.meta)
+    if len(libraries) > 1:
+        raise AgentError("handoff_failed", "{}@{} needs plugin libraries {}: expected at most "
+                         "one, nvinfer loads a single custom-lib-path".format(
+                             version.name, version.version, ", ".join(libraries)))
+    if libraries:  # nvinfer loads it before deserializing the engine
+        keys.append(("custom-lib-path", libraries[0]))
     if onnx_file:
         keys.append(("onnx-file", os.path.join(version.path, "model.onnx")))
     for key, value in keys:

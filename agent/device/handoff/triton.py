@@ -24,6 +24,10 @@ error text (None without ``url``); ``revert`` lists only the previous version an
 ``heal`` (the daemon's tick, every few seconds) asks whether each committed version is ready
 and loads again what a restarted Triton no longer has: explicit mode loads nothing at start.
 
+An engine built for a DLA core gets ``instance_group [{ kind: KIND_GPU, secondary_devices [{
+kind: KIND_NVDLA, device_id: N }] }]``; ``max_batch_size`` above the engine profile's maximum
+batch is refused (``batch_size_exceeds_profile``) before anything is written.
+
 Files are 0640 and folders 0750 (the models group reads them, as in models_dir).
 
 Config keys (``from_config``): ``repository`` (required), ``url`` (http://host:port),
@@ -36,9 +40,12 @@ loaded version costs a full load per switch; the old version still serves until 
 ready), ``backend``
 (``tensorrt``; ``python`` serves the host's emulated engine, an ONNX file, from a generated
 ``model.py`` through onnxruntime in Triton's Python backend: hosts and tests only),
-``grpc_url`` (HOST:PORT of Triton's gRPC endpoint, default port 8001: loads and unloads go there
-through ``triton_grpc``, so a load never holds a request on the HTTP endpoint the app uses; needs
-the ``grpcio`` package, the ``triton`` extra; readiness and inference checks stay on ``url``).
+``tensorrt`` (the TensorRT version Triton's tensorrt backend runs, e.g. ``8.5.2``: an engine
+built with another major.minor.patch is refused, ``tensorrt_version_mismatch``; not checked
+when absent), ``grpc_url`` (HOST:PORT of Triton's gRPC endpoint, default port 8001: loads and
+unloads go there through ``triton_grpc``, so a load never holds a request on the HTTP endpoint
+the app uses; needs the ``grpcio`` package, the ``triton`` extra; readiness and inference checks
+stay on ``url``).
 """
 
 import errno
@@ -55,7 +62,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from agent.device.handoff.base import Adapter, ModelVersion
+from agent.device.handoff.base import Adapter, ModelVersion, check_batch_size, dla_core
 from agent.errors import AgentError
 from agent.fsio import atomic_write, atomic_write_text
 
@@ -63,7 +70,7 @@ MAP_FILE = "jetson-agent-versions.json"
 MAX_RESPONSE = 64 * 1024
 MAX_MAP_BYTES = 256 * 1024
 KEYS = ("repository", "url", "max_batch_size", "instance_group", "timeout_s", "keep_versions",
-        "backend", "grpc_url", "loaded_versions")
+        "backend", "grpc_url", "loaded_versions", "tensorrt")
 KINDS = {"gpu": "KIND_GPU", "cpu": "KIND_CPU", "auto": "KIND_AUTO"}
 # numpy dtype name (meta.json) -> Triton data type (model_config.proto's DataType).
 DTYPES = {
@@ -200,6 +207,11 @@ def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
     backend = section.get("backend", "tensorrt")
     if backend not in ("tensorrt", "python"):
         raise _bad(where, "backend", "tensorrt (or python: hosts and tests)", backend)
+    tensorrt = section.get("tensorrt")
+    if tensorrt is not None and not (isinstance(tensorrt, str)
+                                     and re.match(r"^\d+\.\d+(\.\d+)*$", tensorrt)):
+        raise _bad(where, "tensorrt", "the TensorRT version Triton's tensorrt backend runs, "
+                   "e.g. 8.5.2", tensorrt)
     keep = _number(section, where, "keep_versions", 2, 1, 16)
     loaded = _number(section, where, "loaded_versions", 1, 1, 16)
     if loaded > keep:
@@ -209,7 +221,13 @@ def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
         max_batch_size=_number(section, where, "max_batch_size", 0, 0, 1 << 20),
         instance_group=instance,
         timeout_s=_number(section, where, "timeout_s", 60.0, 0.1, 3600.0, float),
-        keep_versions=keep, loaded_versions=loaded, backend=backend, grpc_url=grpc_url)
+        keep_versions=keep, loaded_versions=loaded, backend=backend, grpc_url=grpc_url,
+        tensorrt=tensorrt)
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    """major.minor.patch of a TensorRT version (a build number after them does not count)."""
+    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
 
 
 def _dims(tensor: Mapping[str, Any], max_batch_size: int, what: str) -> List[int]:
@@ -285,10 +303,23 @@ def render_config(name: str, meta: Mapping[str, Any], versions: List[int], max_b
                 tname, dtype, ", ".join(str(d) for d in dims)) for tname, dtype, dims in entries)))
     lines.append("version_policy: {{ specific: {{ versions: [ {} ] }} }}".format(
         ", ".join(str(v) for v in sorted(versions))))
-    if instance_group is not None:
-        lines.append("instance_group [\n  {{\n    count: {}\n    kind: {}\n  }}\n]".format(
-            instance_group[1], instance_group[0]))
+    group, core = _instances(meta, instance_group)
+    if group is not None:
+        dla = "" if core is None else (
+            "\n    secondary_devices [ {{ kind: KIND_NVDLA device_id: {} }} ]".format(core))
+        lines.append("instance_group [\n  {{\n    count: {}\n    kind: {}{}\n  }}\n]".format(
+            group[1], group[0], dla))
     return "\n".join(lines) + "\n"
+
+
+def _instances(meta: Mapping[str, Any], instance_group: Optional[Tuple[str, int]]
+               ) -> Tuple[Optional[Tuple[str, int]], Optional[int]]:
+    """The instance group and the DLA core: an engine built for a DLA core runs as a GPU
+    instance with the core as its secondary device (model_config.proto: KIND_NVDLA)."""
+    core = dla_core(meta)
+    if core is None:
+        return instance_group, None
+    return ("KIND_GPU", instance_group[1] if instance_group else 1), core
 
 
 def config_doc(name: str, meta: Mapping[str, Any], versions: List[int], max_batch_size: int = 0,
@@ -304,8 +335,12 @@ def config_doc(name: str, meta: Mapping[str, Any], versions: List[int], max_batc
     for section, entries in tensors(name, meta, max_batch_size).items():
         doc[section] = [{"name": t, "data_type": d, "dims": dims} for t, d, dims in entries]
     doc["version_policy"] = {"specific": {"versions": sorted(versions)}}
-    if instance_group is not None:
-        doc["instance_group"] = [{"count": instance_group[1], "kind": instance_group[0]}]
+    group, core = _instances(meta, instance_group)
+    if group is not None:
+        doc["instance_group"] = [{"count": group[1], "kind": group[0]}]
+        if core is not None:
+            doc["instance_group"][0]["secondary_devices"] = [{"kind": "KIND_NVDLA",
+                                                              "device_id": core}]
     return doc
 
 
@@ -343,8 +378,9 @@ class TritonAdapter(Adapter):
                  instance_group: Optional[Tuple[str, int]] = None, timeout_s: float = 60.0,
                  keep_versions: int = 2, backend: str = "tensorrt",
                  poll_s: float = 0.1, grpc_url: Optional[str] = None,
-                 loaded_versions: int = 1) -> None:
+                 loaded_versions: int = 1, tensorrt: Optional[str] = None) -> None:
         self.repository = repository
+        self.tensorrt = tensorrt  # what Triton's tensorrt backend runs (None: not checked)
         self.url = url
         self.grpc_url = grpc_url
         self.max_batch_size = max_batch_size
@@ -552,11 +588,31 @@ class TritonAdapter(Adapter):
     def prepare(self, new: ModelVersion, previous: Optional[ModelVersion]) -> None:
         render_config(new.name, new.meta, [1], self.max_batch_size, self.instance_group,
                       self.backend)  # refuse a meta.json Triton can't describe before any write
+        if self.max_batch_size > 0:
+            check_batch_size(new, self.max_batch_size, "max_batch_size")
+        if self.backend == "tensorrt":
+            self._check_tensorrt(new)
         try:
             self._add_version(new)
         except OSError as exc:
             raise AgentError("handoff_failed", "expected to write {}'s Triton version folder "
                              "under {}, found {}".format(new.name, self.repository, exc))
+
+    def _check_tensorrt(self, new: ModelVersion) -> None:
+        """``tensorrt_version_mismatch`` when Triton's TensorRT is not the engine's: a plan
+        loads only under the TensorRT major.minor.patch it was built with (Triton's docs)."""
+        built = str((new.meta.get("portability") or {}).get("tensorrt") or
+                    new.meta.get("tensorrt") or "")
+        if not self.tensorrt or not built:
+            return
+        if _release(built) != _release(self.tensorrt):
+            raise AgentError(
+                "tensorrt_version_mismatch",
+                "{}@{}: the engine was built with TensorRT {}, Triton's tensorrt backend runs "
+                "{} (handoff tensorrt); expected the same major.minor.patch: rebuild the "
+                "engine under Triton's TensorRT or run a Triton built with {}".format(
+                    new.name, new.version, built, self.tensorrt, built),
+                {"engine": built, "triton": self.tensorrt})
 
     def _kept(self, new_number: int, name: str, previous: Optional[ModelVersion],
               exclude: Optional[int] = None) -> List[int]:

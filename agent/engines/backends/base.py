@@ -127,6 +127,8 @@ class BuildPlan(object):
         workspace_bytes: Optional[int] = None,
         dla_core: Optional[int] = None,
         mark_outputs: Optional[List[str]] = None,
+        plugins: Optional[List[Dict[str, str]]] = None,
+        dla_gpu_fallback: bool = True,
     ) -> None:
         self.precision = _choice("precision", precision, PRECISIONS)
         self.layer_precisions = dict(layer_precisions or {})
@@ -139,13 +141,17 @@ class BuildPlan(object):
         self.workspace_bytes = workspace_bytes
         self.dla_core = dla_core
         self.mark_outputs = list(mark_outputs or [])
+        # TensorRT plugin libraries to load before parsing: {path, sha256} (agent.engines.plugins)
+        self.plugins = [dict(p) for p in plugins or []]
+        # --dla-no-gpu-fallback: a layer DLA cannot run fails the build instead of moving.
+        self.dla_gpu_fallback = bool(dla_gpu_fallback)
 
     @property
     def needs_calibration(self) -> bool:
         return self.precision in ("int8", "best") or "int8" in self.layer_precisions.values()
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
+        out: Dict[str, Any] = {
             "precision": self.precision,
             "layer_precisions": dict(sorted(self.layer_precisions.items())),
             "precision_constraints": self.precision_constraints,
@@ -155,6 +161,12 @@ class BuildPlan(object):
             "dla_core": self.dla_core,
             "mark_outputs": list(self.mark_outputs),
         }
+        # Only when set, so the engine-cache keys of plans without them stay as they were.
+        if self.plugins:
+            out["plugins"] = [dict(p) for p in self.plugins]
+        if not self.dla_gpu_fallback:
+            out["dla_gpu_fallback"] = False
+        return out
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "BuildPlan":
@@ -172,6 +184,8 @@ class BuildPlan(object):
             workspace_bytes=d.get("workspace_bytes"),
             dla_core=d.get("dla_core"),
             mark_outputs=d.get("mark_outputs"),
+            plugins=d.get("plugins"),
+            dla_gpu_fallback=d.get("dla_gpu_fallback", True),
         )
 
     def with_layers(self, layers: Iterable[str], precision: str = "float32") -> "BuildPlan":

@@ -75,6 +75,9 @@ def parse_model(data: bytes, source: str = "model",
     return model
 
 
+_PLUGIN_DOMAIN = "jetson-agent.trt-plugin"  # only while checking
+
+
 def _check(model: onnx.ModelProto, source: str) -> None:
     if model.ByteSize() > 2 ** 31 - 1:
         return  # the checker cannot take protos over 2 GB; the backend will tell
@@ -85,6 +88,16 @@ def _check(model: onnx.ModelProto, source: str) -> None:
                  and not vo.type.tensor_type.HasField("shape")]
     for vo in shapeless:
         vo.type.tensor_type.shape.SetInParent()
+    # TensorRT plugin ops (EfficientNMS_TRT...) sit in the default domain, where the checker
+    # wants a schema: check them as ops of a custom domain (whose nodes it leaves alone), so
+    # the rest of the graph is still checked and TensorRT's plugin registry decides on them.
+    from agent.engines.plugins import is_plugin_op
+
+    moved = [n for n in model.graph.node if not n.domain and is_plugin_op(n.op_type, "")]
+    for node in moved:
+        node.domain = _PLUGIN_DOMAIN
+    if moved:
+        model.opset_import.add(domain=_PLUGIN_DOMAIN, version=1)
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError, RuntimeError) as exc:
@@ -100,6 +113,10 @@ def _check(model: onnx.ModelProto, source: str) -> None:
     finally:
         for vo in shapeless:
             vo.type.tensor_type.ClearField("shape")
+        for node in moved:
+            node.domain = ""
+        if moved:
+            del model.opset_import[len(model.opset_import) - 1]
 
 
 def load_model(path: str) -> onnx.ModelProto:

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import onnx
 
+from agent.engines import plugins
 from agent.engines.backends import emulation, graph, layer_precisions, onnx_model
 from agent.engines.backends.base import (
     Backend,
@@ -80,6 +81,7 @@ class OnnxRuntimeBackend(Backend):
     ) -> BuildResult:
         start = time.time()
         model = onnx_model.load_model(model_path)
+        plugins.refuse_on_host(model, model_path)  # TensorRT's (or a library's) code
         specs = onnx_model.input_specs(model)
         self._check_shapes(plan, specs)
         details: Dict[str, Any] = {"emulated": True, "calibration_seconds": 0.0}

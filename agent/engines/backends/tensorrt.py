@@ -30,7 +30,7 @@ from typing import Any, Dict, Optional
 
 from agent.engines.backends.base import Backend, BuildPlan, BuildResult, Progress, no_progress
 from agent.engines.backends.tensorrt_build import Build
-from agent.engines.backends.tensorrt_network import read_dla_core, read_platform
+from agent.engines.backends.tensorrt_network import read_dla_core, read_platform, read_plugins
 from agent.engines.backends.tensorrt_plan import (
     HARDWARE_COMPATIBILITY,
     VERSION_COMPATIBLE,
@@ -103,10 +103,18 @@ class TensorRTBackend(Backend):
         return record
 
     def num_dla_cores(self) -> int:
-        """The DLA cores TensorRT can use here (``builder.num_DLA_cores``)."""
+        """The DLA cores TensorRT can use here: the runtime's ``num_DLA_cores`` (opening an
+        engine must not create a builder, which loads the builder's resources on a small
+        board), the builder's where a runtime has no such attribute."""
         trt = import_tensorrt()
         from agent.engines.backends.tensorrt_network import _make_logger
 
+        runtime = trt.Runtime(_make_logger())
+        try:
+            if hasattr(runtime, "num_DLA_cores"):
+                return int(runtime.num_DLA_cores or 0)
+        finally:
+            del runtime
         builder = trt.Builder(_make_logger())
         try:
             return int(getattr(builder, "num_DLA_cores", 0) or 0)
@@ -159,7 +167,8 @@ class TensorRTBackend(Backend):
         if dla_core is None:
             dla_core = read_dla_core(engine_path)
         self.check_platform(engine_path, dla_core)
-        return TensorRTRunner(data, self.device, source=engine_path, dla_core=dla_core)
+        return TensorRTRunner(data, self.device, source=engine_path, dla_core=dla_core,
+                              plugins=read_plugins(engine_path))
 
 
 def create() -> TensorRTBackend:

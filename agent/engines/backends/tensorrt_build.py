@@ -22,6 +22,7 @@ from agent.engines.backends.tensorrt_caches import (
     timing_cache_path,
 )
 from agent.engines.backends.tensorrt_inspect import (
+    dla_nodes,
     node_precisions,
     parser_error,
     precision_mismatches,
@@ -33,14 +34,18 @@ from agent.engines.backends.tensorrt_network import (
     _set_profile_shape,
     _write_dla_core,
     apply_layer_precisions,
+    dla_placement,
     inspect_engine,
     mark_layerwise,
+    register_plugins,
     write_platform,
+    write_plugins,
 )
 from agent.engines.backends.tensorrt_plan import (
     apply_builder_settings,
     builder_settings,
     check_dla_cores,
+    check_dla_profile,
     network_creation_flags,
     parse_version,
     plan_floor,
@@ -118,6 +123,8 @@ class Build(object):
     def _parse(self, model: Any) -> _Network:
         import tensorrt as trt
 
+        # Standard plugins and the plan's libraries, before the parser looks for their ops.
+        register_plugins(trt, self.logger, self.plan.plugins)
         builder = trt.Builder(self.logger)
         network = builder.create_network(network_creation_flags(trt, self.settings))
         parser = trt.OnnxParser(network, self.logger)
@@ -182,6 +189,7 @@ class Build(object):
             model = onnx_model.mark_outputs(model, list(plan.mark_outputs))
         net = self._parse(model)
         profile = profile_shapes(net.inputs, plan.shapes)
+        check_dla_profile(self.settings.dla_core, profile)
         config = self._config(net, profile)
         if self.settings.layer_constraints:
             applied, skipped = apply_layer_precisions(trt, net.network,
@@ -189,6 +197,8 @@ class Build(object):
                                                       self.settings.pin_others)
             self.details["constrained_layers"] = applied
             self.details["skipped_layers"] = [list(s) for s in skipped]
+        if self.settings.dla_core is not None:
+            self._check_placement(trt, net, config, order)
         feeder = None
         if self.settings.int8_source in ("calibrator", "ranges"):
             feeder = self._implicit_int8(net, config, profile, model)
@@ -208,11 +218,17 @@ class Build(object):
             self.details["calibration_batches"] = feeder.batches_fed
         self.details["timing_cache"] = {"path": timing.path, "loaded_bytes": timing.loaded_bytes,
                                         "saved_bytes": timing.save(config)}
+        if timing.errors:  # the build went on without it: said, not hidden
+            self.details["timing_cache"]["errors"] = list(timing.errors)
+            self.details["notes"].extend(timing.errors)
         atomic_write(self.engine_path, bytes(serialized))
         # The inspector deserializes the engine once more: let the builder, network and parsed
         # weights go first, so a 2-4 GB board does not hold both at once.
         del net, config, feeder
         _write_dla_core(self.engine_path, self.settings.dla_core)
+        write_plugins(self.engine_path, plan.plugins)
+        if plan.plugins:
+            self.details["plugins"] = [dict(p) for p in plan.plugins]
         write_platform(self.engine_path, self.backend.engine_platform(self.settings.dla_core))
         if self.settings.dla_core is not None:
             self.details["dla_core"] = self.settings.dla_core
@@ -221,6 +237,23 @@ class Build(object):
             self.engine_path, plan.precision, layer_precisions=got, mismatches=mismatches,
             calibration_cache=self.calibration_cache, calibrated=self.calibrated,
             details=self.details)
+
+    def _check_placement(self, trt: Any, net: _Network, config: "tensorrt.IBuilderConfig",
+                         order: Sequence[str]) -> None:
+        """The placement report of a DLA build (``details.dla_placement``: nodes on the DLA,
+        nodes on the GPU); without GPU fallback, nodes DLA cannot run are refused by name
+        before TensorRT is asked (it would fail with one layer's name)."""
+        if not hasattr(config, "can_run_on_DLA"):
+            return
+        placement = dla_placement(trt, net.network, config, order)
+        self.details["dla_placement"] = placement
+        if placement["gpu"] and "GPU_FALLBACK" not in self.settings.set_flags:
+            raise AgentError(
+                "dla_layers_on_gpu",
+                "--dla-core {} without GPU fallback: DLA cannot run {} (expected every layer "
+                "on the DLA; allow GPU fallback or change those layers)".format(
+                    self.settings.dla_core, ", ".join(placement["gpu"][:20])),
+                {"gpu": placement["gpu"][:200]})
 
     def _raise_calibrator_error(self) -> None:
         """An error kept by the calibrator (bad data, full disk) explains a failed build."""
@@ -244,6 +277,9 @@ class Build(object):
             self.details["inspector"] = "unavailable"
             return dict(self.graph_assignment), list(self.graph_mismatches)
         self.details["inspector"] = "json"
+        placement = self.details.get("dla_placement")
+        if placement is not None:
+            placement["engine_dla"] = dla_nodes(layers, order)
         seen = node_precisions(layers, order)
         if self.settings.strongly_typed and self.graph_assignment:
             self.details["inspector_precisions"] = seen

@@ -9,7 +9,7 @@ import fcntl
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional
 
 from agent.fsio import atomic_write, state_dir
 
@@ -55,9 +55,11 @@ class TimingCache(object):
     def __init__(self, path: str) -> None:
         self.path = path
         self.loaded_bytes = 0
+        self.errors: List[str] = []  # what went wrong with the file (the build goes on)
 
     def attach(self, config: "tensorrt.IBuilderConfig") -> None:
-        """Load the on-disk cache (an unreadable one is ignored) and set it on ``config``
+        """Load the on-disk cache (an unreadable one is reported in ``errors``, not used) and
+        set it on ``config``
         (ignore_mismatch False: a cache from another device or version is not used)."""
         data = _read_bytes(self.path)
         cache = None
@@ -66,10 +68,13 @@ class TimingCache(object):
                 cache = config.create_timing_cache(data)
                 self.loaded_bytes = len(data)
             except Exception as exc:  # noqa: BLE001 (TensorRT raises plain RuntimeError)
-                log.warning("ignoring unreadable timing cache %s: %s", self.path, exc)
+                self._failed("timing cache {} is unreadable, not used: {}".format(
+                    self.path, exc))
         if cache is None:
             cache = config.create_timing_cache(b"")
-        config.set_timing_cache(cache, False)
+        if config.set_timing_cache(cache, False) is False and self.loaded_bytes:
+            self._failed("timing cache {} was refused by TensorRT (another TensorRT version "
+                         "or device), not used".format(self.path))
 
     def save(self, config: "tensorrt.IBuilderConfig") -> int:
         """Merge the build's cache with what is on disk now (another build may have written
@@ -83,10 +88,19 @@ class TimingCache(object):
                 try:
                     cache.combine(config.create_timing_cache(disk), False)
                 except Exception as exc:  # noqa: BLE001
-                    log.warning("not merging unreadable timing cache %s: %s", self.path, exc)
-            data = bytes(cache.serialize())
-            atomic_write(self.path, data)
+                    self._failed("timing cache {} is unreadable, replaced by this build's: "
+                                 "{}".format(self.path, exc))
+            try:
+                data = bytes(cache.serialize())
+                atomic_write(self.path, data)
+            except (OSError, RuntimeError) as exc:
+                self._failed("timing cache {} not saved: {}".format(self.path, exc))
+                return 0
         return len(data)
+
+    def _failed(self, text: str) -> None:
+        log.warning("%s", text)
+        self.errors.append(text)
 
 
 # -- calibration cache -----------------------------------------------------------------------

@@ -159,8 +159,9 @@ class EngineLayer(object):
 
 def tensor_precision(tensor: Dict[str, Any]) -> Optional[str]:
     """One inspector tensor's data type: ``Format/Datatype`` (8.2 - 10.x) or the separate
-    ``Datatype`` (and ``Format``) keys of TensorRT 11."""
-    for key in ("Datatype", "Format/Datatype", "Format"):
+    ``DataType`` (and ``Format``) keys of TensorRT 11 (the issue 34 review of the 11.x
+    inspector; ``Datatype``, an earlier reading, is still accepted)."""
+    for key in ("DataType", "Datatype", "Format/Datatype", "Format"):
         if key in tensor:
             found = format_precision(str(tensor.get(key, "")))
             if found:
@@ -226,6 +227,17 @@ def node_precisions(layers: Sequence[EngineLayer], node_order: Sequence[str]) ->
                 and PRECISION_RANK[layer.precision] < PRECISION_RANK.get(old, 99)
             ):
                 out[node] = layer.precision
+    return out
+
+
+def dla_nodes(layers: Sequence[EngineLayer], node_order: Sequence[str]) -> List[str]:
+    """The ONNX nodes the engine inspector shows on the DLA: layers of type DLA (TensorRT
+    merges a DLA subgraph into one ``{ForeignNode[first...last]}`` layer of that type)."""
+    out: List[str] = []
+    for layer in layers:
+        if "dla" in layer.layer_type.lower():
+            out.extend(n for n in layer_onnx_nodes(layer.name, node_order, layer.metadata)
+                       if n not in out)
     return out
 
 

@@ -258,6 +258,101 @@ def inspect_engine(runtime: "tensorrt.Runtime", serialized: Any) -> Optional[Lis
         inspector.get_engine_information(trt.LayerInformationFormat.JSON))
 
 
+# -- plugins ---------------------------------------------------------------------------------
+
+def register_plugins(trt: Any, logger: Any, plugins: Sequence[Dict[str, str]] = ()) -> List[str]:
+    """TensorRT's standard plugins (``init_libnvinfer_plugins``, once per process) and the
+    plan's plugin libraries (each checked against its pinned SHA-256 first), before a parse
+    or a deserialization: an engine with plugin layers does not load without them (NVIDIA's
+    samples and Polygraphy do the same). Returns the libraries loaded now."""
+    from agent.engines.plugins import verify_pinned
+
+    if not getattr(logger, "plugins_ready", False) and hasattr(trt, "init_libnvinfer_plugins"):
+        trt.init_libnvinfer_plugins(logger, "")
+        logger.plugins_ready = True
+    loaded = getattr(logger, "plugin_libraries", None)
+    if loaded is None:
+        loaded = logger.plugin_libraries = set()
+    done = []
+    for entry in plugins:
+        path = verify_pinned(entry)
+        if path in loaded:
+            continue
+        registry = trt.get_plugin_registry()
+        if hasattr(registry, "load_library"):  # TensorRT >= 8.6
+            mark = logger.mark()
+            if registry.load_library(path) is None:
+                raise AgentError("bad_engine", "TensorRT could not load plugin library {}: "
+                                 "{}".format(path, " | ".join(logger.since(mark)[-3:])
+                                             or "no message"))
+        else:  # before 8.6 a library registers its creators when it is loaded
+            import ctypes
+
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError as exc:
+                raise AgentError("bad_engine", "cannot load plugin library {}: {}".format(
+                    path, exc))
+        loaded.add(path)
+        done.append(path)
+    return done
+
+
+def plugins_path(engine_path: str) -> str:
+    """The file beside an engine naming the plugin libraries it needs ({path, sha256} list)."""
+    return engine_path + ".plugins.json"
+
+
+def write_plugins(engine_path: str, plugins: Sequence[Dict[str, str]]) -> None:
+    path = plugins_path(engine_path)
+    if plugins:
+        atomic_write(path, json.dumps([dict(p) for p in plugins], sort_keys=True).encode())
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def read_plugins(engine_path: str) -> List[Dict[str, str]]:
+    try:
+        with open(plugins_path(engine_path), "rb") as f:
+            data = f.read(1 << 16)
+    except OSError:
+        return []
+    try:
+        items = json.loads(data.decode("utf-8"))
+    except ValueError as exc:
+        raise AgentError("bad_engine", "{}: expected the engine's plugin list (JSON), found "
+                         "unreadable data: {}".format(plugins_path(engine_path), exc))
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise AgentError("bad_engine", "{}: expected a JSON list of objects".format(
+            plugins_path(engine_path)))
+    return [{"path": str(i.get("path")), "sha256": str(i.get("sha256"))} for i in items[:8]]
+
+
+# -- DLA placement ---------------------------------------------------------------------------
+
+def dla_placement(trt: Any, network: "tensorrt.INetworkDefinition",
+                  config: "tensorrt.IBuilderConfig", node_order: Sequence[str]
+                  ) -> Dict[str, List[str]]:
+    """Where TensorRT will run each ONNX node of a DLA build: ``config.can_run_on_DLA(layer)``
+    (TensorRT >= 8.0.1) for each network layer; a node any of whose layers cannot run on DLA
+    is on the GPU (GPU fallback moves it there silently). ``{"dla": [...], "gpu": [...]}``."""
+    dla: List[str] = []
+    gpu: List[str] = []
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        nodes = layer_onnx_nodes(layer.name, node_order, getattr(layer, "metadata", "") or "")
+        on_dla = bool(config.can_run_on_DLA(layer))
+        for node in nodes or [layer.name]:
+            if on_dla and node not in gpu:
+                if node not in dla:
+                    dla.append(node)
+            elif not on_dla and node not in gpu:
+                gpu.append(node)
+                if node in dla:
+                    dla.remove(node)
+    return {"dla": dla, "gpu": gpu}
+
+
 # -- the platform an engine was built for ---------------------------------------------------
 
 def platform_path(engine_path: str) -> str:

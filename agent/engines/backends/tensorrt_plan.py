@@ -182,6 +182,25 @@ def check_dla_cores(core: Optional[int], count: int, features: Features, version
             {"dla_cores": count})
 
 
+def check_dla_profile(core: Optional[int], profile: Dict[str, Any]) -> None:
+    """``dla_dynamic_shape`` for a DLA build whose profile is not one fixed shape per input:
+    DLA has no dynamic dimensions (TensorRT: min, opt and max must be equal, and the runtime
+    shapes those of the build)."""
+    if core is None:
+        return
+    dynamic = {name: triple for name, triple in profile.items()
+               if not (tuple(triple[0]) == tuple(triple[1]) == tuple(triple[2]))}
+    if dynamic:
+        name, (lo, opt, hi) = sorted(dynamic.items())[0]
+        raise AgentError(
+            "dla_dynamic_shape",
+            "--dla-core {}: DLA needs one fixed shape per input (min = opt = max); input {!r} "
+            "has min {}, opt {}, max {}; expected e.g. --shapes {}:{}".format(
+                core, name, list(lo), list(opt), list(hi), name,
+                "x".join(str(int(d)) for d in opt)),
+            {"inputs": sorted(dynamic)})
+
+
 def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
     """What to ask TensorRT for ``plan`` on TensorRT ``version``."""
     check_supported(version)
@@ -257,7 +276,10 @@ def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
                                                                 DEFAULT_WORKSPACE >> 20))
     if plan.dla_core is not None:
         s.dla_core = int(plan.dla_core)
-        s.set_flags.append("GPU_FALLBACK")
+        if plan.dla_gpu_fallback:
+            s.set_flags.append("GPU_FALLBACK")
+        else:
+            s.notes.append("no GPU fallback: a layer DLA cannot run fails the build")
         if not features.dla:
             s.notes.append(DLA_VERSIONS_NOTE.format(version_text(version)))
     if features.engine_inspector:

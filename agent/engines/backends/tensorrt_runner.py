@@ -4,12 +4,18 @@ D2H / enqueue split); the bindings API before TensorRT 8.5, the tensor-name API 
 Worker side: Python >= 3.6.
 """
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from agent.engines.backends.base import Runner, TensorSpec
-from agent.engines.backends.tensorrt_network import _dims, _ints, _make_logger, numpy_dtype
+from agent.engines.backends.tensorrt_network import (
+    _dims,
+    _ints,
+    _make_logger,
+    numpy_dtype,
+    register_plugins,
+)
 from agent.engines.backends.tensorrt_plan import Features, parse_version
 from agent.engines.backends.tensorrt_shapes import shape_text
 from agent.errors import AgentError
@@ -23,7 +29,8 @@ class TensorRTRunner(Runner):
     ``execute_async_v2``). One optimization profile (the first) is used."""
 
     def __init__(self, data: bytes, device: int = 0, source: str = "engine",
-                 ctx: Any = None, dla_core: Optional[int] = None) -> None:
+                 ctx: Any = None, dla_core: Optional[int] = None,
+                 plugins: Sequence[Dict[str, str]] = ()) -> None:
         import tensorrt as trt
 
         from agent.engines.backends.cuda_buffers import CudaContext, EventTimer, IOBuffers
@@ -39,6 +46,8 @@ class TensorRTRunner(Runner):
         try:
             self.logger = _make_logger()
             mark = self.logger.mark()
+            # An engine with plugin layers deserializes only once their creators are known.
+            register_plugins(trt, self.logger, plugins)
             self.runtime = trt.Runtime(self.logger)
             if dla_core is not None:
                 self.runtime.DLA_core = int(dla_core)  # before deserializing: it is read then
