@@ -323,6 +323,12 @@ def print_human(out: Dict[str, Any]) -> None:
     if counts:
         print("layers:      {}".format(", ".join(
             "{} {}".format(n, p) for p, n in sorted(counts.items()) if n)))
+    inside = out["details"].get("subgraph_counts")
+    if inside:
+        print("subgraphs:   {} (layers inside If/Loop/Scan bodies)".format(", ".join(
+            "{} {}".format(n, p) for p, n in sorted(inside.items()) if n)))
+    if out["details"].get("warning"):  # a cache hit says it again
+        print("warning:     {}".format(out["details"]["warning"]), file=sys.stderr)
     for layer, asked, got in out["mismatches"]:
         print("mismatch:    {} asked {}, runs {}".format(layer, asked, got))
 

@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import onnx
 
-from agent.engines.backends import emulation, graph, layer_precisions, onnx_model
+from agent.engines.backends import emulation, graph, layer_precisions, onnx_model, subgraphs
 from agent.engines.backends.base import (
     Backend,
     BuildPlan,
@@ -156,11 +156,19 @@ class OnnxRuntimeBackend(Backend):
         # tensor names): they run in the fallback precision.
         details["counts"] = {p: sum(1 for v in assignment.values() if v == p)
                              for p in ("float32", "float16", "int8")}
+        # Layers inside If / Loop / Scan bodies, counted apart (they are not top-level layers
+        # a --layer-precisions can name); what they cannot run in here is said.
+        inside = subgraphs.summary(marked, assignment, plan.precision)
+        if inside:
+            details["subgraph_counts"] = inside["counts"]
+        warnings = [inside["warning"]] if "warning" in inside else []
         if plan.precision in ("int8", "best") and not details["counts"]["int8"] and \
                 not plan.layer_precisions:
-            details["warning"] = ("int8 was asked for but no layer can run in int8 (int8 "
-                                  "kernels are Conv/ConvTranspose/Gemm/MatMul ones; none is "
-                                  "left to quantize)")
+            warnings.insert(0, "int8 was asked for but no layer can run in int8 (int8 "
+                               "kernels are Conv/ConvTranspose/Gemm/MatMul ones; none is "
+                               "left to quantize)")
+        if warnings:
+            details["warning"] = "; ".join(warnings)
             log.warning("%s: %s", model_path, details["warning"])
         return BuildResult(
             engine_path=engine_path,
