@@ -267,6 +267,13 @@ class Runner(abc.ABC):
         self.infer(feeds)
         return lambda: self.infer(feeds)
 
+    def layer_times(self, feeds: Dict[str, np.ndarray], runs: int) -> Dict[str, List[float]]:
+        """Per-layer times of ``runs`` inferences on ``feeds``: layer -> its time in each run
+        (ms), in execution order (``bench --profile``). Backends that can profile override it."""
+        raise AgentError("profile_unavailable",
+                         "expected a backend with a per-layer profiler (tensorrt, onnxruntime), "
+                         "found {} without one".format(type(self).__name__))
+
     def close(self) -> None:
         pass
 

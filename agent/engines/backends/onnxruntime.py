@@ -239,8 +239,15 @@ class OnnxRuntimeBackend(Backend):
         # Instrumented engines (tensors marked as outputs) return every activation of a run:
         # without the arena that memory goes back after each run.
         marked = bool((metadata.get("plan") or {}).get("mark_outputs"))
-        return OnnxRuntimeRunner(open_session(data, self.threads, engine_path, arena=not marked),
-                                 metadata)
+        return OnnxRuntimeRunner(
+            open_session(data, self.threads, engine_path, arena=not marked), metadata,
+            profiling=lambda prefix: open_session(_read(engine_path), self.threads, engine_path,
+                                                  profile_prefix=prefix))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _merge_overrides(overrides: Dict[str, str], merged: Dict[str, str]) -> Dict[str, str]:
