@@ -171,11 +171,9 @@ CODES = {
     "is not among the keys seen for the device: look again before accepting.",
     "device_already_admitted": "fleet devices accept for a device that is already admitted: "
     "its pinned key changes only by fleet devices rekey ID --key NEW.",
-    # Builds you can watch and the per-layer view (issue 34).
+    # The per-layer view (issue 34).
     "profile_unavailable": "bench --profile on a backend or TensorRT version without a "
     "per-layer profiler.",
-    "build_cancelled": "A build was cancelled while it ran (the job was cancelled, or the CLI "
-    "interrupted): TensorRT's progress monitor stopped it.",
 }
 
 

@@ -211,7 +211,13 @@ def make_backend(name: str, threads: Optional[int] = None) -> Backend:
     if name == "onnxruntime" and threads:
         from agent.engines.backends import onnxruntime as ort_backend
         return ort_backend.create(threads=threads)
-    return get_backend(name)
+    backend = get_backend(name)
+    if hasattr(backend, "memory_limit"):  # TensorRT: the daemon's default cap, here too
+        from agent.engines.backends.tensorrt_plan import build_memory_limit
+        from agent.platform.detection import memory_for_builds
+
+        backend.memory_limit = build_memory_limit(None, *memory_for_builds())
+    return backend
 
 
 def open_cache(args: argparse.Namespace) -> Tuple[EngineCache, str]:

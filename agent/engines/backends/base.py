@@ -27,7 +27,9 @@ BACKENDS = ("onnxruntime", "tensorrt")
 
 # progress(stage, done, total): stage is e.g. "calibrating" or "building"; total may be 0
 # when unknown.
-Progress = Callable[[str, int, int], None]
+# progress(stage, done, total); returning False asks the work to stop where it can (a
+# TensorRT >= 10 build, through its progress monitor); None or True carry on.
+Progress = Callable[[str, int, int], Optional[bool]]
 
 Shape = Tuple[int, ...]
 
