@@ -27,6 +27,7 @@ from agent.engines.bench import (
     phase_split,
     random_feeds,
 )
+from agent.platform import conditions
 
 TENSORRT_SUFFIXES = (".engine", ".plan", ".trt")
 
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         if args.profile:
             info["profile"] = write_profile(args.profile, runner, feeds, args.iterations, info)
     info["emulated"] = _emulated(info)
+    info["conditions"] = conditions.snapshot()  # as measured: power mode, clocks, temperatures
     out = {"target": info, "benchmark": result.to_dict()}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
@@ -166,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
     if info.get("built"):
         bits.append("cache hit" if info.get("cache_hit") else "built")
     print("engine: {} ({})".format(info.get("engine"), ", ".join(bits)))
+    if conditions.describe(info["conditions"]):
+        print("conditions: {}".format(conditions.describe(info["conditions"])))
     for line in result.summary():
         print(line)
     if info.get("profile"):

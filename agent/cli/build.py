@@ -36,6 +36,7 @@ from agent.engines.backends.base import (
 from agent.engines.build import EngineRecord, build_engine
 from agent.engines.cache import EngineCache
 from agent.errors import AgentError
+from agent.platform import conditions
 from agent.progress import ProgressBar
 
 log = logging.getLogger("agent.build")
@@ -293,6 +294,7 @@ def report(record: EngineRecord, backend: Backend, decision: plat.Decision) -> D
         "build_seconds": result.get("seconds"),
         "decision": decision.to_dict(),
         "details": result.get("details", {}),
+        "conditions": conditions.snapshot(),  # power mode, clocks, temperatures
     }
     if record.budget_report:
         out["cache_budget"] = record.budget_report
@@ -337,6 +339,8 @@ def print_human(out: Dict[str, Any]) -> None:
         print("warning:     {}".format(out["details"]["warning"]), file=sys.stderr)
     for layer, asked, got in out["mismatches"]:
         print("mismatch:    {} asked {}, runs {}".format(layer, asked, got))
+    if conditions.describe(out["conditions"]):
+        print("conditions:  {}".format(conditions.describe(out["conditions"])))
 
 
 def save_engine(path: str, model: str, record: EngineRecord, backend: Backend,

@@ -123,6 +123,7 @@ class WorkerSupervisor:
         # The artifact's own name, for `cache ls` (the worker stages it as model.onnx).
         spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
         spec["device"] = self.device
+        spec["platform_root"] = self.cfg.platform_root  # conditions.snapshot reads it
         spec["share"] = dict(run.doc.get("share") or {})  # fleet engine sharing: offer URL
         if refused:  # a shared engine not bound to its builder: never handed to the worker
             spec["share"]["refused"] = refused

@@ -236,6 +236,8 @@ class JobContext(object):
         return make(specs, batch=batch, seed=seed, shapes=shapes or None)
 
     def common(self, record: Any) -> Dict[str, Any]:
+        from agent.platform import conditions
+
         build = record.result or {}
         return {
             "precision": self.plan.precision,
@@ -248,6 +250,8 @@ class JobContext(object):
             "emulated": self.backend.name != "tensorrt",
             "layer_precision_counts": _counts(build.get("layer_precisions") or {}),
             "precision_mismatches": (build.get("mismatches") or [])[:MAX_LISTED],
+            # Power mode, clocks, temperatures: figures of two boards compared knowingly.
+            "conditions": conditions.snapshot(self.spec.get("platform_root") or "/"),
         }
 
 
