@@ -56,9 +56,9 @@ def open_session(model_bytes: bytes, threads: Optional[int], source: str, arena:
                  profile_prefix: Optional[str] = None) -> Any:
     ort = import_onnxruntime()
     try:
-        return ort.InferenceSession(model_bytes, sess_options=session_options(
-            threads, arena, profile_prefix),
-                                    providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(
+            model_bytes, sess_options=session_options(threads, arena, profile_prefix),
+            providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own unexported error types
         text = str(exc)
         code = "unsupported_model" if ("NOT_IMPLEMENTED" in text or "not a registered" in text
