@@ -175,7 +175,9 @@ def apply_precisions(
     nested: Dict[str, int] = {}
 
     def body_types() -> Dict[str, int]:
+        """Types inside the bodies and of the outer tensors they read (rounded too)."""
         if not nested:  # inferred once, only for a model with subgraphs in reduced precision
+            nested.update(types)
             nested.update(subgraphs.nested_types(model))
         return nested
 
