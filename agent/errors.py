@@ -187,6 +187,9 @@ CODES = {
     "DeepStream batch-size) is above the engine's optimisation profile maximum.",
     "tensorrt_version_mismatch": "The application's TensorRT (Triton's) is not the one the "
     "engine was built with; rebuild the engine or use a matching Triton.",
+    # The per-layer view (issue 34).
+    "profile_unavailable": "bench --profile on a backend or TensorRT version without a "
+    "per-layer profiler.",
 }
 
 

@@ -119,7 +119,11 @@ def make_trt(profile, numpy_version=None, num_dla_cores=0):
     trt.DeviceType = _enum("DeviceType", ["GPU", "DLA"])
     trt.TensorIOMode = _enum("TensorIOMode", ["NONE", "INPUT", "OUTPUT"])
     if api["memory_pool"]:
-        trt.MemoryPoolType = _enum("MemoryPoolType", ["WORKSPACE", "DLA_MANAGED_SRAM"])
+        pools = ["WORKSPACE", "DLA_MANAGED_SRAM"]
+        if version_tuple(p) >= (8, 6, 0):  # NvInfer.h 8.6, 10.3: kTACTIC_DRAM = 4
+            pools = {"WORKSPACE": 0, "DLA_MANAGED_SRAM": 1, "DLA_LOCAL_DRAM": 2,
+                     "DLA_GLOBAL_DRAM": 3, "TACTIC_DRAM": 4}
+        trt.MemoryPoolType = _enum("MemoryPoolType", pools)
     if api["engine_inspector"]:
         trt.ProfilingVerbosity = _enum("ProfilingVerbosity", ["LAYER_NAMES_ONLY", "NONE",
                                                               "DETAILED"])

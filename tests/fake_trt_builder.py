@@ -192,6 +192,8 @@ def add_builder(trt, p, drv):
             # NvInfer.h: 0 bytes before 8.4 (no scratch memory: tactics needing it are
             # skipped), the device's memory from 8.4.
             self.workspace = p.get("workspace_default", "device memory")
+            self.pools = {}  # set_memory_pool_limit: pool name -> bytes
+            self.progress_monitor = None  # an IProgressMonitor (TensorRT >= 10.0)
 
         def set_flag(self, flag):
             self.flags.add(flag)
@@ -233,6 +235,7 @@ def add_builder(trt, p, drv):
 
     if api["memory_pool"]:
         def set_memory_pool_limit(self, pool, size):
+            self.pools[pool.name] = int(size)
             if pool == trt.MemoryPoolType.WORKSPACE:
                 self.workspace = size
 
@@ -317,6 +320,9 @@ def add_builder(trt, p, drv):
                     while calib.get_batch(names) is not None:
                         pass
                     calib.write_calibration_cache(b"TRT-calibration-cache\n")
+            if not _monitored(config, len(network.layers)):
+                emit(Severity.ERROR, "Build was cancelled by the progress monitor")
+                return None
             layers = []
             on_dla = config.default_device_type == trt.DeviceType.DLA
             for layer in network.layers:
@@ -338,12 +344,38 @@ def add_builder(trt, p, drv):
                    else None)
             plan = {"version": p["version"], "layers": layers, "io": io, "dla_core": dla,
                     "flags": sorted(str(f) for f in config.flags),
-                    "workspace": config.workspace,
+                    "workspace": config.workspace, "memory_pools": dict(config.pools),
                     "profiles": [{n: [list(x) for x in v] for n, v in prof.shapes.items()}
                                  for prof in config.profiles],
                     "detailed": config.profiling_verbosity is not None}
             drv.builds.append(plan)
             return HostMemory(json.dumps(plan).encode())
+
+    def _monitored(config, steps):
+        """IProgressMonitor as TensorRT 10 drives it: a top-level phase with ``steps`` steps
+        and a nested one; False (cancel) once step_complete returns False."""
+        monitor = config.progress_monitor
+        if monitor is None:
+            return True
+        monitor.phase_start("Building engine", None, steps)
+        for step in range(steps):
+            monitor.phase_start("Tactic selection", "Building engine", 1)
+            ok = monitor.step_complete("Tactic selection", 0)
+            monitor.phase_finish("Tactic selection")
+            if not ok or not monitor.step_complete("Building engine", step):
+                monitor.phase_finish("Building engine")
+                return False
+        monitor.phase_finish("Building engine")
+        return True
+
+    if version_tuple(p) >= (10, 0, 0):
+        class IProgressMonitor(object):
+            """NvInfer.h 10.0: phase_start / step_complete (False cancels) / phase_finish."""
+
+            def __init__(self):
+                pass
+
+        trt.IProgressMonitor = IProgressMonitor
 
     if api["build_engine"]:
         Builder.build_engine = lambda self, network, config: None

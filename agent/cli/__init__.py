@@ -29,6 +29,7 @@ COMMANDS = {
     "selftest": "acceptance run: build, check and time the bundled examples on this board",
     "build": "build an engine (through the engine cache)",
     "bench": "measure latency and throughput of a model or engine",
+    "inspect": "the per-layer view of a model or engine (types, precisions, placement)",
     "cache": "list, verify or purge the engine cache",
     "compare": "build, run and compare an engine with golden outputs (Polygraphy-style)",
     "search": "find the layers that must stay in higher precision (precision search)",

@@ -7,6 +7,7 @@ engine from the cache (its ``meta.json`` beside it) runs on the backend that bui
 seconds (default 0.2) comes first, then at least ``--iterations`` (default 10) and at least
 ``--duration`` seconds (default 3). On tensorrt the GPU compute, enqueue, H2D and D2H times
 are reported apart; unstable timings (high coefficient of variation) are warned about.
+``--profile FILE`` writes per-layer times in trtexec's ``--exportProfile`` JSON.
 """
 
 import argparse
@@ -26,6 +27,7 @@ from agent.engines.bench import (
     phase_split,
     random_feeds,
 )
+from agent.platform import conditions
 
 TENSORRT_SUFFIXES = (".engine", ".plan", ".trt")
 
@@ -50,6 +52,10 @@ def add_parser(sub: Any) -> None:
                    help="value of a dynamic leading (batch) dimension (default 1; an input "
                         "with a fixed one is an error)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    g.add_argument("--profile", metavar="FILE",
+                   help="also write per-layer times of --iterations runs to FILE in trtexec's "
+                        "--exportProfile JSON (TensorRT's IProfiler; ONNX Runtime's profiler "
+                        "on a host, marked emulated)")
     build_cmd.add_build_arguments(p)
     p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
     p.set_defaults(func=run)
@@ -119,6 +125,21 @@ def _emulated(info: Dict[str, Any]) -> bool:
         "fp16", "int8", "best", "fp8", "int4")
 
 
+def write_profile(path: str, runner: Any, feeds: Dict[str, Any], runs: int,
+                  info: Dict[str, Any]) -> str:
+    """Per-layer times in trtexec's ``--exportProfile`` shape, written atomically. Host
+    times (onnxruntime) are marked ``emulated``: the layers of the rewritten graph on this
+    CPU, not a Jetson's."""
+    from agent.engines.layer_view import export_profile
+    from agent.fsio import atomic_write
+
+    times = runner.layer_times(feeds, runs)
+    doc = export_profile(times, runs, {"backend": info.get("backend"),
+                                       "emulated": info.get("backend") != "tensorrt"})
+    atomic_write(path, (json.dumps(doc, indent=2) + "\n").encode("utf-8"))
+    return os.path.abspath(path)
+
+
 def run(args: argparse.Namespace) -> int:
     check_settings(args.iterations, 0, args.duration, args.batch, args.warm_up)
     runner, info = open_target(args)
@@ -131,7 +152,10 @@ def run(args: argparse.Namespace) -> int:
         rows = phase_split(runner, feeds, result.iterations)
         if rows:
             result.add_phases(rows)
+        if args.profile:
+            info["profile"] = write_profile(args.profile, runner, feeds, args.iterations, info)
     info["emulated"] = _emulated(info)
+    info["conditions"] = conditions.snapshot()  # as measured: power mode, clocks, temperatures
     out = {"target": info, "benchmark": result.to_dict()}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
@@ -144,8 +168,13 @@ def run(args: argparse.Namespace) -> int:
     if info.get("built"):
         bits.append("cache hit" if info.get("cache_hit") else "built")
     print("engine: {} ({})".format(info.get("engine"), ", ".join(bits)))
+    if conditions.describe(info["conditions"]):
+        print("conditions: {}".format(conditions.describe(info["conditions"])))
     for line in result.summary():
         print(line)
+    if info.get("profile"):
+        print("profile: {} (per-layer times, trtexec's --exportProfile JSON{})".format(
+            info["profile"], "; emulated" if info.get("backend") != "tensorrt" else ""))
     for warning in result.warnings():
         print("warning: " + warning, file=sys.stderr)
     return 0

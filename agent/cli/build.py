@@ -37,6 +37,7 @@ from agent.engines.backends.base import (
 from agent.engines.build import EngineRecord, build_engine
 from agent.engines.cache import EngineCache
 from agent.errors import AgentError
+from agent.platform import conditions
 from agent.progress import ProgressBar
 
 log = logging.getLogger("agent.build")
@@ -219,7 +220,13 @@ def make_backend(name: str, threads: Optional[int] = None) -> Backend:
     if name == "onnxruntime" and threads:
         from agent.engines.backends import onnxruntime as ort_backend
         return ort_backend.create(threads=threads)
-    return get_backend(name)
+    backend = get_backend(name)
+    if hasattr(backend, "memory_limit"):  # TensorRT: the daemon's default cap, here too
+        from agent.engines.backends.tensorrt_plan import build_memory_limit
+        from agent.platform.detection import memory_for_builds
+
+        backend.memory_limit = build_memory_limit(None, *memory_for_builds())
+    return backend
 
 
 def open_cache(args: argparse.Namespace) -> Tuple[EngineCache, str]:
@@ -297,6 +304,7 @@ def report(record: EngineRecord, backend: Backend, decision: plat.Decision) -> D
         "build_seconds": result.get("seconds"),
         "decision": decision.to_dict(),
         "details": result.get("details", {}),
+        "conditions": conditions.snapshot(),  # power mode, clocks, temperatures
     }
     if record.budget_report:
         out["cache_budget"] = record.budget_report
@@ -333,8 +341,16 @@ def print_human(out: Dict[str, Any]) -> None:
     if counts:
         print("layers:      {}".format(", ".join(
             "{} {}".format(n, p) for p, n in sorted(counts.items()) if n)))
+    inside = out["details"].get("subgraph_counts")
+    if inside:
+        print("subgraphs:   {} (layers inside If/Loop/Scan bodies)".format(", ".join(
+            "{} {}".format(n, p) for p, n in sorted(inside.items()) if n)))
+    if out["details"].get("warning"):  # a cache hit says it again
+        print("warning:     {}".format(out["details"]["warning"]), file=sys.stderr)
     for layer, asked, got in out["mismatches"]:
         print("mismatch:    {} asked {}, runs {}".format(layer, asked, got))
+    if conditions.describe(out["conditions"]):
+        print("conditions:  {}".format(conditions.describe(out["conditions"])))
 
 
 def save_engine(path: str, model: str, record: EngineRecord, backend: Backend,

@@ -167,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
                 progress("inferring", len(inputs), len(inputs))
     finally:
         setup.finish()
-    emulated = bool(((record.result or {}).get("details") or {}).get("emulated"))
+    details = (record.result or {}).get("details") or {}
+    emulated = bool(details.get("emulated"))
+    if details.get("warning") and not args.json:
+        print("warning: {}".format(details["warning"]), file=sys.stderr)
     runner_name = "jetson-agent[{} {}{}]".format(setup.backend.name, plan.precision,
                                                  ", emulated" if emulated else "")
     if args.save_inputs:

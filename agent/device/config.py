@@ -132,6 +132,13 @@ class ModelsConfig:
 
 
 @dataclasses.dataclass
+class BuilderConfig:
+    # Bytes a TensorRT build's memory pools may take (WORKSPACE, TACTIC_DRAM); None: half the
+    # RAM on a board whose GPU shares it (Jetson), no cap on a discrete GPU; 0: no cap.
+    memory_limit: Optional[int] = _f(None, size=True, min=0)
+
+
+@dataclasses.dataclass
 class Config:
     device_id: Optional[str] = None  # None: the host name, sanitised
     topic_prefix: str = "jetson-agent"
@@ -146,6 +153,7 @@ class Config:
     transfer: TransferConfig = dataclasses.field(default_factory=TransferConfig)
     security: SecurityConfig = dataclasses.field(default_factory=SecurityConfig)
     models: ModelsConfig = dataclasses.field(default_factory=ModelsConfig)
+    builder: BuilderConfig = dataclasses.field(default_factory=BuilderConfig)
     # Hand-off adapters: [{type: triton|deepstream|command, models: ["*"] | [names], ...}]
     handoff: List[Dict[str, Any]] = _f(None, entries=True)
     # What this device says of itself (site: warehouse-3, camera: dock): reported in the birth

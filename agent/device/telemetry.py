@@ -24,33 +24,15 @@ from agent.platform import (
     load_matrix,
     looks_like_jetson,
 )
+from agent.platform.conditions import OFFLINE_TEMP_C, NvpModel, sensor_key
+from agent.platform.conditions import number as _number
+from agent.platform.conditions import read_text as _read
+from agent.platform.conditions import thermal_zones as _thermal_zones
 
 KINDS = ("jtop", "sysfs", "host")
 # A rail with one of these names measures the whole board's input (jtop uses the same rule);
 # otherwise the total is the sum of the rails.
 TOTAL_RAILS = ("VIN", "POM_5V_IN", "VDD_IN")
-OFFLINE_TEMP_C = -200.0  # offline sensors read -256 C
-
-
-def sensor_key(name: str) -> str:
-    """``CPU-therm`` / ``cpu-thermal`` / ``Temp cpu`` sensor names -> ``cpu``."""
-    name = re.sub(r"[-_ ]?therm(al)?$", "", name.strip(), flags=re.I)
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "sensor"
-
-
-def _read(path: str) -> Optional[str]:
-    try:
-        with open(path, "r", errors="replace") as f:
-            return f.read().strip("\0\n ")
-    except (OSError, ValueError):
-        return None
-
-
-def _number(text: Optional[str]) -> Optional[float]:
-    try:
-        return float(text) if text is not None else None
-    except ValueError:
-        return None
 
 
 def cpu_times(stat_text: str) -> Optional[Tuple[int, int]]:
@@ -135,15 +117,6 @@ class _ProcReader(object):
         return out
 
 
-def _thermal_zones(root: str) -> List[Tuple[str, str]]:
-    zones = []
-    for zone in sorted(glob.glob(os.path.join(root, "sys/class/thermal/thermal_zone*"))):
-        name = _read(os.path.join(zone, "type"))
-        if name:
-            zones.append(("temp_{}_c".format(sensor_key(name)), os.path.join(zone, "temp")))
-    return zones
-
-
 def _power_rails(root: str) -> List[Tuple[str, Tuple[str, ...]]]:
     """(rail name, files): JetPack 5+ hwmon ina3221 (mV and mA files) or JetPack 4 iio
     (one mW file)."""
@@ -195,22 +168,6 @@ def _gpu_load_file(root: str) -> Optional[str]:
     return None
 
 
-class _NvpModel(object):
-    """The active power mode: id from /var/lib/nvpmodel/status, name from /etc/nvpmodel.conf."""
-
-    def __init__(self, root: str) -> None:
-        self.status_path = os.path.join(root, "var/lib/nvpmodel/status")
-        conf = _read(os.path.join(root, "etc/nvpmodel.conf")) or ""
-        self.names = dict(re.findall(r"<\s*POWER_MODEL\s+ID=(\d+)\s+NAME=(\S+)\s*>", conf))
-
-    def current(self) -> Optional[str]:
-        m = re.search(r"pmode:(\d+)", _read(self.status_path) or "")
-        if not m:
-            return None
-        mode = str(int(m.group(1)))
-        return self.names.get(mode, "mode " + mode)
-
-
 class SysfsSource(TelemetrySource):
     """Jetson without the jtop service: devfreq, thermal zones, INA3221 rails, nvpmodel."""
 
@@ -222,7 +179,7 @@ class SysfsSource(TelemetrySource):
         self.gpu_load = _gpu_load_file(root)
         self.zones = _thermal_zones(root)
         self.rails = _power_rails(root)
-        self.nvp = _NvpModel(root)
+        self.nvp = NvpModel(root)
 
     def sample(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {"source": self.kind}

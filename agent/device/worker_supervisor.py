@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 from agent.device import models_guard
 from agent.device.config import Config, http_ca_file
@@ -129,6 +129,7 @@ class WorkerSupervisor:
         # The artifact's own name, for `cache ls` (the worker stages it as model.onnx).
         spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
         spec["device"] = self.device
+        spec["platform_root"] = self.cfg.platform_root  # conditions.snapshot reads it
         spec["share"] = dict(run.doc.get("share") or {})  # fleet engine sharing: offer URL
         if refused:  # a shared engine not bound to its builder: never handed to the worker
             spec["share"]["refused"] = refused
@@ -195,7 +196,17 @@ class WorkerSupervisor:
         return {"inflate_ratio": limits.inflate_ratio,
                 "inflate_min_bytes": limits.inflate_min_bytes,
                 "max_data_bytes": limits.max_data_bytes,
-                "memory_bytes": self.worker_memory_bytes()}
+                "memory_bytes": self.worker_memory_bytes(),
+                "build_memory_bytes": self.build_memory_bytes()}
+
+    def build_memory_bytes(self) -> Optional[int]:
+        """The cap on a TensorRT build's memory pools (builder.memory_limit; its default is a
+        share of RAM on a shared-memory board, where the serving app lives beside it)."""
+        from agent.engines.backends.tensorrt_plan import build_memory_limit
+        from agent.platform.detection import memory_for_builds
+
+        return build_memory_limit(self.cfg.builder.memory_limit,
+                                  *memory_for_builds(self.cfg.platform_root))
 
     def _worker_path(self) -> str:
         """A directory holding only our packages (symlinks), for the worker's PYTHONPATH: the

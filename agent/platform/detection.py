@@ -62,6 +62,16 @@ def looks_like_jetson(root: str = "/") -> bool:
     return _soc_from_devfreq(matrix, _gpu_devfreq_nodes(root)) is not None
 
 
+def memory_for_builds(root: str = "/") -> Tuple[int, bool]:
+    """(this machine's RAM in bytes, whether its GPU shares it): a build's memory cap
+    (``builder.memory_limit``) defaults to a share of it on a Jetson."""
+    try:
+        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        total = 0
+    return int(total), looks_like_jetson(root)
+
+
 def detect(root: str = "/", use_jtop: bool = True, matrix: Optional[Matrix] = None,
            jtop_factory: Optional[JtopFactory] = None) -> PlatformInfo:
     """Detect the platform under ``root``. jtop is asked only for the live system (root "/")

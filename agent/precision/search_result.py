@@ -143,7 +143,7 @@ def result_message(result: SearchResult) -> str:
             how, result.evaluations)
     reach = ""
     if result.out_of_reach:
-        reach = "; nested subgraphs out of the search's reach: {}".format(", ".join(
+        reach = "; nested subgraphs searched as one layer each: {}".format(", ".join(
             "{} {!r} ({} nodes)".format(r["op"], r["node"], r["nodes_inside"])
             for r in result.out_of_reach[:5]))
     if not result.keep:

@@ -127,7 +127,8 @@ def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
 
 def out_of_reach(model: Any) -> List[Dict[str, Any]]:
     """Nodes with nested subgraphs (If / Loop / Scan): the search pins top-level nodes only,
-    so the nodes inside are out of its reach (the host emulation runs them in fp32)."""
+    so the nodes inside are out of its reach one by one: they follow their node's precision,
+    searched as one layer."""
     found: List[Dict[str, Any]] = []
 
     def count(graph: Any) -> int:
@@ -151,7 +152,8 @@ def out_of_reach(model: Any) -> List[Dict[str, Any]]:
 def _unreachable_text(reach: List[Dict[str, Any]], pinned: List[str]) -> str:
     parts = []
     if reach:
-        parts.append("out of the search's reach: the nodes inside {}".format(", ".join(
+        parts.append("out of the search's reach one by one (searched as one layer): the nodes "
+                     "inside {}".format(", ".join(
             "{} {!r} ({} nodes)".format(r["op"], r["node"], r["nodes_inside"])
             for r in reach[:5])))
     if pinned:

@@ -39,19 +39,24 @@ def protected_from_spec(spec: Dict[str, Any]) -> Callable[[], Dict[str, List[str
 class Progress(object):
     """``progress(stage, done, total)`` -> rate-limited progress lines."""
 
-    def __init__(self, emit: Emit, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, emit: Emit, clock: Callable[[], float] = time.monotonic,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
         self.emit = emit
         self.clock = clock
+        self.should_stop = should_stop
         self.stage = ""
         self.last = 0.0
 
-    def __call__(self, stage: str, done: int = 0, total: int = 0) -> None:
+    def __call__(self, stage: str, done: int = 0, total: int = 0) -> Optional[bool]:
+        """False once the job is to stop: a TensorRT >= 10 build then ends at its next step
+        (its progress monitor), not after the whole build."""
         now = self.clock()
         finished = bool(total) and done >= total
-        if stage == self.stage and not finished and now - self.last < PROGRESS_INTERVAL_S:
-            return
-        self.stage, self.last = stage, now
-        self.emit({"type": "progress", "stage": stage, "done": int(done), "of": int(total)})
+        if stage != self.stage or finished or now - self.last >= PROGRESS_INTERVAL_S:
+            self.stage, self.last = stage, now
+            self.emit({"type": "progress", "stage": stage, "done": int(done),
+                       "of": int(total)})
+        return False if self.should_stop() else None
 
 
 # --- artifacts: give store files (named by hash) the extension their readers expect ----------
@@ -108,7 +113,7 @@ class JobContext(object):
         self.emit = emit
         self.should_stop = should_stop
         self._goldens: Optional[Dict[str, Any]] = None
-        self.progress = Progress(emit)
+        self.progress = Progress(emit, should_stop=should_stop)
         safe_npz.configure(**(spec.get("limits") or {}))
         self.files = stage_artifacts(spec["artifacts"], spec["work_dir"])
         # External tensors of the model may only come from this job's own artifacts.
@@ -130,6 +135,8 @@ class JobContext(object):
             raise AgentError("empty_calibration_data", "plan precision {} needs calibration data: "
                              "send a 'calibration' artifact".format(self.plan.precision))
         self.backend = get_backend(spec["backend"])
+        if hasattr(self.backend, "memory_limit"):  # TensorRT: builder.memory_limit
+            self.backend.memory_limit = (spec.get("limits") or {}).get("build_memory_bytes")
         self.cache = EngineCache(spec["cache_dir"], spec.get("engine_budget_bytes"),
                                  protected=protected_from_spec(spec),
                                  group=spec.get("engine_group"))
@@ -229,6 +236,8 @@ class JobContext(object):
         return make(specs, batch=batch, seed=seed, shapes=shapes or None)
 
     def common(self, record: Any) -> Dict[str, Any]:
+        from agent.platform import conditions
+
         build = record.result or {}
         return {
             "precision": self.plan.precision,
@@ -241,6 +250,8 @@ class JobContext(object):
             "emulated": self.backend.name != "tensorrt",
             "layer_precision_counts": _counts(build.get("layer_precisions") or {}),
             "precision_mismatches": (build.get("mismatches") or [])[:MAX_LISTED],
+            # Power mode, clocks, temperatures: figures of two boards compared knowingly.
+            "conditions": conditions.snapshot(self.spec.get("platform_root") or "/"),
         }
 
 

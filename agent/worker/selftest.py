@@ -37,6 +37,7 @@ from agent.engines.build import build_engine
 from agent.engines.cache import EngineCache
 from agent.errors import AgentError
 from agent.fsio import atomic_write
+from agent.platform import conditions
 from agent.precision import golden
 from agent.precision.compare import compare_outputs
 
@@ -69,6 +70,7 @@ EXAMPLES: Dict[str, Dict[str, Any]] = {
     },
 }
 CALIB_BATCH = 32
+TENSORRT_BOARDS = ("jetson", "dgpu")  # PlatformInfo.kind of boards whose backend is tensorrt
 FIX_FAILED = ("run `jetson-agent compare {model} --{precision} --load-inputs {inputs} "
               "--load-outputs {golden}` to see which outputs differ, and attach this report "
               "to the bug report")
@@ -112,6 +114,7 @@ class Selftest(object):
         self.problems: List[Dict[str, str]] = [
             {"problem": p["problem"], "fix": p["fix"], "where": "platform"}
             for p in info.problems]
+        self.asked = backend_name  # --backend (None: the platform's own)
         self.backend_name = backend_name or info.backend
         self.backend: Optional[Backend] = None
         self.emulation: Optional[Backend] = None
@@ -306,6 +309,19 @@ class Selftest(object):
         info = self.info
         counts = {s: sum(1 for r in self.results if r["status"] == s)
                   for s in ("passed", "failed", "error", "skipped")}
+        # A board made for TensorRT where TensorRT built nothing has not passed: the rows ran
+        # on the emulation (TensorRT missing or broken, as on JetPack 4.6 without its
+        # Python 3.6 bindings) or all failed to build.
+        never_ran = info.kind in TENSORRT_BOARDS and self.asked in (None, "tensorrt") and not any(
+            r.get("backend") == "tensorrt" and r["status"] in ("passed", "failed")
+            for r in self.results)
+        if never_ran:
+            self.problem("TensorRT never ran on this {} board: {}".format(
+                info.kind, "every row ran on the {} backend".format(self.backend_name)
+                if self.backend_name != "tensorrt" else "no engine was built"),
+                "run scripts/install-jetson (TensorRT's Python bindings for the worker's "
+                "Python, and pycuda), check `jetson-agent diag`, and run selftest again",
+                "backend")
         return _strict({
             "schema": SCHEMA,
             "agent_version": __version__,
@@ -324,7 +340,8 @@ class Selftest(object):
             "counts": counts,
             "timings": {"total_seconds": round(seconds, 3)},
             "problems": self.problems,
-            "ok": counts["failed"] == 0 and counts["error"] == 0,
+            "conditions": conditions.snapshot(),  # power mode, clocks, temperatures
+            "ok": counts["failed"] == 0 and counts["error"] == 0 and not never_ran,
         })
 
 

@@ -35,6 +35,8 @@ def test_deploy_int8_then_cache_hit(controller, agent_factory, digits_files):
     assert result["throughput_qps"] > 0 and result["latency_ms"]["p99"] > 0
     assert result["cache_hit"] is False and result["calibrated"] is True
     assert result["activated"] is True
+    # What it was built and measured under (issue 34): power mode, clocks, temperatures.
+    assert set(result["conditions"]) == {"nvpmodel", "clocks_mhz", "temperatures_c"}
     # Retained statuses are coalesced in the outbox, so intermediate stages may be skipped;
     # versions only grow.
     versions = [m["version"] for m in controller.job_status["deploy-1"]]

@@ -60,15 +60,65 @@ def _search_models():
     return search_models
 
 
-def test_default_search_on_a_real_vad_with_if_subgraphs(tmp_path):
-    # Silero VAD (silero-vad's wheel): the network lives inside an If's subgraphs and its
-    # outputs pass through Identity nodes that the fp16 build rounds. They are the
-    # candidates, the If is named out of reach, and the default keeps fewer layers than
-    # bisect (which keeps its whole prefix), proving each one needed.
-    sm = _search_models()
-    path = sm.model_path("vad")
+def _vad_path():
+    path = _search_models().model_path("vad")
     if path is None:
         pytest.skip("silero-vad is not installed (requirements-models.txt)")
+    return path
+
+
+def _fp16_casts_inside(engine_path):
+    import onnx
+
+    from agent.engines.backends.subgraphs import nested_nodes
+
+    model = onnx.load(engine_path)
+    return sum(1 for n in nested_nodes(model.graph) if n.op_type == "Cast"
+               and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT16 for a in n.attribute))
+
+
+def test_silero_if_branches_run_in_fp16_on_the_host(tmp_path):
+    # Issue 34: the 684 nodes inside Silero's If branches ran in fp32 while the build said
+    # "float16". Now their layers are rounded as TensorRT would run them, counted apart, and
+    # --layer-precisions If_0:float32 keeps the whole branch in fp32 (the fp32 numbers).
+    path = _vad_path()
+    feed = _search_models().feeds("vad", 1, 0)[0]
+    backend = create()
+    runs = {}
+    for label, plan in (("fp32", BuildPlan("fp32")), ("fp16", BuildPlan("fp16")),
+                        ("kept", BuildPlan("fp16"))):
+        if label == "kept":
+            plan.layer_precisions = {"If_0": "float32"}
+        result = backend.build(path, plan, str(tmp_path / (label + ".onnx")))
+        with backend.open(result.engine_path) as runner:
+            runs[label] = (result, runner.infer(dict(feed)), _fp16_casts_inside(
+                result.engine_path))
+    fp16, out16, casts16 = runs["fp16"]
+    assert fp16.details["subgraph_counts"] == {"float32": 0, "float16": 210, "int8": 0}
+    assert fp16.layer_precisions["If_0"] == "float16" and casts16 > 200
+    kept, out_kept, casts_kept = runs["kept"]
+    assert kept.details["subgraph_counts"]["float32"] == 210 and casts_kept == 0
+    ref = runs["fp32"][1]["stateN"]
+    assert np.array_equal(out_kept["stateN"], ref.astype(np.float16).astype(np.float32))
+    assert not np.array_equal(out16["stateN"], out_kept["stateN"])
+
+
+def test_silero_int8_inside_subgraphs_is_warned(tmp_path):
+    # What the host cannot emulate is said: int8 needs ranges of tensors inside the
+    # branches, so their Conv layers run in fp16 here, and the build says how many.
+    result = create().build(_vad_path(), BuildPlan("best"), str(tmp_path / "best.onnx"))
+    assert "12 Conv/Gemm/MatMul node(s) inside subgraphs run in fp16 here" in \
+        result.details["warning"]
+
+
+def test_default_search_on_a_real_vad_with_if_subgraphs(tmp_path):
+    # Silero VAD (silero-vad's wheel): the network lives inside an If's subgraphs (which
+    # run in fp16 with the If, one candidate) and its outputs pass through Identity nodes
+    # that the fp16 build rounds. At 1e-4 the If must stay fp32; the nodes inside are named
+    # out of reach one by one, and the default keeps fewer layers than bisect (which keeps
+    # its whole prefix), proving each one needed.
+    sm = _search_models()
+    path = _vad_path()
     from agent.engines.cache import EngineCache
     from agent.precision import golden
     from agent.precision.searcher import run_search
@@ -83,7 +133,8 @@ def test_default_search_on_a_real_vad_with_if_subgraphs(tmp_path):
                                  compare_options={"atol": 1e-4, "rtol": 1e-4},
                                  calibration_dir=str(tmp_path / "cal"), report=lambda x: None)
     m, b, w = found["minimal"], found["bisect"], found["worst-first"]
-    assert m.candidates == 2 and m.passed and m.one_minimal and m.untested_removals == []
+    assert m.candidates == 3 and m.passed and m.one_minimal and m.untested_removals == []
+    assert "If_0" in m.keep  # its 684 nodes ran in fp16 without it
     assert len(m.keep) <= min(len(b.keep), len(w.keep)) and len(m.keep) < len(b.keep)
     assert m.evaluations <= 3 * b.evaluations + 4
     assert not b.one_minimal and b.untested_removals  # honest: bisect's prefix is not proven

@@ -281,8 +281,9 @@ def test_output_identity_after_if_is_a_candidate_and_the_subgraph_is_named(env):
                "cond": np.array(True)}]
     goldens = golden.reference_outputs(path, inputs, env.backend)
     r = env.search(path, BuildPlan("fp16"), inputs, goldens)
-    # The fp16 build rounds the Identity's output: it is offered, and keeping it is the answer.
-    assert r.candidates == 1 and r.keep == ["Identity_out"] and r.one_minimal
+    # The fp16 build rounds the If's branches (as one layer) and the Identity's output: both
+    # are offered, and keeping both is the answer.
+    assert r.candidates == 2 and r.keep == ["If_0", "Identity_out"] and r.one_minimal
     assert r.out_of_reach == [{"node": "If_0", "op": "If", "nodes_inside": 4}]
     assert "If 'If_0' (4 nodes)" in r.message
     # Pinned to fp16 by the user, nothing is left to offer: the error names it and the If.

@@ -46,6 +46,7 @@ def test_selftest_json_on_a_host(tmp_path):
     assert rows[("digits", "int8")]["top1"]["accuracy"] >= 0.95
     assert report["dla"]["status"] == "skipped"
     assert report["versions"]["onnxruntime"] and report["versions"]["agent"]
+    assert set(report["conditions"]) == {"nvpmodel", "clocks_mhz", "temperatures_c"}
     assert all(p["fix"] for p in report["problems"])
 
 
@@ -74,6 +75,12 @@ def test_an_unusable_backend_is_reported_and_the_host_backend_runs(tmp_path):
     assert report["backend"] == "onnxruntime"
     assert [p["where"] for p in report["problems"]][:1] == ["backend"]
     assert "scripts/install-jetson" in report["problems"][0]["fix"]
+    # Issue 34: a Jetson on which TensorRT never ran has not passed, however the emulated
+    # rows went (selftest exits 1 and says why).
+    assert report["counts"]["failed"] == report["counts"]["error"] == 0
+    assert not report["ok"]
+    assert any("TensorRT never ran on this jetson board: every row ran on the onnxruntime "
+               "backend" in p["problem"] for p in report["problems"])
 
 
 def test_on_a_device_each_row_is_checked_against_the_host_emulation(tmp_path, monkeypatch):

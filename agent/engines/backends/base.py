@@ -27,7 +27,9 @@ BACKENDS = ("onnxruntime", "tensorrt")
 
 # progress(stage, done, total): stage is e.g. "calibrating" or "building"; total may be 0
 # when unknown.
-Progress = Callable[[str, int, int], None]
+# progress(stage, done, total); returning False asks the work to stop where it can (a
+# TensorRT >= 10 build, through its progress monitor); None or True carry on.
+Progress = Callable[[str, int, int], Optional[bool]]
 
 Shape = Tuple[int, ...]
 
@@ -280,6 +282,13 @@ class Runner(abc.ABC):
         drop per-call checks."""
         self.infer(feeds)
         return lambda: self.infer(feeds)
+
+    def layer_times(self, feeds: Dict[str, np.ndarray], runs: int) -> Dict[str, List[float]]:
+        """Per-layer times of ``runs`` inferences on ``feeds``: layer -> its time in each run
+        (ms), in execution order (``bench --profile``). Backends that can profile override it."""
+        raise AgentError("profile_unavailable",
+                         "expected a backend with a per-layer profiler (tensorrt, onnxruntime), "
+                         "found {} without one".format(type(self).__name__))
 
     def close(self) -> None:
         pass

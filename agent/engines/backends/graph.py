@@ -10,6 +10,8 @@ into one):
   pairs, so a plainly fp16-converted model never overflows; explicit pairs are kept. Rounding at
   every reduced-precision node's inputs also reproduces TensorRT's reformat at precision
   boundaries: a large fp32 output overflows again when an fp16 layer reads it.
+  A node with subgraphs (If / Loop / Scan) in float16 has its bodies rounded the same way
+  (``subgraphs``).
 - float16, typed (TensorRT strongly typed networks, >= 10.12 / 11): inputs are cast to fp16,
   the node computes in fp16 with fp16 initializers, and outputs are cast back to fp32 where an
   fp32 node or a graph output reads them.
@@ -30,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from agent.engines.backends import emulation
+from agent.engines.backends import emulation, subgraphs
 from agent.engines.backends.layer_precisions import (
     activation_inputs,
     resolve_precisions,
@@ -48,7 +50,7 @@ from agent.engines.backends.onnx_model import (
 from agent.errors import AgentError
 
 # Bump when a rewrite changes numerics: it enters engine-cache keys through the backends.
-REWRITE_VERSION = "2"
+REWRITE_VERSION = "3"
 
 FP16_MAX = float(np.finfo(np.float16).max)
 INT8_MAX = 127.0
@@ -66,7 +68,7 @@ class _Names(object):
             self.used.add(vi.name)
         for init in graph.initializer:
             self.used.add(init.name)
-        for node in graph.node:
+        for node in list(graph.node) + list(subgraphs.nested_nodes(graph)):
             self.used.add(node.name)
             self.used.update(node.input)
             self.used.update(node.output)
@@ -170,6 +172,14 @@ def apply_precisions(
     rounded: Set[str] = set()  # tensors already rounded to fp16 (emulated)
     half: Dict[str, str] = {}  # typed: original name -> the name of its fp16 version
     out_nodes: List[onnx.NodeProto] = []
+    nested: Dict[str, int] = {}
+
+    def body_types() -> Dict[str, int]:
+        """Types inside the bodies and of the outer tensors they read (rounded too)."""
+        if not nested:  # inferred once, only for a model with subgraphs in reduced precision
+            nested.update(types)
+            nested.update(subgraphs.nested_types(model))
+        return nested
 
     def const(base: str, array: np.ndarray) -> str:
         name = names.fresh(base)
@@ -279,6 +289,8 @@ def apply_precisions(
                 else:
                     node.input[i] = src
         elif prec == "float16" and emulate:
+            if subgraphs.bodies(node):
+                subgraphs.round_bodies(node, body_types(), names.fresh)
             for i, name in enumerate(node.input):
                 if name and types.get(name) == FLOAT32 and name not in fused:
                     node.input[i] = round_fp16(name)

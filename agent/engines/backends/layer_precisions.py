@@ -4,8 +4,9 @@ assignment ``node name -> "float32" | "float16" | "int8"`` that ``graph.apply_pr
 writes into the graph.
 
 int8 goes to the activation inputs of Conv / ConvTranspose / Gemm / MatMul only (biases stay
-fp32); nodes with subgraphs (If / Loop / Scan) always stay fp32, and a strongly typed graph
-cannot retype a Cast or a Q/DQ node. Pure: reads the graph, changes nothing. Worker side:
+fp32); a node with subgraphs (If / Loop / Scan) is one layer whose bodies take its precision
+when emulated (``subgraphs``) and stays fp32 in a strongly typed graph, which cannot retype a
+Cast or a Q/DQ node either. Pure: reads the graph, changes nothing. Worker side:
 Python >= 3.6.
 """
 
@@ -49,12 +50,16 @@ def type_only_node(node: onnx.NodeProto) -> bool:
     return node.op_type in ("Cast", "CastLike", "Identity")
 
 
+def is_float_layer(node: onnx.NodeProto, types: Dict[str, int]) -> bool:
+    """A layer with float computation (a precision candidate)."""
+    return _is_float_node(node, types) and not type_only_node(node)
+
+
 def float_nodes(model: onnx.ModelProto) -> List[str]:
     """Names of the nodes carrying float computation, in topological (graph) order: the
     candidate layers for precision searches and ``--layer-precisions``."""
     types = tensor_types(model)
-    return [n.name for n in model.graph.node
-            if _is_float_node(n, types) and not type_only_node(n)]
+    return [n.name for n in model.graph.node if is_float_layer(n, types)]
 
 
 def weight_inputs(node: onnx.NodeProto, inits: Set[str]) -> Set[int]:
@@ -171,10 +176,10 @@ def near_names(model: onnx.ModelProto, unknown: Sequence[str], limit: int = 8) -
 
 def _reducible(node: onnx.NodeProto, types: Dict[str, int], emulate: bool,
                outer: Set[str]) -> bool:
+    if emulate:
+        return True  # control flow included: its bodies take the precision (subgraphs.py)
     if node.op_type in CONTROL_FLOW_OPS:
         return False
-    if emulate:
-        return True
     if node.op_type in FIXED_TYPE_OPS or any(o in outer for o in node.output):
         return False
     # Typed fp16 retypes float32 tensors only; mixed double/bf16 nodes stay as they are.

@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import onnx
 
 from agent.engines import plugins
-from agent.engines.backends import emulation, graph, layer_precisions, onnx_model
+from agent.engines.backends import emulation, graph, layer_precisions, onnx_model, subgraphs
 from agent.engines.backends.base import (
     Backend,
     BuildPlan,
@@ -158,11 +158,19 @@ class OnnxRuntimeBackend(Backend):
         # tensor names): they run in the fallback precision.
         details["counts"] = {p: sum(1 for v in assignment.values() if v == p)
                              for p in ("float32", "float16", "int8")}
+        # Layers inside If / Loop / Scan bodies, counted apart (they are not top-level layers
+        # a --layer-precisions can name); what they cannot run in here is said.
+        inside = subgraphs.summary(marked, assignment, plan.precision)
+        if inside:
+            details["subgraph_counts"] = inside["counts"]
+        warnings = [inside["warning"]] if "warning" in inside else []
         if plan.precision in ("int8", "best") and not details["counts"]["int8"] and \
                 not plan.layer_precisions:
-            details["warning"] = ("int8 was asked for but no layer can run in int8 (int8 "
-                                  "kernels are Conv/ConvTranspose/Gemm/MatMul ones; none is "
-                                  "left to quantize)")
+            warnings.insert(0, "int8 was asked for but no layer can run in int8 (int8 "
+                               "kernels are Conv/ConvTranspose/Gemm/MatMul ones; none is "
+                               "left to quantize)")
+        if warnings:
+            details["warning"] = "; ".join(warnings)
             log.warning("%s: %s", model_path, details["warning"])
         return BuildResult(
             engine_path=engine_path,
@@ -233,8 +241,15 @@ class OnnxRuntimeBackend(Backend):
         # Instrumented engines (tensors marked as outputs) return every activation of a run:
         # without the arena that memory goes back after each run.
         marked = bool((metadata.get("plan") or {}).get("mark_outputs"))
-        return OnnxRuntimeRunner(open_session(data, self.threads, engine_path, arena=not marked),
-                                 metadata)
+        return OnnxRuntimeRunner(
+            open_session(data, self.threads, engine_path, arena=not marked), metadata,
+            profiling=lambda prefix: open_session(_read(engine_path), self.threads, engine_path,
+                                                  profile_prefix=prefix))
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _merge_overrides(overrides: Dict[str, str], merged: Dict[str, str]) -> Dict[str, str]:

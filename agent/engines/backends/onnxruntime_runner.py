@@ -5,6 +5,7 @@ Python >= 3.6.
 """
 
 import functools
+import os
 from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
@@ -29,7 +30,8 @@ def import_onnxruntime() -> Any:
     return onnxruntime
 
 
-def session_options(threads: Optional[int] = None, arena: bool = True) -> Any:
+def session_options(threads: Optional[int] = None, arena: bool = True,
+                    profile_prefix: Optional[str] = None) -> Any:
     """CPU session options. ORT_ENABLE_ALL keeps explicit fp32->fp16->fp32 Cast pairs (only
     casts it inserted itself are removed), which the fp16 tests check on every run.
     ``arena`` False returns memory after each run (instrumented runs with every tensor as an
@@ -44,15 +46,19 @@ def session_options(threads: Optional[int] = None, arena: bool = True) -> Any:
         options.intra_op_num_threads = int(threads)
     options.inter_op_num_threads = 1
     options.log_severity_level = 3
+    if profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = profile_prefix
     return options
 
 
-def open_session(model_bytes: bytes, threads: Optional[int], source: str, arena: bool = True
-             ) -> Any:
+def open_session(model_bytes: bytes, threads: Optional[int], source: str, arena: bool = True,
+                 profile_prefix: Optional[str] = None) -> Any:
     ort = import_onnxruntime()
     try:
-        return ort.InferenceSession(model_bytes, sess_options=session_options(threads, arena),
-                                    providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(
+            model_bytes, sess_options=session_options(threads, arena, profile_prefix),
+            providers=["CPUExecutionProvider"])
     except Exception as exc:  # noqa: BLE001 - ORT raises its own unexported error types
         text = str(exc)
         code = "unsupported_model" if ("NOT_IMPLEMENTED" in text or "not a registered" in text
@@ -73,8 +79,10 @@ def _specs(args: List[Any]) -> List[TensorSpec]:
 class OnnxRuntimeRunner(Runner):
     """Runs an engine (or any ONNX model) on ONNX Runtime's CPU provider."""
 
-    def __init__(self, session: Any, metadata: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(self, session: Any, metadata: Optional[Dict[str, Any]] = None,
+                 profiling: Optional[Callable[[str], Any]] = None) -> None:
         self.session = session
+        self._profiling = profiling  # prefix -> a session that profiles (``layer_times``)
         self.metadata = dict(metadata or {})
         self._inputs = _specs(session.get_inputs())
         self._outputs = _specs(session.get_outputs())
@@ -113,6 +121,31 @@ class OnnxRuntimeRunner(Runner):
                     spec.name, spec.dtype, value.dtype))
             value = value.astype(spec.dtype)
         return value
+
+    def layer_times(self, feeds: Dict[str, np.ndarray], runs: int) -> Dict[str, List[float]]:
+        """ONNX Runtime's profiler over ``runs`` inferences, after one untimed run (the first
+        allocates), in a session of its own: profiling slows every run, so the benchmark's
+        session never profiles."""
+        if self._profiling is None:
+            return super(OnnxRuntimeRunner, self).layer_times(feeds, runs)
+        import json
+        import shutil
+        import tempfile
+
+        from agent.engines.layer_view import ort_layer_times
+
+        self.infer(feeds)  # validates before a second session is opened
+        arrays = {spec.name: self._converted(spec, feeds[spec.name]) for spec in self._inputs}
+        folder = tempfile.mkdtemp(prefix="jetson-agent-profile-")
+        try:
+            session = self._profiling(os.path.join(folder, "ort"))
+            for _ in range(int(runs) + 1):
+                session.run(self._output_names, arrays)
+            with open(session.end_profiling()) as f:
+                times = ort_layer_times(json.load(f))
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return {name: values[1:] for name, values in times.items() if len(values) > 1}
 
     def close(self) -> None:
         self.session = None

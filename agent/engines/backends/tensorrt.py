@@ -61,6 +61,9 @@ class TensorRTBackend(Backend):
         self._version = version
         self.device = device
         self.features = Features(parse_version(version))
+        # Bytes a build's memory pools may take (builder.memory_limit; None: TensorRT's
+        # defaults). A resource bound, not a property of the engine: not in the cache key.
+        self.memory_limit: Optional[int] = None
 
     def version(self) -> str:
         return self._version

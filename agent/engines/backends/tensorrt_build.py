@@ -44,12 +44,14 @@ from agent.engines.backends.tensorrt_network import (
 from agent.engines.backends.tensorrt_plan import (
     apply_builder_settings,
     builder_settings,
+    cap_build_memory,
     check_dla_cores,
     check_dla_profile,
     network_creation_flags,
     parse_version,
     plan_floor,
 )
+from agent.engines.backends.tensorrt_progress import make_monitor
 from agent.engines.backends.tensorrt_runner import TensorRTRunner
 from agent.engines.backends.tensorrt_shapes import (
     ProfileShapes,
@@ -150,6 +152,10 @@ class Build(object):
                         self.backend.features, self.version_text)
         config = net.builder.create_builder_config()
         apply_builder_settings(trt, config, self.settings)
+        if self.backend.memory_limit:  # builder.memory_limit: room for the serving app
+            self.details["memory_pools"] = cap_build_memory(trt, config,
+                                                            self.backend.memory_limit,
+                                                            self.settings)
         if profile:
             prof = net.builder.create_optimization_profile()
             for name, (lo, opt, hi) in profile.items():
@@ -158,8 +164,19 @@ class Build(object):
         return config
 
     def _serialize(self, net: _Network, config: "tensorrt.IBuilderConfig") -> Any:
+        import tensorrt as trt
+
         self.progress("building", 0, 1)
+        monitor = None
+        if self.backend.features.progress_monitor and hasattr(trt, "IProgressMonitor"):
+            monitor = make_monitor(trt, self.progress)
+            config.progress_monitor = monitor
         serialized = net.builder.build_serialized_network(net.network, config)
+        if serialized is None and monitor is not None and monitor.stopped:
+            if monitor.stopped == "interrupted":
+                raise KeyboardInterrupt
+            raise AgentError("cancelled", "the build of {} was cancelled while TensorRT built "
+                             "it (its progress monitor stopped it)".format(self.model_path))
         if serialized is None:
             messages = self.logger.since(self.log_mark)
             raise AgentError(

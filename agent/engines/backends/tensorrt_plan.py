@@ -88,6 +88,8 @@ class Features(object):
         # DLA on Jetson: up to 10.7, none in 11.0 - 11.4.0, back in 11.4.1 (AGX Orin, strongly
         # typed only). 10.8 - 10.x: the DLA libraries are no longer shipped for Jetson.
         self.dla = version < (10, 8, 0) or version >= (11, 4, 1)
+        # IProgressMonitor (phases, steps, cancel) on the builder config from 10.0.
+        self.progress_monitor = version >= (10, 0, 0)
 
     def to_dict(self) -> Dict[str, Any]:
         return {k: v for k, v in sorted(vars(self).items()) if k != "version"}
@@ -317,6 +319,39 @@ def apply_builder_settings(trt: Any, config: "tensorrt.IBuilderConfig",
         config.DLA_core = settings.dla_core
     if settings.detailed_profiling:
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+
+
+# A build next to a serving app on a board whose GPU shares the RAM (Jetson): TensorRT's
+# TACTIC_DRAM pool defaults to 75 % of that memory and WORKSPACE to all of it (NvInfer.h 8.6,
+# 10.3), so an uncapped build can push the app out. builder.memory_limit's default share.
+MEMORY_SHARE = 0.5
+
+
+def build_memory_limit(configured: Optional[int], total_bytes: int, shared_memory: bool
+                       ) -> Optional[int]:
+    """The cap on a build's memory pools: ``configured`` bytes (0: none), else (None) a
+    ``MEMORY_SHARE`` of RAM on a shared-memory board and none on a discrete GPU."""
+    if configured is not None:
+        return int(configured) or None
+    if shared_memory and total_bytes > 0:
+        return int(total_bytes * MEMORY_SHARE)
+    return None
+
+
+def cap_build_memory(trt: Any, config: "tensorrt.IBuilderConfig", limit: int,
+                     settings: BuilderSettings) -> Dict[str, int]:
+    """Cap the builder's memory pools at ``limit`` bytes: WORKSPACE (a smaller --workspace
+    stays) and, where the version has it, TACTIC_DRAM. Returns pool name -> bytes set."""
+    workspace = settings.workspace[1] if settings.workspace else limit
+    pools = {"WORKSPACE": min(workspace, limit)}
+    if settings.workspace and settings.workspace[0] == "max_workspace_size":
+        config.max_workspace_size = pools["WORKSPACE"]  # type: ignore[attr-defined]  # < 8.4
+        return pools
+    if hasattr(trt.MemoryPoolType, "TACTIC_DRAM"):
+        pools["TACTIC_DRAM"] = limit
+    for name, size in pools.items():
+        config.set_memory_pool_limit(getattr(trt.MemoryPoolType, name), size)
+    return pools
 
 
 def plan_floor(precision: str) -> Optional[str]:

@@ -223,6 +223,38 @@ class TensorRTRunner(Runner):
         return list(timer.time_phases(self._to_device, self._execute, self._to_host,
                                       iterations))
 
+    def engine_information(self) -> str:
+        """The engine inspector's JSON (TensorRT >= 8.2; layer names only unless the engine
+        was built with detailed profiling verbosity, as this agent's builds are)."""
+        import tensorrt as trt
+
+        if not hasattr(self.engine, "create_engine_inspector"):
+            raise AgentError("profile_unavailable",
+                             "expected TensorRT >= 8.2 (the engine inspector), found {}".format(
+                                 trt.__version__))
+        inspector = self.engine.create_engine_inspector()
+        return str(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+
+    def layer_times(self, feeds: Dict[str, np.ndarray], runs: int) -> Dict[str, List[float]]:
+        """TensorRT's ``IProfiler`` on the execution context (trtexec's ``--dumpProfile``):
+        each layer's time in each of ``runs`` synchronous inferences, after an untimed one."""
+        import tensorrt as trt
+
+        times: Dict[str, List[float]] = {}
+
+        class Profiler(trt.IProfiler):  # type: ignore[misc,name-defined]
+            def report_layer_time(self, layer_name: str, ms: float) -> None:
+                times.setdefault(layer_name, []).append(float(ms))
+
+        self.infer(feeds)
+        # Kept on the context for its life (TensorRT holds a pointer; the bindings take no
+        # None back): call it after the timed runs, as bench does.
+        self._profiler = Profiler()
+        self.context.profiler = self._profiler
+        for _ in range(int(runs)):
+            self.infer(feeds)
+        return times
+
     def close(self) -> None:
         """Free in order while the CUDA context is still current: pycuda skips destroying a
         stream or event whose context is gone (a leak per runner), so the events, then the
