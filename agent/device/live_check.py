@@ -1,0 +1,160 @@
+"""The app's donated inputs at work on the device (docs/using-models.md, "Live inputs"):
+
+- **The live check before commit.** A new version of a name, while a committed one runs and at
+  least ``models.live_check.min_samples`` donated rows exist, is run beside the running one on
+  them (``agent.precision.live.live_check``) on a thread; the figures come back to the main
+  loop as a ``live`` event and are one more confirmation the pending version needs
+  (``commit_logic``): below the thresholds it is refused (``live_check_failed``) and rolled
+  back. Without samples, or with nothing running, the check is skipped and says why.
+- **INT8 ranges in the field.** Every ``every_s``, one committed INT8 version at a time with
+  donated rows and a calibration cache: its clipping rates and input drift
+  (``agent.precision.live.field_ranges``), kept per name (``field.json`` beside the samples),
+  in telemetry (``int8_clip_rate.<name>``) and, above ``max_clip_rate``, the name's
+  ``calibration_stale`` problem naming the tensors.
+
+ONNX Runtime (the host backend) releases the GIL while it runs, so the daemon's loop keeps
+serving while a check runs on its thread.
+"""
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from agent.device.live_samples import SampleStore
+from agent.device.models_dir import CALIBRATION, ENGINE, ONNX, ModelsDir, read_meta
+
+log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
+
+Post = Callable[..., None]  # post(token, kind, value, error=None): a SwitchEvent to the loop
+
+
+def fixed_batch(meta: Dict[str, Any]) -> Optional[int]:
+    """The engine's fixed batch (the first input's first dimension), None when dynamic."""
+    shape = ((meta.get("inputs") or [{}])[0].get("shape") or [None])
+    first = shape[0] if shape else None
+    return first if isinstance(first, int) and not isinstance(first, bool) and first > 0 \
+        else None
+
+
+class LiveCheck(object):
+    def __init__(self, cfg: Any, models: ModelsDir, post: Post) -> None:
+        self.lc = cfg.models.live_check
+        self.backend = cfg.backend
+        self.models, self.post = models, post
+        self.samples = SampleStore.for_config(cfg)
+        self.field: Dict[str, Dict[str, Any]] = {}
+        self.next_field = time.monotonic() + self.lc.every_s
+        self.field_running = False
+        self.cursor = 0  # which INT8 name the next field check looks at
+
+    # -- before commit -----------------------------------------------------------------------
+    def skip_reason(self, name: str, running: Optional[str]) -> Optional[str]:
+        """Why the live check does not run for a new version of ``name`` (None: it runs)."""
+        if not self.lc.enabled:
+            return "models.live_check.enabled is false"
+        if running is None:
+            return "no committed version runs to compare with"
+        have = self.samples.count(name)
+        if have < self.lc.min_samples:
+            return "{} donated samples, fewer than models.live_check.min_samples ({})".format(
+                have, self.lc.min_samples)
+        return None
+
+    def start(self, token: int, name: str, version: str, running: str) -> None:
+        new_dir = self.models.version_dir(name, version)
+        old_dir = self.models.version_dir(name, running)
+        lc = self.lc
+
+        def work() -> None:
+            from agent.engines.backends.base import get_backend
+            from agent.precision.live import live_check
+
+            try:
+                meta = read_meta(new_dir)
+                backend = get_backend(str(meta.get("backend") or self.backend))
+                samples = self.samples.load(name)
+                with backend.open(os.path.join(new_dir, ENGINE)) as new, \
+                        backend.open(os.path.join(old_dir, ENGINE)) as old:
+                    figures = live_check(new, old, samples, fixed_batch(meta),
+                                         lc.min_agreement, lc.max_error, lc.error_stat)
+                figures["running"] = running
+                self.post(token, "live", figures)
+            except Exception as exc:  # noqa: BLE001 - a check that cannot run refuses nothing
+                log.warning("model %s@%s: live check could not run: %s", name, version, exc)
+                self.post(token, "live", {"skipped": "the check could not run: {}".format(
+                    str(exc)[:300])}, error=str(exc)[:300])
+
+        threading.Thread(target=work, name="live-check", daemon=True).start()
+
+    # -- in the field --------------------------------------------------------------------------
+    def tick(self, committed: Callable[[], List[Dict[str, Any]]]) -> None:
+        """``committed()``: the journal's committed active versions (asked only when due)."""
+        if not self.lc.enabled or self.field_running or time.monotonic() < self.next_field:
+            return
+        self.next_field = time.monotonic() + self.lc.every_s
+        int8 = [r for r in committed() if r.get("precision") == "int8" and os.path.isfile(
+            os.path.join(self.models.version_dir(r["name"], r["version"]), CALIBRATION))]
+        for name in list(self.field):  # a name no longer INT8 (or gone) has no figures
+            if name not in {r["name"] for r in int8}:
+                del self.field[name]
+        if not int8:
+            return
+        row = int8[self.cursor % len(int8)]
+        self.cursor += 1
+        name, path = row["name"], self.models.version_dir(row["name"], row["version"])
+        lc = self.lc
+        self.field_running = True
+
+        def work() -> None:
+            from agent.precision.live import field_check
+
+            figures: Optional[Dict[str, Any]] = None
+            try:
+                samples = self.samples.load(name)
+                if samples:
+                    figures = field_check(os.path.join(path, ONNX),
+                                          os.path.join(path, CALIBRATION), samples,
+                                          fixed_batch(read_meta(path)), lc.max_clip_rate)
+                    figures.update(version=row["version"], at=time.time())
+            except Exception as exc:  # noqa: BLE001 - tried again at the next period
+                log.warning("model %s: INT8 range check failed: %s", name, exc)
+            self.post(0, "field", (name, figures))
+
+        threading.Thread(target=work, name="live-field", daemon=True).start()
+
+    def on_field(self, name: str, figures: Optional[Dict[str, Any]]) -> bool:
+        """A field check's figures (main loop); True when the name's problem changed."""
+        self.field_running = False
+        if figures is None:
+            return False
+        before = self.problem(name)
+        self.field[name] = figures
+        try:
+            self.samples.write_field(name, figures)
+        except OSError as exc:
+            log.warning("model %s: cannot keep the INT8 range figures: %s", name, exc)
+        if figures["stale"] and before is None:
+            log.warning("model %s: %s", name, self.problem(name))
+        return self.problem(name) != before
+
+    def problem(self, name: str) -> Optional[str]:
+        stale = (self.field.get(name) or {}).get("stale")
+        if not stale:
+            return None
+        f = self.field[name]
+        return "calibration_stale: {:.1%} of activations beyond the calibrated range (more " \
+            "than {:.1%}) in {}".format(f["clip_max"], f["max_clip_rate"], ", ".join(stale[:8]))
+
+    def summary(self, name: str) -> Optional[Dict[str, Any]]:
+        """What the models message carries of the field figures (small)."""
+        f = self.field.get(name)
+        if f is None:
+            return None
+        return {"clip_max": round(float(f["clip_max"]), 6), "stale": f["stale"][:8],
+                "samples": f["samples"], "version": f.get("version")}
+
+    def telemetry(self) -> Dict[str, Any]:
+        return {"int8_clip_rate.{}".format(n): round(float(f["clip_max"]), 6)
+                for n, f in sorted(self.field.items())[:64]}
