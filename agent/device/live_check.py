@@ -89,6 +89,18 @@ class LiveCheck(object):
         threading.Thread(target=work, name="live-check", daemon=True).start()
 
     # -- in the field --------------------------------------------------------------------------
+    def note_calibration_set(self, name: str, version: str, path: str) -> None:
+        """The calibration set's input statistics into the version's meta.json
+        (``calibration_inputs``): the field's drift is measured against them."""
+        from agent.precision.live import calibration_inputs
+
+        try:
+            stats = calibration_inputs(path)
+            if stats:
+                self.models.update_meta(name, version, {"calibration_inputs": stats})
+        except Exception as exc:  # noqa: BLE001 - the drift figure goes, the version stays
+            log.warning("model %s@%s: no calibration statistics: %s", name, version, exc)
+
     def tick(self, committed: Callable[[], List[Dict[str, Any]]]) -> None:
         """``committed()``: the journal's committed active versions (asked only when due)."""
         if not self.lc.enabled or self.field_running or time.monotonic() < self.next_field:
@@ -114,9 +126,11 @@ class LiveCheck(object):
             try:
                 samples = self.samples.load(name)
                 if samples:
+                    meta = read_meta(path)
                     figures = field_check(os.path.join(path, ONNX),
                                           os.path.join(path, CALIBRATION), samples,
-                                          fixed_batch(read_meta(path)), lc.max_clip_rate)
+                                          fixed_batch(meta), lc.max_clip_rate,
+                                          meta.get("calibration_inputs"))
                     figures.update(version=row["version"], at=time.time())
             except Exception as exc:  # noqa: BLE001 - tried again at the next period
                 log.warning("model %s: INT8 range check failed: %s", name, exc)

@@ -255,11 +255,15 @@ class ModelSwitch(object):
                                     built_by=built_by)
 
         self.writing[token] = (run, result)
+        calibration_set = run.paths.get("calibration") if result.get("precision") == "int8" \
+            else None
 
         def write() -> None:
             try:
                 path = self.models.write_version(name, version, engine, onnx, meta_for,
                                                  calibration=result.get("calibration_cache"))
+                if calibration_set:  # what the field's inputs are compared with (live_check)
+                    self.live.note_calibration_set(name, version, calibration_set)
                 self.events.put(SwitchEvent(token, "written", (name, version, path)))
             except Exception as exc:  # noqa: BLE001 - reported on the job
                 self.events.put(SwitchEvent(token, "written", (name, version, None),

@@ -8,8 +8,12 @@
   The worst rows (disagreeing first, then the largest error) are named by their index.
 - ``field_ranges``: for an INT8 version, per calibrated tensor the share of activations beyond
   the calibration cache's range (amax = scale * 127, TensorRT's cache format): the clipping
-  rate; per input, a drift figure (mean, std, min, max, and the share beyond the input's
-  calibrated range). Tensors clipping more than ``max_clip_rate`` are named ``stale``.
+  rate; per input, a drift figure against the calibration set (``calibration_inputs``, kept
+  in the version's meta.json at activation): mean, std, min, max, the share beyond the input's
+  calibrated range, the mean's shift in the calibration set's standard deviations and the
+  histogram distance (total variation over the calibration set's bins, values outside them
+  in a bin of their own: 0 same distribution, 1 disjoint). Tensors clipping more than
+  ``max_clip_rate`` are named ``stale``.
 
 The runners are the backend's (ONNX Runtime here, TensorRT on a Jetson); rows go through in
 chunks of the model's fixed batch, or ``CHUNK`` rows where the batch is dynamic.
@@ -24,6 +28,8 @@ from agent.precision.metrics import stat
 CHUNK = 32
 WORST = 5
 LISTED = 16  # tensors listed with their clipping rate (the worst first)
+BINS = 32  # the calibration set's histogram per input
+MAX_CALIBRATION_ROWS = 4096  # rows of the calibration set its statistics are taken from
 
 
 def batches(feeds: Dict[str, np.ndarray], batch: Optional[int]
@@ -98,9 +104,62 @@ def live_check(new: Any, running: Any, samples: Dict[str, np.ndarray], batch: Op
                    min_agreement, max_error, error_stat)
 
 
+def input_stats(arrays: Dict[str, np.ndarray]) -> Dict[str, Dict[str, Any]]:
+    """Per input: mean, std, min, max and a BINS-bin histogram (fractions) over [min, max]."""
+    out = {}
+    for name, value in arrays.items():
+        v = np.asarray(value, dtype=np.float64).ravel()
+        v = v[np.isfinite(v)]
+        if not v.size:
+            continue
+        lo, hi = float(v.min()), float(v.max())
+        counts, _ = np.histogram(v, bins=BINS, range=(lo, hi if hi > lo else lo + 1.0))
+        out[name] = {"mean": float(v.mean()), "std": float(v.std()), "min": lo, "max": hi,
+                     "hist": [round(float(c) / v.size, 6) for c in counts]}
+    return out
+
+
+def calibration_inputs(path: str) -> Optional[Dict[str, Dict[str, Any]]]:
+    """``input_stats`` of a calibration set (an .npz, or a folder of .npz shards: the first
+    MAX_CALIBRATION_ROWS rows); None for another format (a Polygraphy JSON set)."""
+    import os
+
+    from agent.engines import safe_npz
+
+    files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".npz")) \
+        if os.path.isdir(path) else [path]
+    parts: Dict[str, List[np.ndarray]] = {}
+    rows = 0
+    for f in files:
+        with open(f, "rb") as handle:
+            if handle.read(4) != b"PK\x03\x04":
+                return None
+        arrays = safe_npz.read_npz(f, "bad_calibration_data")
+        for name, value in arrays.items():
+            parts.setdefault(name, []).append(value)
+        rows += min((len(v) for v in arrays.values()), default=0)
+        if rows >= MAX_CALIBRATION_ROWS:
+            break
+    return input_stats({k: np.concatenate(v)[:MAX_CALIBRATION_ROWS] for k, v in parts.items()})
+
+
+def drift(value: np.ndarray, ref: Dict[str, Any]) -> Dict[str, Any]:
+    """``value`` (the donated rows of one input) against its calibration statistics."""
+    v = np.asarray(value, dtype=np.float64).ravel()
+    hi = ref["max"] if ref["max"] > ref["min"] else ref["min"] + 1.0
+    counts, _ = np.histogram(v, bins=len(ref["hist"]), range=(ref["min"], hi))
+    inside = counts / float(max(v.size, 1))
+    outside = 1.0 - float(inside.sum())
+    distance = 0.5 * (float(np.abs(inside - np.asarray(ref["hist"])).sum()) + outside)
+    return {"mean_shift": (float(v.mean()) - ref["mean"]) / ref["std"] if ref["std"] else None,
+            "hist_distance": round(min(1.0, distance), 6)}
+
+
 def field_ranges(activations: Any, amax: Dict[str, float], samples: Dict[str, np.ndarray],
-                 batch: Optional[int], max_clip_rate: float) -> Dict[str, Any]:
-    """``activations.run(feeds)`` -> tensor -> array (``agent.engines.activations``)."""
+                 batch: Optional[int], max_clip_rate: float,
+                 reference: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+    """``activations.run(feeds)`` -> tensor -> array (``agent.engines.activations``);
+    ``reference``: the calibration set's ``input_stats`` (None: no drift figures)."""
     outside: Dict[str, int] = {}
     total: Dict[str, int] = {}
     rows = 0
@@ -115,7 +174,7 @@ def field_ranges(activations: Any, amax: Dict[str, float], samples: Dict[str, np
             total[name] = total.get(name, 0) + int(v.size)
     rates = {n: outside[n] / float(total[n]) for n in total if total[n]}
     worst = sorted(rates, key=lambda n: -rates[n])
-    inputs = {}
+    inputs: Dict[str, Dict[str, Any]] = {}
     for name, value in samples.items():
         v = np.asarray(value, dtype=np.float64)
         limit = amax.get(name)
@@ -123,6 +182,8 @@ def field_ranges(activations: Any, amax: Dict[str, float], samples: Dict[str, np
                         "max": float(v.max()),
                         "calibrated_amax": limit,
                         "outside": (float(np.mean(np.abs(v) > limit)) if limit else None)}
+        if reference and name in reference:
+            inputs[name]["drift"] = drift(v, reference[name])
     return {"samples": rows, "clip_rate": {n: round(rates[n], 6) for n in worst[:LISTED]},
             "clip_max": max(rates.values()) if rates else 0.0,
             "max_clip_rate": max_clip_rate,
@@ -131,7 +192,8 @@ def field_ranges(activations: Any, amax: Dict[str, float], samples: Dict[str, np
 
 
 def field_check(onnx_path: str, cache_path: str, samples: Dict[str, np.ndarray],
-                batch: Optional[int], max_clip_rate: float) -> Dict[str, Any]:
+                batch: Optional[int], max_clip_rate: float,
+                reference: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
     """``field_ranges`` of the fp32 model ``onnx_path`` against the calibration cache."""
     from agent.engines.activations import Activations
     from calib.cache import read_cache
@@ -139,6 +201,6 @@ def field_check(onnx_path: str, cache_path: str, samples: Dict[str, np.ndarray],
     amax = read_cache(cache_path).amax
     activations = Activations(onnx_path, sorted(amax))
     try:
-        return field_ranges(activations, amax, samples, batch, max_clip_rate)
+        return field_ranges(activations, amax, samples, batch, max_clip_rate, reference)
     finally:
         activations.close()

@@ -113,7 +113,9 @@ def test_live_check_refuses_rotated_commits_identical_and_watches_int8_ranges(
         lambda: field() if field()["health"].startswith("calibration_stale") else None, 30,
         "calibration_stale")
     assert stale["field"]["clip_max"] > 0.01 and stale["field"]["stale"], stale
-    assert cli(agent, "show", "digits")["field"]["stale"]
+    shown = cli(agent, "show", "digits")
+    assert shown["field"]["stale"] and "calibration_inputs" in shown["meta"]
+    assert shown["field"]["inputs"]["input"]["drift"]["hist_distance"] > 0.3
 
     made = cli(agent, "recalibrate", "digits", "--out", str(tmp_path / "calib"))
     assert made["samples"] == 128 and made["shards"] == ["shard_000.npz", "shard_001.npz"]

@@ -17,7 +17,7 @@ from agent import client
 from agent.device.app_socket import MAX_PAYLOAD, AppSocket
 from agent.device.live_samples import SampleStore, check_inputs
 from agent.errors import AgentError
-from agent.precision.live import compare, field_ranges
+from agent.precision.live import calibration_inputs, compare, field_ranges
 
 SPECS = [{"name": "input", "shape": ["N", 4], "dtype": "float32"}]
 
@@ -167,13 +167,19 @@ class Doubling(object):
         return {"input": feeds["input"], "hidden": feeds["input"] * 2.0}
 
 
-def test_field_ranges_count_activations_beyond_the_calibrated_range():
+def test_field_ranges_count_activations_beyond_the_calibrated_range(tmp_path):
     x = np.linspace(-1, 1, 400, dtype=np.float32).reshape(100, 4)
+    (tmp_path / "calib").mkdir()
+    np.savez(str(tmp_path / "calib" / "shard_000.npz"), input=x)
+    reference = calibration_inputs(str(tmp_path / "calib"))
+    assert reference["input"]["max"] == 1.0 and abs(sum(reference["input"]["hist"]) - 1) < 1e-5
     amax = {"input": 1.0, "hidden": 2.0}
-    calm = field_ranges(Doubling(), amax, {"input": x}, None, 0.01)
+    calm = field_ranges(Doubling(), amax, {"input": x}, None, 0.01, reference)
     assert calm["clip_max"] == 0.0 and calm["stale"] == [] and calm["samples"] == 100
-    wide = field_ranges(Doubling(), amax, {"input": x * 3.0}, None, 0.01)
+    assert calm["inputs"]["input"]["drift"] == {"mean_shift": 0.0, "hist_distance": 0.0}
+    wide = field_ranges(Doubling(), amax, {"input": x * 3.0}, None, 0.01, reference)
     assert wide["clip_rate"]["hidden"] > 0.6 and set(wide["stale"]) == {"input", "hidden"}
     assert wide["inputs"]["input"]["outside"] > 0.6 and wide["inputs"]["input"]["max"] == 3.0
+    assert wide["inputs"]["input"]["drift"]["hist_distance"] > 0.6
     fixed = field_ranges(Doubling(), amax, {"input": x[:10]}, 4, 0.01)  # batch 4: 8 rows
     assert fixed["samples"] == 8
