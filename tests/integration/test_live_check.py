@@ -19,6 +19,7 @@ from agent.wire import protocol
 from scripts.make_examples import rotate_classes
 from tests.integration.conftest import ROOT
 from tests.integration.test_daemon_deploy import deploy_doc
+from tests.unit.test_model_sets_pins import assert_meta_valid
 
 CONFIG = ("models:\n  commit_timeout_s: 60\n  live_check:\n    min_samples: 16\n"
           "    keep: 128\n    every_s: 1\n    max_clip_rate: 0.01\n")
@@ -98,6 +99,7 @@ def test_live_check_refuses_rotated_commits_identical_and_watches_int8_ranges(
     assert os.readlink(current) == "v4"
     shown = cli(agent, "show", "digits")
     assert shown["live_check"]["passed"] and shown["meta"]["live_check"]["agreement"] == 1.0
+    assert_meta_valid(shown["meta"])
 
     # INT8 ranges in the field: in-distribution inputs clip little; inputs scaled 4x beyond
     # the calibration data clip more than max_clip_rate and the name has calibration_stale.
