@@ -112,6 +112,9 @@ class FleetCollector(object):
                     v = views._num(value)
                     if v is not None and name in ACCURACY_KEYS:
                         acc.add_metric([dev, model, name], v)
+                live = views._num((job["live_check"] or {}).get("agreement"))
+                if live is not None:  # the device's live check on the app's own inputs
+                    acc.add_metric([dev, model, "live_agreement"], live)
             metrics = r["metrics"]
             for sensor, c in sorted(bounds.first(views.temperatures(metrics)).items()):
                 temp.add_metric([dev, _label(sensor)], c)
