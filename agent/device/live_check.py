@@ -7,27 +7,58 @@
   (``commit_logic``): below the thresholds it is refused (``live_check_failed``) and rolled
   back. Without samples, or with nothing running, the check is skipped and says why.
 - **INT8 ranges in the field.** Every ``every_s``, one committed INT8 version at a time with
-  donated rows and a calibration cache: its clipping rates and input drift
+  donated rows and a calibration cache (when a donation came or the version changed since
+  its last figures): its clipping rates and input drift
   (``agent.precision.live.field_ranges``), kept per name (``field.json`` beside the samples),
   in telemetry (``int8_clip_rate.<name>``) and, above ``max_clip_rate``, the name's
   ``calibration_stale`` problem naming the tensors.
 
-ONNX Runtime (the host backend) releases the GIL while it runs, so the daemon's loop keeps
-serving while a check runs on its thread.
+Each runs in a child process (``python -m agent.worker.live``, the ``worker_python``), waited
+for on a thread: the daemon loads no runtime, no model and no numpy for it, keeps serving
+while it runs, and gets the memory back after it.
 """
 
+import json
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
 from agent.device.live_samples import SampleStore
 from agent.device.models_dir import CALIBRATION, ENGINE, ONNX, ModelsDir, read_meta
+from agent.device.worker_supervisor import worker_env
+from agent.fsio import state_dir as default_state_dir
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
 Post = Callable[..., None]  # post(token, kind, value, error=None): a SwitchEvent to the loop
+CHILD_TIMEOUT_S = 600.0  # a check's child process at most (a pending one: its deadline first)
+MAX_REPLY = 4 << 20
+
+
+def child(python: str, state_dir: str, request: Dict[str, Any],
+          timeout: float = CHILD_TIMEOUT_S) -> Any:
+    """Run ``agent.worker.live`` on ``request``; its figures, or RuntimeError saying why not."""
+    try:
+        out = subprocess.run([python, "-m", "agent.worker.live"],
+                             input=json.dumps(request).encode("utf-8"), capture_output=True,
+                             timeout=timeout, env=worker_env(state_dir), cwd=state_dir,
+                             start_new_session=True)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise RuntimeError(str(exc)[:300])
+    lines = out.stdout[-MAX_REPLY:].decode("utf-8", "replace").strip().splitlines()
+    try:
+        reply = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError("exit {}: {}".format(out.returncode, out.stderr.decode(
+            "utf-8", "replace").strip()[-300:]))
+    if not reply.get("ok"):
+        error = reply.get("error") or {}
+        raise RuntimeError("{}: {}".format(error.get("code"), error.get("message")))
+    return reply["figures"]
 
 
 def fixed_batch(meta: Dict[str, Any]) -> Optional[int]:
@@ -42,12 +73,15 @@ class LiveCheck(object):
     def __init__(self, cfg: Any, models: ModelsDir, post: Post) -> None:
         self.lc = cfg.models.live_check
         self.backend = cfg.backend
+        self.python = cfg.worker_python or sys.executable
+        self.state_dir = cfg.state_dir or default_state_dir()
         self.models, self.post = models, post
         self.samples = SampleStore.for_config(cfg)
         self.field: Dict[str, Dict[str, Any]] = {}
         self.next_field = time.monotonic() + self.lc.every_s
         self.field_running = False
         self.cursor = 0  # which INT8 name the next field check looks at
+        self.measured: Dict[str, Any] = {}  # name -> (version, newest donation) measured
 
     # -- before commit -----------------------------------------------------------------------
     def skip_reason(self, name: str, running: Optional[str]) -> Optional[str]:
@@ -68,17 +102,15 @@ class LiveCheck(object):
         lc = self.lc
 
         def work() -> None:
-            from agent.engines.backends.base import get_backend
-            from agent.precision.live import live_check
-
             try:
                 meta = read_meta(new_dir)
-                backend = get_backend(str(meta.get("backend") or self.backend))
-                samples = self.samples.load(name)
-                with backend.open(os.path.join(new_dir, ENGINE)) as new, \
-                        backend.open(os.path.join(old_dir, ENGINE)) as old:
-                    figures = live_check(new, old, samples, fixed_batch(meta),
-                                         lc.min_agreement, lc.max_error, lc.error_stat)
+                figures = child(self.python, self.state_dir, {
+                    "op": "check", "new": os.path.join(new_dir, ENGINE),
+                    "running": os.path.join(old_dir, ENGINE),
+                    "backend": str(meta.get("backend") or self.backend),
+                    "samples": self.samples.newest(name), "keep": self.samples.keep,
+                    "batch": fixed_batch(meta), "min_agreement": lc.min_agreement,
+                    "max_error": lc.max_error, "error_stat": lc.error_stat})
                 figures["running"] = running
                 self.post(token, "live", figures)
             except Exception as exc:  # noqa: BLE001 - a check that cannot run refuses nothing
@@ -92,10 +124,8 @@ class LiveCheck(object):
     def note_calibration_set(self, name: str, version: str, path: str) -> None:
         """The calibration set's input statistics into the version's meta.json
         (``calibration_inputs``): the field's drift is measured against them."""
-        from agent.precision.live import calibration_inputs
-
         try:
-            stats = calibration_inputs(path)
+            stats = child(self.python, self.state_dir, {"op": "calibration", "path": path})
             if stats:
                 self.models.update_meta(name, version, {"calibration_inputs": stats})
         except Exception as exc:  # noqa: BLE001 - the drift figure goes, the version stays
@@ -116,21 +146,25 @@ class LiveCheck(object):
         row = int8[self.cursor % len(int8)]
         self.cursor += 1
         name, path = row["name"], self.models.version_dir(row["name"], row["version"])
+        samples = self.samples.newest(name)
+        seen = (row["version"], samples[0] if samples else None)
+        if not samples or self.measured.get(name) == seen:
+            return  # nothing new since the last figures: no child process for the same ones
+        self.measured[name] = seen
         lc = self.lc
         self.field_running = True
 
         def work() -> None:
-            from agent.precision.live import field_check
-
             figures: Optional[Dict[str, Any]] = None
             try:
-                samples = self.samples.load(name)
                 if samples:
                     meta = read_meta(path)
-                    figures = field_check(os.path.join(path, ONNX),
-                                          os.path.join(path, CALIBRATION), samples,
-                                          fixed_batch(meta), lc.max_clip_rate,
-                                          meta.get("calibration_inputs"))
+                    figures = child(self.python, self.state_dir, {
+                        "op": "field", "onnx": os.path.join(path, ONNX),
+                        "cache": os.path.join(path, CALIBRATION), "samples": samples,
+                        "keep": self.samples.keep, "batch": fixed_batch(meta),
+                        "max_clip_rate": lc.max_clip_rate,
+                        "reference": meta.get("calibration_inputs")})
                     figures.update(version=row["version"], at=time.time())
             except Exception as exc:  # noqa: BLE001 - tried again at the next period
                 log.warning("model %s: INT8 range check failed: %s", name, exc)

@@ -1,7 +1,7 @@
 """The app's donated inputs (``agent.client.donate``): a bounded ring of real inputs per model
 name, kept on the device only (docs/using-models.md, "Live inputs").
 
-    <state_dir>/samples/<name>/<seq>.npz    one donation: input name -> array [rows, ...]
+    <state_dir>/samples/<name>/<seq>-<rows>.npz   one donation: input name -> array [rows, ...]
     <state_dir>/samples/<name>/field.json   the last INT8 range figures (agent.device.live_check)
 
 A donation is checked against the inputs of the name's current version (meta.json: the same
@@ -18,37 +18,41 @@ import json
 import os
 import re
 import threading
-from typing import Any, Dict, List, Optional, Tuple
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from agent.device.app_socket import MAX_PAYLOAD
-from agent.engines import safe_npz
 from agent.errors import AgentError
 from agent.fsio import atomic_write
 from agent.wire.model_names import validate_name
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy and the npz reader are imported when a donation comes: an idle daemon loads neither.
 
 CODE = "bad_donation"
 MAX_DONATION_BYTES = MAX_PAYLOAD  # one request's payload (the socket refuses more unread)
 MAX_INPUTS = 64
 FIELD = "field.json"
-_FILE = re.compile(r"^(\d{12})\.npz$")
+_FILE = re.compile(r"^(\d{12})-(\d{1,9})\.npz$")
 
 
 def _is_fixed(dim: Any) -> bool:
     return isinstance(dim, int) and not isinstance(dim, bool) and dim > 0
 
 
-def check_inputs(arrays: Dict[str, np.ndarray], specs: List[Dict[str, Any]],
-                 where: str) -> Dict[str, np.ndarray]:
+def check_inputs(arrays: Dict[str, "np.ndarray"], specs: List[Dict[str, Any]],
+                 where: str) -> Dict[str, "np.ndarray"]:
     """``arrays`` against the model's inputs (meta.json's ``inputs``): the same names, dtypes,
     fixed dimensions; a single sample gains the batch axis. Returns the arrays as rows
     (equal counts); AgentError bad_donation saying what was expected and found."""
+    import numpy as np
+
     want = {s["name"]: s for s in specs}
     if set(arrays) != set(want):
         raise AgentError(CODE, "{}: expected inputs {}, found {}".format(
             where, ", ".join(sorted(want)) or "none", ", ".join(sorted(arrays))[:300] or "none"))
-    out: Dict[str, np.ndarray] = {}
+    out: Dict[str, "np.ndarray"] = {}
     for name, arr in arrays.items():
         spec = want[name]
         shape = list(spec.get("shape") or [])
@@ -56,11 +60,14 @@ def check_inputs(arrays: Dict[str, np.ndarray], specs: List[Dict[str, Any]],
             raise AgentError(CODE, "{}: input {!r}: expected dtype {}, found {}".format(
                 where, name, spec.get("dtype"), arr.dtype))
         if arr.ndim == len(shape) - 1 and shape:
-            arr = arr[np.newaxis]  # one sample
+            arr = arr[None]  # one sample
         if arr.ndim != len(shape) or any(
                 _is_fixed(d) and d != n for d, n in zip(shape[1:], arr.shape[1:])):
             raise AgentError(CODE, "{}: input {!r}: expected shape {} (or one sample of it), "
                              "found {}".format(where, name, shape, list(arr.shape)))
+        if arr.dtype.kind == "f" and not np.isfinite(arr).all():
+            raise AgentError(CODE, "{}: input {!r}: expected finite values, found NaN or "
+                             "infinity".format(where, name))
         out[name] = arr
     rows = {a.shape[0] for a in out.values()}
     if len(rows) != 1 or 0 in rows:
@@ -115,13 +122,11 @@ class SampleStore(object):
             if not m:
                 continue
             path = os.path.join(self.dir(name), entry)
-            try:
-                headers = safe_npz.NpzHeaders(path, CODE)
-                rows = min((h.shape[0] for _i, h in headers.headers.values() if h.shape),
-                           default=0)
-                out.append((int(m.group(1)), path, int(rows), os.path.getsize(path)))
-            except (AgentError, OSError):
-                continue  # damaged or gone meanwhile: not a sample
+            try:  # the rows are in the name: counted without reading (a damaged file is
+                # left out when read)
+                out.append((int(m.group(1)), path, int(m.group(2)), os.path.getsize(path)))
+            except OSError:
+                continue  # gone meanwhile
         return sorted(out)
 
     def count(self, name: str) -> int:
@@ -147,6 +152,10 @@ class SampleStore(object):
             raise AgentError(CODE, "expected a donation of at most {:,} bytes "
                              "(models.live_check.keep_bytes), found {:,}".format(
                                  limit, len(payload)))
+        import numpy as np
+
+        from agent.engines import safe_npz
+
         where = "donation for {}".format(name)
         specs = current_inputs(models_dir, name)
         headers = safe_npz.NpzHeaders(where, CODE, where, fileobj=io.BytesIO(payload),
@@ -166,7 +175,7 @@ class SampleStore(object):
         seq = kept[-1][0] + 1 if kept else 1
         folder = self.dir(name)
         os.makedirs(folder, mode=0o700, exist_ok=True)
-        atomic_write(os.path.join(folder, "{:012d}.npz".format(seq)), buf.getvalue())
+        atomic_write(os.path.join(folder, "{:012d}-{}.npz".format(seq, rows)), buf.getvalue())
         self._trim(name)
         return rows
 
@@ -182,29 +191,15 @@ class SampleStore(object):
             rows, size = rows - r, size - b
 
     # -- out -----------------------------------------------------------------------------------
-    def load(self, name: str, limit: Optional[int] = None) -> Dict[str, np.ndarray]:
-        """The newest ``limit`` (default ``keep``) rows, input -> array; {} with none. Files
-        whose inputs differ from the newest one's (an older version's) are left out."""
-        limit = self.keep if limit is None else limit
-        parts: List[Dict[str, np.ndarray]] = []
-        rows = 0
-        for _seq, path, _r, _b in reversed(self.files(name)):
-            try:
-                arrays = dict(safe_npz.read_npz(path, CODE))
-            except (AgentError, OSError):
-                continue
-            if parts and (set(arrays) != set(parts[0]) or any(
-                    arrays[k].shape[1:] != parts[0][k].shape[1:] or
-                    arrays[k].dtype != parts[0][k].dtype for k in arrays)):
-                continue
-            parts.append(arrays)
-            rows += next(iter(arrays.values())).shape[0]
-            if rows >= limit:
-                break
-        if not parts:
-            return {}
-        parts.reverse()
-        return {k: np.concatenate([p[k] for p in parts])[-limit:] for k in parts[0]}
+    def newest(self, name: str) -> List[str]:
+        """The donation files, newest first (what ``agent.precision.live.load_rows`` reads)."""
+        return [f[1] for f in reversed(self.files(name))]
+
+    def load(self, name: str) -> Dict[str, Any]:
+        """The newest ``keep`` rows, input -> array; {} with none."""
+        from agent.precision.live import load_rows
+
+        return load_rows(self.newest(name), self.keep)
 
     def write_field(self, name: str, figures: Dict[str, Any]) -> None:
         os.makedirs(self.dir(name), mode=0o700, exist_ok=True)

@@ -104,6 +104,34 @@ def live_check(new: Any, running: Any, samples: Dict[str, np.ndarray], batch: Op
                    min_agreement, max_error, error_stat)
 
 
+def load_rows(paths: List[str], limit: int) -> Dict[str, np.ndarray]:
+    """The newest ``limit`` rows of donation files (``paths``: newest first), input ->
+    array; {} with none. Files whose inputs differ from the newest one's (an older version's)
+    are left out; damaged ones too."""
+    from agent.engines import safe_npz
+    from agent.errors import AgentError
+
+    parts: List[Dict[str, np.ndarray]] = []
+    rows = 0
+    for path in paths:
+        try:
+            arrays = dict(safe_npz.read_npz(path, "bad_donation"))
+        except (AgentError, OSError):
+            continue
+        if not arrays or (parts and (set(arrays) != set(parts[0]) or any(
+                arrays[k].shape[1:] != parts[0][k].shape[1:] or
+                arrays[k].dtype != parts[0][k].dtype for k in arrays))):
+            continue
+        parts.append(arrays)
+        rows += next(iter(arrays.values())).shape[0]
+        if rows >= limit:
+            break
+    if not parts:
+        return {}
+    parts.reverse()
+    return {k: np.concatenate([p[k] for p in parts])[-limit:] for k in parts[0]}
+
+
 def input_stats(arrays: Dict[str, np.ndarray]) -> Dict[str, Dict[str, Any]]:
     """Per input: mean, std, min, max and a BINS-bin histogram (fractions) over [min, max]."""
     out = {}

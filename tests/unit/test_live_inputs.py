@@ -17,7 +17,7 @@ from agent import client
 from agent.device.app_socket import MAX_PAYLOAD, AppSocket
 from agent.device.live_samples import SampleStore, check_inputs
 from agent.errors import AgentError
-from agent.precision.live import calibration_inputs, compare, field_ranges
+from agent.precision.live import calibration_inputs, compare, field_ranges, load_rows
 
 SPECS = [{"name": "input", "shape": ["N", 4], "dtype": "float32"}]
 
@@ -45,7 +45,7 @@ def test_the_ring_keeps_the_newest_rows_within_its_caps(tmp_path, models_dir):
     assert store.count("det") == 8  # 16 donated, the oldest donations went
     rows = store.load("det")["input"]
     assert rows.shape == (8, 4) and rows[0, 0] == 2 and rows[-1, 0] == 3
-    assert store.load("det", limit=3)["input"].shape == (3, 4)
+    assert load_rows(store.newest("det"), 3)["input"].shape == (3, 4)
     one = store.donate(models_dir, "det", npz(input=np.ones(4, np.float32)))  # one sample
     assert one["kept"] == 1
     for f in os.listdir(store.dir("det")):
@@ -61,6 +61,7 @@ def test_the_ring_keeps_the_newest_rows_within_its_caps(tmp_path, models_dir):
     ({"input": np.zeros((1, 4), np.float64)}, "expected dtype float32, found float64"),
     ({"input": np.zeros((2, 5), np.float32)}, "expected shape ['N', 4]"),
     ({"input": np.zeros((0, 4), np.float32)}, "same number (>= 1) of rows"),
+    ({"input": np.full((1, 4), np.nan, np.float32)}, "expected finite values"),
 ])
 def test_a_donation_unlike_the_model_inputs_is_refused(arrays, found):
     with pytest.raises(AgentError) as info:
