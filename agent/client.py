@@ -304,6 +304,8 @@ def _send_donations(q):
         except ClientError as exc:
             _donations["dropped" if exc.code == "rate_limited" else "refused"] += 1
             _donations["last_error"] = str(exc)
+        finally:
+            q.task_done()
 
 
 def donate(name, inputs, socket_path=None, wait=False):
