@@ -186,8 +186,9 @@ def request(message, socket_path=None, timeout=10.0, payload=b""):
             sock.connect(path)
             try:
                 sock.sendall(json.dumps(message).encode("utf-8") + b"\n" + payload)
-            except BrokenPipeError:
-                pass  # refused before reading the request: the refusal is waiting below
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before reading the request (or its payload): the refusal is
+                # waiting below
             data = b""
             while b"\n" not in data and len(data) <= MAX_REPLY:
                 chunk = sock.recv(65536)

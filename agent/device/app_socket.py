@@ -17,6 +17,12 @@ complete line goes to one of ``max_concurrent`` workers; requests are rate-limit
 (``models.app_names``) says which model names a peer may commit, report on or roll back
 (None: every name).
 
+A donation (``{"op": "donate", "name", "bytes": N}``, then N bytes: an .npz of the app's
+inputs, at most ``MAX_PAYLOAD``) is the one request with a payload: read by its worker within
+``PAYLOAD_WITHIN_S`` and handed to ``donate(name, payload)`` (agent.device.live_samples), one at
+a time: another that comes meanwhile is refused at once (``rate_limited``, "dropped"), so
+donations hold at most one worker and the app never waits behind them.
+
 The socket file is mode 0660, group ``socket_gid`` (default: the first allowed gid), with a
 POSIX ACL entry for each allowed uid and gid, so a listed user or group reaches it whether or
 not the service is in that group (setting an ACL needs ownership, not membership). Where the

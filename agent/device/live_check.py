@@ -187,17 +187,23 @@ class LiveCheck(object):
             log.warning("model %s: %s", name, self.problem(name))
         return self.problem(name) != before
 
-    def problem(self, name: str) -> Optional[str]:
-        stale = (self.field.get(name) or {}).get("stale")
-        if not stale:
+    def _figures(self, name: str, version: Optional[str]) -> Optional[Dict[str, Any]]:
+        """The name's last figures, if they are of ``version`` (None: whichever)."""
+        f = self.field.get(name)
+        return f if f is not None and version in (None, f.get("version")) else None
+
+    def problem(self, name: str, version: Optional[str] = None) -> Optional[str]:
+        """``calibration_stale: ...`` while the figures of ``version`` name stale tensors."""
+        f = self._figures(name, version)
+        stale = (f or {}).get("stale")
+        if not f or not stale:
             return None
-        f = self.field[name]
         return "calibration_stale: {:.1%} of activations beyond the calibrated range (more " \
             "than {:.1%}) in {}".format(f["clip_max"], f["max_clip_rate"], ", ".join(stale[:8]))
 
-    def summary(self, name: str) -> Optional[Dict[str, Any]]:
+    def summary(self, name: str, version: Optional[str] = None) -> Optional[Dict[str, Any]]:
         """What the models message carries of the field figures (small)."""
-        f = self.field.get(name)
+        f = self._figures(name, version)
         if f is None:
             return None
         return {"clip_max": round(float(f["clip_max"]), 6), "stale": f["stale"][:8],

@@ -291,7 +291,8 @@ class ModelSwitch(object):
         active = self.journal.active_version(name)
         running = active["version"] if active is not None and active["state"] == "committed" \
             else None
-        if running == version and active["engine_key"] == meta.get("engine_key"):  # type: ignore
+        if running == version and active is not None and \
+                active["engine_key"] == meta.get("engine_key"):
             need = frozenset()  # the same version again: refreshed, nothing to hand off
         else:
             skipped = self.live.skip_reason(name, running)
@@ -914,20 +915,20 @@ class ModelSwitch(object):
             on_disk = models_guard.health(problems, row["name"], row["version"])
             self.disk_health[row["name"]] = on_disk
             app = self.health.get(row["name"], "ok")
-            on_disk = self.live.problem(row["name"]) or on_disk
+            problem = self.live.problem(row["name"], row["version"]) or on_disk
+            field = self.live.summary(row["name"], row["version"])  # INT8 ranges in the field
             out.append({"name": row["name"], "version": row["version"], "state": row["state"],
                         "previous": row["previous"], "precision": row["precision"],
                         "engine_key": row["engine_key"], "job_id": row["job_id"],
                         "activated": row["activated"],
-                        "health": (app if app != "ok" else on_disk)[:1024],
+                        "health": (app if app != "ok" else problem)[:1024],
                         "pinned": self.notes.pins.get(row["name"]),
                         **({"handoff": self.handoff_notes[row["name"]][:512]}
                            if row["name"] in self.handoff_notes else {}),
                         "rejected": rejected.get(row["name"], [])[-16:],
                         "unconfirmed": unconfirmed.get(row["name"], [])[-16:],
                         "retries": int(row["info"].get("unconfirmed_retries") or 0),
-                        **({"field": self.live.summary(row["name"])}
-                           if row["name"] in self.live.field else {})})
+                        **({"field": field} if field else {})})
         rec = self.sets.open or {"members": {}}
         for entry in out:
             if (rec["members"].get(entry["name"]) or {}).get("version") == entry["version"]:
