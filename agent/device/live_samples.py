@@ -97,7 +97,6 @@ class SampleStore(object):
     def __init__(self, root: str, keep: int = 256, keep_bytes: int = 64 << 20) -> None:
         self.root, self.keep, self.keep_bytes = root, int(keep), int(keep_bytes)
         self.lock = threading.Lock()
-        self.counts = {"donated": 0, "refused": 0}
 
     @classmethod
     def for_config(cls, cfg: Any) -> "SampleStore":
@@ -138,12 +137,7 @@ class SampleStore(object):
         one at a time)."""
         validate_name(name)
         with self.lock:
-            try:
-                rows = self._add(models_dir, name, payload)
-            except AgentError:
-                self.counts["refused"] += 1
-                raise
-            self.counts["donated"] += 1
+            rows = self._add(models_dir, name, payload)
             return {"name": name, "kept": rows, "samples": self.count(name)}
 
     def _add(self, models_dir: str, name: str, payload: bytes) -> int:
