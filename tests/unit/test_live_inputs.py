@@ -184,3 +184,25 @@ def test_field_ranges_count_activations_beyond_the_calibrated_range(tmp_path):
     assert wide["inputs"]["input"]["drift"]["hist_distance"] > 0.6
     fixed = field_ranges(Doubling(), amax, {"input": x[:10]}, 4, 0.01)  # batch 4: 8 rows
     assert fixed["samples"] == 8
+
+
+def test_export_and_recalibrate_say_when_there_are_no_samples(tmp_path, capsys):
+    import argparse
+
+    from agent.cli.models import run_recalibrate, run_samples_export
+
+    args = argparse.Namespace(config=None, state_dir=str(tmp_path), name="det", json=True,
+                              out=str(tmp_path / "out"))
+    for run in (run_samples_export, run_recalibrate):
+        with pytest.raises(AgentError) as info:
+            run(args)
+        assert info.value.code == "no_samples" and "det" in info.value.message
+    store = SampleStore(str(tmp_path / "samples"))
+    os.makedirs(store.dir("det"))
+    np.savez(os.path.join(store.dir("det"), "000000000001-130.npz"),
+             input=np.zeros((130, 4), np.float32))
+    assert run_recalibrate(args) == 0
+    made = json.loads(capsys.readouterr().out)
+    assert made["samples"] == 130 and made["shards"] == ["shard_000.npz", "shard_001.npz",
+                                                         "shard_002.npz"]
+    assert np.load(os.path.join(made["dir"], "shard_002.npz"))["input"].shape == (2, 4)
