@@ -21,6 +21,7 @@ while it runs, and gets the memory back after it.
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -208,6 +209,12 @@ class LiveCheck(object):
             return None
         return {"clip_max": round(float(f["clip_max"]), 6), "stale": f["stale"][:8],
                 "samples": f["samples"], "version": f.get("version")}
+
+    def forget(self, name: str) -> None:
+        """A removed name: its donated inputs and its figures go."""
+        self.field.pop(name, None)
+        self.measured.pop(name, None)
+        shutil.rmtree(self.samples.dir(name), ignore_errors=True)
 
     def telemetry(self) -> Dict[str, Any]:
         return {"int8_clip_rate.{}".format(n): round(float(f["clip_max"]), 6)
