@@ -19,6 +19,7 @@ The runners are the backend's (ONNX Runtime here, TensorRT on a Jetson); rows go
 chunks of the model's fixed batch, or ``CHUNK`` rows where the batch is dynamic.
 """
 
+import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
@@ -66,6 +67,7 @@ def compare(new: Dict[str, np.ndarray], running: Dict[str, np.ndarray], min_agre
     row_error = np.zeros(rows)
     outputs: Dict[str, Dict[str, Any]] = {}
     agreements, errors = [], []
+    finite = True
     for name in names:
         a, b = np.asarray(new[name])[:rows], np.asarray(running[name])[:rows]
         if a.shape != b.shape:
@@ -75,10 +77,14 @@ def compare(new: Dict[str, np.ndarray], running: Dict[str, np.ndarray], min_agre
             continue
         diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).reshape(rows, -1)
         err = stat(diff, error_stat, 0.5)
-        errors.append(err)
+        entry: Dict[str, Any] = {"error": err}
+        if math.isfinite(err):
+            errors.append(err)
+        else:  # NaN or infinity in either: never a pass (null in JSON)
+            finite = False
+            entry["error"] = None
         per_row = np.nan_to_num(diff.max(axis=1) if diff.size else np.zeros(rows), nan=np.inf)
         row_error = np.maximum(row_error, per_row)
-        entry: Dict[str, Any] = {"error": err}
         if is_classifier(a):
             same = (np.argmax(a, axis=-1) == np.argmax(b, axis=-1)).reshape(rows, -1)
             entry["agreement"] = float(same.mean()) if same.size else 1.0
@@ -89,9 +95,9 @@ def compare(new: Dict[str, np.ndarray], running: Dict[str, np.ndarray], min_agre
     error = max(errors) if errors else 0.0
     order = sorted(range(rows), key=lambda i: (-disagree[i], -row_error[i]))
     worst = [int(i) for i in order[:WORST] if disagree[i] > 0 or row_error[i] > 0]
-    passed = (agreement is None or agreement >= min_agreement) and \
+    passed = finite and (agreement is None or agreement >= min_agreement) and \
         (max_error <= 0 or error <= max_error)
-    return {"samples": int(rows), "agreement": agreement, "error": error,
+    return {"samples": int(rows), "agreement": agreement, "error": error if finite else None,
             "error_stat": error_stat, "min_agreement": min_agreement,
             "max_error": max_error or None, "passed": bool(passed), "worst": worst,
             "outputs": outputs}

@@ -159,6 +159,10 @@ def test_compare_refuses_rotated_classes_and_names_the_worst_rows():
     off = compare({"box": moved}, {"box": boxes}, 0.95, 0.01, "mean")
     assert not off["passed"] and off["agreement"] is None and off["worst"][0] == 7
     assert compare({"box": moved}, {"box": boxes}, 0.95, 0.0, "mean")["passed"]
+    moved[3] = np.nan  # a candidate that answers NaN never passes
+    nan = compare({"box": moved}, {"box": boxes}, 0.95, 0.0, "mean")
+    assert not nan["passed"] and nan["error"] is None and nan["outputs"]["box"]["error"] is None
+    json.dumps(nan, allow_nan=False)
 
 
 class Doubling(object):
