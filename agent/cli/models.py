@@ -210,11 +210,12 @@ def _live_text(figures: Any) -> str:
         return "none recorded"
     if figures.get("skipped"):
         return "skipped: " + str(figures["skipped"])
-    agreement = figures.get("agreement")
-    return "{} on {} donated samples against {}: top-1 agreement {}, {} error {:.4g}".format(
+    agreement, error = figures.get("agreement"), figures.get("error")
+    return "{} on {} donated samples against {}: top-1 agreement {}, {} error {}".format(
         "passed" if figures.get("passed") else "failed", figures.get("samples"),
         figures.get("running"), "n/a" if agreement is None else "{:.3f}".format(agreement),
-        figures.get("error_stat"), figures.get("error") or 0.0)
+        figures.get("error_stat"), "NaN or infinite" if error is None else
+        "{:.4g}".format(error))
 
 
 def ask(path: str, request: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:

@@ -336,10 +336,11 @@ class ModelSwitch(object):
             p.state.on_live(True)
             return
         reason = "live check on {} donated samples against {}: top-1 agreement {} (at least " \
-            "{:g}), {} error {:.4g}{}; worst samples {}".format(
+            "{:g}), {} error {}{}; worst samples {}".format(
                 figures["samples"], p.running, "n/a" if figures["agreement"] is None else
                 "{:.3f}".format(figures["agreement"]), figures["min_agreement"],
-                figures["error_stat"], figures["error"],
+                figures["error_stat"], "NaN or infinite" if figures["error"] is None else
+                "{:.4g}".format(figures["error"]),
                 " (at most {:g})".format(figures["max_error"]) if figures["max_error"] else "",
                 figures["worst"])
         p.refusal = AgentError("live_check_failed", reason, {"live_check": {
