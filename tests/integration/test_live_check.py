@@ -21,8 +21,8 @@ from tests.integration.conftest import ROOT
 from tests.integration.test_daemon_deploy import deploy_doc
 from tests.unit.test_model_sets_pins import assert_meta_valid
 
-CONFIG = ("models:\n  commit_timeout_s: 60\n  live_check:\n    min_samples: 16\n"
-          "    keep: 128\n    every_s: 1\n    max_clip_rate: 0.01\n")
+CONFIG = ("telemetry_interval: 0.5\nmodels:\n  commit_timeout_s: 60\n  live_check:\n"
+          "    min_samples: 16\n    keep: 128\n    every_s: 1\n    max_clip_rate: 0.01\n")
 
 
 def deploy(controller, files, job_id, version):
@@ -115,6 +115,8 @@ def test_live_check_refuses_rotated_commits_identical_and_watches_int8_ranges(
         lambda: field() if field()["health"].startswith("calibration_stale") else None, 30,
         "calibration_stale")
     assert stale["field"]["clip_max"] > 0.01 and stale["field"]["stale"], stale
+    controller.wait_for(lambda: any(t["metrics"].get("int8_clip_rate.digits", 0) > 0.01
+                                    for t in controller.telemetry), 30, "telemetry")
     shown = cli(agent, "show", "digits")
     assert shown["field"]["stale"] and "calibration_inputs" in shown["meta"]
     assert shown["field"]["inputs"]["input"]["drift"]["hist_distance"] > 0.3
