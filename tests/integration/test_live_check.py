@@ -125,6 +125,12 @@ def test_live_check_refuses_rotated_commits_identical_and_watches_int8_ranges(
     assert made["samples"] == 128 and made["shards"] == ["shard_000.npz", "shard_001.npz"]
     shard = np.load(os.path.join(made["dir"], "shard_000.npz"))
     assert shard["input"].shape == (64, 64) and shard["input"].dtype == np.float32
+    built = subprocess.run([sys.executable, "-m", "agent", "build", digits_files["model"],
+                            "--int8", "--calib", made["dir"], "--state-dir",
+                            str(tmp_path / "build"), "--json"], capture_output=True,
+                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
+    assert built.returncode == 0, built.stderr.decode()  # the next build calibrates on it
+    assert json.loads(built.stdout.decode())["precision"] == "int8"
     out = cli(agent, "samples", "export", "digits", "--out", str(tmp_path / "s.npz"))
     assert np.load(out["out"])["input"].shape == (128, 64)
     assert agent.stop() == 0
