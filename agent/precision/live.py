@@ -106,6 +106,10 @@ def compare(new: Dict[str, np.ndarray], running: Dict[str, np.ndarray], min_agre
 def live_check(new: Any, running: Any, samples: Dict[str, np.ndarray], batch: Optional[int],
                min_agreement: float, max_error: float, error_stat: str) -> Dict[str, Any]:
     """``new`` / ``running``: the backend's runners of the two versions."""
+    rows = next(iter(samples.values())).shape[0]
+    if batch and rows < batch:
+        return {"skipped": "{} donated rows, fewer than the engine's batch of {}".format(
+            rows, batch)}
     return compare(run_rows(new.infer, samples, batch), run_rows(running.infer, samples, batch),
                    min_agreement, max_error, error_stat)
 
