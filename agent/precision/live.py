@@ -20,7 +20,7 @@ chunks of the model's fixed batch, or ``CHUNK`` rows where the batch is dynamic.
 """
 
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
@@ -34,21 +34,21 @@ MAX_CALIBRATION_ROWS = 4096  # rows of the calibration set its statistics are ta
 
 
 def batches(feeds: Dict[str, np.ndarray], batch: Optional[int]
-            ) -> Iterator[Tuple[int, Dict[str, np.ndarray]]]:
-    """(first row, feeds) chunks: ``batch`` rows each when the model's batch is fixed (a
-    remainder that does not fill one is left out), else up to CHUNK."""
+            ) -> Iterator[Dict[str, np.ndarray]]:
+    """Chunks of the rows: ``batch`` rows each when the model's batch is fixed (a remainder
+    that does not fill one is left out), else up to CHUNK."""
     rows = next(iter(feeds.values())).shape[0]
     step = batch or CHUNK
     for start in range(0, rows, step):
         if batch and start + batch > rows:
             return
-        yield start, {k: v[start:start + step] for k, v in feeds.items()}
+        yield {k: v[start:start + step] for k, v in feeds.items()}
 
 
 def run_rows(infer: Callable[[Dict[str, np.ndarray]], Dict[str, np.ndarray]],
              feeds: Dict[str, np.ndarray], batch: Optional[int]) -> Dict[str, np.ndarray]:
     parts: Dict[str, List[np.ndarray]] = {}
-    for _start, chunk in batches(feeds, batch):
+    for chunk in batches(feeds, batch):
         for name, value in infer(chunk).items():
             parts.setdefault(name, []).append(np.asarray(value))
     return {k: np.concatenate(v) for k, v in parts.items()}
@@ -201,7 +201,7 @@ def field_ranges(activations: Any, amax: Dict[str, float], samples: Dict[str, np
     outside: Dict[str, int] = {}
     total: Dict[str, int] = {}
     rows = 0
-    for _start, chunk in batches(samples, batch):
+    for chunk in batches(samples, batch):
         rows += next(iter(chunk.values())).shape[0]
         for name, value in activations.run(chunk).items():
             limit = amax.get(name)
