@@ -142,6 +142,14 @@ class LiveCheck(object):
         for name in list(self.field):  # a name no longer INT8 (or gone) has no figures
             if name not in {r["name"] for r in int8}:
                 del self.field[name]
+        for r in int8:  # after a restart: the last figures until new ones are measured
+            if r["name"] not in self.field:
+                kept = self.samples.read_field(r["name"])
+                if kept is not None and kept.get("version") == r["version"] and \
+                        isinstance(kept.get("stale"), list) and \
+                        all(isinstance(kept.get(k), (int, float))
+                            for k in ("clip_max", "max_clip_rate", "samples")):
+                    self.field[r["name"]] = kept
         if not int8:
             return
         row = int8[self.cursor % len(int8)]

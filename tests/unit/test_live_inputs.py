@@ -210,3 +210,24 @@ def test_export_and_recalibrate_say_when_there_are_no_samples(tmp_path, capsys):
     assert made["samples"] == 130 and made["shards"] == ["shard_000.npz", "shard_001.npz",
                                                          "shard_002.npz"]
     assert np.load(os.path.join(made["dir"], "shard_002.npz"))["input"].shape == (2, 4)
+
+
+def test_the_last_field_figures_come_back_after_a_restart(tmp_path):
+    from agent.device.config import Config
+    from agent.device.live_check import LiveCheck
+    from agent.device.models_dir import ModelsDir
+
+    models = ModelsDir(str(tmp_path / "models"))
+    os.makedirs(models.version_dir("det", "v2"))
+    open(os.path.join(models.version_dir("det", "v2"), "calibration.cache"), "w").close()
+    live = LiveCheck(Config(state_dir=str(tmp_path)), models, lambda *event, **kw: None)
+    figures = {"version": "v2", "stale": ["conv1"], "clip_max": 0.2, "max_clip_rate": 0.01,
+               "samples": 64}
+    live.samples.write_field("det", figures)
+    live.next_field = 0.0
+    live.tick(lambda: [{"name": "det", "version": "v2", "precision": "int8"}])
+    assert live.problem("det", "v2").startswith("calibration_stale: 20.0% of activations")
+    assert live.problem("det", "v3") is None  # figures of another version say nothing
+    assert live.telemetry() == {"int8_clip_rate.det": 0.2}
+    live.forget("det")
+    assert live.problem("det") is None and not os.path.exists(live.samples.dir("det"))
