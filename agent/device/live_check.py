@@ -2,10 +2,10 @@
 
 - **The live check before commit.** A new version of a name, while a committed one runs and at
   least ``models.live_check.min_samples`` donated rows exist, is run beside the running one on
-  them (``agent.precision.live.live_check``) on a thread; the figures come back to the main
-  loop as a ``live`` event and are one more confirmation the pending version needs
-  (``commit_logic``): below the thresholds it is refused (``live_check_failed``) and rolled
-  back. Without samples, or with nothing running, the check is skipped and says why.
+  them (``agent.precision.live.live_check``); the figures come back to the main loop as a
+  ``live`` event and are one more confirmation the pending version needs (``commit_logic``):
+  below the thresholds it is refused (``live_check_failed``) and rolled back. Without
+  samples, or with nothing running, the check is skipped and says why.
 - **INT8 ranges in the field.** Every ``every_s``, one committed INT8 version at a time with
   donated rows and a calibration cache (when a donation came or the version changed since
   its last figures): its clipping rates and input drift
@@ -166,15 +166,14 @@ class LiveCheck(object):
         def work() -> None:
             figures: Optional[Dict[str, Any]] = None
             try:
-                if samples:
-                    meta = read_meta(path)
-                    figures = child(self.python, self.state_dir, {
-                        "op": "field", "onnx": os.path.join(path, ONNX),
-                        "cache": os.path.join(path, CALIBRATION), "samples": samples,
-                        "keep": self.samples.keep, "batch": fixed_batch(meta),
-                        "max_clip_rate": lc.max_clip_rate,
-                        "reference": meta.get("calibration_inputs")})
-                    figures.update(version=row["version"], at=time.time())
+                meta = read_meta(path)
+                figures = child(self.python, self.state_dir, {
+                    "op": "field", "onnx": os.path.join(path, ONNX),
+                    "cache": os.path.join(path, CALIBRATION), "samples": samples,
+                    "keep": self.samples.keep, "batch": fixed_batch(meta),
+                    "max_clip_rate": lc.max_clip_rate,
+                    "reference": meta.get("calibration_inputs")})
+                figures.update(version=row["version"], at=time.time())
             except Exception as exc:  # noqa: BLE001 - tried again at the next period
                 log.warning("model %s: INT8 range check failed: %s", name, exc)
             self.post(0, "field", (name, figures))
