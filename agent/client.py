@@ -13,6 +13,12 @@ file into an app if you like).
   is ``pending`` (switched, waiting for the app's or the probe's confirmation), ``committed``,
   ``unconfirmed`` (nobody confirmed it in time), or ``rejected`` (asked for a version the
   device rolled back); ``health``: ``ok``, the app's last problem or the rollback's reason.
+- ``donate(name, inputs)``: hand the agent recent real inputs (input name -> numpy array, one
+  sample or a batch) for the live check before a new version commits and the INT8 range watch.
+  They stay on the device (docs/using-models.md, "Live inputs"). It never blocks: the
+  inputs are serialised and queued for a sender thread; while one donation is still on its
+  way another is dropped (the reply says so; ``donations()`` counts them). ``wait=True``
+  sends at once and returns the agent's reply (a refusal raises ClientError).
 
 Defaults: ``$JETSON_AGENT_MODELS_DIR`` / ``$JETSON_AGENT_SOCKET``, else the shipped unit's
 ``/var/lib/jetson-agent-models`` and ``/run/jetson-agent/app.sock``. Failures raise
@@ -20,8 +26,10 @@ Defaults: ``$JETSON_AGENT_MODELS_DIR`` / ``$JETSON_AGENT_SOCKET``, else the ship
 """
 
 import collections
+import io
 import json
 import os
+import queue
 import re
 import socket
 import sys
@@ -31,6 +39,8 @@ DEFAULT_MODELS_DIR = "/var/lib/jetson-agent-models"  # the shipped unit's (docs/
 DEFAULT_SOCKET = "/run/jetson-agent/app.sock"
 MAX_META = 1 << 20
 MAX_REPLY = 64 * 1024
+MAX_DONATION = 16 << 20  # the agent's limit on one donation's bytes
+MAX_DONATED_INPUTS = 64
 NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 VERSION = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 
@@ -165,8 +175,9 @@ def watch(name, callback, models_dir=None, interval_s=1.0):
     return Watch(name, callback, models_dir, interval_s)
 
 
-def request(message, socket_path=None, timeout=10.0):
-    """One JSON request on the app socket, its JSON reply (raises ClientError on a refusal)."""
+def request(message, socket_path=None, timeout=10.0, payload=b""):
+    """One JSON request on the app socket (``payload``: bytes sent after its line), its JSON
+    reply (raises ClientError on a refusal)."""
     path = socket_default(socket_path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
@@ -174,9 +185,10 @@ def request(message, socket_path=None, timeout=10.0):
         try:
             sock.connect(path)
             try:
-                sock.sendall(json.dumps(message).encode("utf-8") + b"\n")
-            except BrokenPipeError:
-                pass  # refused before reading the request: the refusal is waiting below
+                sock.sendall(json.dumps(message).encode("utf-8") + b"\n" + payload)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused before reading the request (or its payload): the refusal is
+                # waiting below
             data = b""
             while b"\n" not in data and len(data) <= MAX_REPLY:
                 chunk = sock.recv(65536)
@@ -251,3 +263,77 @@ def state(name, version=None, socket_path=None):
         return found._replace(version=version, state="unconfirmed")
     raise ClientError("file_not_found", "expected {}@{} to be the active or a rejected version, "
                       "found {} active".format(name, version, found.version))
+
+
+_donations = {"queued": 0, "sent": 0, "dropped": 0, "refused": 0,
+              "last_error": None}  # type: dict
+_sender_lock = threading.Lock()
+_sender_queue = []  # type: list  # the sender thread's queue, once it runs
+
+
+def _payload(inputs):
+    """``inputs`` (name -> array) as .npz bytes; ClientError bad_donation on what the agent
+    would refuse anyway."""
+    import numpy as np  # the app passes arrays: it has numpy
+
+    if not isinstance(inputs, dict) or not inputs or len(inputs) > MAX_DONATED_INPUTS:
+        raise ClientError("bad_donation", "expected a dict of 1 to {} input name -> array, "
+                          "found {!r}".format(MAX_DONATED_INPUTS, type(inputs).__name__))
+    arrays = {}
+    for key, value in inputs.items():
+        arr = np.asarray(value)
+        if not isinstance(key, str) or arr.dtype.kind not in "biuf":
+            raise ClientError("bad_donation", "expected input names (str) -> numeric arrays, "
+                              "found {!r} -> {}".format(key, arr.dtype))
+        arrays[key] = arr
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
+    data = buf.getvalue()
+    if len(data) > MAX_DONATION:
+        raise ClientError("bad_donation", "expected at most {} bytes in one donation, found {}: "
+                          "donate fewer rows".format(MAX_DONATION, len(data)))
+    return data
+
+
+def _send_donations(q):
+    while True:
+        name, data, socket_path = q.get()
+        try:
+            request({"op": "donate", "name": name, "bytes": len(data)}, socket_path,
+                    payload=data)
+            _donations["sent"] += 1
+        except ClientError as exc:
+            _donations["dropped" if exc.code == "rate_limited" else "refused"] += 1
+            _donations["last_error"] = str(exc)
+        finally:
+            q.task_done()
+
+
+def donate(name, inputs, socket_path=None, wait=False):
+    """Hand the agent recent real inputs of ``name`` (input name -> array: one sample, or a
+    batch along the first axis). Returns at once: ``{"queued": True}``, or ``{"dropped":
+    True, "reason": ...}`` while the previous donation is still being sent. ``wait=True``:
+    sent now, the agent's reply returned (``kept`` rows, ``samples`` held)."""
+    _check_name(name)
+    data = _payload(inputs)
+    if wait:
+        return request({"op": "donate", "name": name, "bytes": len(data)}, socket_path,
+                       payload=data)
+    with _sender_lock:
+        if not _sender_queue:
+            _sender_queue.append(queue.Queue(1))
+            threading.Thread(target=_send_donations, args=(_sender_queue[0],),
+                             name="jetson-agent-donate", daemon=True).start()
+    try:
+        _sender_queue[0].put_nowait((name, data, socket_path))
+    except queue.Full:
+        _donations["dropped"] += 1
+        return {"ok": True, "dropped": True, "reason": "the previous donation is still being "
+                "sent: this one was dropped"}
+    _donations["queued"] += 1
+    return {"ok": True, "queued": True}
+
+
+def donations():
+    """Counts of this process's donations: queued, sent, dropped, refused, last_error."""
+    return dict(_donations)

@@ -190,6 +190,19 @@ CODES = {
     # The per-layer view (issue 34).
     "profile_unavailable": "bench --profile on a backend or TensorRT version without a "
     "per-layer profiler.",
+    # Live inputs and the live check (agent.device.live_samples, agent.device.live_check).
+    "bad_donation": "An app's donated inputs do not match the model's inputs (names, dtypes, "
+    "shapes), are larger than models.live_check.keep_bytes allows, or the name has no active "
+    "version to check them against.",
+    "live_check_failed": "A new version disagreed with the running one on the app's donated "
+    "inputs (top-1 agreement below models.live_check.min_agreement, or the error above "
+    "max_error): it was refused and rolled back; the details hold the figures and the worst "
+    "samples' indices.",
+    "calibration_stale": "An INT8 version clips more of the field's activations than "
+    "models.live_check.max_clip_rate allows (the calibration no longer matches the inputs): "
+    "jetson-agent models recalibrate NAME makes a calibration set from the donated inputs.",
+    "no_samples": "models samples export or models recalibrate for a name with no donated "
+    "inputs on this device.",
 }
 
 

@@ -7,6 +7,12 @@
     models pin NAME VERSION            keep NAME at VERSION (switches to it if kept): jobs to
                                        another version are refused (model_pinned)
     models unpin NAME                  let jobs switch NAME again
+    models samples export NAME --out F.npz
+                                       the app's donated inputs of NAME, in one .npz (they
+                                       leave the device only this way)
+    models recalibrate NAME [--out DIR]
+                                       the donated inputs as a calibration set (.npz shards,
+                                       what a build's --calib reads) for NAME's next build
 
 ``state``: pending (switched, waiting for its confirmation), committed, or another state the
 journal records; ``health``: ``ok``, the app's last problem, or why the name was rolled back.
@@ -36,7 +42,7 @@ def add_parser(sub: Any) -> None:
                        "roll back", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     ms = p.add_subparsers(dest="models_command",
-                          metavar="ls|show|commit|rollback|retry|pin|unpin")
+                          metavar="ls|show|commit|rollback|retry|pin|unpin|samples|recalibrate")
     ms.required = True
     for name, helptext in (("ls", "every model name and its active version"),
                            ("show", "one name: kept versions, meta.json, rejections"),
@@ -58,6 +64,19 @@ def add_parser(sub: Any) -> None:
             q.add_argument("--version", help="a specific version (default: the pending one / "
                            "the previous one)")
         q.set_defaults(func=globals()["run_" + name])
+    q = ms.add_parser("samples", help="the app's donated inputs kept on this device")
+    ss = q.add_subparsers(dest="samples_command", metavar="export")
+    ss.required = True
+    e = ss.add_parser("export", help="write a name's donated inputs to one .npz")
+    r = ms.add_parser("recalibrate", help="a calibration set from a name's donated inputs")
+    for q, out_help in ((e, "the .npz to write"), (r, "the folder to write the shards to "
+                                                   "(default: <state dir>/calibration/NAME)")):
+        add_state_args(q)
+        q.add_argument("--json", action="store_true", help="machine-readable output")
+        q.add_argument("name", help="the model name")
+        q.add_argument("--out", required=q is e, help=out_help)
+    e.set_defaults(func=run_samples_export)
+    r.set_defaults(func=run_recalibrate)
 
 
 def _list(journal: Any, notes: Any = None) -> List[Dict[str, Any]]:
@@ -143,7 +162,8 @@ def run_show(args: argparse.Namespace) -> int:
            "versions": [{k: v[k] for k in ("version", "active", "state", "precision",
                                             "engine_key", "job_id", "activated", "previous")}
                         for v in versions],
-           "rejected": rejected, "handoff": handoff}
+           "rejected": rejected, "handoff": handoff,
+           "live_check": meta.get("live_check"), "field": _field(args, name)}
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return 0
@@ -163,12 +183,39 @@ def run_show(args: argparse.Namespace) -> int:
     for r in rejected:
         print("  {} {}: {} ({})".format(r.get("state", "rejected"), r["version"], r["reason"],
                                          when(r["at"])))
+    print("  live check: {}".format(_live_text(out["live_check"])))
+    field = out["field"]
+    if field:
+        print("  INT8 ranges in the field ({} samples): clipping up to {:.2%}{}".format(
+            field.get("samples"), field.get("clip_max", 0.0),
+            "; calibration_stale: " + ", ".join(field["stale"]) if field.get("stale") else ""))
     if meta:
         print("  meta.json: {} {}, inputs {}, outputs {}".format(
             meta.get("precision"), meta.get("backend"),
             ", ".join(t["name"] for t in meta.get("inputs") or []),
             ", ".join(t["name"] for t in meta.get("outputs") or [])))
     return 0
+
+
+def _field(args: argparse.Namespace, name: str) -> Any:
+    """The daemon's last INT8 range figures of ``name`` (None: none measured)."""
+    from agent.device.live_samples import SampleStore
+
+    _, state_dir, _ = daemon_dirs(args.config, args.state_dir)
+    return SampleStore(os.path.join(state_dir, "samples")).read_field(name)
+
+
+def _live_text(figures: Any) -> str:
+    if not figures:
+        return "none recorded"
+    if figures.get("skipped"):
+        return "skipped: " + str(figures["skipped"])
+    agreement, error = figures.get("agreement"), figures.get("error")
+    return "{} on {} donated samples against {}: top-1 agreement {}, {} error {}".format(
+        "passed" if figures.get("passed") else "failed", figures.get("samples"),
+        figures.get("running"), "n/a" if agreement is None else "{:.3f}".format(agreement),
+        figures.get("error_stat"), "NaN or infinite" if error is None else
+        "{:.4g}".format(error))
 
 
 def ask(path: str, request: Dict[str, Any], timeout: float = 30.0) -> Dict[str, Any]:
@@ -242,3 +289,67 @@ def run_pin(args: argparse.Namespace) -> int:
 
 def run_unpin(args: argparse.Namespace) -> int:
     return _socket_op(args, "unpin")
+
+
+SHARD_ROWS = 64  # rows per calibration shard (a build loads one shard at a time)
+
+
+def _samples(args: argparse.Namespace) -> Dict[str, Any]:
+    """The name's donated inputs (newest ``keep`` rows); AgentError no_samples without."""
+    from agent.device.live_samples import SampleStore
+
+    name = validate_name(args.name)
+    cfg, state_dir, _ = daemon_dirs(args.config, args.state_dir)
+    live = cfg.models.live_check
+    arrays = SampleStore(os.path.join(state_dir, "samples"), live.keep,
+                         live.keep_bytes).load(name)
+    if not arrays:
+        raise AgentError("no_samples", "expected donated inputs of {} on this device (the app's "
+                         "agent.client.donate), found none".format(name))
+    return arrays
+
+
+def _npz(arrays: Dict[str, Any]) -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
+    return buf.getvalue()
+
+
+def run_samples_export(args: argparse.Namespace) -> int:
+    from agent.fsio import atomic_write
+
+    arrays = _samples(args)
+    atomic_write(args.out, _npz(arrays))
+    rows = len(next(iter(arrays.values())))
+    out = {"name": args.name, "out": os.path.abspath(args.out), "samples": rows}
+    print(json.dumps(out, sort_keys=True) if args.json else
+          "{} donated samples of {} written to {}".format(rows, args.name, out["out"]))
+    return 0
+
+
+def run_recalibrate(args: argparse.Namespace) -> int:
+    """The donated rows as .npz shards (shard_000.npz ...): a calibration set in the form a
+    build's --calib folder takes; older shards in the folder are replaced."""
+    from agent.fsio import atomic_write
+
+    arrays = _samples(args)
+    _, state_dir, _ = daemon_dirs(args.config, args.state_dir)
+    folder = os.path.abspath(args.out or os.path.join(state_dir, "calibration", args.name))
+    rows = len(next(iter(arrays.values())))
+    shards = []
+    for i, start in enumerate(range(0, rows, SHARD_ROWS)):
+        path = os.path.join(folder, "shard_{:03d}.npz".format(i))
+        atomic_write(path, _npz({k: v[start:start + SHARD_ROWS] for k, v in arrays.items()}))
+        shards.append(os.path.basename(path))
+    for old in os.listdir(folder):  # a larger set made earlier: its extra shards go
+        if old.startswith("shard_") and old.endswith(".npz") and old not in shards:
+            os.unlink(os.path.join(folder, old))
+    out = {"name": args.name, "dir": folder, "samples": rows, "shards": shards}
+    print(json.dumps(out, sort_keys=True) if args.json else
+          "calibration set of {} from {} donated samples: {} ({} shards); build with --calib "
+          "{}".format(args.name, rows, folder, len(shards), folder))
+    return 0

@@ -11,6 +11,9 @@ loop answers it with ``answer`` (the model switch does the work).
                                                                   the service user only)
     {"op": "pin", "name", "version"} / {"op": "unpin", "name"}    pin a name to a kept version
                                                                   (root and the service user)
+    {"op": "donate", "name", "bytes"} + an .npz payload             the app's inputs: taken by
+                                                                  the socket itself
+                                                                  (agent.device.live_samples)
 
 ``models.app_names`` (``names_of``) limits health, commit and rollback per name: the socket
 checks it (``model_not_owned``) before a request reaches the main loop.
@@ -122,9 +125,9 @@ def allowed_ids(users: List[str], group: Optional[str]) -> Tuple[List[int], List
     return uids, gids
 
 
-def open_socket(cfg: Any, events: Any) -> Any:
+def open_socket(cfg: Any, events: Any, donate: Any = None) -> Any:
     """The app socket at ``cfg.app_socket``, started; None (warned) where this installation
-    has no ``agent.device.app_socket``."""
+    has no ``agent.device.app_socket``. ``donate(name, payload)``: keeps donated inputs."""
     import importlib
 
     try:  # imported by name: the module plugs in (another part of the device owns it)
@@ -134,7 +137,7 @@ def open_socket(cfg: Any, events: Any) -> Any:
         return None
     uids, gids = allowed_ids(cfg.models.app_users, cfg.models.app_group)
     sock = module.AppSocket(cfg.app_socket, uids, gids, handler(events),
-                            names_of=names_of(cfg.models.app_names or {}))
+                            names_of=names_of(cfg.models.app_names or {}), donate=donate)
     sock.start()
     return sock
 

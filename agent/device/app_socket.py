@@ -17,6 +17,12 @@ complete line goes to one of ``max_concurrent`` workers; requests are rate-limit
 (``models.app_names``) says which model names a peer may commit, report on or roll back
 (None: every name).
 
+A donation (``{"op": "donate", "name", "bytes": N}``, then N bytes: an .npz of the app's
+inputs, at most ``MAX_PAYLOAD``) is the one request with a payload: read by its worker within
+``PAYLOAD_WITHIN_S`` and handed to ``donate(name, payload)`` (agent.device.live_samples), one at
+a time: another that comes meanwhile is refused at once (``rate_limited``, "dropped"), so
+donations hold at most one worker and the app never waits behind them.
+
 The socket file is mode 0660, group ``socket_gid`` (default: the first allowed gid), with a
 POSIX ACL entry for each allowed uid and gid, so a listed user or group reaches it whether or
 not the service is in that group (setting an ACL needs ownership, not membership). Where the
@@ -45,8 +51,11 @@ MAX_LINE = 4096
 MAX_DEPTH = 8  # a request is a flat object: deeper nesting is refused before parsing
 LINGER_S = 0.5  # a refused connection stays open this long for the peer's line to drain
 MAX_LINGERING = 256
-OPS = ("health", "commit", "rollback", "list", "retry", "pin", "unpin")
-OWNED_OPS = ("health", "commit", "rollback")  # what models.app_names restricts
+OPS = ("health", "commit", "rollback", "list", "retry", "pin", "unpin", "donate")
+OWNED_OPS = ("health", "commit", "rollback", "donate")  # what models.app_names restricts
+# A donation's line says how many payload bytes follow it (an .npz of the app's inputs).
+MAX_PAYLOAD = 16 << 20
+PAYLOAD_WITHIN_S = 10.0
 _UCRED = struct.Struct("3i")  # struct ucred {pid_t pid; uid_t uid; gid_t gid;}
 # linux/posix_acl_xattr.h: a version, then (tag, perm, id) entries sorted by tag and id.
 _ACL_HEADER, _ACL_ENTRY = struct.Struct("<I"), struct.Struct("<HHI")
@@ -57,6 +66,7 @@ _NO_ID = 0xFFFFFFFF
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
 Handler = Callable[[Dict[str, Any], Dict[str, Any]], Dict[str, Any]]
+Donate = Callable[[str, bytes], Dict[str, Any]]  # (name, npz bytes) -> the reply
 NamesOf = Callable[[Dict[str, Any]], Optional[Set[str]]]
 
 
@@ -177,6 +187,11 @@ def check_request(request: Any) -> Dict[str, Any]:
         if not isinstance(request.get("detail", ""), str):
             raise AgentError("bad_message", "expected \"detail\" to be a string, found "
                              "{!r}".format(request.get("detail")))
+    if op == "donate":
+        size = request.get("bytes")
+        if not isinstance(size, int) or isinstance(size, bool) or not 0 < size <= MAX_PAYLOAD:
+            raise AgentError("bad_donation", "expected \"bytes\": the payload's size, 1 to {} "
+                             "bytes, found {!r}".format(MAX_PAYLOAD, size))
     return request
 
 
@@ -193,12 +208,18 @@ class AppSocket:
                  handle: Handler, rate_per_s: float = 5, burst: int = 20,
                  max_concurrent: int = 4, read_timeout_s: float = 2.0,
                  socket_gid: Optional[int] = None, max_per_uid: int = 4,
-                 max_open: int = 64, names_of: Optional[NamesOf] = None) -> None:
+                 max_open: int = 64, names_of: Optional[NamesOf] = None,
+                 donate: Optional[Donate] = None) -> None:
+        """``donate(name, payload)``: keeps an app's donated inputs (None: refused); runs
+        on this socket's worker, not the daemon's loop, one at a time (another meanwhile is
+        dropped: an app is never made to wait)."""
         self.path = os.path.abspath(path)
         self.allowed_uids = set(allowed_uids)
         self.allowed_gids = set(allowed_gids)
         self.handle = handle
         self.names_of = names_of
+        self.donate = donate
+        self.donating = threading.Lock()
         self._group_cache: Dict[Tuple[int, int], Tuple[float, List[int]]] = {}
         self.bucket = TokenBucket(rate_per_s, burst)
         self.slots = threading.BoundedSemaphore(max_concurrent)
@@ -433,13 +454,13 @@ class AppSocket:
             return
         selector.unregister(r.conn)
         del self._reading[fd]
-        line = r.data.split(b"\n", 1)[0]
+        line, rest = r.data.split(b"\n", 1)
         if not self.slots.acquire(blocking=False):
             self._refuse_soon(selector, r.conn, "rate_limited", "expected at most a few requests "
                               "at once on the app socket, found more: ask again shortly")
             return
         r.conn.setblocking(True)
-        threading.Thread(target=self._serve, args=(r.conn, r.peer, line),
+        threading.Thread(target=self._serve, args=(r.conn, r.peer, line, rest),
                          name="app-socket-conn", daemon=True).start()
 
     def _drop(self, selector: selectors.BaseSelector, fd: int, code: str,
@@ -486,7 +507,8 @@ class AppSocket:
         return bool(self.allowed_gids.intersection(peer["groups"]))
 
     # -- a worker: one complete line ----------------------------------------------------------
-    def _serve(self, conn: socket.socket, peer: Dict[str, Any], line: bytes) -> None:
+    def _serve(self, conn: socket.socket, peer: Dict[str, Any], line: bytes,
+               rest: bytes = b"") -> None:
         try:
             if not self.bucket.take(peer["uid"]):
                 self._refuse(conn, "rate_limited", "expected at most {:g} requests a second "
@@ -503,7 +525,12 @@ class AppSocket:
                 self._refuse(conn, exc.code, exc.message)
                 return
             try:
-                reply = self.handle(request, peer)
+                if request["op"] == "donate":
+                    reply = self._donation(conn, request, rest)
+                    if reply is None:
+                        return
+                else:
+                    reply = self.handle(request, peer)
             except AgentError as exc:
                 reply = {"ok": False, "error": exc.to_dict()}
             except Exception as exc:  # noqa: BLE001 - the socket must answer whatever happens
@@ -515,6 +542,38 @@ class AppSocket:
         finally:
             conn.close()
             self.slots.release()
+
+    def _donation(self, conn: socket.socket, request: Dict[str, Any],
+                  rest: bytes) -> Optional[Dict[str, Any]]:
+        """Read the payload the line announced and hand it on; None when the connection was
+        answered here already (dropped: another donation is in hand)."""
+        if self.donate is None:
+            raise AgentError("bad_message", "expected no donations: this agent keeps none")
+        if not self.donating.acquire(blocking=False):
+            self._refuse(conn, "rate_limited", "expected one donation at a time, found "
+                         "another in hand: this one was dropped")
+            return None
+        try:
+            size = request["bytes"]
+            data = bytearray(rest[:size])
+            deadline = time.monotonic() + PAYLOAD_WITHIN_S
+            while len(data) < size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AgentError("bad_donation", "expected {} payload bytes within {:g} s, "
+                                     "found {}".format(size, PAYLOAD_WITHIN_S, len(data)))
+                conn.settimeout(left)
+                try:
+                    chunk = conn.recv(min(1 << 20, size - len(data)))
+                except socket.timeout:
+                    continue
+                if not chunk:
+                    raise AgentError("bad_donation", "expected {} payload bytes, found {} and "
+                                     "the end".format(size, len(data)))
+                data += chunk
+            return dict(self.donate(request["name"], bytes(data)), ok=True)
+        finally:
+            self.donating.release()
 
     def _check_owner(self, request: Dict[str, Any], peer: Dict[str, Any]) -> None:
         if self.names_of is None or request["op"] not in OWNED_OPS or \

@@ -6,6 +6,7 @@ confirmation it needs has come, and is rolled back on the first failure or at it
     "handoff"        every adapter's switch done and none of their confirm() said False
     "probe"          the ``models.probe`` command exited 0 (retried until the deadline)
     "app"            the app reported the version healthy (``models.app_confirms``)
+    "live"           the live check on the app's donated inputs passed (``live_check``)
 
 An explicit commit (the app's or ``jetson-agent models commit``) commits at once; an unhealthy
 report, an adapter that failed or said False, or the deadline rolls back. With no needs (no
@@ -63,6 +64,12 @@ class CommitState(object):
             self.confirmed.add("app")
         else:
             self._fail("the app reported it unhealthy" + (": " + detail if detail else ""))
+
+    def on_live(self, ok: bool, reason: str = "") -> None:
+        if ok:
+            self.confirmed.add("live")
+        else:
+            self._fail(reason)
 
     def on_commit(self, by: str) -> None:
         if self.failure is None:

@@ -109,6 +109,24 @@ class SecurityConfig:
 
 
 @dataclasses.dataclass
+class LiveCheckConfig:
+    """The app's donated inputs and what is checked on them (docs/using-models.md)."""
+    enabled: bool = True  # the live check before commit and the INT8 range watch
+    keep: int = _f(256, min=1, max=65536)  # samples kept per name (a ring: oldest go first)
+    keep_bytes: int = _f(64 << 20, size=True, min=1 << 16, max=1 << 30)  # per name
+    min_samples: int = _f(16, min=1, max=65536)  # fewer: the live check is skipped, said so
+    # A candidate passes when classifier-like outputs agree on top-1 at least this often and,
+    # when max_error is set, error_stat(|candidate - running|) of every output is at most it.
+    min_agreement: float = _f(0.95, min=0, max=1)
+    max_error: float = _f(0.0, min=0)  # 0: not checked (classifier outputs have agreement)
+    error_stat: str = _f("mean", choices=("max", "mean", "median"))
+    # INT8 versions: the share of activations outside the calibrated range above which the
+    # name has the calibration_stale problem; checked every every_s on the donated inputs.
+    max_clip_rate: float = _f(0.01, min=0, max=1)
+    every_s: float = _f(300.0, min=1)
+
+
+@dataclasses.dataclass
 class ModelsConfig:
     dir: Optional[str] = None  # None: $JETSON_AGENT_MODELS_DIR (unit), else <state_dir>/models
     group: Optional[str] = None  # the app's group: files 0640, directories 0750 in it
@@ -129,6 +147,7 @@ class ModelsConfig:
     # ["*"]}. Empty: every allowed app, every name (root and the service user: always all).
     app_names: Dict[str, Any] = _f(None, mapping=True)
     socket: Optional[str] = None  # None: $JETSON_AGENT_SOCKET (unit), else <state_dir>/app.sock
+    live_check: LiveCheckConfig = dataclasses.field(default_factory=LiveCheckConfig)
 
 
 @dataclasses.dataclass

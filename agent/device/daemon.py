@@ -253,10 +253,13 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     # Beside the job's life: telemetry out, and the device commands (cancel, diag, rollback).
     telemetry = TelemetryPublisher(telemetry_source, cfg.telemetry_interval, mqtt, topics,
                                    device, boot)
+    telemetry.extra = switch.live.telemetry  # INT8 clipping rates in the field
     commands = DeviceCommands(cfg, device, topics, mqtt, journal, platform, shared, publisher,
                               telemetry, intake.cancel, switch)
     # The app's health reports and commits (SO_PEERCRED-checked, rate-limited).
-    app_socket = app_requests.open_socket(cfg, events)
+    app_socket = app_requests.open_socket(cfg, events, lambda name, payload:
+                                          switch.live.samples.donate(cfg.models_dir, name,
+                                                                     payload))
     log.info("jetson-agent %s: device %s, boot %d, backend %s, platform %s, state %s",
              __version__, device, boot, backend, platform.describe(), state_dir)
     for problem in security_posture.posture(cfg)["problems"]:

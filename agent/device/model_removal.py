@@ -54,6 +54,7 @@ def remove(switch: Any, name: str) -> Dict[str, Any]:
     switch.health.pop(name, None)
     switch.notes.unpin(name)  # a pin of a removed name would refuse its next deployment
     switch.disk_health.pop(name, None)
+    switch.live.forget(name)  # the app's donated inputs of the name go with it
     switch.changed()  # the models message without the name
     threading.Thread(target=_let_go, args=(adapters, mv, aside), name="model-remove",
                      daemon=True).start()

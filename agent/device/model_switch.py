@@ -37,6 +37,7 @@ from agent.device.handoff import Entry, adapters_for
 from agent.device.handoff.base import Adapter, ModelVersion
 from agent.device.job_run import Run
 from agent.device.journal_models import UNCONFIRMED, UNCONFIRMED_PREFIX
+from agent.device.live_check import LiveCheck
 from agent.device.model_notes import ModelNotes
 from agent.device.models_dir import ENGINE, ModelsDir, read_meta
 from agent.device.status_publisher import fit_result
@@ -85,6 +86,8 @@ class Pending(object):
         # (until it says yes: a probe that passed leaves only the app's silence)
         self.handoff_running = False  # an adapter still in switch(): never run a second
         self.retries = 0  # commit windows reopened because nobody answered (journal info)
+        self.running: Optional[str] = None  # the version the live check compares with
+        self.refusal: Optional[AgentError] = None  # the code a refusal ends the job with
 
 
 class ModelSwitch(object):
@@ -123,6 +126,9 @@ class ModelSwitch(object):
         self.handoff_notes: Dict[str, str] = {
             k: v for k, v in (journal.note("handoff") or {}).items() if isinstance(v, str)}
         self.last_heal, self.healing = time.monotonic(), False
+        # The app's donated inputs: the live check before commit, INT8 ranges in the field.
+        self.live = LiveCheck(cfg, models, lambda token, kind, value=None, error=None:
+                              events.put(SwitchEvent(token, kind, value, error)))
 
     # ------------------------------------------------------------------ intake and start-up
 
@@ -250,11 +256,15 @@ class ModelSwitch(object):
                                     plugins=(run.plan or {}).get("plugins"))  # with paths
 
         self.writing[token] = (run, result)
+        calibration_set = run.paths.get("calibration") if result.get("precision") == "int8" \
+            else None
 
         def write() -> None:
             try:
                 path = self.models.write_version(name, version, engine, onnx, meta_for,
                                                  calibration=result.get("calibration_cache"))
+                if calibration_set:  # what the field's inputs are compared with (live_check)
+                    self.live.note_calibration_set(name, version, calibration_set)
                 self.events.put(SwitchEvent(token, "written", (name, version, path)))
             except Exception as exc:  # noqa: BLE001 - reported on the job
                 self.events.put(SwitchEvent(token, "written", (name, version, None),
@@ -280,9 +290,18 @@ class ModelSwitch(object):
         if meta.get("built_by"):  # the journal keeps who built an adopted engine too
             info["built_by"] = meta["built_by"]
         active = self.journal.active_version(name)
-        if active is not None and active["version"] == version and \
-                active["engine_key"] == meta.get("engine_key") and active["state"] == "committed":
+        running = active["version"] if active is not None and active["state"] == "committed" \
+            else None
+        if running == version and active is not None and \
+                active["engine_key"] == meta.get("engine_key"):
             need = frozenset()  # the same version again: refreshed, nothing to hand off
+        else:
+            skipped = self.live.skip_reason(name, running)
+            if skipped is None:
+                need = need | {"live"}
+            else:
+                result["live_check"] = {"skipped": skipped}
+                self._note_live(name, version, result["live_check"])
         deadline = self.clock() + self.m.commit_timeout_s
         spec = model_sets.parse(run.doc)
         if spec is not None:  # durable before the switch: a crash after it can revert the set
@@ -304,7 +323,38 @@ class ModelSwitch(object):
         self.changed()
         self._track(run, name, version, previous, deadline, need)
         self.pending.result = result  # type: ignore[union-attr]
+        if "live" in need:
+            self.pending.running = running  # type: ignore[union-attr]
+            self.live.start(self.pending.token, name, version, str(running))  # type: ignore
         self._start_handoff(self.pending)  # type: ignore[arg-type]
+
+    def _on_live(self, p: Pending, figures: Dict[str, Any]) -> None:
+        """The live check's figures: a confirmation, or the version's refusal."""
+        if p.result is not None:
+            p.result["live_check"] = figures
+        self._note_live(p.name, p.version, figures)
+        if figures.get("skipped") or figures.get("passed"):
+            p.state.on_live(True)
+            return
+        reason = "live check on {} donated samples against {}: top-1 agreement {} (at least " \
+            "{:g}), {} error {}{}; worst samples {}".format(
+                figures["samples"], p.running, "n/a" if figures["agreement"] is None else
+                "{:.3f}".format(figures["agreement"]), figures["min_agreement"],
+                figures["error_stat"], "NaN or infinite" if figures["error"] is None else
+                "{:.4g}".format(figures["error"]),
+                " (at most {:g})".format(figures["max_error"]) if figures["max_error"] else "",
+                figures["worst"])
+        p.refusal = AgentError("live_check_failed", reason, {"live_check": {
+            k: figures[k] for k in ("samples", "agreement", "error", "error_stat",
+                                    "min_agreement", "max_error", "worst", "running")}})
+        p.state.on_live(False, reason)
+
+    def _note_live(self, name: str, version: str, figures: Dict[str, Any]) -> None:
+        try:
+            self.models.update_meta(name, version, {"live_check": figures})
+        except (OSError, ValueError, AgentError) as exc:
+            log.warning("model %s@%s: cannot add the live check to meta.json: %s", name,
+                        version, exc)
 
     def _app_confirms(self, name: str) -> bool:
         return "*" in self.m.app_confirms or name in self.m.app_confirms
@@ -446,6 +496,10 @@ class ModelSwitch(object):
                     log.warning("model hand-off: %s", note)
                 self.changed()
             return
+        if ev.kind == "field":
+            if self.live.on_field(*ev.value):
+                self.changed()  # the name's calibration_stale problem came or went
+            return
         if ev.kind == "restored":
             if ev.error:
                 log.warning("%s", ev.error)
@@ -473,6 +527,8 @@ class ModelSwitch(object):
         elif ev.kind == "reverted":
             self._on_reverted(p, ev.value or [])
             return
+        elif ev.kind == "live":
+            self._on_live(p, ev.value or {})
         self._decide(p)
 
     def tick(self) -> None:
@@ -488,6 +544,8 @@ class ModelSwitch(object):
             self.models_list()
             if self.disk_health != before:
                 self.changed()  # the status and the models message say so
+        self.live.tick(lambda: [r for r in self.journal.active_versions()
+                                if r["state"] == "committed"])
         p = self.pending
         if p is None and not self.healing and \
                 time.monotonic() - self.last_heal >= HEAL_EVERY_S:
@@ -553,7 +611,9 @@ class ModelSwitch(object):
                     "%.0f s)", p.name, p.version, reason, p.retries, self.m.unconfirmed_retries,
                     self.m.commit_timeout_s)
         self.journal.retry_pending(p.name, p.version, deadline, p.retries, reason)
+        checked = p.state.confirmed & {"live"}  # the live check ran once: not again
         p.state = commit_logic.CommitState(p.state.need, deadline, self.m.commit_timeout_s)
+        p.state.confirmed |= checked
         p.phase, p.probe_failed = "handoff", False
         self.changed()
         self._start_handoff(p)
@@ -585,7 +645,8 @@ class ModelSwitch(object):
         if errors:
             log.warning("model %s: revert problems: %s", p.name, "; ".join(errors))
         if p.run is not None:
-            self._fail_rolled_back(p.run, p.name, p.version, p.previous, reason, errors)
+            self._fail_rolled_back(p.run, p.name, p.version, p.previous, reason, errors,
+                                   p.refusal)
         else:
             self.changed()
 
@@ -696,14 +757,20 @@ class ModelSwitch(object):
         self.changed()
 
     def _fail_rolled_back(self, run: Run, name: str, version: str, previous: Optional[str],
-                          reason: str, errors: Optional[List[str]] = None) -> None:
+                          reason: str, errors: Optional[List[str]] = None,
+                          refusal: Optional[AgentError] = None) -> None:
+        """``refusal``: the check that refused the version (its code and details), else the
+        rollback is ``handoff_rolled_back``."""
         run.details.pop("commit", None)
         details: Dict[str, Any] = {"name": name, "version": version, "previous": previous,
                                    "reason": reason}
         if errors:
             details["revert_errors"] = errors[:5]
+        if refusal is not None:
+            details.update(refusal.details)
         self._end(run, "FAILED", error=AgentError(
-            "handoff_rolled_back", "{}@{} was rolled back to {}: {}".format(
+            refusal.code if refusal is not None else "handoff_rolled_back",
+            "{}@{} was rolled back to {}: {}".format(
                 name, version, previous or "no version", reason), details).to_dict())
         self.changed()
 
@@ -850,17 +917,20 @@ class ModelSwitch(object):
             on_disk = models_guard.health(problems, row["name"], row["version"])
             self.disk_health[row["name"]] = on_disk
             app = self.health.get(row["name"], "ok")
+            problem = self.live.problem(row["name"], row["version"]) or on_disk
+            field = self.live.summary(row["name"], row["version"])  # INT8 ranges in the field
             out.append({"name": row["name"], "version": row["version"], "state": row["state"],
                         "previous": row["previous"], "precision": row["precision"],
                         "engine_key": row["engine_key"], "job_id": row["job_id"],
                         "activated": row["activated"],
-                        "health": (app if app != "ok" else on_disk)[:1024],
+                        "health": (app if app != "ok" else problem)[:1024],
                         "pinned": self.notes.pins.get(row["name"]),
                         **({"handoff": self.handoff_notes[row["name"]][:512]}
                            if row["name"] in self.handoff_notes else {}),
                         "rejected": rejected.get(row["name"], [])[-16:],
                         "unconfirmed": unconfirmed.get(row["name"], [])[-16:],
-                        "retries": int(row["info"].get("unconfirmed_retries") or 0)})
+                        "retries": int(row["info"].get("unconfirmed_retries") or 0),
+                        **({"field": field} if field else {})})
         rec = self.sets.open or {"members": {}}
         for entry in out:
             if (rec["members"].get(entry["name"]) or {}).get("version") == entry["version"]:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Set
 
 from agent.engines.share import SIDECARS
 from agent.errors import AgentError
-from agent.fsio import fsync_dir, sha256_file
+from agent.fsio import atomic_write, fsync_dir, sha256_file
 
 ENGINE, ONNX, META, CURRENT = "model.engine", "model.onnx", "meta.json", "current"
 CALIBRATION = "calibration.cache"  # INT8: TensorRT calibration cache (int8-calib-file)
@@ -134,6 +134,16 @@ class ModelsDir(object):
                 final, exc.strerror or exc))
         self.on_step("version_written")
         return final
+
+    def update_meta(self, name: str, version: str, keys: Mapping[str, Any]) -> None:
+        """Add ``keys`` to a version's meta.json (atomically: an app reads the old or the new
+        one whole); the engine's facts stay as they are."""
+        path = self.version_dir(name, version)
+        meta = read_meta(path)
+        meta.update(keys)
+        atomic_write(os.path.join(path, META), json.dumps(meta, indent=1, sort_keys=True)
+                     .encode("utf-8"), mode=FILE_MODE)
+        self._own(os.path.join(path, META), FILE_MODE)
 
     def current(self, name: str) -> Optional[str]:
         """The version ``current`` points at, or None."""

@@ -4,7 +4,7 @@ cannot open leaves the daemon running without it."""
 
 import logging
 import time
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 from agent.wire import message_caps, protocol
 from agent.wire.topics import Topics
@@ -32,6 +32,7 @@ class TelemetryPublisher:
         self.mqtt, self.topics, self.device, self.boot = mqtt, topics, device, boot
         self.last: Dict[str, Any] = {}  # the last sample, for diag
         self.next_at = 0.0
+        self.extra: Callable[[], Dict[str, Any]] = dict  # the daemon's own figures
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -39,6 +40,7 @@ class TelemetryPublisher:
             return
         self.next_at = now + self.interval_s
         sample = dict(self.source.sample())
+        sample.update(self.extra())
         source = sample.pop("source", getattr(self.source, "kind", "host"))
         self.last = sample
         if not self.mqtt.connected:

@@ -82,6 +82,37 @@ def shared_engine_paths(run: Any, own_class: Any) -> Any:
     return paths, why
 
 
+
+def worker_path(state_dir: str) -> str:
+    """A directory holding only our packages (symlinks), for the worker's PYTHONPATH: the
+    worker may be another interpreter (JetPack 4.6's Python 3.6), which must not pick up
+    the daemon's site-packages (numpy built for another Python)."""
+    path = os.path.join(state_dir, "pythonpath")
+    os.makedirs(path, exist_ok=True)
+    for package in WORKER_PACKAGES:
+        src = os.path.join(AGENT_PARENT, package)
+        link = os.path.join(path, package)
+        if not os.path.isdir(src):
+            continue
+        if os.path.islink(link) and os.readlink(link) == src:
+            continue
+        tmp = link + ".tmp"
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        os.symlink(src, tmp)
+        os.replace(tmp, link)
+    return path
+
+
+def worker_env(state_dir: str) -> Dict[str, str]:
+    """The environment of a worker-side child process (a job's worker, a live check)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [worker_path(state_dir)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                    if p])
+    env["JETSON_AGENT_STATE_DIR"] = state_dir
+    return env
+
 class WorkerSupervisor:
     """The worker subprocess of the job in hand. Its reader thread puts ``WorkerEvent``s on
     ``events`` (the main loop's queue), which come back through ``on_event``."""
@@ -148,11 +179,7 @@ class WorkerSupervisor:
         spec.update(models_guard.worker_spec_fields(self.cfg.models_dir, self.cfg.models.group))
         spec_path = os.path.join(run.work_dir, "job.json")
         atomic_write(spec_path, json.dumps(spec, sort_keys=True).encode("utf-8"))
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [self._worker_path()] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                     if p])
-        env["JETSON_AGENT_STATE_DIR"] = self.state_dir
+        env = worker_env(self.state_dir)
         env["PYTHONUNBUFFERED"] = "1"
         run.stderr_path = os.path.join(run.work_dir, "worker.log")
         self.token += 1
@@ -207,26 +234,6 @@ class WorkerSupervisor:
 
         return build_memory_limit(self.cfg.builder.memory_limit,
                                   *memory_for_builds(self.cfg.platform_root))
-
-    def _worker_path(self) -> str:
-        """A directory holding only our packages (symlinks), for the worker's PYTHONPATH: the
-        worker may be another interpreter (JetPack 4.6's Python 3.6), which must not pick up
-        the daemon's site-packages (numpy built for another Python)."""
-        path = os.path.join(self.state_dir, "pythonpath")
-        os.makedirs(path, exist_ok=True)
-        for package in WORKER_PACKAGES:
-            src = os.path.join(AGENT_PARENT, package)
-            link = os.path.join(path, package)
-            if not os.path.isdir(src):
-                continue
-            if os.path.islink(link) and os.readlink(link) == src:
-                continue
-            tmp = link + ".tmp"
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-            os.symlink(src, tmp)
-            os.replace(tmp, link)
-        return path
 
     def _read_worker(self, proc: "subprocess.Popen[bytes]", token: int) -> None:
         assert proc.stdout is not None

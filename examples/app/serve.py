@@ -15,6 +15,9 @@ onnxruntime; from the project it uses only ``agent.client``).
   finite outputs and label accuracy >= ``--min-accuracy``, and reports the verdict with
   ``agent.client.report_health``. A version that fails is never served (the previous one stays)
   and is reported unhealthy, so the agent rolls it back.
+- With ``--donate-every N``, hands every Nth request's rows to the agent
+  (``agent.client.donate``: never waits) for its live check of the next version against this
+  one on real traffic (docs/using-models.md, "Live inputs").
 - Records, per switch, the time from the version's activation (``meta.json`` ``activated``) to
   the first request served by it, and counts failed requests; ``/stats`` and ``--stats-file``.
 
@@ -127,13 +130,14 @@ class App(object):
 
     def __init__(self, name: str, models_dir: str, socket_path: Optional[str],
                  checks: Dict[str, np.ndarray], min_accuracy: float = 0.9,
-                 report: bool = True) -> None:
+                 report: bool = True, donate_every: int = 0) -> None:
         self.name = name
         self.models_dir = models_dir
         self.socket_path = socket_path
         self.checks = checks
         self.min_accuracy = min_accuracy
         self.report = report
+        self.donate_every = donate_every
         self.serving: Optional[Loaded] = None  # replaced, never mutated in place
         self.lock = threading.Lock()  # records; the switch itself is one assignment
         self.switch_lock = threading.Lock()  # one switch at a time
@@ -199,6 +203,7 @@ class App(object):
         now = time.time()
         with self.lock:
             self.requests += 1
+            donate = self.donate_every and self.requests % self.donate_every == 0
             loaded.served += 1
             if loaded.first_served is None:
                 loaded.first_served = now
@@ -206,6 +211,11 @@ class App(object):
                     "version": loaded.version, "activated": loaded.activated,
                     "loaded_at": loaded.loaded_at, "first_served": now,
                     "switch_s": None if loaded.activated is None else now - loaded.activated})
+        if donate:  # queued for the client's sender thread: the request never waits on it
+            try:
+                client.donate(self.name, {"input": rows}, socket_path=self.socket_path)
+            except client.ClientError as exc:  # a donation never fails a request
+                log("donation not sent: {}".format(exc))
         return {"version": loaded.version, "classes": np.argmax(out, axis=-1).tolist()}
 
     def stats(self) -> Dict[str, Any]:
@@ -303,6 +313,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="loopback port (0: a free one)")
     parser.add_argument("--port-file", help="write the port here once listening")
     parser.add_argument("--stats-file", help="write /stats here on every switch and at exit")
+    parser.add_argument("--donate-every", type=int, default=0, metavar="N",
+                        help="hand every Nth request's rows to the agent (0: none)")
     parser.add_argument("--watch-interval", type=float, default=0.05,
                         help="seconds between looks at the current link (default 0.05)")
     args = parser.parse_args(argv)
@@ -311,7 +323,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     models_dir = args.models_dir or os.environ.get("JETSON_AGENT_MODELS_DIR") \
         or "/var/lib/jetson-agent-models"
     app = App(args.name, models_dir, args.socket,
-              load_checks(args.checks), args.min_accuracy, report=not args.no_report)
+              load_checks(args.checks), args.min_accuracy, report=not args.no_report,
+              donate_every=args.donate_every)
     server = ThreadingHTTPServer(("127.0.0.1", args.port), handler_for(app))
     server.daemon_threads = True
     done = threading.Event()

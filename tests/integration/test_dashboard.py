@@ -41,7 +41,7 @@ def db(request, tmp_path):
                    "reason": "connection_lost"}})
     store.touch_devices({"orin-1": {"ts": now, "metrics": {
         "temp_cpu_c": 91.5, "power_total_mw": 7300, "gpu_percent": 55.0,
-        "ram_fraction": 0.4}}})
+        "ram_fraction": 0.4, "int8_clip_rate.det": 0.125}}})
     rec = history.TelemetryHistory(store)
     for i in range(4):
         rec.record({"orin-1": {"metrics": {"temp_cpu_c": 50 + i, "gpu_percent": 10.0 * i}}},
@@ -52,7 +52,8 @@ def db(request, tmp_path):
         "orin-1": (0, "SUCCEEDED", {"job_id": "ro-1", "finished": now, "result": {
             "precision": "fp16", "throughput_qps": 812.5, "latency_ms": {"median": 1.2,
                                                                         "p99": 2.5},
-            "accuracy": {"passed": True, "max_abs_error": 0.002, "top1_agreement": 1.0}}}),
+            "accuracy": {"passed": True, "max_abs_error": 0.002, "top1_agreement": 1.0},
+            "live_check": {"passed": True, "agreement": 0.984, "samples": 64}}}),
         "nano-1": (1, "REJECTED", {"job_id": "ro-1", "error": {
             "code": "unsupported_precision", "message": "int8 <needs> DLA"}})})
     store.close()
@@ -93,7 +94,7 @@ def test_pages_render_and_escape_what_devices_reported(dash):
     status, headers, body = get(dash, "/")
     assert status == 200 and "script-src 'self'" in headers["Content-Security-Policy"]
     assert "<script>x</script>" not in body and "&lt;script&gt;x&lt;/script&gt;" in body
-    assert "812.5" in body and "max|err| 0.002, pass" in body
+    assert "812.5" in body and "max|err| 0.002, pass; live top-1 98.4% on 64" in body
     assert "b-hot" in body and "cpu at 92 C" in body  # 91.5 C is hot
     assert "ro-1" in body and "2/2" in body  # the active rollout, its stage and progress
     _, _, body = get(dash, "/rollouts")
@@ -145,6 +146,10 @@ def test_metrics_parse_with_prometheus_client(dash):
     assert samples[("jetson_fleet_device_power_watts", (("device", "orin-1"),
                                                         ("rail", "total")))] == 7.3
     assert samples[("jetson_fleet_devices_by_health", (("health", "hot"),))] == 1
+    assert samples[("jetson_fleet_engine_accuracy", (("device", "orin-1"),
+                                                     ("metric", "live_agreement"), name))] == 0.984
+    assert samples[("jetson_fleet_device_model_int8_clip_ratio", (("device", "orin-1"),
+                                                                  ("model", "det")))] == 0.125
 
 
 def test_metrics_pass_promtool_check_metrics(dash):

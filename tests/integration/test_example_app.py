@@ -30,7 +30,8 @@ def models_dir(tmp_path):
 
 def test_app_switches_without_failing_and_reports_health(tmp_path, models_dir):
     sock = fake_agent.SocketRecorder(str(tmp_path / "app.sock"))
-    app = demo_flow.AppProcess(str(tmp_path / "app"), "digits", models_dir, sock.path)
+    app = demo_flow.AppProcess(str(tmp_path / "app"), "digits", models_dir, sock.path,
+                               extra=["--donate-every", "10"])
     gen = None
     try:
         t_v1 = fake_agent.activate(models_dir, "digits", "v1")
@@ -39,6 +40,9 @@ def test_app_switches_without_failing_and_reports_health(tmp_path, models_dir):
         first = app.wait_serving("v1", 30)
         assert first["activated"] == pytest.approx(t_v1)
         sock.wait_for(lambda r: r.get("version") == "v1" and r.get("ok") is True)
+        # every 10th request's rows go to the agent (never holding the request up)
+        donated = sock.wait_for(lambda r: r.get("op") == "donate")
+        assert donated["name"] == "digits" and donated["bytes"] > 0
 
         fake_agent.activate(models_dir, "digits", "v2")
         switch = app.wait_serving("v2", 30)

@@ -5,7 +5,9 @@ import os
 
 import pytest
 
+from agent.device.config import Config
 from agent.device.journal import Journal
+from agent.device.live_check import LiveCheck
 from agent.device.model_notes import ModelNotes
 from agent.device.model_removal import remove
 from agent.device.models_dir import ModelsDir
@@ -16,10 +18,12 @@ from agent.wire import protocol
 class Switch(object):
     """What model_removal reads of agent.device.model_switch.ModelSwitch."""
 
-    def __init__(self, journal, models, pending=None):
+    def __init__(self, journal, models, pending=None, state_dir=None):
         self.journal, self.models, self.pending, self.entries = journal, models, pending, []
         self.health, self.disk_health, self.changes = {"det": "ok"}, {}, 0
         self.notes = ModelNotes(None)  # pins: a removed name's pin goes with it
+        cfg = Config(state_dir=state_dir)  # the app's donated inputs go with the name too
+        self.live = LiveCheck(cfg, models, lambda *event, **kw: None)
 
     def changed(self):
         self.changes += 1
@@ -36,13 +40,15 @@ def holding(tmp_path, pending=None):
         os.makedirs(models.version_dir("det", version))
         journal.activate_version("det", version, "a" * 64, "k" + version)
     models.set_current("det", "3")
-    return Switch(journal, models, pending), journal, models
+    return Switch(journal, models, pending, str(tmp_path)), journal, models
 
 
 def test_remove_forgets_every_version_and_the_directory(tmp_path):
     switch, journal, models = holding(tmp_path)
+    os.makedirs(switch.live.samples.dir("det"))
     out = remove(switch, "det")
     assert out["state"] == "removed" and sorted(out["removed"]) == ["2", "3"]
+    assert not os.path.exists(switch.live.samples.dir("det"))
     assert journal.model_versions("det") == [] and "det" not in models.names()
     assert not os.path.lexists(models.name_dir("det")) and switch.changes == 1
     assert "det" not in switch.health

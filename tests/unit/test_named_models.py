@@ -114,6 +114,14 @@ def test_commit_logic():
     s.on_commit("x")  # too late: the failure wins
     assert s.decide(1.0).action == commit_logic.ROLLBACK
     assert commit_logic.CommitState(frozenset(), 0, 0).decide(0).action == commit_logic.COMMIT
+    s = commit_logic.CommitState(frozenset({"live", "app"}), 10.0, 10.0)
+    s.on_live(True)
+    assert s.decide(1.0).action == commit_logic.WAIT  # the app's word is still awaited
+    s.on_health(True)
+    assert s.decide(1.0).action == commit_logic.COMMIT
+    s = commit_logic.CommitState(frozenset({"live"}), 10.0, 10.0)
+    s.on_live(False, "live check: top-1 agreement 0.1")
+    assert s.decide(1.0) == (commit_logic.ROLLBACK, "live check: top-1 agreement 0.1")
 
 
 def test_handoff_list_is_checked():

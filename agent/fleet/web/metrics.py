@@ -7,8 +7,10 @@ progress (devices per state, stage, fraction finished; running and paused rollou
 finished within a day), every model a device holds (``device_model_info`` with its version
 and state, ``device_model_healthy``: one series per name the device holds, at most 256), the
 newest engine's throughput, latency and accuracy per device (labelled with its ``model``
-name), temperatures, power, GPU/CPU load and memory per device; live deployments (at most
-100): devices per convergence state, failures per reason, converged ratio.
+name), the share of the field's activations an INT8 version clips
+(``device_model_int8_clip_ratio``, from the device's telemetry ``int8_clip_rate.<name>``),
+temperatures, power, GPU/CPU load and memory per device; live deployments (at most 100):
+devices per convergence state, failures per reason, converged ratio.
 Label values come from devices: they are cut to ``MAX_LABEL`` characters, and a device has
 at most ``bounds.MAX_SERIES_PER_FAMILY`` sensors per family (agent.fleet.admission.bounds).
 """
@@ -25,6 +27,7 @@ FINISHED_KEPT_S = 86400.0  # finished rollouts stay in /metrics for a day
 PREFIX = "jetson_fleet_"
 MAX_DEPLOYMENTS = 100  # live deployments in /metrics (bounded series)
 MAX_REASONS = 16  # failure reasons per deployment
+CLIP_PREFIX = "int8_clip_rate."  # the device's telemetry key per INT8 name
 
 
 def _label(value: Any) -> str:
@@ -80,6 +83,9 @@ class FleetCollector(object):
         power = gauge("device_power_watts", "device power draw", ["device", "rail"])
         load = gauge("device_load_percent", "GPU/CPU/EMC load", ["device", "unit"])
         mem = gauge("device_memory_used_ratio", "RAM and swap in use", ["device", "kind"])
+        clip = gauge("device_model_int8_clip_ratio", "share of the field's activations beyond "
+                     "an INT8 version's calibrated range (its worst tensor, on the app's "
+                     "donated inputs)", ["device", "model"])
         for r in rows:
             dev, board = _label(r["device"]), _label(r["board"] or "unknown")
             key = ("online" if r["online"] else "offline", board)
@@ -106,6 +112,9 @@ class FleetCollector(object):
                     v = views._num(value)
                     if v is not None and name in ACCURACY_KEYS:
                         acc.add_metric([dev, model, name], v)
+                live = views._num((job["live_check"] or {}).get("agreement"))
+                if live is not None:  # the device's live check on the app's own inputs
+                    acc.add_metric([dev, model, "live_agreement"], live)
             metrics = r["metrics"]
             for sensor, c in sorted(bounds.first(views.temperatures(metrics)).items()):
                 temp.add_metric([dev, _label(sensor)], c)
@@ -119,6 +128,10 @@ class FleetCollector(object):
                 v = views._num(metrics.get(kind + "_fraction"))
                 if v is not None:
                     mem.add_metric([dev, kind], v)
+            clips = {k[len(CLIP_PREFIX):]: v for k, v in metrics.items()
+                     if k.startswith(CLIP_PREFIX) and views._num(v) is not None}
+            for name, v in sorted(bounds.first(clips).items()):
+                clip.add_metric([dev, _label(name)], float(v))
         devices = gauge("devices", "devices by state and board", ["state", "board"])
         for (state, board), n in sorted(by_state.items()):
             devices.add_metric([state, board], n)
@@ -141,6 +154,7 @@ class FleetCollector(object):
         yield power
         yield load
         yield mem
+        yield clip
 
     def _deployments(self, gauge: Any) -> Iterator[Any]:
         """Live deployments (at most MAX_DEPLOYMENTS, newest first): devices per convergence

@@ -105,6 +105,9 @@ def _job(rid: str, dev: str, stage: int, state: str, data: Optional[str], update
     accuracy = result.get("accuracy")
     if accuracy is None and isinstance(error.get("details"), dict):
         accuracy = error["details"].get("accuracy")
+    # The device's live check on the app's own inputs (a named model's result, or the figures
+    # of its refusal, live_check_failed).
+    live = _dict(result.get("live_check")) or _dict(_dict(error.get("details")).get("live_check"))
     return {
         "rollout_id": rid, "device": dev, "stage": int(stage) + 1, "state": state,
         "job_id": item.get("job_id") or rid, "phase": item.get("phase"),
@@ -114,12 +117,25 @@ def _job(rid: str, dev: str, stage: int, state: str, data: Optional[str], update
         "latency_p50_ms": _num(latency.get("median", latency.get("p50"))),
         "latency_p99_ms": _num(latency.get("p99")),
         "accuracy": accuracy if isinstance(accuracy, dict) else None,
-        "accuracy_text": accuracy_summary(accuracy if isinstance(accuracy, dict) else None),
+        "accuracy_text": accuracy_summary(accuracy if isinstance(accuracy, dict) else None) +
+        live_text(live),
+        "live_check": live or None,
         "engine_key": result.get("engine_key"), "cache_hit": result.get("cache_hit"),
         "error_code": error.get("code"), "error_message": error.get("message"),
         "note": item.get("note") or "", "started": _num(item.get("started")),
         "finished": _num(item.get("finished")), "updated": _num(updated),
         "created": _num(created)}
+
+
+def live_text(live: Mapping[str, Any]) -> str:
+    """The accuracy cell's tail for the live check: "; live top-1 98.4% on 64" or "" """
+    agreement, error = _num(live.get("agreement")), _num(live.get("error"))
+    if live.get("skipped") or (agreement is None and error is None):
+        return ""
+    figure = "top-1 {:.1%}".format(agreement) if agreement is not None else \
+        "{}|err| {:.3g}".format(live.get("error_stat") or "", error or 0.0)
+    return "; live {} on {}{}".format(figure, live.get("samples"),
+                                      "" if live.get("passed", False) else " FAIL")
 
 
 def failure_reason(job: Mapping[str, Any]) -> str:
