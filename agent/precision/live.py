@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import numpy as np
 
-from agent.precision.metrics import stat
+from agent.precision.metrics import error_stats
 
 CHUNK = 32
 WORST = 5
@@ -76,7 +76,7 @@ def compare(new: Dict[str, np.ndarray], running: Dict[str, np.ndarray], min_agre
             agreements.append(0.0)
             continue
         diff = np.abs(a.astype(np.float64) - b.astype(np.float64)).reshape(rows, -1)
-        err = stat(diff, error_stat, 0.5)
+        err = error_stats(diff, 0.5)[error_stat]
         entry: Dict[str, Any] = {"error": err}
         if math.isfinite(err):
             errors.append(err)
