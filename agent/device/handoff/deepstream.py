@@ -50,7 +50,8 @@ KEYS = ("config", "template", "override", "batch_size", "gpu_id", "onnx_file", "
         "pipelines")
 PIPELINE_KEYS = ("config", "template", "override")
 MAX_PIPELINES = 64
-NETWORK_MODE = {"fp32": 0, "int8": 1, "fp16": 2}
+# "int8 (explicit)": an engine of a Q/DQ model (whatever its other layers run in): INT8.
+NETWORK_MODE = {"fp32": 0, "int8": 1, "fp16": 2, "int8 (explicit)": 1}
 MANAGED = ("model-engine-file", "network-mode", "batch-size", "gpu-id", "int8-calib-file",
            "enable-dla", "use-dla-core", "onnx-file")
 MAX_TEMPLATE = 1 << 20
@@ -184,7 +185,7 @@ def property_keys(version: ModelVersion, batch_size: int = 1, gpu_id: int = 0,
     keys = [("model-engine-file", version.engine),
             ("network-mode", str(NETWORK_MODE[precision])),
             ("batch-size", str(batch_size)), ("gpu-id", str(gpu_id))]
-    if precision == "int8":
+    if precision == "int8":  # not a Q/DQ model's: its scales are in the engine
         in_folder = os.path.join(version.path, CALIBRATION)
         calib = in_folder if os.path.isfile(in_folder) else int8_calib_file
         if calib:

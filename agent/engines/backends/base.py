@@ -127,6 +127,7 @@ class BuildPlan(object):
         workspace_bytes: Optional[int] = None,
         dla_core: Optional[int] = None,
         mark_outputs: Optional[List[str]] = None,
+        explicit_int8: bool = False,
     ) -> None:
         self.precision = _choice("precision", precision, PRECISIONS)
         self.layer_precisions = dict(layer_precisions or {})
@@ -139,13 +140,16 @@ class BuildPlan(object):
         self.workspace_bytes = workspace_bytes
         self.dla_core = dla_core
         self.mark_outputs = list(mark_outputs or [])
+        # INT8 from our calibration written into the graph as Q/DQ (TensorRT >= 10.1; the
+        # only way from 10.12): tensorrt_plan.EXPLICIT_INT8_FROM.
+        self.explicit_int8 = bool(explicit_int8)
 
     @property
     def needs_calibration(self) -> bool:
         return self.precision in ("int8", "best") or "int8" in self.layer_precisions.values()
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
+        out = {
             "precision": self.precision,
             "layer_precisions": dict(sorted(self.layer_precisions.items())),
             "precision_constraints": self.precision_constraints,
@@ -154,7 +158,10 @@ class BuildPlan(object):
             "workspace_bytes": self.workspace_bytes,
             "dla_core": self.dla_core,
             "mark_outputs": list(self.mark_outputs),
-        }
+        }  # type: Dict[str, Any]
+        if self.explicit_int8:  # only when set: the cache keys of other plans stay as they were
+            out["explicit_int8"] = True
+        return out
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "BuildPlan":
@@ -172,6 +179,7 @@ class BuildPlan(object):
             workspace_bytes=d.get("workspace_bytes"),
             dla_core=d.get("dla_core"),
             mark_outputs=d.get("mark_outputs"),
+            explicit_int8=bool(d.get("explicit_int8", False)),
         )
 
     def with_layers(self, layers: Iterable[str], precision: str = "float32") -> "BuildPlan":
