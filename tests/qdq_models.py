@@ -9,7 +9,7 @@ run:
   max calibration on the CPU provider): it leaves the convolutions TensorRT cannot run in int8
   in float (``mixed``). ``nvidia-modelopt[onnx]`` pins onnx ~= 1.21, onnxruntime-gpu ~= 1.24
   and torch, so it is installed with ``--no-deps`` next to this project's onnx / onnxruntime
-  with the CPU torch wheel (``requirements-dev.txt``); without it the test that needs it is
+  with the CPU torch wheel (``requirements-modelopt.txt``); without it the test that needs it is
   skipped with that reason.
 
 Calibration data is random (two samples): what matters here is the graph the tools write.
@@ -27,7 +27,7 @@ SOURCE = ("rapidocr_onnxruntime", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx")
 INPUT = "x"
 SHAPE = (1, 3, 48, 192)
 MODELOPT_MISSING = ("nvidia-modelopt's ONNX PTQ is not importable (pip install --no-deps "
-                    "nvidia-modelopt with its CPU dependencies, see requirements-dev.txt)")
+                    "nvidia-modelopt with its CPU dependencies: requirements-modelopt.txt)")
 
 
 def source_model(dst):
