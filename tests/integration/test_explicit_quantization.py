@@ -205,3 +205,28 @@ def test_meta_json_and_deepstream_say_int8_explicit(tmp_path):
     version = ModelVersion("cls", "1", str(tmp_path), str(tmp_path / "model.engine"), meta)
     keys = dict(property_keys(version))
     assert keys["network-mode"] == "1" and "int8-calib-file" not in keys
+
+
+def test_a_deploy_job_of_a_qdq_model_through_the_daemon(controller, agent_factory, work):
+    """int8 without a calibration artifact: built, activated, and recorded as int8 (explicit)
+    in the job result, the device status and the version's meta.json."""
+    from agent.wire import protocol
+
+    agent = agent_factory().start()
+    model = controller.add_artifact(qdq(work, "onnxruntime"))
+    controller.send_job({"job_id": "qdq-1", "kind": "deploy", "artifacts": {"model": model},
+                         "plan": {"precision": "int8"}, "bench": {"iterations": 3}})
+    final = controller.wait_state("qdq-1", protocol.TERMINAL_STATES, timeout=120)
+    assert final["state"] == "SUCCEEDED", (final, agent.log_tail())
+    result = final["result"]
+    assert (result["precision"], result["quantization"]) == ("int8 (explicit)", "explicit")
+    assert result["calibrated"] is False
+    controller.wait_for(lambda: any(e.get("precision") == "int8 (explicit)"
+                                    for s in controller.device_status
+                                    for e in s.get("active_engines") or []),
+                        20, "status with the explicit engine")
+    name = "sha-" + model["sha256"][:12]
+    with open(os.path.join(agent.state_dir, "models", name, "current", "meta.json")) as f:
+        meta = json.load(f)
+    assert (meta["precision"], meta["quantization"]) == ("int8 (explicit)", "explicit")
+    assert not controller.errors
