@@ -230,3 +230,23 @@ def test_a_deploy_job_of_a_qdq_model_through_the_daemon(controller, agent_factor
         meta = json.load(f)
     assert (meta["precision"], meta["quantization"]) == ("int8 (explicit)", "explicit")
     assert not controller.errors
+
+
+@pytest.mark.slow  # ~20 s of search builds (the candidates alone: test_the_search_keeps_...)
+def test_a_search_of_a_qdq_model_keeps_only_layers_outside_the_pairs(work, tmp_path):
+    """fp16 of the rest (ModelOpt's: the convolutions it left in float, their BN, ...) fails
+    the goldens (the model as quantized): the search keeps some layers outside the pairs,
+    never a pair's."""
+    from agent.engines.cache import EngineCache
+    from agent.precision import golden
+    from agent.precision.searcher import run_search
+
+    path = qdq(work, "modelopt")
+    backend = create_ort(threads=1)
+    inputs = qdq_models.feeds(1, seed=5)
+    goldens = golden.reference_outputs(path, inputs, backend)
+    result = run_search(path, BuildPlan(precision="fp16"), inputs, goldens, backend,
+                        EngineCache(str(tmp_path / "engines")), {"kind": "host", "gpu": "cpu"},
+                        calibration_dir=str(tmp_path / "calibration"), max_evaluations=12)
+    fixed = quantization.explicit_nodes(onnx_model.load_model(path))
+    assert result.candidates and result.keep and not set(result.keep) & fixed
