@@ -107,7 +107,7 @@ def test_host_builds_run_the_pairs_as_written(work, quantizer, tmp_path):
     assert np.abs(outputs["fp16"] - outputs["fp32"]).max() < 0.1  # the fp16 rest: close
 
 
-def test_build_cli_int8_of_a_qdq_model_needs_no_calibration(work, tmp_path):
+def test_build_and_compare_cli_of_a_qdq_model(work, tmp_path):
     env = dict(os.environ, JETSON_AGENT_STATE_DIR=str(tmp_path), PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-m", "agent", "build", qdq(work, "onnxruntime"),
                            "--fp16", "--backend", "onnxruntime", "--save-engine",
@@ -119,6 +119,11 @@ def test_build_cli_int8_of_a_qdq_model_needs_no_calibration(work, tmp_path):
     assert " int8 (explicit)" in layers and "float16" in layers
     meta = json.loads((tmp_path / "cls.engine.json").read_text())
     assert (meta["precision"], meta["quantization"]) == ("int8 (explicit)", "explicit")
+    proc = subprocess.run([sys.executable, "-m", "agent", "compare", qdq(work, "onnxruntime"),
+                           "--fp16", "--backend", "onnxruntime", "--atol", "0.1"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "jetson-agent[onnxruntime int8 (explicit) + fp16, emulated]" in proc.stdout
     proc = subprocess.run([sys.executable, "-m", "agent", "build", work["float"], "--int8",
                            "--backend", "onnxruntime"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
