@@ -23,7 +23,6 @@ from typing import Set
 
 import onnx
 
-QUANTIZATIONS = ("none", "explicit", "mixed")
 QDQ_OPS = frozenset(["QuantizeLinear", "DequantizeLinear"])
 # The layers a quantizer targets: whether all or some of them read Q/DQ tells explicit from mixed.
 _INT8_LAYERS = frozenset(["Conv", "ConvTranspose", "Gemm", "MatMul"])
