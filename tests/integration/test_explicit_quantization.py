@@ -255,3 +255,16 @@ def test_a_search_of_a_qdq_model_keeps_only_layers_outside_the_pairs(work, tmp_p
                         calibration_dir=str(tmp_path / "calibration"), max_evaluations=12)
     fixed = quantization.explicit_nodes(onnx_model.load_model(path))
     assert result.candidates and result.keep and not set(result.keep) & fixed
+
+
+def test_a_qdq_model_is_refused_where_tensorrt_has_no_int8(monkeypatch, tmp_path, work):
+    """A TX2 / Nano (platform_has_fast_int8 False): refused by name, whatever the precision."""
+    trt, _ = fake_trt.install(monkeypatch, "8.2")
+    monkeypatch.setattr(trt.Builder, "platform_has_fast_int8", False, raising=False)
+    from agent.engines.backends import tensorrt as trt_backend
+
+    backend = trt_backend.TensorRTBackend(trt.__version__)
+    with pytest.raises(AgentError) as err:
+        backend.build(qdq(work, "onnxruntime"), BuildPlan(precision="fp16"),
+                      str(tmp_path / "e.engine"))
+    assert err.value.code == "unsupported_precision" and "no fast INT8" in err.value.message

@@ -151,6 +151,14 @@ class Build(object):
         check_dla_cores(self.settings.dla_core,
                         int(getattr(net.builder, "num_DLA_cores", 0) or 0),
                         self.backend.features, self.version_text)
+        if self.quantization != "none" and \
+                getattr(net.builder, "platform_has_fast_int8", True) is False:
+            # The pairs run in INT8 or not at all (Nano, TX1, TX2: support_matrix.yaml).
+            raise AgentError(
+                "unsupported_precision",
+                "{} is quantized already (Q/DQ, {}): its layers run in INT8, and TensorRT {} "
+                "reports no fast INT8 on this GPU; expected a float model here".format(
+                    self.model_path, self.quantization, self.version_text))
         config = net.builder.create_builder_config()
         apply_builder_settings(trt, config, self.settings)
         if profile:
