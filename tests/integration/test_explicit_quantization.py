@@ -59,18 +59,18 @@ def _fresh_logger(monkeypatch):
     monkeypatch.setattr(tensorrt_network, "_LOGGER", None)
 
 
-def test_quantization_is_read_off_the_graph(work):
+@pytest.mark.parametrize("quantizer", QUANTIZERS)
+def test_quantization_is_read_off_the_graph(work, quantizer):
     assert quantization.quantization(onnx_model.load_model(work["float"])) == "none"
-    for quantizer in QUANTIZERS:
-        model = onnx_model.load_model(qdq(work, quantizer))
-        assert quantization.quantization(model) == EXPECTED[quantizer], quantizer
-        layers = quantization.int8_layers(model)
-        convs = [n.name for n in model.graph.node if n.op_type == "Conv"]
-        assert set(convs) & layers  # the quantized convolutions
-        if quantizer == "modelopt":
-            assert set(convs) - layers  # the ones it left in float
-        assert not any(n.op_type in quantization.QDQ_OPS for n in model.graph.node
-                       if n.name in layers)
+    model = onnx_model.load_model(qdq(work, quantizer))
+    assert quantization.quantization(model) == EXPECTED[quantizer]
+    layers = quantization.int8_layers(model)
+    convs = [n.name for n in model.graph.node if n.op_type == "Conv"]
+    assert set(convs) & layers  # the quantized convolutions
+    if quantizer == "modelopt":
+        assert set(convs) - layers  # the ones it left in float
+    assert not any(n.op_type in quantization.QDQ_OPS for n in model.graph.node
+                   if n.name in layers)
 
 
 @pytest.mark.parametrize("quantizer", QUANTIZERS)
