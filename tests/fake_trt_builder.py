@@ -21,7 +21,8 @@ _OP_LAYER = {"Conv": "CONVOLUTION", "Relu": "ACTIVATION", "Sigmoid": "ACTIVATION
              "Add": "ELEMENTWISE", "Sub": "ELEMENTWISE", "Mul": "ELEMENTWISE",
              "Div": "ELEMENTWISE", "MatMul": "MATRIX_MULTIPLY", "Gemm": "MATRIX_MULTIPLY",
              "Softmax": "SOFTMAX", "Shape": "SHAPE", "Constant": "CONSTANT",
-             "Gather": "GATHER", "Identity": "IDENTITY", "Reshape": "SHUFFLE"}
+             "Gather": "GATHER", "Identity": "IDENTITY", "Reshape": "SHUFFLE",
+             "QuantizeLinear": "QUANTIZE", "DequantizeLinear": "DEQUANTIZE"}
 _INT8_CAPABLE = ("CONVOLUTION", "MATRIX_MULTIPLY", "FULLY_CONNECTED")
 # Layer types DLA runs (TensorRT's "DLA supported layers", abridged); anything else, a plugin
 # or a layer with integer outputs is GPU-only.
@@ -112,6 +113,10 @@ def add_builder(trt, p, drv):
         def node(self):
             return self._node
 
+    def _trt_type(alias):
+        # The 8.x parser imports INT64 as INT32 (8.x has no int64 type).
+        return getattr(trt, alias) if hasattr(trt, alias) else trt.int32
+
     class OnnxParser(object):
         def __init__(self, network, logger):
             self.network = network
@@ -153,12 +158,11 @@ def add_builder(trt, p, drv):
                     kind = p["cast_layer"]
                     to = helper.get_attribute_value(
                         [a for a in node.attribute if a.name == "to"][0])
-                    dtype = getattr(trt, _ONNX_TO_ALIAS[to])
+                    dtype = _trt_type(_ONNX_TO_ALIAS[to])
                 else:
                     kind = "PLUGIN_V2" if plugin else _OP_LAYER.get(node.op_type, "ELEMENTWISE")
-                    dtype = getattr(trt, _ONNX_TO_ALIAS.get(types_.get(node.output[0],
-                                                                       TensorProto.FLOAT),
-                                                            "float32"))
+                    dtype = _trt_type(_ONNX_TO_ALIAS.get(types_.get(
+                        node.output[0], TensorProto.FLOAT), "float32"))
                     if node.op_type == "Shape":
                         dtype = getattr(trt, "int64", trt.int32)
                 outs = [Tensor(o, getattr(trt, _ONNX_TO_ALIAS.get(
@@ -166,6 +170,7 @@ def add_builder(trt, p, drv):
                     for o in node.output]
                 layer = Layer(node.name, getattr(trt.LayerType, kind), outs, node.op_type)
                 layer.const_weights = len(node.input) > 1 and node.input[1] in inits
+                layer.reads = [i for i in node.input if i]  # Q/DQ fusion: who reads a DQ
                 if node.op_type == "Cast" and kind == "IDENTITY":
                     layer.output_types[0] = dtype  # the 8.x importer's setOutputType
                     layer.precision_is_set = False
@@ -255,13 +260,19 @@ def add_builder(trt, p, drv):
     def _flag(name):
         return getattr(trt.BuilderFlag, name, None)
 
-    def choose(layer, config, strongly_typed):
-        """The precision a layer gets (see the module docstring)."""
+    def choose(layer, config, strongly_typed, dequantized=None):
+        """The precision a layer gets (see the module docstring). ``dequantized``: the
+        DequantizeLinear outputs of an explicitly quantized network (None: no Q/DQ); a layer
+        reading one runs in int8 (Q/DQ fusion) and no other layer does (explicit-precision
+        mode: the INT8 flag quantizes nothing by itself)."""
         if layer.type == getattr(trt.LayerType, "CAST", None) or layer.op == "Cast":
             return layer.output_types.get(0, layer.get_output(0).dtype)
         out_dtype = layer.get_output(0).dtype
         if out_dtype not in (trt.float32, trt.float16):
             return out_dtype
+        if dequantized is not None and layer.op not in ("QuantizeLinear", "DequantizeLinear") \
+                and any(r in dequantized for r in layer.reads):
+            return trt.int8
         if strongly_typed:
             return out_dtype
         constrained = any(f in config.flags for f in (
@@ -269,7 +280,7 @@ def add_builder(trt, p, drv):
             _flag("STRICT_TYPES")) if f is not None)
         if constrained and layer.precision_is_set:
             return layer.precision
-        if _flag("INT8") in config.flags and layer.type in [
+        if dequantized is None and _flag("INT8") in config.flags and layer.type in [
                 getattr(trt.LayerType, t) for t in _INT8_CAPABLE
                 if hasattr(trt.LayerType, t)]:
             return trt.int8
@@ -312,7 +323,18 @@ def add_builder(trt, p, drv):
                 emit(Severity.ERROR, self.fail_with or drv.fail_next)
                 drv.fail_next = None
                 return None
-            if config.int8_calibrator is not None:
+            qdq = [layer for layer in network.layers
+                   if layer.op in ("QuantizeLinear", "DequantizeLinear")]
+            dequantized = set(t.name for layer in qdq if layer.op == "DequantizeLinear"
+                              for t in layer._outputs) if qdq else None
+            if qdq and not strongly_typed and _flag("INT8") not in config.flags:
+                # Weakly typed Q/DQ networks need the INT8 flag (NVIDIA/TensorRT issue 4021).
+                emit(Severity.ERROR, "Network has Q/DQ layers but the INT8 builder flag is "
+                     "not set")
+                return None
+            if config.int8_calibrator is not None and qdq:
+                emit(Severity.WARNING, "Calibrator is ignored in explicit precision mode")
+            elif config.int8_calibrator is not None:
                 calib = config.int8_calibrator
                 cache = calib.read_calibration_cache()
                 if not cache:
@@ -326,7 +348,7 @@ def add_builder(trt, p, drv):
             layers = []
             on_dla = config.default_device_type == trt.DeviceType.DLA
             for layer in network.layers:
-                prec = choose(layer, config, strongly_typed)
+                prec = choose(layer, config, strongly_typed, dequantized)
                 dla = on_dla and config.can_run_on_DLA(layer)
                 if on_dla and not dla and _flag("GPU_FALLBACK") not in config.flags:
                     emit(Severity.ERROR, "{} cannot run on DLA and GPU fallback is "

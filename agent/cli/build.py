@@ -75,7 +75,8 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
     prec.add_argument("--fp16", dest="precision", action="store_const", const="fp16",
                       help="allow fp16 kernels")
     prec.add_argument("--int8", dest="precision", action="store_const", const="int8",
-                      help="allow int8 kernels (needs --calib or --calibration-cache)")
+                      help="allow int8 kernels (needs --calib or --calibration-cache, unless "
+                           "the model is quantized already: Q/DQ)")
     prec.add_argument("--best", dest="precision", action="store_const", const="best",
                       help="the fastest precision the platform runs (int8 + fp16 where both)")
     p.set_defaults(precision=precision_default)
@@ -91,6 +92,10 @@ def add_build_arguments(p: argparse.ArgumentParser, model_help: Optional[str] = 
                    help="calibration algorithm (default entropy2)")
     g.add_argument("--calib-batch-size", type=int, default=8, metavar="N",
                    help="calibration batch size (default 8)")
+    g.add_argument("--explicit-int8", action="store_true",
+                   help="tensorrt >= 10.1: write our calibration into the graph as Q/DQ and "
+                        "build strongly typed instead of using a calibrator (deprecated from "
+                        "10.1, gone in 11; the only way from 10.12)")
     if engine_options:
         g.add_argument("--calib-shuffle-seed", type=int, metavar="SEED",
                        help="shuffle calibration shards and samples with this seed")
@@ -188,8 +193,9 @@ def plan_from_args(args: argparse.Namespace, precision: Optional[str] = None) ->
         else None,
         dla_core=getattr(args, "dla_core", None),
         dla_gpu_fallback=not getattr(args, "dla_no_gpu_fallback", False),
+        explicit_int8=bool(getattr(args, "explicit_int8", False)),
     )
-    if plan.needs_calibration:
+    if plan.needs_calibration and not _explicitly_quantized(calibration, args):
         if calibration is None:
             raise AgentError("bad_argument", "an {} build needs --calib PATH (calibration data) "
                              "or --calibration-cache FILE, found neither".format(precision))
@@ -201,6 +207,18 @@ def plan_from_args(args: argparse.Namespace, precision: Optional[str] = None) ->
             raise AgentError("file_not_found", "--calibration-cache {} does not exist and no "
                              "--calib data was given to make it".format(args.calibration_cache))
     return plan
+
+
+def _explicitly_quantized(calibration: Optional[CalibrationSettings],
+                          args: argparse.Namespace) -> bool:
+    """A Q/DQ model carries its own INT8 scales: an int8 build of it needs no --calib (and
+    never calibrates). Only read when calibration is missing."""
+    model = getattr(args, "model", None)
+    if calibration is not None or not model or not os.path.isfile(model):
+        return False
+    from agent.engines.backends import quantization
+
+    return quantization.of_file(model) != "none"
 
 
 def _importable(name: str) -> bool:
@@ -339,8 +357,11 @@ def print_human(out: Dict[str, Any]) -> None:
         print("calibration: {} ({})".format(out["calibration_cache"], how))
     counts = out["details"].get("counts")
     if counts:
+        # A Q/DQ model's int8 layers are the ones its pairs cover (never calibrated here).
+        quant = out["details"].get("quantization", "none")
         print("layers:      {}".format(", ".join(
-            "{} {}".format(n, p) for p, n in sorted(counts.items()) if n)))
+            "{} {}".format(n, p if p != "int8" or quant == "none" else p + " (explicit)")
+            for p, n in sorted(counts.items()) if n)))
     inside = out["details"].get("subgraph_counts")
     if inside:
         print("subgraphs:   {} (layers inside If/Loop/Scan bodies)".format(", ".join(
@@ -392,8 +413,10 @@ def save_engine(path: str, model: str, record: EngineRecord, backend: Backend,
     info = plat.detect()
     sha = sha256_file(model)
     label = re.sub(r"[^a-z0-9_.-]+", "-", os.path.splitext(model_label(model))[0].lower())
-    result = dict(record.result or {}, engine_key=record.key, io=io, backend=backend.name,
-                  layers_kept=(record.result or {}).get("layer_precisions") or {})
+    built = record.result or {}
+    result = dict(built, engine_key=record.key, io=io, backend=backend.name,
+                  layers_kept=built.get("layer_precisions") or {},
+                  quantization=(built.get("details") or {}).get("quantization"))
     meta = model_meta.build(label.strip("-.")[:64] or "model", sha[:12], sha, result,
                             info.to_dict(), info.fingerprint(backend.name), None, time.time(),
                             "committed", sha256_file(path), os.path.getsize(path),

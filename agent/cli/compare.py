@@ -171,8 +171,11 @@ def run(args: argparse.Namespace) -> int:
     emulated = bool(details.get("emulated"))
     if details.get("warning") and not args.json:
         print("warning: {}".format(details["warning"]), file=sys.stderr)
-    runner_name = "jetson-agent[{} {}{}]".format(setup.backend.name, plan.precision,
-                                                 ", emulated" if emulated else "")
+    # A Q/DQ model's engine is "int8 (explicit)", its other layers in the plan's precision.
+    built = (record.result or {}).get("precision") or plan.precision
+    runner_name = "jetson-agent[{} {}{}]".format(
+        setup.backend.name, built if built == plan.precision else
+        "{} + {}".format(built, plan.precision), ", emulated" if emulated else "")
     if args.save_inputs:
         golden.save_inputs(args.save_inputs, inputs)
     if args.save_outputs:

@@ -18,7 +18,8 @@ MAX_PROFILE_INPUTS = 64  # as many as a job's plan.shapes may name
 META_KEYS = ("schema_version", "name", "version", "model_sha256", "engine_key", "precision",
              "layer_precisions", "inputs", "outputs", "backend", "tensorrt", "jetpack", "board",
              "portability", "gate", "throughput_qps", "job_id", "activated", "state",
-             "engine_sha256", "engine_size", "profiles", "built_by", "plugins")
+             "engine_sha256", "engine_size", "profiles", "built_by", "plugins",
+             "quantization")
 
 
 def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
@@ -47,6 +48,8 @@ def build(name: str, version: str, model_sha256: str, result: Mapping[str, Any],
         "model_sha256": model_sha256,
         "engine_key": result.get("engine_key"),
         "precision": result.get("precision"),
+        # explicit / mixed: a Q/DQ model (precision "int8 (explicit)"); None: not recorded.
+        "quantization": result.get("quantization"),
         "layer_precisions": dict(result.get("layers_kept") or {}),
         "inputs": inputs,
         "outputs": _tensors(io.get("outputs")),

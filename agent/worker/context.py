@@ -103,6 +103,7 @@ class JobContext(object):
 
     def __init__(self, spec: Dict[str, Any], emit: Emit, should_stop: ShouldStop) -> None:
         from agent.engines import model_check, safe_npz
+        from agent.engines.backends import quantization
         from agent.engines.backends.base import BuildPlan, get_backend
         from agent.engines.cache import EngineCache
 
@@ -131,7 +132,9 @@ class JobContext(object):
             plan["calibration"] = calib
         self.plan = BuildPlan.from_dict(plan)
         if self.plan.needs_calibration and (self.plan.calibration is None
-                                            or not self.plan.calibration.data):
+                                            or not self.plan.calibration.data) \
+                and quantization.of_file(self.files["model"]) == "none":
+            # (A Q/DQ model carries its own scales: never calibrated again.)
             raise AgentError("empty_calibration_data", "plan precision {} needs calibration data: "
                              "send a 'calibration' artifact".format(self.plan.precision))
         self.backend = get_backend(spec["backend"])
@@ -240,7 +243,9 @@ class JobContext(object):
 
         build = record.result or {}
         return {
-            "precision": self.plan.precision,
+            # The engine's: "int8 (explicit)" for a Q/DQ model whatever the plan said.
+            "precision": build.get("precision") or self.plan.precision,
+            "quantization": (build.get("details") or {}).get("quantization", "none"),
             "fallback_reason": self.spec.get("fallback_reason"),
             "engine_key": record.key,
             "cache_hit": record.cache_hit,

@@ -60,7 +60,8 @@ KEYS = ("config", "template", "override", "batch_size", "gpu_id", "onnx_file", "
 PIPELINE_KEYS = ("config", "template", "override")
 MAX_PIPELINES = 64
 # best (int8 and fp16 allowed) is an int8 engine to nvinfer: its calibration file goes with it.
-NETWORK_MODE = {"fp32": 0, "int8": 1, "fp16": 2, "best": 1}
+# "int8 (explicit)": an engine of a Q/DQ model (whatever its other layers run in): INT8.
+NETWORK_MODE = {"fp32": 0, "int8": 1, "fp16": 2, "best": 1, "int8 (explicit)": 1}
 MANAGED = ("model-engine-file", "network-mode", "batch-size", "gpu-id", "int8-calib-file",
            "enable-dla", "use-dla-core", "onnx-file", "custom-lib-path")
 MAX_TEMPLATE = 1 << 20
@@ -195,7 +196,7 @@ def property_keys(version: ModelVersion, batch_size: int = 1, gpu_id: int = 0,
     keys = [("model-engine-file", version.engine),
             ("network-mode", str(NETWORK_MODE[precision])),
             ("batch-size", str(batch_size)), ("gpu-id", str(gpu_id))]
-    if NETWORK_MODE[precision] == 1:
+    if NETWORK_MODE[precision] == 1 and precision != "int8 (explicit)":  # Q/DQ: in the engine
         in_folder = os.path.join(version.path, CALIBRATION)
         calib = in_folder if os.path.isfile(in_folder) else int8_calib_file
         if calib:

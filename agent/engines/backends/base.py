@@ -131,6 +131,7 @@ class BuildPlan(object):
         mark_outputs: Optional[List[str]] = None,
         plugins: Optional[List[Dict[str, str]]] = None,
         dla_gpu_fallback: bool = True,
+        explicit_int8: bool = False,
     ) -> None:
         self.precision = _choice("precision", precision, PRECISIONS)
         self.layer_precisions = dict(layer_precisions or {})
@@ -147,6 +148,9 @@ class BuildPlan(object):
         self.plugins = [dict(p) for p in plugins or []]
         # --dla-no-gpu-fallback: a layer DLA cannot run fails the build instead of moving.
         self.dla_gpu_fallback = bool(dla_gpu_fallback)
+        # INT8 from our calibration written into the graph as Q/DQ (TensorRT >= 10.1; the
+        # only way from 10.12): tensorrt_plan.EXPLICIT_INT8_FROM.
+        self.explicit_int8 = bool(explicit_int8)
 
     @property
     def needs_calibration(self) -> bool:
@@ -168,6 +172,8 @@ class BuildPlan(object):
             out["plugins"] = [dict(p) for p in self.plugins]
         if not self.dla_gpu_fallback:
             out["dla_gpu_fallback"] = False
+        if self.explicit_int8:
+            out["explicit_int8"] = True
         return out
 
     @classmethod
@@ -188,6 +194,7 @@ class BuildPlan(object):
             mark_outputs=d.get("mark_outputs"),
             plugins=d.get("plugins"),
             dla_gpu_fallback=d.get("dla_gpu_fallback", True),
+            explicit_int8=bool(d.get("explicit_int8", False)),
         )
 
     def with_layers(self, layers: Iterable[str], precision: str = "float32") -> "BuildPlan":

@@ -6,14 +6,17 @@ writes into the graph.
 int8 goes to the activation inputs of Conv / ConvTranspose / Gemm / MatMul only (biases stay
 fp32); a node with subgraphs (If / Loop / Scan) is one layer whose bodies take its precision
 when emulated (``subgraphs``) and stays fp32 in a strongly typed graph, which cannot retype a
-Cast or a Q/DQ node either. Pure: reads the graph, changes nothing. Worker side:
-Python >= 3.6.
+Cast or a Q/DQ node either. In a Q/DQ model (``quantization``) the pairs decide int8: the nodes
+they cover are left out of the assignment (never candidates, never quantized twice) and the
+other layers take the build's float precision. Pure: reads the graph, changes nothing. Worker
+side: Python >= 3.6.
 """
 
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import onnx
 
+from agent.engines.backends import quantization
 from agent.engines.backends.base import LAYER_PRECISIONS
 from agent.engines.backends.onnx_model import (
     FLOAT16,
@@ -105,7 +108,10 @@ def resolve_precisions(
 
     int8 goes to Conv/ConvTranspose/Gemm/MatMul whose activation ranges are known (``amax``
     None = assume they will be); other int8 requests fall back to float16 in fp16/best builds
-    and float32 otherwise. Returns (assignment for every float node, mismatches
+    and float32 otherwise. In a Q/DQ model the nodes its pairs cover
+    (``quantization.explicit_nodes``) are not assigned (an override naming one is a mismatch:
+    it runs in int8), int8 asks nothing more (int8 builds keep the rest in float32, best in
+    float16) and int8 overrides fall back. Returns (assignment for every float node, mismatches
     [(node, asked, got)] for explicit overrides not honoured, override names that are nodes
     without float computation). Unknown names raise ``unknown_layer``.
     """
@@ -130,6 +136,9 @@ def resolve_precisions(
                          "precision must be one of fp32, fp16, int8, best, found {!r}".format(
                              precision))
     int8_fallback = "float16" if precision in ("fp16", "best") else "float32"
+    explicit = quantization.explicit_nodes(model)
+    if explicit:  # the pairs are the int8 part: the rest runs in the build's float precision
+        default = dict(default, int8="float32", best="float16")
     types = tensor_types(model)
     inits = set(i.name for i in model.graph.initializer) - set(i.name for i in model.graph.input)
     outer = subgraph_reads(model) if not emulate else set()
@@ -141,8 +150,12 @@ def resolve_precisions(
             continue
         float_set.add(node.name)
         asked = overrides.get(node.name, default[precision])
+        if node.name in explicit:
+            if node.name in overrides and asked != "int8":
+                mismatches.append((node.name, asked, "int8"))
+            continue
         got = asked
-        if got == "int8" and not _quantizable(node, inits, types, amax):
+        if got == "int8" and (explicit or not _quantizable(node, inits, types, amax)):
             got = int8_fallback
         if got == "float16" and not _reducible(node, types, emulate, outer):
             got = "float32"

@@ -26,7 +26,14 @@ from typing import Any, Dict, List, Optional, Tuple
 import onnx
 
 from agent.engines import plugins
-from agent.engines.backends import emulation, graph, layer_precisions, onnx_model, subgraphs
+from agent.engines.backends import (
+    emulation,
+    graph,
+    layer_precisions,
+    onnx_model,
+    quantization,
+    subgraphs,
+)
 from agent.engines.backends.base import (
     Backend,
     BuildPlan,
@@ -85,6 +92,10 @@ class OnnxRuntimeBackend(Backend):
         specs = onnx_model.input_specs(model)
         self._check_shapes(plan, specs)
         details: Dict[str, Any] = {"emulated": True, "calibration_seconds": 0.0}
+        # A Q/DQ model runs as written (onnxruntime has int8 kernels for the pairs): its
+        # pairs are never rounded or calibrated; the other layers take the plan's precision.
+        quant = quantization.quantization(model)
+        details["quantization"] = quant
         amax: Optional[Dict[str, float]] = None
         calibrated = False
         cache_path: Optional[str] = None
@@ -131,6 +142,7 @@ class OnnxRuntimeBackend(Backend):
                                         fused=emulation.fused_edges(marked, assignment))
         for folded, into in merged.items():  # reported under their own names too
             assignment[folded] = assignment.get(into, "float32")
+        assignment.update((name, "int8") for name in quantization.int8_layers(model))
         metadata = {
             "backend": self.name,
             "backend_version": self.version(),
@@ -174,7 +186,7 @@ class OnnxRuntimeBackend(Backend):
             log.warning("%s: %s", model_path, details["warning"])
         return BuildResult(
             engine_path=engine_path,
-            precision=plan.precision,
+            precision=quantization.label(plan.precision, quant),
             layer_precisions=assignment,
             mismatches=mismatches,
             calibration_cache=cache_path,

@@ -6,7 +6,7 @@ one ``Build``. TensorRT is imported lazily. Worker side: Python >= 3.6.
 """
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from agent.engines.backends.base import (
     BuildPlan,
@@ -104,13 +104,23 @@ class Build(object):
         self.calibrator: Any = None
         self.graph_mismatches: List[Tuple[str, str, str]] = []
         self.graph_assignment: Dict[str, str] = {}
+        self.quantization = "none"  # the model's (set when it is loaded)
+        self.int8_layers: Set[str] = set()  # a Q/DQ model's: its pairs decide them
 
     # ONNX side --------------------------------------------------------------------------
 
     def _load_model(self) -> Tuple[Any, List[str]]:
-        from agent.engines.backends import onnx_model
+        from agent.engines.backends import onnx_model, quantization
 
         model = onnx_model.load_model(self.model_path)  # names unnamed nodes, as the plan does
+        self.quantization = quantization.quantization(model)
+        self.details["quantization"] = self.quantization
+        if self.quantization != "none":
+            # Q/DQ: never calibrated; weakly typed, the INT8 flag whatever the precision.
+            self.int8_layers = quantization.int8_layers(model)
+            self.settings = builder_settings(self.plan, self.version, self.quantization)
+            self.details.update(flags=list(self.settings.set_flags),
+                                notes=list(self.settings.notes))
         order = [str(n.name) for n in model.graph.node]
         unknown = sorted(set(self.plan.layer_precisions) - set(order))
         if unknown:
@@ -150,6 +160,14 @@ class Build(object):
         check_dla_cores(self.settings.dla_core,
                         int(getattr(net.builder, "num_DLA_cores", 0) or 0),
                         self.backend.features, self.version_text)
+        if self.quantization != "none" and \
+                getattr(net.builder, "platform_has_fast_int8", True) is False:
+            # The pairs run in INT8 or not at all (Nano, TX1, TX2: support_matrix.yaml).
+            raise AgentError(
+                "unsupported_precision",
+                "{} is quantized already (Q/DQ, {}): its layers run in INT8, and TensorRT {} "
+                "reports no fast INT8 on this GPU; expected a float model here".format(
+                    self.model_path, self.quantization, self.version_text))
         config = net.builder.create_builder_config()
         apply_builder_settings(trt, config, self.settings)
         if self.backend.memory_limit:  # builder.memory_limit: room for the serving app
@@ -196,7 +214,7 @@ class Build(object):
     def run(self) -> BuildResult:
         import tensorrt as trt
 
-        from agent.engines.backends import onnx_model
+        from agent.engines.backends import onnx_model, quantization
 
         plan = self.plan
         model, order = self._load_model()
@@ -251,7 +269,8 @@ class Build(object):
             self.details["dla_core"] = self.settings.dla_core
         got, mismatches = self._read_back(serialized, order)
         return BuildResult(
-            self.engine_path, plan.precision, layer_precisions=got, mismatches=mismatches,
+            self.engine_path, quantization.label(plan.precision, self.quantization),
+            layer_precisions=got, mismatches=mismatches,
             calibration_cache=self.calibration_cache, calibrated=self.calibrated,
             details=self.details)
 
@@ -286,13 +305,16 @@ class Build(object):
         the inspector's view goes to the details."""
         import tensorrt as trt
 
+        # A Q/DQ model's int8 layers are its pairs' (not asked, never a mismatch).
+        explicit = dict((name, "int8") for name in self.int8_layers)
+        typed = dict(self.graph_assignment, **explicit) if self.graph_assignment else {}
         if not self.settings.detailed_profiling:
             self.details["inspector"] = "unavailable (TensorRT < 8.2)"
-            return dict(self.graph_assignment), list(self.graph_mismatches)
+            return typed, list(self.graph_mismatches)
         layers = inspect_engine(trt.Runtime(self.logger), serialized)
         if layers is None:
             self.details["inspector"] = "unavailable"
-            return dict(self.graph_assignment), list(self.graph_mismatches)
+            return typed, list(self.graph_mismatches)
         self.details["inspector"] = "json"
         placement = self.details.get("dla_placement")
         if placement is not None:
@@ -300,12 +322,14 @@ class Build(object):
         seen = node_precisions(layers, order)
         if self.settings.strongly_typed and self.graph_assignment:
             self.details["inspector_precisions"] = seen
-            return dict(self.graph_assignment), list(self.graph_mismatches)
+            return typed, list(self.graph_mismatches)
         missing = sorted(set(self.plan.layer_precisions) - set(seen))
         if missing:
             self.details["not_in_engine"] = missing
         floor = plan_floor(self.plan.precision) if not self.settings.strongly_typed else None
-        return seen, precision_mismatches(self.plan.layer_precisions, seen, floor)
+        mismatches = precision_mismatches(self.plan.layer_precisions, seen, floor)
+        return seen, [m for m in mismatches
+                      if not (m[0] in explicit and m[2] == "int8")]
 
     # INT8 -------------------------------------------------------------------------------
 
@@ -428,7 +452,7 @@ class Build(object):
 
         plan = self.plan
         amax = None
-        if plan.needs_calibration:
+        if plan.needs_calibration and self.quantization == "none":
             settings = self._calibration()
             path = self._cache_path(settings)
             self.calibration_cache = path

@@ -203,19 +203,29 @@ def check_dla_profile(core: Optional[int], profile: Dict[str, Any]) -> None:
             {"inputs": sorted(dynamic)})
 
 
-def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
-    """What to ask TensorRT for ``plan`` on TensorRT ``version``."""
+def builder_settings(plan: BuildPlan, version: Version,
+                     quantization: str = "none") -> BuilderSettings:
+    """What to ask TensorRT for ``plan`` on TensorRT ``version``; ``quantization`` is the
+    model's (``quantization.quantization``): a Q/DQ model is never calibrated (TensorRT
+    ignores a calibrator in explicit-precision mode) and, weakly typed, always gets the INT8
+    flag (its Q/DQ layers need it, whatever the plan's precision)."""
     check_supported(version)
     features = Features(version)
     _check_dla(plan, features)
     s = BuilderSettings()
-    s.strongly_typed = features.strongly_typed
+    s.strongly_typed = features.strongly_typed or _explicit_int8(plan, version)
+    explicit = quantization != "none"
+    calibrate = plan.needs_calibration and not explicit
     asked = set(plan.layer_precisions.values())
     if s.strongly_typed:
         # Precision lives in the graph; FP16/INT8 flags and constraints are refused here.
         s.network_flags.append("STRONGLY_TYPED")
-        if plan.needs_calibration:
+        if calibrate:
             s.int8_source = "qdq"
+        if not features.strongly_typed:
+            s.notes.append("--explicit-int8: INT8 as Q/DQ from our calibration, strongly "
+                           "typed (TensorRT {} deprecates calibrators)".format(
+                               version_text(version)))
     else:
         if features.explicit_batch_flag:
             s.network_flags.append("EXPLICIT_BATCH")
@@ -231,10 +241,14 @@ def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
                     version_text(version), version_text(STRONGLY_TYPED_FROM)))
         if plan.precision in ("fp16", "best") or "float16" in asked:
             s.set_flags.append("FP16")
-        if plan.needs_calibration:
+        if calibrate:
             s.set_flags.append("INT8")
             algorithm = plan.calibration.algorithm if plan.calibration else "entropy2"
             s.int8_source = "ranges" if algorithm == "percentile" else "calibrator"
+        elif explicit:
+            s.set_flags.append("INT8")
+            s.notes.append("Q/DQ model ({}): INT8 flag without a calibrator (explicit "
+                           "quantization)".format(quantization))
         constraints = plan.precision_constraints
         if plan.layer_precisions and constraints == "none":
             # Per-layer precisions do nothing without a constraints flag (Polygraphy warns
@@ -290,6 +304,25 @@ def builder_settings(plan: BuildPlan, version: Version) -> BuilderSettings:
         s.notes.append("engine inspector unavailable before TensorRT 8.2: layer precisions "
                        "are not read back")
     return s
+
+
+# Calibrators are deprecated from this version: --explicit-int8 (our calibration written
+# into the graph as Q/DQ, the strongly typed path of >= 10.12) is offered from here on.
+EXPLICIT_INT8_FROM = (10, 1, 0)
+
+
+def _explicit_int8(plan: BuildPlan, version: Version) -> bool:
+    """Whether ``plan.explicit_int8`` takes the strongly typed path below 10.12 (the only
+    path from there on); refused before 10.1."""
+    if not plan.explicit_int8:
+        return False
+    if version < EXPLICIT_INT8_FROM:
+        raise AgentError(
+            "unsupported_tensorrt",
+            "--explicit-int8 needs TensorRT >= {} (calibrators deprecated, strongly typed "
+            "networks), found {}; expected a build without --explicit-int8 here".format(
+                version_text(EXPLICIT_INT8_FROM), version_text(version)))
+    return True
 
 
 def network_creation_flags(trt: Any, settings: BuilderSettings) -> int:
