@@ -39,7 +39,7 @@ def add_parser(sub: Any) -> None:
 def model_view(path: str, precision: str, overrides: Dict[str, str]
                ) -> Tuple[List[Dict[str, Any]], Dict[str, Any]]:
     """Rows of an ONNX model (or a host-backend engine), and what they describe."""
-    from agent.engines.backends import emulation, layer_precisions, onnx_model
+    from agent.engines.backends import emulation, layer_precisions, onnx_model, quantization
     from agent.engines.backends.onnxruntime import read_metadata
 
     model = onnx_model.load_model(path)
@@ -54,6 +54,8 @@ def model_view(path: str, precision: str, overrides: Dict[str, str]
     prepared, merged = emulation.prepare(onnx_model.copy_model(model))
     overrides = {merged.get(k, k): v for k, v in overrides.items()}
     assignment, _, _ = layer_precisions.resolve_precisions(prepared, precision, overrides)
+    for name in quantization.int8_layers(model):  # a Q/DQ model: its pairs decide, not the plan
+        assignment[name] = quantization.EXPLICIT_LABEL
     for folded, into in merged.items():  # a folded layer runs in the one it joined
         if into in assignment:
             assignment[folded] = assignment[into]

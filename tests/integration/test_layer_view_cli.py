@@ -51,18 +51,23 @@ def test_inspect_model_names_precision_qdq_folds_and_plugins(tmp_path, capsys):
     assert doc["target"]["kind"] == "model" and doc["target"]["emulated"]
     assert [r["name"] for r in doc["layers"]] == ["quant", "dequant", "conv", "bn", "relu",
                                                   "plugin"]
-    assert rows["conv"]["precision"] == "float16" and rows["conv"]["qdq"]  # reads a DQ
+    # The Conv reads a DQ: the pair decides (int8, explicit), whatever the build's precision.
+    assert rows["conv"]["precision"] == "int8 (explicit)" and rows["conv"]["qdq"]
+    assert rows["relu"]["precision"] == "float16"
     assert rows["quant"]["qdq"] and rows["dequant"]["qdq"] and not rows["relu"]["qdq"]
     # The BatchNormalization folds into the Conv, as TensorRT's builder folds it.
-    assert rows["bn"]["tactic"] == "folded into conv" and rows["bn"]["precision"] == "float16"
+    assert rows["bn"]["tactic"] == "folded into conv"
+    assert rows["bn"]["precision"] == "int8 (explicit)"
     assert rows["plugin"]["plugin"] and doc["target"]["summary"]["plugins"] == [
         "ScaleChannels_TRT"]
     assert all(r["placement"] == "host (emulated)" for r in doc["layers"])
     # --layer-precisions as build takes them; the text view says the same.
-    code, out, _ = cli(capsys, "inspect", path, "--fp16", "--layer-precisions", "bn:float32")
+    code, out, _ = cli(capsys, "inspect", path, "--fp16", "--layer-precisions", "relu:float32")
     assert code == 0
+    line = next(x for x in out.splitlines() if x.startswith("relu "))
+    assert "float32" in line
     line = next(x for x in out.splitlines() if x.startswith("conv "))
-    assert "float32" in line and "Q/DQ" in line
+    assert "int8 (explicit)" in line and "Q/DQ" in line
     assert "plugins: ScaleChannels_TRT" in out and "Q/DQ: 3 layer(s)" in out
 
 
