@@ -8,16 +8,21 @@ run:
 - NVIDIA TensorRT Model Optimizer's ONNX PTQ (``modelopt.onnx.quantization.quantize``, int8,
   max calibration on the CPU provider): it leaves the convolutions TensorRT cannot run in int8
   in float (``mixed``). ``nvidia-modelopt[onnx]`` pins onnx ~= 1.21, onnxruntime-gpu ~= 1.24
-  and torch, so it is installed with ``--no-deps`` next to this project's onnx / onnxruntime
-  with the CPU torch wheel (``requirements-modelopt.txt``); without it the test that needs it is
-  skipped with that reason.
+  and pulls torch (750 MB installed), so the suite does not install it: it reads the model
+  ModelOpt 0.47.0 made with ``modelopt_qdq`` below, kept in
+  ``tests/fixtures/qdq/cls_modelopt.onnx.gz`` (``python -m tests.qdq_models`` makes it again).
+  Where ModelOpt is importable (``pip install --no-deps -r requirements-modelopt.txt``, the CPU
+  torch wheel included), a test checks that it still makes the same graph.
 
 Calibration data is random (two samples): what matters here is the graph the tools write.
 """
 
+import gzip
 import importlib.util
 import logging
 import os
+import shutil
+import tempfile
 
 import numpy as np
 import onnx
@@ -71,6 +76,17 @@ def onnxruntime_qdq(src, dst):
     return str(dst)
 
 
+MODELOPT_FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "qdq",
+                                "cls_modelopt.onnx.gz")
+
+
+def modelopt_fixture(dst):
+    """The model ``modelopt_qdq`` made (ModelOpt 0.47.0, module notes), written at ``dst``."""
+    with gzip.open(MODELOPT_FIXTURE, "rb") as src, open(str(dst), "wb") as out:
+        shutil.copyfileobj(src, out)
+    return str(dst)
+
+
 def modelopt_qdq(src, dst):
     """ModelOpt's ONNX PTQ, int8, max calibration on the CPU; skips when not importable."""
     try:
@@ -83,3 +99,12 @@ def modelopt_qdq(src, dst):
              calibration_method="max", calibration_eps=["cpu"], high_precision_dtype="fp32",
              output_path=str(dst))
     return str(dst)
+
+
+if __name__ == "__main__":  # make the ModelOpt fixture again (ModelOpt importable)
+    with tempfile.TemporaryDirectory() as tmp:
+        made = modelopt_qdq(source_model(os.path.join(tmp, "cls.onnx")),
+                            os.path.join(tmp, "cls_modelopt.onnx"))
+        with open(made, "rb") as src, gzip.open(MODELOPT_FIXTURE, "wb", 9) as out:
+            shutil.copyfileobj(src, out)
+    print(MODELOPT_FIXTURE)

