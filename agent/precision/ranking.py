@@ -30,7 +30,7 @@ Feed = Dict[str, np.ndarray]
 # Instrumented runs read this many input iterations (one at a time).
 INSTRUMENT_ITERATIONS = 4
 # Bump when the ranking's statistics change: cached rankings are keyed by it.
-RANKING_VERSION = "2"
+RANKING_VERSION = "3"
 
 FP16_MAX = 65504.0
 # Relative error every layer of a precision introduces just by rounding (half an fp16 ulp,
@@ -208,13 +208,23 @@ def _out_of_range(values: List[Any]) -> float:
 # the instrumented runs and the ranking cache
 
 
-def _layer_io(model: Any, names: Sequence[str]) -> List[Tuple[str, List[str], List[str]]]:
-    wanted = set(names)
-    return [(n.name, [i for i in n.input if i], [o for o in n.output if o])
-            for n in model.graph.node if n.name in wanted]
+def _layer_io(model: Any, groups: Dict[str, List[str]]
+              ) -> List[Tuple[str, List[str], List[str]]]:
+    """(group, tensors it reads from outside, tensors its nodes write) per candidate group:
+    a folded or fused group is one layer, scored from its own inputs to its outputs (a tensor
+    inside it, folded away in the instrumented engine, has no statistics)."""
+    by_name = {n.name: n for n in model.graph.node}
+    out = []
+    for name, members in groups.items():
+        nodes = [by_name[m] for m in members]
+        written = set(o for n in nodes for o in n.output if o)
+        out.append((name, [i for n in nodes for i in n.input if i and i not in written],
+                    [o for n in nodes for o in n.output if o]))
+    return out
 
 
-def instrumented_ranking(model: Any, layers: List[str], plan: Any, inputs: Sequence[Feed],
+def instrumented_ranking(model: Any, groups: Dict[str, List[str]], plan: Any,
+                         inputs: Sequence[Feed],
                          build: Callable[[Any], Any], backend: Any, keep_precision: str
                          ) -> List[LayerScore]:
     """Rank candidates by the error each introduces, from two instrumented engines run side
@@ -223,7 +233,8 @@ def instrumented_ranking(model: Any, layers: List[str], plan: Any, inputs: Seque
     turns a BuildPlan into an engine record (the searcher's, through the engine cache)."""
     from agent.engines.backends.base import BuildPlan
 
-    io = _layer_io(model, layers)
+    io = _layer_io(model, groups)
+    layers = [node for members in groups.values() for node in members]
     tensors = set(t for _, ins, outs in io for t in list(ins) + list(outs))
     ref_plan = plan.with_layers(layers, keep_precision)
     ref_plan.mark_outputs = ["*"]

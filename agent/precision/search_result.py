@@ -21,8 +21,11 @@ class SearchResult(object):
         self.direction = ""
         self.precision = ""
         self.keep_precision = "float32"
-        self.candidates = 0
-        self.keep: List[str] = []
+        self.candidates = 0  # layers TensorRT can set: folded/fused nodes count once
+        self.candidate_nodes = 0  # the ONNX nodes of those layers
+        self.keep: List[str] = []  # ONNX nodes, every node of each kept layer
+        self.layers_kept = 0  # layers (groups) kept: what the search minimizes
+        self.groups: Dict[str, List[str]] = OrderedDict()  # kept layers of several nodes
         self.passed = False
         self.complete = False
         self.interrupted = False
@@ -60,7 +63,10 @@ class SearchResult(object):
             ("precision", self.precision),
             ("keep_precision", self.keep_precision),
             ("candidates", self.candidates),
+            ("candidate_nodes", self.candidate_nodes),
+            ("layers_kept", self.layers_kept),
             ("keep", list(self.keep)),
+            ("groups", OrderedDict((k, list(v)) for k, v in self.groups.items())),
             ("layer_precisions", self.layer_precisions),
             ("passed", self.passed),
             ("complete", self.complete),
@@ -151,9 +157,11 @@ def result_message(result: SearchResult) -> str:
                "evaluation(s)){}".format(how, result.evaluations, reach)
     if result.prediction_passed:
         how = "done: the predicted set passed"
-    text = "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
-        how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
-        result.layer_precisions)
+    nodes = "" if len(result.keep) == result.layers_kept else " ({} ONNX nodes: folded or " \
+        "fused nodes count once)".format(len(result.keep))
+    text = "{}: keep {} of {} layer(s){} in {} ({} evaluations): --layer-precisions {}".format(
+        how, result.layers_kept, result.candidates, nodes, result.keep_precision,
+        result.evaluations, result.layer_precisions)
     if result.complete and not result.one_minimal and result.untested_removals:
         text += " (not shown 1-minimal: the removal of {} of them was never built{})".format(
             len(result.untested_removals),

@@ -169,7 +169,11 @@ def test_planted_int8_outlier_channels(env):
     # int8 with fp16 fallback ("best"): the same layers need fp32.
     best = BuildPlan("best", calibration=plan.calibration)
     r = env.search(path, best, inputs, goldens, compare_options=opts)
-    assert r.keep == culprits
+    # Each MatMul's fp16 Relu is fused into it (one TensorRT layer): one candidate, kept
+    # whole, counted once.
+    assert r.layers_kept == len(culprits) and r.candidates < r.candidate_nodes
+    assert r.groups == {m: [m, m.replace("mm", "relu")] for m in culprits}
+    assert r.keep == [n for m in culprits for n in r.groups[m]]
 
 
 def test_reference_mismatch_when_even_fp32_fails(env, fp16_max):
