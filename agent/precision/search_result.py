@@ -34,6 +34,8 @@ class SearchResult(object):
         self.untested_removals: List[str] = []  # members whose removal was never built
         self.out_of_reach: List[Dict[str, Any]] = []  # nodes with subgraphs, not searchable
         self.budget: Optional[int] = None
+        self.budget_cap: Optional[int] = None  # the default's: the most past ``budget``
+        self.budget_extended = False  # went past ``budget``: the set was still shrinking fast
         self.ranking_cached = False
         self.predicted: Optional[List[str]] = None  # pre-flight: the set verified first
         self.prediction_passed: Optional[bool] = None
@@ -77,6 +79,8 @@ class SearchResult(object):
             ("untested_removals", list(self.untested_removals)),
             ("out_of_reach", list(self.out_of_reach)),
             ("budget", self.budget),
+            ("budget_cap", self.budget_cap),
+            ("budget_extended", self.budget_extended),
             ("ranking_cached", self.ranking_cached),
             ("predicted", self.predicted),
             ("prediction_passed", self.prediction_passed),

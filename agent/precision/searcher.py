@@ -342,7 +342,8 @@ def run_search(
         result.ranking = ranking or []
         search = Search(layers, mode=mode, direction=direction, ranking=ranking,
                         suspects=result.suspects, max_evaluations=max_evaluations, prior=prior)
-        result.budget = search.max_evaluations
+        result.budget = search.budget.limit if search.budget.cap else search.max_evaluations
+        result.budget_cap = search.budget.cap
         progress("searching", 0, search.total)
         while not search.done:
             if stop():
@@ -374,6 +375,7 @@ def run_search(
         result.one_minimal = search.one_minimal and not result.interrupted
         result.untested_removals = search.untested_removals
         result.exhausted = search.exhausted
+        result.budget_extended = search.budget.extended
         best = search.best()
         kept = best if best is not None else []
         result.passed = best is not None

@@ -9,7 +9,9 @@ algorithm readable top to bottom; ``search.Search`` drives them and adds what ev
   layers from the inputs, reverse = a suffix);
 - ``worst_first``: the smallest passing prefix of the error ranking (``ranking``);
 - ``minimal``: worst-first's and bisect's steps with shared evaluations (never a larger
-  answer than either), then shrunk by group testing within a ``Budget`` until it stalls.
+  answer than either), then shrunk by group testing within a ``Budget`` (adaptive: past
+  twice bisect's evaluations + 4 only while the set shrinks fast and evaluations are cheap)
+  until it stalls.
 """
 
 import math
@@ -121,27 +123,60 @@ def bisect_evaluations(n: int, direction: str = "forward") -> int:
 
 
 def default_budget(n: int) -> int:
-    """``minimal``'s default evaluation budget: three times bisect's plus four."""
-    return 3 * bisect_evaluations(n) + 4
+    """``minimal``'s default evaluation budget: twice bisect's plus four. Past it the search
+    goes on only while the set still shrinks fast and evaluations are cheap
+    (``Budget.go_on``)."""
+    return 2 * bisect_evaluations(n) + 4
 
 
 # ``minimal`` stops shrinking after this many evaluations in a row removed nothing (memo hits
 # do not count): past that point the budget rarely buys a smaller set.
 STALL_LIMIT = 8
+# The adaptive budget: past the default budget, shrinking goes on while the last WINDOW
+# evaluations removed at least FAST of the set (a tenth), each evaluation took at most
+# CHEAP_S seconds (median; host emulation, not a device build), and at most CAP in all.
+WINDOW = 8
+FAST = 0.1
+CHEAP_S = 2.0
+CAP = 100
+
+
+def shrinking_fast(sizes: Sequence[int], window: int = WINDOW, fast: float = FAST) -> bool:
+    """``sizes``: the size of the set in hand after each evaluation of the shrinking phase.
+    True when the last ``window`` of them (or all, when fewer) removed at least ``fast`` of
+    the set they started from, and at least one layer."""
+    if len(sizes) < 2:
+        return False
+    before, now = sizes[max(0, len(sizes) - 1 - window)], sizes[-1]
+    return before - now >= max(1.0, fast * before)
 
 
 class Budget(object):
-    """Evaluations spent so far (read from the Search) against a budget (None = unbounded);
-    the strategy reads it to stop shrinking, and flags when its answer is bounded."""
+    """Evaluations spent so far (read from the Search) against a budget (None = unbounded),
+    and, with a ``cap``, the adaptive extension past it; the strategy asks ``go_on`` before
+    each shrinking evaluation, and flags when its answer is bounded."""
 
-    def __init__(self, limit: Optional[int]) -> None:
+    def __init__(self, limit: Optional[int], cap: Optional[int] = None) -> None:
         self.limit = limit
+        self.cap = cap
         self.spent = lambda: 0
+        self.cheap = lambda: True  # the Search tells from its evaluations' times
+        self.sizes: List[int] = []  # the set in hand after each shrinking evaluation
+        self.extended = False  # went past ``limit``
         self.bounded = False  # the answer keeps no more layers than bisect and worst-first
         self.phase = "sanity"
 
-    def left(self) -> float:
-        return float("inf") if self.limit is None else self.limit - self.spent()
+    def go_on(self) -> bool:
+        """Within the budget; past it, while the set shrinks fast and evaluations are cheap,
+        up to the cap."""
+        spent = self.spent()
+        if self.limit is None or spent < self.limit:
+            return True
+        if self.cap is None or spent >= self.cap or not self.cheap() or \
+                not shrinking_fast(self.sizes):
+            return False
+        self.extended = True
+        return True
 
 
 def _bisect_size(layers: Sequence[str], cutoff: int) -> Generator[FrozenSet[str], bool,
@@ -176,7 +211,7 @@ def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget
        again), stopped once bisect can no longer beat the set in hand (usually 1-3 builds).
     3. Shrink the smaller answer with what is left of the budget: generalized binary splitting
        (Hwang's adaptive group testing) over the set, least suspicious first, then a build
-       without each member in turn. Stops when the budget ends or when ``stall``
+       without each member in turn. Stops when ``budget.go_on()`` says so or when ``stall``
        evaluations in a row removed nothing.
     """
     if (yield from _sanity(ranking)):
@@ -208,7 +243,8 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
     drops a whole group), then one member at a time (least suspicious first)."""
     keep = set(keep)
     confirmed: Set[str] = set()
-    state = {"stalled": 0}
+    state = {"stalled": 0, "seen": budget.spent()}
+    budget.sizes = [len(keep)]
 
     def probe(cand: Set[str]) -> Generator[FrozenSet[str], bool, bool]:
         before = budget.spent()
@@ -218,10 +254,13 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
         return passed
 
     def go_on() -> bool:
+        if budget.spent() > state["seen"]:  # the set in hand after each real evaluation
+            state["seen"] = budget.spent()
+            budget.sizes.append(len(keep))
         if state["stalled"] >= stall:
             budget.phase = "stalled"
             return False
-        return budget.left() > 0
+        return budget.go_on()
 
     # Expected number of needed layers: the suspects still kept (at least 1).
     expected = max(1, len(keep & suspects))
