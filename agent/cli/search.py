@@ -27,6 +27,7 @@ from agent.cli.compare import (
     progress_bar,
 )
 from agent.errors import AgentError
+from agent.precision.comparison import sqnr_text
 from agent.precision.search import DIRECTIONS, MODES
 
 
@@ -150,7 +151,9 @@ def format_result(doc: Dict[str, Any], sensitivity_rows: int = 20) -> str:
         add("    {:>3}  {:>5}  {:<6}  {:>7.2f}  {:<6}  {:>13}  {:>13}  {:>7}".format(
             it["index"], it["size"], "PASS" if it["passed"] else "FAIL", it["seconds"],
             "yes" if it["cache_hit"] else "no", _g(_worst(stats, "required_atol")),
-            _g(_worst(stats, "required_rtol")), _g(_worst(stats, "sqnr_db", low=True))))
+            _g(_worst(stats, "required_rtol")), sqnr_text(
+                _worst(stats, "sqnr_db", low=True),
+                any(s.get("golden_near_zero") for s in stats.values()))))
     rows = doc.get("sensitivity") or []
     if rows:
         add("[I] Layer sensitivity (worst first; growth = log10 of the error growth from inputs "

@@ -453,3 +453,26 @@ def test_sparse_culprits_past_the_budget_when_cheap_not_when_expensive():
     assert costly.evaluations == base and not costly.budget.extended and len(costly.keep) > 10
     assert cheap.budget.extended and base < cheap.evaluations <= cheap.budget.cap
     assert sorted(cheap.keep) == sorted(culprits) and cheap.one_minimal
+
+
+def test_passing_rows_where_the_golden_is_about_zero_show_no_sqnr():
+    from agent.cli.search import format_result
+    from agent.precision.compare import compare_outputs
+    from agent.precision.search_result import SearchResult, output_stats
+
+    golden = {"p": np.full(16, 1e-4, np.float32)}
+    # The noise is twice the signal (-6 dB), all of it within atol: the row passes.
+    cmp = compare_outputs([{"p": golden["p"] + np.float32(2e-4)}], [golden], atol=1e-3,
+                          rtol=1e-3)
+    assert cmp.passed and cmp.results[0].sqnr_db is None and cmp.results[0].golden_near_zero
+    assert "SQNR: n/a (golden ~0) |" in cmp.format_report()
+    result = SearchResult()
+    result.iterations = [{"index": 1, "size": 0, "passed": True, "seconds": 0.1,
+                          "cache_hit": False, "stats": output_stats(cmp)}]
+    row = [x for x in format_result(result.to_dict()).splitlines() if x.startswith("      1")]
+    assert row and row[0].endswith("n/a (golden ~0)") and "-6" not in row[0]
+    # A golden above atol keeps its SQNR (10^-4 relative noise: 80 dB).
+    one = {"p": np.ones(16, np.float32)}
+    big = compare_outputs([{"p": one["p"] + np.float32(1e-4)}], [one], atol=1e-3, rtol=1e-3)
+    assert big.results[0].sqnr_db == pytest.approx(80.0, abs=0.1)
+    assert not big.results[0].golden_near_zero
