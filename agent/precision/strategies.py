@@ -15,7 +15,7 @@ algorithm readable top to bottom; ``search.Search`` drives them and adds what ev
 """
 
 import math
-from typing import Any, FrozenSet, Generator, Iterable, List, Optional, Sequence, Set
+from typing import Any, FrozenSet, Generator, Iterable, List, Optional, Sequence, Set, Tuple
 
 # A strategy yields candidate sets and is sent back whether each passed; its return value is
 # the answer (a list of layer names).
@@ -129,26 +129,31 @@ def default_budget(n: int) -> int:
     return 2 * bisect_evaluations(n) + 4
 
 
-# ``minimal`` stops shrinking after this many evaluations in a row removed nothing (memo hits
-# do not count): past that point the budget rarely buys a smaller set.
+# ``minimal`` stops shrinking after this many evaluations in a row decided nothing (removed
+# no layer, and group testing confirmed none; memo hits do not count): past that point the
+# budget rarely buys a smaller set.
 STALL_LIMIT = 8
-# The adaptive budget: past the default budget, shrinking goes on while the last WINDOW
-# evaluations removed at least FAST of the set (a tenth), each evaluation took at most
-# CHEAP_S seconds (median; host emulation, not a device build), and at most CAP in all.
+# The adaptive budget: past the default budget, shrinking goes on while the evaluations are
+# cheap (median at most CHEAP_S seconds: host emulation, not a device build) and the set is
+# still shrinking fast: a first look of FIRST_LOOK evaluations, then while the last WINDOW
+# evaluations decided (removed, or confirmed needed) at least FAST of the set and at least
+# one layer; never past CAP evaluations in all.
+FIRST_LOOK = 4
 WINDOW = 8
-FAST = 0.1
-CHEAP_S = 2.0
+FAST = 0.04
+CHEAP_S = 5.0
 CAP = 100
 
 
-def shrinking_fast(sizes: Sequence[int], window: int = WINDOW, fast: float = FAST) -> bool:
-    """``sizes``: the size of the set in hand after each evaluation of the shrinking phase.
-    True when the last ``window`` of them (or all, when fewer) removed at least ``fast`` of
-    the set they started from, and at least one layer."""
-    if len(sizes) < 2:
+def shrinking_fast(trace: Sequence[Tuple[int, int]], window: int = WINDOW,
+                   fast: float = FAST) -> bool:
+    """``trace``: (layers in the set, layers decided so far) after each evaluation of the
+    shrinking phase, from its start. True when the last ``window`` evaluations decided at
+    least ``fast`` of the set they started from, and at least one layer."""
+    if len(trace) < 2:
         return False
-    before, now = sizes[max(0, len(sizes) - 1 - window)], sizes[-1]
-    return before - now >= max(1.0, fast * before)
+    before, now = trace[max(0, len(trace) - 1 - window)], trace[-1]
+    return now[1] - before[1] >= max(1.0, fast * before[0])
 
 
 class Budget(object):
@@ -161,19 +166,22 @@ class Budget(object):
         self.cap = cap
         self.spent = lambda: 0
         self.cheap = lambda: True  # the Search tells from its evaluations' times
-        self.sizes: List[int] = []  # the set in hand after each shrinking evaluation
+        # (layers in the set, layers decided) at the start of shrinking and after each of
+        # its evaluations
+        self.trace: List[Tuple[int, int]] = []
         self.extended = False  # went past ``limit``
         self.bounded = False  # the answer keeps no more layers than bisect and worst-first
         self.phase = "sanity"
 
     def go_on(self) -> bool:
-        """Within the budget; past it, while the set shrinks fast and evaluations are cheap,
-        up to the cap."""
+        """Within the budget; past it, while evaluations are cheap and the set shrinks fast
+        (after a first look), up to the cap."""
         spent = self.spent()
         if self.limit is None or spent < self.limit:
             return True
-        if self.cap is None or spent >= self.cap or not self.cheap() or \
-                not shrinking_fast(self.sizes):
+        if self.cap is None or spent >= self.cap or not self.cheap():
+            return False
+        if len(self.trace) > FIRST_LOOK and not shrinking_fast(self.trace):
             return False
         self.extended = True
         return True
@@ -243,20 +251,24 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
     drops a whole group), then one member at a time (least suspicious first)."""
     keep = set(keep)
     confirmed: Set[str] = set()
-    state = {"stalled": 0, "seen": budget.spent()}
-    budget.sizes = [len(keep)]
+    # decided: layers removed, or confirmed needed (group testing's, or a failed removal of
+    # one member): what the adaptive budget measures.
+    state = {"stalled": 0, "seen": budget.spent(), "decided": 0}
+    budget.trace = [(len(keep), 0)]
 
     def probe(cand: Set[str]) -> Generator[FrozenSet[str], bool, bool]:
         before = budget.spent()
         passed = yield frozenset(cand)
         if budget.spent() > before:  # a real evaluation, not a memo hit
             state["stalled"] = 0 if passed else state["stalled"] + 1
+        if passed:
+            state["decided"] += len(keep) - len(cand)
         return passed
 
     def go_on() -> bool:
-        if budget.spent() > state["seen"]:  # the set in hand after each real evaluation
+        if budget.spent() > state["seen"]:  # after each real evaluation
             state["seen"] = budget.spent()
-            budget.sizes.append(len(keep))
+            budget.trace.append((len(keep), state["decided"]))
         if state["stalled"] >= stall:
             budget.phase = "stalled"
             return False
@@ -285,6 +297,7 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
         if len(group) > 1:
             break
         confirmed.add(group[0])
+        state["stalled"], state["decided"] = 0, state["decided"] + 1  # found one needed
         expected -= 1
 
     checked: Set[str] = set()
@@ -299,6 +312,7 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
                 checked = set()  # accuracy is not always monotonic: check the rest again
                 break
             checked.add(name)
+            state["decided"] += 1
         else:
             budget.phase = "done"
             return keep

@@ -410,24 +410,29 @@ def test_evaluation_lines_are_rate_limited_in_the_log(caplog):
 
 
 def test_budget_goes_past_twice_bisect_only_while_shrinking_fast_cheaply_up_to_the_cap():
-    from agent.precision.strategies import Budget, shrinking_fast
+    from agent.precision.strategies import FIRST_LOOK, Budget, shrinking_fast
 
-    assert shrinking_fast([49, 30]) and not shrinking_fast([49])
-    assert not shrinking_fast([100] * 8 + [95])  # 5 % in the last 8 evaluations: slow
-    assert shrinking_fast([20] * 8 + [17])  # 15 %
-    assert not shrinking_fast([5] * 8 + [5])
+    # (layers in the set, layers decided so far) after each shrinking evaluation
+    assert shrinking_fast([(49, 0), (41, 8)]) and not shrinking_fast([(49, 0)])
+    assert not shrinking_fast([(200, 0)] + [(200, k) for k in range(1, 9)][:7])  # 7 of 200
+    assert shrinking_fast([(200, 0)] + [(200, k) for k in range(1, 9)])  # 8 of 200: 4 %
+    assert shrinking_fast([(22, 0)] * 8 + [(22, 1)])  # one needed layer found in 8: small set
+    assert not shrinking_fast([(22, 0)] * 9)
     spent = [5]
-    b = Budget(10, cap=12)
+    b = Budget(10, cap=30)
     b.spent = lambda: spent[0]
     assert b.go_on() and not b.extended  # within the budget: always
-    spent[0], b.sizes = 10, [40, 30]
-    assert b.go_on() and b.extended
+    spent[0] = 10
+    b.trace = [(40, 0)]
+    assert b.go_on() and b.extended  # a first look past the budget
+    b.trace = [(40, 0)] * (FIRST_LOOK + 1)
+    assert not b.go_on()  # then only while shrinking fast
+    b.trace = [(40, 0)] * FIRST_LOOK + [(30, 10)]
+    assert b.go_on()
     b.cheap = lambda: False
     assert not b.go_on()  # expensive evaluations (device builds): no further
-    b.cheap, spent[0] = (lambda: True), 12
+    b.cheap, spent[0] = (lambda: True), 30
     assert not b.go_on()  # the cap
-    b.sizes, spent[0] = [30, 30], 11
-    assert not b.go_on()  # not shrinking
 
 
 def test_sparse_culprits_past_the_budget_when_cheap_not_when_expensive():
