@@ -1,6 +1,8 @@
 """Run a precision search against a backend: every candidate goes through the engine cache.
 
-One evaluation = ``build_engine(plan.with_layers(keep))`` (a cache hit when that set was built
+A candidate is a layer as TensorRT sets it (``layer_groups``: nodes folded or fused into one
+layer are one candidate, every node of it kept together). One evaluation =
+``build_engine(plan.with_layers(keep))`` (a cache hit when that set was built
 before, by this search or an earlier one), run every input iteration, compare with the goldens
 (``agent.precision.compare``). ``minimal`` and ``worst-first`` first build two instrumented engines
 (every float tensor marked as an output, ``"*"``): the plan with every candidate kept in higher
@@ -55,6 +57,9 @@ LOG_KEEP_MAX = 64
 # this many seconds (the device worker's log): the skipped ones are counted in the next line.
 LOG_EVERY_S = 10.0
 Report = Callable[[str], None]
+# ``minimal`` ranks only more candidates than this: with so few, shrinking builds each removal
+# anyway, and the two instrumented builds cost more than the order they give (Silero VAD's 2).
+RANK_MIN = 2
 
 
 class RateLimitedLog(object):
@@ -321,7 +326,8 @@ def run_search(
         ranking: Optional[List[str]] = None
         if any(p[1] for p in prior):
             pass  # it passes as asked: nothing to rank
-        elif (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
+        elif layers and (mode == "worst-first" or (
+                mode == "minimal" and instrument and len(layers) > RANK_MIN)):
             if ranking_dir is None and calibration_dir:
                 ranking_dir = os.path.join(os.path.dirname(calibration_dir), "rankings")
             cached_path = os.path.join(ranking_dir, scoring.ranking_key(

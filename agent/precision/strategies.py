@@ -169,9 +169,14 @@ class Budget(object):
         # (layers in the set, layers decided) at the start of shrinking and after each of
         # its evaluations
         self.trace: List[Tuple[int, int]] = []
-        self.extended = False  # went past ``limit``
+        self._granted: Optional[int] = None  # evaluations spent when first let past limit
         self.bounded = False  # the answer keeps no more layers than bisect and worst-first
         self.phase = "sanity"
+
+    @property
+    def extended(self) -> bool:
+        """Shrinking evaluations ran past ``limit`` (a first look, or still shrinking fast)."""
+        return self._granted is not None and self.spent() > self._granted
 
     def go_on(self) -> bool:
         """Within the budget; past it, while evaluations are cheap and the set shrinks fast
@@ -183,7 +188,8 @@ class Budget(object):
             return False
         if len(self.trace) > FIRST_LOOK and not shrinking_fast(self.trace):
             return False
-        self.extended = True
+        if self._granted is None:
+            self._granted = spent
         return True
 
 

@@ -424,7 +424,9 @@ def test_budget_goes_past_twice_bisect_only_while_shrinking_fast_cheaply_up_to_t
     assert b.go_on() and not b.extended  # within the budget: always
     spent[0] = 10
     b.trace = [(40, 0)]
-    assert b.go_on() and b.extended  # a first look past the budget
+    assert b.go_on() and not b.extended  # a first look past the budget...
+    spent[0] = 11
+    assert b.extended  # ... once an evaluation ran
     b.trace = [(40, 0)] * (FIRST_LOOK + 1)
     assert not b.go_on()  # then only while shrinking fast
     b.trace = [(40, 0)] * FIRST_LOOK + [(30, 10)]
