@@ -21,7 +21,7 @@ Modes:
 - ``minimal`` (default): worst-first's steps and bisect's steps, sharing every evaluation
   (so its answer is never larger than either's), then shrinking the smaller answer (group
   testing, least suspicious first, then one member at a time) until the budget ends or
-  ``strategies.STALL_LIMIT`` evaluations in a row removed nothing. The budget is
+  ``strategies.STALL_LIMIT`` evaluations in a row decided nothing. The budget is
   ``--max-evaluations``, or by default adaptive: twice the fewest evaluations bisect needs on
   N layers plus 4, then more while the set still shrinks fast and evaluations are cheap, up to
   ``strategies.CAP`` (``strategies.Budget.go_on``).
@@ -88,7 +88,7 @@ class Search(object):
     ) -> None:
         """``prior``: evaluations the driver ran before the search (the check of the plan as
         asked, before any instrumented build): they count, and are never built again.
-        ``stall``: ``minimal`` stops shrinking after this many evaluations in a row removed
+        ``stall``: ``minimal`` stops shrinking after this many evaluations in a row decided
         nothing; default ``strategies.STALL_LIMIT`` with the default budget, and no such stop
         when the caller gives ``max_evaluations`` (that budget is spent as asked)."""
         if stall is None:

@@ -226,7 +226,7 @@ def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget
     3. Shrink the smaller answer with what is left of the budget: generalized binary splitting
        (Hwang's adaptive group testing) over the set, least suspicious first, then a build
        without each member in turn. Stops when ``budget.go_on()`` says so or when ``stall``
-       evaluations in a row removed nothing.
+       evaluations in a row decided nothing.
     """
     if (yield from _sanity(ranking)):
         return []
@@ -253,7 +253,7 @@ def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget
 def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, stall: int
             ) -> Generator[FrozenSet[str], bool, Set[str]]:
     """Drop what can be dropped from the passing set ``keep`` while the budget lasts and
-    fewer than ``stall`` evaluations in a row removed nothing: group testing (a passing build
+    fewer than ``stall`` evaluations in a row decided nothing: group testing (a passing build
     drops a whole group), then one member at a time (least suspicious first)."""
     keep = set(keep)
     confirmed: Set[str] = set()
