@@ -181,7 +181,10 @@ def format_result(doc: Dict[str, Any], sensitivity_rows: int = 20) -> str:
         message = message.split(": --layer-precisions")[0]
     add("{} {}".format(tag, message))
     if doc["passed"] and doc["keep"]:
-        add("[I] Keep these {} layer(s) in {}:".format(len(doc["keep"]), doc["keep_precision"]))
+        layers, nodes = doc.get("layers_kept", len(doc["keep"])), len(doc["keep"])
+        add("[I] Keep these {} layer(s) in {}{}:".format(
+            layers, doc["keep_precision"], "" if nodes == layers else
+            " ({} ONNX nodes: folded or fused nodes go with their layer)".format(nodes)))
         add("    --layer-precisions {}".format(doc["layer_precisions"]))
     if doc.get("engine"):
         add("[I] Engine {} (key {})".format(doc["engine"], doc["engine_key"]))

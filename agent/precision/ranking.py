@@ -287,8 +287,9 @@ def _reference_sample(values: np.ndarray, precision: str) -> Tuple[np.ndarray, f
 
 def _sampled_stats(sample: np.ndarray, oor: float, ref_nonfinite: int, reduced: np.ndarray
                    ) -> Tuple[float, float, float, float]:
-    """``tensor_stats`` of a reduced tensor against a reference sample: the errors on the
-    sample, the non-finite values the reduced run added counted over the whole tensor."""
+    """What ``rank_errors`` needs of one tensor in one iteration (quantile error, median
+    error, fraction of non-finite values the reduced run added, fraction of reference values
+    past the fp16 range): the errors on the samples, the counts over the whole tensor."""
     size = np.asarray(reduced).size
     if size == 0:
         return 0.0, 0.0, 0.0, oor

@@ -35,7 +35,7 @@ class SearchResult(object):
         self.out_of_reach: List[Dict[str, Any]] = []  # nodes with subgraphs, not searchable
         self.budget: Optional[int] = None
         self.budget_cap: Optional[int] = None  # the default's: the most past ``budget``
-        self.budget_extended = False  # went past ``budget``: the set was still shrinking fast
+        self.budget_extended = False  # shrinking went past ``budget`` (cheap, shrinking fast)
         self.ranking_cached = False
         self.predicted: Optional[List[str]] = None  # pre-flight: the set verified first
         self.prediction_passed: Optional[bool] = None
