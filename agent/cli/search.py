@@ -27,6 +27,7 @@ from agent.cli.compare import (
     progress_bar,
 )
 from agent.errors import AgentError
+from agent.precision.comparison import sqnr_text
 from agent.precision.search import DIRECTIONS, MODES
 
 
@@ -46,9 +47,10 @@ def add_parser(sub: Any) -> None:
                    "(no ranking; more evaluations)")
     p.add_argument("--max-evaluations", type=int, metavar="N",
                    help="evaluation budget: minimal shrinks its set with what is left after "
-                   "replaying worst-first and bisect (default 3x bisect's + 4, and it stops "
-                   "once 8 evaluations in a row removed nothing; a given N is spent as "
-                   "asked); other modes stop after N (the result is then partial)")
+                   "replaying worst-first and bisect (default adaptive: 2x bisect's + 4, "
+                   "more while the set still shrinks fast and evaluations are cheap, at most "
+                   "100; it stops once 8 evaluations in a row decided nothing; a given N is "
+                   "spent as asked); other modes stop after N (the result is then partial)")
     p.add_argument("--preflight", action="store_true",
                    help="search on the host emulation first, then verify its set with one "
                    "build on the chosen backend, searching there only if it fails")
@@ -150,7 +152,9 @@ def format_result(doc: Dict[str, Any], sensitivity_rows: int = 20) -> str:
         add("    {:>3}  {:>5}  {:<6}  {:>7.2f}  {:<6}  {:>13}  {:>13}  {:>7}".format(
             it["index"], it["size"], "PASS" if it["passed"] else "FAIL", it["seconds"],
             "yes" if it["cache_hit"] else "no", _g(_worst(stats, "required_atol")),
-            _g(_worst(stats, "required_rtol")), _g(_worst(stats, "sqnr_db", low=True))))
+            _g(_worst(stats, "required_rtol")), sqnr_text(
+                _worst(stats, "sqnr_db", low=True),
+                any(s.get("golden_near_zero") for s in stats.values()))))
     rows = doc.get("sensitivity") or []
     if rows:
         add("[I] Layer sensitivity (worst first; growth = log10 of the error growth from inputs "
@@ -177,7 +181,10 @@ def format_result(doc: Dict[str, Any], sensitivity_rows: int = 20) -> str:
         message = message.split(": --layer-precisions")[0]
     add("{} {}".format(tag, message))
     if doc["passed"] and doc["keep"]:
-        add("[I] Keep these {} layer(s) in {}:".format(len(doc["keep"]), doc["keep_precision"]))
+        layers, nodes = doc.get("layers_kept", len(doc["keep"])), len(doc["keep"])
+        add("[I] Keep these {} layer(s) in {}{}:".format(
+            layers, doc["keep_precision"], "" if nodes == layers else
+            " ({} ONNX nodes: folded or fused nodes go with their layer)".format(nodes)))
         add("    --layer-precisions {}".format(doc["layer_precisions"]))
     if doc.get("engine"):
         add("[I] Engine {} (key {})".format(doc["engine"], doc["engine_key"]))

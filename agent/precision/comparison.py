@@ -23,6 +23,13 @@ def _g(x: Optional[float]) -> str:
     return "n/a" if x is None else "{:.5g}".format(x)
 
 
+def sqnr_text(sqnr: Optional[float], near_zero: bool, unit: str = "") -> str:
+    """SQNR as reports show it: "n/a (golden ~0)" where the golden is within atol of zero."""
+    if sqnr is None and near_zero:
+        return "n/a (golden ~0)"
+    return "{}{}".format(_g(sqnr), "" if sqnr is None else unit)
+
+
 class OutputResult(object):
     """One output of one iteration compared against its golden."""
 
@@ -47,6 +54,7 @@ class OutputResult(object):
         self.mismatches = 0  # elements outside tolerance (elemwise)
         self.elements = 0
         self.sqnr_db: Optional[float] = None
+        self.golden_near_zero = False  # SQNR not applicable: the golden's RMS <= atol
         self.cosine: Optional[float] = None
         self.out_stats: Dict[str, Any] = {}
         self.golden_stats: Dict[str, Any] = {}
@@ -72,6 +80,8 @@ class OutputResult(object):
         d["mismatches"] = self.mismatches
         d["elements"] = self.elements
         d["sqnr_db"] = _num(self.sqnr_db)
+        if self.golden_near_zero:
+            d["golden_near_zero"] = True
         d["cosine"] = _num(self.cosine)
         d["shape"] = list(self.shape)
         d["dtype"] = self.dtype
@@ -112,6 +122,8 @@ class Comparison(object):
                 v = getattr(r, key)
                 s[key] = _worse_high(s[key], v)
             s["sqnr_db"] = _worse_low(s["sqnr_db"], r.sqnr_db)
+            if r.golden_near_zero:
+                s["golden_near_zero"] = True
             s["cosine"] = _worse_low(s["cosine"], r.cosine)
         return out
 
@@ -196,8 +208,8 @@ def format_report(cmp: Comparison) -> str:
             if r.abs_stats:
                 add("[I] {}{}".format(p3, _stats_line("Absolute Difference", r.abs_stats)))
                 add("[I] {}{}".format(p3, _stats_line("Relative Difference", r.rel_stats)))
-            add("[I] {}SQNR: {} dB | Cosine Similarity: {}{}".format(
-                p3, _g(r.sqnr_db), _g(r.cosine),
+            add("[I] {}SQNR: {} | Cosine Similarity: {}{}".format(
+                p3, sqnr_text(r.sqnr_db, r.golden_near_zero, " dB"), _g(r.cosine),
                 " | Mismatched elements: {}/{}".format(r.mismatches, r.elements)
                 if r.mismatches else ""))
             if r.passed:

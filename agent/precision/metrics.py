@@ -69,10 +69,13 @@ def summary(buf: np.ndarray) -> Dict[str, Any]:
 SQNR_MIN_RMS = 1e-7
 
 
-def sqnr_db(out: np.ndarray, golden: np.ndarray) -> Optional[float]:
+def sqnr_db(out: np.ndarray, golden: np.ndarray, zero_rms: float = SQNR_MIN_RMS
+            ) -> Optional[float]:
     """Signal-to-quantization-noise ratio in dB: 10 log10(sum golden^2 / sum (out-golden)^2).
     +inf when identical; NaN when either side holds non-finite values; None (not applicable)
-    when the golden is about zero (RMS below SQNR_MIN_RMS)."""
+    when the golden is about zero: its RMS at most ``zero_rms`` (the comparison passes the
+    absolute tolerance: a golden within it of zero has no signal to measure noise against)
+    or SQNR_MIN_RMS."""
     g = np.asarray(golden, dtype=np.float64)
     o = np.asarray(out, dtype=np.float64)
     with np.errstate(all="ignore"):
@@ -82,7 +85,7 @@ def sqnr_db(out: np.ndarray, golden: np.ndarray) -> Optional[float]:
         return float("nan")
     if noise == 0.0:
         return float("inf")
-    if signal <= g.size * SQNR_MIN_RMS ** 2:
+    if signal <= g.size * max(zero_rms, SQNR_MIN_RMS) ** 2:
         return None
     return 10.0 * math.log10(signal / noise)
 

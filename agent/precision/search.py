@@ -18,12 +18,13 @@ Modes:
 - ``worst-first``: layers ranked by the error each introduces (``agent.precision.ranking``, from the
   instrumented runs); the smallest passing prefix of that ranking, found by doubling then
   bisection;
-- ``minimal`` (default): within a budget (``--max-evaluations``, by default three times the
-  fewest evaluations bisect needs on N layers, plus 4), worst-first's steps and bisect's
-  steps, sharing every evaluation (so its answer is never larger than either's), then
-  shrinking the smaller answer (group testing, least suspicious first, then one member at a
-  time) until the budget ends or ``strategies.STALL_LIMIT`` evaluations in a row removed
-  nothing.
+- ``minimal`` (default): worst-first's steps and bisect's steps, sharing every evaluation
+  (so its answer is never larger than either's), then shrinking the smaller answer (group
+  testing, least suspicious first, then one member at a time) until the budget ends or
+  ``strategies.STALL_LIMIT`` evaluations in a row decided nothing. The budget is
+  ``--max-evaluations``, or by default adaptive: twice the fewest evaluations bisect needs on
+  N layers plus 4, then more while the set still shrinks fast and evaluations are cheap, up to
+  ``strategies.CAP`` (``strategies.Budget.go_on``).
 
 ``one_minimal`` is computed, in every mode, from what was built: true only when the build
 without each member of the answer was evaluated and failed; ``untested_removals`` lists the
@@ -87,7 +88,7 @@ class Search(object):
     ) -> None:
         """``prior``: evaluations the driver ran before the search (the check of the plan as
         asked, before any instrumented build): they count, and are never built again.
-        ``stall``: ``minimal`` stops shrinking after this many evaluations in a row removed
+        ``stall``: ``minimal`` stops shrinking after this many evaluations in a row decided
         nothing; default ``strategies.STALL_LIMIT`` with the default budget, and no such stop
         when the caller gives ``max_evaluations`` (that budget is spent as asked)."""
         if stall is None:
@@ -110,11 +111,18 @@ class Search(object):
         self.suspects = suspects
         self.budget = Budget(None)
         if mode == "minimal":
-            # The bounded default: three times bisect's evaluations + 4, or the caller's.
             if max_evaluations is None:
-                max_evaluations = strategies.default_budget(len(self.layers))
-            self.budget = Budget(max_evaluations)
+                # The adaptive default: twice bisect's evaluations + 4, more while the set
+                # shrinks fast and evaluations are cheap, never past CAP (nor fewer than
+                # worst-first's and bisect's steps need).
+                n = len(self.layers)
+                cap = max(strategies.CAP, 3 * strategies.bisect_evaluations(n) + 4)
+                self.budget = Budget(strategies.default_budget(n), cap=cap)
+                max_evaluations = cap
+            else:  # the caller's, spent as asked
+                self.budget = Budget(max_evaluations)
             self.budget.spent = lambda: len(self.history)
+            self.budget.cheap = self._cheap
         self.max_evaluations = max_evaluations
         self.history: List[Evaluation] = []
         self.memo: Dict[FrozenSet[str], bool] = {}
@@ -137,6 +145,12 @@ class Search(object):
                                            self.budget, ranked=self.ranked, stall=stall)
         self._started = False
         self._advance(None)
+
+    def _cheap(self) -> bool:
+        """The median evaluation took at most ``strategies.CHEAP_S`` seconds (``seconds`` in
+        the evaluations' info; an evaluation without it counts as cheap)."""
+        times = sorted(float(e.info.get("seconds") or 0.0) for e in self.history)
+        return not times or times[len(times) // 2] <= strategies.CHEAP_S
 
     # -- stepping
 
@@ -231,6 +245,8 @@ class Search(object):
         if self.max_evaluations is not None:
             bound = min(bound, self.max_evaluations) if self.mode != "minimal" \
                 else self.max_evaluations
+        if self.budget.cap is not None and not self.budget.extended:
+            bound = int(self.budget.limit or bound)  # the cap only once past the budget
         return max(bound, self.evaluations + 1)
 
     def best(self) -> Optional[List[str]]:

@@ -21,8 +21,11 @@ class SearchResult(object):
         self.direction = ""
         self.precision = ""
         self.keep_precision = "float32"
-        self.candidates = 0
-        self.keep: List[str] = []
+        self.candidates = 0  # layers TensorRT can set: folded/fused nodes count once
+        self.candidate_nodes = 0  # the ONNX nodes of those layers
+        self.keep: List[str] = []  # ONNX nodes, every node of each kept layer
+        self.layers_kept = 0  # layers (groups) kept: what the search minimizes
+        self.groups: Dict[str, List[str]] = OrderedDict()  # kept layers of several nodes
         self.passed = False
         self.complete = False
         self.interrupted = False
@@ -31,6 +34,8 @@ class SearchResult(object):
         self.untested_removals: List[str] = []  # members whose removal was never built
         self.out_of_reach: List[Dict[str, Any]] = []  # nodes with subgraphs, not searchable
         self.budget: Optional[int] = None
+        self.budget_cap: Optional[int] = None  # the default's: the most past ``budget``
+        self.budget_extended = False  # shrinking went past ``budget`` (cheap, shrinking fast)
         self.ranking_cached = False
         self.predicted: Optional[List[str]] = None  # pre-flight: the set verified first
         self.prediction_passed: Optional[bool] = None
@@ -60,7 +65,10 @@ class SearchResult(object):
             ("precision", self.precision),
             ("keep_precision", self.keep_precision),
             ("candidates", self.candidates),
+            ("candidate_nodes", self.candidate_nodes),
+            ("layers_kept", self.layers_kept),
             ("keep", list(self.keep)),
+            ("groups", OrderedDict((k, list(v)) for k, v in self.groups.items())),
             ("layer_precisions", self.layer_precisions),
             ("passed", self.passed),
             ("complete", self.complete),
@@ -71,6 +79,8 @@ class SearchResult(object):
             ("untested_removals", list(self.untested_removals)),
             ("out_of_reach", list(self.out_of_reach)),
             ("budget", self.budget),
+            ("budget_cap", self.budget_cap),
+            ("budget_extended", self.budget_extended),
             ("ranking_cached", self.ranking_cached),
             ("predicted", self.predicted),
             ("prediction_passed", self.prediction_passed),
@@ -94,6 +104,8 @@ def output_stats(cmp: Comparison) -> Dict[str, Any]:
     for name, s in cmp.to_dict()["outputs"].items():
         out[name] = OrderedDict((k, s.get(k)) for k in (
             "passed", "required_atol", "required_rtol", "sqnr_db", "cosine"))
+        if s.get("golden_near_zero") and s.get("sqnr_db") is None:
+            out[name]["golden_near_zero"] = True
     return out
 
 
@@ -151,9 +163,11 @@ def result_message(result: SearchResult) -> str:
                "evaluation(s)){}".format(how, result.evaluations, reach)
     if result.prediction_passed:
         how = "done: the predicted set passed"
-    text = "{}: keep {} of {} layer(s) in {} ({} evaluations): --layer-precisions {}".format(
-        how, len(result.keep), result.candidates, result.keep_precision, result.evaluations,
-        result.layer_precisions)
+    nodes = "" if len(result.keep) == result.layers_kept else " ({} ONNX nodes: folded or " \
+        "fused nodes count once)".format(len(result.keep))
+    text = "{}: keep {} of {} layer(s){} in {} ({} evaluations): --layer-precisions {}".format(
+        how, result.layers_kept, result.candidates, nodes, result.keep_precision,
+        result.evaluations, result.layer_precisions)
     if result.complete and not result.one_minimal and result.untested_removals:
         text += " (not shown 1-minimal: the removal of {} of them was never built{})".format(
             len(result.untested_removals),

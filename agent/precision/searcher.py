@@ -1,6 +1,8 @@
 """Run a precision search against a backend: every candidate goes through the engine cache.
 
-One evaluation = ``build_engine(plan.with_layers(keep))`` (a cache hit when that set was built
+A candidate is a layer as TensorRT sets it (``layer_groups``: nodes folded or fused into one
+layer are one candidate, every node of it kept together). One evaluation =
+``build_engine(plan.with_layers(keep))`` (a cache hit when that set was built
 before, by this search or an earlier one), run every input iteration, compare with the goldens
 (``agent.precision.compare``). ``minimal`` and ``worst-first`` first build two instrumented engines
 (every float tensor marked as an output, ``"*"``): the plan with every candidate kept in higher
@@ -23,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from agent.engines.backends import layer_precisions, onnx_model
+from agent.engines.backends import emulation, layer_precisions, onnx_model
 from agent.engines.backends.base import (
     Backend,
     BuildPlan,
@@ -55,6 +57,9 @@ LOG_KEEP_MAX = 64
 # this many seconds (the device worker's log): the skipped ones are counted in the next line.
 LOG_EVERY_S = 10.0
 Report = Callable[[str], None]
+# ``minimal`` ranks only more candidates than this: with so few, shrinking builds each removal
+# anyway, and the two instrumented builds cost more than the order they give (Silero VAD's 2).
+RANK_MIN = 2
 
 
 class RateLimitedLog(object):
@@ -123,6 +128,20 @@ def _candidates(model: Any, plan: BuildPlan, keep_precision: str) -> List[str]:
     return [n.name for n in model.graph.node
             if n.name in assignment and assignment[n.name] != keep_precision
             and n.name not in plan.layer_precisions]
+
+
+def layer_groups(model: Any, nodes: Sequence[str]) -> "OrderedDict[str, List[str]]":
+    """The candidates as TensorRT can set them: nodes folded or fused into one layer
+    (``emulation.layer_groups``: a BatchNormalization folded into its Conv, a fused
+    activation) form one group, named by its first node; each group is one candidate.
+    Returns group name -> its nodes, both in topological order."""
+    head = emulation.layer_groups(model)
+    groups: "OrderedDict[str, List[str]]" = OrderedDict()
+    first: Dict[str, str] = {}
+    for name in nodes:
+        root = head.get(name, name)
+        groups.setdefault(first.setdefault(root, name), []).append(name)
+    return groups
 
 
 def out_of_reach(model: Any) -> List[Dict[str, Any]]:
@@ -217,8 +236,16 @@ def run_search(
     result.model = model_path
     result.mode, result.direction = mode, direction
     result.precision, result.keep_precision = plan.precision, keep_precision
-    layers = _candidates(model, plan, keep_precision)
+    groups = layer_groups(model, _candidates(model, plan, keep_precision))
+    layers = list(groups)  # one candidate per group, named by its first node
+    group_of = {node: name for name, members in groups.items() for node in members}
     result.candidates = len(layers)
+    result.candidate_nodes = len(group_of)
+
+    def nodes(keep: Sequence[str]) -> List[str]:
+        """The ONNX nodes of the groups ``keep`` (topological order)."""
+        return [node for name in keep for node in groups[name]]
+
     result.out_of_reach = out_of_reach(model)
     limited = RateLimitedLog() if report is None else None
     # The total shown before the search exists (the check, the pre-flight build).
@@ -236,11 +263,12 @@ def run_search(
 
     scores: List[scoring.LayerScore] = []
     search: Optional[Search] = None
+    kept: List[str] = []  # the groups of the answer
     comparisons: Dict[frozenset, Comparison] = {}
 
     def evaluate(keep: List[str], index: int) -> Tuple[Comparison, Dict[str, Any]]:
         t0 = time.monotonic()
-        record = build(plan.with_layers(keep, keep_precision))
+        record = build(plan.with_layers(nodes(keep), keep_precision))
         build_seconds = time.monotonic() - t0
         outputs = _run(backend, record, inputs)
         cmp = compare_outputs(outputs, list(goldens), **opts)
@@ -256,7 +284,7 @@ def run_search(
             ("stats", output_stats(cmp)),
         ])
         if len(keep) <= LOG_KEEP_MAX:
-            entry["keep"] = list(keep)
+            entry["keep"] = nodes(keep)
         result.iterations.append(entry)
         say(evaluation_line(mode, index, search.total if search is not None else first_total,
                             entry))
@@ -266,30 +294,30 @@ def run_search(
         if predicted is not None:
             # Pre-flight: the set the host predicted, verified with one build; the search
             # runs only when it fails.
-            if not isinstance(predicted, (list, tuple)) or len(predicted) > len(layers) or \
+            if not isinstance(predicted, (list, tuple)) or len(predicted) > len(group_of) or \
                     not all(isinstance(x, str) for x in predicted):
                 raise AgentError("bad_argument", "the predicted set must be a list of at most "
                                  "{} layer names, found {}".format(
-                                     len(layers), type(predicted).__name__))
-            unknown = sorted(set(predicted) - set(layers))
+                                     len(group_of), type(predicted).__name__))
+            unknown = sorted(set(predicted) - set(group_of))
             if unknown:
                 raise AgentError("unknown_layer", "the predicted set names {} that are not "
                                  "candidate layers of this model".format(", ".join(unknown[:5])))
             order = {name: i for i, name in enumerate(layers)}
-            keep0 = sorted(set(predicted), key=lambda x: order[x])
+            keep0 = sorted(set(group_of[x] for x in predicted), key=lambda x: order[x])
             progress("verifying", 0, 1)
             cmp0, _ = evaluate(keep0, 1)
             progress("verifying", 1, 1)
-            result.predicted = keep0
+            result.predicted = nodes(keep0)
             result.prediction_passed = cmp0.passed
             if cmp0.passed:
                 result.evaluations = 1
                 result.complete = result.passed = True
-                result.keep = keep0
+                kept = keep0
                 raise _Verified()
         prior: List[Tuple[frozenset, bool, Dict[str, Any]]] = []
         if result.predicted is not None:  # it failed: the search never builds it again
-            prior.append((frozenset(result.predicted), False, result.iterations[-1]))
+            prior.append((frozenset(keep0), False, result.iterations[-1]))
         if layers and result.predicted != []:
             # Check first: the plan as asked (nothing kept), before any instrumented build
             # (at int8 this build calibrates once; every later one reuses the cache).
@@ -300,7 +328,8 @@ def run_search(
         ranking: Optional[List[str]] = None
         if any(p[1] for p in prior):
             pass  # it passes as asked: nothing to rank
-        elif (mode == "worst-first" or (mode == "minimal" and instrument)) and layers:
+        elif layers and (mode == "worst-first" or (
+                mode == "minimal" and instrument and len(layers) > RANK_MIN)):
             if ranking_dir is None and calibration_dir:
                 ranking_dir = os.path.join(os.path.dirname(calibration_dir), "rankings")
             cached_path = os.path.join(ranking_dir, scoring.ranking_key(
@@ -312,8 +341,8 @@ def run_search(
                 result.ranking_cached = True
             else:
                 progress("instrumenting", 0, 2)
-                scores = scoring.instrumented_ranking(model, layers, plan, inputs, build, backend,
-                                               keep_precision)
+                scores = scoring.instrumented_ranking(model, groups, plan, inputs, build,
+                                                      backend, keep_precision)
                 scoring.save_ranking(cached_path, scores)
                 progress("instrumenting", 2, 2)
             ranking = [s.name for s in scores]
@@ -321,7 +350,8 @@ def run_search(
         result.ranking = ranking or []
         search = Search(layers, mode=mode, direction=direction, ranking=ranking,
                         suspects=result.suspects, max_evaluations=max_evaluations, prior=prior)
-        result.budget = search.max_evaluations
+        result.budget = search.budget.limit if search.budget.cap else search.max_evaluations
+        result.budget_cap = search.budget.cap
         progress("searching", 0, search.total)
         while not search.done:
             if stop():
@@ -353,10 +383,13 @@ def run_search(
         result.one_minimal = search.one_minimal and not result.interrupted
         result.untested_removals = search.untested_removals
         result.exhausted = search.exhausted
+        result.budget_extended = search.budget.extended
         best = search.best()
-        result.keep = best if best is not None else []
+        kept = best if best is not None else []
         result.passed = best is not None
-    result.sensitivity = sensitivity_table(scores, layers, result.keep, comparisons, mode)
+    result.keep, result.layers_kept = nodes(kept), len(kept)
+    result.groups = OrderedDict((name, groups[name]) for name in kept if len(groups[name]) > 1)
+    result.sensitivity = sensitivity_table(scores, layers, kept, comparisons, mode)
     if result.passed:
         # The found set was evaluated, so this is a cache hit; it pins the answer's engine.
         try:
@@ -364,7 +397,7 @@ def run_search(
             result.engine_key, result.engine_path = record.key, record.engine_path
         except KeyboardInterrupt:
             result.interrupted = True
-        result.comparison = comparisons.get(frozenset(result.keep))
+        result.comparison = comparisons.get(frozenset(kept))
     result.message = result_message(result)
     if limited is not None:
         limited.flush()

@@ -9,11 +9,13 @@ algorithm readable top to bottom; ``search.Search`` drives them and adds what ev
   layers from the inputs, reverse = a suffix);
 - ``worst_first``: the smallest passing prefix of the error ranking (``ranking``);
 - ``minimal``: worst-first's and bisect's steps with shared evaluations (never a larger
-  answer than either), then shrunk by group testing within a ``Budget`` until it stalls.
+  answer than either), then shrunk by group testing within a ``Budget`` (adaptive: past
+  twice bisect's evaluations + 4 only while the set shrinks fast and evaluations are cheap)
+  until it stalls.
 """
 
 import math
-from typing import Any, FrozenSet, Generator, Iterable, List, Optional, Sequence, Set
+from typing import Any, FrozenSet, Generator, Iterable, List, Optional, Sequence, Set, Tuple
 
 # A strategy yields candidate sets and is sent back whether each passed; its return value is
 # the answer (a list of layer names).
@@ -121,27 +123,74 @@ def bisect_evaluations(n: int, direction: str = "forward") -> int:
 
 
 def default_budget(n: int) -> int:
-    """``minimal``'s default evaluation budget: three times bisect's plus four."""
-    return 3 * bisect_evaluations(n) + 4
+    """``minimal``'s default evaluation budget: twice bisect's plus four. Past it the search
+    goes on only while the set still shrinks fast and evaluations are cheap
+    (``Budget.go_on``)."""
+    return 2 * bisect_evaluations(n) + 4
 
 
-# ``minimal`` stops shrinking after this many evaluations in a row removed nothing (memo hits
-# do not count): past that point the budget rarely buys a smaller set.
+# ``minimal`` stops shrinking after this many evaluations in a row decided nothing (removed
+# no layer, and group testing confirmed none; memo hits do not count): past that point the
+# budget rarely buys a smaller set.
 STALL_LIMIT = 8
+# The adaptive budget: past the default budget, shrinking goes on while the evaluations are
+# cheap (median at most CHEAP_S seconds: host emulation, not a device build) and the set is
+# still shrinking fast: a first look of FIRST_LOOK evaluations, then while the last WINDOW
+# evaluations decided (removed, or confirmed needed) at least FAST of the set and at least
+# one layer; never past CAP evaluations in all.
+FIRST_LOOK = 4
+WINDOW = 8
+FAST = 0.04
+CHEAP_S = 5.0
+CAP = 100
+
+
+def shrinking_fast(trace: Sequence[Tuple[int, int]], window: int = WINDOW,
+                   fast: float = FAST) -> bool:
+    """``trace``: (layers in the set, layers decided so far) after each evaluation of the
+    shrinking phase, from its start. True when the last ``window`` evaluations decided at
+    least ``fast`` of the set they started from, and at least one layer."""
+    if len(trace) < 2:
+        return False
+    before, now = trace[max(0, len(trace) - 1 - window)], trace[-1]
+    return now[1] - before[1] >= max(1.0, fast * before[0])
 
 
 class Budget(object):
-    """Evaluations spent so far (read from the Search) against a budget (None = unbounded);
-    the strategy reads it to stop shrinking, and flags when its answer is bounded."""
+    """Evaluations spent so far (read from the Search) against a budget (None = unbounded),
+    and, with a ``cap``, the adaptive extension past it; the strategy asks ``go_on`` before
+    each shrinking evaluation, and flags when its answer is bounded."""
 
-    def __init__(self, limit: Optional[int]) -> None:
+    def __init__(self, limit: Optional[int], cap: Optional[int] = None) -> None:
         self.limit = limit
+        self.cap = cap
         self.spent = lambda: 0
+        self.cheap = lambda: True  # the Search tells from its evaluations' times
+        # (layers in the set, layers decided) at the start of shrinking and after each of
+        # its evaluations
+        self.trace: List[Tuple[int, int]] = []
+        self._granted: Optional[int] = None  # evaluations spent when first let past limit
         self.bounded = False  # the answer keeps no more layers than bisect and worst-first
         self.phase = "sanity"
 
-    def left(self) -> float:
-        return float("inf") if self.limit is None else self.limit - self.spent()
+    @property
+    def extended(self) -> bool:
+        """Shrinking evaluations ran past ``limit`` (a first look, or still shrinking fast)."""
+        return self._granted is not None and self.spent() > self._granted
+
+    def go_on(self) -> bool:
+        """Within the budget; past it, while evaluations are cheap and the set shrinks fast
+        (after a first look), up to the cap."""
+        spent = self.spent()
+        if self.limit is None or spent < self.limit:
+            return True
+        if self.cap is None or spent >= self.cap or not self.cheap():
+            return False
+        if len(self.trace) > FIRST_LOOK and not shrinking_fast(self.trace):
+            return False
+        if self._granted is None:
+            self._granted = spent
+        return True
 
 
 def _bisect_size(layers: Sequence[str], cutoff: int) -> Generator[FrozenSet[str], bool,
@@ -176,8 +225,8 @@ def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget
        again), stopped once bisect can no longer beat the set in hand (usually 1-3 builds).
     3. Shrink the smaller answer with what is left of the budget: generalized binary splitting
        (Hwang's adaptive group testing) over the set, least suspicious first, then a build
-       without each member in turn. Stops when the budget ends or when ``stall``
-       evaluations in a row removed nothing.
+       without each member in turn. Stops when ``budget.go_on()`` says so or when ``stall``
+       evaluations in a row decided nothing.
     """
     if (yield from _sanity(ranking)):
         return []
@@ -204,24 +253,32 @@ def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget
 def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, stall: int
             ) -> Generator[FrozenSet[str], bool, Set[str]]:
     """Drop what can be dropped from the passing set ``keep`` while the budget lasts and
-    fewer than ``stall`` evaluations in a row removed nothing: group testing (a passing build
+    fewer than ``stall`` evaluations in a row decided nothing: group testing (a passing build
     drops a whole group), then one member at a time (least suspicious first)."""
     keep = set(keep)
     confirmed: Set[str] = set()
-    state = {"stalled": 0}
+    # decided: layers removed, or confirmed needed (group testing's, or a failed removal of
+    # one member): what the adaptive budget measures.
+    state = {"stalled": 0, "seen": budget.spent(), "decided": 0}
+    budget.trace = [(len(keep), 0)]
 
     def probe(cand: Set[str]) -> Generator[FrozenSet[str], bool, bool]:
         before = budget.spent()
         passed = yield frozenset(cand)
         if budget.spent() > before:  # a real evaluation, not a memo hit
             state["stalled"] = 0 if passed else state["stalled"] + 1
+        if passed:
+            state["decided"] += len(keep) - len(cand)
         return passed
 
     def go_on() -> bool:
+        if budget.spent() > state["seen"]:  # after each real evaluation
+            state["seen"] = budget.spent()
+            budget.trace.append((len(keep), state["decided"]))
         if state["stalled"] >= stall:
             budget.phase = "stalled"
             return False
-        return budget.left() > 0
+        return budget.go_on()
 
     # Expected number of needed layers: the suspects still kept (at least 1).
     expected = max(1, len(keep & suspects))
@@ -246,6 +303,7 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
         if len(group) > 1:
             break
         confirmed.add(group[0])
+        state["stalled"], state["decided"] = 0, state["decided"] + 1  # found one needed
         expected -= 1
 
     checked: Set[str] = set()
@@ -260,6 +318,7 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
                 checked = set()  # accuracy is not always monotonic: check the rest again
                 break
             checked.add(name)
+            state["decided"] += 1
         else:
             budget.phase = "done"
             return keep

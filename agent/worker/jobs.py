@@ -30,7 +30,7 @@ SEARCH_SUMMARY_KEYS = ("mode", "direction", "precision", "keep_precision", "cand
                        "layer_precisions", "passed", "complete", "interrupted", "exhausted",
                        "evaluations", "builds", "cache_hits", "seconds", "engine_key", "message",
                        "comparison", "suspects", "prediction_passed", "one_minimal",
-                       "out_of_reach")
+                       "out_of_reach", "layers_kept", "candidate_nodes")
 
 
 def make_spec(

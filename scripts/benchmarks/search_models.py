@@ -1,24 +1,25 @@
-"""The default search against bisect and worst-first on five real pretrained models from wheels.
+"""The default search against bisect and worst-first on real pretrained models from wheels.
 
 Every model is an ``.onnx`` file shipped inside a PyPI wheel (nothing is downloaded at run
 time; ``pip install --no-deps`` each, see ``MODELS``): captcha-whisperer's CRNN, ddddocr's
-YOLOX detector, RapidOCR's PP-OCRv4 text detector (a DBNet segmentation model: a per-pixel text
-probability map) and recogniser (SVTR: two transformer blocks, each a self-attention of
-MatMul -> Mul (scale) -> Softmax -> MatMul with layer norms as ReduceMean chains), and
+YOLOX detector, RapidOCR's PP-OCRv4 text detector (DBNet: a per-pixel text probability map),
+recogniser (SVTR: two transformer blocks) and text-direction classifier (MobileNetV3), and
 Silero VAD (the whole network inside an If's two subgraphs, outputs through Identity).
-Inputs: crops of scikit-learn's sample photographs (``load_sample_images``), synthetic audio
-for the VAD. Each (model, precision, mode) search runs in a fresh process with an empty engine
-cache (int8: one calibration cache shared by the three modes, made beforehand), on the host
-emulation; the process reports its wall time and peak RSS (VmHWM), then measures the task
-metric of the answer's engine on inputs the search never saw. Where every mode takes one
-evaluation, each runs ``SEARCH_REPEATS`` (5) times, interleaved, and the best wall is kept.
+Inputs: lines of text drawn over crops of scikit-learn's sample photographs for the PP-OCR
+models, the photographs for the others, synthetic audio for the VAD. Each (model, precision,
+mode) search runs in a fresh process with an empty engine cache (int8: one calibration cache
+shared by the three modes, made beforehand), on the host emulation; the process reports its
+wall time and peak RSS (VmHWM), then measures the task metric of the answer's engine on
+inputs the search never saw. Where every mode takes one evaluation, each runs
+``SEARCH_REPEATS`` (5) times, interleaved, and the best wall is kept. Layers are counted as
+TensorRT sets them (nodes folded or fused into one layer count once).
 
-Goals per row: the default keeps <= min(bisect, worst-first) layers, in <= 3x bisect's
-evaluations + 4; when nothing needs keeping, one evaluation and no more wall time than bisect.
-Overall: strictly fewer layers
-than bisect on at least half of the rows where bisect keeps something.
+Goals per row (issue 35): the default keeps <= min(bisect, worst-first) layers, with peak RSS
+<= 1.2x bisect's and wall time <= 2x bisect's, except where its budget went on because the
+set was still shrinking fast; PP-OCR det int8 ends at <= 10 layers by default.
 
-Run: ``python scripts/lib/bench.py search_models`` (``SEARCH_MODELS=crnn,vad`` picks models).
+Run: ``python scripts/lib/bench.py search_models`` (``CASES``; ``SEARCH_CASES=yolox:fp16,...``
+picks others).
 """
 
 import importlib.util
@@ -43,7 +44,6 @@ MODES = ("minimal", "bisect", "worst-first")  # the columns: default / bisect / 
 ELEMENTWISE = {"atol": 1e-3, "rtol": 1e-3}
 
 MEDIAN = {"atol": 0.05, "rtol": 0.05, "check_error_stat": "median"}
-MEAN = {"atol": 0.02, "rtol": 0.02, "check_error_stat": "mean"}
 
 # name: (wheel, version, file inside the package, package, kind, tolerances by precision)
 MODELS = {
@@ -53,10 +53,15 @@ MODELS = {
               {"fp16": ELEMENTWISE, "int8": {"atol": 0.05, "rtol": 0.05}}),
     "ppocr-det": ("rapidocr-onnxruntime", "1.4.4", "models/ch_PP-OCRv4_det_infer.onnx",
                   "rapidocr_onnxruntime", "DBNet text segmentation",
-                  {"fp16": ELEMENTWISE, "int8": MEAN}),
+                  {"fp16": ELEMENTWISE, "int8": {"atol": 0.005, "rtol": 0.005,
+                                                 "check_error_stat": "mean"}}),
     "ppocr-rec": ("rapidocr-onnxruntime", "1.4.4", "models/ch_PP-OCRv4_rec_infer.onnx",
                   "rapidocr_onnxruntime", "SVTR recogniser (transformer blocks)",
-                  {"fp16": ELEMENTWISE, "int8": MEAN}),
+                  {"fp16": ELEMENTWISE, "int8": {"atol": 0.02, "rtol": 0.02,
+                                                 "check_error_stat": "mean"}}),
+    "ppocr-cls": ("rapidocr-onnxruntime", "1.4.4", "models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+                  "rapidocr_onnxruntime", "text-direction classifier (MobileNetV3)",
+                  {"fp16": ELEMENTWISE, "int8": {"atol": 0.05, "rtol": 0.05}}),
     "vad": ("silero-vad", "6.2.3", "data/silero_vad.onnx", "silero_vad",
             "Silero VAD (If subgraphs)", {"fp16": {"atol": 1e-4, "rtol": 1e-4},
                                           "int8": {"atol": 1e-4, "rtol": 1e-4}}),
@@ -89,6 +94,29 @@ def _normalized(crops, mean, std):
             .astype(np.float32) for c in crops]
 
 
+WORDS = ("edge jetson model engine fleet rollout calibrate precision tensor layer search device "
+         "agent").split()
+
+
+def _text_images(count, seed, h, w, lines):
+    """Lines of dark text (Pillow's own font) over a blurred, faded photo crop: what a text
+    detector or recogniser reads."""
+    from PIL import Image, ImageDraw, ImageFilter, ImageFont
+
+    rng = np.random.RandomState(seed)
+    out = []
+    for photo in _photos(count, seed, h, w):
+        img = Image.fromarray(photo.astype(np.uint8)).filter(ImageFilter.GaussianBlur(3))
+        img = Image.blend(img, Image.new("RGB", img.size, (235, 235, 225)), 0.6)
+        draw = ImageDraw.Draw(img)
+        font = ImageFont.load_default(size=max(10, h // (lines + 1) - 4))
+        for k in range(lines):
+            draw.text((int(rng.randint(2, max(3, w // 6))), 4 + k * (h // lines)),
+                      " ".join(rng.choice(WORDS, 3)), fill=(20, 20, 30), font=font)
+        out.append(np.asarray(img, np.float32))
+    return out
+
+
 def feeds(name, count, seed):
     """Input feeds of ``count`` samples."""
     if name == "crnn":
@@ -99,9 +127,12 @@ def feeds(name, count, seed):
         return [{"images": x} for x in real_detector.images(count, seed + 1)]
     if name == "ppocr-det":
         mean, std = np.array([0.485, 0.456, 0.406]), np.array([0.229, 0.224, 0.225])
-        return [{"x": x} for x in _normalized(_photos(count, seed, 224, 224), mean, std)]
+        return [{"x": x} for x in _normalized(_text_images(count, seed, 224, 224, 5), mean,
+                                              std)]
     if name == "ppocr-rec":
-        return [{"x": x} for x in _normalized(_photos(count, seed, 48, 320), 0.5, 0.5)]
+        return [{"x": x} for x in _normalized(_text_images(count, seed, 48, 320, 1), 0.5, 0.5)]
+    if name == "ppocr-cls":
+        return [{"x": x} for x in _normalized(_text_images(count, seed, 48, 192, 1), 0.5, 0.5)]
     rng = np.random.RandomState(seed)
     out = []
     for i in range(count):  # tones with an envelope plus noise, or noise alone
@@ -139,10 +170,11 @@ def metric(name, backend, engine, reference_engine, eval_feeds):
             union = np.logical_or(a, b).sum()
             ious.append(1.0 if union == 0 else np.logical_and(a, b).sum() / union)
         return "text-mask IoU", round(float(np.mean(ious)), 4)
-    if name == "ppocr-rec":
+    if name in ("ppocr-rec", "ppocr-cls"):
         same = [(np.asarray(g[0]).argmax(-1) == np.asarray(r[0]).argmax(-1)).mean()
                 for g, r in zip(got, ref)]
-        return "per-step top-1 agreement", round(float(np.mean(same)), 4)
+        return "per-step top-1 agreement" if name == "ppocr-rec" else "direction agreement", \
+            round(float(np.mean(same)), 4)
     same = [(float(np.asarray(g[0]).ravel()[0]) > 0.5) == (float(np.asarray(r[0]).ravel()[0])
                                                             > 0.5) for g, r in zip(got, ref)]
     worst = max(abs(float(np.asarray(g[0]).ravel()[0]) - float(np.asarray(r[0]).ravel()[0]))
@@ -152,7 +184,7 @@ def metric(name, backend, engine, reference_engine, eval_feeds):
 
 
 SIZES = {"crnn": (3, 8), "yolox": (2, 4), "ppocr-det": (2, 4), "ppocr-rec": (3, 8),
-         "vad": (8, 32)}
+         "ppocr-cls": (4, 16), "vad": (8, 32)}
 
 
 def peak_rss_mib():
@@ -167,6 +199,12 @@ def peak_rss_mib():
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# The (model, precision) rows run by default (a few minutes on 2 CPUs); SEARCH_CASES picks
+# others, e.g. SEARCH_CASES=yolox:fp16,crnn:fp16.
+CASES = (("ppocr-det", "int8"), ("ppocr-rec", "fp16"), ("ppocr-cls", "fp16"),
+         ("ppocr-cls", "int8"), ("crnn", "int8"), ("vad", "fp16"))
 
 
 def child(name, precision, mode, work):
@@ -188,6 +226,8 @@ def child(name, precision, mode, work):
     r = run_search(path, plan, search_feeds, goldens, backend, cache, {"kind": "host"},
                    mode=mode, compare_options=MODELS[name][5][precision],
                    calibration_dir=os.path.join(work, "cal-{}-{}".format(name, mode)),
+                   ranking_dir=os.path.join(work, "rankings-{}-{}-{}".format(name, precision,
+                                                                             mode)),
                    report=lambda line: None)
     wall, cpu = time.monotonic() - t, time.process_time() - cpu
     rss = peak_rss_mib()
@@ -195,8 +235,10 @@ def child(name, precision, mode, work):
     if r.engine_path:
         fp32 = backend.build(path, BuildPlan("fp32"), os.path.join(work, name + "-fp32.onnx"))
         task = metric(name, backend, r.engine_path, fp32.engine_path, feeds(name, n_eval, 7))
-    print(json.dumps({"evaluations": r.evaluations, "kept": len(r.keep),
-                      "candidates": r.candidates, "one_minimal": r.one_minimal,
+    print(json.dumps({"evaluations": r.evaluations, "kept": r.layers_kept,
+                      "nodes": len(r.keep), "extended": r.budget_extended,
+                      "candidates": r.candidates, "candidate_nodes": r.candidate_nodes,
+                      "one_minimal": r.one_minimal,
                       "untested": len(r.untested_removals), "passed": r.passed,
                       "wall": round(wall, 2), "cpu": round(cpu, 2), "builds": r.builds,
                       "cache_hits": r.cache_hits, "rss_mib": round(rss, 1), "task": task,
@@ -230,36 +272,43 @@ def _calibration(name, work):
                             os.path.join(work, name + "-calibrated.onnx"))
 
 
+def _cases():
+    picked = os.environ.get("SEARCH_CASES")
+    if not picked:
+        return list(CASES)
+    return [tuple(c.split(":", 1)) for c in picked.split(",") if ":" in c]
+
+
 def run():
-    chosen = [m for m in os.environ.get("SEARCH_MODELS", ",".join(MODELS)).split(",") if m]
     rows = []
     work = tempfile.mkdtemp(prefix="bench-search-models-")
+    calibrated = set()
     try:
-        for name in chosen:
+        for name, precision in _cases():
             if model_path(name) is None:
                 rows.append({"name": "{} ({} not installed)".format(name, MODELS[name][0]),
                              "goal": "pip install --no-deps {}=={}".format(*MODELS[name][:2])})
                 continue
-            subprocess.run(  # in a child: the parent stays small
-                [sys.executable, "-c", "import sys; sys.path[:0] = [{!r}, {!r}]; "
-                 "import search_models as s; s._calibration(*sys.argv[1:])".format(ROOT, HERE),
-                 name, work], check=True)
-            for precision in ("fp16", "int8"):
-                found = {mode: _search(name, precision, mode, work, 0) for mode in MODES}
-                if all(found[m].get("evaluations") == 1 for m in MODES):
-                    # Sub-second searches: the best wall time of REPEATS fresh processes each,
-                    # modes interleaved (one run on a shared host is mostly noise).
-                    for i in range(1, REPEATS):
-                        for mode in MODES[i % 3:] + MODES[:i % 3]:
-                            again = _search(name, precision, mode, work, i)
-                            found[mode].setdefault("walls", [found[mode]["wall"]]).append(
-                                again.get("wall", float("nan")))
-                    for mode in MODES:
-                        found[mode]["wall"] = min(found[mode]["walls"])
-                rows.append(_row(name, precision, found))
+            if precision == "int8" and name not in calibrated:
+                calibrated.add(name)
+                subprocess.run(  # in a child: the parent stays small
+                    [sys.executable, "-c", "import sys; sys.path[:0] = [{!r}, {!r}]; "
+                     "import search_models as s; s._calibration(*sys.argv[1:])".format(
+                         ROOT, HERE), name, work], check=True)
+            found = {mode: _search(name, precision, mode, work, 0) for mode in MODES}
+            if all(found[m].get("evaluations") == 1 for m in MODES):
+                # Sub-second searches: the best wall time of REPEATS fresh processes each,
+                # modes interleaved (one run on a shared host is mostly noise).
+                for i in range(1, REPEATS):
+                    for mode in MODES[i % 3:] + MODES[:i % 3]:
+                        again = _search(name, precision, mode, work, i)
+                        found[mode].setdefault("walls", [found[mode]["wall"]]).append(
+                            again.get("wall", float("nan")))
+                for mode in MODES:
+                    found[mode]["wall"] = min(found[mode]["walls"])
+            rows.append(_row(name, precision, found))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rows.append(_summary(rows))
     return rows
 
 
@@ -287,6 +336,13 @@ def _search(name, precision, mode, work, run_index):
     return found
 
 
+# Issue 35's goals: the default's wall time <= 2x bisect's and peak RSS <= 1.2x bisect's,
+# with no more layers than bisect or worst-first, and det int8 at <= 10 layers by default
+# (which takes the budget past twice bisect's: that row cannot meet the wall goal too).
+WALL_RATIO, RSS_RATIO = 2.0, 1.2
+FEW_LAYERS = {("ppocr-det", "int8"): 10}
+
+
 def _row(name, precision, found):
     m, b, w = found["minimal"], found["bisect"], found["worst-first"]
     row = {"name": "{} {}: layers kept, default vs bisect / worst-first".format(name, precision),
@@ -295,40 +351,30 @@ def _row(name, precision, found):
     if any("error" in x for x in (m, b, w)):
         row["goal"] = "ERROR"
         return row
-    bound = 3 * b["evaluations"] + 4
-    ok_layers = m["kept"] <= min(b["kept"], w["kept"])
-    ok_evals = m["evaluations"] <= bound and (b["kept"] > 0 or m["evaluations"] == 1)
-    goal = "<= min({}, {}) layers: {}; {} <= 3x{}+4 = {} evaluations: {}".format(
-        b["kept"], w["kept"], "met" if ok_layers else "MISSED", m["evaluations"],
-        b["evaluations"], bound, "met" if ok_evals else "MISSED")
-    if b["kept"] == 0:
-        # The same work as bisect (one evaluation, the same builds): its time is bisect's up
-        # to noise, taken as the spread of bisect's own repeated runs.
-        same = (m["builds"], m["cache_hits"]) == (b["builds"], b["cache_hits"])
-        walls = b.get("walls") or [b["wall"]]
-        noise = max(walls) - min(walls)
-        if m["wall"] <= b["wall"]:
-            verdict = "met"
-        elif m["wall"] <= b["wall"] + noise:
-            verdict = "met within noise (bisect's runs spread {:.2f} s)".format(noise)
-        else:
-            verdict = "MISSED"
-        goal += "; nothing kept: 1 evaluation, {} builds ({} bisect's), best {} s vs " \
-            "bisect's {} s: {}".format(m["builds"], "same as" if same else "NOT", m["wall"],
-                                       b["wall"], verdict if same else "MISSED")
-    row.update({"ours": m["kept"], "baseline": b["kept"], "unit": "layers", "goal": goal})
+    verdicts = {
+        "layers": m["kept"] <= min(b["kept"], w["kept"]),
+        "rss": m["rss_mib"] <= RSS_RATIO * b["rss_mib"],
+    }
+    parts = ["<= min({}, {}) layers: {}".format(b["kept"], w["kept"], _met(verdicts["layers"])),
+             "RSS {:.0f} <= {}x {:.0f} MiB: {}".format(m["rss_mib"], RSS_RATIO, b["rss_mib"],
+                                                      _met(verdicts["rss"]))]
+    walls = b.get("walls") or [b["wall"]]
+    verdicts["wall"] = m["wall"] <= WALL_RATIO * b["wall"] + max(walls) - min(walls)
+    parts.append("wall {:.1f}x bisect's (CPU {:.1f}x) <= {}: {}{}".format(
+        m["wall"] / max(b["wall"], 1e-9), m["cpu"] / max(b["cpu"], 1e-9), WALL_RATIO,
+        _met(verdicts["wall"]), "; budget extended to {} evaluations".format(
+            m["evaluations"]) if m.get("extended") else ""))
+    few = FEW_LAYERS.get((name, precision))
+    if few is not None:
+        verdicts["few"] = m["kept"] <= few
+        parts.append("<= {} layers by default: {}".format(few, _met(verdicts["few"])))
+    row.update({"ours": m["kept"], "baseline": b["kept"], "unit": "layers",
+                "goal": "; ".join(parts), "verdicts": verdicts})
     return row
 
 
-def _summary(rows):
-    """The overall goal: strictly fewer layers than bisect on at least half of the rows where
-    bisect keeps something."""
-    some = [r for r in rows if isinstance(r.get("baseline"), int) and r["baseline"] > 0]
-    fewer = sum(1 for r in some if r["ours"] < r["baseline"])
-    return {"name": "rows where the default keeps strictly fewer layers than bisect",
-            "ours": fewer, "baseline": len(some), "unit": "rows",
-            "goal": ">= half of {}: {}".format(len(some), "met" if 2 * fewer >= len(some)
-                                               else "MISSED")}
+def _met(ok):
+    return "met" if ok else "MISSED"
 
 
 def _seconds(value):
@@ -348,14 +394,16 @@ def markdown(rows):
     for r in rows:
         if "found" not in r or r.get("goal") == "ERROR":
             continue
-        f = r["found"]
-        lines.append("| {} | {} | {} | {} ({}) | {} | {} ({}) | {} | {} | {} | {} |".format(
-            r["model"], r["precision"], f["minimal"]["candidates"], three(f, "evaluations"),
-            3 * f["bisect"]["evaluations"] + 4, three(f, "kept"),
-            str(f["minimal"]["one_minimal"]).lower(), f["minimal"]["untested"], task(f),
-            " / ".join(_seconds(f[m].get("wall")) for m in MODES), three(f, "rss_mib", "{:.0f}"),
-            "MISSED" if "MISSED" in r["goal"] else "met (time within noise)"
-            if "within noise" in r["goal"] else "met"))
+        f, m = r["found"], r["found"]["minimal"]
+        missed = sorted(k for k, ok in r["verdicts"].items() if not ok)
+        lines.append("| {} | {} | {} ({}) | {}{} | {} | {} | {} | {} | {} | {} | {} |".format(
+            r["model"], r["precision"], m["candidates"], m["candidate_nodes"],
+            three(f, "evaluations"), " (extended)" if m.get("extended") else "",
+            three(f, "kept"), str(m["one_minimal"]).lower(), task(f),
+            " / ".join(_seconds(f[x].get("wall")) for x in MODES),
+            " / ".join(_seconds(f[x].get("cpu")) for x in MODES),
+            three(f, "rss_mib", "{:.0f}"),
+            "MISSED: " + ", ".join(missed) if missed else "met"))
     return "\n".join(lines)
 
 

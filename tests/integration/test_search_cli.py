@@ -194,3 +194,28 @@ def test_compare_generates_inputs_of_the_shapes_asked(tmp_path, capsys):
                        "--save-inputs", saved, "--check-error-stat", "median", "-q")
     assert golden.load_inputs(saved)[0]["x"].shape == (3, 4)
     assert "emulated" in out  # host numerics, said so in the report
+
+
+def test_int8_build_with_nothing_to_quantize_still_writes_the_asked_calibration_cache(
+        tmp_path, capsys):
+    # A model with no int8 kernel (one Relu): the build runs all in fp32, but the calibration
+    # cache asked for is written (every tensor's range, as TensorRT calibrates), so the next
+    # search with that cache alone finds it.
+    from onnx import TensorProto, helper
+
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"], name="relu")], "relu",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    model = save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]),
+                 str(tmp_path / "relu.onnx"))
+    data, cache = str(tmp_path / "calib.npz"), str(tmp_path / "relu.cache")
+    np.savez(data, x=np.random.RandomState(0).random_sample((4, 4)).astype(np.float32))
+    code, out, _ = cli(capsys, "build", model, "--int8", "--calib", data,
+                       "--calibration-cache", cache)
+    assert code == 0 and os.path.isfile(cache)
+    from calib.cache import read_cache
+    assert set(read_cache(cache).scales) == {"x", "y"}
+    code, out, _ = cli(capsys, "search", model, "--int8", "--calibration-cache", cache,
+                       "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["passed"] and doc["keep"] == [] and doc["evaluations"] == 1

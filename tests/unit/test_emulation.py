@@ -177,3 +177,19 @@ def test_per_channel_mul_and_add_after_a_conv_fold_like_a_batch_norm():
     assert merged == {"mul": "conv", "add": "conv"}
     assert [n.name for n in folded.graph.node] == ["conv", "odd_mul"]
     assert np.allclose(run(folded, X), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_folded_and_fused_nodes_are_one_search_candidate(monkeypatch):
+    from agent.precision.searcher import layer_groups
+
+    m = conv_bn()
+    before = m.SerializeToString()
+    # The BatchNormalization folds into the Conv, the Relu fuses into it: one TensorRT layer.
+    assert emulation.layer_groups(m) == {"bn": "conv", "relu": "conv"}
+    assert m.SerializeToString() == before  # read from a copy
+    assert layer_groups(m, ["conv", "bn", "relu"]) == {"conv": ["conv", "bn", "relu"]}
+    # A group is named by its first candidate node (a pinned Conv is no candidate).
+    assert layer_groups(m, ["bn", "relu"]) == {"bn": ["bn", "relu"]}
+    monkeypatch.setenv(emulation.NAIVE_ENV, "1")  # no rewrites: every node its own layer
+    assert layer_groups(m, ["conv", "bn", "relu"]) == {"conv": ["conv"], "bn": ["bn"],
+                                                       "relu": ["relu"]}

@@ -167,8 +167,9 @@ def _nonmonotone(culprits, spoilers):
 @pytest.mark.parametrize("monotone", [True, False])
 def test_minimal_is_never_worse_than_bisect_and_worst_first(ranked, monotone):
     # Never more layers than bisect or worst-first (same ranking) keep, in at most three
-    # times bisect's evaluations + 4, sparse or dense, monotone or not, with a good, a
-    # useless or no ranking; every set evaluated once.
+    # times bisect's evaluations + 4 unless the set was still shrinking fast (then at most
+    # the cap), sparse or dense, monotone or not, with a good, a useless or no ranking;
+    # every set evaluated once.
     rng = random.Random(11 if monotone else 12)
     for _trial in range(60):
         n = rng.randint(2, 300)
@@ -203,7 +204,9 @@ def test_minimal_is_never_worse_than_bisect_and_worst_first(ranked, monotone):
         assert len(s.keep) <= len(b.keep), (n, k, ranked)
         if ranking is not None:
             assert len(s.keep) <= len(_worst_first(layers, ranking, passes).keep)
-        assert s.evaluations <= 3 * b.evaluations + 4, (n, k, ranked, s.evaluations)
+        assert s.evaluations <= 3 * b.evaluations + 4 or s.budget.extended, (
+            n, k, ranked, s.evaluations)
+        assert s.evaluations <= s.budget.cap
         assert all(t >= 1 for t in totals) and s.total == s.evaluations
         if ranked == "good" and k <= 6 and monotone:
             assert sorted(s.keep) == sorted(culprits) and s.one_minimal
@@ -243,17 +246,19 @@ def test_minimal_replays_worst_first_and_shares_its_builds():
         assert set(w_sets) <= set(seen) and len(seen) == len(set(seen))
 
 
-def test_default_budget_is_three_times_bisect_plus_four_and_covers_both_classics():
+def test_default_budget_is_twice_bisect_plus_four_and_covers_both_classics():
     from agent.precision import strategies
 
     for n in (1, 2, 3, 7, 40, 127, 403, 709, 2000):
         fewest = strategies.bisect_evaluations(n)
-        assert strategies.default_budget(n) == 3 * fewest + 4
+        assert strategies.default_budget(n) == 2 * fewest + 4
         layers = ["N{}".format(i) for i in range(n)]
         # The worst case for the classics: the last layer of the ranking and of the graph.
+        # Their steps always run to the end (the budget bounds the shrinking only), in at
+        # most three times bisect's evaluations + 4.
         s = Search(layers, mode="minimal", ranking=layers[::-1], stall=0)
         run(s, needs(layers[0], layers[-1]))
-        assert s.budget.bounded and s.evaluations <= strategies.default_budget(n), n
+        assert s.budget.bounded and s.evaluations <= 3 * fewest + 4, n
 
 
 def test_shrinking_stops_after_k_evaluations_in_a_row_removed_nothing():
@@ -402,3 +407,79 @@ def test_evaluation_lines_are_rate_limited_in_the_log(caplog):
     assert lines[1].startswith("search minimal: evaluation 5/26") and "(3 more" in lines[1]
     assert lines[-1].startswith("search minimal: evaluation 7/26") and "(1 more" in lines[-1]
     assert len(lines) == 3
+
+
+def test_budget_goes_past_twice_bisect_only_while_shrinking_fast_cheaply_up_to_the_cap():
+    from agent.precision.strategies import FIRST_LOOK, Budget, shrinking_fast
+
+    # (layers in the set, layers decided so far) after each shrinking evaluation
+    assert shrinking_fast([(49, 0), (41, 8)]) and not shrinking_fast([(49, 0)])
+    assert not shrinking_fast([(200, 0)] + [(200, k) for k in range(1, 9)][:7])  # 7 of 200
+    assert shrinking_fast([(200, 0)] + [(200, k) for k in range(1, 9)])  # 8 of 200: 4 %
+    assert shrinking_fast([(22, 0)] * 8 + [(22, 1)])  # one needed layer found in 8: small set
+    assert not shrinking_fast([(22, 0)] * 9)
+    spent = [5]
+    b = Budget(10, cap=30)
+    b.spent = lambda: spent[0]
+    assert b.go_on() and not b.extended  # within the budget: always
+    spent[0] = 10
+    b.trace = [(40, 0)]
+    assert b.go_on() and not b.extended  # a first look past the budget...
+    spent[0] = 11
+    assert b.extended  # ... once an evaluation ran
+    b.trace = [(40, 0)] * (FIRST_LOOK + 1)
+    assert not b.go_on()  # then only while shrinking fast
+    b.trace = [(40, 0)] * FIRST_LOOK + [(30, 10)]
+    assert b.go_on()
+    b.cheap = lambda: False
+    assert not b.go_on()  # expensive evaluations (device builds): no further
+    b.cheap, spent[0] = (lambda: True), 30
+    assert not b.go_on()  # the cap
+
+
+def test_sparse_culprits_past_the_budget_when_cheap_not_when_expensive():
+    # 6 culprits among the first 42 of a rough ranking of 300 layers: worst-first keeps 39,
+    # and the shrinking drops a few layers per two evaluations (issue 35's det int8 case).
+    layers = ["N{}".format(i) for i in range(300)]
+    culprits = ["N3", "N50", "N90", "N140", "N200", "N290"]
+    rng = random.Random(1)
+    rest = [x for x in layers if x not in culprits]
+    rng.shuffle(rest)
+    ranking = rest[:40]
+    for i, c in enumerate(culprits):
+        ranking.insert(7 * i + 3, c)
+    ranking += rest[40:]
+    found = {}
+    for seconds in (0.2, 30.0):
+        s = Search(layers, mode="minimal", ranking=ranking, suspects=6)
+        while not s.done:
+            s.observe(needs(*culprits)(frozenset(s.propose())), {"seconds": seconds})
+        found[seconds] = s
+    cheap, costly = found[0.2], found[30.0]
+    base = cheap.budget.limit
+    assert costly.evaluations == base and not costly.budget.extended and len(costly.keep) > 10
+    assert cheap.budget.extended and base < cheap.evaluations <= cheap.budget.cap
+    assert sorted(cheap.keep) == sorted(culprits) and cheap.one_minimal
+
+
+def test_passing_rows_where_the_golden_is_about_zero_show_no_sqnr():
+    from agent.cli.search import format_result
+    from agent.precision.compare import compare_outputs
+    from agent.precision.search_result import SearchResult, output_stats
+
+    golden = {"p": np.full(16, 1e-4, np.float32)}
+    # The noise is twice the signal (-6 dB), all of it within atol: the row passes.
+    cmp = compare_outputs([{"p": golden["p"] + np.float32(2e-4)}], [golden], atol=1e-3,
+                          rtol=1e-3)
+    assert cmp.passed and cmp.results[0].sqnr_db is None and cmp.results[0].golden_near_zero
+    assert "SQNR: n/a (golden ~0) |" in cmp.format_report()
+    result = SearchResult()
+    result.iterations = [{"index": 1, "size": 0, "passed": True, "seconds": 0.1,
+                          "cache_hit": False, "stats": output_stats(cmp)}]
+    row = [x for x in format_result(result.to_dict()).splitlines() if x.startswith("      1")]
+    assert row and row[0].endswith("n/a (golden ~0)") and "-6" not in row[0]
+    # A golden above atol keeps its SQNR (10^-4 relative noise: 80 dB).
+    one = {"p": np.ones(16, np.float32)}
+    big = compare_outputs([{"p": one["p"] + np.float32(1e-4)}], [one], atol=1e-3, rtol=1e-3)
+    assert big.results[0].sqnr_db == pytest.approx(80.0, abs=0.1)
+    assert not big.results[0].golden_near_zero

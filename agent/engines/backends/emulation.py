@@ -18,7 +18,7 @@ Worker side: Python >= 3.6. Imports onnx and numpy only.
 """
 
 import os
-from typing import Dict, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import onnx
 
@@ -67,24 +67,43 @@ def prepare(model: onnx.ModelProto) -> Tuple[onnx.ModelProto, Dict[str, str]]:
     return model, merged
 
 
-def fused_edges(model: onnx.ModelProto, assignment: Dict[str, str]) -> Set[str]:
-    """Tensors between a Conv/Gemm/MatMul and the activation TensorRT fuses into it (its only
-    reader, same precision): never written in reduced precision, so never rounded."""
-    graph = model.graph
-    if not enabled():
-        return set()
+def _fusions(graph: onnx.GraphProto) -> List[Tuple[onnx.NodeProto, onnx.NodeProto, str]]:
+    """(Conv/Gemm/MatMul, the activation TensorRT fuses into it, the tensor between): the
+    activation is the tensor's only reader and the tensor is no graph output."""
     outputs = set(vo.name for vo in graph.output)
     consumers = consumers_of(graph)
-    edges: Set[str] = set()
+    found = []
     for node in graph.node:
         if node.op_type not in WEIGHTED_OPS or len(node.output) != 1:
             continue
         t = node.output[0]
         readers = consumers.get(t, [])
-        if t in outputs or len(readers) != 1 or readers[0].op_type not in FUSED_ACTIVATIONS:
-            continue
-        act = readers[0]
-        if assignment.get(node.name, "float32") != "float32" and \
-                assignment.get(act.name, "float32") != "float32":
-            edges.add(t)
-    return edges
+        if t not in outputs and len(readers) == 1 and readers[0].op_type in FUSED_ACTIVATIONS:
+            found.append((node, readers[0], t))
+    return found
+
+
+def fused_edges(model: onnx.ModelProto, assignment: Dict[str, str]) -> Set[str]:
+    """Tensors between a Conv/Gemm/MatMul and the activation TensorRT fuses into it (its only
+    reader, same precision): never written in reduced precision, so never rounded."""
+    if not enabled():
+        return set()
+    return set(t for node, act, t in _fusions(model.graph)
+               if assignment.get(node.name, "float32") != "float32"
+               and assignment.get(act.name, "float32") != "float32")
+
+
+def layer_groups(model: onnx.ModelProto) -> Dict[str, str]:
+    """Node name -> the node whose TensorRT layer computes it, for every node folded or fused
+    into another (a BatchNormalization or per-channel Mul/Add folded into its Conv, an
+    activation fused into it): one layer, one precision, so a precision search offers the
+    group as one candidate. Nodes absent compute themselves. Reads a copy of ``model``."""
+    if not enabled():
+        return {}
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    prepared, merged = prepare(copy)
+    groups = dict(merged)
+    for node, act, _ in _fusions(prepared.graph):
+        groups[act.name] = node.name
+    return groups

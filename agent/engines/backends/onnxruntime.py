@@ -108,9 +108,14 @@ class OnnxRuntimeBackend(Backend):
         details["emulation"] = emulation.fingerprint()
         if merged:
             details["folded_layers"] = dict(sorted(merged.items()))
-        # First pass without ranges: does anything want int8 at all?
+        # First pass without ranges: does anything want int8 at all? A calibration cache
+        # asked for (and not there yet) is made either way: TensorRT calibrates every
+        # tensor, and the next build or search of this model reads that file.
         wanted, _, _ = layer_precisions.resolve_precisions(model, plan.precision, overrides)
-        if any(p == "int8" for p in wanted.values()):
+        settings = plan.calibration
+        make_cache = bool(plan.needs_calibration and settings is not None and settings.cache
+                          and settings.data and not os.path.exists(settings.cache))
+        if any(p == "int8" for p in wanted.values()) or make_cache:
             t0 = time.time()
             amax, calibrated, cache_path = self._ranges(original, specs, plan, progress,
                                                         details)
