@@ -147,7 +147,7 @@ class FleetService(object):
 
     def _publish_block(self, topic: str, payload: bytes, qos: int = 1,
                        retain: bool = False) -> None:
-        if not self.leases.may_act():  # held up past its deadline: no blocks until it claims
+        if not self.leases.may_act():  # held up past its deadline, or sitting a lease out
             self.stats["blocks_fenced"] += 1
             return
         self.stats["blocks"] += 1
@@ -167,7 +167,7 @@ class FleetService(object):
         head of the list (PUBACKs come in order; called each step while a stage streams),
         True: every handle (each tick, and at the end)."""
         if not self.leases.may_act():
-            return  # held up past its deadline: no deletes until it claims (and then fenced)
+            return  # held up past its deadline, or sitting a lease out: deleted later, fenced
         if not full:
             n = 0
             while n < len(self.unacked) and self.unacked[n][0].acked:
@@ -479,7 +479,7 @@ class FleetService(object):
                 log.error("deployments: %s", exc)
         adopted = dict(self.leases.epochs)
         mine = self._claim()
-        if self.resend_finished:
+        if self.resend_finished and self.leases.may_act():
             self._send_finished()
         for rid in list(self.rollouts):
             if mine.get(rid) != adopted.get(rid):  # taken over (and maybe back) since
@@ -563,8 +563,10 @@ class FleetService(object):
                         self.lease_s, self.leases.generation)
         elif self.quiet and self.leases.may_act():
             self.quiet = False
-            log.info("%s: acting on its own account again (generation %d)", self.instance,
-                     self.leases.generation)
+            log.info("%s: acting on its own account again (generation %d; %d block request(s) "
+                     "and %d message(s) queued in the MQTT client dropped so far)",
+                     self.instance, self.leases.generation, self.stats["blocks_fenced"],
+                     self.stats["dropped"])
         self.last_claim = began
         return mine
 
@@ -612,7 +614,7 @@ class FleetService(object):
 
     def on_message(self, info: TopicInfo, msg: Any) -> None:
         if info.kind == "artifact_request":
-            if not self.leases.may_act():  # held up past its deadline: answered after a claim
+            if not self.leases.may_act():  # held up, or sitting a lease out: the device asks again
                 self.stats["blocks_fenced"] += 1
                 return
             try:
