@@ -228,6 +228,7 @@ class MqttClient:
         self._gate = SendGate(check)
         self._default_fence = default
         self._client._packet_write = self._gated_write  # type: ignore[method-assign]
+        self._client._sock_send = self._gated_sock_send  # type: ignore[method-assign]
         return True
 
     def take_fenced(self) -> Dict[Any, int]:
@@ -247,6 +248,13 @@ class MqttClient:
                 if cut:  # a packet half written: the broker discards it with the connection
                     self.drop_connection()
             return type(self._client)._packet_write(self._client)
+
+    def _gated_sock_send(self, buf: Any) -> int:
+        """paho writes its whole queue after one ``_gated_write`` check: each packet is
+        looked at again right before its bytes go (a stop may fall between two)."""
+        if self._gate.refuses_any():
+            raise BlockingIOError()  # the packet goes back; the next write drops the refused
+        return type(self._client)._sock_send(self._client, buf)
 
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                 token: Any = None, correlation: Optional[bytes] = None,

@@ -1,10 +1,11 @@
 """A check at the moment of sending for ``agent.wire.mqtt.MqttClient``: every QoS >= 1 message
 carries a fence key, and just before paho writes packets to its socket (on paho's network
-thread) each key with messages still outstanding is asked whether its messages may go. Those of
-a refused key are dropped from paho's queues (not yet written, queued behind the in-flight
-window, or waiting for a PUBACK, which would be sent again after a reconnect): never sent, never
-resent, their handles fail. A controller uses it to send nothing once its lease may have gone
-(agent.fleet.database.leases), however long its main thread was held up before noticing.
+thread), and again before each packet's bytes, each key with messages still outstanding is
+asked whether its messages may go. Those of a refused key are dropped from paho's queues (not
+yet written, queued behind the in-flight window, or waiting for a PUBACK, which would be sent
+again after a reconnect): never sent, never resent, their handles fail. A controller uses it
+to send nothing once its lease may have gone (agent.fleet.database.leases), however long its
+main thread was held up before noticing.
 
 Works on paho's queues (``_out_packet``, ``_out_messages``) by duck typing, without importing
 paho; another paho without them leaves the gate open (``supported``).
@@ -42,7 +43,7 @@ class SendGate(object):
         return hasattr(paho, "mqtt_ms_wait_for_puback") and all(
             hasattr(client, a) for a in ("_out_packet", "_out_messages", "_out_message_mutex",
                                          "_inflight_messages", "_update_inflight",
-                                         "_packet_write"))
+                                         "_packet_write", "_sock_send"))
 
     def record(self, mid: int, key: Any) -> None:
         self._drain()
@@ -66,6 +67,10 @@ class SendGate(object):
         else:
             self._live.pop(key, None)
         return key
+
+    def refuses_any(self) -> bool:
+        """(Call with ``lock`` held.) Whether a key with messages outstanding is refused now."""
+        return any(not self.check(k) for k in list(self._live))
 
     def take_dropped(self) -> Dict[Any, int]:
         with self.lock:

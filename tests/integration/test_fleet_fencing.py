@@ -85,7 +85,7 @@ def wait_until(predicate, what, procs, timeout=120):
 def stop_outside_a_transaction(kind, db, inst, procs):
     """SIGSTOP ``inst`` where it holds no write lock: on SQLite, with the write lock taken
     here first (it waits for the instance's transaction to end, then holds the next one off);
-    on PostgreSQL, again after a heartbeat while its session is inside a transaction."""
+    on PostgreSQL, again after a heartbeat while its session is not idle."""
     if kind == "sqlite":
         conn = sqlite3.connect(sqlite_path(db), timeout=60, isolation_level=None)
         try:
@@ -97,11 +97,8 @@ def stop_outside_a_transaction(kind, db, inst, procs):
         return
     for _ in range(50):
         inst.proc.send_signal(signal.SIGSTOP)
-        states = session_states(db, inst.name)
-        while "active" in states:  # a statement sent just before: the server ends it
-            states = session_states(db, inst.name)
-        if set(states) <= {"idle"}:
-            return
+        if set(session_states(db, inst.name)) <= {"idle"}:
+            return  # (active: a statement, or an executemany's pipeline, under way)
         beat = heartbeat(db, inst.instance)
         inst.proc.send_signal(signal.SIGCONT)
         wait_heartbeat(db, inst.instance, beat, inst)
