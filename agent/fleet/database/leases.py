@@ -14,8 +14,9 @@ when a service may still publish for it.
   after its last renewal began, timed on the monotonic clock from before that renewal's
   transaction (``LeaseBook``); the instance itself (block answers, its other messages, outbox
   deletes) until ``lease - margin`` after its last claim began. The deadline is checked where
-  the act happens: before a transaction, before an outbox delete, before a block request is
-  answered, and on the MQTT client's thread just before each message's packet is written
+  the act happens: before a rollout's messages are handed to the MQTT client, before an
+  outbox delete, before a block request is answered, and on the MQTT client's thread just
+  before each message's packet is written
   (``may_send``, agent.wire.send_gate: messages queued in the client past their deadline are
   dropped, never sent). A process stopped (SIGSTOP, a VM paused) long enough for another
   instance to take over finds its deadlines passed when it runs again, and sends nothing.
