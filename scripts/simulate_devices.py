@@ -42,6 +42,7 @@ from agent.wire.topics import DEFAULT_PREFIX, Topics  # noqa: E402
 
 PLATFORM = {"board": "Simulated Jetson", "backend": "simulated", "precisions": ["fp32", "fp16"]}
 WINDOW = 64
+RETRY_S = 5.0  # blocks still missing this long after their request are asked for again
 MAX_DEFAULT_CONNECTIONS = 100
 DEVICES_PER_CONNECTION = 10  # the default: one connection per 10 devices, at most 100
 SUBSCRIBE_BATCH = 100  # topic filters per SUBSCRIBE packet
@@ -78,6 +79,7 @@ class _Fetch(object):
         self.blocks = protocol.block_count(size, block_size)
         self.next = 0  # first block not yet requested
         self.pending: set = set()  # requested, not yet received
+        self.asked = 0.0  # when they were (monotonic)
 
 
 class SimulatedFleet(object):
@@ -260,6 +262,7 @@ class SimulatedFleet(object):
                             pass
                     else:
                         client.loop_misc()
+                self._retry(now)
 
     def _status(self, dev: str, job_id: str, kind: str, state: str, stage: str = "",
                 result: Optional[Dict[str, Any]] = None) -> None:
@@ -324,12 +327,30 @@ class SimulatedFleet(object):
                 indices = list(range(f.next, min(f.blocks, f.next + WINDOW)))
                 f.next += len(indices)
                 f.pending = set(indices)
+                f.asked = time.monotonic()
         if done:
             self._finish(dev, job_id, "deploy")
             return
         want = protocol.bitmap_from_indices(indices, f.blocks)
         msg = protocol.request_message(f.sha, f.size, f.block_size, want, job_id, self.fanout)
         self._publish(dev, self.topics.artifact_request(dev, f.sha), protocol.encode(msg))
+
+    def _retry(self, now: float) -> None:
+        """Ask again for blocks missing RETRY_S after their request (as a daemon does: the
+        answer, or the request, may have been lost with a controller)."""
+        again = []
+        with self.lock:
+            for pending in self._fetches:
+                for (dev, job_id), fetches in pending.items():
+                    f = fetches[0] if fetches else None
+                    if f is not None and f.pending and now - f.asked >= RETRY_S:
+                        f.asked = now
+                        again.append((dev, job_id, f, sorted(f.pending)))
+        for dev, job_id, f, indices in again:
+            want = protocol.bitmap_from_indices(indices, f.blocks)
+            msg = protocol.request_message(f.sha, f.size, f.block_size, want, job_id,
+                                           self.fanout)
+            self._publish(dev, self.topics.artifact_request(dev, f.sha), protocol.encode(msg))
 
     def _on_block(self, info: Any, payload: bytes, conn: int = 0) -> None:
         again = []

@@ -70,13 +70,22 @@ class FleetService(object):
                                                instance_name.stale_after(lease_s), self.started)
         self.boot_id = instance_name.boot_id()
         self.leases = leases.LeaseBook(leases.holder_token(self.instance), lease_s)
+        # Every message is checked against its lease again on the MQTT client's thread, just
+        # before it is written (messages queued there when this process was held up).
+        if conn.client is not None and not conn.client.set_gate(self.leases.may_send,
+                                                                self.leases.key):
+            log.warning("this paho-mqtt's queues cannot be reached: messages already handed to "
+                        "the MQTT client are not checked against the lease again")
+        self.resend_finished = False  # finished rollouts' messages the gate dropped
+        self.quiet = False  # sitting out a lease after being held up (leases.LeaseBook)
         self.last_claim = 0.0
         self.only = set(only) if only is not None else None
         self.share_group = share_group
         self.rollouts: Dict[str, Rollout] = {}
         self.by_job: Dict[str, str] = {}  # job id -> rollout id
         self.server = BlockServer(self._publish_block, self.topics)
-        self.unacked: List[Tuple[Any, int]] = []  # (publish handle, outbox id)
+        # (publish handle, outbox id, fence key: agent.fleet.database.leases.Key)
+        self.unacked: List[Tuple[Any, int, leases.Key]] = []
         # Documents streamed whose devices have not answered yet (the statuses waiting to be
         # read are the service's backlog: beyond a bound, no more documents are built).
         self.unanswered = streaming.Unanswered()
@@ -99,7 +108,7 @@ class FleetService(object):
         self.pending: Dict[str, Tuple[List[Any], List[durable.Message]]] = {}
         self.stats = {"job_docs": 0, "statuses": 0, "refused": 0, "blocks": 0,
                       "telemetry_capped": 0, "telemetry_keys_dropped": 0, "fenced": 0,
-                      "suppressed": 0, "reread": 0}
+                      "suppressed": 0, "reread": 0, "blocks_fenced": 0, "dropped": 0}
         # Jobs whose status never came: their retained statuses are read again.
         self.reread = Reread()
         self.reread_filters: List[str] = []
@@ -138,13 +147,18 @@ class FleetService(object):
 
     def _publish_block(self, topic: str, payload: bytes, qos: int = 1,
                        retain: bool = False) -> None:
+        if not self.leases.may_act():  # held up past its deadline, or sitting a lease out
+            self.stats["blocks_fenced"] += 1
+            return
         self.stats["blocks"] += 1
         self.conn.client.publish(topic, payload, qos=qos, retain=retain)
 
-    def _send(self, ids: Sequence[int], msgs: Sequence[durable.Message]) -> None:
+    def _send(self, ids: Sequence[int], msgs: Sequence[durable.Message],
+              key: Optional[leases.Key] = None) -> None:
+        key = key or self.leases.key()
         for oid, (topic, payload, retain) in zip(ids, msgs):
-            handle = self.conn.client.publish(topic, payload, qos=1, retain=retain)
-            self.unacked.append((handle, oid))
+            handle = self.conn.client.publish(topic, payload, qos=1, retain=retain, fence=key)
+            self.unacked.append((handle, oid, key))
             if payload and "/jobs/" in topic and not topic.endswith("/status"):
                 self.stats["job_docs"] += 1
 
@@ -152,6 +166,8 @@ class FleetService(object):
         """Outbox rows of what the broker acknowledged. ``full`` False: only the acknowledged
         head of the list (PUBACKs come in order; called each step while a stage streams),
         True: every handle (each tick, and at the end)."""
+        if not self.leases.may_act():
+            return  # held up past its deadline, or sitting a lease out: deleted later, fenced
         if not full:
             n = 0
             while n < len(self.unacked) and self.unacked[n][0].acked:
@@ -161,11 +177,11 @@ class FleetService(object):
             head, self.unacked = self.unacked[:n], self.unacked[n:]
         else:
             head, self.unacked = self.unacked, []
-        done = [oid for h, oid in head if h.acked and h.ok]
-        failed = [(h, oid) for h, oid in head if h.acked and not h.ok]
-        self.unacked = [(h, oid) for h, oid in head if not h.acked] + self.unacked
-        if done:
-            self.store.outbox_done(done)
+        done = [(oid, key) for h, oid, key in head if h.acked and h.ok]
+        failed = [(h, oid) for h, oid, _k in head if h.acked and not h.ok]
+        self.unacked = [e for e in head if not e[0].acked] + self.unacked
+        if done:  # each only where its rollout is still ours at that epoch (or finished)
+            self.store.outbox_done(done, self.leases.holder)
         if failed:  # refused, or not sent: stays in the outbox for the next start
             log.warning("%d message(s) not taken by the broker (first: %s, %s); kept in the "
                         "outbox", len(failed), failed[0][0].topic, failed[0][0].reason)
@@ -183,9 +199,11 @@ class FleetService(object):
                 exc, len(msgs)), fenced=True)
             return
         self.leases.renewed(rid, began)
+        if ro.done:
+            self.leases.finish(rid)
         if not self._may_publish(rid, len(msgs)):
             return
-        self._send(ids, msgs)
+        self._send(ids, msgs, self.leases.key(rid))
         for a in actions:  # a large artifact's first fan-out round waits a moment for them
             if a.kind == "publish" and a.doc:
                 for ref in (a.doc.get("artifacts") or {}).values():
@@ -213,6 +231,24 @@ class FleetService(object):
         log.warning("rollout %s: let go by %s: %s", rollout_id, self.instance, why)
         self._drop(rollout_id)
         self.leases.forget(rollout_id)
+        # Its messages not yet acknowledged stay in the outbox: the holder sends them again.
+        self.unacked = [e for e in self.unacked if e[2][0] != rollout_id]
+
+    def _gate_dropped(self) -> None:
+        """Messages the MQTT client's gate dropped (their lease's deadline passed before
+        they were written): their rollouts are let go, taken again from the database if the
+        lease is still this process's."""
+        for key, n in self.conn.client.take_fenced().items():
+            self.stats["dropped"] += n
+            rid = key[0]
+            if rid in self.rollouts:
+                self._lost(rid, "past its lease's deadline (this process was held up): {} "
+                           "message(s) queued in the MQTT client dropped; they stay in the "
+                           "outbox".format(n))
+            else:  # a finished rollout's last messages, or the instance's own (blocks)
+                self.resend_finished = True
+                log.warning("%s: past its deadline (this process was held up): %d message(s) "
+                            "queued in the MQTT client dropped", self.instance, n)
 
     # -- rollouts -----------------------------------------------------------------------------
 
@@ -260,8 +296,9 @@ class FleetService(object):
         owed = self.store.outbox([rollout_id])
         if owed and not self._may_publish(rollout_id, len(owed)):
             return
+        key = self.leases.key(rollout_id)
         for oid, topic, payload, retain in owed:
-            self._send([oid], [(topic, payload, retain)])
+            self._send([oid], [(topic, payload, retain)], key)
         # The devices' retained statuses of this rollout's jobs, now that it is known here:
         # answers that came while no service was running. Before anything was sent, statuses
         # retained from an earlier run of this id (the devices would ignore the documents as
@@ -442,6 +479,8 @@ class FleetService(object):
                 log.error("deployments: %s", exc)
         adopted = dict(self.leases.epochs)
         mine = self._claim()
+        if self.resend_finished and self.leases.may_act():
+            self._send_finished()
         for rid in list(self.rollouts):
             if mine.get(rid) != adopted.get(rid):  # taken over (and maybe back) since
                 if not self.rollouts[rid].done:
@@ -514,7 +553,20 @@ class FleetService(object):
         began = time.monotonic()
         mine = leases.claim(self.store.db, self.instance, self.leases.holder, self.lease_s,
                             self.only)
+        generation = self.leases.generation
         self.leases.claimed(mine, began)
+        if self.leases.generation != generation:
+            self.quiet = True
+            log.warning("%s: held up %.1f s past its deadline (stopped, paused or starved): "
+                        "what it queued before is not sent, and it answers no block requests "
+                        "for %.0f s (generation %d)", self.instance, self.leases.held_up_s,
+                        self.lease_s, self.leases.generation)
+        elif self.quiet and self.leases.may_act():
+            self.quiet = False
+            log.info("%s: acting on its own account again (generation %d; %d block request(s) "
+                     "and %d message(s) queued in the MQTT client dropped so far)",
+                     self.instance, self.leases.generation, self.stats["blocks_fenced"],
+                     self.stats["dropped"])
         self.last_claim = began
         return mine
 
@@ -562,6 +614,9 @@ class FleetService(object):
 
     def on_message(self, info: TopicInfo, msg: Any) -> None:
         if info.kind == "artifact_request":
+            if not self.leases.may_act():  # held up, or sitting a lease out: the device asks again
+                self.stats["blocks_fenced"] += 1
+                return
             try:
                 self.server.handle_request(msg.topic, msg.payload)
             except AgentError as exc:
@@ -675,7 +730,8 @@ class FleetService(object):
         while when documents are still owed; a bounded batch of events), commit what it
         changed, then the periodic work."""
         unsent = self._stream()
-        self.server.poll()  # fan-out rounds that came (agent.wire.fanout_rounds)
+        if self.leases.may_act():
+            self.server.poll()  # fan-out rounds that came (agent.wire.fanout_rounds)
         due = self.server.next_due()
         # (A quota spent on unanswered documents comes back with the statuses pump reads.)
         wait = streaming.pump_timeout(unsent, streaming.doc_quota(len(self.unacked)), timeout)
@@ -685,6 +741,7 @@ class FleetService(object):
         # What came is handled (a bounded batch) before more documents are built: statuses
         # that wait hold memory and delay the rollout's end.
         self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS, drain=True)
+        self._gate_dropped()
         self._commit_pending()
         tick = time.monotonic() - self.last_tick >= TICK_S or self._new_rollout()
         self._collect_acks(full=tick)
@@ -718,10 +775,17 @@ class FleetService(object):
         self.last_roll_call = time.monotonic()
         self._commit_pending()
         self._flush_devices()
-        for oid, topic, payload, retain in self.store.outbox_of_finished():
-            self._send([oid], [(topic, payload, retain)])
+        self._send_finished()
         self.last_tick = time.monotonic()
         self._tick()
+
+    def _send_finished(self) -> None:
+        """What the outbox still owes for finished rollouts (not already on its way)."""
+        self.resend_finished = False
+        sent = {oid for _h, oid, _k in self.unacked}
+        for oid, topic, payload, retain in self.store.outbox_of_finished():
+            if oid not in sent:
+                self._send([oid], [(topic, payload, retain)])
 
     def drain(self, timeout: float = 5.0) -> bool:
         """Wait until the broker acknowledged everything published (at exit)."""

@@ -6,6 +6,9 @@
   is sent again on every connect (a restarted broker may have lost the session).
 - ``publish`` returns a ``PublishHandle``: wait on it, or pass a ``token`` and receive a
   ``published`` event when the broker acknowledges (PUBACK) - the daemon acks its outbox then.
+- ``set_gate`` (a controller's lease): every QoS >= 1 message carries a fence key, checked on
+  paho's thread just before its packet is written; a refused key's messages are dropped from
+  paho's queues (``agent.wire.send_gate``).
 - Everything paho reports becomes an ``Event`` on ``events`` (a queue the owner drains): no work
   happens in paho's network thread. ``Event`` and the other values the client takes and gives
   live in ``mqtt_types`` (no paho there), the texts explaining a failed connection in
@@ -118,6 +121,8 @@ class MqttClient:
         self._attempted = threading.Event()
         self._closing = False
         self._started = False
+        self._gate: Any = None  # agent.wire.send_gate.SendGate (set_gate)
+        self._default_fence: Callable[[], Any] = lambda: None
 
         v5 = protocol == "v5"
         kwargs: Dict[str, Any] = {"client_id": client_id, "protocol": PROTOCOLS[protocol]}
@@ -210,14 +215,57 @@ class MqttClient:
         if self.connected:
             self._client.unsubscribe(topic)
 
+    def set_gate(self, check: Callable[[Any], bool], default: Callable[[], Any]) -> bool:
+        """From now on, write a QoS >= 1 message only while ``check(its fence key)`` is true
+        (asked on paho's thread just before writing: cheap, no I/O); the messages of a key it
+        refuses are dropped, their handles fail, and ``take_fenced`` counts them. A message
+        published without a ``fence`` gets ``default()``'s. False (no gate) with a paho whose
+        queues this cannot reach."""
+        from agent.wire.send_gate import SendGate
+
+        if not SendGate.supported(self._client):
+            return False
+        self._gate = SendGate(check)
+        self._default_fence = default
+        self._client._packet_write = self._gated_write  # type: ignore[method-assign]
+        self._client._sock_send = self._gated_sock_send  # type: ignore[method-assign]
+        return True
+
+    def take_fenced(self) -> Dict[Any, int]:
+        """fence key -> messages dropped by the gate since the last call."""
+        return self._gate.take_dropped() if self._gate is not None else {}
+
+    def _gated_write(self) -> Any:
+        gate = self._gate
+        with gate.lock:  # (paho's thread) nothing is written before its key was looked at
+            mids, cut = gate.before_write(self._client)
+            if mids:
+                with self._lock:
+                    handles = [self._pending.pop(m, None) for m in mids]
+                for h in handles:
+                    if h is not None:
+                        self._ack(h, False, "not sent: its fence (a lease) had gone")
+                if cut:  # a packet half written: the broker discards it with the connection
+                    self.drop_connection()
+            return type(self._client)._packet_write(self._client)
+
+    def _gated_sock_send(self, buf: Any) -> int:
+        """paho writes its whole queue after one ``_gated_write`` check: each packet is
+        looked at again right before its bytes go (a stop may fall between two)."""
+        if self._gate.refuses_any():
+            raise BlockingIOError()  # the packet goes back; the next write drops the refused
+        return type(self._client)._sock_send(self._client, buf)
+
     def publish(self, topic: str, payload: bytes, qos: int = 1, retain: bool = False,
                 token: Any = None, correlation: Optional[bytes] = None,
                 response_topic: Optional[str] = None,
-                user_properties: Optional[List[Tuple[str, str]]] = None) -> PublishHandle:
+                user_properties: Optional[List[Tuple[str, str]]] = None,
+                fence: Any = None) -> PublishHandle:
         """Hand a message to paho (queued while disconnected, resent after a reconnect).
         With a ``token``, a PUBLISHED event carrying it follows the broker's acknowledgement.
         ``correlation`` / ``response_topic`` / ``user_properties`` are MQTT v5 properties
-        (ignored on 3.1.1); the client's ``signer`` adds its own to every message."""
+        (ignored on 3.1.1); the client's ``signer`` adds its own to every message. ``fence``:
+        the key the gate (``set_gate``) checks before the message is written."""
         handle = PublishHandle(topic, token)
         handle.size = len(payload)
         props = None
@@ -231,7 +279,16 @@ class MqttClient:
                 props.CorrelationData = bytes(correlation)
             if response_topic is not None:
                 props.ResponseTopic = response_topic
-        info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
+        gate = self._gate
+        if gate is None:
+            info = self._client.publish(topic, payload, qos=qos, retain=retain,
+                                        properties=props)
+        else:
+            with gate.lock:  # recorded before paho's thread may write it
+                info = self._client.publish(topic, payload, qos=qos, retain=retain,
+                                            properties=props)
+                if qos > 0 and info.rc != paho.MQTT_ERR_QUEUE_SIZE:
+                    gate.record(info.mid, self._default_fence() if fence is None else fence)
         handle.mid = info.mid
         if info.rc == paho.MQTT_ERR_QUEUE_SIZE:
             handle._finish(False, "paho's outgoing queue is full")
@@ -273,6 +330,9 @@ class MqttClient:
         with mutex:
             for mid in mids:
                 out.pop(mid, None)
+        if self._gate is not None:
+            for mid in mids:
+                self._gate.done(mid)
 
     def fits(self, topic: str, payload: bytes) -> bool:
         """Whether the broker's advertised Maximum Packet Size (MQTT v5 CONNACK) allows this
@@ -425,6 +485,8 @@ class MqttClient:
     def _on_publish(self, client: Any, userdata: Any, mid: int, *args: Any) -> None:
         rc = args[0] if args else 0
         ok, reason = not is_failure(rc), reason_text(rc) if args else "Success"
+        if self._gate is not None:
+            self._gate.done(mid)
         with self._lock:
             handle = self._pending.pop(mid, None)
             if handle is None:

@@ -26,11 +26,12 @@ class Instance:
                          else list(options))
         self.log = os.path.join(str(workdir), name + ".log")
         self.proc = None
+        self.env = {"PYTHONPATH": ROOT}  # its environment's own entries
 
     def start(self):
         logf = open(self.log, "ab")
         self.proc = subprocess.Popen(self.args, stdout=logf, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+                                     env=dict(os.environ, **self.env), cwd=ROOT)
         logf.close()
         return self
 

@@ -323,6 +323,12 @@ def test_epochs_fence_a_stale_holder_on_the_database_clock(db_kind, tmp_path, re
         ids = store.save_rollout("ro-f", {"current_stage": 0}, {}, (), [("t/y", b"ok", True)],
                                  fence=(b, 2, 6.0))
         assert db.query("SELECT epoch FROM outbox WHERE id = ?", (ids[0],)) == [(2,)]
+        # An acknowledged row leaves the outbox only under its sender's holder and epoch.
+        store.outbox_done([(ids[0], ("ro-f", 2))], a)  # another holder
+        store.outbox_done([(ids[0], ("ro-f", 1))], b)  # an older epoch
+        assert db.query("SELECT id FROM outbox WHERE id = ?", (ids[0],)) == [(ids[0],)]
+        store.outbox_done([(ids[0], ("ro-f", 2))], b)
+        assert db.query("SELECT id FROM outbox WHERE id = ?", (ids[0],)) == []
         # The same name in another process (its predecessor dead): taken at once, epoch 3.
         b2 = leases.holder_token("two")
         assert leases.claim(db, "two", b2, 6.0) == {"ro-f": 3}

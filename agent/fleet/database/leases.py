@@ -10,12 +10,25 @@ when a service may still publish for it.
   where the holder and the epoch are still its own, in the transaction that writes the state
   and the outbox rows (which record the epoch): a stale holder's write changes nothing and
   raises ``LeaseLost``, so nothing it decided reaches the outbox, nor the broker.
-- **Publishing.** A holder publishes a rollout's messages only within ``lease - margin`` of
-  its last renewal, timed from before that renewal's transaction on the monotonic clock
-  (``LeaseBook``): a process stopped (SIGSTOP, a VM paused) long enough for another instance
-  to take over finds its deadline passed when it runs again, and publishes nothing. Only rows
-  committed under a then-current epoch are ever published; a new holder publishes again what
-  the outbox still holds.
+- **Acting: a local deadline.** A holder acts for a rollout only until ``lease - margin``
+  after its last renewal began, timed on the monotonic clock from before that renewal's
+  transaction (``LeaseBook``); the instance itself (block answers, its other messages, outbox
+  deletes) until ``lease - margin`` after its last claim began. The deadline is checked where
+  the act happens: before a rollout's messages are handed to the MQTT client, before an
+  outbox delete, before a block request is answered, and on the MQTT client's thread just
+  before each message's packet is written
+  (``may_send``, agent.wire.send_gate: messages queued in the client past their deadline are
+  dropped, never sent). A process stopped (SIGSTOP, a VM paused) long enough for another
+  instance to take over finds its deadlines passed when it runs again, and sends nothing.
+  A claim that finds the instance's own deadline passed (it was held up) starts a new
+  generation: the instance's own messages of an older one are never sent, and it sits out
+  one lease (``lease_s``) before acting on its own account again: what was queued for it
+  while it was held up (block requests at the broker, in its socket) arrives meanwhile and is
+  dropped. Only rows committed under a then-current epoch are ever published; a new holder
+  publishes again what the outbox still holds.
+- **Outbox deletes under the epoch.** A row leaves the outbox (its message acknowledged) only
+  where its rollout is still held by the deleting holder at the epoch it sent it under, or has
+  finished (``outbox_delete_sql``): a resumed stale holder deletes nothing.
 - **Takeover.** ``claim`` renews this process's leases, and takes those that are free, expired,
   or held under this instance's own name by another process (a dead predecessor: the
   instance's name is only ever reused once the process that held it is dead,
@@ -30,6 +43,9 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 
 ACTIVE_SQL = "state IN ('running', 'paused')"
 Fence = Tuple[str, int, float]  # (holder, epoch, lease_s)
+# A message's fence key: (rollout id, epoch), or ("", generation) for the instance's own.
+Key = Tuple[str, int]
+MAX_FINISHED = 1024  # rollouts finished here whose last messages may still be in flight
 
 
 class LeaseLost(Exception):
@@ -82,6 +98,14 @@ def claim(db: Any, instance: str, holder: str, lease_s: float,
     return {str(r[0]): int(r[1] or 0) for r in rows}
 
 
+def outbox_delete_sql() -> str:
+    """Delete one outbox row (id, rollout id, holder, epoch) only where its rollout has
+    finished or is still held by that holder at that epoch."""
+    return ("DELETE FROM outbox WHERE id = ? AND EXISTS (SELECT 1 FROM rollouts r WHERE "
+            "r.rollout_id = ? AND (NOT {} OR (r.lease_holder = ? AND r.lease_epoch = ?)))"
+            .format(ACTIVE_SQL.replace("state", "r.state")))
+
+
 def fenced_renew(db: Any, rollout_id: str, fence: Fence) -> None:
     """In the caller's transaction: renew the lease if ``fence`` (holder, epoch) still holds
     it, else raise ``LeaseLost`` (the caller's transaction is rolled back)."""
@@ -94,8 +118,12 @@ def fenced_renew(db: Any, rollout_id: str, fence: Fence) -> None:
 
 
 class LeaseBook(object):
-    """What this process holds: rollout id -> epoch, and until when (monotonic) it may publish
-    for each: ``lease_s - margin`` after the start of the transaction that last renewed it."""
+    """What this process holds: rollout id -> epoch, and until when (monotonic) it may act for
+    each (``lease_s - margin`` after the start of the transaction that last renewed it), and
+    for itself (``act_until``: the same after the start of its last claim, unbounded before
+    its first; not before ``quiet_until`` after it was held up). ``may_send`` is read on the
+    MQTT client's thread: the maps are replaced or updated one entry at a time, never left
+    half made."""
 
     def __init__(self, holder: str, lease_s: float, margin_s: Optional[float] = None) -> None:
         self.holder = holder
@@ -103,12 +131,24 @@ class LeaseBook(object):
         self.margin_s = max(0.5, 0.25 * self.lease_s) if margin_s is None else float(margin_s)
         self.epochs: Dict[str, int] = {}
         self.until: Dict[str, float] = {}
-        self.suppressed = 0  # messages not published: the lease may have gone
+        self.act_until = float("inf")
+        self.quiet_until = 0.0
+        self.generation = 0  # one more each time the instance was found held up
+        self.held_up_s = 0.0  # how far past its deadline it was, the last time
+        # rollout id -> the epoch it finished under here: its last messages need no lease
+        # (no instance takes a finished rollout), only this instance's own deadline.
+        self.finished: Dict[str, int] = {}
 
     def claimed(self, held: Dict[str, int], started: float) -> None:
         """The result of a ``claim`` whose transaction began at ``started`` (monotonic)."""
+        until = started + self.lease_s - self.margin_s
+        self.until = {rid: until for rid in held}  # (before the epochs: see may_send)
         self.epochs = dict(held)
-        self.until = {rid: started + self.lease_s - self.margin_s for rid in held}
+        if started >= self.act_until:  # held up past its own deadline before this claim
+            self.generation += 1
+            self.held_up_s = started - self.act_until
+            self.quiet_until = time.monotonic() + self.lease_s
+        self.act_until = until
 
     def renewed(self, rollout_id: str, started: float) -> None:
         if rollout_id in self.epochs:
@@ -118,10 +158,42 @@ class LeaseBook(object):
         epoch = self.epochs.get(rollout_id)
         return None if epoch is None else (self.holder, epoch, self.lease_s)
 
+    def key(self, rollout_id: Optional[str] = None) -> Key:
+        """The fence key of a rollout's messages, or (None, or not leased here) of the
+        instance's own."""
+        epoch = self.epochs.get(rollout_id) if rollout_id is not None else None
+        return ("", self.generation) if epoch is None else (str(rollout_id), epoch)
+
+    def may_act(self) -> bool:
+        """Whether this instance may act on its own account now (answer block requests,
+        delete acknowledged outbox rows, send messages of no lease)."""
+        return self.quiet_until <= time.monotonic() < self.act_until
+
     def may_publish(self, rollout_id: str) -> bool:
         if rollout_id not in self.epochs:
-            return True  # not a leased rollout (an embedded one's own store, a finished one)
+            return self.may_act()  # not leased (an embedded rollout's own store, a finished one)
         return time.monotonic() < self.until.get(rollout_id, 0.0)
+
+    def may_send(self, key: Key) -> bool:
+        """(The MQTT client's thread, just before writing.) Whether a message of ``key`` may
+        go: its rollout still held at its epoch and within the deadline, or finished here
+        under that epoch and the instance within its own."""
+        rid, epoch = key
+        if not rid:
+            return epoch == self.generation and self.may_act()
+        if self.epochs.get(rid) == epoch:
+            return time.monotonic() < self.until.get(rid, 0.0)
+        return self.finished.get(rid) == epoch and self.may_act()
+
+    def finish(self, rollout_id: str) -> None:
+        """Its final state is written under this holder's epoch: its last messages go on
+        under the instance's own deadline once the lease ends."""
+        epoch = self.epochs.get(rollout_id)
+        if epoch is None:
+            return
+        self.finished[rollout_id] = epoch
+        while len(self.finished) > MAX_FINISHED:
+            self.finished.pop(next(iter(self.finished)))
 
     def forget(self, rollout_id: str) -> None:
         self.epochs.pop(rollout_id, None)

@@ -471,8 +471,20 @@ class Store(object):
                              "('running', 'paused') ORDER BY o.id")
         return [(int(i), t, bytes(p or b""), bool(r)) for i, t, p, r in rows]
 
-    def outbox_done(self, ids: Sequence[int]) -> None:
-        self.db.executemany("DELETE FROM outbox WHERE id = ?", [(int(i),) for i in ids])
+    def outbox_done(self, rows: Sequence[Any], holder: Optional[str] = None) -> None:
+        """Delete acknowledged outbox rows: ids, or (id, fence key) with ``holder``: a key
+        (rollout id, epoch) deletes only where that rollout is still the holder's at that
+        epoch or has finished (database.leases.outbox_delete_sql); the instance's own ("",
+        generation), unconditionally."""
+        keyed = [r for r in rows if isinstance(r, tuple)]
+        plain = [(int(r),) for r in rows if not isinstance(r, tuple)] + [
+            (int(i),) for i, key in keyed if not key[0]]
+        fenced = [(int(i), key[0], holder, int(key[1])) for i, key in keyed if key[0]]
+        from agent.fleet.database import leases
+
+        with self.db.transaction():
+            self.db.executemany("DELETE FROM outbox WHERE id = ?", plain)
+            self.db.executemany(leases.outbox_delete_sql(), fenced)
 
     def job_history(self, rollout_id: str, device: Optional[str] = None
                     ) -> List[Dict[str, Any]]:
