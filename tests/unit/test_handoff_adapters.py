@@ -345,3 +345,19 @@ def test_a_pending_version_does_not_count_against_keep_versions(tmp_path):
     adapter.commit(v4, v1)  # committed: it counts now, the oldest goes
     assert on_disk() == {3: "v1", 4: "v4"}
     assert "versions: [ 4 ]" in (model_dir / "config.pbtxt").read_text()
+
+
+def test_the_warmup_sample_takes_the_profiles_opt_shape():
+    meta = {"inputs": [{"name": "x", "shape": [-1, 3, -1, -1], "dtype": "float32"}],
+            "outputs": [{"name": "y", "shape": [-1, 10], "dtype": "float32"}],
+            "profiles": [{"inputs": {"x": {"min": [1, 3, 32, 32], "opt": [4, 3, 64, 64],
+                                           "max": [8, 3, 128, 128]}}}]}
+    assert triton.warmup_inputs(meta) == [("x", "float32", [4, 3, 64, 64])]
+    doc = triton.config_doc("m", meta, [1], max_batch_size=8)
+    assert doc["model_warmup"] == [{"name": "zeros", "batch_size": 1, "inputs": {
+        "x": {"data_type": "TYPE_FP32", "dims": [3, 64, 64], "zero_data": True}}}]
+    body, length = triton.warmup_request(meta)
+    assert len(body) - length == 4 * 3 * 64 * 64 * 4  # the request of zeros, the same shape
+    too_big = dict(meta, profiles=[{"inputs": {"x": {"opt": [64, 3, 1024, 1024]}}}])
+    assert triton.warmup_inputs(too_big) is None  # over 64 MiB: no sample, ready alone
+    assert "model_warmup" not in triton.config_doc("m", too_big, [1], max_batch_size=8)

@@ -85,6 +85,7 @@ WIRE = {
 _TENSOR_NAME = re.compile(r"[^\"\\\x00-\x1f\x7f]{1,256}")
 FILE_MODE, DIR_MODE = 0o640, 0o750
 MAX_WARMUP_BYTES = 64 << 20  # larger inputs: readiness is Triton's ready alone
+MAX_DIMS = 16  # a warmup shape of more dimensions (TensorRT has at most 8): no warmup
 HEALTH_TIMEOUT_S = 2.0
 MAX_HEAL = 16  # names looked at per heal() call (a cursor: the next call takes the next ones)
 HEAL_RETRY_S = 60.0  # a version Triton failed to load again is tried again after this
@@ -379,9 +380,11 @@ def warmup_inputs(meta: Mapping[str, Any]) -> Optional[List[Tuple[str, str, List
         dtype = str(tensor.get("dtype"))
         if dtype not in WIRE:
             return None
-        opt = (profile.get(tensor.get("name")) or {}).get("opt") \
-            if isinstance(profile, dict) else None
+        entry = profile.get(tensor.get("name")) if isinstance(profile, dict) else None
+        opt = entry.get("opt") if isinstance(entry, dict) else None
         given = opt if isinstance(opt, list) and opt else tensor.get("shape") or []
+        if not isinstance(given, list) or len(given) > MAX_DIMS:
+            return None
         shape = [d if isinstance(d, int) and not isinstance(d, bool) and d > 0 else 1
                  for d in given]
         count = 1
