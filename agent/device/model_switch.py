@@ -11,9 +11,10 @@ on a complete version and nothing pending for ever):
     4. ``current`` -> the version (new link + rename)                  thread
     5. hand-off ``switch``, then ``confirm``                          thread
     6. wait: probe runs, the app's report or commit (app socket)       main loop + probe thread
-    7. commit (journal), or roll back: the journal marks the version expired, ``current`` back,
-       adapters ``revert``, the journal restores the previous version and remembers this one
-       as rejected; the job ends SUCCEEDED, or FAILED ``handoff_rolled_back``
+    7. commit (journal, then the adapters' ``commit``), or roll back: the journal marks the
+       version expired, ``current`` back, adapters ``revert``, the journal restores the
+       previous version and remembers this one as rejected; the job ends SUCCEEDED, or
+       FAILED ``handoff_rolled_back``
 
 On restart (``reconcile`` then ``resume``): temporary leftovers go, ``current`` follows the
 journal, a pending version whose deadline passed is rolled back, another resumes its wait (the
@@ -579,6 +580,7 @@ class ModelSwitch(object):
                 self.journal.note_put("handoff", self.handoff_notes)
             self.journal.forget_rejected(p.name, p.version)  # an earlier unconfirmed try
             self._drop_dirs(p.name, dropped)
+            self._commit_handoff(p)
             self.pending = None
             self.health[p.name] = "ok"
             log.info("model %s@%s committed (%s)", p.name, p.version, decision.reason)
@@ -596,6 +598,18 @@ class ModelSwitch(object):
                 self._unanswered(p, decision.reason)
             else:
                 self._rollback(p, decision.reason)
+
+    def _commit_handoff(self, p: Pending) -> None:
+        """Each adapter's commit (Triton prunes its repository to keep_versions now that the
+        version counts): quick file work, on the main loop, before any next switch starts."""
+        new, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
+        assert new is not None
+        for a in adapters_for(self.entries, p.name):
+            try:
+                a.commit(new, prev)
+            except Exception as exc:  # noqa: BLE001 - committed all the same; logged
+                log.warning("model hand-off %s: commit of %s@%s: %s", a.kind, p.name, p.version,
+                            _text(exc))
 
     def _unanswered(self, p: Pending, reason: str) -> None:
         """The commit window closed with no answer (no report, no commit, the probe never

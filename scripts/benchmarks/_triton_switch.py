@@ -7,7 +7,13 @@ requests back to back to the model's default (newest) version; every request's l
 recorded. One run, same server, same load: first ``BASE_S`` seconds without switches (the
 baseline), then ``switches`` activations (prepare, switch, confirm: ready and one inference),
 alternating two versions, each committed before the next; then, for comparison, a few
-switches whose load goes through Triton's HTTP load API instead of gRPC.
+switches whose load goes through Triton's HTTP load API instead of gRPC. Before the load,
+``CPU_SWITCHES`` switches with no request running measure the CPU one switch costs Triton and
+its Python-backend stubs (their processes' CPU time, from /proc).
+Another tree's hand-off is measured by putting it first on PYTHONPATH (the tests and the
+Triton launcher come from this one), e.g. the code before a change:
+``git archive REV agent | tar -x -C /tmp/before && PYTHONPATH=/tmp/before JETSON_AGENT_SWITCHES=0
+python scripts/benchmarks/model_switch.py``.
 ``JETSON_AGENT_TRITON_KEEP``: the hand-off's ``keep_versions`` (default 2: folders on disk);
 ``JETSON_AGENT_TRITON_LOADED``: its ``loaded_versions`` (default 1: versions Triton holds);
 ``JETSON_AGENT_TRITON_ARGS``: more ``tritonserver`` flags, space-separated;
@@ -27,13 +33,14 @@ from typing import Any, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+    sys.path.append(ROOT)  # after PYTHONPATH: a tree put there is the one measured
 
 THREADS = 2
 # Requests a second per client (JETSON_AGENT_TRITON_RATE; 0: back to back, which saturates a
 # 2-core host so that any CPU the switch itself uses shows as latency).
 RATE = float(os.environ.get("JETSON_AGENT_TRITON_RATE", "0"))
 BASE_S = 20.0
+CPU_SWITCHES = 5
 SLOW_S = 0.25  # the goal's max: how many requests took longer (a loaded host stalls some)
 BODY = json.dumps({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
                                "data": [1.0, 2.0, 3.0, 4.0]}]})
@@ -105,16 +112,40 @@ def stats(records: List[Tuple[float, float, bool]]) -> Dict[str, Any]:
             "slow": sum(1 for x in lat if x > SLOW_S)}
 
 
-def switch_all(adapter: Any, versions: List[Any], count: int) -> List[float]:
+def cpu_s(pid: int) -> float:
+    """CPU seconds of process ``pid``, its reaped children (the stubs that ended) and its
+    live children (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def fields(p: str) -> List[str]:
+        with open("/proc/{}/stat".format(p)) as f:
+            return f.read().rsplit(")", 1)[1].split()
+
+    total = sum(int(x) for x in fields(str(pid))[11:15])  # utime stime cutime cstime
+    for p in os.listdir("/proc"):
+        try:
+            f = fields(p) if p.isdigit() else None
+        except OSError:
+            continue  # ended meanwhile: its time is in the parent's cutime now
+        if f is not None and f[1] == str(pid):
+            total += int(f[11]) + int(f[12])
+    return total / tick
+
+
+def switch_all(adapter: Any, versions: List[Any], count: int, start: int = 0) -> List[float]:
+    """``count`` switches, as the daemon makes them (prepare, switch, confirm, commit), the
+    first from versions[start]."""
     times = []
-    previous = versions[0]
+    previous = versions[start % 2]
     for i in range(count):
-        new = versions[(i + 1) % 2]
+        new = versions[(start + i + 1) % 2]
         started = time.monotonic()
         adapter.prepare(new, previous)
         adapter.switch(new, previous)
         if adapter.confirm(new) is not True:
             raise RuntimeError("switch {} to {} not confirmed".format(i + 1, new.version))
+        if hasattr(adapter, "commit"):  # a tree from before the commit step has none
+            adapter.commit(new, previous)
         times.append(time.monotonic() - started)
         previous = new
     return times
@@ -127,6 +158,7 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
 
     if unavailable():
         return None
+    load_before = os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="bench-triton-"))
     server = None
     try:
@@ -145,21 +177,25 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
         ours.prepare(versions[0], None)
         ours.switch(versions[0], None)
         assert ours.confirm(versions[0]) is True
+        cpu0 = cpu_s(server.proc.pid)
+        switch_all(ours, versions, CPU_SWITCHES)  # no load: what one switch costs in CPU
+        cpu_per_switch = (cpu_s(server.proc.pid) - cpu0) / CPU_SWITCHES
         load = Load(server.port).start()
         t0 = time.monotonic()
         time.sleep(BASE_S)  # the baseline window: the same load, no switch
         t1 = time.monotonic()
-        times = switch_all(ours, versions, switches)
+        times = switch_all(ours, versions, switches, CPU_SWITCHES)
         t2 = time.monotonic()
         http_times: List[float] = []
         if http_switches:
             plain = from_config(section, "handoff[0]")
-            http_times = switch_all(plain, versions, http_switches)
+            http_times = switch_all(plain, versions, http_switches, CPU_SWITCHES + switches)
         t3 = time.monotonic()
         load.finish()
         return {"base": stats(load.window(t0, t1)), "switching": stats(load.window(t1, t2)),
                 "http": stats(load.window(t2, t3)) if http_switches else None,
-                "switch_s": times, "http_switch_s": http_times}
+                "switch_s": times, "http_switch_s": http_times, "cpu_s": cpu_per_switch,
+                "load": (load_before, os.getloadavg()[0])}
     finally:
         if server is not None:
             server.stop()
@@ -186,6 +222,12 @@ def rows(switches: int, http_switches: int) -> List[Dict[str, Any]]:
          "unit": "count", "ratio": "-", "goal": "-"},
         {"name": "Triton: failed requests", "ours": sw["failed"], "baseline": base["failed"],
          "unit": "count", "ratio": "-", "goal": "0"},
+        {"name": "Triton: CPU per switch, no request running (tritonserver and its stubs)",
+         "ours": round(1000 * result["cpu_s"]), "baseline": None, "unit": "ms", "ratio": "-",
+         "goal": "-"},
+        {"name": "Triton: host load average (1 min) at the start / at the end (shared host?)",
+         "ours": round(result["load"][0], 2), "baseline": round(result["load"][1], 2),
+         "unit": "-", "ratio": "-", "goal": "-"},
         {"name": "Triton: switch time p50 / max (prepare -> confirmed: ready + 1 inference)",
          "ours": round(1000 * percentile(result["switch_s"], 0.5), 1),
          "baseline": round(1000 * max(result["switch_s"]), 1), "unit": "ms", "ratio": "-",

@@ -1,10 +1,10 @@
 """The Triton hand-off through a real ``tritonserver``'s life: readiness is a real inference (a
-version that loads but fails every request is refused with Triton's own error, the previous
-one keeps serving), a restart in explicit mode (which loads nothing) ends with the committed
-versions loaded again by ``heal()`` (loads through Triton's gRPC endpoint), ``keep_versions``
-is the number of versions kept on disk and ``loaded_versions`` the number Triton holds (one by
-default; a rollback to a kept version works), and the repository's files and folders have the
-documented modes."""
+version whose engine fails every request is refused with Triton's own error: its warmup
+sample fails the load; the previous one keeps serving), a restart in explicit mode (which
+loads nothing) ends with the committed versions loaded again by ``heal()`` (loads through
+Triton's gRPC endpoint), ``keep_versions`` is the number of versions kept on disk and
+``loaded_versions`` the number Triton holds (one by default; a rollback to a kept version
+works), and the repository's files and folders have the documented modes."""
 
 import os
 import stat
@@ -31,32 +31,37 @@ def adapter_for(server, **extra):
 
 
 def activate(adapter, new, previous):
+    """prepare, switch, confirm, and commit when confirmed (as the daemon does)."""
     adapter.prepare(new, previous)
     adapter.switch(new, previous)
-    return adapter.confirm(new)
+    confirmed = adapter.confirm(new)
+    if confirmed:
+        adapter.commit(new, previous)
+    return confirmed
 
 
 def test_a_version_that_fails_inference_is_refused_with_tritons_error(triton,  # noqa: F811
                                                                        tmp_path):
     models = tmp_path / "models"
     v1 = make_version(models, "v1", scale_model(1.0).SerializeToString())
-    # Loads fine (Triton reports it ready) but every request fails: the engine takes 5 values
-    # where its meta.json (and so config.pbtxt and every client) says 4.
+    # Its engine takes 5 values where its meta.json (and so config.pbtxt and every client) says
+    # 4: it would load, but every request fails. config.pbtxt's model_warmup runs one request
+    # of zeros before Triton calls the version ready, so Triton refuses the load itself.
     v2 = make_version(models, "v2", scale_model(2.0, width=5).SerializeToString())
     adapter = adapter_for(triton)
     assert activate(adapter, v1, None) is True
 
     adapter.prepare(v2, v1)
     adapter.switch(v2, v1)
-    assert adapter.ready("det", 2)  # loaded: Triton's own readiness says yes ...
+    assert not adapter.ready("det", 2)
     with pytest.raises(AgentError) as info:
-        adapter.confirm(v2)  # ... but it does not serve
+        adapter.confirm(v2)
     message = info.value.message
-    assert info.value.code == "handoff_failed"
-    assert "inference request" in message and "det@v2" in message
+    assert info.value.code == "handoff_failed" and "det@v2" in message
     assert "HTTP 4" in message or "HTTP 5" in message
-    assert "dimension" in message.lower() or "invalid" in message.lower(), message  # Triton's text
+    assert "warmup" in message and "invalid" in message.lower(), message  # Triton's text
     assert adapter.last_error(v2) in message
+    assert infer(triton.url) == (1.0, "1")  # v1 served all along
     adapter.revert(v1, v2)
     assert infer(triton.url) == (1.0, "1")
     assert not adapter.ready("det", 2)

@@ -115,12 +115,15 @@ def test_repository_without_url_links_engines_and_keeps_the_previous(tmp_path):
     meta = json.loads((model_dir / "1" / "meta.json").read_text())
     assert meta["triton"] == {"model": "detector", "version": 1,
                               "repository": str(tmp_path / "repo")}
+    adapter.commit(v1, None)
     adapter.prepare(v2, v1)
     adapter.switch(v2, v1)
     assert "versions: [ 1, 2 ]" in (model_dir / "config.pbtxt").read_text()
+    adapter.commit(v2, v1)
     adapter.prepare(v3, v2)
     adapter.switch(v3, v2)
     assert "versions: [ 2, 3 ]" in (model_dir / "config.pbtxt").read_text()
+    adapter.commit(v3, v2)
     assert sorted(os.listdir(str(model_dir))) == [
         "2", "3", "config.pbtxt", triton.MAP_FILE]
     assert [(e["triton"], e["version"]) for e in adapter.read_map("detector")] == [
@@ -304,8 +307,57 @@ def test_by_default_the_previous_version_stays_on_disk_but_is_not_listed(tmp_pat
     for new, previous in ((v1, None), (v2, v1), (v3, v2)):
         adapter.prepare(new, previous)
         adapter.switch(new, previous)
+        adapter.commit(new, previous)
     assert "versions: [ 3 ]" in (model_dir / "config.pbtxt").read_text()
     assert sorted(os.listdir(str(model_dir))) == ["2", "3", "config.pbtxt", triton.MAP_FILE]
     adapter.revert(v2, v3)  # the kept version: listed again from its folder, none added
     assert "versions: [ 2 ]" in (model_dir / "config.pbtxt").read_text()
     assert sorted(os.listdir(str(model_dir))) == ["2", "config.pbtxt", triton.MAP_FILE]
+
+
+def test_a_pending_version_does_not_count_against_keep_versions(tmp_path):
+    adapter = triton.from_config({"repository": str(tmp_path / "repo")}, "handoff[0]")
+    v1, v2, v3, v4 = (version(tmp_path, "detector", v) for v in ("v1", "v2", "v3", "v4"))
+    model_dir = tmp_path / "repo" / "detector"
+
+    def on_disk():
+        return {e["triton"]: e["version"] for e in adapter.read_map("detector")
+                if (model_dir / str(e["triton"])).is_dir()}
+
+    for new, previous in ((v1, None), (v2, v1)):
+        adapter.prepare(new, previous)
+        adapter.switch(new, previous)
+        adapter.commit(new, previous)
+    adapter.prepare(v3, v2)
+    adapter.switch(v3, v2)  # pending: keep_versions (2) committed ones stay beside it
+    assert on_disk() == {1: "v1", 2: "v2", 3: "v3"}
+    assert "versions: [ 3 ]" in (model_dir / "config.pbtxt").read_text()
+    adapter.revert(v2, v3)  # refused: both rollback targets are still there
+    assert on_disk() == {1: "v1", 2: "v2"}
+    assert "versions: [ 2 ]" in (model_dir / "config.pbtxt").read_text()
+    adapter.prepare(v1, v2)  # the operator's rollback to v1: a fresh folder, the old one goes
+    adapter.switch(v1, v2)
+    assert on_disk() == {2: "v2", 3: "v1"}
+    adapter.commit(v1, v2)
+    adapter.prepare(v4, v1)
+    adapter.switch(v4, v1)
+    assert on_disk() == {2: "v2", 3: "v1", 4: "v4"}
+    adapter.commit(v4, v1)  # committed: it counts now, the oldest goes
+    assert on_disk() == {3: "v1", 4: "v4"}
+    assert "versions: [ 4 ]" in (model_dir / "config.pbtxt").read_text()
+
+
+def test_the_warmup_sample_takes_the_profiles_opt_shape():
+    meta = {"inputs": [{"name": "x", "shape": [-1, 3, -1, -1], "dtype": "float32"}],
+            "outputs": [{"name": "y", "shape": [-1, 10], "dtype": "float32"}],
+            "profiles": [{"inputs": {"x": {"min": [1, 3, 32, 32], "opt": [4, 3, 64, 64],
+                                           "max": [8, 3, 128, 128]}}}]}
+    assert triton.warmup_inputs(meta) == [("x", "float32", [4, 3, 64, 64])]
+    doc = triton.config_doc("m", meta, [1], max_batch_size=8)
+    assert doc["model_warmup"] == [{"name": "zeros", "batch_size": 1, "inputs": {
+        "x": {"data_type": "TYPE_FP32", "dims": [3, 64, 64], "zero_data": True}}}]
+    body, length = triton.warmup_request(meta)
+    assert len(body) - length == 4 * 3 * 64 * 64 * 4  # the request of zeros, the same shape
+    too_big = dict(meta, profiles=[{"inputs": {"x": {"opt": [64, 3, 1024, 1024]}}}])
+    assert triton.warmup_inputs(too_big) is None  # over 64 MiB: no sample, ready alone
+    assert "model_warmup" not in triton.config_doc("m", too_big, [1], max_batch_size=8)

@@ -38,6 +38,10 @@ class Adapter(object):
         or the probe)."""
         return None
 
+    def commit(self, new: ModelVersion, previous: Optional[ModelVersion]) -> None:
+        """``new`` is committed (the app confirmed it): drop what it displaced (Triton: version
+        folders beyond keep_versions; a pending version never counts against them)."""
+
     def revert(self, previous: Optional[ModelVersion], failed: ModelVersion) -> None:
         """Hand the previous version back (or unload when there is none)."""
 
