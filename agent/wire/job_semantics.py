@@ -35,6 +35,8 @@ def plan_dict(doc: Mapping[str, Any]) -> Dict[str, Any]:
     # Sent only when asked for, so a plan without them reads (and keys) as before.
     if plan.get("dla_gpu_fallback") is False:
         out["dla_gpu_fallback"] = False
+    if plan.get("explicit_int8") is True:
+        out["explicit_int8"] = True
     if plan.get("plugins"):
         out["plugins"] = [{"file": p["file"], "sha256": p["sha256"]} for p in plan["plugins"]]
     calib = plan.get("calibration")

@@ -230,6 +230,11 @@ def test_a_jobs_plugins_are_files_of_the_models_plugins_folder_pinned_by_the_job
     assert err.value.code == "plugin_digest_mismatch"
     # Without either, the plan reads as it did before (same keys, same engine-cache key).
     assert "plugins" not in job_semantics.plan_dict(job_doc(plan={"precision": "fp16"}))
+    # A job may ask for our calibration as Q/DQ (explicit INT8, TensorRT >= 10.1) too.
+    doc = job_doc(plan={"precision": "int8", "explicit_int8": True})
+    protocol.decode("job", json.dumps(doc).encode())
+    assert BuildPlan.from_dict(job_semantics.plan_dict(doc)).explicit_int8
+    assert "explicit_int8" not in job_semantics.plan_dict(job_doc(plan={"precision": "int8"}))
 
 
 def test_the_11_profile_is_the_tensorrt_jetpack_ships_with_dla_on_agx_orin(monkeypatch,
