@@ -3,12 +3,13 @@ instances"): the seconds from a fault of the instance driving a rollout until th
 instance holds it, under the default lease (6 s), on SQLite and PostgreSQL; and the seconds
 from a kill -9 until a restart under the same (default) name holds its rollout again.
 
-Runs tests/integration/test_fleet_takeover.py (real Mosquitto, real PostgreSQL, real agents)
-REPEAT times (default 3), which writes its timings to a file (``TAKEOVER_TIMINGS``); each kind
-becomes a row with the median and the worst of its runs:
+Runs tests/integration/test_fleet_takeover.py and test_fleet_fencing.py (real Mosquitto, real
+PostgreSQL, real agents and simulated devices) REPEAT times (default 3), which write their
+timings to a file (``TAKEOVER_TIMINGS``); each kind becomes a row with the median and the worst
+of its runs:
 
-- ``sigstop``: the owner stopped (SIGSTOP); resumed after the takeover it writes and publishes
-  nothing (the test asserts it);
+- ``sigstop``: the owner stopped (SIGSTOP) mid-stream; resumed after the takeover it publishes,
+  deletes and serves nothing (the test asserts it);
 - ``kill9``: the owner killed (SIGKILL);
 - ``restart``: ten kill -9s in a row, each followed by a restart (lease 60 s there: waiting
   it out would show).
@@ -33,13 +34,14 @@ def measure(repeat=REPEAT):
     try:
         for _ in range(repeat):
             proc = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                 os.path.join(ROOT, "tests", "integration", "test_fleet_takeover.py")],
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"] +
+                [os.path.join(ROOT, "tests", "integration", name)
+                 for name in ("test_fleet_takeover.py", "test_fleet_fencing.py")],
                 cwd=ROOT, capture_output=True, text=True,
                 env=dict(os.environ, TAKEOVER_TIMINGS=path,
                          PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
             if proc.returncode != 0:
-                raise RuntimeError("test_fleet_takeover failed:\n" + proc.stdout[-4000:])
+                raise RuntimeError("the takeover tests failed:\n" + proc.stdout[-4000:])
         out = {}
         with open(path) as f:
             for line in f:

@@ -28,12 +28,14 @@ from agent.fleet.database.store import Store
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
 from tests.integration.test_fleet_service import ROOT, fleet_cli, fp16_args
 from tests.integration.test_fleet_takeover import (  # noqa: F401 - fixtures
+    TAKEOVER_BOUND_S,
     Instance,
     db_kind,
     heartbeat,
     lease,
     mosquitto,
     publishes,
+    record,
     url_of,
     wait_heartbeat,
     wait_lease,
@@ -150,6 +152,8 @@ def test_a_resumed_holder_publishes_deletes_and_serves_nothing(
         in_flight = COUNT - succeeded()
         (_o, _h, new_epoch, _s), t1 = wait_lease(
             db, "ro-fz", lambda r: r[0] and r[0] != owner, "taken over", procs)
+        record("sigstop_{}".format(db_kind), t1 - t0)
+        assert t1 - t0 <= TAKEOVER_BOUND_S, t1 - t0
         assert new_epoch > epoch
 
         fleet.lock.acquire()  # the devices hold still: nothing new for anyone to answer

@@ -2,10 +2,9 @@
 on real PostgreSQL and SQLite, a real Mosquitto (logging every PUBLISH and its sender) and real
 agents.
 
-- The owner of a rollout is stopped (SIGSTOP), then another one killed (SIGKILL): each time
-  the other instance holds the rollout within ``TAKEOVER_BOUND_S`` under the default lease
-  (docs/benchmarks.md records the figures); the stopped owner, resumed after the takeover,
-  writes nothing to the database and publishes nothing on the devices' job topics (fencing).
+- The owner of a rollout is killed (SIGKILL): the other instance holds the rollout within
+  ``TAKEOVER_BOUND_S`` under the default lease (docs/benchmarks.md records the figures). An
+  owner stopped (SIGSTOP) and resumed after a takeover, at scale: test_fleet_fencing.py.
 - Ten quick restarts under one (default) name take the rollout back at once, not after the
   lease (here 60 s, so that waiting it out could not pass for a quick takeover).
 - Two live instances on one host (default names) get distinct names and both serve; a name a
@@ -175,7 +174,7 @@ def db_kind(request):
     return request.param
 
 
-def test_sigstop_and_kill_9_takeover_and_the_resumed_owner_is_fenced(
+def test_kill_9_takeover_within_the_bound(
         db_kind, mosquitto, agent_factory, tmp_path, request):
     pg = request.getfixturevalue("postgres") if db_kind == "postgresql" else None
     db = url_of(db_kind, tmp_path, pg)
@@ -194,48 +193,7 @@ def test_sigstop_and_kill_9_takeover_and_the_resumed_owner_is_fenced(
         assert names["one"][0] != names["two"][0], names
         by_name = {names["one"][0]: one, names["two"][0]: two}
 
-        # 1. SIGSTOP the owner: the other takes over; resumed, the stopped one is fenced.
-        submit(db, tmp_path, "ro-stop", "tk-off")
-        (owner, holder, epoch, _), _t = wait_lease(db, "ro-stop", lambda r: r[0], "owned",
-                                                   procs)
-        stopped = by_name[owner]
-        stopped.proc.send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        (new_owner, _h, new_epoch, _s), t1 = wait_lease(
-            db, "ro-stop", lambda r: r[0] and r[0] != owner, "taken over", procs)
-        record("sigstop_{}".format(db_kind), t1 - t0)
-        assert t1 - t0 <= TAKEOVER_BOUND_S, t1 - t0
-        assert new_epoch > epoch
-        off.start()  # the device comes back: the new owner drives the job to its end
-        wait_lease(db, "ro-stop", lambda r: r[3] == "succeeded", "succeeded", procs, 180)
-        # The new owner's last writes (clears, acknowledgements) over: the rollout's rows stay
-        # the same through two of its ticks.
-        keeper = by_name[new_owner]
-        before, kbeat = None, heartbeat(db, new_owner)
-        while before != snapshot(db, "ro-stop") or before["outbox"]:
-            before = snapshot(db, "ro-stop")
-            for _ in range(2):
-                kbeat = wait_heartbeat(db, new_owner, kbeat, keeper)
-        beat = heartbeat(db, owner)
-        with open(mosquitto.log, "rb") as f:
-            mark = len(f.read())
-        stopped.proc.send_signal(signal.SIGCONT)
-        # Resumed, it handles what queued up for it (the job's statuses), then its tick:
-        # it lets the rollout go either way, and says so.
-        stopped.wait_for(r"rollout ro-stop: let go by")
-        for _ in range(2):  # two more ticks of its loop: anything it would send has gone
-            beat = wait_heartbeat(db, owner, beat, stopped)
-        after = snapshot(db, "ro-stop")
-        assert after == before, [(t, before[t], after[t]) for t in before
-                                 if before[t] != after[t]]
-        client = names["one" if stopped is one else "two"][1]
-        sent = [t for t in publishes(mosquitto, client, mark) if "/jobs/" in t or
-                "/commands" in t]
-        assert sent == [], sent
-
-        # 2. kill -9 the owner of the next rollout: the other takes over.
-        assert off.stop() == 0
-        wait_status(mosquitto, ["tk-off"], online=False)
+        # kill -9 the owner of a rollout: the other takes over.
         submit(db, tmp_path, "ro-kill", "tk-off")
         (owner, _h, epoch, _s), _t = wait_lease(db, "ro-kill", lambda r: r[0], "owned", procs)
         victim = by_name[owner]
@@ -251,8 +209,7 @@ def test_sigstop_and_kill_9_takeover_and_the_resumed_owner_is_fenced(
         wait_lease(db, "ro-kill", lambda r: r[3] == "succeeded", "succeeded", procs, 180)
         store = Store(db)
         try:
-            for rid in ("ro-stop", "ro-kill"):
-                assert store.rollout(rid)["counts"] == {"SUCCEEDED": 1}
+            assert store.rollout("ro-kill")["counts"] == {"SUCCEEDED": 1}
         finally:
             store.close()
     finally:
