@@ -60,6 +60,11 @@ class DeviceDirectory(object):
     def known(self) -> List[str]:
         return sorted(self.status)
 
+    @staticmethod
+    def boot_entry(boot: int) -> Dict[str, Any]:
+        """What a compact directory holds of a device known at ``boot``."""
+        return _boot_of({"boot": boot})
+
 
 _BOOTS: Dict[Any, Dict[str, Any]] = {}
 

@@ -27,7 +27,7 @@ from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollouts import durable, rollback_log, streaming
 from agent.fleet.rollouts.reread import Reread
 from agent.fleet.rollouts.rollout import Rollout
-from agent.wire import fanout_rounds, protocol
+from agent.wire import fanout_rounds, protocol, rollcall
 from agent.wire.topics import TopicInfo
 
 log = logging.getLogger("agent.fleet")
@@ -117,6 +117,12 @@ class FleetService(object):
         self.new_births = 0  # devices first heard since the last roll call
         self.rereads_dropped = 0  # (FleetConnection.rereads_dropped) when the last one began
         self.last_birth = 0.0
+        # Births to acknowledge once the registry holds them (devices that said they wait for
+        # it: agent.wire.rollcall.ACK_FEATURE): device -> boot. The call (token, window) is
+        # published at start: devices answer it at their slot of the window.
+        self.acks_owed: Dict[str, int] = {}
+        self.call: Optional[Tuple[str, float]] = None
+        self.stats["birth_acks"] = 0
         # Device admission (agent.fleet.admission.admission): the gate every device message passes.
         self.admission = admission
         self.engine_classes: Dict[str, Any] = {}  # device -> its platform.engine_class
@@ -535,6 +541,7 @@ class FleetService(object):
             if self.deployments is not None:
                 self.deployments.touch(self.devices_dirty)
             self.devices_dirty = {}
+            self._ack_births()
         if self.models_dirty:
             # Devices born again with a lower boot (re-imaged): their new message replaces
             # the old image's whatever its boot.
@@ -552,6 +559,25 @@ class FleetService(object):
             if self.on_telemetry is not None:
                 self.on_telemetry(self.telemetry_dirty)
             self.telemetry_dirty = {}
+
+    def _ack_births(self) -> None:
+        """The births the registry now holds, acknowledged (QoS 1, not retained): their
+        devices stop publishing them again (agent.device.birth_pacing)."""
+        owed, self.acks_owed = self.acks_owed, {}
+        token, window = self.call if self.call is not None else (None, rollcall.DEFAULT_WINDOW_S)
+        prefix = self.topics.prefix
+        for device, boot in owed.items():
+            self.conn.client.publish(rollcall.ack_topic(prefix, device),
+                                     rollcall.encode_ack(device, boot, token, window), qos=1)
+        self.stats["birth_acks"] += len(owed)
+
+    def _call(self, devices: int) -> None:
+        """The retained call: devices acknowledged under another call (before this start)
+        answer it, each at its slot of a window sized to the registry, so the broker's queue
+        never holds more answers than it takes."""
+        self.call = ("c" + os.urandom(8).hex(), rollcall.window_for(devices))
+        self.conn.client.publish(rollcall.call_topic(self.topics.prefix),
+                                 rollcall.encode_call(*self.call), qos=1, retain=True)
 
     # -- messages -----------------------------------------------------------------------------
 
@@ -574,6 +600,8 @@ class FleetService(object):
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
                 # One frozenset (and string) per distinct value, not one per device.
                 fs = device_models.features(msg)
+                if msg.get("online") is True and rollcall.ACK_FEATURE in fs:
+                    self.acks_owed[info.device] = msg["boot"]
                 self.features[info.device] = self._interned.setdefault(fs, fs)
                 cls = msg["platform"].get("engine_class")
                 self.engine_classes[info.device] = self._interned.setdefault(cls, cls) \
@@ -707,6 +735,14 @@ class FleetService(object):
 
     def start(self) -> None:
         self.newest_seen = self.store.newest_rollout_created()
+        boots = self.store.device_boots()
+        directory = self.conn.directory
+        if directory.compact:
+            # The registry is in the database: the roll call reads the statuses of devices
+            # born again (or never heard) since, not of all of them.
+            for device, boot in boots.items():
+                directory.status.setdefault(device, directory.boot_entry(boot))
+        self._call(len(boots))
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
         last = self.conn.last_roll_call  # discover() may have taken one just now

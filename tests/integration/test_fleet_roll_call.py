@@ -200,3 +200,44 @@ def test_a_round_whose_mark_was_dropped_times_out_on_a_quiet_connection(tight_br
     finally:
         conn.close()
         fleet.stop()
+
+
+def test_births_the_broker_dropped_are_published_again_until_acknowledged(tight_broker, tmp_path,
+                                                                          monkeypatch):
+    """Issue 37: each device publishes its birth again (paced, doubling waits plus its slot of
+    the window) until the service acknowledges it. The service's network thread stalls during a
+    burst of 1,000 births on a broker queueing 120 (most are dropped) and no roll call runs:
+    the retries alone fill the registry. Devices of the previous release are sent nothing."""
+    import agent.fleet.service as service_module
+
+    monkeypatch.setattr(service_module, "BURST_BIRTHS", 10 ** 9)  # no roll call to help
+    service, store, conn = service_on(tight_broker, tmp_path)
+    fleet = SimulatedFleet(tight_broker.host, tight_broker.port, 1000, name="ack",
+                           ack_wait_s=0.5)
+    old = SimulatedFleet(tight_broker.host, tight_broker.port, 10, name="old", acks=False)
+    try:
+        service.start()
+        service.roll_call_every_s = 1e9
+        conn.client._client.loop_stop()
+        try:
+            births(fleet)
+            births(old)
+        finally:
+            conn.client._client.loop_start()
+        deadline = time.monotonic() + 60
+        while len(fleet.acked) < 1000 and time.monotonic() < deadline:
+            service.step()
+        assert len(fleet.acked) == 1000, (len(fleet.acked), fleet.births)
+        service._flush_devices()
+        registered = {d["device"] for d in store.devices()}
+        assert set(fleet.devices) <= registered
+        assert fleet.births > 1000  # the broker dropped births: they went out again
+        assert conn.last_roll_call is not None and conn.last_roll_call.stats["entries"] == 0
+        assert conn.rollcall is None  # (only the empty one at start)
+        assert old.acked == {} and old.births == 0
+        print("1,000 births on a 120-message queue: {} published, all acknowledged".format(
+            fleet.births))
+    finally:
+        conn.close()
+        fleet.stop()
+        old.stop()
