@@ -105,6 +105,8 @@ class SimulatedFleet(object):
         if acks:
             self.platform["features"] = [rollcall.ACK_FEATURE]
         self.acked: Dict[str, Optional[str]] = {}  # device -> the call its ack named
+        self.answered: Dict[str, str] = {}  # device -> the last call it answered
+        self.call: Optional[str] = None  # the last call heard
         self.births = 0  # births published, retries and answers included
         self.last_ack: Optional[float] = None  # when the last device was first acknowledged
         self.window_s = rollcall.DEFAULT_WINDOW_S
@@ -253,10 +255,10 @@ class SimulatedFleet(object):
             return
         token, window = call
         with self.lock:
-            self.window_s = window
+            self.window_s, self.call = window, token
             for dev in self.conn_devices[conn]:
-                if dev in self.acked and self.acked[dev] != token:
-                    self.acked[dev] = token
+                if dev in self.acked and token not in (self.acked[dev], self.answered.get(dev)):
+                    self.answered[dev] = token
                     self._attempt[dev] = 0
                     self._schedule(dev, rollcall.slot(dev) * window)
 
