@@ -185,8 +185,12 @@ def run_once(n, timeout=3600):
 
         signing = job_signer.generate_keypair(work, "bench-signing")["private_key"]
         env = dict(os.environ, PYTHONPATH=ROOT)
+        # STREAM_CPROFILE=FILE: the service under cProfile (written when it exits), for the
+        # cost per document by function.
+        cprof = ["-m", "cProfile", "-o", os.environ["STREAM_CPROFILE"]] \
+            if os.environ.get("STREAM_CPROFILE") else []
         serve = subprocess.Popen(
-            [sys.executable, "-m", "agent", "fleet", "serve", "--broker",
+            [sys.executable] + cprof + ["-m", "agent", "fleet", "serve", "--broker",
              "mqtt://127.0.0.1:{}".format(port), "--db", db, "--admission", "keys",
              "--admission-keys", keys, "--signing-key", signing],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
