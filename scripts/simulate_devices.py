@@ -113,6 +113,7 @@ class SimulatedFleet(object):
         self._due: List[Tuple[float, int, str]] = []  # (when, generation, device): heap
         self._gen: Dict[str, int] = {}  # device -> its pending birth's generation
         self._attempt: Dict[str, int] = {}
+        self._sent: Dict[str, float] = {}  # device -> when its last birth went out
         self.devices = ["{}-{:05d}".format(name, i) for i in range(count)]
         self.known = set(self.devices)
         self.fetch = fetch
@@ -214,14 +215,17 @@ class SimulatedFleet(object):
                 self.births += 1
                 attempt = self._attempt.get(dev, 0)
                 self._attempt[dev] = attempt + 1
+                self._sent[dev] = time.monotonic()
                 self._schedule(dev, rollcall.retry_delay(dev, attempt, self.window_s,
                                                          self.ack_wait_s))
 
-    def _schedule(self, dev: str, delay: float) -> None:
-        """(Holding the lock.) The device's birth again in ``delay`` s; earlier plans void."""
+    def _schedule(self, dev: str, delay: float, since: Optional[float] = None) -> None:
+        """(Holding the lock.) The device's birth again ``delay`` s after ``since`` (now);
+        earlier plans void."""
         gen = self._gen.get(dev, 0) + 1
         self._gen[dev] = gen
-        heapq.heappush(self._due, (time.monotonic() + delay, gen, dev))
+        at = (time.monotonic() if since is None else since) + delay
+        heapq.heappush(self._due, (at, gen, dev))
 
     def _births_due(self) -> None:
         """(The network thread.) Births whose acknowledgement is overdue, or whose slot of a
@@ -257,7 +261,12 @@ class SimulatedFleet(object):
         with self.lock:
             self.window_s, self.call = window, token
             for dev in self.conn_devices[conn]:
-                if dev in self.acked and token not in (self.acked[dev], self.answered.get(dev)):
+                if dev not in self.acked:  # its retry, paced by the call's window
+                    if dev in self._sent:
+                        self._schedule(dev, rollcall.retry_delay(
+                            dev, self._attempt[dev] - 1, window, self.ack_wait_s),
+                            self._sent[dev])
+                elif token not in (self.acked[dev], self.answered.get(dev)):
                     self.answered[dev] = token
                     self._attempt[dev] = 0
                     self._schedule(dev, rollcall.slot(dev) * window)

@@ -26,6 +26,7 @@ class BirthPacer(object):
         self.acked_call: Optional[str] = None  # the call current when the last ack was sent
         self.attempt = 0
         self.next_at: Optional[float] = None  # when the birth goes out again; None: not owed
+        self.sent_at, self.sent_attempt = 0.0, 0  # the last birth: when, which attempt
 
     def connected(self) -> None:
         """A new connection: its birth starts a new series of waits."""
@@ -34,9 +35,13 @@ class BirthPacer(object):
     def published(self) -> None:
         """A birth just went out: wait for its acknowledgement, or publish it again."""
         self.acked = False
-        self.next_at = self.clock() + rollcall.retry_delay(
-            self.device, self.attempt, self.window_s, self.ack_wait_s, self.max_backoff_s)
+        self.sent_at, self.sent_attempt = self.clock(), self.attempt
+        self._pace()
         self.attempt += 1
+
+    def _pace(self) -> None:
+        self.next_at = self.sent_at + rollcall.retry_delay(
+            self.device, self.sent_attempt, self.window_s, self.ack_wait_s, self.max_backoff_s)
 
     def due(self) -> bool:
         return self.next_at is not None and self.clock() >= self.next_at
@@ -53,12 +58,17 @@ class BirthPacer(object):
     def on_call(self, payload: bytes) -> None:
         """A controller's call: answered at this device's slot of its window, unless the
         birth is already acknowledged under this call or still waits for its acknowledgement
-        (whose retry is paced by the window just learnt)."""
+        (its retry is paced again by the window just learnt: a birth sent before the call
+        came was paced by the default window)."""
         call = rollcall.parse_call(payload)
         if call is None:
             return
         token, self.window_s = call
-        if not self.acked or token == self.acked_call:
+        if not self.acked:
+            if self.next_at is not None:
+                self._pace()
+            return
+        if token == self.acked_call:
             return
         self.acked_call = token  # answered once per call, whatever comes of the answer
         self.attempt = 0

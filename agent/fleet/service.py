@@ -573,9 +573,10 @@ class FleetService(object):
 
     def _call(self, devices: int) -> None:
         """The retained call: devices acknowledged under another call (before this start)
-        answer it, each at its slot of a window sized to the registry, so the broker's queue
+        answer it, each at its slot of a window sized to the fleet, so the broker's queue
         never holds more answers than it takes."""
-        self.call = ("c" + os.urandom(8).hex(), rollcall.window_for(devices))
+        assert self.call is not None
+        self.call = (self.call[0], rollcall.window_for(devices))
         self.conn.client.publish(rollcall.call_topic(self.topics.prefix),
                                  rollcall.encode_call(*self.call), qos=1, retain=True)
 
@@ -742,7 +743,9 @@ class FleetService(object):
             # born again (or never heard) since, not of all of them.
             for device, boot in boots.items():
                 directory.status.setdefault(device, directory.boot_entry(boot))
-        self._call(len(boots))
+        # This start's call: the births acknowledged from now on name it (their devices need
+        # not answer it); it is published once the roll call is over.
+        self.call = ("c" + os.urandom(8).hex(), rollcall.window_for(len(boots)))
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
         last = self.conn.last_roll_call  # discover() may have taken one just now
@@ -750,6 +753,11 @@ class FleetService(object):
         if last is None or time.monotonic() - last.started > 60.0 or dropped:
             self.conn.roll_call(self.on_message)  # those the broker's queue left out
         self.rereads_dropped = dropped  # (any dropped during that roll call: the next one)
+        # The call goes out once the roll call is over (it would compete with the answers for
+        # the broker's queue), its window sized to the fleet it found.
+        rc = self.conn.last_roll_call
+        self._call(max(len(boots), len(self.conn.directory.status),
+                       rc.stats["entries"] if rc is not None else 0))
         self.new_births = 0
         self.last_roll_call = time.monotonic()
         self._commit_pending()

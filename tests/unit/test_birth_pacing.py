@@ -82,11 +82,14 @@ def test_a_birth_goes_out_again_until_acknowledged_then_answers_each_call_once()
 
 def test_a_call_while_the_birth_waits_for_its_ack_only_paces_the_retry():
     clock = Clock()
+    slot = rollcall.slot("dev-9")
     pacer = BirthPacer("dev-9", 1, clock=clock, ack_wait_s=1.0)
     pacer.published()
-    first = pacer.next_at
-    pacer.on_call(rollcall.encode_call("c1", 60.0))
-    assert pacer.next_at == first and pacer.window_s == 60.0
-    clock.t = first
+    sent = clock.t
+    assert pacer.next_at == sent + 1.0 + slot * rollcall.DEFAULT_WINDOW_S
+    clock.t += 0.5
+    pacer.on_call(rollcall.encode_call("c1", 2.0))  # the retry, paced by the call's window
+    assert pacer.next_at == sent + 1.0 + slot * 2.0 and pacer.window_s == 2.0
+    clock.t = pacer.next_at
     pacer.published()
-    assert pacer.next_at == clock.t + 2.0 + rollcall.slot("dev-9") * 60.0
+    assert pacer.next_at == clock.t + 2.0 + slot * 2.0
