@@ -109,7 +109,7 @@ class SimulatedFleet(object):
         self.call: Optional[str] = None  # the last call heard
         self.births = 0  # births published, retries and answers included
         self.last_ack: Optional[float] = None  # when the last device was first acknowledged
-        self.window_s = rollcall.DEFAULT_WINDOW_S
+        self.window_s: Optional[float] = None  # the last call's (None: no call heard)
         self._due: List[Tuple[float, int, str]] = []  # (when, generation, device): heap
         self._gen: Dict[str, int] = {}  # device -> its pending birth's generation
         self._attempt: Dict[str, int] = {}
@@ -216,16 +216,24 @@ class SimulatedFleet(object):
                 attempt = self._attempt.get(dev, 0)
                 self._attempt[dev] = attempt + 1
                 self._sent[dev] = time.monotonic()
-                self._schedule(dev, rollcall.retry_delay(dev, attempt, self.window_s,
-                                                         self.ack_wait_s))
+                self._pace(dev)
 
-    def _schedule(self, dev: str, delay: float, since: Optional[float] = None) -> None:
-        """(Holding the lock.) The device's birth again ``delay`` s after ``since`` (now);
-        earlier plans void."""
+    def _pace(self, dev: str) -> None:
+        """(Holding the lock.) A birth not acknowledged goes out again after its backoff (or
+        now, if that passed before a call came) plus its slot of the window; before any call,
+        not at all (agent.device.birth_pacing)."""
+        if self.window_s is None:
+            return
+        backoff = rollcall.retry_delay(dev, self._attempt[dev] - 1, 0.0, self.ack_wait_s)
+        at = max(self._sent[dev] + backoff, time.monotonic()) + rollcall.slot(dev) * \
+            self.window_s
+        self._schedule(dev, at - time.monotonic())
+
+    def _schedule(self, dev: str, delay: float) -> None:
+        """(Holding the lock.) The device's birth again in ``delay`` s; earlier plans void."""
         gen = self._gen.get(dev, 0) + 1
         self._gen[dev] = gen
-        at = (time.monotonic() if since is None else since) + delay
-        heapq.heappush(self._due, (at, gen, dev))
+        heapq.heappush(self._due, (time.monotonic() + delay, gen, dev))
 
     def _births_due(self) -> None:
         """(The network thread.) Births whose acknowledgement is overdue, or whose slot of a
@@ -244,7 +252,6 @@ class SimulatedFleet(object):
         if ack is None or ack[0] != 1:
             return
         with self.lock:
-            self.window_s = ack[2]
             self._gen[dev] = self._gen.get(dev, 0) + 1  # no retry
             self._attempt[dev] = 0
             if dev not in self.acked:
@@ -263,9 +270,7 @@ class SimulatedFleet(object):
             for dev in self.conn_devices[conn]:
                 if dev not in self.acked:  # its retry, paced by the call's window
                     if dev in self._sent:
-                        self._schedule(dev, rollcall.retry_delay(
-                            dev, self._attempt[dev] - 1, window, self.ack_wait_s),
-                            self._sent[dev])
+                        self._pace(dev)
                 elif token not in (self.acked[dev], self.answered.get(dev)):
                     self.answered[dev] = token
                     self._attempt[dev] = 0

@@ -564,7 +564,10 @@ class FleetService(object):
         """The births the registry now holds, acknowledged (QoS 1, not retained): their
         devices stop publishing them again (agent.device.birth_pacing)."""
         owed, self.acks_owed = self.acks_owed, {}
-        token, window = self.call if self.call is not None else (None, rollcall.DEFAULT_WINDOW_S)
+        token, window = self.call if self.call is not None else (None, rollcall.MIN_WINDOW_S)
+        # (The window a device keeps for its next retries: sized to the fleet known so far,
+        # which grows during a first start's roll call.)
+        window = max(window, rollcall.window_for(len(self.conn.directory.status)))
         prefix = self.topics.prefix
         for device, boot in owed.items():
             self.conn.client.publish(rollcall.ack_topic(prefix, device),

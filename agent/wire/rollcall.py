@@ -88,20 +88,18 @@ def parse_entry(prefix: str, topic_name: str, payload: bytes) -> Optional[Tuple[
 # fleet answers: each device answers (its birth again) at its own slot of that window, a
 # fraction fixed by its id's hash, so the answers reach the controller's session queue at the
 # rate the window was sized for instead of all at once (Mosquitto drops what does not fit).
+# A device retries only once it heard a call: before, no controller that acknowledges is
+# known to run, and one starting reads the births it missed by its roll call.
 
 ACK_FEATURE = "birth_ack"
 # Births a window is sized for: each is up to three messages (status, models, entry), each
-# checked (a signature) by a controller that also serves a roll call and rollouts meanwhile.
+# checked (a signature) by a controller that also serves rollouts meanwhile.
 ANSWERS_PER_S = 500.0
 MIN_WINDOW_S = 1.0
 MAX_WINDOW_S = 600.0
-# A device that heard no call yet (no controller since the broker started, or one of the
-# previous release) spreads its retries over this: a fleet of 50,000 booted at once retries at
-# about 400 births a second, not all at once.
-DEFAULT_WINDOW_S = 120.0
 # The first wait for an acknowledgement, doubled at each retry up to MAX_BACKOFF_S (plus the
 # device's slot of the window). Births the broker dropped are also read by the controller's
-# roll call (the retained copies); the retries are for what that misses.
+# roll call (their retained copies); the retries are for what that misses.
 ACK_WAIT_S = 30.0
 MAX_BACKOFF_S = 300.0
 ACK_MAX_BYTES = 512

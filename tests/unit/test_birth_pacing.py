@@ -54,17 +54,29 @@ class Clock(object):
         return self.t
 
 
+def test_before_any_call_a_birth_goes_out_once():
+    clock = Clock()
+    pacer = BirthPacer("dev-3", 1, clock=clock, ack_wait_s=1.0)
+    pacer.published()
+    clock.t += 10000.0
+    assert not pacer.due() and pacer.next_at is None
+    pacer.on_call(rollcall.encode_call("c1", 8.0))  # a controller that acknowledges came:
+    # the retry, whose backoff passed long ago, at the device's slot of the window from now
+    assert pacer.next_at == clock.t + rollcall.slot("dev-3") * 8.0
+
+
 def test_a_birth_goes_out_again_until_acknowledged_then_answers_each_call_once():
     clock = Clock()
-    pacer = BirthPacer("dev-7", 4, clock=clock, ack_wait_s=1.0, max_backoff_s=4.0)
     offset = rollcall.slot("dev-7")
+    pacer = BirthPacer("dev-7", 4, clock=clock, ack_wait_s=1.0, max_backoff_s=4.0)
+    pacer.on_call(rollcall.encode_call("c0", 10.0))
     pacer.connected()
     pacer.published()
     assert not pacer.due()
-    clock.t += 1.0 + offset * rollcall.DEFAULT_WINDOW_S
+    clock.t += 1.0 + offset * 10.0
     assert pacer.due()
     pacer.published()  # the retry waits twice as long
-    assert pacer.next_at == clock.t + 2.0 + offset * rollcall.DEFAULT_WINDOW_S
+    assert pacer.next_at == clock.t + 2.0 + offset * 10.0
     assert not pacer.on_ack(rollcall.encode_ack("dev-7", 3, None, 5.0))  # an older boot's
     assert not pacer.on_ack(rollcall.encode_ack("dev-8", 4, None, 5.0))
     assert pacer.on_ack(rollcall.encode_ack("dev-7", 4, "c1", 20.0))
@@ -84,9 +96,10 @@ def test_a_call_while_the_birth_waits_for_its_ack_only_paces_the_retry():
     clock = Clock()
     slot = rollcall.slot("dev-9")
     pacer = BirthPacer("dev-9", 1, clock=clock, ack_wait_s=1.0)
+    pacer.on_call(rollcall.encode_call("c1", 60.0))
     pacer.published()
     sent = clock.t
-    assert pacer.next_at == sent + 1.0 + slot * rollcall.DEFAULT_WINDOW_S
+    assert pacer.next_at == sent + 1.0 + slot * 60.0
     clock.t += 0.5
     pacer.on_call(rollcall.encode_call("c1", 2.0))  # the retry, paced by the call's window
     assert pacer.next_at == sent + 1.0 + slot * 2.0 and pacer.window_s == 2.0
