@@ -115,6 +115,7 @@ class FleetService(object):
         self.roll_call_every_s = ROLL_CALL_EVERY_S
         self.last_roll_call = 0.0
         self.new_births = 0  # devices first heard since the last roll call
+        self.heard = 0  # (the directory's first_heard when last looked at)
         self.rereads_dropped = 0  # (FleetConnection.rereads_dropped) when the last one began
         self.last_birth = 0.0
         # Births to acknowledge once the registry holds them (devices that said they wait for
@@ -597,8 +598,12 @@ class FleetService(object):
             except AgentError as exc:
                 log.debug("block request from %s not answered: %s", info.device, exc)
         elif info.kind == "status":
-            if info.device not in self.devices_dirty and info.device not in self.features:
-                self.new_births += 1
+            # Devices the directory did not hold (a restarted service holds its registry's:
+            # their answers to its call are no burst of new devices).
+            heard = self.conn.directory.first_heard
+            if heard != self.heard:
+                self.new_births += heard - self.heard
+                self.heard = heard
                 self.last_birth = time.monotonic()
             self.devices_dirty[info.device] = msg
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
@@ -749,6 +754,7 @@ class FleetService(object):
         # This start's call: the births acknowledged from now on name it (their devices need
         # not answer it); it is published once the roll call is over.
         self.call = ("c" + os.urandom(8).hex(), rollcall.window_for(len(boots)))
+        self.heard = directory.first_heard
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
         last = self.conn.last_roll_call  # discover() may have taken one just now
