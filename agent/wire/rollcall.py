@@ -94,7 +94,7 @@ def parse_entry(prefix: str, topic_name: str, payload: bytes) -> Optional[Tuple[
 ACK_FEATURE = "birth_ack"
 # Births a window is sized for: each is up to three messages (status, models, entry), each
 # checked (a signature) by a controller that also serves rollouts meanwhile.
-ANSWERS_PER_S = 500.0
+ANSWERS_PER_S = 250.0
 MIN_WINDOW_S = 1.0
 MAX_WINDOW_S = 600.0
 # The first wait for an acknowledgement, doubled at each retry up to MAX_BACKOFF_S (plus the
