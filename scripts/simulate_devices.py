@@ -15,6 +15,10 @@ With ``--identity`` (``SimulatedFleet(identity=True)``) each device has its own 
 (in memory), announces it in its birth and signs everything it publishes as a daemon does
 (``agent.wire.device_identity``); ``write_keys(path)`` writes the public keys for the
 controller's ``--admission keys --admission-keys FILE``, as manufacturing would.
+With ``acks`` on (the default; ``--no-acks``: devices of the release before) each device waits
+for the controller's acknowledgement of its birth and publishes it again until it comes, and
+answers the controller's call at its slot of the call's window, as a daemon does
+(agent.device.birth_pacing); ``acked`` holds the devices acknowledged.
 
     python scripts/simulate_devices.py --broker mqtt://127.0.0.1:1883 --count 10000 \
         --connections 100
@@ -22,6 +26,7 @@ controller's ``--admission keys --admission-keys FILE``, as manufacturing would.
 
 import argparse
 import copy
+import heapq
 import json
 import os
 import select
@@ -93,10 +98,24 @@ class SimulatedFleet(object):
                  prefix: str = DEFAULT_PREFIX, fetch: bool = False,
                  fanout: bool = False, roll_call: bool = True,
                  labels: Optional[Dict[str, str]] = None, identity: bool = False,
-                 connections: Optional[int] = None) -> None:
+                 connections: Optional[int] = None, acks: bool = True,
+                 ack_wait_s: float = rollcall.ACK_WAIT_S) -> None:
         self.topics = Topics(prefix)
         self.roll_call = roll_call  # False: devices of the release before the roll call
-        self.platform = dict(PLATFORM, labels=dict(labels)) if labels else PLATFORM
+        self.platform = dict(PLATFORM, labels=dict(labels)) if labels else dict(PLATFORM)
+        self.acks, self.ack_wait_s = acks, ack_wait_s
+        if acks:
+            self.platform["features"] = [rollcall.ACK_FEATURE]
+        self.acked: Dict[str, Optional[str]] = {}  # device -> the call its ack named
+        self.answered: Dict[str, str] = {}  # device -> the last call it answered
+        self.call: Optional[str] = None  # the last call heard
+        self.births = 0  # births published, retries and answers included
+        self.last_ack: Optional[float] = None  # when the last device was first acknowledged
+        self.window_s: Optional[float] = None  # the last call's (None: no call heard)
+        self._due: List[Tuple[float, int, str]] = []  # (when, generation, device): heap
+        self._gen: Dict[str, int] = {}  # device -> its pending birth's generation
+        self._attempt: Dict[str, int] = {}
+        self._sent: Dict[str, float] = {}  # device -> when its last birth went out
         self.devices = ["{}-{:05d}".format(name, i) for i in range(count)]
         self.known = set(self.devices)
         self.fetch = fetch
@@ -181,16 +200,83 @@ class SimulatedFleet(object):
                 raise TimeoutError("the broker did not accept all {} simulator connections "
                                    "within 60 s".format(len(self.clients)))
         for dev in self.devices:
-            platform = dict(self.platform)
-            if dev in self.signers:
-                platform["identity"] = self.signers[dev].key.identity()
-            msg = status_messages.status_message(dev, True, 1, "sim", platform, [],
-                                                 ts=time.time())
-            self._publish(dev, self.topics.status(dev), protocol.encode(msg), True)
-            if self.roll_call:
-                self.clients[self.conn_of[dev]].publish(
-                    rollcall.topic(self.topics.prefix, dev), rollcall.encode_marker(dev, 1), 1,
-                    True)
+            self._birth(dev)
+
+    def _birth(self, dev: str) -> None:
+        """The device's retained birth and roll-call entry; with acks, its retry scheduled."""
+        platform = dict(self.platform)
+        if dev in self.signers:
+            platform["identity"] = self.signers[dev].key.identity()
+        msg = status_messages.status_message(dev, True, 1, "sim", platform, [], ts=time.time())
+        self._publish(dev, self.topics.status(dev), protocol.encode(msg), True)
+        if self.roll_call:
+            self.clients[self.conn_of[dev]].publish(
+                rollcall.topic(self.topics.prefix, dev), rollcall.encode_marker(dev, 1), 1, True)
+        if self.acks:
+            with self.lock:
+                self.births += 1
+                attempt = self._attempt.get(dev, 0)
+                self._attempt[dev] = attempt + 1
+                self._sent[dev] = time.monotonic()
+                self._pace(dev)
+
+    def _pace(self, dev: str) -> None:
+        """(Holding the lock.) A birth not acknowledged goes out again after its backoff (or
+        now, if that passed before a call came) plus its slot of the window; before any call,
+        not at all (agent.device.birth_pacing)."""
+        if self.window_s is None:
+            return
+        backoff = rollcall.retry_delay(dev, self._attempt[dev] - 1, 0.0, self.ack_wait_s)
+        at = max(self._sent[dev] + backoff, time.monotonic()) + rollcall.slot(dev) * \
+            self.window_s
+        self._schedule(dev, at - time.monotonic())
+
+    def _schedule(self, dev: str, delay: float) -> None:
+        """(Holding the lock.) The device's birth again in ``delay`` s; earlier plans void."""
+        gen = self._gen.get(dev, 0) + 1
+        self._gen[dev] = gen
+        heapq.heappush(self._due, (time.monotonic() + delay, gen, dev))
+
+    def _births_due(self) -> None:
+        """(The network thread.) Births whose acknowledgement is overdue, or whose slot of a
+        call's window came, published again."""
+        now, due = time.monotonic(), []
+        with self.lock:
+            while self._due and self._due[0][0] <= now:
+                _t, gen, dev = heapq.heappop(self._due)
+                if self._gen.get(dev) == gen:
+                    due.append(dev)
+        for dev in due:
+            self._birth(dev)
+
+    def _on_ack(self, dev: str, payload: bytes) -> None:
+        ack = rollcall.parse_ack(dev, payload)
+        if ack is None or ack[0] != 1:
+            return
+        with self.lock:
+            self._gen[dev] = self._gen.get(dev, 0) + 1  # no retry
+            self._attempt[dev] = 0
+            if dev not in self.acked:
+                self.last_ack = time.time()
+            self.acked[dev] = ack[1]
+
+    def _on_call(self, conn: int, payload: bytes) -> None:
+        """A call, delivered on every connection: that connection's acknowledged devices
+        answer it at their slots."""
+        call = rollcall.parse_call(payload)
+        if call is None:
+            return
+        token, window = call
+        with self.lock:
+            self.window_s, self.call = window, token
+            for dev in self.conn_devices[conn]:
+                if dev not in self.acked:  # its retry, paced by the call's window
+                    if dev in self._sent:
+                        self._pace(dev)
+                elif token not in (self.acked[dev], self.answered.get(dev)):
+                    self.answered[dev] = token
+                    self._attempt[dev] = 0
+                    self._schedule(dev, rollcall.slot(dev) * window)
 
     def flush(self, timeout: float = 60.0) -> None:
         """Wait until the broker acknowledged what every connection published so far (QoS 1
@@ -218,6 +304,10 @@ class SimulatedFleet(object):
             filters += [(base + "/jobs/+", 1), (base + "/artifacts/+/block/+", 1)]
         if self.fanout:  # the artifacts' shared block topics, as a fetching device does
             filters.append((self.topics.prefix + "/artifacts/+/block/+", 1))
+        if self.acks:
+            filters.append((rollcall.call_topic(self.topics.prefix), 1))
+            filters += [(rollcall.ack_topic(self.topics.prefix, dev), 1)
+                        for dev in self.conn_devices[k]]
         client = self.clients[k]
         for i in range(0, len(filters), SUBSCRIBE_BATCH):
             client.subscribe(filters[i:i + SUBSCRIBE_BATCH])
@@ -251,6 +341,8 @@ class SimulatedFleet(object):
             for sock in writable:
                 if sock in socks:
                     socks[sock].loop_write()
+            if self.acks:
+                self._births_due()
             now = time.monotonic()
             if now - misc_at >= 1.0:
                 misc_at = now
@@ -277,6 +369,15 @@ class SimulatedFleet(object):
         self._publish(dev, pub.topic, pub.payload, True)
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
+        roll = self.topics.prefix + "/rollcall/"
+        if message.topic.startswith(roll):
+            if message.topic == roll + "call":
+                self._on_call(userdata, message.payload)
+            elif message.topic.startswith(roll + "ack/"):
+                dev = message.topic[len(roll) + 4:]
+                if dev in self.known:
+                    self._on_ack(dev, message.payload)
+            return
         try:
             info = self.topics.parse(message.topic)
         except Exception:  # noqa: BLE001 - not ours
@@ -395,6 +496,8 @@ def main() -> int:
                                                   MAX_DEFAULT_CONNECTIONS))
     p.add_argument("--identity", metavar="KEYS_FILE", help="device keys: sign every report, "
                    "write the public keys here (for fleet serve --admission-keys)")
+    p.add_argument("--no-acks", dest="acks", action="store_false", help="devices of the "
+                   "release before acknowledged births: each birth published once")
     p.add_argument("--stats", metavar="FILE", help="at exit (Ctrl-C, SIGTERM), write what the "
                    "devices saw here as JSON: first and last job document received, last final "
                    "status sent (epoch seconds), jobs succeeded, CONNACKs")
@@ -404,7 +507,7 @@ def main() -> int:
     host, _, port = hostport.partition(":")
     fleet = SimulatedFleet(host, int(port or 1883), args.count, args.name, args.prefix,
                            args.fetch, args.fanout, identity=bool(args.identity),
-                           connections=args.connections)
+                           connections=args.connections, acks=args.acks)
     if args.identity:
         fleet.write_keys(args.identity)
     fleet.start()
@@ -423,7 +526,8 @@ def main() -> int:
         with open(args.stats + ".tmp", "w") as f:
             json.dump({"first_doc": fleet.first_doc, "last_doc": fleet.last_doc,
                        "last_final": fleet.last_final, "succeeded": fleet.succeeded,
-                       "connects": fleet.connects}, f)
+                       "connects": fleet.connects, "acked": len(fleet.acked),
+                       "births": fleet.births, "last_ack": fleet.last_ack}, f)
         os.replace(args.stats + ".tmp", args.stats)
     return 0
 

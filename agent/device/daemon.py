@@ -212,6 +212,8 @@ def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
     publisher = StatusPublisher(
         journal, mqtt, topics, device, boot, state_dir, platform_status, shared.counters,
         on_job_end=lambda: reclaim_partials(store, cfg.limits.max_partial_age_s, "job end"))
+    for topic in publisher.birth_subscriptions():  # the roll call's call and acknowledgements
+        mqtt.subscribe(topic, 1)
     # Ended: whatever stage a job reached, it ends here (its downloads cancelled).
     ending = JobEnding(shared, publisher, fetcher.cancel, show_activity)
 
@@ -344,7 +346,7 @@ class Daemon:
         p = self.parts
         for step in (p.scheduler.schedule, p.supervisor.check_run, p.switch.tick,
                      self._fetcher_tick,
-                     p.telemetry.tick, p.publisher.flush):
+                     p.telemetry.tick, p.publisher.flush, p.publisher.birth_tick):
             try:
                 step()
             except Exception:  # noqa: BLE001
@@ -378,6 +380,7 @@ class Daemon:
         elif ev.kind == CONNECTED:
             log.info("connected to %s (session %s)", p.mqtt.address,
                      "resumed" if ev.session_present else "new")
+            p.publisher.pacer.connected()
             p.publisher.publish_birth()
             p.fetcher.on_reconnect()
             p.publisher.outbox_changed()
@@ -404,6 +407,8 @@ class Daemon:
                                                                      ev.reason))
 
     def _on_message(self, ev: Event) -> None:
+        if self.parts.publisher.on_rollcall(ev.topic, ev.payload):
+            return
         try:
             info = self.parts.topics.parse(ev.topic)
         except AgentError as exc:

@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from agent import __version__
+from agent.device.birth_pacing import BirthPacer
 from agent.device.job_run import Run
 from agent.errors import AgentError
 from agent.wire import message_caps, protocol, rollcall, status_messages
@@ -38,8 +39,9 @@ QUICK_DROPS = 3
 # pins (jetson-agent models pin).
 # remove_model: the remove command (agent.device.model_removal; a deployment's on_leave).
 # revoke_engine: the revoke_engine command (fleet engines revoke; agent.device.engine_rollback).
+# birth_ack: the birth is published again until acknowledged (agent.device.birth_pacing).
 FEATURES = ("named_models", "signed_engines", "model_sets", "model_pins", "remove_model",
-            "revoke_engine")
+            "revoke_engine", rollcall.ACK_FEATURE)
 MAX_RESULT_BYTES = 48 * 1024  # job status <= 64 KiB (protocol.MAX_BYTES) with room to spare
 
 
@@ -99,6 +101,7 @@ class StatusPublisher:
         # The per-name models state (agent.device.model_switch), set once it is built.
         self.models_state: Callable[[], List[Dict[str, Any]]] = lambda: []
         self.models_pins: Callable[[], Dict[str, str]] = lambda: {}  # name -> pinned version
+        self.pacer = BirthPacer(device, boot)  # the birth again, until acknowledged
 
     def _birth(self) -> Dict[str, Any]:
         return status_messages.status_message(
@@ -118,6 +121,28 @@ class StatusPublisher:
         self.publish_models()
         self.mqtt.publish(rollcall.topic(self.topics.prefix, self.device),
                           rollcall.encode_marker(self.device, self.boot), qos=1, retain=True)
+        self.pacer.published()
+
+    def birth_subscriptions(self) -> List[str]:
+        """The controller's call and this device's acknowledgements (agent.wire.rollcall)."""
+        prefix = self.topics.prefix
+        return [rollcall.call_topic(prefix), rollcall.ack_topic(prefix, self.device)]
+
+    def on_rollcall(self, topic: str, payload: bytes) -> bool:
+        """A message on the call or acknowledgement topic; False for any other topic."""
+        prefix = self.topics.prefix
+        if topic == rollcall.call_topic(prefix):
+            self.pacer.on_call(payload)
+        elif topic == rollcall.ack_topic(prefix, self.device):
+            self.pacer.on_ack(payload)
+        else:
+            return False
+        return True
+
+    def birth_tick(self) -> None:
+        """The birth again when its acknowledgement is overdue or a call's slot came."""
+        if self.mqtt.connected and self.pacer.due():
+            self.publish_birth()
 
     def models_message(self) -> Dict[str, Any]:
         msg = {"protocol": protocol.PROTOCOL_VERSION, "device": self.device, "boot": self.boot,

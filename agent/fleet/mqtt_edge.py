@@ -32,9 +32,12 @@ class DeviceDirectory(object):
         # compact (fleet serve: the database keeps the messages): only each device's boot is
         # kept, for the ordering checks and the roll call, and no telemetry.
         self.compact = compact
+        self.first_heard = 0  # devices that were not in the directory, counted as they come
 
     def on_status(self, device: str, msg: Dict[str, Any]) -> bool:
         last = self.status.get(device)
+        if last is None:
+            self.first_heard += 1
         if last is not None and status_messages.status_is_stale(last.get("boot"), msg):
             if msg.get("online") is not True or not isinstance(msg.get("platform"), dict):
                 return False
@@ -59,6 +62,11 @@ class DeviceDirectory(object):
 
     def known(self) -> List[str]:
         return sorted(self.status)
+
+    @staticmethod
+    def boot_entry(boot: int) -> Dict[str, Any]:
+        """What a compact directory holds of a device known at ``boot``."""
+        return _boot_of({"boot": boot})
 
 
 _BOOTS: Dict[Any, Dict[str, Any]] = {}

@@ -27,7 +27,7 @@ from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.rollouts import durable, rollback_log, streaming
 from agent.fleet.rollouts.reread import Reread
 from agent.fleet.rollouts.rollout import Rollout
-from agent.wire import fanout_rounds, protocol
+from agent.wire import fanout_rounds, protocol, rollcall
 from agent.wire.topics import TopicInfo
 
 log = logging.getLogger("agent.fleet")
@@ -124,8 +124,15 @@ class FleetService(object):
         self.roll_call_every_s = ROLL_CALL_EVERY_S
         self.last_roll_call = 0.0
         self.new_births = 0  # devices first heard since the last roll call
+        self.heard = 0  # (the directory's first_heard when last looked at)
         self.rereads_dropped = 0  # (FleetConnection.rereads_dropped) when the last one began
         self.last_birth = 0.0
+        # Births to acknowledge once the registry holds them (devices that said they wait for
+        # it: agent.wire.rollcall.ACK_FEATURE): device -> boot. The call (token, window) is
+        # published at start: devices answer it at their slot of the window.
+        self.acks_owed: Dict[str, int] = {}
+        self.call: Optional[Tuple[str, float]] = None
+        self.stats["birth_acks"] = 0
         # Device admission (agent.fleet.admission.admission): the gate every device message passes.
         self.admission = admission
         self.engine_classes: Dict[str, Any] = {}  # device -> its platform.engine_class
@@ -587,6 +594,7 @@ class FleetService(object):
             if self.deployments is not None:
                 self.deployments.touch(self.devices_dirty)
             self.devices_dirty = {}
+            self._ack_births()
         if self.models_dirty:
             # Devices born again with a lower boot (re-imaged): their new message replaces
             # the old image's whatever its boot.
@@ -605,6 +613,29 @@ class FleetService(object):
                 self.on_telemetry(self.telemetry_dirty)
             self.telemetry_dirty = {}
 
+    def _ack_births(self) -> None:
+        """The births the registry now holds, acknowledged (QoS 1, not retained): their
+        devices stop publishing them again (agent.device.birth_pacing)."""
+        owed, self.acks_owed = self.acks_owed, {}
+        token, window = self.call if self.call is not None else (None, rollcall.MIN_WINDOW_S)
+        # (The window a device keeps for its next retries: sized to the fleet known so far,
+        # which grows during a first start's roll call.)
+        window = max(window, rollcall.window_for(len(self.conn.directory.status)))
+        prefix = self.topics.prefix
+        for device, boot in owed.items():
+            self.conn.client.publish(rollcall.ack_topic(prefix, device),
+                                     rollcall.encode_ack(device, boot, token, window), qos=1)
+        self.stats["birth_acks"] += len(owed)
+
+    def _call(self, devices: int) -> None:
+        """The retained call: devices acknowledged under another call (before this start)
+        answer it, each at its slot of a window sized to the fleet, so the broker's queue
+        never holds more answers than it takes."""
+        assert self.call is not None
+        self.call = (self.call[0], rollcall.window_for(devices))
+        self.conn.client.publish(rollcall.call_topic(self.topics.prefix),
+                                 rollcall.encode_call(*self.call), qos=1, retain=True)
+
     # -- messages -----------------------------------------------------------------------------
 
     def subscribe(self) -> None:
@@ -622,13 +653,19 @@ class FleetService(object):
             except AgentError as exc:
                 log.debug("block request from %s not answered: %s", info.device, exc)
         elif info.kind == "status":
-            if info.device not in self.devices_dirty and info.device not in self.features:
-                self.new_births += 1
+            # Devices the directory did not hold (a restarted service holds its registry's:
+            # their answers to its call are no burst of new devices).
+            heard = self.conn.directory.first_heard
+            if heard != self.heard:
+                self.new_births += heard - self.heard
+                self.heard = heard
                 self.last_birth = time.monotonic()
             self.devices_dirty[info.device] = msg
             if msg.get("platform") is not None:  # a Will has none: the last birth's stand
                 # One frozenset (and string) per distinct value, not one per device.
                 fs = device_models.features(msg)
+                if msg.get("online") is True and rollcall.ACK_FEATURE in fs:
+                    self.acks_owed[info.device] = msg["boot"]
                 self.features[info.device] = self._interned.setdefault(fs, fs)
                 cls = msg["platform"].get("engine_class")
                 self.engine_classes[info.device] = self._interned.setdefault(cls, cls) \
@@ -764,6 +801,17 @@ class FleetService(object):
 
     def start(self) -> None:
         self.newest_seen = self.store.newest_rollout_created()
+        boots = self.store.device_boots()
+        directory = self.conn.directory
+        if directory.compact:
+            # The registry is in the database: the roll call reads the statuses of devices
+            # born again (or never heard) since, not of all of them.
+            for device, boot in boots.items():
+                directory.status.setdefault(device, directory.boot_entry(boot))
+        # This start's call: the births acknowledged from now on name it (their devices need
+        # not answer it); it is published once the roll call is over.
+        self.call = ("c" + os.urandom(8).hex(), rollcall.window_for(len(boots)))
+        self.heard = directory.first_heard
         self.subscribe()
         self.conn.settle(self.on_message)  # retained statuses before the first decision
         last = self.conn.last_roll_call  # discover() may have taken one just now
@@ -771,6 +819,11 @@ class FleetService(object):
         if last is None or time.monotonic() - last.started > 60.0 or dropped:
             self.conn.roll_call(self.on_message)  # those the broker's queue left out
         self.rereads_dropped = dropped  # (any dropped during that roll call: the next one)
+        # The call goes out once the roll call is over (it would compete with the answers for
+        # the broker's queue), its window sized to the fleet it found.
+        rc = self.conn.last_roll_call
+        self._call(max(len(boots), len(self.conn.directory.status),
+                       rc.stats["entries"] if rc is not None else 0))
         self.new_births = 0
         self.last_roll_call = time.monotonic()
         self._commit_pending()

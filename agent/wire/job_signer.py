@@ -85,12 +85,17 @@ def raw_public(private_key: Any) -> bytes:
 
 
 def sign_document(doc: Mapping[str, Any], private_key: Any, seq: int, not_before: float,
-                  expires: float) -> Dict[str, Any]:
-    """A copy of ``doc`` with its ``signature`` (pure but for the key)."""
+                  expires: float, kid: Optional[str] = None,
+                  shallow: bool = False) -> Dict[str, Any]:
+    """A copy of ``doc`` with its ``signature`` (pure but for the key). ``kid``: the key's id,
+    when the caller holds it (not derived again at each document); ``shallow``: the copy
+    shares ``doc``'s values, which its caller never changes (a rollout's documents, built for
+    one device each and sharing their parts: no deep copy of every document)."""
     if not 1 <= int(seq) <= MAX_SEQ:
         raise AgentError("bad_argument", "sequence must be 1..2**53-1, found {}".format(seq))
-    out = copy.deepcopy(dict(doc))
-    out["signature"] = {"alg": ALG, "key_id": key_id(raw_public(private_key)), "seq": int(seq),
+    out = dict(doc) if shallow else copy.deepcopy(dict(doc))
+    out["signature"] = {"alg": ALG, "key_id": kid or key_id(raw_public(private_key)),
+                        "seq": int(seq),
                         "not_before": int(math.floor(not_before)),
                         "expires": int(math.ceil(expires))}
     sig = private_key.sign(manifest(out))

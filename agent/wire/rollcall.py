@@ -78,3 +78,112 @@ def parse_entry(prefix: str, topic_name: str, payload: bytes) -> Optional[Tuple[
             or boot < 0:
         return None
     return device, boot
+
+
+# -- births acknowledged, answers paced ---------------------------------------------------------
+# A device listing ACK_FEATURE in its birth's ``platform.features`` keeps publishing its birth
+# until the controller acknowledges it on ``ack_topic`` (the registry holds it then); a device
+# that does not list it is never sent an acknowledgement and publishes its birth once, as
+# before. The controller's retained *call* (``call_topic``) says the window over which the
+# fleet answers: each device answers (its birth again) at its own slot of that window, a
+# fraction fixed by its id's hash, so the answers reach the controller's session queue at the
+# rate the window was sized for instead of all at once (Mosquitto drops what does not fit).
+# A device retries only once it heard a call: before, no controller that acknowledges is
+# known to run, and one starting reads the births it missed by its roll call.
+
+ACK_FEATURE = "birth_ack"
+# Births a window is sized for: each is up to three messages (status, models, entry), each
+# checked (a signature) by a controller that also serves rollouts meanwhile.
+ANSWERS_PER_S = 250.0
+MIN_WINDOW_S = 1.0
+MAX_WINDOW_S = 600.0
+# The first wait for an acknowledgement, doubled at each retry up to MAX_BACKOFF_S (plus the
+# device's slot of the window). Births the broker dropped are also read by the controller's
+# roll call (their retained copies); the retries are for what that misses.
+ACK_WAIT_S = 30.0
+MAX_BACKOFF_S = 300.0
+ACK_MAX_BYTES = 512
+TOKEN_MAX = 64
+
+
+def call_topic(prefix: str) -> str:
+    """``{prefix}/rollcall/call``: the controller's retained call (its token and window)."""
+    return "{}/rollcall/call".format(prefix)
+
+
+def ack_topic(prefix: str, device: str) -> str:
+    """``{prefix}/rollcall/ack/{device}``: where the controller acknowledges a birth."""
+    return "{}/rollcall/ack/{}".format(prefix, protocol.check_id("device id", device))
+
+
+def window_for(devices: int) -> float:
+    """The answer window for a fleet of ``devices``: ANSWERS_PER_S answers a second."""
+    return min(MAX_WINDOW_S, max(MIN_WINDOW_S, devices / ANSWERS_PER_S))
+
+
+def slot(device: str) -> float:
+    """The device's place in any window, in [0, 1): from its id's hash, so a fleet spreads
+    evenly and a device answers at the same place every time."""
+    return int(hashlib.sha256(device.encode("utf-8")).hexdigest()[:8], 16) / float(1 << 32)
+
+
+def retry_delay(device: str, attempt: int, window_s: float, ack_wait_s: float = ACK_WAIT_S,
+                max_backoff_s: float = MAX_BACKOFF_S) -> float:
+    """How long after publishing its birth (``attempt`` 0: the first time) a device not yet
+    acknowledged publishes it again: a doubling wait, capped, plus its slot of the window."""
+    backoff = min(max_backoff_s, ack_wait_s * (2 ** min(max(0, attempt), 20)))
+    return backoff + slot(device) * max(0.0, window_s)
+
+
+def encode_call(token: str, window_s: float) -> bytes:
+    return protocol.encode({"protocol": protocol.PROTOCOL_VERSION, "call": token,
+                            "window_s": round(float(window_s), 3)})
+
+
+def encode_ack(device: str, boot: int, call: Optional[str], window_s: float) -> bytes:
+    """The controller's acknowledgement of ``device``'s birth of ``boot``; ``call``: the
+    call current when it was recorded (the device need not answer that call again)."""
+    return protocol.encode({"protocol": protocol.PROTOCOL_VERSION, "device": device,
+                            "boot": int(boot), "call": call,
+                            "window_s": round(float(window_s), 3)})
+
+
+def _small_json(payload: bytes) -> Optional[Dict[str, Any]]:
+    if not payload or len(payload) > ACK_MAX_BYTES:
+        return None
+    try:
+        msg = json.loads(bytes(payload).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def _window(msg: Dict[str, Any]) -> Optional[float]:
+    w = msg.get("window_s")
+    if not isinstance(w, (int, float)) or isinstance(w, bool) or not w == w:
+        return None
+    return min(MAX_WINDOW_S, max(0.0, float(w)))
+
+
+def _token(value: Any) -> Optional[str]:
+    return value if isinstance(value, str) and 0 < len(value) <= TOKEN_MAX else None
+
+
+def parse_call(payload: bytes) -> Optional[Tuple[str, float]]:
+    """(token, window_s) of a call, or None for anything else (bounded: a device reads it)."""
+    msg = _small_json(payload)
+    if msg is None:
+        return None
+    token, window = _token(msg.get("call")), _window(msg)
+    return (token, window) if token is not None and window is not None else None
+
+
+def parse_ack(device: str, payload: bytes) -> Optional[Tuple[int, Optional[str], float]]:
+    """(boot, call, window_s) of an acknowledgement of ``device``'s birth, or None."""
+    msg = _small_json(payload)
+    if msg is None or msg.get("device") != device:
+        return None
+    boot, window = msg.get("boot"), _window(msg)
+    if not isinstance(boot, int) or isinstance(boot, bool) or boot < 0 or window is None:
+        return None
+    return boot, _token(msg.get("call")), window

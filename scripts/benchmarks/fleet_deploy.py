@@ -13,7 +13,10 @@ job documents signed (``--signing-key``).
 - the controller's CPU over IDLE_S seconds once converged (the tick works from changes: no
   scan of the fleet per tick);
 - once the registry is complete, the devices each view counts (``fleet devices --db``, the
-  dashboard, ``/metrics``); FLEET_DEPLOY_REGISTRY_ONLY=1 stops there.
+  dashboard, ``/metrics``); FLEET_DEPLOY_REGISTRY_ONLY=1 stops there;
+- FLEET_DEPLOY_RESTART=1: then the service is stopped and started again with every device's
+  birth retained: the time until it serves (its roll call over), until every device answered
+  its call and was acknowledged, and the registry's count meanwhile (it never drops).
 
     python scripts/lib/bench.py fleet_deploy     (FLEET_DEPLOY_SCALE=1000 FLEET_DEPLOY_LATE=100)
     python scripts/benchmarks/fleet_deploy.py --big-queue
@@ -72,6 +75,39 @@ def count_views(db, web):
             "/metrics": int(total)}
 
 
+def restarted(serve, work, db_path, fleet, scale):
+    """``fleet serve`` stopped (SIGTERM) and started again with the same arguments: (the new
+    process, its figures). Complete again when every device answered the new call and was
+    acknowledged (agent.wire.rollcall); the registry's count is sampled all along."""
+    args = serve.args
+    old_call = fleet.call
+    serve.terminate()
+    serve.wait(60)
+    log_path = os.path.join(work, "serve-restart.log")
+    t0 = time.monotonic()
+    serve = subprocess.Popen(args, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT,
+                             stdout=subprocess.DEVNULL, stderr=open(log_path, "w"))
+    low, serving_s, deadline = scale, None, time.monotonic() + TIMEOUT
+    while True:
+        assert time.monotonic() < deadline and serve.poll() is None, "restart"
+        low = min(low, fs.count(db_path, "SELECT COUNT(*) FROM devices"))
+        text = open(log_path, errors="replace").read()
+        if serving_s is None and "INFO agent.fleet: fleet service " in text:
+            serving_s = time.monotonic() - t0
+        with fleet.lock:
+            call = fleet.call
+            answered = sum(1 for t in fleet.acked.values() if t == call) \
+                if call != old_call else 0
+        if serving_s is not None and answered == scale:
+            break
+        time.sleep(0.2)
+    roll = [line.split("roll call: ", 1)[1] for line in text.splitlines() if "roll call: " in
+            line]
+    return serve, {"serving_s": serving_s, "all_answered_s": time.monotonic() - t0,
+                   "window_s": fleet.window_s, "registry_low": low,
+                   "roll_call": roll[-1] if roll else None, "births": fleet.births}
+
+
 def measure(scale=SCALE, late=LATE):
     import shutil
 
@@ -111,9 +147,14 @@ def measure(scale=SCALE, late=LATE):
             time.sleep(0.5)
         registry_s = time.monotonic() - t_start
         views = count_views(db, web)
+        restart = None
+        if os.environ.get("FLEET_DEPLOY_RESTART") == "1":
+            serve, restart = restarted(serve, work, db_path, fleet, scale)
+            restart["views"] = count_views(db, web)
         if os.environ.get("FLEET_DEPLOY_REGISTRY_ONLY") == "1":  # the registry's figures alone
             return {"devices": scale, "registry_s": registry_s, "views": views,
-                    "queue": limits or fs.BIG_QUEUE, "load": [load0, os.getloadavg()]}
+                    "restart": restart, "queue": limits or fs.BIG_QUEUE,
+                    "load": [load0, os.getloadavg()]}
         out = fs.cli(["models", "push", os.path.join(fs.FP16, "model.onnx"), "--name", "det",
                       "--version", "3", "--inputs", os.path.join(fs.FP16, "inputs.json"),
                       "--golden", os.path.join(fs.FP16, "golden.json"), "--precision",
@@ -140,7 +181,8 @@ def measure(scale=SCALE, late=LATE):
                 "late_s": t2 - t1, "late_cpu": cpu2 - cpu1, "rss": max(rss1, rss2),
                 "idle_cpu_per_s": (cpu3 - cpu2) / IDLE_S, "jobs": jobs,
                 "converged": converged(db_path), "rollouts": rollouts,
-                "registry_s": registry_s, "views": views, "queue": limits or fs.BIG_QUEUE,
+                "registry_s": registry_s, "views": views, "restart": restart,
+                "queue": limits or fs.BIG_QUEUE,
                 "load": [load0, os.getloadavg()]}
     finally:
         fleet.stop()
@@ -161,6 +203,8 @@ def run():
     n = r["devices"] + r["late"]
     assert r["converged"] == n and r["jobs"] == n, r
     print("devices counted by each view once the registry was complete: {}".format(r["views"]))
+    if r["restart"]:
+        print("service restarted with every birth retained: {}".format(r["restart"]))
     print("broker queue {}, load average at start {:.1f}/{:.1f}/{:.1f}, at end "
           "{:.1f}/{:.1f}/{:.1f}".format(r["queue"], *(r["load"][0] + r["load"][1])))
     return [

@@ -15,6 +15,11 @@ of the stream:
   the host's idle CPU over the same window (``STREAM_TIMELINE=1``: the service's RSS every
   second from its launch; ``STREAM_PROFILE=FILE`` / ``STREAM_PROFILE_SIM=FILE``: py-spy).
 
+A second shape (STREAM_SHAPE=service-first): one simulator process (this one) over the same
+100 connections, the service started first on an empty registry, the births arriving while it
+serves (acknowledged, agent.wire.rollcall), then a roll call from the broker by another client
+(``fleet devices --json`` without ``--db``) counting every device, then the rollout.
+
 The broker runs with the shipped queue limits (systemd/mosquitto/jetson-fleet.conf;
 ``--big-queue`` or FLEET_BIG_QUEUE=1: a queue nothing fills, for comparison) and the service
 signs its job documents (``--signing-key``), as devices require by default.
@@ -48,6 +53,7 @@ CONNECTIONS = int(os.environ.get("STREAM_CONNECTIONS", "100"))
 # signing three statuses a device was the slower end at 50,000 (its network thread 93 % busy,
 # documents waiting in its sockets before they counted as received).
 PROCESSES = int(os.environ.get("STREAM_SIM_PROCESSES", "2"))
+SHAPE = os.environ.get("STREAM_SHAPE", "births-first")  # or service-first (one process)
 FP16 = fleet_scale.FP16
 
 
@@ -170,7 +176,8 @@ def run_once(n, timeout=3600):
     mosq, port = fleet_scale.broker(work, limits)
     db_path = os.path.join(work, "fleet.db")
     db = "sqlite:///" + db_path
-    if PROCESSES > 1:
+    service_first = SHAPE == "service-first"
+    if PROCESSES > 1 and not service_first:
         fleet = _SimulatorProcesses(port, n, work, PROCESSES, min(CONNECTIONS, n))
     else:
         fleet = SimulatedFleet("127.0.0.1", port, n, name="sim", identity=True,
@@ -178,15 +185,21 @@ def run_once(n, timeout=3600):
     serve = observer = profiler = None
     profilers_sim = []
     load0 = os.getloadavg()
+    roll_call = None
     try:
-        fleet.start()
+        if not service_first:
+            fleet.start()
         keys = fleet.write_keys(os.path.join(work, "device-keys"))
         from agent.wire import job_signer
 
         signing = job_signer.generate_keypair(work, "bench-signing")["private_key"]
         env = dict(os.environ, PYTHONPATH=ROOT)
+        # STREAM_CPROFILE=FILE: the service under cProfile (written when it exits), for the
+        # cost per document by function.
+        cprof = ["-m", "cProfile", "-o", os.environ["STREAM_CPROFILE"]] \
+            if os.environ.get("STREAM_CPROFILE") else []
         serve = subprocess.Popen(
-            [sys.executable, "-m", "agent", "fleet", "serve", "--broker",
+            [sys.executable] + cprof + ["-m", "agent", "fleet", "serve", "--broker",
              "mqtt://127.0.0.1:{}".format(port), "--db", db, "--admission", "keys",
              "--admission-keys", keys, "--signing-key", signing],
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
@@ -195,6 +208,11 @@ def run_once(n, timeout=3600):
         sampler.start()
         launched = time.time()
         deadline = time.monotonic() + timeout
+        if service_first:  # births into a serving service
+            while fleet_scale.count(db_path, "SELECT COUNT(*) FROM services") < 1:
+                assert time.monotonic() < deadline and serve.poll() is None, "service start"
+                time.sleep(0.2)
+            fleet.start()
         # Every device registered, and the service's start-up (the retained births and the
         # roll call) over: it logs its line once serving (its services row comes earlier).
         log_path = os.path.join(work, "serve.log")
@@ -203,6 +221,15 @@ def run_once(n, timeout=3600):
             assert time.monotonic() < deadline and serve.poll() is None, "registry"
             time.sleep(0.5)
         serving = time.time()
+        if service_first:  # a roll call from the broker by another client, before the rollout
+            t0 = time.monotonic()
+            out = subprocess.run(
+                [sys.executable, "-m", "agent", "fleet", "devices", "--json", "--broker",
+                 "mqtt://127.0.0.1:{}".format(port)], env=dict(os.environ, PYTHONPATH=ROOT),
+                cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+            assert out.returncode == 0, out.stderr
+            roll_call = {"devices": len(json.loads(out.stdout)),
+                         "seconds": time.monotonic() - t0}
         observer = _observer(port, os.path.join(work, "finals.txt"))
         time.sleep(1.0)
         cpu0, _ = fleet_scale.proc_usage(serve.pid)
@@ -253,7 +280,8 @@ def run_once(n, timeout=3600):
                   "serving, before submission": sampler.peak(serving, created),
                   "streaming (to the last document)": sampler.peak(created, last_doc),
                   "the last statuses (to succeeded)": sampler.peak(last_doc, finished + 1)}
-        return {"devices": n, "succeeded": ok, "connections": len(fleet.clients),
+        return {"devices": n, "shape": SHAPE, "registry_s": serving - launched,
+                "roll_call": roll_call, "succeeded": ok, "connections": len(fleet.clients),
                 "first_doc_s": first_doc - created,
                 "docs_per_s": n / max(1e-6, last_doc - first_doc),
                 "db_after_last_final_sent_s": finished - last_final,

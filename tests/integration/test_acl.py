@@ -17,7 +17,7 @@ import uuid
 import pytest
 
 from agent.errors import AgentError
-from agent.wire import protocol
+from agent.wire import protocol, rollcall
 from agent.wire.mqtt import CONNECT_FAILED, MESSAGE, MqttClient
 from agent.wire.mqtt_types import TlsOptions, Will
 from agent.wire.topics import Topics
@@ -138,6 +138,34 @@ def test_a_device_reads_and_writes_only_its_own_topics(fleet_broker):
                                              T.commands("dev-b")])
         assert all(p != b"forged by a" for _, p in ctl.messages + b.messages)
         assert T.status("dev-a") in ctl.topics()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_a_device_reads_its_birth_acks_and_the_call_and_forges_neither(fleet_broker):
+    """Issue 37: the controller's acknowledgement reaches its device only; the retained call
+    reaches every device; a device writes neither."""
+    ack_a, ack_b = rollcall.ack_topic(T.prefix, "dev-a"), rollcall.ack_topic(T.prefix, "dev-b")
+    call = rollcall.call_topic(T.prefix)
+    clients = []
+    try:
+        ctl = Client(fleet_broker, "controller", subscribe=[T.prefix + "/rollcall/#"])
+        a = Client(fleet_broker, "dev-a", subscribe=[ack_a, ack_b, call])
+        clients += [ctl, a]
+        for c in clients:
+            c.client.wait_connected(10)
+        time.sleep(0.5)  # subscriptions acknowledged
+        for topic in (ack_a, ack_b, call):
+            assert ctl.publish(topic, b"from the controller").wait(5)
+        forged = [a.publish(topic, b"forged by a") for topic in (ack_a, ack_b, call)]
+        for h in forged:
+            assert h.wait(5)
+            assert not h.ok and "authori" in h.reason.lower(), (h.topic, h.reason)
+        wait_until(lambda: len(a.messages) == 2, 10, "A's ack and the call")
+        time.sleep(0.3)
+        assert sorted(a.topics()) == sorted([ack_a, call])
+        assert all(p == b"from the controller" for _, p in a.messages + ctl.messages)
     finally:
         for c in clients:
             c.close()

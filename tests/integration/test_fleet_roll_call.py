@@ -18,6 +18,7 @@ from agent.fleet.admission.admission import Admission, load_keys_file
 from agent.fleet.database.store import Store
 from agent.fleet.mqtt_edge import FleetConnection
 from agent.fleet.service import FleetService
+from agent.wire import rollcall
 from tests.integration.conftest import ROOT, limited_broker
 
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
@@ -199,4 +200,92 @@ def test_a_round_whose_mark_was_dropped_times_out_on_a_quiet_connection(tight_br
         assert sorted(conn.directory.status) == fleet.devices, stats
     finally:
         conn.close()
+        fleet.stop()
+
+
+def test_births_the_broker_dropped_are_published_again_until_acknowledged(tight_broker, tmp_path,
+                                                                          monkeypatch):
+    """Issue 37: each device publishes its birth again (paced, doubling waits plus its slot of
+    the window) until the service acknowledges it. The service's network thread stalls during a
+    burst of 1,000 births on a broker queueing 120 (most are dropped) and no roll call runs:
+    the retries alone fill the registry. Devices of the previous release are sent nothing."""
+    import agent.fleet.service as service_module
+
+    monkeypatch.setattr(service_module, "BURST_BIRTHS", 10 ** 9)  # no roll call to help
+    service, store, conn = service_on(tight_broker, tmp_path)
+    fleet = SimulatedFleet(tight_broker.host, tight_broker.port, 1000, name="ack",
+                           ack_wait_s=0.5)
+    old = SimulatedFleet(tight_broker.host, tight_broker.port, 10, name="old", acks=False)
+    try:
+        service.start()
+        service.roll_call_every_s = 1e9
+        conn.client._client.loop_stop()
+        try:
+            births(fleet)
+            births(old)
+        finally:
+            conn.client._client.loop_start()
+        deadline = time.monotonic() + 60
+        while len(fleet.acked) < 1000 and time.monotonic() < deadline:
+            service.step()
+        assert len(fleet.acked) == 1000, (len(fleet.acked), fleet.births)
+        service._flush_devices()
+        registered = {d["device"] for d in store.devices()}
+        assert set(fleet.devices) <= registered
+        assert fleet.births > 1000  # the broker dropped births: they went out again
+        assert conn.last_roll_call is not None and conn.last_roll_call.stats["entries"] == 0
+        assert conn.rollcall is None  # (only the empty one at start)
+        assert old.acked == {} and old.births == 0
+        print("1,000 births on a 120-message queue: {} published, all acknowledged".format(
+            fleet.births))
+    finally:
+        conn.close()
+        fleet.stop()
+        old.stop()
+
+
+def test_a_restarted_service_reads_only_what_changed_and_its_fleet_answers_its_call(
+        shipped_broker, tmp_path):
+    """Issue 37: the registry is in the database, so a restarted service's roll call reads the
+    statuses of the devices born again since (here 10 of 300), not of all of them; every
+    device acknowledged by the first start answers the second's call at its slot of the window,
+    and that is no burst of new devices (no second roll call)."""
+    fleet = SimulatedFleet(shipped_broker.host, shipped_broker.port, 300, name="rs",
+                           ack_wait_s=0.5)
+    try:
+        service, store, conn = service_on(shipped_broker, tmp_path)
+        try:
+            births(fleet)
+            service.start()
+            deadline = time.monotonic() + 30
+            while len(fleet.acked) < 300 and time.monotonic() < deadline:
+                service.step()
+            assert len(fleet.acked) == 300
+        finally:
+            conn.close()
+        first_call = fleet.call
+        reborn = fleet.devices[:10]
+        for dev in reborn:  # born again (boot 2) while no service runs
+            fleet.clients[fleet.conn_of[dev]].publish(
+                rollcall.topic(fleet.topics.prefix, dev), rollcall.encode_marker(dev, 2), 1,
+                True)
+        fleet.flush(30)
+        service, store, conn = service_on(shipped_broker, tmp_path)
+        conn.directory.compact = True  # as fleet serve runs it
+        try:
+            service.start()
+            stats = conn.last_roll_call.stats
+            assert stats["entries"] == 300 and stats["fetched"] == 10, stats
+            assert len(store.devices()) == 300
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not (
+                    fleet.call != first_call and
+                    all(t == fleet.call for t in fleet.acked.values())):
+                service.step()
+            assert fleet.call != first_call
+            assert all(t == fleet.call for t in fleet.acked.values())
+            assert conn.rollcall is None and conn.last_roll_call.stats is stats  # no burst
+        finally:
+            conn.close()
+    finally:
         fleet.stop()

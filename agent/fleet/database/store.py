@@ -99,6 +99,12 @@ class Store(object):
             [(_dumps(dict(m)), m.get("ts") if isinstance(m.get("ts"), (int, float)) else now,
               now, d) for d, m in sorted(telemetry.items())])
 
+    def device_boots(self) -> Dict[str, int]:
+        """device -> the boot of its last status: what a restarted controller knows already
+        (its roll call reads the statuses of the others only)."""
+        return {r[0]: r[1] for r in self.db.query("SELECT device_id, boot FROM devices")
+                if isinstance(r[1], int)}
+
     def devices(self) -> List[Dict[str, Any]]:
         """Every admitted device ever heard of, sorted by id (no limit: the registry is the
         table); a device sent back to pending or rejected (agent.fleet.admission.admission) is left

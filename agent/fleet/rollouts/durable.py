@@ -150,8 +150,8 @@ def factory_for(store: Store, rollout_id: str, signer: Any = None,
         now = signer.clock()
         seq = signer.sequence.next(signer.key_id, int(now * 1000))
         return sign_document(docs(device, job_id, kind, layers, share), signer.private_key,
-                             seq, now,
-                             max(now + signer.validity_s, deadline))
+                             seq, now, max(now + signer.validity_s, deadline),
+                             kid=signer.key_id, shallow=True)
 
     return signed
 
