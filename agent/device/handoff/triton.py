@@ -107,7 +107,6 @@ emulated engine, an ONNX file) with onnxruntime inside Triton's Python backend."
 
 import os
 import sys
-import threading
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -127,41 +126,21 @@ def _quiet_used_capsule(info):
 sys.unraisablehook = _quiet_used_capsule
 
 
-def _open_at_idle_priority(path):
-    """The session, opened on a thread of its own at SCHED_IDLE (that thread only: Linux
-    schedules threads, and no privilege is needed to lower one): loading a version next to
-    the one serving takes only CPU its requests leave, and the thread that serves keeps its
-    priority."""
-    out = {}
+def _open(path):
+    # Imported here, not at the top: Triton also starts a stub per load that only reads this
+    # file (its config hooks). Normal priority: a load at SCHED_IDLE could starve for as long
+    # as every CPU stays busy (a load timed out on a loaded host), for no gain measured.
+    import onnxruntime
 
-    def load():
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except (AttributeError, OSError):
-            pass  # not Linux: loads at normal priority
-        try:
-            # Imported here, not at the top: Triton also starts a stub per load that only
-            # reads this file (its config hooks).
-            import onnxruntime
-
-            options = onnxruntime.SessionOptions()
-            options.intra_op_num_threads = 1
-            out["session"] = onnxruntime.InferenceSession(
-                path, sess_options=options, providers=["CPUExecutionProvider"])
-        except BaseException as exc:  # raised again on the stub's thread
-            out["error"] = exc
-
-    thread = threading.Thread(target=load, name="load")
-    thread.start()
-    thread.join()
-    if "error" in out:
-        raise out["error"]
-    return out["session"]
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1
+    return onnxruntime.InferenceSession(path, sess_options=options,
+                                        providers=["CPUExecutionProvider"])
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.session = _open_at_idle_priority(os.path.join(
+        self.session = _open(os.path.join(
             args["model_repository"], args["model_version"], "model.plan"))
         self.inputs = [i.name for i in self.session.get_inputs()]
         self.outputs = [o.name for o in self.session.get_outputs()]
