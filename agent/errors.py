@@ -199,7 +199,8 @@ CODES = {
     "max_error): it was refused and rolled back; the details hold the figures and the worst "
     "samples' indices.",
     "calibration_stale": "An INT8 version clips more of the field's activations than "
-    "models.live_check.max_clip_rate allows (the calibration no longer matches the inputs): "
+    "models.live_check.max_clip_rate allows, or its inputs drifted from the calibration set "
+    "beyond models.live_check.max_drift (the calibration no longer matches the inputs): "
     "jetson-agent models recalibrate NAME makes a calibration set from the donated inputs.",
     "no_samples": "models samples export or models recalibrate for a name with no donated "
     "inputs on this device.",

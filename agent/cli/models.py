@@ -186,9 +186,10 @@ def run_show(args: argparse.Namespace) -> int:
     print("  live check: {}".format(_live_text(out["live_check"])))
     field = out["field"]
     if field:
-        print("  INT8 ranges in the field ({} samples): clipping up to {:.2%}{}".format(
+        print("  INT8 ranges in the field ({} samples): clipping up to {:.2%}{}{}".format(
             field.get("samples"), field.get("clip_max", 0.0),
-            "; calibration_stale: " + ", ".join(field["stale"]) if field.get("stale") else ""))
+            "; calibration_stale: " + ", ".join(field["stale"]) if field.get("stale") else "",
+            "; drifted: " + ", ".join(field["drifted"]) if field.get("drifted") else ""))
     if meta:
         print("  meta.json: {} {}, inputs {}, outputs {}".format(
             meta.get("precision"), meta.get("backend"),

@@ -123,6 +123,9 @@ class LiveCheckConfig:
     # INT8 versions: the share of activations outside the calibrated range above which the
     # name has the calibration_stale problem; checked every every_s on the donated inputs.
     max_clip_rate: float = _f(0.01, min=0, max=1)
+    # Inputs whose histogram distance from the calibration set's (0 same, 1 disjoint), beyond
+    # what sampling alone gives, exceeds this drifted: calibration_stale too. 0: not checked.
+    max_drift: float = _f(0.25, min=0, max=1)
     every_s: float = _f(300.0, min=1)
 
 

@@ -5,13 +5,17 @@
   them (``agent.precision.live.live_check``); the figures come back to the main loop as a
   ``live`` event and are one more confirmation the pending version needs (``commit_logic``):
   below the thresholds it is refused (``live_check_failed``) and rolled back. Without
-  samples, or with nothing running, the check is skipped and says why.
+  samples, or with nothing running, the check is skipped and says why. The figures (or the
+  reason) go into the version's meta.json, so a version still pending after a restart takes
+  its recorded end back (``recorded``) or, when the restart cut the check short, runs it
+  again before it can commit.
 - **INT8 ranges in the field.** Every ``every_s``, one committed INT8 version at a time with
   donated rows and a calibration cache (when a donation came or the version changed since
   its last figures): its clipping rates and input drift
   (``agent.precision.live.field_ranges``), kept per name (``field.json`` beside the samples),
-  in telemetry (``int8_clip_rate.<name>``) and, above ``max_clip_rate``, the name's
-  ``calibration_stale`` problem naming the tensors.
+  in telemetry (``int8_clip_rate.<name>``) and, above ``max_clip_rate`` or with an input
+  drifted beyond ``max_drift``, the name's ``calibration_stale`` problem naming the tensors
+  and inputs (gone again once the figures of newer donations are back within both).
 
 Each runs in a child process (``python -m agent.worker.live``, the ``worker_python``), waited
 for on a thread: the daemon loads no runtime, no model and no numpy for it, keeps serving
@@ -38,6 +42,8 @@ log = logging.getLogger("agent.device.daemon")  # one logger name for the whole 
 Post = Callable[..., None]  # post(token, kind, value, error=None): a SwitchEvent to the loop
 CHILD_TIMEOUT_S = 600.0  # a check's child process at most (a pending one: its deadline first)
 MAX_REPLY = 4 << 20
+# What a refusal read back after a restart needs (``model_switch._on_live``).
+RECORDED = ("samples", "agreement", "error", "error_stat", "min_agreement", "max_error", "worst")
 
 
 def child(python: str, state_dir: str, request: Dict[str, Any],
@@ -70,6 +76,12 @@ def fixed_batch(meta: Dict[str, Any]) -> Optional[int]:
         else None
 
 
+def _distance(figures: Dict[str, Any], name: str) -> str:
+    """``input 0.39``: a drifted input with its histogram distance."""
+    d = (((figures.get("inputs") or {}).get(name) or {}).get("drift") or {}).get("hist_distance")
+    return "{} {:.2f}".format(name, d) if isinstance(d, (int, float)) else name
+
+
 class LiveCheck(object):
     def __init__(self, cfg: Any, models: ModelsDir, post: Post) -> None:
         self.lc = cfg.models.live_check
@@ -96,6 +108,18 @@ class LiveCheck(object):
             return "{} donated samples, fewer than models.live_check.min_samples ({})".format(
                 have, self.lc.min_samples)
         return None
+
+    def recorded(self, name: str, version: str) -> Optional[Dict[str, Any]]:
+        """The version's live check as its meta.json recorded it (``_note_live``: the figures,
+        or why it was skipped); None when none ended (a restart cut the check short)."""
+        try:
+            f = read_meta(self.models.version_dir(name, version)).get("live_check")
+        except (OSError, ValueError):
+            return None
+        if not isinstance(f, dict) or not (isinstance(f.get("skipped"), str) or (
+                isinstance(f.get("passed"), bool) and all(k in f for k in RECORDED))):
+            return None
+        return f
 
     def start(self, token: int, name: str, version: str, running: str) -> None:
         new_dir = self.models.version_dir(name, version)
@@ -171,7 +195,7 @@ class LiveCheck(object):
                     "op": "field", "onnx": os.path.join(path, ONNX),
                     "cache": os.path.join(path, CALIBRATION), "samples": samples,
                     "keep": self.samples.keep, "batch": fixed_batch(meta),
-                    "max_clip_rate": lc.max_clip_rate,
+                    "max_clip_rate": lc.max_clip_rate, "max_drift": lc.max_drift,
                     "reference": meta.get("calibration_inputs")})
                 figures.update(version=row["version"], at=time.time())
             except Exception as exc:  # noqa: BLE001 - tried again at the next period
@@ -191,7 +215,7 @@ class LiveCheck(object):
             self.samples.write_field(name, figures)
         except OSError as exc:
             log.warning("model %s: cannot keep the INT8 range figures: %s", name, exc)
-        if figures["stale"] and before is None:
+        if self.problem(name) and before is None:
             log.warning("model %s: %s", name, self.problem(name))
         return self.problem(name) != before
 
@@ -201,13 +225,19 @@ class LiveCheck(object):
         return f if f is not None and version in (None, f.get("version")) else None
 
     def problem(self, name: str, version: Optional[str] = None) -> Optional[str]:
-        """``calibration_stale: ...`` while the figures of ``version`` name stale tensors."""
-        f = self._figures(name, version)
-        stale = (f or {}).get("stale")
-        if not f or not stale:
-            return None
-        return "calibration_stale: {:.1%} of activations beyond the calibrated range (more " \
-            "than {:.1%}) in {}".format(f["clip_max"], f["max_clip_rate"], ", ".join(stale[:8]))
+        """``calibration_stale: ...`` while the figures of ``version`` name stale tensors or
+        drifted inputs."""
+        f = self._figures(name, version) or {}
+        stale, drifted = f.get("stale") or [], f.get("drifted") or []
+        parts = []
+        if stale:
+            parts.append("{:.1%} of activations beyond the calibrated range (more than {:.1%}) "
+                         "in {}".format(f["clip_max"], f["max_clip_rate"], ", ".join(stale[:8])))
+        if drifted:
+            parts.append("inputs drifted from the calibration set (histogram distance beyond "
+                         "{:g}) in {}".format(f.get("max_drift") or 0.0, ", ".join(
+                             _distance(f, n) for n in drifted[:8])))
+        return "calibration_stale: " + "; ".join(parts) if parts else None
 
     def summary(self, name: str, version: Optional[str] = None) -> Optional[Dict[str, Any]]:
         """What the models message carries of the field figures (small)."""
@@ -215,7 +245,8 @@ class LiveCheck(object):
         if f is None:
             return None
         return {"clip_max": round(float(f["clip_max"]), 6), "stale": f["stale"][:8],
-                "samples": f["samples"], "version": f.get("version")}
+                "drifted": (f.get("drifted") or [])[:8], "samples": f["samples"],
+                "version": f.get("version")}
 
     def forget(self, name: str) -> None:
         """A removed name: its donated inputs and its figures go."""

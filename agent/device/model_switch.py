@@ -200,8 +200,13 @@ class ModelSwitch(object):
         p.retries = int(row["info"].get("unconfirmed_retries") or 0)
         run.stage = committing_stage(run)
         self.set_stage(run, run.stage)
-        if row["info"].get("rollback_reason") and (row["deadline"] or 0.0) <= self.clock():
+        cut_short = bool(row["info"].get("rollback_reason")) and \
+            (row["deadline"] or 0.0) <= self.clock()
+        self._resume_live(p, again=not cut_short)
+        if cut_short:
             self._rollback(p, row["info"]["rollback_reason"])  # a rollback the kill cut short
+        elif p.state.failure is not None:  # its live check's recorded refusal
+            self._rollback(p, p.state.failure)
         elif (row["deadline"] or 0.0) <= self.clock():
             self._unanswered(p, "no confirmation within {:g} s (the agent was down)".format(
                 self.m.commit_timeout_s))
@@ -209,6 +214,24 @@ class ModelSwitch(object):
             log.info("model %s@%s: still pending after a restart; handing it off again "
                      "(%.0f s left)", name, version, (row["deadline"] or 0) - self.clock())
             self._start_handoff(self.pending)  # type: ignore[arg-type]
+
+    def _resume_live(self, p: Pending, again: bool) -> None:
+        """A version pending across a restart: its live check's recorded end read back, else
+        (cut short, or never started) the check runs again: never committed without it."""
+        figures = self.live.recorded(p.name, p.version)
+        skipped = figures.get("skipped") if figures else self.live.skip_reason(p.name,
+                                                                               p.previous)
+        p.result = {"live_check": {"skipped": skipped}} if skipped is not None else {}
+        if skipped is not None:  # skipped when activated (said so then), or now
+            if figures is None:
+                self._note_live(p.name, p.version, {"skipped": skipped})
+            return
+        p.state.need = p.state.need | {"live"}
+        p.running = figures.get("running") if figures else p.previous
+        if figures is not None:
+            self._on_live(p, figures)
+        elif again:
+            self.live.start(p.token, p.name, p.version, str(p.previous))
 
     def orphans(self) -> None:
         """Pending versions no unfinished job waits for (its job gone): rolled back."""

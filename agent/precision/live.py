@@ -12,8 +12,12 @@
   in the version's meta.json at activation): mean, std, min, max, the share beyond the input's
   calibrated range, the mean's shift in the calibration set's standard deviations and the
   histogram distance (total variation over the calibration set's bins, values outside them
-  in a bin of their own: 0 same distribution, 1 disjoint). Tensors clipping more than
-  ``max_clip_rate`` are named ``stale``.
+  in a bin of their own: 0 same distribution, 1 disjoint) with ``hist_noise``, the distance
+  as many values drawn from the calibration set itself would show (sampling alone). Tensors
+  clipping more than ``max_clip_rate`` are named ``stale``; inputs whose histogram distance
+  exceeds ``max_drift`` beyond twice that noise (values of one row are seldom independent),
+  ``drifted``: a shift in mean, spread or range moves the histogram, so values squeezed into
+  a sub-range drift without clipping anything.
 
 The runners are the backend's (ONNX Runtime here, TensorRT on a Jetson); rows go through in
 chunks of the model's fixed batch, or ``CHUNK`` rows where the batch is dynamic.
@@ -188,16 +192,23 @@ def drift(value: np.ndarray, ref: Dict[str, Any]) -> Dict[str, Any]:
     counts, _ = np.histogram(v, bins=len(ref["hist"]), range=(ref["min"], hi))
     inside = counts / float(max(v.size, 1))
     outside = 1.0 - float(inside.sum())
-    distance = 0.5 * (float(np.abs(inside - np.asarray(ref["hist"])).sum()) + outside)
+    hist = np.asarray(ref["hist"], dtype=np.float64)
+    distance = 0.5 * (float(np.abs(inside - hist).sum()) + outside)
+    # E|p^ - p| of a bin's share over n draws is about sqrt(2 p (1 - p) / (pi n)): what a
+    # sample of the calibration set itself would show, so few values never read as drift.
+    noise = 0.5 * float(np.sqrt(np.clip(hist * (1.0 - hist), 0.0, None)).sum()) * \
+        math.sqrt(2.0 / (math.pi * max(v.size, 1)))
     return {"mean_shift": (float(v.mean()) - ref["mean"]) / ref["std"] if ref["std"] else None,
-            "hist_distance": round(min(1.0, distance), 6)}
+            "hist_distance": round(min(1.0, distance), 6), "hist_noise": round(noise, 6)}
 
 
 def field_ranges(activations: Any, amax: Dict[str, float], samples: Dict[str, np.ndarray],
                  batch: Optional[int], max_clip_rate: float,
-                 reference: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+                 reference: Optional[Dict[str, Dict[str, Any]]] = None,
+                 max_drift: float = 0.0) -> Dict[str, Any]:
     """``activations.run(feeds)`` -> tensor -> array (``agent.engines.activations``);
-    ``reference``: the calibration set's ``input_stats`` (None: no drift figures)."""
+    ``reference``: the calibration set's ``input_stats`` (None: no drift figures);
+    ``max_drift``: 0 names no input ``drifted``."""
     outside: Dict[str, int] = {}
     total: Dict[str, int] = {}
     rows = 0
@@ -213,6 +224,7 @@ def field_ranges(activations: Any, amax: Dict[str, float], samples: Dict[str, np
     rates = {n: outside[n] / float(total[n]) for n in total if total[n]}
     worst = sorted(rates, key=lambda n: -rates[n])
     inputs: Dict[str, Dict[str, Any]] = {}
+    drifted = []
     for name, value in samples.items():
         v = np.asarray(value, dtype=np.float64)
         limit = amax.get(name)
@@ -221,17 +233,20 @@ def field_ranges(activations: Any, amax: Dict[str, float], samples: Dict[str, np
                         "calibrated_amax": limit,
                         "outside": (float(np.mean(np.abs(v) > limit)) if limit else None)}
         if reference and name in reference:
-            inputs[name]["drift"] = drift(v, reference[name])
+            d = inputs[name]["drift"] = drift(v, reference[name])
+            if max_drift > 0 and d["hist_distance"] - 2.0 * d["hist_noise"] > max_drift:
+                drifted.append(name)
     return {"samples": rows, "clip_rate": {n: round(rates[n], 6) for n in worst[:LISTED]},
             "clip_max": max(rates.values()) if rates else 0.0,
             "max_clip_rate": max_clip_rate,
             "stale": [n for n in worst if rates[n] > max_clip_rate][:LISTED],
-            "inputs": inputs}
+            "max_drift": max_drift, "drifted": sorted(drifted)[:LISTED], "inputs": inputs}
 
 
 def field_check(onnx_path: str, cache_path: str, samples: Dict[str, np.ndarray],
                 batch: Optional[int], max_clip_rate: float,
-                reference: Optional[Dict[str, Dict[str, Any]]] = None) -> Dict[str, Any]:
+                reference: Optional[Dict[str, Dict[str, Any]]] = None,
+                max_drift: float = 0.0) -> Dict[str, Any]:
     """``field_ranges`` of the fp32 model ``onnx_path`` against the calibration cache."""
     from agent.engines.activations import Activations
     from calib.cache import read_cache
@@ -239,6 +254,7 @@ def field_check(onnx_path: str, cache_path: str, samples: Dict[str, np.ndarray],
     amax = read_cache(cache_path).amax
     activations = Activations(onnx_path, sorted(amax))
     try:
-        return field_ranges(activations, amax, samples, batch, max_clip_rate, reference)
+        return field_ranges(activations, amax, samples, batch, max_clip_rate, reference,
+                            max_drift)
     finally:
         activations.close()

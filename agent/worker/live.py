@@ -6,7 +6,7 @@ gets its memory back after each run. One JSON request on stdin, one JSON line on
     {"op": "check", "new", "running", "backend", "samples": [npz, newest first], "keep",
      "batch", "min_agreement", "max_error", "error_stat"}       the live check before commit
     {"op": "field", "onnx", "cache", "samples", "keep", "batch", "max_clip_rate",
-     "reference"}                                                 INT8 ranges in the field
+     "reference", "max_drift"}                                    INT8 ranges in the field
     {"op": "calibration", "path"}                                 a calibration set's statistics
 
 Worker side: Python 3.6.
@@ -32,7 +32,8 @@ def run(req: Dict[str, Any]) -> Any:
         raise AgentError("no_samples", "expected donated inputs, found none readable")
     if op == "field":
         return live.field_check(req["onnx"], req["cache"], samples, req.get("batch"),
-                                float(req["max_clip_rate"]), req.get("reference"))
+                                float(req["max_clip_rate"]), req.get("reference"),
+                                float(req.get("max_drift") or 0.0))
     if op != "check":
         raise AgentError("bad_argument", "expected op check | field | calibration, found "
                          "{!r}".format(op))

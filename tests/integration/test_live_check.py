@@ -2,12 +2,15 @@
 the app donates its inputs through ``agent.client``; a version whose classes are rotated (its
 own goldens pass the gate) is refused by the live check (``live_check_failed``) and the running
 version stays; an identical version commits with the figures in its job result and meta.json;
-with no samples the check is skipped and says so. Inputs scaled beyond the calibration data
-make the INT8 clipping rate rise until the name has the ``calibration_stale`` problem, and
-``models recalibrate`` / ``models samples export`` turn the donations into files."""
+with no samples the check is skipped and says so; a version pending across a kill -9 before
+its check ended is checked again after the restart. Inputs squeezed into a sub-range of the
+calibration data (nothing clipped) drift, inputs scaled beyond it clip: either gives the name
+the ``calibration_stale`` problem, gone again on in-distribution inputs; ``models
+recalibrate`` / ``models samples export`` turn the donations into files."""
 
 import json
 import os
+import stat
 import subprocess
 import sys
 
@@ -22,11 +25,13 @@ from tests.integration.test_daemon_deploy import deploy_doc
 from tests.unit.test_model_sets_pins import assert_meta_valid
 
 CONFIG = ("telemetry_interval: 0.5\nmodels:\n  commit_timeout_s: 60\n  live_check:\n"
-          "    min_samples: 16\n    keep: 128\n    every_s: 1\n    max_clip_rate: 0.01\n")
+          "    min_samples: 16\n    keep: 128\n    every_s: 1\n    max_clip_rate: 0.01\n"
+          "    max_drift: 0.2\n")
 
 
-def deploy(controller, files, job_id, version):
-    doc = deploy_doc(controller, files, job_id, model_name="digits", model_version=version)
+def deploy(controller, files, job_id, version, precision="int8"):
+    doc = deploy_doc(controller, files, job_id, precision, model_name="digits",
+                     model_version=version)
     doc["bench"] = {"iterations": 3, "warmup": 1}
     controller.send_job(doc)
     return controller.wait_state(job_id, protocol.TERMINAL_STATES, timeout=120)
@@ -107,7 +112,21 @@ def test_live_check_refuses_rotated_commits_identical_and_watches_int8_ranges(
         return next(m for m in listed if m["name"] == "digits")
 
     calm = controller.wait_for(lambda: field().get("field"), 30, "field figures")
-    assert calm["clip_max"] <= 0.01, calm
+    assert calm["clip_max"] <= 0.01 and calm["drifted"] == [], calm
+    assert field()["health"] == "ok"
+    # Drift alone: the same inputs squeezed into a quarter of their range clip nothing, but
+    # their histogram is not the calibration set's; in-distribution rows clear it again.
+    for rows in (x, x):
+        client.donate("digits", {"input": rows * 0.25}, socket_path=sock, wait=True)
+    drifted = controller.wait_for(
+        lambda: field() if field()["health"].startswith("calibration_stale") else None, 30,
+        "calibration_stale by drift")
+    assert drifted["field"]["drifted"] == ["input"] and drifted["field"]["stale"] == []
+    assert drifted["field"]["clip_max"] <= 0.01 and "drifted" in drifted["health"], drifted
+    assert "input 0.3" in drifted["health"], drifted["health"]
+    for rows in (x, x):
+        client.donate("digits", {"input": rows}, socket_path=sock, wait=True)
+    controller.wait_for(lambda: field()["health"] == "ok", 30, "the drift gone")
     client.donate("digits", {"input": x * 4.0}, socket_path=sock, wait=True)
     client.donate("digits", {"input": x[:64] * 4.0}, socket_path=sock, wait=True)
     stale = controller.wait_for(
@@ -134,4 +153,55 @@ def test_live_check_refuses_rotated_commits_identical_and_watches_int8_ranges(
     assert json.loads(built.stdout.decode())["precision"] == "int8"
     out = cli(agent, "samples", "export", "digits", "--out", str(tmp_path / "s.npz"))
     assert np.load(out["out"])["input"].shape == (128, 64)
+    assert agent.stop() == 0
+
+
+HELD = """#!{python}
+# The live check's child process waits while HOLD exists, after touching STARTED (its parent
+# killed meanwhile: it gives up); every other child runs straight through.
+import json, os, subprocess, sys, time
+if sys.argv[1:3] == ["-m", "agent.worker.live"]:
+    request, parent = sys.stdin.buffer.read(), os.getppid()
+    if json.loads(request.decode()).get("op") == "check" and os.path.exists({hold!r}):
+        open({started!r}, "w").close()
+        while os.path.exists({hold!r}):
+            if os.getppid() != parent:
+                sys.exit(1)
+            time.sleep(0.05)
+    sys.exit(subprocess.run([sys.executable] + sys.argv[1:], input=request).returncode)
+os.execv(sys.executable, [sys.executable] + sys.argv[1:])
+"""
+
+
+def test_a_version_pending_across_a_kill_is_live_checked_again(
+        controller, agent_factory, digits_files, rotated, tmp_path):
+    """kill -9 while the rotated version's live check runs: after the restart the check runs
+    again (nothing recorded its end), refuses the version and the running one stays."""
+    hold, started, python = tmp_path / "hold", tmp_path / "started", tmp_path / "python"
+    python.write_text(HELD.format(python=sys.executable, hold=str(hold), started=str(started)))
+    python.chmod(python.stat().st_mode | stat.S_IXUSR)
+    agent = agent_factory(extra_config=CONFIG + "worker_python: {}\n".format(python)).start()
+    controller.wait_online()
+    sock = os.path.join(agent.state_dir, "app.sock")
+    plain = {k: digits_files[k] for k in ("model", "inputs", "goldens")}
+    assert deploy(controller, plain, "kill-1", "v1", "fp32")["state"] == "SUCCEEDED", \
+        agent.log_tail()
+    x = np.load(digits_files["inputs"])["input"][:64]
+    assert client.donate("digits", {"input": x}, socket_path=sock, wait=True)["kept"] == 64
+
+    hold.touch()
+    controller.send_job(deploy_doc(controller, {k: rotated[k] for k in plain}, "kill-2",
+                                   "fp32", model_name="digits", model_version="v2"))
+    controller.wait_for(started.exists, 120, "the live check under way")
+    agent.kill()
+    with agent.journal() as journal:
+        assert journal.model_version("digits", "v2")["state"] == "pending"
+    hold.unlink()
+    agent.start()
+    final = controller.wait_state("kill-2", protocol.TERMINAL_STATES, timeout=120)
+    assert final["state"] == "FAILED", (final, agent.log_tail())
+    assert final["error"]["code"] == "live_check_failed", final["error"]
+    figures = final["error"]["details"]["live_check"]
+    assert figures["agreement"] < 0.5 and figures["running"] == "v1", figures
+    assert os.readlink(os.path.join(agent.state_dir, "models", "digits", "current")) == "v1"
     assert agent.stop() == 0

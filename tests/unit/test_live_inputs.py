@@ -181,13 +181,39 @@ def test_field_ranges_count_activations_beyond_the_calibrated_range(tmp_path):
     amax = {"input": 1.0, "hidden": 2.0}
     calm = field_ranges(Doubling(), amax, {"input": x}, None, 0.01, reference)
     assert calm["clip_max"] == 0.0 and calm["stale"] == [] and calm["samples"] == 100
-    assert calm["inputs"]["input"]["drift"] == {"mean_shift": 0.0, "hist_distance": 0.0}
+    assert calm["inputs"]["input"]["drift"] == {"mean_shift": 0.0, "hist_distance": 0.0,
+                                                "hist_noise": 0.111037}
     wide = field_ranges(Doubling(), amax, {"input": x * 3.0}, None, 0.01, reference)
     assert wide["clip_rate"]["hidden"] > 0.6 and set(wide["stale"]) == {"input", "hidden"}
     assert wide["inputs"]["input"]["outside"] > 0.6 and wide["inputs"]["input"]["max"] == 3.0
     assert wide["inputs"]["input"]["drift"]["hist_distance"] > 0.6
     fixed = field_ranges(Doubling(), amax, {"input": x[:10]}, 4, 0.01)  # batch 4: 8 rows
     assert fixed["samples"] == 8
+
+
+def test_inputs_that_drift_without_clipping_are_named_and_few_rows_are_not(tmp_path):
+    x = np.linspace(-1, 1, 400, dtype=np.float32).reshape(100, 4)
+    reference = {"input": calibration_inputs_of(tmp_path, x)}
+    amax = {"input": 1.0, "hidden": 2.0}
+    squeezed = field_ranges(Doubling(), amax, {"input": x * 0.25}, None, 0.01, reference, 0.2)
+    assert squeezed["clip_max"] == 0.0 and squeezed["stale"] == []
+    assert squeezed["drifted"] == ["input"] and squeezed["max_drift"] == 0.2
+    assert field_ranges(Doubling(), amax, {"input": x * 0.25}, None, 0.01, reference,
+                        0.0)["drifted"] == []  # 0: not checked
+    moved = field_ranges(Doubling(), amax, {"input": x * 0.5 + 0.5}, None, 0.01, reference,
+                         0.2)  # the mean moved, still within the calibrated range
+    assert moved["drifted"] == ["input"] and moved["stale"] == []
+    # Four rows drawn from the calibration set itself are far from its histogram by chance
+    # alone: the noise allowance keeps them from reading as drift.
+    few = field_ranges(Doubling(), amax, {"input": x[[3, 40, 61, 97]]}, None, 0.01,
+                       reference, 0.2)
+    d = few["inputs"]["input"]["drift"]
+    assert d["hist_distance"] > 0.5 and d["hist_noise"] > 0.4 and few["drifted"] == []
+
+
+def calibration_inputs_of(tmp_path, x):
+    np.savez(str(tmp_path / "calib.npz"), input=x)
+    return calibration_inputs(str(tmp_path / "calib.npz"))["input"]
 
 
 def test_export_and_recalibrate_say_when_there_are_no_samples(tmp_path, capsys):
@@ -229,5 +255,41 @@ def test_the_last_field_figures_come_back_after_a_restart(tmp_path):
     assert live.problem("det", "v2").startswith("calibration_stale: 20.0% of activations")
     assert live.problem("det", "v3") is None  # figures of another version say nothing
     assert live.telemetry() == {"int8_clip_rate.det": 0.2}
+    live.on_field("det", dict(figures, stale=[], drifted=["image"], max_drift=0.25,
+                              inputs={"image": {"drift": {"hist_distance": 0.41}}}))
+    assert live.problem("det", "v2") == "calibration_stale: inputs drifted from the " \
+        "calibration set (histogram distance beyond 0.25) in image 0.41"
+    assert live.summary("det")["drifted"] == ["image"]
+    live.on_field("det", dict(figures, stale=[], drifted=[]))  # back within both: cleared
+    assert live.problem("det", "v2") is None
     live.forget("det")
     assert live.problem("det") is None and not os.path.exists(live.samples.dir("det"))
+
+
+def test_a_live_check_recorded_in_meta_json_is_read_back_only_when_whole(tmp_path):
+    """After a restart a pending version takes its live check's recorded end back; anything
+    else (nothing recorded, a damaged record) makes the check run again."""
+    from agent.device.config import Config
+    from agent.device.live_check import LiveCheck
+    from agent.device.models_dir import ModelsDir
+
+    models = ModelsDir(str(tmp_path / "models"))
+    folder = models.version_dir("det", "v2")
+    os.makedirs(folder)
+    live = LiveCheck(Config(state_dir=str(tmp_path)), models, lambda *event, **kw: None)
+
+    def meta(live_check):
+        with open(os.path.join(folder, "meta.json"), "w") as f:
+            json.dump({"name": "det"} if live_check is None else
+                      {"name": "det", "live_check": live_check}, f)
+        return live.recorded("det", "v2")
+
+    assert live.recorded("det", "v2") is None  # no meta.json at all
+    assert meta(None) is None
+    assert meta({"skipped": "0 donated samples"}) == {"skipped": "0 donated samples"}
+    refused = {"passed": False, "samples": 64, "agreement": 0.1, "error": 0.5,
+               "error_stat": "mean", "min_agreement": 0.95, "max_error": None, "worst": [3],
+               "running": "v1"}
+    assert meta(refused) == refused
+    assert meta(dict(refused, passed="no")) is None
+    assert meta({k: v for k, v in refused.items() if k != "worst"}) is None
