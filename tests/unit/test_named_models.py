@@ -398,6 +398,29 @@ def test_restart_while_pending_resumes_or_rolls_back(tmp_path):
     assert run.job_id == "j2"
 
 
+def test_a_live_check_refusal_recorded_before_a_restart_still_refuses(tmp_path):
+    """The check refused v2 (meta.json holds its figures) and the daemon died before the
+    rollback began: the resumed wait ends in the same refusal, never in a commit."""
+    h = Harness(tmp_path, app_confirms=["det"], commit_timeout_s=60)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(_pending(h, "v1"))
+    h.switch.commit("det", None, "the app")
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(_pending(h, "v2"))
+    assert "0 donated samples" in h.switch.live.recorded("det", "v2")["skipped"]
+    refused = {"passed": False, "samples": 64, "agreement": 0.1, "error": 0.4,
+               "error_stat": "mean", "min_agreement": 0.95, "max_error": None, "worst": [5, 2],
+               "running": "v1"}
+    h.switch.models.update_meta("det", "v2", {"live_check": refused})
+    h.restart()
+    h.shared.run = Run(h.journal.job("j2"), 60)
+    h.switch.resume(h.shared.run)
+    h.pump(lambda: "j2" in h.ended)
+    state, error, _ = h.ended["j2"]
+    assert state == "FAILED" and error["code"] == "live_check_failed", error
+    assert error["details"]["live_check"]["worst"] == [5, 2] and h.current("det") == "v1"
+
+
 def _pending(h, version):
     return lambda: h.current("det") == version and h.switch.pending is not None and \
         h.switch.pending.phase == "waiting"
