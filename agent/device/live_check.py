@@ -13,9 +13,10 @@
   donated rows and a calibration cache (when a donation came or the version changed since
   its last figures): its clipping rates and input drift
   (``agent.precision.live.field_ranges``), kept per name (``field.json`` beside the samples),
-  in telemetry (``int8_clip_rate.<name>``) and, above ``max_clip_rate`` or with an input
-  drifted beyond ``max_drift``, the name's ``calibration_stale`` problem naming the tensors
-  and inputs (gone again once the figures of newer donations are back within both).
+  in telemetry (``int8_clip_rate.<name>``, ``int8_input_drift.<name>``) and, above
+  ``max_clip_rate`` or with an input drifted beyond ``max_drift``, the name's
+  ``calibration_stale`` problem naming the tensors and inputs (gone again once the figures
+  of newer donations are back within both).
 
 Each runs in a child process (``python -m agent.worker.live``, the ``worker_python``), waited
 for on a thread: the daemon loads no runtime, no model and no numpy for it, keeps serving
@@ -255,5 +256,14 @@ class LiveCheck(object):
         shutil.rmtree(self.samples.dir(name), ignore_errors=True)
 
     def telemetry(self) -> Dict[str, Any]:
-        return {"int8_clip_rate.{}".format(n): round(float(f["clip_max"]), 6)
-                for n, f in sorted(self.field.items())[:64]}
+        """Per INT8 name: its worst tensor's clipping rate and its inputs' largest histogram
+        distance from the calibration set (where that was measured)."""
+        out: Dict[str, Any] = {}
+        for n, f in sorted(self.field.items())[:64]:
+            out["int8_clip_rate.{}".format(n)] = round(float(f["clip_max"]), 6)
+            drift = [d for d in (((i or {}).get("drift") or {}).get("hist_distance")
+                                 for i in (f.get("inputs") or {}).values())
+                     if isinstance(d, (int, float))]
+            if drift:
+                out["int8_input_drift.{}".format(n)] = round(float(max(drift)), 6)
+        return out

@@ -124,6 +124,8 @@ def test_live_check_refuses_rotated_commits_identical_and_watches_int8_ranges(
     assert drifted["field"]["drifted"] == ["input"] and drifted["field"]["stale"] == []
     assert drifted["field"]["clip_max"] <= 0.01 and "drifted" in drifted["health"], drifted
     assert "input 0.3" in drifted["health"], drifted["health"]
+    controller.wait_for(lambda: any(t["metrics"].get("int8_input_drift.digits", 0) > 0.3
+                                    for t in controller.telemetry), 30, "drift in telemetry")
     client.donate("digits", {"input": x * 4.0}, socket_path=sock, wait=True)
     client.donate("digits", {"input": x[:64] * 4.0}, socket_path=sock, wait=True)
     stale = controller.wait_for(lambda: field() if field()["field"]["stale"] else None, 30,

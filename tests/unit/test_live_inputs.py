@@ -260,6 +260,7 @@ def test_the_last_field_figures_come_back_after_a_restart(tmp_path):
     assert live.problem("det", "v2") == "calibration_stale: inputs drifted from the " \
         "calibration set (histogram distance beyond 0.25) in image 0.41"
     assert live.summary("det")["drifted"] == ["image"]
+    assert live.telemetry() == {"int8_clip_rate.det": 0.2, "int8_input_drift.det": 0.41}
     live.on_field("det", dict(figures, stale=[], drifted=[]))  # back within both: cleared
     assert live.problem("det", "v2") is None
     live.forget("det")
