@@ -233,7 +233,8 @@ def report_health(name, version, ok, detail="", socket_path=None):
 
 
 def commit(name, version=None, socket_path=None):
-    """Commit ``name``'s pending version (``version``: only if it is that one)."""
+    """Commit ``name``'s pending version (``version``: only if it is that one). The reply's
+    ``state`` is ``pending`` while the agent's live check still runs: its verdict comes first."""
     message = {"op": "commit", "name": _check_name(name)}
     if version is not None:
         message["version"] = _check_version(version)

@@ -8,8 +8,10 @@ confirmation it needs has come, and is rolled back on the first failure or at it
     "app"            the app reported the version healthy (``models.app_confirms``)
     "live"           the live check on the app's donated inputs passed (``live_check``)
 
-An explicit commit (the app's or ``jetson-agent models commit``) commits at once; an unhealthy
-report, an adapter that failed or said False, or the deadline rolls back. With no needs (no
+An explicit commit (the app's or ``jetson-agent models commit``) commits at once, save while the
+live check runs: its verdict comes first (a refusal still refuses; with none by the deadline
+the commit stands); an unhealthy report, an adapter that failed or said False, or the
+deadline rolls back. With no needs (no
 hand-off, no probe, no app confirmation) a version commits at once: the accuracy gate was the
 check. ``agent.device.model_switch`` drives it.
 """
@@ -68,8 +70,8 @@ class CommitState(object):
     def on_live(self, ok: bool, reason: str = "") -> None:
         if ok:
             self.confirmed.add("live")
-        else:
-            self._fail(reason)
+        elif self.failure is None:  # awaited even by an explicit commit: it still refuses
+            self.failure = reason
 
     def on_commit(self, by: str) -> None:
         if self.failure is None:
@@ -83,6 +85,8 @@ class CommitState(object):
         if self.failure is not None:
             return Decision(ROLLBACK, self.failure)
         if self.committed_by is not None:
+            if "live" in self.need and "live" not in self.confirmed and now < self.deadline:
+                return Decision(WAIT)  # the app's commit never skips the agent's own check
             return Decision(COMMIT, "committed by " + self.committed_by)
         if self.need <= self.confirmed:
             return Decision(COMMIT, "confirmed by " + (", ".join(sorted(self.need)) or

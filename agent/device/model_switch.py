@@ -826,8 +826,9 @@ class ModelSwitch(object):
     def commit(self, name: str, version: Optional[str], by: str) -> Dict[str, Any]:
         p = self._pending_for(name, version)
         p.state.on_commit(by)
-        self._decide(p)
-        return {"name": name, "version": p.version, "state": "committed"}
+        self._decide(p)  # still pending while the live check's verdict is awaited
+        return {"name": name, "version": p.version,
+                "state": "pending" if self.pending is p else "committed"}
 
     def report_health(self, name: str, version: Optional[str], ok: bool,
                       detail: str) -> Dict[str, Any]:

@@ -122,6 +122,18 @@ def test_commit_logic():
     s = commit_logic.CommitState(frozenset({"live"}), 10.0, 10.0)
     s.on_live(False, "live check: top-1 agreement 0.1")
     assert s.decide(1.0) == (commit_logic.ROLLBACK, "live check: top-1 agreement 0.1")
+    # An explicit commit waits for the live check's verdict (a refusal still wins), and
+    # stands at the deadline without one.
+    s = commit_logic.CommitState(frozenset({"live", "app"}), 10.0, 10.0)
+    s.on_commit("the app")
+    assert s.decide(1.0).action == commit_logic.WAIT
+    assert s.decide(10.0) == (commit_logic.COMMIT, "committed by the app")
+    s.on_live(False, "live check: top-1 agreement 0.1")
+    assert s.decide(1.0) == (commit_logic.ROLLBACK, "live check: top-1 agreement 0.1")
+    s = commit_logic.CommitState(frozenset({"live", "app"}), 10.0, 10.0)
+    s.on_commit("the app")
+    s.on_live(True)
+    assert s.decide(1.0) == (commit_logic.COMMIT, "committed by the app")
 
 
 def test_handoff_list_is_checked():
@@ -419,6 +431,30 @@ def test_a_live_check_refusal_recorded_before_a_restart_still_refuses(tmp_path):
     state, error, _ = h.ended["j2"]
     assert state == "FAILED" and error["code"] == "live_check_failed", error
     assert error["details"]["live_check"]["worst"] == [5, 2] and h.current("det") == "v1"
+
+
+def test_an_apps_commit_waits_for_the_live_checks_verdict(tmp_path):
+    """The app commits before the live check has ended: the reply says pending, and the
+    check's refusal still rolls the version back."""
+    from agent.device.model_switch import SwitchEvent
+
+    h = Harness(tmp_path, app_confirms=["det"], commit_timeout_s=60)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(_pending(h, "v1"))
+    h.switch.commit("det", None, "the app")
+    started = []
+    h.switch.live.skip_reason = lambda name, running: None  # enough samples, say
+    h.switch.live.start = lambda *args: started.append(args)
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(_pending(h, "v2"))
+    token = h.switch.pending.token
+    assert started == [(token, "det", "v2", "v1")]
+    assert h.switch.commit("det", "v2", "the app")["state"] == "pending"
+    h.events.put(SwitchEvent(token, "live", {
+        "passed": False, "samples": 64, "agreement": 0.1, "error": 0.4, "error_stat": "mean",
+        "min_agreement": 0.95, "max_error": None, "worst": [5], "running": "v1"}))
+    h.pump(lambda: "j2" in h.ended)
+    assert h.ended["j2"][1]["code"] == "live_check_failed" and h.current("det") == "v1"
 
 
 def _pending(h, version):
