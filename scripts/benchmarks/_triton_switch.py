@@ -21,7 +21,9 @@ Triton launcher come from this one), e.g. the code before a change:
 python scripts/benchmarks/model_switch.py``.
 ``JETSON_AGENT_TRITON_KEEP``: the hand-off's ``keep_versions`` (default 2: folders on disk);
 ``JETSON_AGENT_TRITON_LOADED``: its ``loaded_versions`` (default 1: versions Triton holds);
-``JETSON_AGENT_TRITON_ARGS``: more ``tritonserver`` flags, space-separated;
+``JETSON_AGENT_TRITON_ARGS``: more ``tritonserver`` flags, space-separated (Triton runs with
+``--disable-auto-complete-config``, as docs/using-models.md advises;
+``JETSON_AGENT_TRITON_AUTO_COMPLETE=1`` leaves it out);
 ``JETSON_AGENT_TRITON_RATE``: requests a second per client (default 0: back to back).
 """
 
@@ -47,6 +49,9 @@ THREADS = 2
 # Requests a second per client (JETSON_AGENT_TRITON_RATE; 0: back to back, which saturates a
 # 2-core host so that any CPU the switch itself uses shows as latency).
 RATE = float(os.environ.get("JETSON_AGENT_TRITON_RATE", "0"))
+# Triton's auto-completion of model configurations on (JETSON_AGENT_TRITON_AUTO_COMPLETE=1);
+# off by default, as docs/using-models.md advises: one Python-backend stub start fewer a load.
+AUTO_COMPLETE = os.environ.get("JETSON_AGENT_TRITON_AUTO_COMPLETE") == "1"
 # Seconds between one switch's commit and the next one's prepare (JETSON_AGENT_TRITON_GAP_S;
 # 0: back to back, the harsh reading of "50 switches under load": a daemon switches a model
 # once per job, minutes apart).
@@ -230,7 +235,7 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
         repo = workdir / "repo"
         repo.mkdir()
         server = TritonServer(workdir, repo, os.environ.get(
-            "JETSON_AGENT_TRITON_ARGS", "").split()).start()
+            "JETSON_AGENT_TRITON_ARGS", "").split(), auto_complete=AUTO_COMPLETE).start()
         models = workdir / "models"
         versions = [make_version(models, v, scale_model(k).SerializeToString())
                     for v, k in (("v1", 1.0), ("v2", 2.0))]
@@ -242,9 +247,10 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
         ours.prepare(versions[0], None)
         ours.switch(versions[0], None)
         assert ours.confirm(versions[0]) is True
-        cpu0 = cpu_s(server.proc.pid)
+        cpu0, own0 = cpu_s(server.proc.pid), time.process_time()
         switch_all(ours, versions, CPU_SWITCHES)  # no load: what one switch costs in CPU
         cpu_per_switch = (cpu_s(server.proc.pid) - cpu0) / CPU_SWITCHES
+        own_per_switch = (time.process_time() - own0) / CPU_SWITCHES  # the hand-off's own
         load = Load(server.port, workdir).start()
         t0 = time.monotonic()
         time.sleep(BASE_S)  # the baseline window: the same load, no switch
@@ -267,6 +273,7 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
                 "during": stats(during), "between": stats(phases["between"]),
                 "http": stats(load.window(t2, t3)) if http_switches else None,
                 "switch_s": times, "http_switch_s": http_times, "cpu_s": cpu_per_switch,
+                "own_cpu_s": own_per_switch,
                 "load": (load_before, os.getloadavg()[0])}
     finally:
         if server is not None:
@@ -297,6 +304,10 @@ def rows(switches: int, http_switches: int) -> List[Dict[str, Any]]:
         {"name": "Triton: CPU per switch, no request running (tritonserver and its stubs)",
          "ours": round(1000 * result["cpu_s"]), "baseline": None, "unit": "ms", "ratio": "-",
          "goal": "-"},
+        {"name": "Triton: CPU per switch of the hand-off itself (prepare, the gRPC load call, "
+                 "readiness, the inference check, commit: this process)",
+         "ours": round(1000 * result["own_cpu_s"]), "baseline": None, "unit": "ms",
+         "ratio": "-", "goal": "-"},
         {"name": "Triton: host load average (1 min) at the start / at the end (shared host?)",
          "ours": round(result["load"][0], 2), "baseline": round(result["load"][1], 2),
          "unit": "-", "ratio": "-", "goal": "-"},
