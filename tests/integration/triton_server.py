@@ -4,7 +4,10 @@
 loopback port with the Python backend (the stub copied next to the backend library, as the
 wheel's own launcher does; ``LD_LIBRARY_PATH`` at the wheel's bundled libraries), HTTP and gRPC
 on loopback (``url``, ``grpc_target``), and returns once ``/v2/health/ready`` answers 200;
-``stop()`` then ``start()`` is a restart on the same ports. ``unavailable()`` says why the
+``stop()`` then ``start()`` is a restart on the same ports. It runs with
+``--disable-auto-complete-config``, as docs/using-models.md advises (the agent writes complete
+configurations, and each load then starts one Python-backend stub, not two);
+``auto_complete=True`` leaves Triton's auto-completion on. ``unavailable()`` says why the
 binary can't run here (None when it can): the tests skip with that reason only.
 """
 
@@ -44,9 +47,11 @@ def unavailable():
 
 
 class TritonServer:
-    def __init__(self, workdir, repository, extra_args=()):
+    def __init__(self, workdir, repository, extra_args=(), auto_complete=False):
         self.workdir = str(workdir)
         self.extra_args = list(extra_args)  # more tritonserver flags (benchmarks compare them)
+        if not auto_complete:
+            self.extra_args.insert(0, "--disable-auto-complete-config")
         self.repository = str(repository)
         self.port = free_port()
         self.url = "http://127.0.0.1:{}".format(self.port)
