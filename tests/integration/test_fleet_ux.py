@@ -14,6 +14,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from agent.cli import main
 from tests.integration.test_daemon_cancel import (
     deep_files,  # noqa: F401 - fixture
@@ -182,7 +184,7 @@ def _held_search(agent, job_id):
     """The device's search worker stopped (SIGSTOP) until the daemon signals it to end, then
     resumed: the search cannot finish before the cancel lands, however loaded the host (a
     race on the search's length is what made this test flaky at load 8)."""
-    pid = worker_pid(agent, job_id)
+    pid = worker_pid(agent, job_id, timeout=120)
     os.killpg(pid, signal.SIGSTOP)
     done = threading.Event()
 
@@ -205,6 +207,7 @@ def _held_search(agent, job_id):
         thread.join(10)
 
 
+@pytest.mark.slow
 def test_cancel_reports_the_final_state_and_ctrl_c_matches_help(
         mosquitto, agent_factory, deep_files, capsys):  # noqa: F811 - fixture
     agent = agent_factory("ux-c").start()
