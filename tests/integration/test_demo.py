@@ -114,13 +114,17 @@ def test_demo_stops_everything_on_ctrl_c():
     lines = []
     try:
         deadline = time.monotonic() + 90
+        command_seen = False
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
             assert line, "".join(lines)
             lines.append(line)
-            if line.startswith("$ jetson-agent fleet rollout"):
+            command_seen = command_seen or line.startswith("$ jetson-agent fleet rollout")
+            # The rollout's own first line: it is recorded and under way.
+            if command_seen and re.match(r"rollout \S+: .* device\(s\) in ", line):
                 break
-        time.sleep(1.0)  # the rollout is under way
+        else:
+            raise AssertionError("no rollout under way in 90 s\n" + "".join(lines))
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=90)
     finally:

@@ -23,6 +23,8 @@ import sqlite3
 import sys
 import time
 
+import pytest
+
 from agent.fleet.database.db import Db, sqlite_path
 from agent.fleet.database.store import Store
 from tests.integration.postgres import postgres  # noqa: F401 - fixture
@@ -117,6 +119,7 @@ def session_states(db, app):
         conn.close()
 
 
+@pytest.mark.slow
 def test_a_resumed_holder_publishes_deletes_and_serves_nothing(
         db_kind, mosquitto, tmp_path, request):  # noqa: F811 - fixtures
     pg = request.getfixturevalue("postgres") if db_kind == "postgresql" else None

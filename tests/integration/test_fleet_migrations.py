@@ -206,6 +206,7 @@ def _cli_of(command):
     return words[2:]
 
 
+@pytest.mark.slow
 def test_serve_upgrades_a_database_of_today_and_runs_a_rollout_on_it(
         legacy, mosquitto, agent_factory, tmp_path):
     before = every_row(legacy)
@@ -249,6 +250,7 @@ def test_serve_upgrades_a_database_of_today_and_runs_a_rollout_on_it(
     assert {r[0] for r in after["devices"]} >= {"legacy-a", "legacy-b", "mig-a"}
 
 
+@pytest.mark.slow
 def test_the_commands_a_refusal_names_and_read_only_commands_that_never_migrate(tmp_path):
     url = load_legacy("sqlite", tmp_path)
     for args in (["rollouts", "ls"], ["rollouts", "show", "legacy-ro"], ["devices"],

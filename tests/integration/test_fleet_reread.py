@@ -38,7 +38,10 @@ def test_final_statuses_the_broker_dropped_are_read_back_from_its_retained_copy(
         out = fleet_cli(["rollout"] + fp16_args() + [
             "--match", "rr-*", "--rollout-id", "ro-reread", "--broker", dropping_broker.url,
             "--db", db, "--admission", "open", "--embedded", "--json", "-q", "--timeout",
-            "400"], timeout=460)
+            "400"], timeout=460,
+            # A run unchanged for 10 s is read again (default 30 s; each later attempt waits
+            # twice as long, so a slow stage on a loaded host still has three chances).
+            env=dict(os.environ, JETSON_AGENT_FLEET_REREAD_AFTER_S="10"))
     finally:
         fleet.stop()
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,8 +1,8 @@
 """A registry complete whatever the broker's queue (issue 23, item 4): with the shipped broker
-limits (systemd/mosquitto/jetson-fleet.conf: ``max_queued_messages 1000``), 10,000 simulated
+limits (systemd/mosquitto/jetson-fleet.conf: ``max_queued_messages 1000``), 4,000 simulated
 devices (scripts/simulate_devices.py) are all known to a service started after their births
 and to one running during the burst; the wildcard subscription alone knows about 1,100 of
-them (the limit is real here). The same with device identity on: 10,000 devices each with its
+them (the limit is real here). The same with device identity on: 4,000 devices each with its
 own key, signing its birth (``SimulatedFleet(identity=True)``), all admitted by the service's
 ``keys`` policy (the pre-provisioned list, as from manufacturing) and registered. Devices of
 the previous release (no roll-call entry) are still learnt the old way."""
@@ -25,7 +25,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 
 from simulate_devices import SimulatedFleet  # noqa: E402
 
-COUNT = 10000
+# 4,000 devices overflow the shipped queue (1,000 + 100) four times over: the property; the
+# 10,000 figures in docs/fleet.md come from ROLL_CALL_DEVICES=10000 (50,000: benchmarks).
+COUNT = int(os.environ.get("ROLL_CALL_DEVICES", "4000"))
 SHIPPED = os.path.join(ROOT, "systemd", "mosquitto", "jetson-fleet.conf")
 
 
@@ -76,7 +78,7 @@ def wildcard_only(broker):
 
 
 @pytest.mark.slow
-def test_a_service_started_after_10000_births_knows_them_all(shipped_broker, tmp_path):
+def test_a_service_started_after_the_births_knows_them_all(shipped_broker, tmp_path):
     fleet = SimulatedFleet(shipped_broker.host, shipped_broker.port, COUNT, name="rc")
     births(fleet)
     try:
@@ -98,7 +100,7 @@ def test_a_service_started_after_10000_births_knows_them_all(shipped_broker, tmp
 
 
 @pytest.mark.slow
-def test_10000_devices_with_identity_are_all_admitted_and_registered(shipped_broker, tmp_path):
+def test_devices_with_identity_are_all_admitted_and_registered(shipped_broker, tmp_path):
     """Device identity on: every birth signed by its device's key, the service admitting by
     the keys list. Births before the service starts, so the roll call is what finds them."""
     fleet = SimulatedFleet(shipped_broker.host, shipped_broker.port, COUNT, name="id",
@@ -131,7 +133,7 @@ def test_10000_devices_with_identity_are_all_admitted_and_registered(shipped_bro
 
 
 @pytest.mark.slow
-def test_a_running_service_learns_a_burst_of_10000_births(shipped_broker, tmp_path):
+def test_a_running_service_learns_a_burst_of_births(shipped_broker, tmp_path):
     service, store, conn = service_on(shipped_broker, tmp_path)
     fleet = SimulatedFleet(shipped_broker.host, shipped_broker.port, COUNT, name="burst")
     try:
@@ -139,7 +141,7 @@ def test_a_running_service_learns_a_burst_of_10000_births(shipped_broker, tmp_pa
         assert store.devices() == []
         first = conn.last_roll_call
         # The service's network thread stalls during the burst (a loaded host): the broker
-        # queues what fits for it and drops the rest, as it did to 3,635 of 10,000 births.
+        # queues what fits for it and drops the rest, as it did to 3,635 of 10,000 births once.
         conn.client._client.loop_stop()
         try:
             births(fleet)

@@ -41,16 +41,24 @@ def directory(broker):
 
 
 def wait_status(broker, devices, online=True, timeout=40, agents=()):
+    """Until each of ``devices`` says ``online`` in its retained status: one subscription,
+    woken by each message (a test's fleet fits the broker's queue: no roll call needed, and
+    no new connection and settle per look)."""
     deadline = time.monotonic() + timeout
-    while True:
-        seen = directory(broker)
-        if all((seen.get(d) or {}).get("online") is online for d in devices):
-            return seen
-        for agent in agents:
-            assert agent.alive() or not online, agent.log_tail()
-        assert time.monotonic() < deadline, "devices {} not online={}: {}".format(
-            devices, online, seen)
-        time.sleep(0.3)
+    conn = fleet.FleetConnection(broker.url).connect()
+    try:
+        conn.subscribe([conn.topics.prefix + "/devices/+/status"])
+        while True:
+            seen = dict(conn.directory.status)
+            if all((seen.get(d) or {}).get("online") is online for d in devices):
+                return seen
+            for agent in agents:
+                assert agent.alive() or not online, agent.log_tail()
+            assert time.monotonic() < deadline, "devices {} not online={}: {}".format(
+                devices, online, seen)
+            conn.pump(lambda info, msg: None, 0.1)
+    finally:
+        conn.close()
 
 
 def retained_jobs(broker):

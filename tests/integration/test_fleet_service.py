@@ -9,6 +9,8 @@ keeps no job document and no job status of a finished job, and the report agrees
 devices' own journals.
 """
 
+import contextlib
+import io
 import json
 import os
 import random
@@ -16,6 +18,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from agent.fleet.database.store import Store
 from tests.integration.test_fleet_rollout import retained_jobs, wait_status
@@ -109,6 +113,7 @@ def rollout_state(db, rollout_id):
         store.close()
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_points_and_an_offline_device_all_end_succeeded(
         mosquitto, agent_factory, tmp_path):
     rng = random.Random(int(os.environ.get("FAULT_SEED", "13")))
@@ -210,10 +215,21 @@ def retained_job_statuses(broker):
     return found
 
 
+def fleet_main(args):
+    """``jetson-agent fleet ARGS`` in this process -> (exit status, stdout, stderr): for poll
+    loops, where ``fleet_cli`` would start an interpreter (and its imports) at every look."""
+    from agent.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["fleet"] + args)
+    return code, out.getvalue(), err.getvalue()
+
+
 def show(db, rid):
-    out = fleet_cli(["rollouts", "show", rid, "--db", db, "--json"])
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    code, out, err = fleet_main(["rollouts", "show", rid, "--db", db, "--json"])
+    assert code == 0, err
+    return json.loads(out)
 
 
 def wait_rollout(db, rid, predicate, service, timeout=90):
@@ -228,6 +244,7 @@ def wait_rollout(db, rid, predicate, service, timeout=90):
         time.sleep(0.3)
 
 
+@pytest.mark.slow
 def test_pause_resume_cancel_busy_devices_and_attach_to_an_existing_id(
         mosquitto, agent_factory, tmp_path):
     db = "sqlite:///" + str(tmp_path / "fleet.db")

@@ -174,6 +174,7 @@ def db_kind(request):
     return request.param
 
 
+@pytest.mark.slow
 def test_kill_9_takeover_within_the_bound(
         db_kind, mosquitto, agent_factory, tmp_path, request):
     pg = request.getfixturevalue("postgres") if db_kind == "postgresql" else None
@@ -217,6 +218,7 @@ def test_kill_9_takeover_within_the_bound(
         two.kill()
 
 
+@pytest.mark.slow
 def test_ten_quick_restarts_take_the_rollout_back_at_once_and_a_live_name_is_refused(
         mosquitto, agent_factory, tmp_path):
     db = "sqlite:///" + str(tmp_path / "fleet.db")

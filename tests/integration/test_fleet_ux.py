@@ -5,15 +5,22 @@ nothing; a halted stage names the device whose failure halted it; the table show
 statistic; finished jobs show no stage; offline devices keep their board; ``fleet cancel``
 reports the device's own final state; Ctrl-C on an embedded rollout does what --help says."""
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
+import pytest
+
 from agent.cli import main
-from tests.integration.test_daemon_cancel import deep_files  # noqa: F401 - fixture
+from tests.integration.test_daemon_cancel import (
+    deep_files,  # noqa: F401 - fixture
+    worker_pid,
+)
 from tests.integration.test_fleet_cli import JobSniffer, run_cli
 from tests.integration.test_fleet_rollout import (
     DIGITS,
@@ -164,6 +171,43 @@ def _wait_running(mosquitto, device, job_id, proc):
         time.sleep(0.3)
 
 
+def _sigterm_pending(pid):
+    """Whether a SIGTERM waits on the (stopped) process: the daemon has acted on the cancel."""
+    with open("/proc/{}/status".format(pid)) as f:
+        masks = [int(line.split()[1], 16) for line in f if line.startswith(("SigPnd:",
+                                                                            "ShdPnd:"))]
+    return any(m & (1 << (signal.SIGTERM - 1)) for m in masks)
+
+
+@contextlib.contextmanager
+def _held_search(agent, job_id):
+    """The device's search worker stopped (SIGSTOP) until the daemon signals it to end, then
+    resumed: the search cannot finish before the cancel lands, however loaded the host (a
+    race on the search's length is what made this test flaky at load 8)."""
+    pid = worker_pid(agent, job_id, timeout=120)
+    os.killpg(pid, signal.SIGSTOP)
+    done = threading.Event()
+
+    def resume_once_signalled():
+        try:
+            while not done.is_set() and not _sigterm_pending(pid):
+                done.wait(0.02)
+        except OSError:  # already gone
+            pass
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGCONT)
+
+    thread = threading.Thread(target=resume_once_signalled, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join(10)
+
+
+@pytest.mark.slow
 def test_cancel_reports_the_final_state_and_ctrl_c_matches_help(
         mosquitto, agent_factory, deep_files, capsys):  # noqa: F811 - fixture
     agent = agent_factory("ux-c").start()
@@ -173,8 +217,9 @@ def test_cancel_reports_the_final_state_and_ctrl_c_matches_help(
     # fleet cancel while the device searches: the answer is its own final state.
     proc = _embedded_search(mosquitto, deep_files, "ux-c", "ro-cancel")
     try:
-        _wait_running(mosquitto, "ux-c", "ro-cancel.search", proc)
-        rc, out, err = run_cli(capsys, "fleet", "cancel", "ro-cancel", "--json", *broker)
+        with _held_search(agent, "ro-cancel.search"):
+            _wait_running(mosquitto, "ux-c", "ro-cancel.search", proc)
+            rc, out, err = run_cli(capsys, "fleet", "cancel", "ro-cancel", "--json", *broker)
         assert rc == 0, err
         row = json.loads(out)[0]
         assert row["outcome"] == "cancelled" and row["final_state"] == "CANCELED", row
@@ -193,9 +238,10 @@ def test_cancel_reports_the_final_state_and_ctrl_c_matches_help(
     assert "Ctrl-C embedded" in help_text and "running ones included" in help_text
     proc = _embedded_search(mosquitto, deep_files, "ux-c", "ro-intr")
     try:
-        _wait_running(mosquitto, "ux-c", "ro-intr.search", proc)
-        proc.send_signal(signal.SIGINT)
-        _, ctl_err = proc.communicate(timeout=60)
+        with _held_search(agent, "ro-intr.search"):
+            _wait_running(mosquitto, "ux-c", "ro-intr.search", proc)
+            proc.send_signal(signal.SIGINT)
+            _, ctl_err = proc.communicate(timeout=60)
         assert proc.returncode == 130, ctl_err
         assert "cancelling 1 unfinished device(s), running ones included" in ctl_err
         deadline = time.monotonic() + 30

@@ -37,6 +37,7 @@ from tests.integration.faults.suite import fault, finish, started
 from tests.integration.faults.test_faults_identity import counters, pending_has
 from tests.integration.test_fleet_service import (
     fleet_cli,
+    fleet_main,
     fp16_args,
     wait_registered,
     wait_rollout,
@@ -108,9 +109,9 @@ def reset_counters(db):
 
 
 def show(db, device):
-    out = fleet_cli(["devices", "show", device, "--db", db, "--json"])
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+    code, out, err = fleet_main(["devices", "show", device, "--db", db, "--json"])
+    assert code == 0, err
+    return json.loads(out)
 
 
 def test_an_impostor_birth_leaves_the_device_admitted_and_serving(arena, tmp_path):
