@@ -47,10 +47,11 @@ def add_parser(sub: Any) -> None:
                    "(no ranking; more evaluations)")
     p.add_argument("--max-evaluations", type=int, metavar="N",
                    help="evaluation budget: minimal shrinks its set with what is left after "
-                   "replaying worst-first and bisect (default adaptive: 2x bisect's + 4, "
-                   "more while the set still shrinks fast and evaluations are cheap, at most "
-                   "100; it stops once 8 evaluations in a row decided nothing; a given N is "
-                   "spent as asked); other modes stop after N (the result is then partial)")
+                   "bisect's steps and the bound by worst-first (default adaptive: about 2x "
+                   "bisect's, more while the set still shrinks fast and evaluations are "
+                   "cheap, at most 100; it stops once 8 evaluations in a row decided "
+                   "nothing; a given N is spent as asked); other modes stop after N (the "
+                   "result is then partial)")
     p.add_argument("--preflight", action="store_true",
                    help="search on the host emulation first, then verify its set with one "
                    "build on the chosen backend, searching there only if it fails")

@@ -233,20 +233,21 @@ def instrumented_ranking(model: Any, groups: Dict[str, List[str]], plan: Any,
     ref_plan.mark_outputs = ["*"]
     low_plan = BuildPlan.from_dict(plan.to_dict())
     low_plan.mark_outputs = ["*"]
-    ref_record, low_record = build(ref_plan), build(low_plan)
     feeds = list(inputs[:INSTRUMENT_ITERATIONS])
-    # The engines run one after the other, never side by side: the reference run keeps a
-    # fixed sample of each tensor (SAMPLE elements) and its exact counts, then the reduced
-    # run is compared with them. Memory: one engine and one run's activations.
+    _trim_heap()  # what the check's evaluation freed: the instrumented builds go on top
+    # The engines are built and run one after the other, never side by side: the reference
+    # run keeps a fixed sample of each tensor (SAMPLE elements) and its exact counts, then the
+    # reduced run is compared with them. Memory: one engine and one run's activations.
     refs: List[Dict[str, Tuple[np.ndarray, float, int]]] = []
-    with backend.open(ref_record.engine_path) as runner:
+    with backend.open(build(ref_plan).engine_path) as runner:
         for feed in feeds:
             out = runner.infer(dict(feed))
             refs.append({name: _reference_sample(out.pop(name), plan.precision)
                          for name in tensors if name in out})
             del out
+    _trim_heap()  # the reference run's activations, before the next build
     stats: Dict[str, Tuple[float, float, float, float]] = {}
-    with backend.open(low_record.engine_path) as runner:
+    with backend.open(build(low_plan).engine_path) as runner:
         for feed, ref in zip(feeds, refs):
             out = runner.infer(dict(feed))
             for name in list(ref):
@@ -255,7 +256,20 @@ def instrumented_ranking(model: Any, groups: Dict[str, List[str]], plan: Any,
                     merge_stats(stats, name, _sampled_stats(sample, oor, ref_nonfinite,
                                                             out.pop(name)))
             del out
+    _trim_heap()
     return rank_errors(io, stats, precision=plan.precision)
+
+
+def _trim_heap() -> None:
+    """Give the C heap freed by a run back to the OS (glibc's ``malloc_trim``): ONNX Runtime's
+    threads free an instrumented run's activations into per-thread heaps that glibc keeps,
+    so the next build and every later evaluation would stack on top of them."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # Instrumented ranking compares this many evenly spaced elements of each tensor: enough for

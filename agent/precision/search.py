@@ -18,13 +18,15 @@ Modes:
 - ``worst-first``: layers ranked by the error each introduces (``agent.precision.ranking``, from the
   instrumented runs); the smallest passing prefix of that ranking, found by doubling then
   bisection;
-- ``minimal`` (default): worst-first's steps and bisect's steps, sharing every evaluation
-  (so its answer is never larger than either's), then shrinking the smaller answer (group
-  testing, least suspicious first, then one member at a time) until the budget ends or
+- ``minimal`` (default): bisect's steps, then the bound by worst-first (the ranking's prefix
+  one layer shorter than the set must fail: usually one build; where keeping more never
+  hurts, its answer is then never larger than either's), then shrinking (group testing,
+  least suspicious first, then one member at a time) until the budget ends or
   ``strategies.STALL_LIMIT`` evaluations in a row decided nothing. The budget is
   ``--max-evaluations``, or by default adaptive: twice the fewest evaluations bisect needs on
-  N layers plus 4, then more while the set still shrinks fast and evaluations are cheap, up to
-  ``strategies.CAP`` (``strategies.Budget.go_on``).
+  N layers less the ranking's cost and the bound's build, then more while the set still
+  shrinks fast and evaluations are cheap, up to ``strategies.CAP``
+  (``strategies.Budget.go_on``).
 
 ``one_minimal`` is computed, in every mode, from what was built: true only when the build
 without each member of the answer was evaluated and failed; ``untested_removals`` lists the
@@ -112,12 +114,12 @@ class Search(object):
         self.budget = Budget(None)
         if mode == "minimal":
             if max_evaluations is None:
-                # The adaptive default: twice bisect's evaluations + 4, more while the set
+                # The adaptive default: about twice bisect's evaluations, more while the set
                 # shrinks fast and evaluations are cheap, never past CAP (nor fewer than
-                # worst-first's and bisect's steps need).
+                # bisect's steps and the bound need).
                 n = len(self.layers)
                 cap = max(strategies.CAP, 3 * strategies.bisect_evaluations(n) + 4)
-                self.budget = Budget(strategies.default_budget(n), cap=cap)
+                self.budget = Budget(strategies.default_budget(n, self.ranked), cap=cap)
                 max_evaluations = cap
             else:  # the caller's, spent as asked
                 self.budget = Budget(max_evaluations)

@@ -8,10 +8,10 @@ algorithm readable top to bottom; ``search.Search`` drives them and adds what ev
 - ``bisect`` / ``linear``: Polygraphy's ``debug precision`` markers (forward = a prefix of the
   layers from the inputs, reverse = a suffix);
 - ``worst_first``: the smallest passing prefix of the error ranking (``ranking``);
-- ``minimal``: worst-first's and bisect's steps with shared evaluations (never a larger
-  answer than either), then shrunk by group testing within a ``Budget`` (adaptive: past
-  twice bisect's evaluations + 4 only while the set shrinks fast and evaluations are cheap)
-  until it stalls.
+- ``minimal``: bisect's steps, then a bound by worst-first's ranking (usually one build:
+  never a larger answer than either where keeping more never hurts), then shrunk by group
+  testing within a ``Budget`` (adaptive: about twice bisect's evaluations, past that only
+  while the set shrinks fast and evaluations are cheap) until it stalls.
 """
 
 import math
@@ -122,11 +122,18 @@ def bisect_evaluations(n: int, direction: str = "forward") -> int:
     return int(fewest or 2)
 
 
-def default_budget(n: int) -> int:
-    """``minimal``'s default evaluation budget: twice bisect's plus four. Past it the search
-    goes on only while the set still shrinks fast and evaluations are cheap
-    (``Budget.go_on``)."""
-    return 2 * bisect_evaluations(n) + 4
+# The ranking's two instrumented builds and runs, counted in evaluations (measured on the
+# real-model table: 3 to 7 evaluations' CPU time).
+RANKING_COST = 5
+
+
+def default_budget(n: int, ranked: bool = True) -> int:
+    """``minimal``'s default evaluation budget: twice bisect's, less what the ranking costs
+    and the one build that bounds the answer by worst-first's (so the default takes about
+    twice bisect's time). Past it the search goes on only while the set still shrinks fast
+    and evaluations are cheap (``Budget.go_on``)."""
+    b = bisect_evaluations(n)
+    return max(b, 2 * b - (RANKING_COST + 1 if ranked else 0))
 
 
 # ``minimal`` stops shrinking after this many evaluations in a row decided nothing (removed
@@ -135,10 +142,9 @@ def default_budget(n: int) -> int:
 STALL_LIMIT = 8
 # The adaptive budget: past the default budget, shrinking goes on while the evaluations are
 # cheap (median at most CHEAP_S seconds: host emulation, not a device build) and the set is
-# still shrinking fast: a first look of FIRST_LOOK evaluations, then while the last WINDOW
-# evaluations decided (removed, or confirmed needed) at least FAST of the set and at least
-# one layer; never past CAP evaluations in all.
-FIRST_LOOK = 4
+# still shrinking fast: while the last WINDOW evaluations (fewer at first) decided (removed,
+# or confirmed needed) at least FAST of the set and at least one layer; never past CAP
+# evaluations in all.
 WINDOW = 8
 FAST = 0.04
 CHEAP_S = 5.0
@@ -175,59 +181,110 @@ class Budget(object):
 
     @property
     def extended(self) -> bool:
-        """Shrinking evaluations ran past ``limit`` (a first look, or still shrinking fast)."""
+        """Shrinking evaluations ran past ``limit`` (the set was still shrinking fast)."""
         return self._granted is not None and self.spent() > self._granted
 
     def go_on(self) -> bool:
-        """Within the budget; past it, while evaluations are cheap and the set shrinks fast
-        (after a first look), up to the cap."""
+        """Within the budget; past it, while evaluations are cheap and the set shrinks fast,
+        up to the cap."""
         spent = self.spent()
         if self.limit is None or spent < self.limit:
             return True
         if self.cap is None or spent >= self.cap or not self.cheap():
             return False
-        if len(self.trace) > FIRST_LOOK and not shrinking_fast(self.trace):
+        if not shrinking_fast(self.trace):
             return False
         if self._granted is None:
             self._granted = spent
         return True
 
 
-def _bisect_size(layers: Sequence[str], cutoff: int) -> Generator[FrozenSet[str], bool,
-                                                                   Optional[int]]:
-    """``bisect(layers, "forward")`` after its sanity steps, step for step, stopped as soon as
-    its answer can no longer hold fewer than ``cutoff`` layers (every prefix it would still
-    try is longer). Returns the size of its answer, or None when stopped so."""
-    n = len(layers)
-    good, bad, num = n + 1, 0, n
-    while True:
-        passed = yield frozenset(layers[:num])
-        if passed:
-            good = num
-            new = int(math.floor((good + bad) / 2.0))
+def _recorded(gen: Generator[FrozenSet[str], bool, Any], failed: List[FrozenSet[str]]
+              ) -> Generator[FrozenSet[str], bool, Any]:
+    """``gen``'s proposals passed through, each set that failed appended to ``failed``."""
+    value: Optional[bool] = None
+    try:
+        cand = next(gen)
+        while True:
+            value = yield cand
+            if not value:
+                failed.append(cand)
+            cand = gen.send(bool(value))
+    except StopIteration as stop:
+        return stop.value
+
+
+def _failing_prefix(order: Sequence[str], failed: Sequence[FrozenSet[str]]) -> int:
+    """The longest prefix of ``order`` inside a set that failed: it fails too where keeping
+    more never hurts (bisect's own assumption), so it needs no build."""
+    longest = 0
+    for bad in failed:
+        k = 0
+        while k < len(order) and order[k] in bad:
+            k += 1
+        longest = max(longest, k)
+    return longest
+
+
+def _prefix_bound(order: Sequence[str], best: List[str], failed: List[FrozenSet[str]]
+                  ) -> Generator[FrozenSet[str], bool, List[str]]:
+    """``best`` (a passing set), or a shorter passing prefix of ``order``, such that the
+    prefix one layer shorter than the answer fails (built, or inside a set that failed): then
+    no passing prefix of ``order`` is shorter, where keeping more never hurts, and neither is
+    the answer of a strategy that looks for the smallest passing prefix of ``order``
+    (worst-first on the ranking, bisect on the topological order).
+
+    One build when that prefix fails. Else the smallest passing prefix is looked for near
+    the top first (2 layers shorter: a dense answer), then from the bottom (1, 2, 4, ...
+    layers past the longest failing prefix: a good ranking), then by bisection."""
+    bad = _failing_prefix(order, failed)
+    good = len(best)
+    for step in (1, 1):
+        if good - step <= bad:
+            break
+        if not (yield frozenset(order[:good - step])):
+            bad = good - step
+            break
+        good -= step
+    size = 1
+    while bad + size < good:
+        if (yield frozenset(order[:bad + size])):
+            good = bad + size
+            break
+        bad, size = bad + size, size * 2
+    while good - bad > 1:
+        mid = (good + bad) // 2
+        if (yield frozenset(order[:mid])):
+            good = mid
         else:
-            bad = num
-            new = int(math.ceil((good + bad) / 2.0))
-        if new == num or abs(good - bad) <= 1 or new > n:
-            return min(good, n)
-        if bad + 1 >= min(cutoff, good):
-            return None  # what is left lies above bad: no smaller answer than cutoff
-        num = new
+            bad = mid
+    return best if good == len(best) else list(order[:good])
 
 
 def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget: Budget,
             ranked: bool = True, stall: int = STALL_LIMIT) -> Strategy:
-    """The smallest passing set it can find, never larger than what ``worst_first`` (on the
-    same ranking) and ``bisect`` (forward) answer, whatever the accuracy does.
+    """The smallest passing set it can find, never larger than what ``bisect`` (forward) and
+    ``worst_first`` (on the same ranking) answer where keeping more layers never makes a
+    passing build fail (the assumption bisect itself makes).
 
-    1. ``worst_first``'s steps exactly (with a ranking): its answer is a passing set.
-    2. ``bisect``'s steps exactly, sharing every evaluation (a set built before is never built
-       again), stopped once bisect can no longer beat the set in hand (usually 1-3 builds).
-    3. Shrink the smaller answer with what is left of the budget: generalized binary splitting
-       (Hwang's adaptive group testing) over the set, least suspicious first, then a build
-       without each member in turn. Stops when ``budget.go_on()`` says so or when ``stall``
-       evaluations in a row decided nothing.
+    1. ``bisect``'s steps exactly: its answer is a passing prefix, the prefix one shorter
+       failed (so no shorter set shrunk from it is larger than bisect's).
+    2. The bound (``_prefix_bound``, with a ranking, whatever the budget): the ranking's
+       prefix one layer shorter than the set must fail, so worst-first (the smallest passing
+       prefix of the ranking) keeps no fewer; where a shorter prefix passes, it is the set.
+       Usually one build.
+    3. Shrink the set with the budget: generalized binary splitting (Hwang's adaptive group
+       testing) over the set, least suspicious first, then a build without each member in
+       turn. Stops when ``budget.go_on()`` says so or when ``stall`` evaluations in a row
+       decided nothing. Where it shrank, step 2 again (usually a set already built).
     """
+    failed: List[FrozenSet[str]] = []
+    return (yield from _recorded(_minimal(ranking, layers, suspects, budget, ranked, stall,
+                                          failed), failed))
+
+
+def _minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget: Budget,
+             ranked: bool, stall: int, failed: List[FrozenSet[str]]) -> Strategy:
     if (yield from _sanity(ranking)):
         return []
     rank = {name: i for i, name in enumerate(ranking)}
@@ -235,18 +292,32 @@ def minimal(ranking: Sequence[str], layers: Sequence[str], suspects: int, budget
     def by_rank(names: Iterable[str]) -> List[str]:
         return sorted(names, key=lambda x: rank[x])
 
-    best: List[str] = list(ranking)
-    if ranked:
-        budget.phase = "worst-first"
-        m = yield from _smallest_prefix(ranking)
-        best = list(ranking[:m])
     budget.phase = "bisect"
-    p = yield from _bisect_size(layers, len(best))
-    if p is not None and p < len(best):
-        best = list(layers[:p])
+    keep = set((yield from bisect(layers, "forward")))
+    # What the adaptive budget measures starts here: a bound that drops layers counts as
+    # shrinking (one entry per evaluation).
+    budget.trace = [(len(keep), 0)]
+    if ranked:
+        budget.phase = "bound"
+        spent, size = budget.spent(), len(keep)
+        keep = set((yield from _prefix_bound(ranking, by_rank(keep), failed)))
+        budget.trace += [(size, 0)] * max(0, budget.spent() - spent - 1)
+        if budget.spent() > spent:
+            budget.trace.append((len(keep), size - len(keep)))
     budget.bounded = True
-    budget.phase = "shrinking"
-    keep = yield from _shrink(set(best), by_rank, set(ranking[:suspects]), budget, stall)
+    while budget.go_on():
+        budget.phase = "shrinking"
+        before = len(keep)
+        keep = yield from _shrink(keep, by_rank, set(ranking[:suspects]), budget, stall)
+        if not ranked or len(keep) == before:
+            break
+        phase = budget.phase
+        bounded = yield from _prefix_bound(ranking, by_rank(keep), failed)
+        budget.phase = phase
+        if len(bounded) == len(keep) or phase == "stalled":
+            keep = set(bounded)
+            break
+        keep = set(bounded)  # a shorter prefix passed: shrink that
     return by_rank(keep)
 
 
@@ -258,9 +329,10 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
     keep = set(keep)
     confirmed: Set[str] = set()
     # decided: layers removed, or confirmed needed (group testing's, or a failed removal of
-    # one member): what the adaptive budget measures.
-    state = {"stalled": 0, "seen": budget.spent(), "decided": 0}
-    budget.trace = [(len(keep), 0)]
+    # one member): what the adaptive budget measures, continuing its trace.
+    if not budget.trace:
+        budget.trace = [(len(keep), 0)]
+    state = {"stalled": 0, "seen": budget.spent(), "decided": budget.trace[-1][1]}
 
     def probe(cand: Set[str]) -> Generator[FrozenSet[str], bool, bool]:
         before = budget.spent()

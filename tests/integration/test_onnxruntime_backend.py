@@ -136,6 +136,28 @@ def test_engine_metadata_and_runner(backend, fp16_max, tmp_path):
     assert get_backend("onnxruntime").name == "onnxruntime"
 
 
+def test_open_after_build_takes_the_session_that_checked_those_bytes(fp16_max, tmp_path):
+    # A search opens each engine right after building it: the build's check session serves
+    # once, for those exact bytes only (a copy elsewhere is fine, other bytes load anew).
+    model, x = fp16_max
+    backend = create(threads=1)
+    r = build(backend, model, BuildPlan("fp16"), tmp_path / "a.onnx")
+    checked = backend._checked[1]
+    copy = tmp_path / "copy.onnx"
+    copy.write_bytes(open(r.engine_path, "rb").read())  # the engine cache moves it
+    with backend.open(str(copy)) as runner:
+        assert runner.session is checked and backend._checked is None
+        expected = runner.infer({"x": x})
+    with backend.open(str(copy)) as runner:  # served once: loaded anew
+        assert runner.session is not checked
+        np.testing.assert_array_equal(runner.infer({"x": x})["y"], expected["y"])
+    build(backend, model, BuildPlan("fp32"), tmp_path / "b.onnx")
+    other = backend._checked[1]
+    with backend.open(r.engine_path) as runner:  # other bytes: loaded, the slot emptied
+        assert runner.session is not other and runner.session is not checked
+    assert backend._checked is None
+
+
 # -- int8: a classifier trained on real data ----------------------------------------------------
 
 @pytest.fixture(scope="module")
