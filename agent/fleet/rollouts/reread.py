@@ -3,34 +3,83 @@
 A device's job status is retained at the broker (``{p}/devices/{d}/jobs/{job}/status``), but
 the copy sent to the controller passes its session queue, where Mosquitto drops what does not
 fit (``max_queued_messages``): a device whose SUCCEEDED was dropped would sit QUEUED or
-IN_PROGRESS until its stage timed it out, although the broker holds its answer. A run whose
-state has not changed for ``after_s`` s is read again (an exact subscription to its status
-topic brings the retained copy), at most ``attempts`` times, each wait twice the last (a long
-build reports no new state for minutes), at most ``batch`` a round (a round must fit the
-broker's queue itself). Pure bookkeeping: the service subscribes.
+IN_PROGRESS until its stage timed it out, although the broker holds its answer. An exact
+subscription to the status topic brings the retained copy back.
+
+When to ask depends on the rollout's traffic. While its statuses still flow (a stage being
+streamed), the broker's queue is the scarce thing: a run is read again after ``after_s`` s
+without a change, ``busy_batch`` a round, rounds ``busy_every_s`` apart. Once no status of the
+rollout has come for ``quiet_s`` s, the burst is over and what is still unfinished past
+``quick_s`` s is most likely an answer the queue dropped: rounds of ``batch`` (what the shipped
+queue holds, 1000 + 100 in flight, with the connection otherwise quiet) every round the
+service runs, so 3,700 lost statuses are back within seconds, not minutes. The answers to a
+round do not count as traffic (``heard`` within ``quiet_s`` of a round is ignored), or each
+round would end the quiet. A run's waits double with each attempt (a long build reports no
+new state for minutes) up to ``max_wait_s``, at most ``attempts`` per state and job stage.
+
+Exact subscriptions rather than one wildcard per job (``{p}/devices/+/jobs/{job}/status``):
+a wildcard's retained burst is as large as the number of unfinished devices, which the broker
+cuts at its queue without telling anyone, and its copies of running devices' IN_PROGRESS take
+the same room every time; a round of exact filters is bounded by construction. Pure
+bookkeeping: the service subscribes.
 """
 
 from typing import Any, Dict, Iterable, List, Tuple
 
-AFTER_S = 30.0  # no change for this long: the status may have been dropped on the way
-ATTEMPTS = 3
-BATCH = 500  # statuses asked for in one round (the shipped broker queues 1000 + 100)
+AFTER_S = 30.0  # statuses still flowing: no change for this long, the status may be lost
+QUIET_S = 1.0  # no status of the rollout for this long: its burst is over
+QUICK_S = 2.0  # then: no change for this long is read again
+ATTEMPTS = 8  # per state and job stage: quiet waits 2, 4, ... 120 s, about 6 minutes in all
+MAX_WAIT_S = 120.0
+BATCH = 1000  # statuses asked for in one quiet round (the shipped broker queues 1000 + 100)
+BUSY_BATCH = 200  # ... in one round while the rollout's statuses still fill the queue
+BUSY_EVERY_S = 5.0  # a busy rollout's runs are looked at this often (a scan of 50,000 runs)
 
 
 class Reread(object):
     def __init__(self, after_s: float = AFTER_S, attempts: int = ATTEMPTS,
-                 batch: int = BATCH) -> None:
+                 batch: int = BATCH, quick_s: float = QUICK_S, quiet_s: float = QUIET_S,
+                 max_wait_s: float = MAX_WAIT_S, busy_batch: int = BUSY_BATCH,
+                 busy_every_s: float = BUSY_EVERY_S) -> None:
         self.after_s = float(after_s)
+        self.quick_s = float(quick_s)
+        self.quiet_s = float(quiet_s)
+        self.max_wait_s = float(max_wait_s)
         self.attempts = int(attempts)
         self.batch = int(batch)
-        # (rollout, device) -> [(state, job id) last seen, since when, attempts made]
+        self.busy_batch = int(busy_batch)
+        self.busy_every_s = float(busy_every_s)
+        # (rollout, device) -> [(state, job id, stage) last seen, since when, attempts made]
         self._seen: Dict[Tuple[str, str], List[Any]] = {}
+        self._heard: Dict[str, float] = {}  # rollout -> when its last status came
+        self._asked: Dict[str, float] = {}  # rollout -> when its last round was asked
+        self._looked: Dict[str, float] = {}  # rollout -> when its runs were last scanned
         self.asked = 0
+
+    def heard(self, rollout_id: str, now: float) -> None:
+        """A job status of ``rollout_id`` came (answers to a round just asked excepted)."""
+        if now - self._asked.get(rollout_id, float("-inf")) > self.quiet_s:
+            self._heard[rollout_id] = now
+
+    def quiet(self, rollout_id: str, now: float) -> bool:
+        return now - self._heard.get(rollout_id, float("-inf")) >= self.quiet_s
+
+    def room(self, rollout_id: str, now: float) -> int:
+        """How many statuses of ``rollout_id`` one round may ask for now."""
+        return self.batch if self.quiet(rollout_id, now) else self.busy_batch
+
+    def wait(self, quiet: bool, attempt: int) -> float:
+        """How long a run stays unchanged before its ``attempt``-th read (0 = the first)."""
+        return min(self.max_wait_s, (self.quick_s if quiet else self.after_s) * 2 ** attempt)
 
     def due(self, rollout_id: str, runs: Iterable[Any], now: float,
             room: int) -> List[Tuple[str, str, int]]:
         """(device, job id, attempt) of the unfinished runs of ``rollout_id`` to read again now,
         at most ``room``; the runs' states are noted for the next call."""
+        quiet = self.quiet(rollout_id, now)
+        if not quiet and now - self._looked.get(rollout_id, float("-inf")) < self.busy_every_s:
+            return []
+        self._looked[rollout_id] = now
         out: List[Tuple[str, str, int]] = []
         for run in runs:
             key = (rollout_id, run.device)
@@ -43,12 +92,16 @@ class Reread(object):
                 self._seen[key] = [now_is, now, 0]
                 continue
             if len(out) < room and rec[2] < self.attempts and \
-                    now - rec[1] >= self.after_s * 2 ** rec[2]:
+                    now - rec[1] >= self.wait(quiet, rec[2]):
                 rec[1], rec[2] = now, rec[2] + 1
                 out.append((run.device, run.job_id, rec[2]))
+        if out:
+            self._asked[rollout_id] = now
         self.asked += len(out)
         return out
 
     def forget(self, rollout_id: str) -> None:
         for key in [k for k in self._seen if k[0] == rollout_id]:
             del self._seen[key]
+        for d in (self._heard, self._asked, self._looked):
+            d.pop(rollout_id, None)
