@@ -712,7 +712,7 @@ class FleetService(object):
         if ro is None or device not in ro.runs:
             return
         run = ro.runs[device]
-        self.reread.heard(ro.rollout_id, time.monotonic())
+        self.reread.heard(ro.rollout_id, device, time.monotonic())
         refused = ro.refused
         actions, more = self.pending.setdefault(ro.rollout_id, ([], []))
         actions += ro.on_job_status(device, msg, evaluate=False)

@@ -11,7 +11,7 @@ def run(device, state, job_id="j1"):
 
 
 def busy(rr, now):
-    rr.heard("ro", now)  # another status of the rollout, just now: its burst goes on
+    rr.heard("ro", "other", now)  # another status of the rollout, just now: it goes on
 
 
 def test_while_statuses_flow_an_unchanged_run_is_read_again_a_bounded_number_of_times():
@@ -47,6 +47,7 @@ def test_once_the_rollout_is_quiet_what_is_unfinished_is_read_back_in_rounds_wit
     1,000, one a second, their own answers not ending the quiet."""
     rr = Reread(after_s=30, batch=1000, quick_s=2, quiet_s=1)
     runs = [run("d{}".format(i), "QUEUED") for i in range(3500)]
+    runs += [run("f{}".format(i), "SUCCEEDED") for i in range(3500)]  # most of the stage
     busy(rr, 0.0)
     assert rr.due("ro", runs, 0.0, rr.room("ro", 0.0)) == []  # noted while busy
     assert not rr.quiet("ro", 0.5) and rr.due("ro", runs, 0.5, 200) == []  # scans 5 s apart
@@ -58,23 +59,35 @@ def test_once_the_rollout_is_quiet_what_is_unfinished_is_read_back_in_rounds_wit
         for device, _j, attempt in due:
             asked.append(device)
             assert attempt == 1
-            rr.heard("ro", now + 0.1)  # the answers to the round
+            rr.heard("ro", device, now + 0.1)  # the answers to the round
         now += 1.0
     # Quiet at 1 s, unchanged for 2 s at 2 s: four rounds, 2 to 5 s.
-    assert sorted(asked) == sorted(r.device for r in runs) and now == 6.0, now
+    assert sorted(asked) == sorted(r.device for r in runs[:3500]) and now == 6.0, now
     # Those whose answer did not come either are asked again, 4 s after their first read.
     assert rr.due("ro", runs, 5.5, 1000) == []
     again = rr.due("ro", runs, 2.0 + 4.0, 1000)
     assert len(again) == 1000 and again[0] == ("d0", "j1", 2)
+    # A status from a device not asked: the stream goes on (it had paused), the quiet ends.
+    rr.heard("ro", "d3499", 6.5)
+    assert not rr.quiet("ro", 7.0) and rr.room("ro", 7.0) == rr.busy_batch
 
 
-def test_quiet_waits_double_up_to_a_cap_and_the_attempts_are_bounded():
+def test_quiet_waits_double_up_to_a_cap_the_attempts_are_bounded_and_a_fleet_wide_build_waits():
     rr = Reread(quick_s=2, max_wait_s=120, attempts=8)
     assert [rr.wait(True, a) for a in range(8)] == [2, 4, 8, 16, 32, 64, 120, 120]
     assert rr.wait(False, 0) == rr.after_s
-    runs = [run("a", "IN_PROGRESS")]  # a long build: no new state for minutes
-    reads, now = [], 0.0
-    while now < 3600:
-        reads += [now for _ in rr.due("ro", runs, now, 1000)]
-        now += 1.0
-    assert len(reads) == 8 and reads[-1] < 400
+
+    def reads(runs):
+        out, now = [], 0.0
+        while now < 3600:
+            out += [now for _ in rr.due("ro", runs, now, 1000)]
+            now += 1.0
+        rr.forget("ro")
+        return out
+
+    # A straggler whose peers are done: read within seconds, then less and less often.
+    straggler = reads([run("a", "IN_PROGRESS"), run("b", "SUCCEEDED")])
+    assert len(straggler) == 8 and straggler[0] <= 7 and straggler[-1] < 400
+    # The whole stage building for minutes, quiet: not overdue, the busy waits (30 s, ...).
+    building = reads([run("a", "IN_PROGRESS"), run("b", "IN_PROGRESS")])
+    assert len(building) == 16 and building[0] >= 30

@@ -9,13 +9,16 @@ subscription to the status topic brings the retained copy back.
 When to ask depends on the rollout's traffic. While its statuses still flow (a stage being
 streamed), the broker's queue is the scarce thing: a run is read again after ``after_s`` s
 without a change, ``busy_batch`` a round, rounds ``busy_every_s`` apart. Once no status of the
-rollout has come for ``quiet_s`` s, the burst is over and what is still unfinished past
-``quick_s`` s is most likely an answer the queue dropped: rounds of ``batch`` (what the shipped
-queue holds, 1000 + 100 in flight, with the connection otherwise quiet) every round the
-service runs, so 3,700 lost statuses are back within seconds, not minutes. The answers to a
-round do not count as traffic (``heard`` within ``quiet_s`` of a round is ignored), or each
-round would end the quiet. A run's waits double with each attempt (a long build reports no
-new state for minutes) up to ``max_wait_s``, at most ``attempts`` per state and job stage.
+rollout has come for ``quiet_s`` s and at least half of its sent jobs are final (the others are
+past the time their peers took: a fleet-wide build that reports nothing for minutes is not),
+the burst is over and what is still unfinished past ``quick_s`` s is most likely an answer
+the queue dropped: rounds of ``batch`` (what the shipped queue holds, 1000 + 100 in flight,
+with the connection otherwise quiet) every round the service runs, so 3,700 lost statuses are
+back within seconds, not minutes. The answers to a round do not count as traffic (a status
+of a device the last round asked about), or each round would end the quiet; any other status
+does (a stream that paused under load and goes on). A run's waits double with each attempt
+(a long build reports no new state for minutes) up to ``max_wait_s``, at most ``attempts`` per
+state and job stage.
 
 Exact subscriptions rather than one wildcard per job (``{p}/devices/+/jobs/{job}/status``):
 a wildcard's retained burst is as large as the number of unfinished devices, which the broker
@@ -24,7 +27,7 @@ the same room every time; a round of exact filters is bounded by construction. P
 bookkeeping: the service subscribes.
 """
 
-from typing import Any, Dict, Iterable, List, Tuple
+from typing import Any, Dict, Iterable, List, Set, Tuple
 
 AFTER_S = 30.0  # statuses still flowing: no change for this long, the status may be lost
 QUIET_S = 1.0  # no status of the rollout for this long: its burst is over
@@ -32,7 +35,7 @@ QUICK_S = 2.0  # then: no change for this long is read again
 ATTEMPTS = 8  # per state and job stage: quiet waits 2, 4, ... 120 s, about 6 minutes in all
 MAX_WAIT_S = 120.0
 BATCH = 1000  # statuses asked for in one quiet round (the shipped broker queues 1000 + 100)
-BUSY_BATCH = 200  # ... in one round while the rollout's statuses still fill the queue
+BUSY_BATCH = 500  # ... in one round while its statuses still fill the queue (as before)
 BUSY_EVERY_S = 5.0  # a busy rollout's runs are looked at this often (a scan of 50,000 runs)
 
 
@@ -52,17 +55,25 @@ class Reread(object):
         # (rollout, device) -> [(state, job id, stage) last seen, since when, attempts made]
         self._seen: Dict[Tuple[str, str], List[Any]] = {}
         self._heard: Dict[str, float] = {}  # rollout -> when its last status came
-        self._asked: Dict[str, float] = {}  # rollout -> when its last round was asked
+        self._round: Dict[str, Set[str]] = {}  # rollout -> devices its last round asked
         self._looked: Dict[str, float] = {}  # rollout -> when its runs were last scanned
+        self._behind: Dict[str, bool] = {}  # rollout -> unfinished runs behind most peers
         self.asked = 0
 
-    def heard(self, rollout_id: str, now: float) -> None:
-        """A job status of ``rollout_id`` came (answers to a round just asked excepted)."""
-        if now - self._asked.get(rollout_id, float("-inf")) > self.quiet_s:
+    def heard(self, rollout_id: str, device: str, now: float) -> None:
+        """A job status of ``rollout_id`` came from ``device`` (answers to the last round
+        excepted)."""
+        asked = self._round.get(rollout_id)
+        if asked is not None and device in asked:
+            asked.discard(device)
+        else:
             self._heard[rollout_id] = now
 
     def quiet(self, rollout_id: str, now: float) -> bool:
-        return now - self._heard.get(rollout_id, float("-inf")) >= self.quiet_s
+        """No status of the rollout for ``quiet_s`` and most of its sent jobs final (as its
+        last scan found them): what is unfinished is overdue."""
+        return self._behind.get(rollout_id, False) and \
+            now - self._heard.get(rollout_id, float("-inf")) >= self.quiet_s
 
     def room(self, rollout_id: str, now: float) -> int:
         """How many statuses of ``rollout_id`` one round may ask for now."""
@@ -81,11 +92,14 @@ class Reread(object):
             return []
         self._looked[rollout_id] = now
         out: List[Tuple[str, str, int]] = []
+        final = unfinished = 0
         for run in runs:
             key = (rollout_id, run.device)
             if run.terminal or run.state == "PENDING" or not run.job_id:
+                final += run.terminal
                 self._seen.pop(key, None)
                 continue
+            unfinished += 1
             now_is = (run.state, run.job_id, run.job_stage)
             rec = self._seen.get(key)
             if rec is None or rec[0] != now_is:
@@ -95,13 +109,14 @@ class Reread(object):
                     now - rec[1] >= self.wait(quiet, rec[2]):
                 rec[1], rec[2] = now, rec[2] + 1
                 out.append((run.device, run.job_id, rec[2]))
+        self._behind[rollout_id] = final >= unfinished
         if out:
-            self._asked[rollout_id] = now
+            self._round[rollout_id] = {device for device, _j, _a in out}
         self.asked += len(out)
         return out
 
     def forget(self, rollout_id: str) -> None:
         for key in [k for k in self._seen if k[0] == rollout_id]:
             del self._seen[key]
-        for d in (self._heard, self._asked, self._looked):
+        for d in (self._heard, self._round, self._looked, self._behind):
             d.pop(rollout_id, None)
