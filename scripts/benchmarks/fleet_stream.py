@@ -198,6 +198,9 @@ def run_once(n, timeout=3600):
         # cost per document by function.
         cprof = ["-m", "cProfile", "-o", os.environ["STREAM_CPROFILE"]] \
             if os.environ.get("STREAM_CPROFILE") else []
+        if os.environ.get("STREAM_CPROFILE_CPU"):  # the same by the main thread's CPU time
+            cprof = [os.path.join(ROOT, "scripts", "benchmarks", "_cprofile_cpu.py"),
+                     os.environ["STREAM_CPROFILE_CPU"]]
         serve = subprocess.Popen(
             [sys.executable] + cprof + ["-m", "agent", "fleet", "serve", "--broker",
              "mqtt://127.0.0.1:{}".format(port), "--db", db, "--admission", "keys",
