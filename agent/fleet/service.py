@@ -782,7 +782,8 @@ class FleetService(object):
         wait = min(wait, NEW_ROLLOUT_POLL_S)
         # What came is handled (a bounded batch) before more documents are built: statuses
         # that wait hold memory and delay the rollout's end.
-        self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS, drain=True)
+        self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS, drain=True,
+                       drain_s=streaming.DRAIN_S)
         self._gate_dropped()
         self._commit_pending()
         tick = time.monotonic() - self.last_tick >= TICK_S or self._new_rollout()
