@@ -9,16 +9,17 @@ subscription to the status topic brings the retained copy back.
 When to ask depends on the rollout's traffic. While its statuses still flow (a stage being
 streamed), the broker's queue is the scarce thing: a run is read again after ``after_s`` s
 without a change, ``busy_batch`` a round, rounds ``busy_every_s`` apart. Once no status of the
-rollout has come for ``quiet_s`` s and at least half of its sent jobs are final (the others are
-past the time their peers took: a fleet-wide build that reports nothing for minutes is not),
-the burst is over and what is still unfinished past ``quick_s`` s is most likely an answer
-the queue dropped: rounds of ``batch`` (what the shipped queue holds, 1000 + 100 in flight,
-with the connection otherwise quiet) every round the service runs, so 3,700 lost statuses are
-back within seconds, not minutes. The answers to a round do not count as traffic (a status
-of a device the last round asked about), or each round would end the quiet; any other status
-does (a stream that paused under load and goes on). A run's waits double with each attempt
-(a long build reports no new state for minutes) up to ``max_wait_s``, at most ``attempts`` per
-state and job stage.
+rollout has come for ``quiet_s`` s, the burst is over, and what is still QUEUED past
+``quick_s`` s (a device starts a job within a second, unless busy with a local one: it is in
+one rollout at a time), or still unfinished once at least half of the sent jobs are final
+(behind its peers, where a fleet-wide build that reports nothing for minutes is not), is most
+likely an answer the queue dropped: rounds of ``batch`` (what the shipped queue holds, 1000 +
+100 in flight, with the connection otherwise quiet) every round the service runs, so 3,700
+lost statuses are back within seconds, not minutes. The answers to a round do not count as
+traffic (a status of a device the last round asked about), or each round would end the quiet;
+any other status does (a stream that paused under load and goes on). A run's waits double
+with each attempt (a long build reports no new state for minutes) up to ``max_wait_s``, at
+most ``attempts`` per state and job stage.
 
 Exact subscriptions rather than one wildcard per job (``{p}/devices/+/jobs/{job}/status``):
 a wildcard's retained burst is as large as the number of unfinished devices, which the broker
@@ -72,10 +73,8 @@ class Reread(object):
             self._heard[rollout_id] = now
 
     def quiet(self, rollout_id: str, now: float) -> bool:
-        """No status of the rollout for ``quiet_s`` and most of its sent jobs final (as its
-        last scan found them): what is unfinished is overdue."""
-        return self._behind.get(rollout_id, False) and \
-            now - self._heard.get(rollout_id, float("-inf")) >= self.quiet_s
+        """No status of the rollout for ``quiet_s``: its burst is over."""
+        return now - self._heard.get(rollout_id, float("-inf")) >= self.quiet_s
 
     def room(self, rollout_id: str, now: float) -> int:
         """How many statuses of ``rollout_id`` one round may ask for now."""
@@ -92,6 +91,7 @@ class Reread(object):
         quiet = self.quiet(rollout_id, now)
         if not quiet and now - self._looked.get(rollout_id, float("-inf")) < self.busy_every_s:
             return []
+        behind = quiet and self._behind.get(rollout_id, False)
         self._looked[rollout_id] = now
         out: List[Tuple[str, str, int]] = []
         final = unfinished = 0
@@ -108,8 +108,11 @@ class Reread(object):
             if rec is None or rec[0] != now_is:
                 self._seen[key] = [now_is, now, 0]
                 continue
-            if len(out) < room and rec[2] < self.attempts and \
-                    now - rec[1] >= self.wait(quiet, rec[2]):
+            # Quick: a job its device has not started (it starts within a second unless busy
+            # with a local job; a device is in one rollout at a time), or any job once most of
+            # the rollout's are final.
+            if len(out) < room and rec[2] < self.attempts and now - rec[1] >= self.wait(
+                    quiet and (behind or state == "QUEUED"), rec[2]):
                 rec[1], rec[2] = now, rec[2] + 1
                 out.append((run.device, run.job_id, rec[2]))
         self._behind[rollout_id] = final >= unfinished
