@@ -193,11 +193,12 @@ class FleetConnection(object):
         return handle
 
     def pump(self, on_message: Callable[[TopicInfo, Any], None], timeout: float,
-             max_events: Optional[int] = None, drain: bool = False) -> bool:
+             max_events: Optional[int] = None, drain: bool = False,
+             drain_s: Optional[float] = None) -> bool:
         """Handle events for up to ``timeout`` s (or until ``max_events`` were handled: a
-        bounded batch; ``drain``: past ``timeout`` too while events are queued); True if a
-        SUBSCRIBED event was among them. Status and telemetry messages update ``directory``
-        before ``on_message`` sees them."""
+        bounded batch; ``drain``: past ``timeout`` too while events are queued, for at most
+        ``drain_s`` s more); True if a SUBSCRIBED event was among them. Status and telemetry
+        messages update ``directory`` before ``on_message`` sees them."""
         from agent.wire import mqtt
 
         subscribed = False
@@ -205,6 +206,8 @@ class FleetConnection(object):
         handled = 0
         while True:
             if max_events is not None and handled >= max_events:
+                return subscribed
+            if drain_s is not None and time.monotonic() >= deadline + drain_s:
                 return subscribed
             handled += 1
             left = deadline - time.monotonic()

@@ -43,7 +43,7 @@ NEW_ROLLOUT_POLL_S = 0.1
 # BURST_QUIET_S after a burst of at least BURST_BIRTHS new devices (births the broker's queue may
 # have cut).
 ROLL_CALL_EVERY_S = 600.0
-JOB_REREAD_EVERY_S = 5.0  # a round of job statuses read again (agent.fleet.rollouts.reread)
+JOB_REREAD_EVERY_S = 1.0  # a round of job statuses read again (agent.fleet.rollouts.reread)
 BURST_BIRTHS = 100
 BURST_QUIET_S = 2.0
 REREAD_EVERY_S = 30.0
@@ -539,16 +539,20 @@ class FleetService(object):
             self.conn.client.unsubscribe(f)
         self.reread_filters = []
         for rid, ro in list(self.rollouts.items()):
-            room = self.reread.batch - len(self.reread_filters)
+            room = min(self.reread.room(rid, mono),
+                       self.reread.batch - len(self.reread_filters))
             if ro.done or room <= 0:
                 continue
             due = self.reread.due(rid, ro.runs.values(), mono, room)
             if not due:
                 continue
-            log.warning("rollout %s: %d job(s) with no new status for %.0f s or more: reading "
-                        "the devices' retained statuses again (attempt %d of at most %d; the "
-                        "broker's queue may have dropped them)", rid, len(due),
-                        self.reread.after_s, max(a for _d, _j, a in due), self.reread.attempts)
+            quiet = self.reread.quiet(rid, mono)
+            log.warning("rollout %s: %d job(s) with no new status for %.0f s or more%s: "
+                        "reading the devices' retained statuses again (attempt %d of at most "
+                        "%d; the broker's queue may have dropped them)", rid, len(due),
+                        self.reread.wait(quiet, 0), ", the rollout quiet for {:.0f} s".format(
+                            self.reread.quiet_s) if quiet else "",
+                        max(a for _d, _j, a in due), self.reread.attempts)
             self.stats["reread"] += len(due)
             for device, job_id, _attempt in due:
                 self.reread_filters.append(self.topics.job_status(device, job_id))
@@ -708,6 +712,7 @@ class FleetService(object):
         if ro is None or device not in ro.runs:
             return
         run = ro.runs[device]
+        self.reread.heard(ro.rollout_id, device, time.monotonic())
         refused = ro.refused
         actions, more = self.pending.setdefault(ro.rollout_id, ([], []))
         actions += ro.on_job_status(device, msg, evaluate=False)
@@ -777,7 +782,8 @@ class FleetService(object):
         wait = min(wait, NEW_ROLLOUT_POLL_S)
         # What came is handled (a bounded batch) before more documents are built: statuses
         # that wait hold memory and delay the rollout's end.
-        self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS, drain=True)
+        self.conn.pump(self.on_message, wait, max_events=streaming.MAX_EVENTS, drain=True,
+                       drain_s=streaming.DRAIN_S)
         self._gate_dropped()
         self._commit_pending()
         tick = time.monotonic() - self.last_tick >= TICK_S or self._new_rollout()

@@ -107,7 +107,12 @@ def _plain(value: Any, depth: int = 0) -> Any:
     """JSON-ready copy: tuples -> lists, numpy values -> Python, non-finite floats -> None."""
     if depth > 64:
         raise AgentError("internal_error", "message nests deeper than 64 levels")
-    if value is None or isinstance(value, (bool, int, str)):
+    t = type(value)  # the usual types by identity: isinstance against typing's Mapping is slow
+    if t is str or t is int or t is bool or value is None:
+        return value
+    if t is dict:
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return value if math.isfinite(value) else None
@@ -164,7 +169,8 @@ def _depth(value: Any) -> int:
         deepest = max(deepest, d)
         if deepest > MAX_DEPTH:
             return deepest
-        stack.extend((child, d + 1) for child in children)
+        # Only containers go on the stack (a message is mostly scalars).
+        stack.extend((child, d + 1) for child in children if isinstance(child, (dict, list)))
     return deepest
 
 

@@ -52,6 +52,16 @@ def canonical_json(value: Any) -> bytes:
 
 
 def _canon(value: Any) -> str:
+    # The usual types by identity first: isinstance against typing's Mapping costs a few
+    # microseconds a value, most of a signature check's canonical form at 50,000 devices.
+    t = type(value)
+    if t is str:
+        return _string(value)
+    if t is dict:
+        return "{" + ",".join(_string(k) + ":" + _canon(v) for k, v in _sorted_items(value)) \
+            + "}"
+    if t is int:
+        return str(value)
     if value is None:
         return "null"
     if value is True:

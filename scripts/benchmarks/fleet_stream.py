@@ -198,6 +198,9 @@ def run_once(n, timeout=3600):
         # cost per document by function.
         cprof = ["-m", "cProfile", "-o", os.environ["STREAM_CPROFILE"]] \
             if os.environ.get("STREAM_CPROFILE") else []
+        if os.environ.get("STREAM_CPROFILE_CPU"):  # the same by the main thread's CPU time
+            cprof = [os.path.join(ROOT, "scripts", "benchmarks", "_cprofile_cpu.py"),
+                     os.environ["STREAM_CPROFILE_CPU"]]
         serve = subprocess.Popen(
             [sys.executable] + cprof + ["-m", "agent", "fleet", "serve", "--broker",
              "mqtt://127.0.0.1:{}".format(port), "--db", db, "--admission", "keys",
@@ -320,12 +323,12 @@ def run():
         {"name": "first job document after the rollout's row was committed",
          "ours": r["first_doc_s"], "unit": "s", "goal": "<= 2"},
         {"name": "job documents/s, first -> last, as the devices received them",
-         "ours": r["docs_per_s"], "unit": "docs/s", "goal": ">= 1000"},
+         "ours": r["docs_per_s"], "unit": "docs/s", "goal": ">= 1200"},
         {"name": "database succeeded after the last final status passed the broker",
          "ours": r["db_after_last_final_at_broker_s"], "unit": "s", "goal": "<= 10"},
         {"name": "database succeeded after the simulator sent the last final status",
          "ours": r["db_after_last_final_sent_s"], "unit": "s", "goal": "<= 10"},
-        {"name": "service peak RSS", "ours": r["rss_mib"], "unit": "MiB", "goal": "<= 250"},
+        {"name": "service peak RSS", "ours": r["rss_mib"], "unit": "MiB", "goal": "<= 200"},
         {"name": "service CPU", "ours": r["cpu_s"], "unit": "CPU s"},
         {"name": "load average (1 min) at submission, {} cores".format(r["cores"]),
          "ours": r["load_at_submit"][0], "unit": ""},

@@ -1,8 +1,9 @@
 """Where a streamed job document's cost goes in the service, step by step, in CPU time (not
-wall time: the figures hold on a shared host): building it (``job_document``: schema check and
-size), signing it (the canonical manifest, then Ed25519), sharing its parts, encoding it for
-MQTT, saving a batch of them (``Store.save_rollout``: the jobs and outbox rows, SQLite), and the
-three signed job statuses each device answers with (decoding and checking each signature).
+wall time: the figures hold on a shared host): building it (the rollout's document factory:
+schema check and size once per shape), signing it (the canonical manifest, then Ed25519),
+sharing its parts, encoding it for MQTT, saving a batch of them (``Store.save_rollout``: the
+jobs and outbox rows, SQLite), and the three signed job statuses each device answers with
+(decoding and checking each signature).
 MQTT publishing is left out (the paho client's cost: see fleet_stream's service CPU).
 
     python scripts/benchmarks/stream_per_doc.py      (PER_DOC_N=5000)
@@ -31,22 +32,22 @@ def measure(n=N):
 
     from agent.fleet.database.store import Store
     from agent.fleet.rollouts.doc_parts import Parts
-    from agent.fleet.rollouts.documents import job_document
+    from agent.fleet.rollouts.spec import doc_factory
     from agent.wire import device_identity, job_signer, protocol, signing, status_messages
     from agent.wire.topics import Topics
 
     topics = Topics()
     devices = ["sim-{:05d}".format(i) for i in range(n)]
     art = {"model": {"sha256": "ab" * 32, "size": 1234567, "name": "model.onnx"}}
-    plan = {"precision": "fp16", "workspace_bytes": 1 << 30}
-    gate = {"atol": 0.001, "rtol": 0.001}
     key = Ed25519PrivateKey.generate()
     kid = signing.key_id(job_signer.raw_public(key))
     now = time.time()
     row = {}
-    docs, row["build"] = _cpu(lambda: [job_document(
-        "job-stream", "deploy", d, art, plan, gate=gate, created=now,
-        names={"model_name": "det", "model_version": "3"}) for d in devices], n)
+    # As the service builds them: the rollout's document factory (one full check per shape).
+    factory = doc_factory({"precision": "fp16", "artifacts": art, "atol": 0.001, "rtol": 0.001,
+                           "model_name": "det", "model_version": "3"})
+    docs, row["build"] = _cpu(lambda: [factory(d, "job-stream", "deploy", None)
+                                       for d in devices], n)
     _, row["manifest (canonical JSON)"] = _cpu(lambda: [signing.manifest(dict(
         d, signature={"alg": "ed25519", "key_id": kid, "seq": 1, "not_before": 1,
                       "expires": 2})) for d in docs], n)

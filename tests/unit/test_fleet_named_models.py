@@ -153,3 +153,22 @@ def test_rollouts_are_named_by_name_and_version():
     assert s["rolled_back"] == ["a"] and s["rollback_refused"] == ["b"]
     assert s["state_text"] == "succeeded, rolled back on 1 device"
     assert views.rollout_summary(row, [])["state_text"] == "succeeded"
+
+
+def test_a_stage_s_documents_are_checked_once_per_shape_and_each_is_what_a_full_check_builds():
+    spec = _spec(model_name="detector", model_version="v2")
+    feats = {"new-1": device_models.features(NEW)}
+    docs = doc_factory(spec, features=lambda d: feats.get(d, frozenset()))
+    fresh = doc_factory(spec, features=lambda d: feats.get(d, frozenset()))
+    for device in ("old-1", "new-1", "old-2", "new-1"):
+        feats.setdefault(device, device_models.features(OLD))
+        a, b = docs(device, "j1", "deploy", {"conv1": "float32"}), \
+            fresh(device, "j1", "deploy", {"conv1": "float32"})
+        fresh = doc_factory(spec, features=lambda d: feats.get(d, frozenset()))
+        assert dict(a, created=0) == dict(b, created=0) and a["device"] == device
+        protocol.validate("job", a)
+    # What a caller adds to its document stays its own; a bad id still gets the full check.
+    docs("old-1", "j1", "deploy", None)["share"] = {"offer": "http://x/old-1"}
+    assert "share" not in docs("old-2", "j1", "deploy", None)
+    with pytest.raises(AgentError):
+        docs("bad/id", "j1", "deploy", None)

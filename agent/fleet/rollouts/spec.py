@@ -4,7 +4,7 @@ how, enough to rebuild the job documents after a restart (``doc_factory``) and t
 
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
-from agent.fleet.rollouts.documents import job_document
+from agent.fleet.rollouts.documents import Checked, job_document
 from agent.fleet.rollouts.policy import Policy
 from agent.fleet.rollouts.rollout import DocFactory
 
@@ -122,6 +122,7 @@ def doc_factory(spec: Mapping[str, Any],
                                ("warmup", spec.get("bench_warmup"))) if v is not None}
 
     names = {k: spec[k] for k in ("model_name", "model_version") if spec.get(k)}
+    checked = Checked()
 
     def docs(device: str, job_id: str, kind: str, layers: Optional[Dict[str, str]],
              share: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
@@ -143,15 +144,23 @@ def doc_factory(spec: Mapping[str, Any],
             if url:
                 engine["url"] = url
             arts = dict(artifacts, engine=engine)
-        doc = job_document(
-            job_id, kind, device, arts, plan, fallback=fallback, gate=gate,
-            search=search if kind == "search" else None,
-            bench=bench if kind == "deploy" else None, timeout_s=spec.get("job_timeout"),
-            names=names if names and (features is None or FEATURE in features(device))
-            else None)
-        if spec.get("model_set") and doc.get("model_name") and (
-                features is None or "model_sets" in features(device)):
-            doc["model_set"] = dict(spec["model_set"])  # a device before sets refuses the key
+        named = bool(names) and (features is None or FEATURE in features(device))
+        with_set = bool(spec.get("model_set")) and named and (
+            features is None or "model_sets" in features(device))
+        # (A shared engine's reference differs by device: such documents are checked each.)
+        shape = None if engine_ok else (job_id, kind, tuple(sorted(merged.items())), named,
+                                         with_set)
+        doc = checked.like(shape, device)
+        if doc is None:
+            doc = job_document(
+                job_id, kind, device, arts, plan, fallback=fallback, gate=gate,
+                search=search if kind == "search" else None,
+                bench=bench if kind == "deploy" else None, timeout_s=spec.get("job_timeout"),
+                names=names if named else None)
+            if with_set:  # a device before model sets refuses the key
+                doc["model_set"] = dict(spec["model_set"])
+            if shape is not None:
+                checked.keep(shape, doc)
         url = offer_url(device) if share and share.get("offer") and offer_url else None
         if url:
             doc["share"] = {"offer": url}

@@ -13,6 +13,10 @@ from typing import Tuple
 DOC_BATCH = 500  # job documents built, saved (one transaction) and published at a time
 MAX_UNACKED = 4000  # published, not yet acknowledged: no new batch beyond this
 MAX_EVENTS = 2000  # MQTT events handled before what they changed is committed
+# ... or fewer once this many seconds went by: on a starved host (load 15-20 on two cores)
+# 2,000 events took the loop past its lease (LEASE_S, 6 s), which it then lost and took back
+# again and again, sending every unfinished document anew each time.
+DRAIN_S = 1.0
 MAX_DIRTY = 2000  # device statuses (births) held before they are written, one transaction
 STREAMING_PUMP_S = 0.02  # the wait for events while a stage still has documents to send
 EVALUATE_EVERY_S = 0.25  # a rollout's stage and abort decisions, at most this often
