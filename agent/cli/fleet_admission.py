@@ -13,6 +13,7 @@ from typing import Any, List, Set
 from agent.cli import EXIT_OK
 from agent.errors import AgentError
 from agent.fleet.admission import admission
+from agent.fleet.commands.admission import Policy, make
 
 
 def add_admission_args(p: argparse.ArgumentParser) -> None:
@@ -33,14 +34,12 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
                         "%(default)s)")
 
 
+def admission_policy(args: argparse.Namespace) -> Policy:
+    return Policy(args.admission, args.admission_keys, args.max_pending)
+
+
 def make_admission(args: argparse.Namespace, store: Any) -> admission.Admission:
-    if args.admission == "keys" and not args.admission_keys:
-        raise AgentError("bad_argument", "--admission keys needs --admission-keys FILE (the "
-                         "devices' public keys, one per line)")
-    keys, bound = admission.load_keys_bindings(args.admission_keys) if \
-        args.admission_keys else ({}, {})
-    return admission.Admission(store, args.admission, keys, max_pending=args.max_pending,
-                               keys_path=args.admission_keys, bound=bound)
+    return make(store, admission_policy(args))
 
 
 def run_admin(args: argparse.Namespace, store_url: str) -> int:

@@ -137,21 +137,17 @@ def _db_directory(url: str) -> Any:
 
 def registry_db(args: argparse.Namespace) -> Optional[str]:
     """--db, else the default database when a fleet service is running on it."""
-    from agent.cli.fleet_db import check_db_url, service_up
-    from agent.fleet.database.store import default_db_url
+    from agent.fleet.commands.db import recording_url
 
-    if args.db:
-        return check_db_url(str(args.db), existing=True)
-    return default_db_url() if service_up(default_db_url()) else None
+    return recording_url(args.db, required=False)
 
 
 def run_devices(args: argparse.Namespace) -> int:
     if args.action != "ls":
         from agent.cli.fleet_admission import run_admin
-        from agent.cli.fleet_db import check_db_url
-        from agent.fleet.database.store import default_db_url
+        from agent.fleet.commands.db import resolve_url
 
-        return run_admin(args, check_db_url(args.db or default_db_url(), existing=True))
+        return run_admin(args, resolve_url(args.db, existing=True))
     from agent.fleet.deployments import preview, selectors
 
     selector = selectors.parse(args.selector) if args.selector is not None else None

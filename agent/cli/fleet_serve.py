@@ -9,28 +9,25 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 from agent import fleet
 from agent.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from agent.cli.fleet_admission import add_admission_args, make_admission
-from agent.cli.fleet_db import (
+from agent.cli.fleet_admission import add_admission_args, admission_policy, make_admission
+from agent.cli.fleet_db import add_db_args, db_url
+from agent.errors import AgentError
+from agent.fleet.commands.db import (
     SERVICE_FRESH_S,
-    add_db_args,
     add_to_store,
-    db_url,
     service_up,
     store_dir,
-    upgrade_in_child,
 )
-from agent.errors import AgentError
 from agent.fleet.database.store import Store
 from agent.fleet.rollouts import durable
 from agent.fleet.service import LEASE_S, FleetService, busy_check
-from agent.wire import job_signer, protocol
+from agent.wire import job_signer
 
 log = logging.getLogger("agent.fleet")
 
@@ -76,7 +73,7 @@ def _submit(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
                 print("warning: no fleet service is running on {} (fleet serve --db ...): the "
                       "rollout starts when one does".format(url.split("@")[-1]),
                       file=sys.stderr)
-            add_to_store(store, store_dir(args, url), artifacts, files, copy=True)
+            add_to_store(store, store_dir(args.store, url), artifacts, files, copy=True)
             stages = _targets(store, args, rollout_id)
             store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
             if not args.quiet:
@@ -109,7 +106,7 @@ def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[st
                                share_group=args.share_group,
                                admission=make_admission(args, store))
         service.start()  # the registry fills from the devices' retained statuses
-        add_to_store(store, store_dir(args, url), artifacts, files, copy=False)
+        add_to_store(store, store_dir(args.store, url), artifacts, files, copy=False)
         stages = _targets(store, args, rollout_id)
         if signer is None:  # devices that drop unsigned jobs: refused now, not timed out later
             from agent.fleet.rollouts import signing_check
@@ -203,115 +200,19 @@ def attach(store: Store, rollout_id: str, as_json: bool, quiet: bool,
 
 def run_serve(args: argparse.Namespace, connect: Any) -> int:
     from agent.device.sdnotify import Notifier
+    from agent.fleet.commands.serve import ServeOptions, serve
 
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)  # a service says what it does with its rollouts
-    signer = None
-    if args.signing_key:
-        signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
-    url = db_url(args)
-    stop = {"now": False}
-
-    def request_stop(*_: Any) -> None:
-        stop["now"] = True
-
-    # Before the upgrade's child process: a SIGTERM during start-up is an orderly stop.
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
-    if not args.no_db_upgrade:
-        upgrade_in_child(url, args.store)
-    store = Store(url, schema="require")
-    notifier = Notifier()
-    dashboard = None
-    conn = connect(args)
-    conn.directory.compact = True  # the database keeps the devices' messages
-    try:
-        http = None
-        base = None
-        if (args.http_tls_cert or args.http_tls_key) and not args.http:
-            raise AgentError("bad_argument", "--http-tls-cert/--http-tls-key need --http "
-                             "HOST:PORT (the server they are for); found no --http")
-        if args.http:
-            from agent.fleet.transfer.http_bounds import listen_address, server_tls_context
-            from agent.fleet.transfer.http_source import HttpSource
-
-            tls = None
-            if bool(args.http_tls_cert) != bool(args.http_tls_key):
-                raise AgentError("bad_argument", "--http-tls-cert and --http-tls-key go "
-                                 "together; found only one of them")
-            if args.http_tls_cert:
-                tls = server_tls_context(args.http_tls_cert, args.http_tls_key)
-            host, port = listen_address(args.http, "--http", tls=tls is not None)
-            base = args.http_url
-            if tls is not None and base and not base.startswith("https://"):
-                log.warning("--http-url %s is not an https:// URL while --http serves HTTPS: "
-                            "devices will fail to reach it", base)
-        service = FleetService(store, conn, signer, instance=args.instance,
-                               share_group=args.share_group, lease_s=args.lease,
-                               http_base=None, http_min_bytes=args.http_min_bytes,
-                               admission=make_admission(args, store))
-        from agent.fleet.database import blobs
-        from agent.fleet.deployments.deployment_runner import DeploymentRunner
-
-        # The registry's blob store: the directory the database names (recorded now, from
-        # --store or the default, when it names none yet).
-        service.blob_root = blobs.directory(store, args.store or (
-            None if blobs.recorded(store) else store_dir(args, url)), record=True)
-        service.deployments = DeploymentRunner(store, service.instance, args.lease)
-        service.deployments.blob_root = service.blob_root
-        service.deployments.send_command = lambda device, cmd: conn.publish(
-            conn.topics.commands(device), protocol.encode(cmd))
-        if getattr(args, "share_engines", False):
-            if not args.http:
-                raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "
-                                 "(builders upload their engines there)")
-            from agent.fleet.transfer.sharing import ShareBoard
-
-            service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file,
-                                         builder_key=service.builder_key,
-                                         designated=lambda d: d in service.designated_builders)
-            service.share_wait_s = float(args.share_wait)
-            service.share_quorum = max(1, int(args.share_quorum))
-            service.share_builders = frozenset(
-                b.strip() for b in (args.builders or "").split(",") if b.strip())
-        if args.http:
-            from agent.fleet import web
-            from agent.fleet.deployments.uploads import Uploads
-
-            uploads = Uploads(url, service.blob_root, web.read_token(args.dashboard_token_file))
-            http = HttpSource(host, int(port), service.server.files,
-                              shares=service.sharing, tls=tls, uploads=uploads).start()
-            service.http_base = (base or "{}://{}:{}".format(
-                http.scheme, "[{}]".format(host) if ":" in host else host, http.port)
-            ).rstrip("/")
-            log.info("artifacts of %d bytes or more also at %s/artifacts/SHA256",
-                     args.http_min_bytes, service.http_base)
-        service.start()
-        from agent.fleet import web
-
-        dashboard = web.mount(args, url, service)  # telemetry history; --dashboard: dashboard
-        notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
-        log.info("fleet service %s (pid %d, MQTT client %s) on %s, database %s",
-                 service.instance, os.getpid(), conn.client_id, conn.url,
-                 store.url.split("@")[-1])
-        last_dog = time.monotonic()
-        while not stop["now"]:
-            service.step()
-            if notifier.watchdog_interval and time.monotonic() - last_dog >= \
-                    notifier.watchdog_interval:
-                notifier.notify("WATCHDOG=1")
-                last_dog = time.monotonic()
-        notifier.notify("STOPPING=1")
-        service.drain()
-        store.release(service.instance)
-        if http is not None:
-            http.stop()
-    finally:
-        conn.close()
-        store.close()
-        if dashboard is not None:
-            dashboard.stop()
+    serve(ServeOptions(
+        db_url=db_url(args), store=args.store, no_db_upgrade=args.no_db_upgrade,
+        admission=admission_policy(args), instance=args.instance, share_group=args.share_group,
+        lease=args.lease, http=args.http, http_url=args.http_url,
+        http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
+        http_min_bytes=args.http_min_bytes, share_engines=args.share_engines,
+        builders=args.builders, share_quorum=args.share_quorum, share_wait=args.share_wait,
+        signing_key=args.signing_key, sequence_file=args.sequence_file,
+        valid_for=args.valid_for, dashboard=args.dashboard,
+        dashboard_token_file=args.dashboard_token_file,
+        telemetry_retention=args.telemetry_retention), lambda: connect(args), Notifier())
     return EXIT_OK
 
 
@@ -436,9 +337,7 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"))
     s.add_argument("--sequence-file", metavar="F")
     s.add_argument("--valid-for", type=float, default=job_signer.DEFAULT_VALIDITY_S, metavar="S")
-    from agent.fleet import web
-
-    web.add_args(s)
+    _add_dashboard_args(s)
     s.set_defaults(func=lambda a: run_serve(a, connect))
 
     r = fsub.add_parser("rollouts", help="rollouts in the fleet database: ls, show, pause, "
@@ -449,6 +348,24 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
     r.add_argument("--json", action="store_true")
     add_db_args(r)
     r.set_defaults(func=run_rollouts)
+
+
+def _add_dashboard_args(p: argparse.ArgumentParser) -> None:
+    from agent.fleet.database import history
+
+    g = p.add_argument_group("dashboard and metrics")
+    g.add_argument("--dashboard", metavar="HOST:PORT", default=os.environ.get(
+        "JETSON_AGENT_FLEET_DASHBOARD"), help="serve the dashboard and Prometheus /metrics here "
+        "(e.g. :8480, loopback only; 0.0.0.0:8480 for every interface, with a warning; off "
+        "by default)")
+    g.add_argument("--dashboard-token-file", metavar="F", help="a file holding the token that "
+                   "enables dashboard actions (pause/resume/cancel, rollback), or one "
+                   "NAME:TOKEN per line (the audit trail names who acted); without it the "
+                   "dashboard is read-only")
+    g.add_argument("--telemetry-retention", type=float, default=history.RETENTION_S / 86400,
+                   metavar="DAYS", help="how long telemetry history is kept (default "
+                   "%(default)s days; also capped at {} samples per device)".format(
+                       history.MAX_ROWS_PER_DEVICE))
 
 
 def add_rollout_mode_args(r: argparse.ArgumentParser) -> None:
