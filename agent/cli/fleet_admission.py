@@ -1,7 +1,8 @@
 """Device admission from the command line (docs/security.md, "Admission"): the
 ``--admission`` arguments of ``fleet serve`` and ``fleet rollout`` (defaults from
-$JETSON_AGENT_FLEET_ADMISSION and $JETSON_AGENT_FLEET_ADMISSION_KEYS), the ``Admission`` they
-make, and ``fleet devices pending|accept|reject|trust-legacy`` on the fleet database.
+$JETSON_AGENT_FLEET_ADMISSION and $JETSON_AGENT_FLEET_ADMISSION_KEYS) as the policy
+agent.fleet.commands.admission makes an ``Admission`` from, and ``fleet devices
+pending|accept|reject|trust-legacy`` on the fleet database.
 """
 
 import argparse
@@ -13,7 +14,7 @@ from typing import Any, List, Set
 from agent.cli import EXIT_OK
 from agent.errors import AgentError
 from agent.fleet.admission import admission
-from agent.fleet.commands.admission import Policy, make
+from agent.fleet.commands.admission import Policy
 
 
 def add_admission_args(p: argparse.ArgumentParser) -> None:
@@ -36,10 +37,6 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
 
 def admission_policy(args: argparse.Namespace) -> Policy:
     return Policy(args.admission, args.admission_keys, args.max_pending)
-
-
-def make_admission(args: argparse.Namespace, store: Any) -> admission.Admission:
-    return make(store, admission_policy(args))
 
 
 def run_admin(args: argparse.Namespace, store_url: str) -> int:

@@ -1,7 +1,8 @@
 """``fleet serve`` (the controller service), ``fleet rollouts ls|show|pause|resume|cancel|
 attach`` (rollouts in its database), and how ``fleet rollout`` runs: submitted to a service
 that is up on the same database, or embedded (the same service loop, in this process, for
-this one rollout). Registered by ``agent.cli.fleet``; the database arguments are
+this one rollout). Their arguments and output; what they do is agent.fleet.commands' (``serve``,
+``rollouts``, ``rollout_run``). Registered by ``agent.cli.fleet``; the database arguments are
 ``fleet_db``'s.
 """
 
@@ -11,22 +12,15 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict
 
 from agent import fleet
 from agent.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from agent.cli.fleet_admission import add_admission_args, admission_policy, make_admission
+from agent.cli.fleet_admission import add_admission_args, admission_policy
 from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
-from agent.fleet.commands.db import (
-    SERVICE_FRESH_S,
-    add_to_store,
-    service_up,
-    store_dir,
-)
 from agent.fleet.database.store import Store
-from agent.fleet.rollouts import durable
-from agent.fleet.service import LEASE_S, FleetService, busy_check
+from agent.fleet.service import LEASE_S
 from agent.wire import job_signer
 
 log = logging.getLogger("agent.fleet")
@@ -37,128 +31,40 @@ log = logging.getLogger("agent.fleet")
 def submit_or_embed(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
                     files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]], work: str,
                     signer: Any, connect: Any) -> int:
-    """The rest of ``fleet rollout`` once everything was checked locally."""
-    explicit = args.db is not None
-    submit = args.submit or (not args.embedded and explicit and service_up(db_url(args)))
-    if submit:
-        return _submit(args, rollout_id, spec, files, artifacts)
-    url = db_url(args) if explicit else "sqlite:///" + os.path.join(work, "fleet.db")
-    return _embedded(args, url, rollout_id, spec, files, artifacts, signer, connect)
+    """The rest of ``fleet rollout`` once everything was checked locally
+    (agent.fleet.commands.rollout_run)."""
+    from agent.fleet.commands import rollout_run
+
+    opts = rollout_run.RunOptions(
+        db=args.db, store=args.store, submit=args.submit, embedded=args.embedded,
+        detach=args.detach, quiet=args.quiet, timeout=args.timeout,
+        share_group=args.share_group, admission=admission_policy(args),
+        targets=rollout_run.Targets(args.devices, args.all, args.match, args.batch,
+                                    args.percent),
+        model_path=args.model, precision=args.precision, search=args.search,
+        broker=getattr(args, "broker", None))
+    done = rollout_run.submit_or_embed(opts, rollout_id, spec, files, artifacts, work, signer,
+                                       lambda: connect(args), _say)
+    if done.detached:
+        print(rollout_id)
+        return EXIT_OK
+    return _finish(done, rollout_id, args.json)
 
 
-def _targets(store: Store, args: argparse.Namespace, rollout_id: str) -> List[List[str]]:
-    from agent.fleet.admission import admission
-
-    known = [d["device"] for d in store.devices()]
-    admission.check_members(store, args.devices or [], known)
-    devices = fleet.select_devices(known, args.devices, args.all, args.match)
-    busy_check(store, devices, rollout_id)
-    return fleet.plan_stages(devices, args.batch, args.percent)
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
-def _submit(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
-            files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]]) -> int:
-    url = db_url(args)
-    store = Store(url)
-    try:
-        existing = store.rollout(rollout_id)
-        if existing is not None:
-            if (existing["spec"] or {}).get("artifacts") != spec["artifacts"]:
-                raise AgentError("bad_argument", "rollout {} already exists with other "
-                                 "artifacts; choose another --rollout-id".format(rollout_id))
-            print("rollout {} exists ({}): attaching".format(rollout_id, existing["state"]),
-                  file=sys.stderr)
-        else:
-            if not store.services(SERVICE_FRESH_S):
-                print("warning: no fleet service is running on {} (fleet serve --db ...): the "
-                      "rollout starts when one does".format(url.split("@")[-1]),
-                      file=sys.stderr)
-            add_to_store(store, store_dir(args.store, url), artifacts, files, copy=True)
-            stages = _targets(store, args, rollout_id)
-            store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
-            if not args.quiet:
-                print("rollout {}: submitted to the fleet service ({} device(s) in {} stage(s))"
-                      .format(rollout_id, sum(len(s) for s in stages), len(stages)),
-                      file=sys.stderr)
-        if args.detach:
-            print(rollout_id)
-            return EXIT_OK
-        return attach(store, rollout_id, args.json, args.quiet, extra=_extra(args, spec))
-    finally:
-        store.close()
-
-
-def _extra(args: argparse.Namespace, spec: Dict[str, Any]) -> Dict[str, Any]:
-    model = dict((spec.get("artifacts") or {}).get("model") or {})
-    return {"model": dict(model, path=spec.get("model_path")), "precision": spec.get(
-        "precision"), "search": spec.get("search"), "broker": getattr(args, "broker", None),
-            "preflight": spec.get("preflight")}
-
-
-def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[str, Any],
-              files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]], signer: Any,
-              connect: Any) -> int:
-    store = Store(url)
-    conn = connect(args)
-    interrupted = False
-    try:
-        service = FleetService(store, conn, signer, only=[rollout_id],
-                               share_group=args.share_group,
-                               admission=make_admission(args, store))
-        service.start()  # the registry fills from the devices' retained statuses
-        add_to_store(store, store_dir(args.store, url), artifacts, files, copy=False)
-        stages = _targets(store, args, rollout_id)
-        if signer is None:  # devices that drop unsigned jobs: refused now, not timed out later
-            from agent.fleet.rollouts import signing_check
-
-            unknown = signing_check.check_unsigned(
-                signing_check.statuses_of(store.devices()), [d for s in stages for d in s])
-            if unknown and not args.quiet:
-                print(signing_check.warning(unknown), file=sys.stderr)
-        store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
-        view = fleet.ProgressView(enabled=not args.quiet)
-        if not args.quiet:
-            print("rollout {}: {} ({}) to {} device(s) in {} stage(s); jobs {}".format(
-                rollout_id, os.path.basename(args.model), args.precision,
-                sum(len(s) for s in stages), len(stages),
-                ", ".join([rollout_id] + ([rollout_id + fleet.SEARCH_SUFFIX]
-                                          if args.search else []))), file=sys.stderr)
-        statuses = conn.directory.status
-        service.on_change = lambda ro: view.update(ro, statuses)
-        try:
-            service.last_tick = 0.0
-            while not service.finished(rollout_id):
-                service.step()
-                ro = service.rollouts.get(rollout_id)
-                if ro is not None:
-                    view.update(ro, statuses)
-        except KeyboardInterrupt:
-            interrupted = True
-            ro = service.rollouts.get(rollout_id)
-            if ro is not None and not ro.done:
-                # As --help says: embedded, nothing follows the devices after this process.
-                print("interrupted: cancelling {} unfinished device(s), running ones included "
-                      "(an embedded rollout; submit it to 'fleet serve' to detach instead)"
-                      .format(sum(1 for r in ro.runs.values() if not r.terminal)),
-                      file=sys.stderr)
-                service.commit(ro, ro.expire("interrupted by the user", state="CANCELED",
-                                             outcome="interrupted"))
-        service.drain()
-        store.release(service.instance)
-        # Else the next 'fleet rollout --db' would take it for a service and submit to it.
-        store.forget_service(service.instance)
-        final = durable.load(store, rollout_id)
-        assert final is not None
-        view.update(final, statuses, force=True)
-        report = fleet.rollout_report(final, store.statuses(), dict(
-            _extra(args, spec), signing_key=signer.key_id if signer is not None else None))
-    finally:
-        conn.close()
-        store.close()
-    _print_report(report, final, args.json)
-    if interrupted:
+def _finish(done: Any, rollout_id: str, as_json: bool) -> int:
+    """Print how a rollout ended (or that Ctrl-C detached from it); its exit status."""
+    if done.report is None:
+        print("detached: rollout {} goes on in the fleet service (fleet rollouts attach {})"
+              .format(rollout_id, rollout_id), file=sys.stderr)
         return EXIT_INTERRUPTED
-    return EXIT_OK if final.succeeded else EXIT_FAILED
+    _print_report(done.report, done.rollout, as_json)
+    if done.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK if done.rollout.succeeded else EXIT_FAILED
 
 
 def _print_report(report: Dict[str, Any], ro: fleet.Rollout, as_json: bool) -> None:
@@ -169,31 +75,6 @@ def _print_report(report: Dict[str, Any], ro: fleet.Rollout, as_json: bool) -> N
         if report.get("preflight"):
             print(fleet.preflight_summary(report["preflight"], report["devices"]))
         print(fleet.summary_line(ro))
-
-
-def attach(store: Store, rollout_id: str, as_json: bool, quiet: bool,
-           extra: Optional[Dict[str, Any]] = None, poll_s: float = 0.5) -> int:
-    """Follow a rollout the service drives until it ends (Ctrl-C detaches; it goes on)."""
-    view = fleet.ProgressView(enabled=not quiet)
-    try:
-        while True:
-            ro = durable.load(store, rollout_id)
-            if ro is None:
-                raise AgentError("unknown_job", "no rollout {!r} in {}".format(rollout_id,
-                                                                               store.url))
-            statuses = store.statuses()
-            view.update(ro, statuses)
-            row = store.rollout(rollout_id) or {}
-            if row.get("state") not in ("running", "paused"):
-                break
-            time.sleep(poll_s)
-    except KeyboardInterrupt:
-        print("detached: rollout {} goes on in the fleet service (fleet rollouts attach {})"
-              .format(rollout_id, rollout_id), file=sys.stderr)
-        return EXIT_INTERRUPTED
-    view.update(ro, statuses, force=True)
-    _print_report(fleet.rollout_report(ro, statuses, extra), ro, as_json)
-    return EXIT_OK if ro.succeeded else EXIT_FAILED
 
 
 # ---------------------------------------------------------------------------- fleet serve
@@ -219,12 +100,12 @@ def run_serve(args: argparse.Namespace, connect: Any) -> int:
 # ---------------------------------------------------------------------------- fleet rollouts
 
 def run_rollouts(args: argparse.Namespace) -> int:
+    from agent.fleet.commands import rollout_run, rollouts
+
     store = Store(db_url(args, existing=True), schema="read")
     try:
         if args.action == "ls":
-            from agent.fleet.web import views
-
-            rows = views.rollout_rows(store, limit=None, failures=False)
+            rows = rollouts.rows(store)
             if args.json:
                 print(json.dumps(rows, indent=2, sort_keys=True, default=str))
                 return EXIT_OK
@@ -239,34 +120,21 @@ def run_rollouts(args: argparse.Namespace) -> int:
         if not args.rollout_id:
             raise AgentError("bad_argument", "fleet rollouts {} needs a rollout id".format(
                 args.action))
-        if args.action in ("pause", "resume", "cancel"):
-            row = store.request_control(args.rollout_id, args.action)
+        if args.action in rollouts.CONTROLS:
+            row = rollouts.control(store, args.rollout_id, args.action)
             print("rollout {}: {} requested (was {}); the service applies it within a second"
                   .format(args.rollout_id, args.action, row["state"]))
             return EXIT_OK
         if args.action == "attach":
-            return attach(store, args.rollout_id, args.json, False)
-        # The row before the jobs: a state read after them could be newer than they are (a
-        # "cancelled" rollout whose device still showed QUEUED).
-        row = store.rollout(args.rollout_id) or {}
-        ro = durable.load(store, args.rollout_id)
-        if ro is None:
-            raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
-                args.rollout_id))
-        from agent.fleet.web import views
-
-        summary = views.rollout_detail(store, row, jobs=[]) if row else {}
-        report = fleet.rollout_report(ro, store.statuses(), {
-            "state": row.get("state"), "stage_progress": row.get("stage_progress"),
-            "model": summary.get("model_name"), "rollbacks": summary.get("rollbacks"),
-            "rolled_back": summary.get("rolled_back"),
-            "history": store.job_history(args.rollout_id) if args.history else None})
+            return _finish(rollout_run.attach(store, args.rollout_id, False), args.rollout_id,
+                           args.json)
+        report, ro, summary = rollouts.show(store, args.rollout_id, args.history)
         if args.json:
             print(json.dumps(report, indent=2, sort_keys=True, default=str))
         else:
             print("rollout {}: {} (stage {}/{}); model {}".format(
-                ro.rollout_id, summary.get("state_text") or row.get("state"),
-                max(ro.current + 1, 0), len(ro.stages), summary.get("model_name") or "-"))
+                ro.rollout_id, summary["state_text"], max(ro.current + 1, 0), len(ro.stages),
+                summary.get("model_name") or "-"))
             print(fleet.results_table(report["devices"]))
             print(fleet.summary_line(ro))
             for b in summary.get("rollbacks") or []:

@@ -2,8 +2,9 @@
 plain typed arguments (never an argparse namespace) and return data or raise ``AgentError``;
 ``agent.cli.fleet_*`` only builds the parsers, calls these and prints. One module per command
 family: ``db`` (which database and artifact store, whether a service is up on it, the schema's
-migrations), ``rollback``, ``serve`` (``fleet serve``'s start-up and loop), ``rollout_run``
-(``fleet rollout`` submitted to a service or embedded, ``fleet rollouts``).
+migrations), ``admission`` (the policy a controller hears devices by), ``rollback``, ``serve``
+(``fleet serve``'s start-up and loop), ``rollout_run`` (``fleet rollout`` submitted to a
+service or embedded, and followed), ``rollouts`` (``fleet rollouts``).
 
 May import every other subpackage of ``agent.fleet`` and the wiring (``service``,
 ``mqtt_edge``), plus ``wire``, ``engines``, ``precision``, ``platform``, ``calib`` and the base
