@@ -249,32 +249,6 @@ def _mark(marks: Dict[str, str], rows_keys: Any, info: TopicInfo, ev: Any) -> bo
 
 # ---------------------------------------------------------------------------- jobs
 
-def retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
-    """(device, job id) -> {"status": last status or None, "document": pending doc or None}"""
-    found: Dict[Any, Dict[str, Any]] = {}
-
-    def on_message(info: TopicInfo, msg: Any) -> None:
-        if info.kind == "job_status":
-            entry = found.setdefault((info.device, info.job_id), {"status": None,
-                                                                  "document": None})
-            if entry["status"] is None or msg.get("version", 0) > entry["status"].get(
-                    "version", 0):
-                entry["status"] = msg
-        elif info.kind == "job" and msg.payload:
-            try:
-                doc = protocol.decode("job", msg.payload)
-            except AgentError:
-                return
-            entry = found.setdefault((info.device, info.job_id), {"status": None,
-                                                                  "document": None})
-            entry["document"] = doc
-
-    base = conn.topics.prefix + "/devices/+"
-    conn.subscribe([base + "/status", base + "/jobs/+", base + "/jobs/+/status"])
-    conn.settle(on_message)
-    return found
-
-
 def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
     from agent.fleet.database.store import Store
 
@@ -297,6 +271,8 @@ def run_jobs(args: argparse.Namespace) -> int:
     else:
         conn = connect(args)
         try:
+            from agent.fleet.commands.jobs import retained_jobs
+
             found = retained_jobs(conn)
         finally:
             conn.close()
