@@ -8,7 +8,6 @@ this one rollout). Their arguments and output; what they do is agent.fleet.comma
 
 import argparse
 import json
-import logging
 import os
 import sys
 import time
@@ -22,9 +21,6 @@ from agent.errors import AgentError
 from agent.fleet.database.store import Store
 from agent.fleet.service import LEASE_S
 from agent.wire import job_signer
-
-log = logging.getLogger("agent.fleet")
-
 
 # ---------------------------------------------------------------------------- fleet rollout
 
