@@ -6,9 +6,9 @@ or as JSON with ``--json``); 3 an unexpected internal error; 130 interrupted.
 
 Owns argument parsing, exit codes and ``--json`` output; each subcommand is its own module here
 (``add_parser(sub)`` sets ``func``), imported only when chosen, plus ``telemetry_view`` (samples
-for people); ``fleet`` registers its command groups from the ``fleet_*`` modules here. May
-import every package: the CLI is the top; nothing imports it (one known exception:
-``fleet.rollback`` reuses ``fleet_db``'s database arguments).
+for people); ``fleet`` registers its command groups from the ``fleet_*`` modules here, which
+parse, call ``agent.fleet.commands`` and print. May import every package: the CLI is the top;
+nothing imports it.
 """
 
 import argparse

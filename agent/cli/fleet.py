@@ -35,11 +35,11 @@ from agent.cli import (
     fleet_engines,
     fleet_models,
     fleet_registry,
+    fleet_rollback,
     fleet_rollout,
     fleet_serve,
 )
 from agent.cli.fleet_connect import add_connection_args, connect
-from agent.fleet.rollouts import rollback
 from agent.wire import job_signer
 
 
@@ -57,7 +57,7 @@ def add_parser(sub: Any) -> None:
     fleet_db.add_db_parser(fsub)
     from agent.fleet.deployments import pins  # a governed device's rollback becomes a pin
 
-    rollback.add_parser(fsub, add_connection_args, connect,
+    fleet_rollback.add_parser(fsub, add_connection_args, connect,
                         (pins.rollback_pins, pins.on_rollback_reply))
     fleet_models.add_parser(fsub)
     fleet_deploy.add_parsers(fsub)

@@ -1,18 +1,22 @@
 """Device admission from the command line (docs/security.md, "Admission"): the
 ``--admission`` arguments of ``fleet serve`` and ``fleet rollout`` (defaults from
-$JETSON_AGENT_FLEET_ADMISSION and $JETSON_AGENT_FLEET_ADMISSION_KEYS), the ``Admission`` they
-make, and ``fleet devices pending|accept|reject|trust-legacy`` on the fleet database.
+$JETSON_AGENT_FLEET_ADMISSION and $JETSON_AGENT_FLEET_ADMISSION_KEYS) as the policy
+agent.fleet.commands.admission makes an ``Admission`` from, and ``fleet devices
+pending|accept|reject|trust-legacy`` on the fleet database.
 """
 
 import argparse
 import json
 import os
 import time
-from typing import Any, List, Set
+from typing import TYPE_CHECKING
 
 from agent.cli import EXIT_OK
 from agent.errors import AgentError
 from agent.fleet.admission import admission
+
+if TYPE_CHECKING:
+    from agent.fleet.commands.admission import Policy
 
 
 def add_admission_args(p: argparse.ArgumentParser) -> None:
@@ -33,27 +37,20 @@ def add_admission_args(p: argparse.ArgumentParser) -> None:
                         "%(default)s)")
 
 
-def make_admission(args: argparse.Namespace, store: Any) -> admission.Admission:
-    if args.admission == "keys" and not args.admission_keys:
-        raise AgentError("bad_argument", "--admission keys needs --admission-keys FILE (the "
-                         "devices' public keys, one per line)")
-    keys, bound = admission.load_keys_bindings(args.admission_keys) if \
-        args.admission_keys else ({}, {})
-    return admission.Admission(store, args.admission, keys, max_pending=args.max_pending,
-                               keys_path=args.admission_keys, bound=bound)
+def admission_policy(args: argparse.Namespace) -> "Policy":
+    from agent.fleet.commands.admission import Policy  # dataclasses: off the light commands
+
+    return Policy(args.admission, args.admission_keys, args.max_pending)
 
 
 def run_admin(args: argparse.Namespace, store_url: str) -> int:
+    from agent.fleet.commands import admission as admission_command
     from agent.fleet.database.store import Store
 
     store = Store(store_url)
     try:
         if args.action == "pending":
-            rows: List[Any] = [
-                {"device": d, "state": r["state"], "key_id": r["pending_key_id"],
-                 "public_key": r["pending_public_key"], "since": r["pending_since"],
-                 "board": ((r.get("pending_status") or {}).get("platform") or {}).get("board")}
-                for d, r in sorted(store.device_keys().items()) if r.get("pending_key_id")]
+            rows = admission_command.pending(store)
             if args.json:
                 print(json.dumps(rows, indent=2, sort_keys=True))
             elif not rows:
@@ -66,8 +63,7 @@ def run_admin(args: argparse.Namespace, store_url: str) -> int:
                         else "pending"))
             return EXIT_OK
         if args.action == "trust-legacy":
-            until = time.time() + float(args.window)
-            store.set_legacy_window(until)
+            until = admission_command.trust_legacy(store, float(args.window))
             print("legacy devices' first keys are pinned as they arrive until {} (UTC)".format(
                 time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(until))))
             return EXIT_OK
@@ -75,10 +71,7 @@ def run_admin(args: argparse.Namespace, store_url: str) -> int:
             raise AgentError("bad_argument", "fleet devices {} needs a device id".format(
                 args.action))
         if args.action == "show":
-            from agent.fleet.admission import identity_events
-
-            identity_events.mark_viewed(store, args.device)  # kept in the pending list
-            view = dict(admission.identity_view(store, args.device), device=args.device)
+            view = admission_command.show(store, args.device)
             if args.json:
                 print(json.dumps(view, indent=2, sort_keys=True))
             else:
@@ -102,8 +95,10 @@ def run_admin(args: argparse.Namespace, store_url: str) -> int:
             print("device {} admitted with key {}{}".format(
                 args.device, row["key_id"], "" if args.key else " (the only key seen for it)"))
         elif args.action == "rm":
-            admission.decommission(store, args.device)
-            cleared = clear_retained(args, args.device)
+            from agent.cli.fleet_connect import connect
+
+            cleared = admission_command.decommission(store, args.device, lambda: connect(args),
+                                                     args.prefix)
             print("device {} decommissioned: key unpinned, {} retained topic(s) cleared, its "
                   "rows kept as history; a later birth from it waits as a new pending device"
                   .format(args.device, cleared))
@@ -115,43 +110,3 @@ def run_admin(args: argparse.Namespace, store_url: str) -> int:
         return EXIT_OK
     finally:
         store.close()
-
-
-MAX_CLEARED = 100000  # retained topics of one device cleared at most (jobs, status, models)
-
-
-def clear_retained(args: argparse.Namespace, device: str, quiet: float = 0.5,
-                   limit: float = 10.0) -> int:
-    """Every retained message under the device's topics replaced by an empty retained one
-    (MQTT's way to delete it): its birth, models, job documents and statuses."""
-    import queue
-
-    from agent.cli.fleet_connect import connect
-    from agent.wire import mqtt, protocol
-
-    protocol.check_id("device id", device)
-    conn = connect(args)
-    try:
-        base = "{}/devices/{}/".format(args.prefix, device)
-        conn.client.subscribe(base + "#", 1)
-        topics: Set[str] = set()
-        deadline, quiet_until = time.monotonic() + limit, None
-        while time.monotonic() < deadline:
-            if quiet_until is not None and time.monotonic() >= quiet_until:
-                break
-            try:
-                ev = conn.client.events.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if ev.kind == mqtt.SUBSCRIBED:
-                quiet_until = time.monotonic() + quiet
-            elif ev.kind == mqtt.MESSAGE and ev.retain and ev.payload and \
-                    ev.topic.startswith(base) and len(topics) < MAX_CLEARED:
-                topics.add(ev.topic)
-                quiet_until = time.monotonic() + quiet
-        conn.client.unsubscribe(base + "#")
-        for topic in sorted(topics):
-            conn.publish(topic, b"", retain=True, wait=10.0)
-        return len(topics)
-    finally:
-        conn.close()

@@ -7,13 +7,12 @@ import json
 import sys
 import time
 import uuid
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 from agent import fleet
 from agent.cli import EXIT_FAILED, EXIT_OK
 from agent.cli.fleet_connect import add_connection_args, connect
-from agent.cli.fleet_registry import age, retained_jobs
-from agent.errors import AgentError
+from agent.cli.fleet_registry import age
 from agent.wire import protocol
 from agent.wire.topics import TopicInfo
 
@@ -42,84 +41,9 @@ def add_telemetry_parser(fsub: Any) -> None:
 
 
 def run_cancel(args: argparse.Namespace) -> int:
-    conn = connect(args)
-    try:
-        found = retained_jobs(conn)
-        known = conn.directory.known()
-        if args.devices:
-            fleet.select_devices(known, args.devices)
-        ids = (args.job_id, args.job_id + fleet.SEARCH_SUFFIX)
-        targets: Dict[Any, Dict[str, Any]] = {}
-        for (dev, job_id), entry in found.items():
-            if job_id not in ids or (args.devices and dev not in args.devices):
-                continue
-            st = entry["status"]
-            if entry["document"] or st is None or not protocol.is_terminal(st.get("state", "")):
-                targets[(dev, job_id)] = entry
-        if args.devices:
-            for dev in args.devices:
-                if not any(d == dev for d, _ in targets):
-                    targets[(dev, args.job_id)] = {"status": None, "document": None}
-        if not targets:
-            raise AgentError("unknown_job", "no device has an unfinished job {!r} (nothing "
-                             "retained on the broker under {}/)".format(args.job_id,
-                                                                        args.prefix))
-        replies: Dict[str, Dict[str, Any]] = {}
-        requests: Dict[str, Any] = {}
-        final: Dict[Any, Dict[str, Any]] = {}  # (device, job) -> its own terminal status
-        last: Dict[Any, Dict[str, Any]] = {}
+    from agent.fleet.commands.jobs import cancel
 
-        def on_message(info: TopicInfo, msg: Any) -> None:
-            if info.kind == "command_reply" and msg.get("request_id") in requests:
-                replies[msg["request_id"]] = msg
-            elif info.kind == "job_status" and (info.device, info.job_id) in targets:
-                key = (info.device, info.job_id)
-                if int(msg.get("version") or 0) > int((last.get(key) or {}).get("version")
-                                                      or 0):
-                    last[key] = msg
-                    if protocol.is_terminal(str(msg.get("state"))):
-                        final[key] = msg
-
-        conn.subscribe([conn.topics.prefix + "/devices/+/commands/reply"])
-        conn.settle(on_message)
-        for key, entry in targets.items():
-            if entry["status"]:
-                last[key] = entry["status"]
-        for (dev, job_id), entry in sorted(targets.items()):
-            if entry["document"]:
-                conn.publish(conn.topics.job(dev, job_id), b"", qos=1, retain=True)
-            rid = "c" + uuid.uuid4().hex[:10]
-            requests[rid] = (dev, job_id)
-            conn.publish(conn.topics.commands(dev), protocol.encode({
-                "protocol": protocol.PROTOCOL_VERSION, "command": "cancel", "request_id": rid,
-                "job_id": job_id}), qos=1)
-        conn.flush()
-        # The device's reply only says the cancel was taken; its job status says when the
-        # job really stopped (a build may take seconds to end): wait for that, bounded.
-        deadline = time.monotonic() + max(0.0, args.wait)
-
-        def answered(rid: str) -> bool:
-            reply = replies.get(rid)
-            if reply is None:
-                return False
-            return not reply.get("ok") or requests[rid] in final
-
-        while not all(answered(rid) for rid in requests) and time.monotonic() < deadline:
-            conn.pump(on_message, 0.2)
-    finally:
-        conn.close()
-    out = []
-    for rid, (dev, job_id) in sorted(requests.items(), key=lambda kv: kv[1]):
-        reply = replies.get(rid)
-        entry = targets[(dev, job_id)]
-        fin = final.get((dev, job_id))
-        out.append({"device": dev, "job_id": job_id,
-                    "document_cleared": bool(entry["document"]),
-                    "reply": reply, "online": (conn.directory.status.get(dev) or {}).get(
-                        "online"),
-                    "final_state": fin.get("state") if fin else None,
-                    "last_state": (last.get((dev, job_id)) or {}).get("state"),
-                    "outcome": _cancel_outcome(reply, fin)})
+    out = cancel(lambda: connect(args), args.job_id, args.devices, args.wait)
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
         return EXIT_OK
@@ -143,18 +67,6 @@ def run_cancel(args: argparse.Namespace) -> int:
             what += "; retained job document cleared"
         print("{} {}: {}".format(r["device"], r["job_id"], what))
     return EXIT_OK
-
-
-def _cancel_outcome(reply: Optional[Dict[str, Any]], final: Optional[Dict[str, Any]]) -> str:
-    """no_reply | refused | cancelled | finished (before the cancel) | requested (no final
-    state from the device in time)."""
-    if reply is None:
-        return "no_reply"
-    if not reply.get("ok"):
-        return "refused"
-    if final is None:
-        return "requested"
-    return "cancelled" if final.get("state") == "CANCELED" else "finished"
 
 
 # ---------------------------------------------------------------------------- telemetry

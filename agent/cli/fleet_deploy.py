@@ -7,25 +7,17 @@ serve`` converges it.
 import argparse
 import json
 import time
-import uuid
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 from agent import fleet
 from agent.cli import EXIT_OK
 from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
 from agent.fleet.database.store import Store
-from agent.fleet.deployments import (
-    controls,
-    deployments,
-    labels,
-    pins,
-    preview,
-    registry,
-    revisions,
-    selectors,
-)
-from agent.fleet.rollouts.spec import DOC_KEYS
+from agent.fleet.deployments import deployments, pins, preview
+
+if TYPE_CHECKING:
+    from agent.fleet.commands import deploy
 
 
 def add_parsers(fsub: Any) -> None:
@@ -125,121 +117,52 @@ def _open(args: argparse.Namespace, existing: bool = True) -> Store:
     return store
 
 
-def build_spec(args: argparse.Namespace, version: Dict[str, Any], dep_id: str
-               ) -> Dict[str, Any]:
-    """The rollout spec of the deployment: the version's artifacts and defaults, the deploy
-    flags over them; every job document shape checked here."""
-    merged = dict(version.get("defaults") or {})
-    for k in ("precision", "fallback", "search", "job_timeout"):
-        if getattr(args, k, None) is not None:
-            merged[k] = getattr(args, k)
-    if not merged.get("precision"):
-        raise AgentError("bad_argument", "fleet deploy: expected --precision (the version has "
-                         "no default precision), found none")
-    arts = version["artifacts"]
-    if "goldens" not in arts and not args.no_accuracy_gate:
-        raise AgentError("no_accuracy_gate", "{}@{} was pushed without goldens: expected "
-                         "--golden at push, or --no-accuracy-gate here".format(
-                             version["name"], version["version"]))
-    if merged.get("search") and "goldens" not in arts:
-        raise AgentError("bad_argument", "--search judges candidates against goldens; {}@{} "
-                         "has none".format(version["name"], version["version"]))
-    policy = fleet.check_policy(fleet.Policy(args.success_threshold, args.abort_failure_rate,
-                                             args.min_executed))
-    if args.batch is not None or args.percent is not None:
-        fleet.plan_stages(["check"], args.batch, args.percent)  # the numbers checked
-    if not args.timeout > 0:
-        raise AgentError("bad_argument", "--timeout must be > 0, found {}".format(args.timeout))
-    attempts = getattr(args, "max_attempts", deployments.MAX_ATTEMPTS)
-    backoff = getattr(args, "retry_backoff", deployments.BACKOFF_S)
-    if not 1 <= attempts <= 100:
-        raise AgentError("bad_argument", "--max-attempts: expected 1 to 100, found {}".format(
-            attempts))
-    if not 0 < backoff <= deployments.BACKOFF_CAP_S:
-        raise AgentError("bad_argument", "--retry-backoff: expected > 0 and <= {:g} s, found "
-                         "{}".format(deployments.BACKOFF_CAP_S, backoff))
-    spec: Dict[str, Any] = {k: merged.get(k) for k in DOC_KEYS}
-    spec.update({"model_name": version["name"], "model_version": version["version"],
-                 "artifacts": {k: dict(v) for k, v in arts.items()},
-                 "layer_precisions": dict(merged.get("layer_precisions") or {}),
-                 "timeout": float(args.timeout), "model_path": None,
-                 "batch": args.batch, "percent": args.percent,
-                 "max_attempts": attempts, "retry_backoff": float(backoff),
-                 "policy": {"success_threshold": policy.success_threshold,
-                            "abort_failure_rate": policy.abort_failure_rate,
-                            "min_executed": policy.min_executed}})
-    from agent.fleet.rollouts.spec import model_set_spec
+def _options(args: argparse.Namespace) -> "deploy.DeployOptions":
+    from agent.fleet.commands import deploy  # dataclasses: kept off the light commands
 
-    model_set = model_set_spec(getattr(args, "model_set", None),
-                               getattr(args, "model_set_names", None), version["name"])
-    if model_set is not None:
-        spec["model_set"] = model_set
-    docs = fleet.doc_factory(spec)
-    for kind in (["search"] if spec.get("search") else []) + ["deploy"]:
-        docs("check", dep_id + "-c0", kind, None)
-    return spec
-
-
-def _dep_id(name: str, version: str) -> str:
-    base = "{}-{}".format(name[:20], "".join(c if c.isalnum() or c in "._-" else "."
-                                              for c in version[:12]))
-    return "{}-{}".format(base, uuid.uuid4().hex[:4])
+    return deploy.DeployOptions(
+        precision=args.precision, fallback=args.fallback, search=args.search,
+        job_timeout=args.job_timeout, no_accuracy_gate=args.no_accuracy_gate,
+        success_threshold=args.success_threshold, abort_failure_rate=args.abort_failure_rate,
+        min_executed=args.min_executed, batch=args.batch, percent=args.percent,
+        timeout=args.timeout, max_attempts=args.max_attempts,
+        retry_backoff=args.retry_backoff, model_set=args.model_set,
+        model_set_names=args.model_set_names, on_leave=args.on_leave)
 
 
 def run_deploy(args: argparse.Namespace) -> int:
-    name, version = registry.parse_ref(args.ref)
-    if version is None:
-        raise AgentError("bad_argument", "fleet deploy: expected NAME@VERSION, found {!r}"
-                         .format(args.ref))
-    selector = selectors.parse(args.to)
-    dep_id = fleet.check_rollout_id(args.id or _dep_id(name, version))
-    if len(dep_id) > 40:
-        raise AgentError("bad_argument", "--id: expected at most 40 characters, found {}"
-                         .format(len(dep_id)))
+    from agent.fleet.commands import deploy  # dataclasses: kept off the light commands
+
+    dep, selector = deploy.parse(args.ref, args.to, args.id)
     store = _open(args)  # a mistyped --db is an error, not a new empty database
     try:
-        spec = build_spec(args, registry.get(store, name, version), dep_id)
-        spec["on_leave"] = args.on_leave
+        dep = deploy.with_spec(store, dep, _options(args))
         if args.dry_run:
-            return _dry_run(args, store, {"deployment_id": dep_id, "name": name,
-                                          "version": version, "selector": selector.text,
-                                          "spec": spec}, selector)
-        if not args.allow_empty and not preview.matching(store, selector, eligible_only=True):
-            raise AgentError("selector_matches_nothing", "fleet deploy: the selector '{}' "
-                             "matches no eligible device (expected at least one; fleet devices "
-                             "--selector '{}' lists what it matches); --allow-empty records it "
-                             "anyway".format(selector.text, selector.text))
-        older = deployments.insert(store, dep_id, name, version, selector.text, spec,
-                                   pins.actor())
+            return _print_dry_run(args, dep, deploy.dry_run(store, dep, selector))
+        out = deploy.record(store, dep, selector, args.allow_empty)
     finally:
         store.close()
     if args.json:
-        print(json.dumps({"deployment_id": dep_id, "selector": selector.text,
-                          "superseded": older}, indent=2, sort_keys=True))
+        print(json.dumps(out, indent=2, sort_keys=True))
     else:
+        older = out["superseded"]
         print("deployment {}: {}@{} to '{}'{}; fleet serve converges it (fleet deployments "
-              "show {})".format(dep_id, name, version, selector.text,
-                                "; supersedes " + ", ".join(older) if older else "", dep_id))
+              "show {})".format(dep["deployment_id"], dep["name"], dep["version"],
+                                out["selector"], "; supersedes " + ", ".join(older)
+                                if older else "", dep["deployment_id"]))
     return EXIT_OK
 
 
-def _dry_run(args: argparse.Namespace, store: Store, dep: Dict[str, Any], selector: Any
-             ) -> int:
-    """``fleet deploy --dry-run``: what the service would do for each matched device."""
-    rows = preview.plan(store, dep, selector)
-    older = [r["deployment_id"] for r in deployments.rows(store, deployments.LIVE)
-             if r["name"] == dep["name"] and r["selector"] == selector.text]
+def _print_dry_run(args: argparse.Namespace, dep: Dict[str, Any], plan: Dict[str, Any]) -> int:
+    rows, older, text = plan["devices"], plan["would_supersede"], plan["selector"]
     if args.json:
-        print(json.dumps({"dry_run": True, "deployment_id": dep["deployment_id"],
-                          "selector": selector.text, "would_supersede": older,
-                          "on_leave": dep["spec"]["on_leave"], "devices": rows},
-                         indent=2, sort_keys=True))
+        print(json.dumps(plan, indent=2, sort_keys=True))
         return EXIT_OK
     counts: Dict[str, int] = {}
     for r in rows:
         counts[r["action"]] = counts.get(r["action"], 0) + 1
     print("dry run: {}@{} to '{}' matches {} device(s){}{}; nothing recorded".format(
-        dep["name"], dep["version"], selector.text or "(all)", len(rows),
+        dep["name"], dep["version"], text or "(all)", len(rows),
         " ({})".format(", ".join("{} {}".format(n, a) for a, n in sorted(counts.items())))
         if rows else "", "; would supersede " + ", ".join(older) if older else ""))
     if rows:
@@ -264,17 +187,13 @@ def _counts(s: Dict[str, Any]) -> str:
         " ({})".format(waiting) if waiting else "")
 
 
-EMPTY = deployments.empty_summary()
-
-
 def run_deployments(args: argparse.Namespace) -> int:
+    from agent.fleet.commands import deploy  # dataclasses: kept off the light commands
+
     store = _open(args)
     try:
         if args.action == "ls":
-            rows = deployments.rows(store)
-            sums = deployments.summary(store)
-            for r in rows:
-                r["summary"] = sums.get(r["deployment_id"], EMPTY)
+            rows = deploy.rows(store)
             if args.json:
                 print(json.dumps(rows, indent=2, sort_keys=True, default=str))
             elif rows:
@@ -290,18 +209,9 @@ def run_deployments(args: argparse.Namespace) -> int:
         if not args.deployment_id:
             raise AgentError("bad_argument", "fleet deployments {}: expected a deployment id"
                              .format(args.action))
-        dep = deployments.get(store, args.deployment_id)
-        did = dep["deployment_id"]
         if args.action == "show":
-            dep["summary"] = deployments.summary(store, [did]).get(did, EMPTY)
-            dep["devices"] = deployments.device_states(store, did)
-            dep["rollouts"] = deployments.rollouts_of(store, did)
-            dep["on_leave"] = (dep.get("spec") or {}).get("on_leave") or "keep"
-            dep["revision"] = (revisions.history(store, did) or [{"revision": 0}])[-1]["revision"]
-            dep["max_attempts"] = deployments.max_attempts(dep["spec"])
-            dep["pins"] = [p for p in pins.list_pins(store, [d["device"] for d in dep["devices"]])
-                           if p["name"] == dep["name"]]
-            dep.pop("spec", None)
+            dep = deploy.show(store, args.deployment_id)
+            did = dep["deployment_id"]
             if args.json:
                 print(json.dumps(dep, indent=2, sort_keys=True, default=str))
                 return EXIT_OK
@@ -323,7 +233,7 @@ def run_deployments(args: argparse.Namespace) -> int:
                 print(fleet.format_table(["DEVICE", "STATE", "REASON"], table))
             return EXIT_OK
         if args.action == "history":
-            revs = revisions.history(store, did)
+            revs = deploy.history(store, args.deployment_id)
             if args.json:
                 print(json.dumps(revs, indent=2, sort_keys=True, default=str))
             else:
@@ -333,7 +243,8 @@ def run_deployments(args: argparse.Namespace) -> int:
                                                       time.localtime(r["created"] or 0))]
                     for r in revs]))
             return EXIT_OK
-        row = controls.apply(store, did, args.action, args.devices, pins.actor())
+        row = deploy.control(store, args.deployment_id, args.action, args.devices)
+        did = row["deployment_id"]
         if args.action == "undo":
             print("deployment {}: {}@{} to '{}' again ({}); fleet serve converges it".format(
                 did, row["name"], row["version"], row["selector"] or "(all)", row["reason"]))
@@ -346,19 +257,11 @@ def run_deployments(args: argparse.Namespace) -> int:
 
 
 def run_label(args: argparse.Namespace) -> int:
+    from agent.fleet.commands import deploy  # dataclasses: kept off the light commands
+
     store = _open(args)
     try:
-        if args.assignments or args.remove:
-            labels.assign(store, args.device, labels.parse_assignments(args.assignments),
-                          args.remove)
-        dev = store.device(args.device)
-        if dev is None:
-            raise AgentError("unknown_device", "expected a device that reported to this fleet "
-                             "database, found {!r}".format(args.device))
-        mine = labels.assigned(store, [args.device]).get(args.device, {})
-        out = {"device": args.device, "derived": labels.derived(dev["status"]),
-               "assigned": mine, "reported": labels.reported(dev["status"]),
-               "selectable": labels.selectable(dev["status"], mine)}
+        out = deploy.label(store, args.device, args.assignments, args.remove)
     finally:
         store.close()
     if args.json:
@@ -371,6 +274,8 @@ def run_label(args: argparse.Namespace) -> int:
 
 
 def run_pin(args: argparse.Namespace) -> int:
+    from agent.fleet.commands import deploy  # dataclasses: kept off the light commands
+
     store = _open(args)
     try:
         if not args.device:  # the list
@@ -384,18 +289,10 @@ def run_pin(args: argparse.Namespace) -> int:
             else:
                 print("no pins (fleet pin DEVICE NAME@VERSION)")
             return EXIT_OK
-        name, version = registry.parse_ref(args.ref or "")
-        if version is None:
-            raise AgentError("bad_argument", "fleet pin: expected DEVICE NAME@VERSION, found "
-                             "{!r}".format(args.ref))
-        if store.device(args.device) is None:
-            raise AgentError("unknown_device", "expected a device that reported to this fleet "
-                             "database, found {!r}".format(args.device))
-        record = registry.get(store, name, version)  # a version the fleet can send
-        row = pins.pin(store, args.device, name, version, reason=args.reason)
-        row["rollout_id"] = _send_pinned(store, args.device, record)
+        row = deploy.pin(store, args.device, args.ref, args.reason)
     finally:
         store.close()
+    name, version = row["name"], row["version"]
     if args.json:
         print(json.dumps(row, indent=2, sort_keys=True))
     else:
@@ -406,46 +303,12 @@ def run_pin(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _send_pinned(store: Store, device: str, record: Dict[str, Any]) -> Any:
-    """A pin to a version the device does not run: a one-device rollout of it (the
-    governing deployment's settings, else the version's defaults), driven by ``fleet serve``
-    like any. None when the device runs it already."""
-    from agent.fleet.database import device_models
-
-    name, version = record["name"], record["version"]
-    msg = device_models.load(store, [device]).get(device)
-    if any(m["name"] == name and m["version"] == version
-           for m in device_models.entries(None, msg)):
-        return None
-    busy = store.busy_devices([device])
-    if busy:
-        raise AgentError("device_busy", "pinned; but device {} is in rollout {}: expected it "
-                         "idle to send {}@{}, found it busy (pin again when it ends)".format(
-                             device, busy[device], name, version))
-    rid = fleet.check_rollout_id("pin-{}-{}".format(device[:40], uuid.uuid4().hex[:6]))
-    dep_id = pins.governed_by(store, device, name)
-    if dep_id is not None:
-        spec = dict(deployments.get(store, dep_id)["spec"])
-        spec.update(model_version=version,
-                    artifacts={k: dict(v) for k, v in record["artifacts"].items()})
-        if "goldens" not in spec["artifacts"]:
-            spec["search"] = None  # a search judges against goldens this version lacks
-    else:
-        spec = build_spec(argparse.Namespace(
-            precision=None, fallback=None, search=None, job_timeout=None,
-            no_accuracy_gate=True, success_threshold=1.0, abort_failure_rate=None,
-            min_executed=1, batch=None, percent=None, timeout=3600.0), record, rid)
-    store.insert_rollout(rid, spec, [[device]], time.time() + float(spec.get("timeout") or
-                                                                    3600.0))
-    return rid
-
-
 def run_unpin(args: argparse.Namespace) -> int:
+    from agent.fleet.commands import deploy  # dataclasses: kept off the light commands
+
     store = _open(args)
     try:
-        if not pins.unpin(store, args.device, args.name):
-            raise AgentError("not_pinned", "expected a fleet pin of {} on {} (fleet pin), found "
-                             "none".format(args.name, args.device))
+        deploy.unpin(store, args.device, args.name)
     finally:
         store.close()
     print("{} {}: unpinned; its deployment governs it again".format(args.device, args.name))

@@ -9,13 +9,12 @@ import json
 import os
 import tempfile
 import time
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict
 
 from agent import fleet
 from agent.cli import EXIT_OK
 from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
-from agent.fleet.database import blobs
 from agent.fleet.database.store import Store
 from agent.fleet.deployments import registry
 from agent.wire import model_names
@@ -83,6 +82,7 @@ def add_parser(fsub: Any) -> None:
 
 def run_push(args: argparse.Namespace) -> int:
     from agent.cli.fleet_rollout import _artifact_refs, parse_layer_precisions
+    from agent.fleet.commands import models
 
     name = model_names.validate_name(args.name)
     version = model_names.validate_version(args.version)
@@ -103,15 +103,10 @@ def run_push(args: argparse.Namespace) -> int:
                                   "notes": str(args.notes)[:4096],
                                   "source": os.path.basename(args.model)[:255]}
         if args.server:
-            added = push_http(args.server, args.token_file, args.ca_file, name, version,
-                              record, files)
+            added = models.push_http(args.server, args.token_file, args.ca_file, name, version,
+                                     record, files)
         else:
-            store = Store(url)
-            try:  # straight into the store the database names (on the service's host)
-                root = blobs.directory(store, args.store, record=True)
-                added = registry.push(store, root, name, version, record, files)
-            finally:
-                store.close()
+            added = models.push_local(url, args.store, name, version, record, files)
     out = {"name": name, "version": version, "added": added,
            "model": artifacts["model"]["sha256"], "artifacts": sorted(artifacts)}
     if args.json:
@@ -123,92 +118,20 @@ def run_push(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def push_http(server: str, token_file: Optional[str], ca_file: Optional[str], name: str,
-              version: str, record: Dict[str, Any], files: Dict[str, str]) -> bool:
-    """Upload the version's blobs (those the service lacks) and then its record to the
-    service's registry endpoint (agent.fleet.deployments.uploads)."""
-    import http.client
-    import ssl
-    from urllib.parse import urlsplit
-
-    from agent.fleet import web
-
-    if not token_file:
-        raise AgentError("bad_argument", "fleet models push --server: expected --token-file "
-                         "(the operator's token), found none")
-    token = web.read_token(token_file) or ""
-    url = urlsplit(server)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise AgentError("bad_argument", "--server: expected http[s]://HOST:PORT, found "
-                         "{!r}".format(server[:200]))
-
-    def request(method: str, path: str, body: Any = None, length: int = 0,
-                ctype: str = "application/octet-stream") -> Tuple[int, Dict[str, Any]]:
-        if url.scheme == "https":
-            ctx = ssl.create_default_context(cafile=ca_file)
-            conn: Any = http.client.HTTPSConnection(url.hostname or "", url.port or 443,
-                                                    timeout=120, context=ctx)
-        else:
-            conn = http.client.HTTPConnection(url.hostname or "", url.port or 80, timeout=120)
-        try:
-            headers = {"Authorization": "Bearer " + token, "Content-Type": ctype}
-            if method != "HEAD":
-                headers["Content-Length"] = str(length)
-            conn.request(method, url.path.rstrip("/") + path, body=body, headers=headers)
-            resp = conn.getresponse()
-            data = resp.read(1 << 20)
-        except (OSError, http.client.HTTPException) as exc:
-            raise AgentError("upload_refused", "--server {}: expected the service's HTTP "
-                             "endpoint, {} {} failed: {}".format(server, method, path, exc))
-        finally:
-            conn.close()
-        try:
-            doc = json.loads(data.decode("utf-8")) if data else {}
-        except ValueError:
-            doc = {}
-        if resp.status >= 400 and method != "HEAD":
-            err = (doc.get("error") if isinstance(doc, dict) else None) or {}
-            code = str(err.get("code") or "bad_argument")
-            from agent.errors import CODES
-
-            raise AgentError(code if code in CODES else "bad_argument", "--server {}: {} {}: "
-                             "{} {}".format(server, method, path, resp.status,
-                                            err.get("message") or resp.reason))
-        return resp.status, doc if isinstance(doc, dict) else {}
-
-    for role, (sha, _size) in sorted(blobs.refs_of(record).items()):
-        status, _doc = request("HEAD", "/registry/blobs/" + sha)
-        if status == 200:
-            continue  # the service has it, sound
-        if status in (401, 403):
-            request("PUT", "/registry/blobs/" + sha, b"", 0)  # raises with the reason
-        with open(files[role], "rb") as f:
-            request("PUT", "/registry/blobs/" + sha, f, os.fstat(f.fileno()).st_size)
-    body = json.dumps({"name": name, "version": version, "record": record}).encode("utf-8")
-    _status, doc = request("POST", "/registry/models", body, len(body), "application/json")
-    return bool(doc.get("added"))
-
-
 def run_verify(args: argparse.Namespace) -> int:
     from agent.cli import EXIT_FAILED
+    from agent.fleet.commands import models
 
-    store = Store(db_url(args, existing=True))
-    try:
-        root = blobs.directory(store, args.store)
-        problems = blobs.verify(store, root)
-        counts = blobs.refcounts(store)
-        n = len(blobs.rows(store))
-    finally:
-        store.close()
+    out = models.verify(db_url(args, existing=True), args.store)
+    root, n, problems = out["store"], out["blobs"], out["problems"]
     if args.json:
-        print(json.dumps({"store": root, "blobs": n, "references": sum(counts.values()),
-                          "problems": problems}, indent=2, sort_keys=True))
+        print(json.dumps(out, indent=2, sort_keys=True))
     else:
         for p in problems:
             print("{}  {}  {}  (used by {})".format(p["kind"], p["sha256"][:16], p["message"],
                                                     ", ".join(p["versions"]) or "nothing"))
         print("store {}: {} blob(s), {} reference(s), {}".format(
-            root, n, sum(counts.values()), "{} problem(s)".format(len(problems)) if problems
+            root, n, out["references"], "{} problem(s)".format(len(problems)) if problems
             else "all sound"))
     return EXIT_FAILED if problems else EXIT_OK
 
@@ -235,13 +158,9 @@ def run_models(args: argparse.Namespace) -> int:
             print("{}@{}: removed from the registry".format(name, version))
             return EXIT_OK
         if action == "show" and name is not None and version is not None:
-            v = registry.get(store, name, version)
-            v["used_by"] = registry.usage(store, name, version)
-            known = blobs.rows(store, [sha for sha, _n in blobs.refs_of(v).values()])
-            v["blobs"] = {role: {"sha256": sha, "versions": len(blobs.users(store, sha)),
-                                 "problem": (known.get(sha) or {"problem": "not in the store"}
-                                             )["problem"]}
-                          for role, (sha, _n) in blobs.refs_of(v).items()}
+            from agent.fleet.commands import models
+
+            v = models.show(store, name, version)
             if args.json:
                 print(json.dumps(v, indent=2, sort_keys=True, default=str))
             else:

@@ -7,15 +7,12 @@ import argparse
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 from agent import fleet
 from agent.cli import EXIT_OK
 from agent.cli.fleet_connect import add_connection_args, connect
-from agent.errors import AgentError
-from agent.fleet.database import device_models
 from agent.wire import protocol
-from agent.wire.topics import TopicInfo
 
 
 def add_devices_parser(fsub: Any) -> None:
@@ -81,99 +78,24 @@ def telemetry_summary(metrics: Any) -> str:
     return telemetry_view.summary(metrics if isinstance(metrics, dict) else {}, limit=4)
 
 
-def device_rows(directory: fleet.DeviceDirectory,
-                last_seen: Optional[Dict[str, Any]] = None,
-                assigned: Optional[Dict[str, Dict[str, str]]] = None) -> List[Dict[str, Any]]:
-    """``last_seen``: device -> when the registry last heard from it (default: the time of
-    its last status). An offline device keeps the board its last full status named.
-    ``assigned``: the labels an operator gave each device (fleet label; the registry's)."""
-    from agent.fleet.deployments import labels
-
-    rows = []
-    for dev in directory.known():
-        st = directory.status[dev]
-        plat = st.get("platform") or {}
-        models = device_models.entries(st, directory.models.get(dev))
-        tele = directory.telemetry.get(dev)
-        rows.append({
-            "device": dev, "online": st.get("online"), "boot": st.get("boot"),
-            "since": st.get("ts"), "reason": st.get("reason"),
-            "board": plat.get("board"), "jetpack": plat.get("jetpack"),
-            "tensorrt": plat.get("tensorrt"), "backend": plat.get("backend"),
-            "precisions": plat.get("precisions"), "agent_version": st.get("agent_version"),
-            "active_engines": st.get("active_engines") or [],
-            "features": sorted(device_models.features(st)),
-            "models": models,
-            "models_text": device_models.text(models),
-            "telemetry": tele,
-            "last_seen": (last_seen or {}).get(dev, st.get("ts")),
-            "labels": labels.selectable(st, (assigned or {}).get(dev)),
-        })
-    return rows
-
-
-def _db_directory(url: str) -> Any:
-    """(directory, device -> last seen) from the registry of 'fleet serve'."""
-    from agent.fleet.database.store import Store
-    from agent.fleet.deployments import labels
-
-    store = Store(url, schema="read")
-    try:
-        directory = fleet.DeviceDirectory()
-        directory.models.update(device_models.load(store))
-        seen: Dict[str, Any] = {}
-        for dev in store.devices():
-            directory.status[dev["device"]] = dev["status"]
-            seen[dev["device"]] = dev["last_seen"]
-            if dev["telemetry"]:
-                directory.telemetry[dev["device"]] = dev["telemetry"]
-        keys = store.device_keys()
-        marks = {d: str((keys.get(d) or {}).get("state") or "") or None for d in seen}
-        return directory, seen, {d: m for d, m in marks.items() if m != "admitted" and m}, \
-            labels.assigned(store)
-    finally:
-        store.close()
-
-
 def registry_db(args: argparse.Namespace) -> Optional[str]:
     """--db, else the default database when a fleet service is running on it."""
-    from agent.cli.fleet_db import check_db_url, service_up
-    from agent.fleet.database.store import default_db_url
+    from agent.fleet.commands.db import recording_url
 
-    if args.db:
-        return check_db_url(str(args.db), existing=True)
-    return default_db_url() if service_up(default_db_url()) else None
+    return recording_url(args.db, required=False)
 
 
 def run_devices(args: argparse.Namespace) -> int:
     if args.action != "ls":
         from agent.cli.fleet_admission import run_admin
-        from agent.cli.fleet_db import check_db_url
-        from agent.fleet.database.store import default_db_url
+        from agent.fleet.commands.db import resolve_url
 
-        return run_admin(args, check_db_url(args.db or default_db_url(), existing=True))
+        return run_admin(args, resolve_url(args.db, existing=True))
+    from agent.fleet.commands.devices import MEMBERS, devices
     from agent.fleet.deployments import preview, selectors
 
     selector = selectors.parse(args.selector) if args.selector is not None else None
-    url = registry_db(args)
-    seen = None
-    marks: Dict[str, str] = {}
-    assigned: Dict[str, Dict[str, str]] = {}
-    if url:
-        directory, seen, marks, assigned = _db_directory(url)
-    else:
-        conn = connect(args)
-        rows_keys = _admission_view()
-        conn.gate = lambda info, ev: _mark(marks, rows_keys, info, ev)
-        try:
-            directory = fleet.discover(conn, telemetry_wait=max(0.0, args.wait))
-        finally:
-            conn.close()
-    rows = device_rows(directory, seen, assigned)
-    if selector is not None:
-        rows = [r for r in rows if selector.matches(r["labels"])]
-    for r in rows:
-        r["admission"] = marks.get(r["device"])
+    rows = devices(registry_db(args), lambda: connect(args), args.wait, selector)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
         return EXIT_OK
@@ -207,77 +129,7 @@ def run_devices(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# What a device's birth may say and still be listed as a fleet member (None: nothing to
-# check, as before admission existed).
-MEMBERS = (None, "admitted", "signed", "legacy")
-
-
-def _admission_view() -> Any:
-    """(pinned rows, keys, policy) to judge births read from the broker by: the default
-    registry's ``device_keys`` when there is one, $JETSON_AGENT_FLEET_ADMISSION_KEYS and
-    $JETSON_AGENT_FLEET_ADMISSION."""
-    from agent.fleet.admission import admission
-    from agent.fleet.database.db import sqlite_path
-    from agent.fleet.database.store import Store, default_db_url
-
-    rows: Dict[str, Any] = {}
-    url = default_db_url()
-    if os.path.exists(sqlite_path(url)):
-        try:
-            store = Store(url)
-            try:
-                rows = store.device_keys()
-            finally:
-                store.close()
-        except (AgentError, Exception):  # noqa: BLE001 - a registry we cannot read: none
-            rows = {}
-    keys: Dict[str, bytes] = {}
-    path = os.environ.get("JETSON_AGENT_FLEET_ADMISSION_KEYS")
-    if path:
-        try:
-            keys = admission.load_keys_file(path)
-        except AgentError:
-            keys = {}
-    return rows, keys, os.environ.get("JETSON_AGENT_FLEET_ADMISSION") or "manual"
-
-
-def _mark(marks: Dict[str, str], rows_keys: Any, info: TopicInfo, ev: Any) -> bool:
-    """The connection's gate while ``fleet devices`` reads the broker: every message passes;
-    each birth's signature is judged (``admission.membership``)."""
-    from agent.fleet.admission import admission
-
-    if info.kind == "status" and info.device and ev.payload:
-        marks[info.device] = admission.membership(info.device, ev, *rows_keys)
-    return True
-
-
 # ---------------------------------------------------------------------------- jobs
-
-def retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
-    """(device, job id) -> {"status": last status or None, "document": pending doc or None}"""
-    found: Dict[Any, Dict[str, Any]] = {}
-
-    def on_message(info: TopicInfo, msg: Any) -> None:
-        if info.kind == "job_status":
-            entry = found.setdefault((info.device, info.job_id), {"status": None,
-                                                                  "document": None})
-            if entry["status"] is None or msg.get("version", 0) > entry["status"].get(
-                    "version", 0):
-                entry["status"] = msg
-        elif info.kind == "job" and msg.payload:
-            try:
-                doc = protocol.decode("job", msg.payload)
-            except AgentError:
-                return
-            entry = found.setdefault((info.device, info.job_id), {"status": None,
-                                                                  "document": None})
-            entry["document"] = doc
-
-    base = conn.topics.prefix + "/devices/+"
-    conn.subscribe([base + "/status", base + "/jobs/+", base + "/jobs/+/status"])
-    conn.settle(on_message)
-    return found
-
 
 def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
     from agent.fleet.database.store import Store
@@ -301,6 +153,8 @@ def run_jobs(args: argparse.Namespace) -> int:
     else:
         conn = connect(args)
         try:
+            from agent.fleet.commands.jobs import retained_jobs
+
             found = retained_jobs(conn)
         finally:
             conn.close()

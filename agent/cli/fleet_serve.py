@@ -1,167 +1,66 @@
 """``fleet serve`` (the controller service), ``fleet rollouts ls|show|pause|resume|cancel|
 attach`` (rollouts in its database), and how ``fleet rollout`` runs: submitted to a service
 that is up on the same database, or embedded (the same service loop, in this process, for
-this one rollout). Registered by ``agent.cli.fleet``; the database arguments are
+this one rollout). Their arguments and output; what they do is agent.fleet.commands' (``serve``,
+``rollouts``, ``rollout_run``). Registered by ``agent.cli.fleet``; the database arguments are
 ``fleet_db``'s.
 """
 
 import argparse
 import json
-import logging
 import os
-import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict
 
 from agent import fleet
 from agent.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
-from agent.cli.fleet_admission import add_admission_args, make_admission
-from agent.cli.fleet_db import (
-    SERVICE_FRESH_S,
-    add_db_args,
-    add_to_store,
-    db_url,
-    service_up,
-    store_dir,
-    upgrade_in_child,
-)
+from agent.cli.fleet_admission import add_admission_args, admission_policy
+from agent.cli.fleet_db import add_db_args, db_url
 from agent.errors import AgentError
 from agent.fleet.database.store import Store
-from agent.fleet.rollouts import durable
-from agent.fleet.service import LEASE_S, FleetService, busy_check
-from agent.wire import job_signer, protocol
-
-log = logging.getLogger("agent.fleet")
-
+from agent.fleet.service import LEASE_S
+from agent.wire import job_signer
 
 # ---------------------------------------------------------------------------- fleet rollout
 
 def submit_or_embed(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
                     files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]], work: str,
                     signer: Any, connect: Any) -> int:
-    """The rest of ``fleet rollout`` once everything was checked locally."""
-    explicit = args.db is not None
-    submit = args.submit or (not args.embedded and explicit and service_up(db_url(args)))
-    if submit:
-        return _submit(args, rollout_id, spec, files, artifacts)
-    url = db_url(args) if explicit else "sqlite:///" + os.path.join(work, "fleet.db")
-    return _embedded(args, url, rollout_id, spec, files, artifacts, signer, connect)
+    """The rest of ``fleet rollout`` once everything was checked locally
+    (agent.fleet.commands.rollout_run)."""
+    from agent.fleet.commands import rollout_run
+
+    opts = rollout_run.RunOptions(
+        db=args.db, store=args.store, submit=args.submit, embedded=args.embedded,
+        detach=args.detach, quiet=args.quiet, timeout=args.timeout,
+        share_group=args.share_group, admission=admission_policy(args),
+        targets=rollout_run.Targets(args.devices, args.all, args.match, args.batch,
+                                    args.percent),
+        model_path=args.model, precision=args.precision, search=args.search,
+        broker=getattr(args, "broker", None))
+    done = rollout_run.submit_or_embed(opts, rollout_id, spec, files, artifacts, work, signer,
+                                       lambda: connect(args), _say)
+    if done.detached:
+        print(rollout_id)
+        return EXIT_OK
+    return _finish(done, rollout_id, args.json)
 
 
-def _targets(store: Store, args: argparse.Namespace, rollout_id: str) -> List[List[str]]:
-    from agent.fleet.admission import admission
-
-    known = [d["device"] for d in store.devices()]
-    admission.check_members(store, args.devices or [], known)
-    devices = fleet.select_devices(known, args.devices, args.all, args.match)
-    busy_check(store, devices, rollout_id)
-    return fleet.plan_stages(devices, args.batch, args.percent)
+def _say(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
-def _submit(args: argparse.Namespace, rollout_id: str, spec: Dict[str, Any],
-            files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]]) -> int:
-    url = db_url(args)
-    store = Store(url)
-    try:
-        existing = store.rollout(rollout_id)
-        if existing is not None:
-            if (existing["spec"] or {}).get("artifacts") != spec["artifacts"]:
-                raise AgentError("bad_argument", "rollout {} already exists with other "
-                                 "artifacts; choose another --rollout-id".format(rollout_id))
-            print("rollout {} exists ({}): attaching".format(rollout_id, existing["state"]),
-                  file=sys.stderr)
-        else:
-            if not store.services(SERVICE_FRESH_S):
-                print("warning: no fleet service is running on {} (fleet serve --db ...): the "
-                      "rollout starts when one does".format(url.split("@")[-1]),
-                      file=sys.stderr)
-            add_to_store(store, store_dir(args, url), artifacts, files, copy=True)
-            stages = _targets(store, args, rollout_id)
-            store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
-            if not args.quiet:
-                print("rollout {}: submitted to the fleet service ({} device(s) in {} stage(s))"
-                      .format(rollout_id, sum(len(s) for s in stages), len(stages)),
-                      file=sys.stderr)
-        if args.detach:
-            print(rollout_id)
-            return EXIT_OK
-        return attach(store, rollout_id, args.json, args.quiet, extra=_extra(args, spec))
-    finally:
-        store.close()
-
-
-def _extra(args: argparse.Namespace, spec: Dict[str, Any]) -> Dict[str, Any]:
-    model = dict((spec.get("artifacts") or {}).get("model") or {})
-    return {"model": dict(model, path=spec.get("model_path")), "precision": spec.get(
-        "precision"), "search": spec.get("search"), "broker": getattr(args, "broker", None),
-            "preflight": spec.get("preflight")}
-
-
-def _embedded(args: argparse.Namespace, url: str, rollout_id: str, spec: Dict[str, Any],
-              files: Dict[str, str], artifacts: Dict[str, Dict[str, Any]], signer: Any,
-              connect: Any) -> int:
-    store = Store(url)
-    conn = connect(args)
-    interrupted = False
-    try:
-        service = FleetService(store, conn, signer, only=[rollout_id],
-                               share_group=args.share_group,
-                               admission=make_admission(args, store))
-        service.start()  # the registry fills from the devices' retained statuses
-        add_to_store(store, store_dir(args, url), artifacts, files, copy=False)
-        stages = _targets(store, args, rollout_id)
-        if signer is None:  # devices that drop unsigned jobs: refused now, not timed out later
-            from agent.fleet.rollouts import signing_check
-
-            unknown = signing_check.check_unsigned(
-                signing_check.statuses_of(store.devices()), [d for s in stages for d in s])
-            if unknown and not args.quiet:
-                print(signing_check.warning(unknown), file=sys.stderr)
-        store.insert_rollout(rollout_id, spec, stages, time.time() + args.timeout)
-        view = fleet.ProgressView(enabled=not args.quiet)
-        if not args.quiet:
-            print("rollout {}: {} ({}) to {} device(s) in {} stage(s); jobs {}".format(
-                rollout_id, os.path.basename(args.model), args.precision,
-                sum(len(s) for s in stages), len(stages),
-                ", ".join([rollout_id] + ([rollout_id + fleet.SEARCH_SUFFIX]
-                                          if args.search else []))), file=sys.stderr)
-        statuses = conn.directory.status
-        service.on_change = lambda ro: view.update(ro, statuses)
-        try:
-            service.last_tick = 0.0
-            while not service.finished(rollout_id):
-                service.step()
-                ro = service.rollouts.get(rollout_id)
-                if ro is not None:
-                    view.update(ro, statuses)
-        except KeyboardInterrupt:
-            interrupted = True
-            ro = service.rollouts.get(rollout_id)
-            if ro is not None and not ro.done:
-                # As --help says: embedded, nothing follows the devices after this process.
-                print("interrupted: cancelling {} unfinished device(s), running ones included "
-                      "(an embedded rollout; submit it to 'fleet serve' to detach instead)"
-                      .format(sum(1 for r in ro.runs.values() if not r.terminal)),
-                      file=sys.stderr)
-                service.commit(ro, ro.expire("interrupted by the user", state="CANCELED",
-                                             outcome="interrupted"))
-        service.drain()
-        store.release(service.instance)
-        # Else the next 'fleet rollout --db' would take it for a service and submit to it.
-        store.forget_service(service.instance)
-        final = durable.load(store, rollout_id)
-        assert final is not None
-        view.update(final, statuses, force=True)
-        report = fleet.rollout_report(final, store.statuses(), dict(
-            _extra(args, spec), signing_key=signer.key_id if signer is not None else None))
-    finally:
-        conn.close()
-        store.close()
-    _print_report(report, final, args.json)
-    if interrupted:
+def _finish(done: Any, rollout_id: str, as_json: bool) -> int:
+    """Print how a rollout ended (or that Ctrl-C detached from it); its exit status."""
+    if done.report is None:
+        print("detached: rollout {} goes on in the fleet service (fleet rollouts attach {})"
+              .format(rollout_id, rollout_id), file=sys.stderr)
         return EXIT_INTERRUPTED
-    return EXIT_OK if final.succeeded else EXIT_FAILED
+    _print_report(done.report, done.rollout, as_json)
+    if done.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_OK if done.rollout.succeeded else EXIT_FAILED
 
 
 def _print_report(report: Dict[str, Any], ro: fleet.Rollout, as_json: bool) -> None:
@@ -174,156 +73,35 @@ def _print_report(report: Dict[str, Any], ro: fleet.Rollout, as_json: bool) -> N
         print(fleet.summary_line(ro))
 
 
-def attach(store: Store, rollout_id: str, as_json: bool, quiet: bool,
-           extra: Optional[Dict[str, Any]] = None, poll_s: float = 0.5) -> int:
-    """Follow a rollout the service drives until it ends (Ctrl-C detaches; it goes on)."""
-    view = fleet.ProgressView(enabled=not quiet)
-    try:
-        while True:
-            ro = durable.load(store, rollout_id)
-            if ro is None:
-                raise AgentError("unknown_job", "no rollout {!r} in {}".format(rollout_id,
-                                                                               store.url))
-            statuses = store.statuses()
-            view.update(ro, statuses)
-            row = store.rollout(rollout_id) or {}
-            if row.get("state") not in ("running", "paused"):
-                break
-            time.sleep(poll_s)
-    except KeyboardInterrupt:
-        print("detached: rollout {} goes on in the fleet service (fleet rollouts attach {})"
-              .format(rollout_id, rollout_id), file=sys.stderr)
-        return EXIT_INTERRUPTED
-    view.update(ro, statuses, force=True)
-    _print_report(fleet.rollout_report(ro, statuses, extra), ro, as_json)
-    return EXIT_OK if ro.succeeded else EXIT_FAILED
-
-
 # ---------------------------------------------------------------------------- fleet serve
 
 def run_serve(args: argparse.Namespace, connect: Any) -> int:
     from agent.device.sdnotify import Notifier
+    from agent.fleet.commands.serve import ServeOptions, serve
 
-    if log.getEffectiveLevel() > logging.INFO:
-        log.setLevel(logging.INFO)  # a service says what it does with its rollouts
-    signer = None
-    if args.signing_key:
-        signer = job_signer.Signer(args.signing_key, args.sequence_file, args.valid_for)
-    url = db_url(args)
-    stop = {"now": False}
-
-    def request_stop(*_: Any) -> None:
-        stop["now"] = True
-
-    # Before the upgrade's child process: a SIGTERM during start-up is an orderly stop.
-    signal.signal(signal.SIGTERM, request_stop)
-    signal.signal(signal.SIGINT, request_stop)
-    # An existing database is upgraded in place (or, --no-db-upgrade, refused with the command).
-    if not args.no_db_upgrade:
-        upgrade_in_child(url, args.store)
-    store = Store(url, schema="require")
-    notifier = Notifier()
-    dashboard = None
-    conn = connect(args)
-    conn.directory.compact = True  # the database keeps the devices' messages
-    try:
-        http = None
-        base = None
-        if (args.http_tls_cert or args.http_tls_key) and not args.http:
-            raise AgentError("bad_argument", "--http-tls-cert/--http-tls-key need --http "
-                             "HOST:PORT (the server they are for); found no --http")
-        if args.http:
-            from agent.fleet.transfer.http_bounds import listen_address, server_tls_context
-            from agent.fleet.transfer.http_source import HttpSource
-
-            tls = None
-            if bool(args.http_tls_cert) != bool(args.http_tls_key):
-                raise AgentError("bad_argument", "--http-tls-cert and --http-tls-key go "
-                                 "together; found only one of them")
-            if args.http_tls_cert:
-                tls = server_tls_context(args.http_tls_cert, args.http_tls_key)
-            host, port = listen_address(args.http, "--http", tls=tls is not None)
-            base = args.http_url
-            if tls is not None and base and not base.startswith("https://"):
-                log.warning("--http-url %s is not an https:// URL while --http serves HTTPS: "
-                            "devices will fail to reach it", base)
-        service = FleetService(store, conn, signer, instance=args.instance,
-                               share_group=args.share_group, lease_s=args.lease,
-                               http_base=None, http_min_bytes=args.http_min_bytes,
-                               admission=make_admission(args, store))
-        from agent.fleet.database import blobs
-        from agent.fleet.deployments.deployment_runner import DeploymentRunner
-
-        # The registry's blob store: the directory the database names (recorded now, from
-        # --store or the default, when it names none yet).
-        service.blob_root = blobs.directory(store, args.store or (
-            None if blobs.recorded(store) else store_dir(args, url)), record=True)
-        service.deployments = DeploymentRunner(store, service.instance, args.lease)
-        service.deployments.blob_root = service.blob_root
-        service.deployments.send_command = lambda device, cmd: conn.publish(
-            conn.topics.commands(device), protocol.encode(cmd))
-        if getattr(args, "share_engines", False):
-            if not args.http:
-                raise AgentError("bad_argument", "--share-engines needs --http HOST:PORT "
-                                 "(builders upload their engines there)")
-            from agent.fleet.transfer.sharing import ShareBoard
-
-            service.sharing = ShareBoard(store, store_dir(args, url), service.server.add_file,
-                                         builder_key=service.builder_key,
-                                         designated=lambda d: d in service.designated_builders)
-            service.share_wait_s = float(args.share_wait)
-            service.share_quorum = max(1, int(args.share_quorum))
-            service.share_builders = frozenset(
-                b.strip() for b in (args.builders or "").split(",") if b.strip())
-        if args.http:
-            from agent.fleet import web
-            from agent.fleet.deployments.uploads import Uploads
-
-            uploads = Uploads(url, service.blob_root, web.read_token(args.dashboard_token_file))
-            http = HttpSource(host, int(port), service.server.files,
-                              shares=service.sharing, tls=tls, uploads=uploads).start()
-            service.http_base = (base or "{}://{}:{}".format(
-                http.scheme, "[{}]".format(host) if ":" in host else host, http.port)
-            ).rstrip("/")
-            log.info("artifacts of %d bytes or more also at %s/artifacts/SHA256",
-                     args.http_min_bytes, service.http_base)
-        service.start()
-        from agent.fleet import web
-
-        dashboard = web.mount(args, url, service)  # telemetry history; --dashboard: dashboard
-        notifier.notify("READY=1", "STATUS=serving {}".format(conn.url))
-        log.info("fleet service %s (pid %d, MQTT client %s) on %s, database %s",
-                 service.instance, os.getpid(), conn.client_id, conn.url,
-                 store.url.split("@")[-1])
-        last_dog = time.monotonic()
-        while not stop["now"]:
-            service.step()
-            if notifier.watchdog_interval and time.monotonic() - last_dog >= \
-                    notifier.watchdog_interval:
-                notifier.notify("WATCHDOG=1")
-                last_dog = time.monotonic()
-        notifier.notify("STOPPING=1")
-        service.drain()
-        store.release(service.instance)
-        if http is not None:
-            http.stop()
-    finally:
-        conn.close()
-        store.close()
-        if dashboard is not None:
-            dashboard.stop()
+    serve(ServeOptions(
+        db_url=db_url(args), store=args.store, no_db_upgrade=args.no_db_upgrade,
+        admission=admission_policy(args), instance=args.instance, share_group=args.share_group,
+        lease=args.lease, http=args.http, http_url=args.http_url,
+        http_tls_cert=args.http_tls_cert, http_tls_key=args.http_tls_key,
+        http_min_bytes=args.http_min_bytes, share_engines=args.share_engines,
+        builders=args.builders, share_quorum=args.share_quorum, share_wait=args.share_wait,
+        signing_key=args.signing_key, sequence_file=args.sequence_file,
+        valid_for=args.valid_for, dashboard=args.dashboard,
+        dashboard_token_file=args.dashboard_token_file,
+        telemetry_retention=args.telemetry_retention), lambda: connect(args), Notifier())
     return EXIT_OK
 
 
 # ---------------------------------------------------------------------------- fleet rollouts
 
 def run_rollouts(args: argparse.Namespace) -> int:
+    from agent.fleet.commands import rollout_run, rollouts
+
     store = Store(db_url(args, existing=True), schema="read")
     try:
         if args.action == "ls":
-            from agent.fleet.web import views
-
-            rows = views.rollout_rows(store, limit=None, failures=False)
+            rows = rollouts.rows(store)
             if args.json:
                 print(json.dumps(rows, indent=2, sort_keys=True, default=str))
                 return EXIT_OK
@@ -338,34 +116,21 @@ def run_rollouts(args: argparse.Namespace) -> int:
         if not args.rollout_id:
             raise AgentError("bad_argument", "fleet rollouts {} needs a rollout id".format(
                 args.action))
-        if args.action in ("pause", "resume", "cancel"):
-            row = store.request_control(args.rollout_id, args.action)
+        if args.action in rollouts.CONTROLS:
+            row = rollouts.control(store, args.rollout_id, args.action)
             print("rollout {}: {} requested (was {}); the service applies it within a second"
                   .format(args.rollout_id, args.action, row["state"]))
             return EXIT_OK
         if args.action == "attach":
-            return attach(store, args.rollout_id, args.json, False)
-        # The row before the jobs: a state read after them could be newer than they are (a
-        # "cancelled" rollout whose device still showed QUEUED).
-        row = store.rollout(args.rollout_id) or {}
-        ro = durable.load(store, args.rollout_id)
-        if ro is None:
-            raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
-                args.rollout_id))
-        from agent.fleet.web import views
-
-        summary = views.rollout_detail(store, row, jobs=[]) if row else {}
-        report = fleet.rollout_report(ro, store.statuses(), {
-            "state": row.get("state"), "stage_progress": row.get("stage_progress"),
-            "model": summary.get("model_name"), "rollbacks": summary.get("rollbacks"),
-            "rolled_back": summary.get("rolled_back"),
-            "history": store.job_history(args.rollout_id) if args.history else None})
+            return _finish(rollout_run.attach(store, args.rollout_id, False), args.rollout_id,
+                           args.json)
+        report, ro, summary = rollouts.show(store, args.rollout_id, args.history)
         if args.json:
             print(json.dumps(report, indent=2, sort_keys=True, default=str))
         else:
             print("rollout {}: {} (stage {}/{}); model {}".format(
-                ro.rollout_id, summary.get("state_text") or row.get("state"),
-                max(ro.current + 1, 0), len(ro.stages), summary.get("model_name") or "-"))
+                ro.rollout_id, summary["state_text"], max(ro.current + 1, 0), len(ro.stages),
+                summary.get("model_name") or "-"))
             print(fleet.results_table(report["devices"]))
             print(fleet.summary_line(ro))
             for b in summary.get("rollbacks") or []:
@@ -436,9 +201,7 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
                    default=os.environ.get("JETSON_AGENT_FLEET_SIGNING_KEY"))
     s.add_argument("--sequence-file", metavar="F")
     s.add_argument("--valid-for", type=float, default=job_signer.DEFAULT_VALIDITY_S, metavar="S")
-    from agent.fleet import web
-
-    web.add_args(s)
+    _add_dashboard_args(s)
     s.set_defaults(func=lambda a: run_serve(a, connect))
 
     r = fsub.add_parser("rollouts", help="rollouts in the fleet database: ls, show, pause, "
@@ -449,6 +212,24 @@ def add_parsers(fsub: Any, add_connection_args: Any, connect: Any) -> None:
     r.add_argument("--json", action="store_true")
     add_db_args(r)
     r.set_defaults(func=run_rollouts)
+
+
+def _add_dashboard_args(p: argparse.ArgumentParser) -> None:
+    from agent.fleet.database import history
+
+    g = p.add_argument_group("dashboard and metrics")
+    g.add_argument("--dashboard", metavar="HOST:PORT", default=os.environ.get(
+        "JETSON_AGENT_FLEET_DASHBOARD"), help="serve the dashboard and Prometheus /metrics here "
+        "(e.g. :8480, loopback only; 0.0.0.0:8480 for every interface, with a warning; off "
+        "by default)")
+    g.add_argument("--dashboard-token-file", metavar="F", help="a file holding the token that "
+                   "enables dashboard actions (pause/resume/cancel, rollback), or one "
+                   "NAME:TOKEN per line (the audit trail names who acted); without it the "
+                   "dashboard is read-only")
+    g.add_argument("--telemetry-retention", type=float, default=history.RETENTION_S / 86400,
+                   metavar="DAYS", help="how long telemetry history is kept (default "
+                   "%(default)s days; also capped at {} samples per device)".format(
+                       history.MAX_ROWS_PER_DEVICE))
 
 
 def add_rollout_mode_args(r: argparse.ArgumentParser) -> None:

@@ -15,7 +15,9 @@ circles):
   ``bounds``);
 - ``transfer``: artifact transfer (``bytequeue``, ``http_bounds``, ``http_source``,
   ``sharing``);
-- ``web``: the dashboard and ``/metrics`` (``server``, ``pages``, ``views``, ``metrics``).
+- ``web``: the dashboard and ``/metrics`` (``server``, ``pages``, ``views``, ``metrics``);
+- ``commands``: what ``jetson-agent fleet ...`` does, as functions of plain arguments that
+  return data (the CLI parses and prints); the only subpackage that may use the wiring.
 
 The wiring stays here: ``mqtt_edge`` (``FleetConnection`` and ``discover``, the MQTT I/O edge)
 and ``service`` (``FleetService``: ``fleet serve``, and ``fleet rollout`` embedded).
@@ -23,9 +25,8 @@ and ``service`` (``FleetService``: ``fleet serve``, and ``fleet rollout`` embedd
 Callers import every name from ``agent.fleet``; the submodules are how it is organised.
 
 May import: ``wire``, ``engines``, ``precision``, ``platform``, ``calib`` and the base modules;
-never ``worker``, and ``device``/``cli`` only in the two crossings listed in
-tests/unit/test_import_rules.py (``mqtt_edge`` -> ``device.config``, ``rollback`` ->
-``cli.fleet_db``), to be moved.
+never ``worker`` or ``cli`` (nor argparse), and ``device`` only in the crossing listed in
+tests/unit/test_import_rules.py (``mqtt_edge`` -> ``device.config``), to be moved.
 """
 
 from agent.fleet.mqtt_edge import DeviceDirectory, FleetConnection, discover

@@ -190,7 +190,7 @@ def test_undo_returns_to_the_previous_revision(store):
 
 
 def test_a_pin_to_a_version_the_device_lacks_sends_it(store):
-    from agent.cli.fleet_deploy import _send_pinned
+    from agent.fleet.commands.deploy import send_pinned
     from agent.fleet.deployments import registry
     from tests.integration.test_fleet_deployments_store import record
 
@@ -203,15 +203,15 @@ def test_a_pin_to_a_version_the_device_lacks_sends_it(store):
     runner.tick()
     converged(store, runner, clock, "d4-w", "ab")
     pins.pin(store, "a", "det", "4")
-    assert _send_pinned(store, "a", registry.get(store, "det", "4")) is None  # runs it
+    assert send_pinned(store, "a", registry.get(store, "det", "4")) is None  # runs it
     pins.pin(store, "a", "det", "3")
-    rid = _send_pinned(store, "a", registry.get(store, "det", "3"))
+    rid = send_pinned(store, "a", registry.get(store, "det", "3"))
     ro = store.rollout(rid)
     assert ro["stages"] == [["a"]] and ro["spec"]["model_version"] == "3"
     assert ro["spec"]["artifacts"]["model"]["sha256"] == SHA3
     assert ro["spec"]["precision"] == "fp16"  # the deployment's settings
     with pytest.raises(AgentError) as exc:  # in that rollout still
-        _send_pinned(store, "a", registry.get(store, "det", "3"))
+        send_pinned(store, "a", registry.get(store, "det", "3"))
     assert exc.value.code == "device_busy"
 
 

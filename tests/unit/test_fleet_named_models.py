@@ -4,14 +4,14 @@ it does not know), ``--name``/``--version`` are checked where they enter, a roll
 name to new devices and by sha256 to old ones, and the views name every model a device holds
 (from its models message, or from an older daemon's active engines)."""
 
-import argparse
 
 import pytest
 
 from agent.errors import AgentError
+from agent.fleet.commands.rollback import Request, targets
 from agent.fleet.database import device_models
 from agent.fleet.rollouts.documents import new_rollout_id
-from agent.fleet.rollouts.rollback import command, plan_one, targets
+from agent.fleet.rollouts.rollback import command, plan_one
 from agent.fleet.rollouts.spec import doc_factory, model_name_version
 from agent.fleet.web import views
 from agent.wire import protocol
@@ -99,8 +99,7 @@ def test_rollback_by_name_or_by_sha_per_device():
 
 
 def test_rollback_targets_check_the_flags():
-    args = argparse.Namespace(device=["new-1"], rollout=None, model=None, name=None,
-                              version="v1")
+    args = Request(devices=["new-1"], version="v1")
     with pytest.raises(AgentError) as e:
         targets(args, {"new-1": NEW})
     assert "--name" in e.value.message

@@ -30,7 +30,6 @@ ALLOWED = {
 # Known crossings, each a module and the one module it reaches: move them, don't add to them.
 EXCEPTIONS = {
     ("agent.fleet.mqtt_edge", "agent.device.config"),  # parse_broker_url
-    ("agent.fleet.rollouts.rollback", "agent.cli.fleet_db"),  # db_url, add_db_args
 }
 # agent.fleet's subpackages, by concern -> the subpackages each may import (besides itself): no
 # circles. The wiring (``agent.fleet`` itself, ``service``, ``mqtt_edge``) may import them all;
@@ -42,8 +41,15 @@ FLEET = {
     "rollouts": {"database", "transfer"},
     "deployments": {"database", "rollouts", "transfer"},
     "web": {"database", "rollouts", "deployments", "admission", "transfer"},
+    # what `jetson-agent fleet ...` does; the only subpackage that may use the wiring
+    "commands": {"database", "rollouts", "deployments", "admission", "transfer", "web",
+                 "wiring"},
 }
 FLEET_WIRING = {"agent.fleet", "agent.fleet.service", "agent.fleet.mqtt_edge"}
+# argparse: the CLI and the process entries only. agent.worker is the worker process's own
+# entry (`python -m agent.worker`, started by the daemon under another interpreter, Python 3.6
+# on JetPack 4.6): it may not import the CLI, so it parses its two flags itself.
+ARGPARSE = {"agent.__main__", "agent.worker"}  # besides the package cli
 # Third-party modules that only some packages may import.
 ONLY = {
     "paho": {"wire"},
@@ -192,13 +198,40 @@ def test_fleet_modules_sit_in_their_subpackages_and_import_no_circle():
     assert not broken, "\n".join(broken)
 
 
+def test_the_fleet_wiring_never_imports_the_commands():
+    """The commands use the wiring (``FleetService``), never the reverse."""
+    broken = ["{}:{} imports {}".format(module_name(path), line, target)
+              for path in sources() if fleet_part(module_name(path)) == "wiring"
+              for line, target in imports(path) if fleet_part(target) == "commands"]
+    assert not broken, "\n".join(broken)
+
+
+def test_nothing_in_fleet_imports_the_cli():
+    """The controller's logic is agent.fleet's (agent.fleet.commands); the CLI parses and
+    prints. No crossing is listed for it."""
+    broken = ["{}:{} imports {}".format(module_name(path), line, target)
+              for path in sources() if fleet_part(module_name(path)) is not None
+              for line, target in imports(path) if package_of(target) == "cli"]
+    assert not broken, "\n".join(broken)
+    assert not any(package_of(t) == "cli" for m, t in EXCEPTIONS if package_of(m) == "fleet")
+
+
+def test_argparse_only_in_the_cli_and_the_process_entries():
+    broken = ["{}:{} imports {}".format(module_name(path), line, target)
+              for path in sources()
+              if module_name(path) not in ARGPARSE and package_of(module_name(path)) != "cli"
+              for line, target in imports(path) if target.split(".")[0] == "argparse"]
+    assert not broken, "argparse outside agent.cli and {}:\n{}".format(
+        sorted(ARGPARSE), "\n".join(broken))
+
+
 def test_the_fleet_rules_have_no_circle():
     seen = set()
 
     def visit(part, path):
         assert part not in path, "circle: {}".format(" -> ".join(path + [part]))
         if part not in seen:
-            for dep in FLEET[part]:
+            for dep in FLEET[part] - {"wiring"}:  # the wiring imports no subpackage's commands
                 visit(dep, path + [part])
             seen.add(part)
 

@@ -6,6 +6,6 @@ the durable ones (``spec``: a rollout's stored specification; ``durable``: a rol
 loaded with its outbox; ``rollback`` and ``rollback_log``: rollbacks sent and answered).
 
 May import: ``database``, ``transfer`` and the base modules, plus ``wire``, ``engines``,
-``precision``, ``platform``, ``calib``; never ``deployments``, ``admission`` or ``web``
-(``rollback`` -> ``cli.fleet_db`` is a listed crossing, to be moved).
+``precision``, ``platform``, ``calib``; never ``deployments``, ``admission``, ``web`` or
+``commands``.
 """

@@ -8,23 +8,17 @@ every device of a rollout in the fleet database that succeeded, the rollout's mo
 Every rollback sent is recorded in the fleet database against the rollout it undoes
 (``rollback_log``) when there is one (``--rollout``, ``--db``, or a service running on the
 default database); the devices' replies complete the records, so the rollout's page shows it
-rolled back, or the device's reason for refusing. ``send`` is what the dashboard's button
-calls.
+rolled back, or the device's reason for refusing. Here: the commands (``command``, ``send``:
+what the dashboard's button calls) and the plan for one device (``plan_one``), pure; the
+targets and the round trip are agent.fleet.commands.rollback's.
 """
 
-import argparse
-import json
-import time
 import uuid
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from agent.errors import AgentError
 from agent.fleet.database import device_models
-from agent.fleet.rollouts import rollback_log
 from agent.wire import model_names, protocol
-from agent.wire.topics import TopicInfo
-
-EXIT_OK, EXIT_FAILED = 0, 1
 
 
 def command(model: Optional[str] = None, request_id: Optional[str] = None,
@@ -38,7 +32,7 @@ def command(model: Optional[str] = None, request_id: Optional[str] = None,
         if version is not None:
             cmd["version"] = model_names.validate_version(version)
     else:
-        cmd["model"] = _check_sha(str(model or ""))
+        cmd["model"] = check_sha(str(model or ""))
     return cmd
 
 
@@ -51,7 +45,7 @@ def send(conn: Any, device: str, model: Optional[str] = None, name: Optional[str
     return str(cmd["request_id"])
 
 
-def _check_sha(model: str) -> str:
+def check_sha(model: str) -> str:
     if not protocol.valid_sha256(model):
         raise AgentError("bad_argument", "--model wants the model's sha256 (64 lower-case hex "
                          "digits), found {!r}".format(model[:80]))
@@ -98,195 +92,4 @@ def plan_one(device: str, status: Optional[Mapping[str, Any]],
                                  " (or --rollout ID, or --db with the rollout that deployed "
                                  "it)" if name else ""))
         model = shas[0]
-    return {"device": device, "name": None, "version": None, "model": _check_sha(model)}
-
-
-def _db(args: argparse.Namespace) -> Optional[str]:
-    """The fleet database to record in: --db, else the default one when --rollout needs it
-    or a service runs on it."""
-    from agent.cli.fleet_db import db_url, service_up
-
-    if args.db or args.rollout:
-        return db_url(args, existing=True)
-    url = db_url(args)
-    return url if service_up(url) else None
-
-
-def targets(args: argparse.Namespace, statuses: Mapping[str, Dict[str, Any]],
-            models: Optional[Mapping[str, Dict[str, Any]]] = None, store: Any = None
-            ) -> List[Dict[str, Any]]:
-    """What to send: {device, name, version, model, rollout_id} per device."""
-    models = models or {}
-    name = model_names.validate_name(args.name) if getattr(args, "name", None) else None
-    version = getattr(args, "version", None)
-    if version is not None:
-        if name is None:
-            raise AgentError("bad_argument", "--version names a kept version of a model: "
-                             "expected --name NAME with it, found none")
-        model_names.validate_version(version)
-    given = _check_sha(args.model) if args.model else None
-    if args.rollout:
-        row = store.rollout(args.rollout) if store is not None else None
-        if row is None:
-            raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
-                args.rollout))
-        spec = row["spec"] or {}
-        sha = ((spec.get("artifacts") or {}).get("model") or {}).get("sha256")
-        done = [j["device"] for j in store.rollout_jobs(args.rollout)
-                if j["state"] == "SUCCEEDED"]
-        chosen = sorted(d for d in done if not args.device or d in args.device)
-        if not chosen:
-            raise AgentError("unknown_device", "no device of rollout {} succeeded{}: nothing to "
-                             "roll back".format(args.rollout, " among " + ", ".join(
-                                 args.device) if args.device else ""))
-        rollout_name = name or spec.get("model_name") or (model_names.derived_name(sha)
-                                                          if sha else None)
-        out = []
-        for dev in chosen:
-            st = statuses.get(dev)
-            plan = plan_one(dev, st, models.get(dev),
-                            rollout_name if device_models.named(st) else name, version,
-                            given, sha)
-            out.append(dict(plan, rollout_id=args.rollout))
-        return out
-    out = []
-    for dev in args.device:
-        protocol.check_id("device", dev)
-        st, rid, hint = statuses.get(dev), None, None
-        if store is not None and (name or given):
-            rid = rollback_log.rollout_for(store, dev, name, given)
-            row = store.rollout(rid) if rid and not device_models.named(st) else None
-            hint = (((row or {}).get("spec") or {}).get("artifacts", {}).get("model") or
-                    {}).get("sha256")  # an older device: the sha256 that name deployed
-        plan = plan_one(dev, st, models.get(dev), name, version, given, hint)
-        if store is not None and rid is None:
-            rid = rollback_log.rollout_for(store, dev, plan["name"], plan["model"])
-        out.append(dict(plan, rollout_id=rid))
-    return out
-
-
-def _outcome(r: Mapping[str, Any], wait: float) -> str:
-    if not r["replied"]:
-        return "no reply in {:g} s (an offline device gets the command when it reconnects)" \
-            .format(wait)
-    res = r["result"] or {}
-    if r["ok"]:
-        if res.get("version"):
-            return "rolled back to {}{}".format(model_names.label(res.get("name") or r["name"],
-                                                                  res["version"]),
-                                                " (from {})".format(res["replaced"])
-                                                if res.get("replaced") else "")
-        return "rolled back to {} ({}, job {}); {} dropped".format(
-            res.get("engine_key"), res.get("precision"), res.get("job_id"), res.get("replaced"))
-    err = r["error"] or {}
-    return "refused: {} {}".format(err.get("code"), err.get("message", ""))
-
-
-def run(args: argparse.Namespace, connect: Any, hold: Any = None) -> int:
-    """``hold``: (pin, settle) of agent.fleet.deployments.pins, wired by the CLI: a rollback of
-    a model a deployment governs becomes a pin (recorded before the command leaves, so the
-    deployment never sends its version back in between), settled by the device's reply."""
-    if not args.device and not args.rollout:
-        raise AgentError("bad_argument", "fleet rollback needs --device ID (repeatable) or "
-                         "--rollout ID")
-    url = _db(args)
-    store = None
-    if url is not None:
-        from agent.fleet.database.store import Store
-
-        store = Store(url)
-    try:
-        return _run(args, connect, store, hold)
-    finally:
-        if store is not None:
-            store.close()
-
-
-def _run(args: argparse.Namespace, connect: Any, store: Any, hold: Any = None) -> int:
-    if store is not None and args.rollout and store.rollout(args.rollout) is None:
-        raise AgentError("unknown_job", "no rollout {!r} in the fleet database".format(
-            args.rollout))
-    conn = connect(args)
-    pinned: Dict[str, str] = {}  # request id -> the deployment its pin holds the device from
-    replies: Dict[str, Dict[str, Any]] = {}
-    requests: Dict[str, Dict[str, Any]] = {}
-    try:
-        def on_message(info: TopicInfo, msg: Any) -> None:
-            if info.kind == "command_reply" and msg.get("request_id") in requests and \
-                    requests[msg["request_id"]]["device"] == info.device:
-                replies[msg["request_id"]] = msg
-
-        base = conn.topics.prefix + "/devices/+"
-        conn.subscribe([base + "/commands/reply", base + "/status", base + "/models"])
-        conn.settle(on_message)
-        for t in targets(args, conn.directory.status, conn.directory.models, store):
-            rid = "r" + uuid.uuid4().hex[:10]
-            requests[rid] = dict(t, request_id=rid)
-        if store is not None:  # before the commands leave: a fast reply finds its record
-            rollback_log.record(store, list(requests.values()))
-            if hold:
-                pinned = hold[0](store, list(requests.values()), getattr(args, "reason", None))
-        for rid, t in requests.items():
-            conn.publish(conn.topics.commands(t["device"]), protocol.encode(command(
-                t["model"], rid, t["name"], t["version"])), qos=1)
-        conn.flush()
-        deadline = time.monotonic() + max(0.0, args.wait)
-        while len(replies) < len(requests) and time.monotonic() < deadline:
-            conn.pump(on_message, 0.2)
-    finally:
-        conn.close()
-    if store is not None:
-        for rid, answer in replies.items():
-            rollback_log.on_reply(store, requests[rid]["device"], answer)
-            if rid in pinned and hold:  # the version it went back to, or no pin (refused)
-                hold[1](store, requests[rid]["device"], answer)
-    out: List[Dict[str, Any]] = []
-    for rid, t in sorted(requests.items(), key=lambda kv: kv[1]["device"]):
-        reply = replies.get(rid)
-        out.append({"device": t["device"], "model": t["model"], "name": t["name"],
-                    "version": t["version"], "rollout_id": t["rollout_id"],
-                    "request_id": rid, "ok": bool(reply and reply.get("ok")),
-                    "result": (reply or {}).get("result"), "error": (reply or {}).get("error"),
-                    "replied": reply is not None, "pinned_by": pinned.get(rid)})
-    if args.json:
-        print(json.dumps(out, indent=2, sort_keys=True))
-    else:
-        for r in out:
-            what = r["name"] or r["model"][:12]
-            print("{} {}: {}{}".format(r["device"], what, _outcome(r, args.wait),
-                                       "; pinned: deployment {} leaves it there (fleet unpin {} "
-                                       "{})".format(r["pinned_by"], r["device"], r["name"])
-                                       if r["pinned_by"] and (r["ok"] or not r["replied"])
-                                       else ""))
-    return EXIT_OK if out and all(r["ok"] for r in out) else EXIT_FAILED
-
-
-def add_parser(fsub: Any, add_connection_args: Any, connect: Any, hold: Any = None) -> None:
-    from agent.cli.fleet_db import add_db_args
-
-    b = fsub.add_parser("rollback", help="make devices go back to a model's previous version",
-                        description="Send the rollback command: each device makes the "
-                        "previous version of the model active again. By name (--name; "
-                        "devices of this release) or by the model's sha256 (--model; devices "
-                        "of earlier releases, which keep one previous engine per model). Per "
-                        "device (--device; the model defaults to its one model) or per rollout "
-                        "(--rollout: its devices that succeeded, its model; needs --db). "
-                        "Recorded against the rollout in the fleet database, with each "
-                        "device's answer.")
-    add_connection_args(b)
-    add_db_args(b)
-    b.add_argument("--device", action="append", metavar="ID", help="this device (repeatable; "
-                   "with --rollout: only these of its devices)")
-    b.add_argument("--rollout", metavar="ID", help="every device of this rollout that succeeded")
-    b.add_argument("--name", metavar="NAME", help="the model to roll back, by name (devices "
-                   "without the feature named_models get its sha256 instead)")
-    b.add_argument("--version", metavar="V", help="with --name: go to this kept version "
-                   "(default: the previous one)")
-    b.add_argument("--model", metavar="SHA256", help="the model whose engine to roll back, by "
-                   "sha256 (today's form)")
-    b.add_argument("--wait", type=float, default=10.0, metavar="S",
-                   help="wait S seconds for the devices' replies (default 10)")
-    b.add_argument("--reason", metavar="TEXT", help="why: kept with the pin a rollback of a "
-                   "device that a deployment governs becomes")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=lambda a: run(a, connect, hold))
+    return {"device": device, "name": None, "version": None, "model": check_sha(model)}

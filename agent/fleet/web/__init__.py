@@ -1,6 +1,6 @@
 """The fleet service's web side: the dashboard and ``/metrics`` (``server``, ``pages``), the
 read models they show (``views``), the Prometheus collector (``metrics``), and how ``fleet
-serve`` mounts them (``add_args``, ``mount``). Static files: ``static/`` holds
+serve`` mounts them (``mount``). Static files: ``static/`` holds
 uPlot 1.6.32 (MIT, ``uPlot.LICENSE``) as published on npm, and the dashboard's own CSS/JS.
 
 May import: every other subpackage of ``agent.fleet`` (``database``, ``rollouts``,
@@ -9,33 +9,13 @@ May import: every other subpackage of ``agent.fleet`` (``database``, ``rollouts`
 ``mqtt_edge``: the service hands the dashboard what it needs.
 """
 
-import argparse
 import logging
-import os
 import re
 from typing import Any, Dict, Optional, Tuple
 
 from agent.errors import AgentError
 
 log = logging.getLogger("agent.fleet.web")
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    from agent.fleet.database import history
-
-    g = p.add_argument_group("dashboard and metrics")
-    g.add_argument("--dashboard", metavar="HOST:PORT", default=os.environ.get(
-        "JETSON_AGENT_FLEET_DASHBOARD"), help="serve the dashboard and Prometheus /metrics here "
-        "(e.g. :8480, loopback only; 0.0.0.0:8480 for every interface, with a warning; off "
-        "by default)")
-    g.add_argument("--dashboard-token-file", metavar="F", help="a file holding the token that "
-                   "enables dashboard actions (pause/resume/cancel, rollback), or one "
-                   "NAME:TOKEN per line (the audit trail names who acted); without it the "
-                   "dashboard is read-only")
-    g.add_argument("--telemetry-retention", type=float, default=history.RETENTION_S / 86400,
-                   metavar="DAYS", help="how long telemetry history is kept (default "
-                   "%(default)s days; also capped at {} samples per device)".format(
-                       history.MAX_ROWS_PER_DEVICE))
 
 
 def parse_hostport(text: str) -> Tuple[str, int]:
@@ -91,25 +71,28 @@ def read_tokens(path: Optional[str]) -> Optional[Dict[str, str]]:
     return tokens
 
 
-def mount(args: argparse.Namespace, url: str, service: Any) -> Optional[Any]:
-    """Record telemetry history on ``service`` and, with ``--dashboard``, start the dashboard
-    (returns it; ``stop()`` at exit)."""
+def mount(url: str, service: Any, dashboard: Optional[str] = None,
+          token_file: Optional[str] = None, retention_days: Optional[float] = None
+          ) -> Optional[Any]:
+    """Record telemetry history on ``service`` (kept ``retention_days``; default
+    history.RETENTION_S) and, with ``dashboard`` (HOST:PORT), start the dashboard (returns it;
+    ``stop()`` at exit)."""
     from agent.fleet.database import history
     from agent.fleet.web.server import Dashboard
     from agent.wire import protocol
 
-    days = getattr(args, "telemetry_retention", history.RETENTION_S / 86400)
-    if days is not None and days > 0:
+    days = history.RETENTION_S / 86400 if retention_days is None else retention_days
+    if days > 0:
         recorder = history.TelemetryHistory(service.store, retention_s=days * 86400.0)
         service.on_telemetry = recorder.record
-    if not getattr(args, "dashboard", None):
+    if not dashboard:
         return None
-    host, port = parse_hostport(args.dashboard)
+    host, port = parse_hostport(dashboard)
 
     def send_rollback(device: str, cmd: Dict[str, Any]) -> None:
         service.conn.client.publish(service.conn.topics.commands(device),
                                     protocol.encode(cmd), qos=1)
 
     dash = Dashboard(url, host, port, None, send_rollback,
-                     tokens=read_tokens(args.dashboard_token_file))
+                     tokens=read_tokens(token_file))
     return dash.start()
