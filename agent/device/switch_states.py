@@ -7,6 +7,7 @@ ArtifactCommit, ArtifactRollback). The actions are names; ``agent.device.switch_
 them in order (journal writes, threads to the hand-off adapters, the job's end).
 
     phase          meaning                                       ArtifactXxx
+    recorded       the journal holds it pending (activation)
     resumed        read back from the journal after a restart
     handoff        adapters prepare / switch / confirm (thread)  Install
     waiting        probe, the app's word, the live check          (before Commit)
@@ -27,11 +28,13 @@ from typing import Dict, NamedTuple, Optional, Tuple
 from agent.device.commit_logic import COMMIT, WAIT, CommitState
 
 # Phases
-RESUMED, HANDOFF, WAITING, ROLLING_BACK = "resumed", "handoff", "waiting", "rolling_back"
+RECORDED, RESUMED = "recorded", "resumed"
+HANDOFF, WAITING, ROLLING_BACK = "handoff", "waiting", "rolling_back"
 COMMITTED, ROLLED_BACK, ABANDONED = "committed", "rolled_back", "abandoned"
-PHASES = (RESUMED, HANDOFF, WAITING, ROLLING_BACK, COMMITTED, ROLLED_BACK, ABANDONED)
+PHASES = (RECORDED, RESUMED, HANDOFF, WAITING, ROLLING_BACK, COMMITTED, ROLLED_BACK, ABANDONED)
 ENDS = (COMMITTED, ROLLED_BACK, ABANDONED)  # no longer pending: no row leaves them
 
+START = "start"  # activation: the journal holds the version pending
 # Events: threads' outcomes
 HANDOFF_DONE = "handoff_done"  # adapters switched and confirmed (or one failed at switch)
 PREPARE_FAILED = "prepare_failed"  # an adapter's prepare() failed: nothing was switched
@@ -55,7 +58,7 @@ UNANSWERED = "unanswered"  # the window closed in silence: reopened (retries lef
 UNANSWERED_FINAL = "unanswered_final"  # ... and no retry left: rolled back, unconfirmed
 UNANSWERED_SWITCHING = "unanswered_switching"  # ... with an adapter still in switch()
 IN_WINDOW = "in_window"  # resumed inside its window: handed off again
-EVENTS = (HANDOFF_DONE, PREPARE_FAILED, PROBE_PASSED, PROBE_FAILED, LIVE, REVERTED,
+EVENTS = (START, HANDOFF_DONE, PREPARE_FAILED, PROBE_PASSED, PROBE_FAILED, LIVE, REVERTED,
           COMMIT_REQUEST, HEALTHY, UNHEALTHY, OPERATOR_ROLLBACK, SET_REVERTED, ORPHANED, TICK,
           PROBE_DUE, KEEP_WAITING, CONFIRMED, REFUSED, JOB_ENDED, UNANSWERED, UNANSWERED_FINAL,
           UNANSWERED_SWITCHING, IN_WINDOW)
@@ -87,6 +90,7 @@ def add_transition(phase: str, event: str, next_phase: str, *actions: str) -> No
 
 def _rows() -> None:
     add = add_transition
+    add(RECORDED, START, HANDOFF, "start_handoff")
     add(HANDOFF, HANDOFF_DONE, WAITING, "handoff_ended", "note_handoff", "step_pending",
         "decide")
     add(HANDOFF, PREPARE_FAILED, ABANDONED, "handoff_ended", "abandon")

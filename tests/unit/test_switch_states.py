@@ -31,6 +31,7 @@ PENDING_ROWS = {
 EXPECTED = {(phase, event): (phase if row[0] == "same" else row[0],) + row[1:]
             for phase in (H, W) for event, row in PENDING_ROWS.items()}
 EXPECTED.update({
+    (s.RECORDED, s.START): (H, "start_handoff"),
     (H, s.HANDOFF_DONE): (W, "handoff_ended", "note_handoff", "step_pending", "decide"),
     (H, s.PREPARE_FAILED): (s.ABANDONED, "handoff_ended", "abandon"),
     (H, s.PROBE_DUE): (H,),
@@ -86,7 +87,7 @@ def test_the_table_is_closed():
     used = {a for row in s.TABLE.values() for a in row.actions}
     assert used == set(s.ACTIONS)
     assert all("decide" not in row.actions[:-1] for row in s.TABLE.values())
-    reached = {R, H}  # where a switch starts: a restart, or an activation
+    reached = {R, s.RECORDED}  # where a switch starts: a restart, or an activation
     for _ in s.PHASES:
         reached |= {row.next for (phase, _e), row in s.TABLE.items() if phase in reached}
     assert reached == set(s.PHASES)
