@@ -22,7 +22,7 @@ another, wired in one place (``assemble``). A job passes through them in this or
     worker                   ``worker_supervisor.WorkerSupervisor``  (the subprocess)
     activated, committed     ``model_switch.ModelSwitch``  (a deployed engine becomes a version of
                              its name in the models directory, handed to the app, committed or
-                             rolled back; ``handoff`` adapters, ``commit_logic``)
+                             rolled back; its parts ``switch_*``, the table ``switch_states``)
     ended                    ``job_end.JobEnding``  (any stage, any outcome)
     status out               ``status_publisher.StatusPublisher``  (the outbox, PUBACK-acked)
 

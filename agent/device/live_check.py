@@ -43,7 +43,7 @@ log = logging.getLogger("agent.device.daemon")  # one logger name for the whole 
 Post = Callable[..., None]  # post(token, kind, value, error=None): a SwitchEvent to the loop
 CHILD_TIMEOUT_S = 600.0  # a check's child process at most (a pending one: its deadline first)
 MAX_REPLY = 4 << 20
-# What a refusal read back after a restart needs (``model_switch._on_live``).
+# What a refusal read back after a restart needs (``switch_machine``'s note_live action).
 RECORDED = ("samples", "agreement", "error", "error_stat", "min_agreement", "max_error", "worst")
 
 

@@ -22,44 +22,46 @@ hand-off runs again for it). The daemon holds the job (stage ``committing``) whi
 is pending: other jobs wait at most ``models.commit_timeout_s`` (one switch at a time is the
 simple, safe choice on a device).
 
-The decision is ``commit_logic``'s (pure); adapter steps and probes run on threads that post a
-``SwitchEvent`` back to the main loop; this module is where they meet the journal, the models
-directory and the job.
+``ModelSwitch`` is the facade the daemon calls; its parts, one concern each:
+
+    switch_states     the decisions: (phase, event) -> next phase, actions (pure, a table)
+    commit_logic      which confirmations a version needs and has (pure)
+    switch_machine    the version in hand: runs the table's actions (journal, job, threads)
+    switch_handoff    the adapters' steps and the probe on threads, posting ``SwitchEvent``
+    switch_records    after a restart: reconcile, resume, orphans
+    switch_requests   rollback, retry, pins, health of the active version, the models list
+    switch_sets       the open model set committed or reverted
+    switch_jobs       how the job ends
 """
 
 import logging
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from agent.device import commit_logic, model_meta, model_sets, models_guard
-from agent.device.handoff import Entry, adapters_for
-from agent.device.handoff.base import Adapter, ModelVersion
+from agent.device import model_meta, model_sets
+from agent.device import switch_states as states
+from agent.device.handoff import Entry
 from agent.device.job_run import Run
-from agent.device.journal_models import UNCONFIRMED, UNCONFIRMED_PREFIX
+from agent.device.journal_models import UNCONFIRMED
 from agent.device.live_check import LiveCheck
 from agent.device.model_notes import ModelNotes
 from agent.device.models_dir import ENGINE, ModelsDir, read_meta
-from agent.device.status_publisher import fit_result
+from agent.device.switch_handoff import HandoffRunner, SwitchEvent, text
+from agent.device.switch_jobs import JobEnds, committing_stage
+from agent.device.switch_machine import Pending, SwitchMachine
+from agent.device.switch_records import SwitchRecords
+from agent.device.switch_requests import ModelRequests
+from agent.device.switch_sets import SetWatcher
 from agent.errors import AgentError
 from agent.wire.model_names import validate_name, validate_version
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
-PROBE_EVERY_S = 2.0
 DISK_CHECK_EVERY_S = 30.0  # the files of the active versions: engine there, whole
 HEAL_EVERY_S = 5.0  # adapters' heal(): the app still has the committed versions (Triton restart)
-
-
-class SwitchEvent(NamedTuple):
-    """A thread's outcome, handled on the main loop."""
-
-    token: int
-    kind: str  # "written" | "handoff" | "probe" | "reverted" | "restored"
-    value: Any = None
-    error: Optional[str] = None
-    code: Optional[str] = None  # the AgentError's code, where one failed the step
+__all__ = ["ModelSwitch", "SwitchEvent", "committing_stage", "names_for"]
 
 
 def names_for(doc: Dict[str, Any], model_sha: str) -> Tuple[str, str]:
@@ -72,28 +74,9 @@ def names_for(doc: Dict[str, Any], model_sha: str) -> Tuple[str, str]:
     return name, version
 
 
-class Pending(object):
-    """The switch in hand (one at a time)."""
-
-    def __init__(self, token: int, name: str, version: str, previous: Optional[str],
-                 run: Optional[Run], state: commit_logic.CommitState) -> None:
-        self.token, self.name, self.version, self.previous = token, name, version, previous
-        self.run, self.state = run, state
-        self.result: Optional[Dict[str, Any]] = None  # the worker's, for the job's result
-        self.phase = "handoff"  # handoff | waiting | rolling_back
-        self.probe_running = False
-        self.last_probe = 0.0
-        self.probe_failed = False  # the probe ran and said no: an answer, not silence
-        # (until it says yes: a probe that passed leaves only the app's silence)
-        self.handoff_running = False  # an adapter still in switch(): never run a second
-        self.retries = 0  # commit windows reopened because nobody answered (journal info)
-        self.running: Optional[str] = None  # the version the live check compares with
-        self.refusal: Optional[AgentError] = None  # the code a refusal ends the job with
-
-
 class ModelSwitch(object):
     """``end(run, state, error=, result=)`` ends a job (job_end); ``set_stage(run, stage)``
-    records its stage; ``published()`` tells the status publisher the models changed."""
+    records its stage; ``changed()`` tells the status publisher the models changed."""
 
     def __init__(self, cfg: Any, journal: Any, models: ModelsDir, entries: List[Entry],
                  events: Any, shared: Any, end: Callable[..., None],
@@ -108,19 +91,12 @@ class ModelSwitch(object):
         self.events, self.shared, self.end, self.set_stage = events, shared, end, set_stage
         self.changed, self.platform_status, self.clock = changed, platform_status, clock
         self.m = cfg.models
-        self.token = 0
-        self.pending: Optional[Pending] = None
         # Pins and each name's last health (the app's problem or a rollback's reason), kept
         # across restarts (model_notes); the open model set's record (model_sets).
         state_dir = getattr(cfg, "state_dir", None)
         self.notes = ModelNotes.in_state_dir(state_dir)
         self.health: Dict[str, str] = self.notes.health  # name -> "ok" | the app's last problem
         self.sets = model_sets.ModelSets.in_state_dir(state_dir, clock)
-        self.last_set_check = 0.0
-        # name -> what the last models list said of its files (models_guard): a version whose
-        # engine went missing or corrupt is a health problem, rechecked every DISK_CHECK_EVERY_S.
-        self.disk_health: Dict[str, str] = {}
-        self.last_disk_check = time.monotonic()
         self.writing: Dict[int, Tuple[Run, Dict[str, Any]]] = {}
         # name -> the last thing an adapter's heal() did (the models message and `models show`:
         # "handoff"), kept in the journal's notes for the CLI.
@@ -130,8 +106,44 @@ class ModelSwitch(object):
         # The app's donated inputs: the live check before commit, INT8 ranges in the field.
         self.live = LiveCheck(cfg, models, lambda token, kind, value=None, error=None:
                               events.put(SwitchEvent(token, kind, value, error)))
+        self.runner = HandoffRunner(models, entries, events.put)
+        self.set_watch = SetWatcher(self.sets, journal, self.health, changed, clock,
+                                    lambda: self.machine.pending, self._revert_with_set,
+                                    lambda name, version: self.requests.rollback(name, version))
+        self.jobs = JobEnds(journal, end, changed, self.set_watch.state_of)
+        self.machine = SwitchMachine(self.m, journal, models, self.runner, self.live, shared,
+                                     self.jobs, self.health, self.handoff_notes, changed,
+                                     self.set_watch.member_failed, clock, on_step)
+        self.records = SwitchRecords(journal, models, self.machine, self.jobs, self.live,
+                                     set_stage, platform_status, clock)
+        self.requests = ModelRequests(journal, models, self.machine, self.runner, self.notes,
+                                      self.sets, self.live, self.handoff_notes, changed,
+                                      self.set_watch.member_failed)
+        # What the daemon and the CLI's requests call, as they were before the split.
+        self.reconcile, self.resume, self.orphans = \
+            self.records.reconcile, self.records.resume, self.records.orphans
+        self.rollback, self.retry = self.requests.rollback, self.requests.retry
+        self.pin, self.unpin, self.models_list = \
+            self.requests.pin, self.requests.unpin, self.requests.models_list
 
-    # ------------------------------------------------------------------ intake and start-up
+    @property
+    def pending(self) -> Optional[Pending]:
+        return self.machine.pending
+
+    @property
+    def disk_health(self) -> Dict[str, str]:
+        return self.requests.disk_health
+
+    def pins(self) -> Dict[str, str]:
+        return dict(self.notes.pins)
+
+    def _committed(self) -> List[Dict[str, Any]]:
+        return [r for r in self.journal.active_versions() if r["state"] == "committed"]
+
+    def _revert_with_set(self, p: Pending, why: str) -> None:
+        self.machine.fire(p, states.SET_REVERTED, reason=why)
+
+    # ------------------------------------------------------------------ intake and activation
 
     def check_job(self, doc: Dict[str, Any], model_sha: str) -> None:
         """Before any download: names valid, and not a version the app rejected here."""
@@ -144,106 +156,6 @@ class ModelSwitch(object):
                                  "expected a new version, or an operator's retry (jetson-agent "
                                  "models retry {} {})".format(name, version, row["reason"],
                                                              name, version))
-
-    def reconcile(self) -> None:
-        """At start-up, before the main loop: the models directory made to match the journal
-        (``current`` of a version whose rollback is due goes straight back)."""
-        now = self.clock()
-        active: Dict[str, str] = {}
-        kept: Dict[str, List[str]] = {}
-        for row in self.journal.model_versions():
-            self._materialise(row)
-            kept.setdefault(row["name"], []).append(row["version"])
-            if row["active"]:
-                expired = row["state"] == "pending" and (row["deadline"] or 0) <= now
-                active[row["name"]] = row["previous"] if expired and row["previous"] \
-                    else row["version"]
-        self.models.reconcile(active, kept)
-
-    def _materialise(self, row: Dict[str, Any]) -> None:
-        """A kept version without its directory (a journal upgraded from the release before
-        named models): written from the engine cache's file when that is still there."""
-        if os.path.isdir(self.models.version_dir(row["name"], row["version"])):
-            return
-        engine = (row["info"] or {}).get("engine")
-        if not isinstance(engine, str) or not os.path.isfile(engine):
-            return
-        result = {"engine_key": row["engine_key"], "precision": row["precision"],
-                  "throughput_qps": (row["info"] or {}).get("throughput_qps"),
-                  "backend": (row["info"] or {}).get("backend")}
-        platform = self.platform_status()
-
-        def meta_for(engine_sha: str, engine_size: int) -> Dict[str, Any]:
-            return model_meta.build(row["name"], row["version"], row["model"], result, platform,
-                                    {}, row["job_id"], row["activated"], row["state"],
-                                    engine_sha, engine_size)
-
-        try:
-            self.models.write_version(row["name"], row["version"], engine, None, meta_for)
-        except AgentError as exc:
-            log.warning("model %s@%s: %s", row["name"], row["version"], exc)
-
-    def resume(self, run: Run) -> None:
-        """A job found IN_PROGRESS with its version pending at start-up (scheduler)."""
-        name, version = run.details.get("model_name", ""), run.details.get("model_version", "")
-        row = self.journal.model_version(name, version) if name and version else None
-        if row is None or not row["active"] or row["state"] != "pending":
-            active = self.journal.active_version(name) if name else None
-            if row is not None and row["active"]:
-                self._succeed(run, name, version, row["previous"])
-            else:
-                self._fail_rolled_back(run, name, version, active["version"] if active else None,
-                                       "the version was rolled back while the agent stopped")
-            return
-        self._track(run, name, version, row["previous"], row["deadline"] or 0.0)
-        p: Pending = self.pending  # type: ignore[assignment]
-        p.retries = int(row["info"].get("unconfirmed_retries") or 0)
-        run.stage = committing_stage(run)
-        self.set_stage(run, run.stage)
-        cut_short = bool(row["info"].get("rollback_reason")) and \
-            (row["deadline"] or 0.0) <= self.clock()
-        self._resume_live(p, again=not cut_short)
-        if cut_short:
-            self._rollback(p, row["info"]["rollback_reason"])  # a rollback the kill cut short
-        elif p.state.failure is not None:  # its live check's recorded refusal
-            self._rollback(p, p.state.failure)
-        elif (row["deadline"] or 0.0) <= self.clock():
-            self._unanswered(p, "no confirmation within {:g} s (the agent was down)".format(
-                self.m.commit_timeout_s))
-        else:
-            log.info("model %s@%s: still pending after a restart; handing it off again "
-                     "(%.0f s left)", name, version, (row["deadline"] or 0) - self.clock())
-            self._start_handoff(self.pending)  # type: ignore[arg-type]
-
-    def _resume_live(self, p: Pending, again: bool) -> None:
-        """A version pending across a restart: its live check's recorded end read back, else
-        (cut short, or never started) the check runs again: never committed without it."""
-        figures = self.live.recorded(p.name, p.version)
-        skipped = figures.get("skipped") if figures else self.live.skip_reason(p.name,
-                                                                               p.previous)
-        p.result = {"live_check": {"skipped": skipped}} if skipped is not None else {}
-        if skipped is not None:  # skipped when activated (said so then), or now
-            if figures is None:
-                self._note_live(p.name, p.version, {"skipped": skipped})
-            return
-        p.state.need = p.state.need | {"live"}
-        p.running = figures.get("running") if figures else p.previous
-        if figures is not None:
-            self._on_live(p, figures)
-        elif again:
-            self.live.start(p.token, p.name, p.version, str(p.previous))
-
-    def orphans(self) -> None:
-        """Pending versions no unfinished job waits for (its job gone): rolled back."""
-        waiting = {(j["details"].get("model_name"), j["details"].get("model_version"))
-                   for j in self.journal.unfinished_jobs()}
-        for row in self.journal.pending_versions():
-            if (row["name"], row["version"]) not in waiting and self.pending is None:
-                self._track(None, row["name"], row["version"], row["previous"], 0.0)
-                self._rollback(self.pending, "its job ended while the agent stopped")  # type: ignore
-                return  # one at a time; the next after this one ends
-
-    # ------------------------------------------------------------------ activation
 
     def activate(self, run: Run, result: Dict[str, Any], engine: str) -> None:
         """The worker built and gated an engine: make it a version of its name (the job ends
@@ -263,8 +175,7 @@ class ModelSwitch(object):
         run.details.update(model_name=name, model_version=version)
         run.stage = "activating"
         self.set_stage(run, "activating")
-        self.token += 1
-        token = self.token
+        token = self.machine.next_token()
         onnx = run.paths.get("model")
         platform, fingerprint = self.platform_status(), dict(run.fingerprint)
         activated = self.clock()
@@ -292,7 +203,7 @@ class ModelSwitch(object):
                 self.events.put(SwitchEvent(token, "written", (name, version, path)))
             except Exception as exc:  # noqa: BLE001 - reported on the job
                 self.events.put(SwitchEvent(token, "written", (name, version, None),
-                                            error=_text(exc)))
+                                            error=text(exc)))
 
         threading.Thread(target=write, name="model-write", daemon=True).start()
 
@@ -304,9 +215,7 @@ class ModelSwitch(object):
                 "handoff_failed", "cannot write {}@{} to the models directory: {}".format(
                     name, version, ev.error)).to_dict())
             return
-        adapters = adapters_for(self.entries, name)
-        need = commit_logic.needs(bool(adapters), bool(self.m.probe),
-                                  self._app_confirms(name))
+        need = self.machine.needs(name)
         meta = read_meta(path)
         info = {"engine": os.path.join(path, ENGINE), "backend": run.backend,
                 "accuracy_passed": (result.get("accuracy") or {}).get("passed"),
@@ -325,7 +234,7 @@ class ModelSwitch(object):
                 need = need | {"live"}
             else:
                 result["live_check"] = {"skipped": skipped}
-                self._note_live(name, version, result["live_check"])
+                self.machine.note_live(name, version, result["live_check"])
         deadline = self.clock() + self.m.commit_timeout_s
         spec = model_sets.parse(run.doc)
         if spec is not None:  # durable before the switch: a crash after it can revert the set
@@ -337,180 +246,28 @@ class ModelSwitch(object):
         previous = replaced["version"] if replaced else (active or {}).get("previous")
         if not need:
             self.models.set_current(name, version)
-            self._drop_dirs(name, dropped)
-            self._succeed(run, name, version, previous, result)
+            self.machine.drop_dirs(name, dropped)
+            self.jobs.succeed(run, name, version, previous, result)
             return
         run.details["commit"] = "pending"
         run.stage = committing_stage(run)
         self.set_stage(run, run.stage)
         self.on_step("pending_recorded")
         self.changed()
-        self._track(run, name, version, previous, deadline, need)
-        self.pending.result = result  # type: ignore[union-attr]
+        p = self.machine.track(run, name, version, previous, deadline, need,
+                               phase=states.RECORDED)
+        p.result = result
         if "live" in need:
-            self.pending.running = running  # type: ignore[union-attr]
-            self.live.start(self.pending.token, name, version, str(running))  # type: ignore
-        self._start_handoff(self.pending)  # type: ignore[arg-type]
+            p.running = running
+            self.live.start(p.token, name, version, str(running))
+        self.machine.fire(p, states.START)
 
-    def _on_live(self, p: Pending, figures: Dict[str, Any]) -> None:
-        """The live check's figures: a confirmation, or the version's refusal."""
-        if p.result is not None:
-            p.result["live_check"] = figures
-        self._note_live(p.name, p.version, figures)
-        if figures.get("skipped") or figures.get("passed"):
-            p.state.on_live(True)
-            return
-        reason = "live check on {} donated samples against {}: top-1 agreement {} (at least " \
-            "{:g}), {} error {}{}; worst samples {}".format(
-                figures["samples"], p.running, "n/a" if figures["agreement"] is None else
-                "{:.3f}".format(figures["agreement"]), figures["min_agreement"],
-                figures["error_stat"], "NaN or infinite" if figures["error"] is None else
-                "{:.4g}".format(figures["error"]),
-                " (at most {:g})".format(figures["max_error"]) if figures["max_error"] else "",
-                figures["worst"])
-        p.refusal = AgentError("live_check_failed", reason, {"live_check": {
-            k: figures[k] for k in ("samples", "agreement", "error", "error_stat",
-                                    "min_agreement", "max_error", "worst", "running")}})
-        p.state.on_live(False, reason)
-
-    def _note_live(self, name: str, version: str, figures: Dict[str, Any]) -> None:
-        try:
-            self.models.update_meta(name, version, {"live_check": figures})
-        except (OSError, ValueError, AgentError) as exc:
-            log.warning("model %s@%s: cannot add the live check to meta.json: %s", name,
-                        version, exc)
-
-    def _app_confirms(self, name: str) -> bool:
-        return "*" in self.m.app_confirms or name in self.m.app_confirms
-
-    def _track(self, run: Optional[Run], name: str, version: str, previous: Optional[str],
-               deadline: float, need: Optional[frozenset] = None) -> None:
-        if need is None:
-            need = commit_logic.needs(bool(adapters_for(self.entries, name)),
-                                      bool(self.m.probe), self._app_confirms(name))
-        self.token += 1
-        self.pending = Pending(self.token, name, version, previous, run,
-                               commit_logic.CommitState(need, deadline, self.m.commit_timeout_s))
-
-    # ------------------------------------------------------------------ hand-off (threads)
-
-    def _mv(self, name: str, version: Optional[str]) -> Optional[ModelVersion]:
-        if version is None:
-            return None
-        path = self.models.version_dir(name, version)
-        try:
-            meta = read_meta(path)
-        except (OSError, ValueError):
-            meta = {}
-        return ModelVersion(name, version, path, os.path.join(path, ENGINE), meta)
-
-    def _start_handoff(self, p: Pending) -> None:
-        adapters = adapters_for(self.entries, p.name)
-        new, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
-        assert new is not None
-        p.handoff_running = True
-
-        def work() -> None:
-            step = "prepare"
-            try:
-                for a in adapters:
-                    a.prepare(new, prev)
-                step = "switch"
-                self.models.set_current(p.name, p.version)
-                for a in adapters:
-                    a.switch(new, prev)
-                confirms = [a.confirm(new) for a in adapters]
-                self.events.put(SwitchEvent(p.token, "handoff", confirms))
-            except Exception as exc:  # noqa: BLE001 - the switch fails with the reason
-                self.events.put(SwitchEvent(p.token, "handoff", step, error=_text(exc),
-                                            code=getattr(exc, "code", None)))
-
-        threading.Thread(target=work, name="model-handoff", daemon=True).start()
-
-    def _start_heal(self) -> None:
-        """On a thread: each adapter's heal() with the committed versions it serves."""
-        self.last_heal = time.monotonic()
-        healers = [e for e in self.entries if type(e.adapter).heal is not Adapter.heal]
-        if not healers:
-            return
-        rows = [r for r in self.journal.active_versions() if r["state"] == "committed"]
-        work_list = []
-        for entry in healers:
-            versions = [ModelVersion(r["name"], r["version"], "", "", {}) for r in rows
-                        if entry.serves(r["name"])]
-            if versions:
-                work_list.append((entry.adapter, versions))
-        if not work_list:
-            return
-        self.healing = True
-
-        def work() -> None:
-            notes: Dict[str, str] = {}
-            for adapter, versions in work_list:
-                try:
-                    notes.update(adapter.heal(versions))
-                except Exception as exc:  # noqa: BLE001 - tried again at the next tick
-                    log.warning("model hand-off %s: heal failed: %s", adapter.kind, _text(exc))
-            self.events.put(SwitchEvent(0, "healed", notes))
-
-        threading.Thread(target=work, name="model-heal", daemon=True).start()
-
-    def _start_probe(self, p: Pending) -> None:
-        from agent.device.handoff.command import model_env, run
-
-        p.probe_running, p.last_probe = True, time.monotonic()
-        new, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
-        assert new is not None
-        argv, timeout = list(self.m.probe), self.m.probe_timeout_s
-
-        def work() -> None:
-            try:
-                run(argv, model_env(new, prev, "probe"), timeout)
-                self.events.put(SwitchEvent(p.token, "probe", True))
-            except Exception as exc:  # noqa: BLE001 - not yet: tried again
-                self.events.put(SwitchEvent(p.token, "probe", False, error=_text(exc)))
-
-        threading.Thread(target=work, name="model-probe", daemon=True).start()
-
-    def _rollback(self, p: Pending, reason: str) -> None:
-        """Mark the version expired (journal), then on a thread: ``current`` back, adapters
-        revert; ``_on_reverted`` restores the journal and ends the job."""
-        if p.phase == "rolling_back":
-            return
-        p.phase = "rolling_back"
-        p.state.failure = p.state.failure or reason
-        log.warning("model %s@%s: rolling back to %s: %s", p.name, p.version,
-                    p.previous or "nothing", reason)
-        self.journal.expire_pending(p.name, p.version, reason)
-        adapters = adapters_for(self.entries, p.name)
-        failed, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
-        assert failed is not None
-
-        def work() -> None:
-            errors = []
-            try:
-                if prev is not None and os.path.isdir(prev.path):
-                    self.models.set_current(p.name, prev.version)
-                else:
-                    _unlink(os.path.join(self.models.name_dir(p.name), "current"))
-            except Exception as exc:  # noqa: BLE001
-                errors.append(_text(exc))
-            for a in adapters:
-                try:
-                    a.revert(prev, failed)
-                except Exception as exc:  # noqa: BLE001 - the others still revert
-                    errors.append("{}: {}".format(a.kind, _text(exc)))
-            self.events.put(SwitchEvent(p.token, "reverted", errors))
-
-        threading.Thread(target=work, name="model-revert", daemon=True).start()
-
-    # ------------------------------------------------------------------ events (main loop)
+    # ------------------------------------------------------------------ the main loop
 
     def on_event(self, ev: SwitchEvent) -> None:
         if ev.kind == "written":
             self._on_written(ev)
-            return
-        if ev.kind == "healed":
+        elif ev.kind == "healed":
             self.healing = False
             new = {k: v for k, v in (ev.value or {}).items() if self.handoff_notes.get(k) != v}
             if new:  # the same failure again: nothing to write, log or publish
@@ -519,477 +276,56 @@ class ModelSwitch(object):
                 for note in new.values():
                     log.warning("model hand-off: %s", note)
                 self.changed()
-            return
-        if ev.kind == "field":
+        elif ev.kind == "field":
             if self.live.on_field(*ev.value):
                 self.changed()  # the name's calibration_stale problem came or went
-            return
-        if ev.kind == "restored":
+        elif ev.kind == "restored":
             if ev.error:
                 log.warning("%s", ev.error)
                 self.health[ev.value] = ev.error[:200]
             self.changed()
-            return
-        p = self.pending
-        if p is None or ev.token != p.token:
-            return
-        if ev.kind == "handoff":
-            p.handoff_running = False
-        if ev.kind == "handoff" and p.phase == "handoff":
-            if ev.error is not None and ev.value == "prepare":
-                self._handoff_failed(p, ev.error, ev.code)
-                return
-            p.phase = "waiting"
-            p.state.on_handoff(ev.value if ev.error is None else [], ev.error)
-            self.on_step("pending")
-        elif ev.kind == "probe":
-            p.probe_running = False
-            p.state.on_probe(bool(ev.value))
-            p.probe_failed = not ev.value and "probe" not in p.state.confirmed
-            if not ev.value:
-                log.info("model %s@%s: probe not yet: %s", p.name, p.version, ev.error)
-        elif ev.kind == "reverted":
-            self._on_reverted(p, ev.value or [])
-            return
-        elif ev.kind == "live":
-            self._on_live(p, ev.value or {})
-        self._decide(p)
+        else:  # the version in hand's: through the switch's table
+            self.machine.on_event(ev)
 
     def tick(self) -> None:
-        try:
-            self._check_set()
-        except (KeyError, TypeError, ValueError) as exc:  # a damaged model_set.json
-            log.error("model set record unreadable (%s): closed, its names stay as they are",
-                      exc)
-            self.sets.open = None
-            self.sets.close(model_sets.REVERT)
-        if time.monotonic() - self.last_disk_check >= DISK_CHECK_EVERY_S:
+        self.set_watch.tick()
+        if time.monotonic() - self.requests.last_disk_check >= DISK_CHECK_EVERY_S:
             before = dict(self.disk_health)
             self.models_list()
             if self.disk_health != before:
                 self.changed()  # the status and the models message say so
-        self.live.tick(lambda: [r for r in self.journal.active_versions()
-                                if r["state"] == "committed"])
-        p = self.pending
-        if p is None and not self.healing and \
-                time.monotonic() - self.last_heal >= HEAL_EVERY_S:
-            self._start_heal()
-        if p is None:
+        self.live.tick(self._committed)
+        if self.machine.pending is None:
+            if not self.healing and time.monotonic() - self.last_heal >= HEAL_EVERY_S:
+                self.last_heal = time.monotonic()
+                self.healing = self.runner.start_heal(self._committed)
             if self.shared.run is None:
                 self.orphans()
             return
-        if p.phase == "waiting" and "probe" in p.state.need and "probe" not in \
-                p.state.confirmed and not p.probe_running and \
-                time.monotonic() - p.last_probe >= PROBE_EVERY_S:
-            self._start_probe(p)
-        self._decide(p)
+        self.machine.tick()
 
-    def _decide(self, p: Pending) -> None:
-        if p.phase == "rolling_back":
-            return
-        if p.run is not None and self.shared.run is not p.run:
-            # Its job ended under it (cancelled by the controller): never committed later.
-            row = self.journal.job(p.run.job_id)
-            self._rollback(p, UNCONFIRMED_PREFIX + "its job ended {}".format(
-                row["state"] if row else "elsewhere"))
-            return
-        if p.phase == "handoff" and p.state.failure is None and p.state.committed_by is None \
-                and p.state.deadline > self.clock():
-            return  # the adapters' switch is still running
-        decision = p.state.decide(self.clock())
-        if decision.action == commit_logic.COMMIT:
-            dropped = self.journal.commit_version(p.name, p.version, self.m.keep_versions)
-            if self.handoff_notes.pop(p.name, None) is not None:
-                self.journal.note_put("handoff", self.handoff_notes)
-            self.journal.forget_rejected(p.name, p.version)  # an earlier unconfirmed try
-            self._drop_dirs(p.name, dropped)
-            self._commit_handoff(p)
-            self.pending = None
-            self.health[p.name] = "ok"
-            log.info("model %s@%s committed (%s)", p.name, p.version, decision.reason)
-            if p.run is not None:
-                self._succeed(p.run, p.name, p.version, p.previous, p.result)
-            else:
-                self.changed()
-        elif decision.action == commit_logic.ROLLBACK:
-            refused = p.state.failure is not None or p.probe_failed
-            if not refused and p.handoff_running:
-                # An adapter still switching at the deadline: not judged, but not handed off
-                # again over the running one either.
-                self._rollback(p, UNCONFIRMED_PREFIX + decision.reason)
-            elif not refused:
-                self._unanswered(p, decision.reason)
-            else:
-                self._rollback(p, decision.reason)
-
-    def _commit_handoff(self, p: Pending) -> None:
-        """Each adapter's commit (Triton prunes its repository to keep_versions now that the
-        version counts): quick file work, on the main loop, before any next switch starts."""
-        new, prev = self._mv(p.name, p.version), self._mv(p.name, p.previous)
-        assert new is not None
-        for a in adapters_for(self.entries, p.name):
-            try:
-                a.commit(new, prev)
-            except Exception as exc:  # noqa: BLE001 - committed all the same; logged
-                log.warning("model hand-off %s: commit of %s@%s: %s", a.kind, p.name, p.version,
-                            _text(exc))
-
-    def _unanswered(self, p: Pending, reason: str) -> None:
-        """The commit window closed with no answer (no report, no commit, the probe never
-        ran to an end, the agent down): the app never judged the version. Its window reopens
-        (the hand-off again) ``models.unconfirmed_retries`` times, then it is rolled back as
-        ``unconfirmed`` (a later job may bring it again: not refused like a rejected one)."""
-        if p.retries >= self.m.unconfirmed_retries:
-            self._rollback(p, UNCONFIRMED_PREFIX + reason)
-            return
-        p.retries += 1
-        deadline = self.clock() + self.m.commit_timeout_s
-        log.warning("model %s@%s: unconfirmed (%s); handing it off again (retry %d of %d, "
-                    "%.0f s)", p.name, p.version, reason, p.retries, self.m.unconfirmed_retries,
-                    self.m.commit_timeout_s)
-        self.journal.retry_pending(p.name, p.version, deadline, p.retries, reason)
-        checked = p.state.confirmed & {"live"}  # the live check ran once: not again
-        p.state = commit_logic.CommitState(p.state.need, deadline, self.m.commit_timeout_s)
-        p.state.confirmed |= checked
-        p.phase, p.probe_failed = "handoff", False
-        self.changed()
-        self._start_handoff(p)
-
-    def _handoff_failed(self, p: Pending, error: str, code: Optional[str] = None) -> None:
-        """``prepare`` failed: nothing was switched; the previous version stays active."""
-        self.journal.restore_version(p.name, p.previous)
-        self.pending = None
-        if p.previous is None:
-            _unlink(os.path.join(self.models.name_dir(p.name), "current"))
-        self._drop_dirs(p.name, [p.version])
-        if p.run is not None:
-            self._end(p.run, "FAILED", error=AgentError(
-                "handoff_failed", "handing {}@{} to the app failed before the switch: {}".format(
-                    p.name, p.version, error),
-                {"name": p.name, "version": p.version, "previous": p.previous,
-                 "cause": code or "handoff_failed"}).to_dict())
-        self.changed()
-
-    def _on_reverted(self, p: Pending, errors: List[str]) -> None:
-        reason = p.state.failure or "rolled back"
-        self.journal.restore_version(p.name, p.previous, reject_reason=reason)
-        self.pending = None
-        self._drop_dirs(p.name, [p.version])
-        self.health[p.name] = "rolled back from {}: {}".format(p.version, reason)[:200]
-        if (self.sets.member(p.name) or {}).get("version") == p.version:
-            self.sets.fail("{}@{} was rolled back: {}".format(p.name, p.version, reason))
-            self._check_set(force=True)
-        if errors:
-            log.warning("model %s: revert problems: %s", p.name, "; ".join(errors))
-        if p.run is not None:
-            self._fail_rolled_back(p.run, p.name, p.version, p.previous, reason, errors,
-                                   p.refusal)
-        else:
-            self.changed()
-
-    # ------------------------------------------------------------------ model sets
-
-    def _check_set(self, force: bool = False) -> None:
-        """The open set committed, or reverted (model_sets.decide); on the main loop, at most
-        once a second unless ``force``."""
-        rec = self.sets.open
-        if rec is None or (not force and time.monotonic() - self.last_set_check < 1.0):
-            return
-        self.last_set_check = time.monotonic()
-        active = {r["name"]: (r["version"], r["state"]) for r in self.journal.active_versions()}
-        p = self.pending
-        if p is not None and p.name in rec["members"] and p.phase == "rolling_back" and \
-                not rec.get("failed"):
-            return  # its own rollback ends first (``_on_reverted`` fails the set)
-        action, reason = model_sets.decide(rec, active, self.clock())
-        if action == model_sets.COMMITTED:
-            log.info("model set %s committed (%s)", rec["id"], ", ".join(rec["names"]))
-            self.sets.close(model_sets.COMMITTED)
-            self.changed()
-        elif action == model_sets.REVERT:
-            self._revert_set(rec, active, reason)
-
-    def _revert_set(self, rec: Dict[str, Any], active: Dict[str, Tuple[str, str]],
-                    reason: str) -> None:
-        """Every member still at its set version back to the version the set replaced."""
-        log.warning("model set %s: reverting every name: %s", rec["id"], reason)
-        self.sets.close(model_sets.REVERT)
-        why = "model set {} reverted: {}".format(rec["id"], reason)
-        for name, version, before in model_sets.revert_plan(rec, active):
-            p = self.pending
-            if p is not None and p.name == name and p.version == version:
-                # Its app never judged it: reverted with the set, not refused next time.
-                self._rollback(p, UNCONFIRMED_PREFIX + why)
-                continue
-            try:
-                if before is None:
-                    raise AgentError("no_previous_version", "{} had no version before the "
-                                     "set".format(name))
-                self.rollback(name, before)
-            except AgentError as exc:
-                log.warning("model set %s: %s stays at %s: %s", rec["id"], name, version,
-                            exc.message)
-                self.health[name] = "{}; stays at {}: {}".format(why, version, exc.message)
-                continue
-            self.health[name] = "rolled back from {}: {}".format(version, why)
-        self.changed()
-
-    # ------------------------------------------------------------------ pins
-
-    def pin(self, name: str, version: str) -> Dict[str, Any]:
-        """Pin ``name`` to ``version``: jobs to another version are refused (model_pinned);
-        the name switches to ``version`` now if that is a kept version and not the active one.
-        AgentError no_previous_version when it is neither active nor kept."""
-        validate_name(name)
-        validate_version(version)
-        active = self.journal.active_version(name)
-        kept = [r["version"] for r in self.journal.model_versions(name)]
-        if version not in kept:
-            raise AgentError("no_previous_version", "expected a version of {} this device "
-                             "keeps to pin, found {} (kept: {})".format(
-                                 name, version, ", ".join(kept) or "none"))
-        p = self.pending
-        if p is not None and p.name == name and p.version != version:
-            raise AgentError("not_pending", "{}@{} is being switched right now; expected no "
-                             "switch of {} in progress, pin it after it ends".format(
-                                 name, p.version, name))
-        switched = None
-        if active is not None and active["version"] != version:
-            switched = self.rollback(name, version, override_pin=True)
-        self.notes.pin(name, version)
-        log.info("model %s pinned to %s", name, version)
-        self.changed()
-        return {"name": name, "version": version, "pinned": True,
-                "switched_from": switched["replaced"] if switched else None}
-
-    def unpin(self, name: str) -> Dict[str, Any]:
-        was = self.notes.unpin(name)
-        self.changed()
-        return {"name": name, "pinned": False, "was": was}
-
-    def pins(self) -> Dict[str, str]:
-        return dict(self.notes.pins)
-
-    # ------------------------------------------------------------------ the job's end
-
-    def _succeed(self, run: Run, name: str, version: str, previous: Optional[str],
-                 result: Optional[Dict[str, Any]] = None) -> None:
-        out = dict(result or {})
-        for key in ("io", "activate", "engine", "calibration_cache"):
-            out.pop(key, None)
-        prev_row = self.journal.model_version(name, previous) if previous else None
-        out["activated"] = True
-        out["previous_engine"] = prev_row["engine_key"] if prev_row else None
-        out["model"] = {"name": name, "version": version, "previous": previous,
-                        "state": "committed"}
-        spec = model_sets.parse(run.doc) if run.doc.get("model_set") is not None else None
-        if spec is not None:
-            self._check_set(force=True)
-            state = "open" if self.sets.open and self.sets.open["id"] == spec.id else \
-                "committed" if self.sets.closed == (spec.id, model_sets.COMMITTED) else \
-                "reverted"
-            out["model"]["set"] = {"id": spec.id, "state": state}  # the rollout's view shows it
-        run.details.pop("commit", None)
-        self._end(run, "SUCCEEDED", result=fit_result(out))
-        self.changed()
-
-    def _fail_rolled_back(self, run: Run, name: str, version: str, previous: Optional[str],
-                          reason: str, errors: Optional[List[str]] = None,
-                          refusal: Optional[AgentError] = None) -> None:
-        """``refusal``: the check that refused the version (its code and details), else the
-        rollback is ``handoff_rolled_back``."""
-        run.details.pop("commit", None)
-        details: Dict[str, Any] = {"name": name, "version": version, "previous": previous,
-                                   "reason": reason}
-        if errors:
-            details["revert_errors"] = errors[:5]
-        if refusal is not None:
-            details.update(refusal.details)
-        self._end(run, "FAILED", error=AgentError(
-            refusal.code if refusal is not None else "handoff_rolled_back",
-            "{}@{} was rolled back to {}: {}".format(
-                name, version, previous or "no version", reason), details).to_dict())
-        self.changed()
-
-    def _end(self, run: Run, state: str, **kwargs: Any) -> None:
-        row = self.journal.job(run.job_id)
-        if row is None or row["state"] != "IN_PROGRESS":
-            return  # cancelled meanwhile: the version went its own way
-        self.end(run, state, **kwargs)
-
-    def _drop_dirs(self, name: str, versions: List[str]) -> None:
-        for version in versions:
-            self.models.remove_version(name, version)
-
-    # ------------------------------------------------------------------ commands
+    # ------------------------------------------------------------------ the app's requests
 
     def commit(self, name: str, version: Optional[str], by: str) -> Dict[str, Any]:
         p = self._pending_for(name, version)
-        p.state.on_commit(by)
-        self._decide(p)  # still pending while the live check's verdict is awaited
-        return {"name": name, "version": p.version,
-                "state": "pending" if self.pending is p else "committed"}
+        self.machine.fire(p, states.COMMIT_REQUEST, by)  # still pending while the live
+        return {"name": name, "version": p.version,      # check's verdict is awaited
+                "state": "pending" if self.machine.pending is p else "committed"}
 
     def report_health(self, name: str, version: Optional[str], ok: bool,
                       detail: str) -> Dict[str, Any]:
-        p = self.pending
+        p = self.machine.pending
         if p is not None and p.name == name and version in (None, p.version):
-            p.state.on_health(ok, detail)
-            self._decide(p)
+            self.machine.fire(p, states.HEALTHY if ok else states.UNHEALTHY, (ok, detail))
             return {"name": name, "version": p.version, "state": "pending" if ok else
                     "rolling_back"}
-        active = self.journal.active_version(validate_name(name))
-        if active is None or (version is not None and version != active["version"]):
-            raise AgentError("not_pending", "expected a health report on {}'s active version "
-                             "{}, found version {!r}".format(
-                                 name, active["version"] if active else "(none)", version))
-        self.health[name] = "ok" if ok else (detail or "unhealthy")[:200]
-        if not ok and (self.sets.member(name) or {}).get("version") == active["version"]:
-            self.sets.fail("{}@{} reported unhealthy: {}".format(
-                name, active["version"], detail or "unhealthy"))
-            self._check_set(force=True)
-        self.changed()
-        return {"name": name, "version": active["version"], "state": active["state"]}
+        return self.requests.report_health(name, version, ok, detail)
 
     def _pending_for(self, name: str, version: Optional[str]) -> Pending:
         validate_name(name)
-        p = self.pending
+        p = self.machine.pending
         if p is None or p.name != name or (version is not None and version != p.version) \
-                or p.phase == "rolling_back":
+                or not states.accepts(p.phase, states.COMMIT_REQUEST):
             raise AgentError("not_pending", "expected a pending version of {}, found {}".format(
                 name, "{}@{} ({})".format(p.name, p.version, p.phase) if p else "none pending"))
         return p
-
-    def rollback(self, name: str, version: Optional[str] = None,
-                 override_pin: bool = False) -> Dict[str, Any]:
-        """Back to a kept version (the previous one unless ``version``): the journal and
-        ``current`` at once, the hand-off of the restored version on a thread.
-        AgentError no_previous_version; model_pinned for a name pinned to another version
-        (``override_pin``: the pin itself switching)."""
-        validate_name(name)
-        if version is not None:
-            validate_version(version)
-        pinned = self.notes.pins.get(name)
-        if pinned is not None and not override_pin and version != pinned:
-            raise AgentError("model_pinned", "{} is pinned to version {} on this device; "
-                             "expected a rollback to it, or jetson-agent models unpin {} "
-                             "first".format(name, pinned, name))
-        p = self.pending
-        if p is not None and p.name == name:
-            if p.phase != "rolling_back":
-                self._rollback(p, "rolled back by an operator")
-            return {"name": name, "version": p.previous, "replaced": p.version,
-                    "state": "rolling_back"}
-        active = self.journal.active_version(name)
-        kept = [r for r in self.journal.model_versions(name) if not r["active"]]
-        if version is not None:
-            kept = [r for r in kept if r["version"] == version]
-        elif active is not None and active["previous"]:
-            kept.sort(key=lambda r: r["version"] != active["previous"])
-        if active is None or not kept:
-            raise AgentError("no_previous_version", "expected a kept version of {} to go back "
-                             "to{}, found {}".format(
-                                 name, " ({})".format(version) if version else "",
-                                 "no model of that name" if active is None else
-                                 "only {} (kept: {})".format(active["version"], ", ".join(
-                                     r["version"] for r in self.journal.model_versions(name)))))
-        target = kept[0]["version"]
-        problem = None if os.path.isdir(self.models.version_dir(name, target)) else "missing"
-        if problem:
-            raise AgentError("no_previous_version", "expected {}@{} in the models directory, "
-                             "found it {}".format(name, target, problem))
-        self.journal.restore_version(name, target)
-        self.models.set_current(name, target)
-        self.models.remove_version(name, active["version"])
-        self._restore_handoff(name, target, active["version"])
-        self.changed()
-        restored = self.journal.active_version(name) or {}
-        return {"name": name, "version": target, "replaced": active["version"],
-                "model": restored.get("model"), "engine_key": restored.get("engine_key"),
-                "precision": restored.get("precision"), "job_id": restored.get("job_id")}
-
-    def _restore_handoff(self, name: str, version: str, replaced: str) -> None:
-        adapters: List[Adapter] = adapters_for(self.entries, name)
-        if not adapters:
-            return
-        new = self._mv(name, version)
-        assert new is not None
-        prev = ModelVersion(name, replaced, self.models.version_dir(name, replaced), "", {})
-
-        def work() -> None:
-            error = None
-            try:
-                for a in adapters:
-                    a.prepare(new, prev)
-                for a in adapters:
-                    a.switch(new, prev)
-            except Exception as exc:  # noqa: BLE001 - reported as the name's health
-                error = "hand-off of {}@{} after a rollback failed: {}".format(
-                    name, version, _text(exc))
-            self.events.put(SwitchEvent(0, "restored", name, error=error))
-
-        threading.Thread(target=work, name="model-restore", daemon=True).start()
-
-    def retry(self, name: str, version: str) -> Dict[str, Any]:
-        """An operator lets a rejected version be activated again."""
-        validate_name(name)
-        validate_version(version)
-        forgotten = self.journal.forget_rejected(name, version)
-        self.changed()
-        return {"name": name, "version": version, "forgotten": forgotten}
-
-    # ------------------------------------------------------------------ reports
-
-    def models_list(self) -> List[Dict[str, Any]]:
-        """Per name, what the models message and ``models ls`` show."""
-        out = []
-        rejected: Dict[str, List[str]] = {}
-        unconfirmed: Dict[str, List[str]] = {}
-        for r in self.journal.rejected_versions():
-            (unconfirmed if r["state"] == UNCONFIRMED else rejected).setdefault(
-                r["name"], []).append(r["version"])
-        problems = models_guard.check_models(self.models.root)
-        self.last_disk_check = time.monotonic()
-        self.disk_health = {}
-        for row in self.journal.active_versions():
-            on_disk = models_guard.health(problems, row["name"], row["version"])
-            self.disk_health[row["name"]] = on_disk
-            app = self.health.get(row["name"], "ok")
-            problem = self.live.problem(row["name"], row["version"]) or on_disk
-            field = self.live.summary(row["name"], row["version"])  # INT8 ranges in the field
-            out.append({"name": row["name"], "version": row["version"], "state": row["state"],
-                        "previous": row["previous"], "precision": row["precision"],
-                        "engine_key": row["engine_key"], "job_id": row["job_id"],
-                        "activated": row["activated"],
-                        "health": (app if app != "ok" else problem)[:1024],
-                        "pinned": self.notes.pins.get(row["name"]),
-                        **({"handoff": self.handoff_notes[row["name"]][:512]}
-                           if row["name"] in self.handoff_notes else {}),
-                        "rejected": rejected.get(row["name"], [])[-16:],
-                        "unconfirmed": unconfirmed.get(row["name"], [])[-16:],
-                        "retries": int(row["info"].get("unconfirmed_retries") or 0),
-                        **({"field": field} if field else {})})
-        rec = self.sets.open or {"members": {}}
-        for entry in out:
-            if (rec["members"].get(entry["name"]) or {}).get("version") == entry["version"]:
-                entry["set"] = {"id": rec["id"], "state": "open"}  # may still revert
-        return out[:256]
-
-
-def committing_stage(run: Run) -> str:
-    """The stage of a job whose version is pending: ``committing``; for a job without a model
-    name (a controller of the release before named models, whose schema knows no such stage)
-    ``activating``, with ``commit: pending`` in its details either way."""
-    return "committing" if run.doc.get("model_name") is not None else "activating"
-
-
-def _text(exc: BaseException) -> str:
-    return exc.message if isinstance(exc, AgentError) else "{}: {}".format(
-        type(exc).__name__, exc)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

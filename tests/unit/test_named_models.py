@@ -535,6 +535,24 @@ def test_a_cancelled_pending_job_is_rolled_back(tmp_path):
     assert h.journal.job("j2")["state"] == "CANCELED"
 
 
+def test_a_commit_of_a_version_rolling_back_is_refused_by_the_table(tmp_path):
+    """The switch's table has no row for a commit while rolling back: not_pending, and the
+    rollback goes on (a second operator rollback is a row that does nothing)."""
+    h = Harness(tmp_path, app_confirms=["det"], commit_timeout_s=30)
+    h.deploy("j1", "det", "v1", b"one")
+    h.pump(_pending(h, "v1"))
+    h.switch.commit("det", None, "the app")
+    h.deploy("j2", "det", "v2", b"two")
+    h.pump(_pending(h, "v2"))
+    assert h.switch.rollback("det")["state"] == "rolling_back"
+    assert h.switch.rollback("det")["state"] == "rolling_back"
+    with pytest.raises(AgentError) as e:
+        h.switch.commit("det", "v2", "the app")
+    assert e.value.code == "not_pending" and "det@v2 (rolling_back)" in e.value.message
+    h.pump(lambda: "j2" in h.ended)
+    assert h.ended["j2"][1]["code"] == "handoff_rolled_back" and h.current("det") == "v1"
+
+
 def test_a_failing_probe_is_an_answer_and_a_passing_one_leaves_the_apps_silence(tmp_path):
     flag = tmp_path / "healthy"
     probe = [sys.executable, "-c", "import os, sys; sys.exit(0 if os.path.exists({!r}) else 1)"
