@@ -86,12 +86,22 @@ class Load:
                 raise RuntimeError("a load client did not start")
         return self
 
-    def finish(self) -> None:
+    def stop(self) -> None:
+        """End of input: each client stops and writes its records (also on an error: no
+        client is left sending requests)."""
         for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.close()  # end of input: the client stops and writes its records
-        for proc, out in zip(self.procs, self.outs):
-            proc.wait(60)
+            if proc.stdin is not None and not proc.stdin.closed:
+                proc.stdin.close()
+        for proc in self.procs:
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def finish(self) -> None:
+        self.stop()
+        for out in self.outs:
             values = array.array("d")
             with open(out, "rb") as f:
                 values.frombytes(f.read())
@@ -230,7 +240,7 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
         return None
     load_before = os.getloadavg()[0]
     workdir = Path(tempfile.mkdtemp(prefix="bench-triton-"))
-    server = None
+    server = load = None
     try:
         repo = workdir / "repo"
         repo.mkdir()
@@ -251,7 +261,8 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
         switch_all(ours, versions, CPU_SWITCHES)  # no load: what one switch costs in CPU
         cpu_per_switch = (cpu_s(server.proc.pid) - cpu0) / CPU_SWITCHES
         own_per_switch = (time.process_time() - own0) / CPU_SWITCHES  # the hand-off's own
-        load = Load(server.port, workdir).start()
+        load = Load(server.port, workdir)
+        load.start()
         t0 = time.monotonic()
         time.sleep(BASE_S)  # the baseline window: the same load, no switch
         t1 = time.monotonic()
@@ -276,6 +287,8 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
                 "own_cpu_s": own_per_switch,
                 "load": (load_before, os.getloadavg()[0])}
     finally:
+        if load is not None:
+            load.stop()
         if server is not None:
             server.stop()
         shutil.rmtree(str(workdir), ignore_errors=True)

@@ -17,9 +17,10 @@ activation to that first request (the app's own record); over the run: every fai
 
 And a real Triton (``_triton_switch``): request latency p50/p99/max during
 ``JETSON_AGENT_TRITON_SWITCHES`` switches of the ``triton`` hand-off (default 50; loads through
-Triton's gRPC endpoint) against the same load without switches, in one run, and the CPU one
-switch costs Triton; then ``JETSON_AGENT_TRITON_HTTP_SWITCHES`` (default 5) loading through
-the HTTP load API instead.
+Triton's gRPC endpoint; back to back, or ``JETSON_AGENT_TRITON_GAP_S`` seconds apart) against
+the same load without switches, in one run, from load clients in processes of their own, and
+the CPU one switch costs Triton and the hand-off; then ``JETSON_AGENT_TRITON_HTTP_SWITCHES``
+(default 5) loading through the HTTP load API instead.
 ``JETSON_AGENT_SWITCHES=0`` runs the Triton part alone.
 """
 
