@@ -15,10 +15,13 @@ circles):
   ``bounds``);
 - ``transfer``: artifact transfer (``bytequeue``, ``http_bounds``, ``http_source``,
   ``sharing``);
-- ``web``: the dashboard and ``/metrics`` (``server``, ``pages``, ``views``, ``metrics``).
+- ``web``: the dashboard and ``/metrics`` (``server``, ``pages``, ``views``, ``metrics``);
+- ``parts``: the parts ``fleet serve`` is composed of (intake, registry, admission,
+  deployments, adoption, rollout driver, outbox, artifacts, engine sharing, rereading).
 
 The wiring stays here: ``mqtt_edge`` (``FleetConnection`` and ``discover``, the MQTT I/O edge)
-and ``service`` (``FleetService``: ``fleet serve``, and ``fleet rollout`` embedded).
+and ``service`` (``assemble`` wires the parts; ``FleetService``, the main loop: ``fleet serve``,
+and ``fleet rollout`` embedded).
 
 Callers import every name from ``agent.fleet``; the submodules are how it is organised.
 

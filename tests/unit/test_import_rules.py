@@ -42,6 +42,8 @@ FLEET = {
     "rollouts": {"database", "transfer"},
     "deployments": {"database", "rollouts", "transfer"},
     "web": {"database", "rollouts", "deployments", "admission", "transfer"},
+    # fleet serve's parts (agent.fleet.parts): only the wiring imports them
+    "parts": {"database", "rollouts", "deployments", "admission", "transfer"},
 }
 FLEET_WIRING = {"agent.fleet", "agent.fleet.service", "agent.fleet.mqtt_edge"}
 # Third-party modules that only some packages may import.
@@ -189,6 +191,20 @@ def test_fleet_modules_sit_in_their_subpackages_and_import_no_circle():
                 continue
             broken.append("{}:{} imports {} (fleet.{} may not use {})".format(
                 module, line, target, own, theirs))
+    assert not broken, "\n".join(broken)
+
+
+def test_the_fleet_serve_parts_reach_each_other_only_through_the_wiring():
+    """A part of ``fleet serve`` (agent.fleet.parts) imports no other part: it is handed its
+    collaborators by ``agent.fleet.service.assemble``."""
+    broken = []
+    for path in sources():
+        module = module_name(path)
+        if fleet_part(module) != "parts":
+            continue
+        for line, target in imports(path):
+            if target.startswith("agent.fleet.parts.") and target != module:
+                broken.append("{}:{} imports {}".format(module, line, target))
     assert not broken, "\n".join(broken)
 
 
