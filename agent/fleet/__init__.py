@@ -18,9 +18,12 @@ circles):
 - ``web``: the dashboard and ``/metrics`` (``server``, ``pages``, ``views``, ``metrics``);
 - ``commands``: what ``jetson-agent fleet ...`` does, as functions of plain arguments that
   return data (the CLI parses and prints); the only subpackage that may use the wiring.
+- ``parts``: the parts ``fleet serve`` is composed of (intake, registry, admission,
+  deployments, adoption, rollout driver, outbox, artifacts, engine sharing, rereading).
 
 The wiring stays here: ``mqtt_edge`` (``FleetConnection`` and ``discover``, the MQTT I/O edge)
-and ``service`` (``FleetService``: ``fleet serve``, and ``fleet rollout`` embedded).
+and ``service`` (``assemble`` wires the parts; ``FleetService``, the main loop: ``fleet serve``,
+and ``fleet rollout`` embedded).
 
 Callers import every name from ``agent.fleet``; the submodules are how it is organised.
 

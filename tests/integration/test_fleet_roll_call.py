@@ -211,9 +211,9 @@ def test_births_the_broker_dropped_are_published_again_until_acknowledged(tight_
     the window) until the service acknowledges it. The service's network thread stalls during a
     burst of 1,000 births on a broker queueing 120 (most are dropped) and no roll call runs:
     the retries alone fill the registry. Devices of the previous release are sent nothing."""
-    import agent.fleet.service as service_module
+    import agent.fleet.parts.admission as admission_part
 
-    monkeypatch.setattr(service_module, "BURST_BIRTHS", 10 ** 9)  # no roll call to help
+    monkeypatch.setattr(admission_part, "BURST_BIRTHS", 10 ** 9)  # no roll call to help
     service, store, conn = service_on(tight_broker, tmp_path)
     fleet = SimulatedFleet(tight_broker.host, tight_broker.port, 1000, name="ack",
                            ack_wait_s=0.5)

@@ -44,6 +44,8 @@ FLEET = {
     # what `jetson-agent fleet ...` does; the only subpackage that may use the wiring
     "commands": {"database", "rollouts", "deployments", "admission", "transfer", "web",
                  "wiring"},
+    # fleet serve's parts (agent.fleet.parts): only the wiring imports them
+    "parts": {"database", "rollouts", "deployments", "admission", "transfer"},
 }
 FLEET_WIRING = {"agent.fleet", "agent.fleet.service", "agent.fleet.mqtt_edge"}
 # argparse: the CLI and the process entries only. agent.worker is the worker process's own
@@ -223,6 +225,20 @@ def test_argparse_only_in_the_cli_and_the_process_entries():
               for line, target in imports(path) if target.split(".")[0] == "argparse"]
     assert not broken, "argparse outside agent.cli and {}:\n{}".format(
         sorted(ARGPARSE), "\n".join(broken))
+
+
+def test_the_fleet_serve_parts_reach_each_other_only_through_the_wiring():
+    """A part of ``fleet serve`` (agent.fleet.parts) imports no other part: it is handed its
+    collaborators by ``agent.fleet.service.assemble``."""
+    broken = []
+    for path in sources():
+        module = module_name(path)
+        if fleet_part(module) != "parts":
+            continue
+        for line, target in imports(path):
+            if target.startswith("agent.fleet.parts.") and target != module:
+                broken.append("{}:{} imports {}".format(module, line, target))
+    assert not broken, "\n".join(broken)
 
 
 def test_the_fleet_rules_have_no_circle():

@@ -10,7 +10,7 @@
 
 import fnmatch
 import math
-from typing import Iterable, List, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, List, NamedTuple, Optional, Sequence
 
 from agent.errors import AgentError
 from agent.wire import protocol
@@ -126,3 +126,20 @@ def stage_verdict(states: Sequence[str], policy: Policy) -> str:
     if succeeded + open_ < need:
         return "failed"
     return "running"
+
+
+def failure_cause(runs: Sequence[Any]) -> str:
+    """Which devices' own failures stopped the rollout, and why (the first in full)."""
+    failed = [r for r in runs if r.terminal and r.state != "SUCCEEDED" and not r.local]
+    if not failed:
+        return ""
+    first = failed[0]
+    err = first.error or {}
+    why = "{} {}".format(first.device, first.state)
+    if err.get("code"):
+        why += " ({}: {})".format(err["code"], str(err.get("message") or "")[:160])
+    if len(failed) > 1:
+        why += " and {} more ({})".format(len(failed) - 1, ", ".join(
+            "{} {}".format(r.device, r.state) for r in failed[1:4]) + (
+                ", ..." if len(failed) > 4 else ""))
+    return why

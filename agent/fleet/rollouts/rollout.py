@@ -1,18 +1,28 @@
 """``Rollout``: the staged rollout state machine, fed job statuses, answering with
 ``Action``s (publish a retained job document, clear one, send a cancel command); with a
 precision search each device runs a ``search`` job, then a ``deploy`` job that keeps the layers
-the search found. Pure: no I/O, the clock is injected.
+the search found. What a job status does is a row of the transition table
+(``agent.fleet.rollouts.transitions``); the stage and abort decisions are ``policy``'s. Pure: no
+I/O, the clock is injected.
 """
 
 import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from agent.errors import AgentError
+from agent.fleet.rollouts import transitions
 from agent.fleet.rollouts.device_run import PENDING, DeviceRun
 from agent.fleet.rollouts.doc_parts import Parts
 from agent.fleet.rollouts.documents import layers_above
-from agent.fleet.rollouts.policy import Policy, abort_reason, check_policy, stage_verdict
+from agent.fleet.rollouts.policy import (
+    Policy,
+    abort_reason,
+    check_policy,
+    failure_cause,
+    stage_verdict,
+)
+from agent.fleet.rollouts.transitions import Action
 from agent.wire import protocol
 
 SEARCH_SUFFIX = ".search"
@@ -25,13 +35,6 @@ FIRST_BATCH = 200  # documents a stage's start builds; the rest come through Rol
 
 
 # ============================================================================ the rollout
-
-class Action(NamedTuple):
-    kind: str  # "publish" (retained job document) | "clear" (empty retained) | "cancel"
-    device: str
-    job_id: str
-    doc: Optional[Dict[str, Any]] = None
-
 
 DocFactory = Callable[..., Dict[str, Any]]
 # doc_factory(device, job_id, kind, layer_precisions or None[, share=...]) -> job document;
@@ -127,19 +130,31 @@ class Rollout(object):
     def on_job_status(self, device: str, msg: Mapping[str, Any], evaluate: bool = True
                       ) -> List[Action]:
         """A decoded job status message from ``device`` (the topic's device). Only an answer
-        to a job this rollout sent is accepted: the right device, job id and kind, a version
-        above the last one and not absurdly far above it, nothing after a terminal state."""
+        to a job this rollout sent is accepted (``_answer``); what it changes is the row of
+        the transition table for where the device's run is and what the status says
+        (``agent.fleet.rollouts.transitions``)."""
         run = self.runs.get(device)
         job_id = msg.get("job_id")
-        if run is None or job_id not in self.job_ids:
+        if run is None or job_id not in self.job_ids or not self._answer(run, device, msg):
             return []
+        state = str(msg.get("state"))
+        state = _STATES.get(state, state)  # one shared copy, not one a run
+        event = transitions.event_of(job_id == self.search_id, state, self.halted)
+        return transitions.apply(self, run, event,
+                                 transitions.Status(str(job_id), state, msg, evaluate))
+
+    def _answer(self, run: DeviceRun, device: str, msg: Mapping[str, Any]) -> bool:
+        """Is this status an answer to a job we sent: the right device, job id and kind, a
+        version above the last one and not absurdly far above it, nothing after a terminal
+        state. An answer is recorded (its version, the history)."""
+        job_id = str(msg.get("job_id"))
         if msg.get("device") not in (None, device):
             self.refused += 1
-            return []
+            return False
         version = int(msg.get("version") or 0)
         last = run.versions.get(job_id, 0)
         if version <= last:
-            return []  # a resend after a reconnect, or an older retained copy
+            return False  # a resend after a reconnect, or an older retained copy
         if run.state == PENDING or job_id not in run.kinds:
             # Not sent yet. Before the rollout sent anything, this is a status retained from
             # an earlier run of the id: remember it (the device will take our document as a
@@ -148,73 +163,26 @@ class Rollout(object):
                     (run.seen.get(job_id) or {}).get("version") or 0):
                 run.seen[job_id] = dict(msg)
                 self.dirty.add(device)
-            return []
+            return False
         kind = str(msg.get("kind") or "")
         if (last and version > last + MAX_VERSION_STEP) or (
                 kind and kind != run.kinds.get(job_id)) or (
                 run.terminal and run.phase == run.kinds.get(job_id) and
                 job_id == run.job_id and not run.local):
             self.refused += 1
-            return []
+            return False
         run.versions[job_id] = version
         self.dirty.add(device)
-        self.history.append((device, str(job_id), version, str(msg.get("state")),
+        self.history.append((device, job_id, version, str(msg.get("state")),
                              str(msg.get("stage") or ""), msg.get("ts")))
-        state = str(msg.get("state"))
-        state = _STATES.get(state, state)  # one shared copy, not one a run
-        actions: List[Action] = []
-        is_search = job_id == self.search_id
-        if is_search and run.phase == "deploy":
-            return []  # the search is over for this device
-        if run.local and not protocol.is_terminal(state):
-            # The device had picked the job up before the controller cancelled it.
-            run.local = False
-        # A finished job is past its last stage (a SUCCEEDED one reports "activating").
-        run.job_stage = "" if protocol.is_terminal(state) else str(msg.get("stage") or "")
-        progress = msg.get("progress")
-        run.progress = dict(progress) if isinstance(progress, dict) else None
-        if run.started is None and state != "QUEUED":
-            run.started = self.clock()
-        if is_search and state == "SUCCEEDED":
-            run.search = dict(msg.get("result") or {})
-            actions.append(Action("clear", device, job_id))
-            if self.halted:
-                run.state, run.local = "CANCELED", True
-                run.note = "search done; deploy not sent: " + self.reason
-                run.finished = self.clock()
-                return actions
-            keep = run.search.get("keep") or []
-            keep_precision = str(run.search.get("keep_precision") or "float32")
-            actions += self._send(run, "deploy", {str(name): keep_precision for name in keep})
-            run.state = "IN_PROGRESS"
-            return actions + self._adopt(run)
-        run.state = state
-        if protocol.is_terminal(state):
-            run.finished = self.clock()
-            run.local = False
-            if state == "SUCCEEDED":
-                run.result = dict(msg.get("result") or {})
-            else:
-                run.error = dict(msg.get("error") or {"code": "internal_error",
-                                                      "message": "no error in the status"})
-                if msg.get("result"):
-                    run.result = dict(msg["result"])
-            if job_id in run.published:
-                actions.append(Action("clear", device, job_id))
-            if self.sharing is not None and run.share.get("role") == "builder":
-                actions += self.release_waiting()
-            if evaluate:
-                actions += self._evaluate()
-            else:  # the caller batches statuses and calls evaluate() once (large stages)
-                self.pending_eval = True
-        return actions
+        return True
 
     def evaluate(self) -> List[Action]:
         """The stage and abort decisions owed since ``on_job_status(..., evaluate=False)``."""
         if not self.pending_eval:
             return []
         self.pending_eval = False
-        return self._evaluate()
+        return self.decide()
 
     def _cancel_unstarted(self, run: "DeviceRun", reason: str) -> None:
         # Nothing was sent to this device: cancel it locally.
@@ -266,9 +234,9 @@ class Rollout(object):
                 continue
             share = {"offer": True} if how == "offer" else \
                 {"engine": ref} if how == "engine" else None
-            actions += self._send(run, "deploy", None, share)
+            actions += self.send_job(run, "deploy", None, share)
             run.state = "QUEUED"
-            actions += self._adopt(run)
+            actions += self.adopt_seen(run)
         self.cursor = len(self.stages[index])
         return actions
 
@@ -304,10 +272,10 @@ class Rollout(object):
             self.cursor += 1
             if run.state != PENDING:
                 continue  # sent before a restart, or cancelled since
-            actions += self._send(run, "search" if self.search_id else "deploy", None)
+            actions += self.send_job(run, "search" if self.search_id else "deploy", None)
             run.state = "QUEUED"
             current = self.current
-            actions += self._adopt(run)
+            actions += self.adopt_seen(run)
             sent += 1
             if self.current != current:
                 return actions  # an adopted answer ended the stage: the next one started
@@ -323,10 +291,10 @@ class Rollout(object):
             return []
         actions: List[Action] = []
         for run, ref, note in self.sharing.released(self.ordered(), self.clock()):
-            actions += self._send(run, "deploy", None, {"engine": ref} if ref else None)
+            actions += self.send_job(run, "deploy", None, {"engine": ref} if ref else None)
             run.state = "QUEUED"
             run.note = note
-            actions += self._adopt(run)
+            actions += self.adopt_seen(run)
         return actions
 
     def engine_offered(self, device: str, ref: Dict[str, Any]) -> None:
@@ -340,7 +308,7 @@ class Rollout(object):
                 run.share["offers"] = offers + [dict(ref)]
             self.dirty.add(device)
 
-    def _adopt(self, run: DeviceRun) -> List[Action]:
+    def adopt_seen(self, run: DeviceRun) -> List[Action]:
         """The device already ended this job id (an earlier run of the rollout id): it will
         ignore the document as a duplicate, so its retained status is the true answer."""
         seen = run.seen.pop(run.job_id, None)
@@ -353,9 +321,9 @@ class Rollout(object):
     def set_paused(self, paused: bool) -> List[Action]:
         """Pause (no next stage starts; running devices go on) or resume."""
         self.paused = bool(paused)
-        return [] if self.paused else self._evaluate()
+        return [] if self.paused else self.decide()
 
-    def _send(self, run: DeviceRun, kind: str, layers: Optional[Dict[str, str]],
+    def send_job(self, run: DeviceRun, kind: str, layers: Optional[Dict[str, str]],
               share: Optional[Dict[str, Any]] = None) -> List[Action]:
         job_id = self.search_id if kind == "search" else self.deploy_id
         assert job_id is not None
@@ -381,36 +349,19 @@ class Rollout(object):
         self.dirty.add(run.device)
         return actions
 
-    @staticmethod
-    def _failure_cause(runs: Sequence[DeviceRun]) -> str:
-        """Which devices' own failures stopped the rollout, and why (the first in full)."""
-        failed = [r for r in runs if r.terminal and r.state != "SUCCEEDED" and not r.local]
-        if not failed:
-            return ""
-        first = failed[0]
-        err = first.error or {}
-        why = "{} {}".format(first.device, first.state)
-        if err.get("code"):
-            why += " ({}: {})".format(err["code"], str(err.get("message") or "")[:160])
-        if len(failed) > 1:
-            why += " and {} more ({})".format(len(failed) - 1, ", ".join(
-                "{} {}".format(r.device, r.state) for r in failed[1:4]) + (
-                    ", ..." if len(failed) > 4 else ""))
-        return why
-
-    def _evaluate(self) -> List[Action]:
+    def decide(self) -> List[Action]:
         if self.halted:
             return []
         reason = abort_reason((r.state for r in self.runs.values() if not r.local),
                               self.policy)
         if reason:
-            cause = self._failure_cause(self.ordered())
+            cause = failure_cause(self.ordered())
             return self.halt(reason + ("; failed: " + cause if cause else ""), "aborted")
         stage = [self.runs[d] for d in self.stages[self.current]]
         verdict = stage_verdict([r.state for r in stage], self.policy)
         if verdict == "failed":
             ok = sum(1 for r in stage if r.state == "SUCCEEDED")
-            cause = self._failure_cause(stage)
+            cause = failure_cause(stage)
             return self.halt("stage {} halted by {}: {} of {} device(s) succeeded, below the "
                              "success threshold {:.0%}".format(
                                  self.current + 1, cause or "failures", ok, len(stage),
