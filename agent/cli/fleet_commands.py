@@ -6,15 +6,11 @@ import argparse
 import json
 import sys
 import time
-import uuid
 from typing import Any, Dict, List
 
-from agent import fleet
 from agent.cli import EXIT_FAILED, EXIT_OK
 from agent.cli.fleet_connect import add_connection_args, connect
 from agent.cli.fleet_registry import age
-from agent.wire import protocol
-from agent.wire.topics import TopicInfo
 
 
 def add_cancel_parser(fsub: Any) -> None:
@@ -84,50 +80,21 @@ def _print_telemetry(msg: Dict[str, Any], as_json: bool) -> None:
 
 
 def run_telemetry(args: argparse.Namespace) -> int:
-    conn = connect(args)
-    samples: List[Dict[str, Any]] = []
-    try:
-        fleet.discover(conn)
-        fleet.select_devices(conn.directory.known(), [args.device])
-        status = conn.directory.status[args.device]
-        rid = "d" + uuid.uuid4().hex[:10]
+    from agent.fleet.commands.telemetry import watch
 
-        def on_message(info: TopicInfo, msg: Any) -> None:
-            if info.device != args.device:
-                return
-            if info.kind == "telemetry":
-                samples.append(msg)
-            elif info.kind == "command_reply" and msg.get("request_id") == rid and msg.get("ok"):
-                tele = (msg.get("result") or {}).get("telemetry")
-                if tele and not samples:
-                    samples.append({"protocol": 1, "device": args.device, "ts": time.time(),
-                                    "source": "diag", "metrics": tele})
+    printed: List[int] = []
 
-        conn.subscribe([conn.topics.telemetry(args.device)], 0)
-        conn.subscribe([conn.topics.command_reply(args.device)])
-        conn.settle(on_message)
-        if status.get("online") is not False:
-            # The diag reply carries the last sample: no wait for the next telemetry tick.
-            conn.publish(conn.topics.commands(args.device), protocol.encode({
-                "protocol": protocol.PROTOCOL_VERSION, "command": "diag", "request_id": rid}),
-                qos=1)
-        if args.follow:
-            try:
-                while True:
-                    conn.pump(on_message, 0.5)
-                    while samples:
-                        _print_telemetry(samples.pop(0), args.json)
-            except KeyboardInterrupt:
-                return EXIT_OK
-        deadline = time.monotonic() + args.timeout
-        while not samples and time.monotonic() < deadline:
-            conn.pump(on_message, 0.2)
-    finally:
-        conn.close()
-    if not samples:
+    def show(sample: Dict[str, Any]) -> None:
+        _print_telemetry(sample, args.json)
+        printed.append(1)
+
+    status, interrupted = watch(lambda: connect(args), args.device, args.timeout, args.follow,
+                                show)
+    if interrupted:
+        return EXIT_OK
+    if not printed:
         why = "it is offline since {}".format(age(status.get("ts"))) \
             if status.get("online") is False else "nothing within {:.0f} s".format(args.timeout)
         print("no telemetry from {}: {}".format(args.device, why), file=sys.stderr)
         return EXIT_FAILED
-    _print_telemetry(samples[0], args.json)
     return EXIT_OK

@@ -7,12 +7,11 @@ import argparse
 import json
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 from agent import fleet
 from agent.cli import EXIT_OK
 from agent.cli.fleet_connect import add_connection_args, connect
-from agent.wire import protocol
 
 
 def add_devices_parser(fsub: Any) -> None:
@@ -131,45 +130,10 @@ def run_devices(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- jobs
 
-def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
-    from agent.fleet.database.store import Store
-
-    store = Store(url, schema="read")
-    try:
-        found: Dict[Any, Dict[str, Any]] = {}
-        for j in store.device_jobs():
-            found[(j["device"], j["job_id"])] = {"status": {
-                "kind": j["phase"], "state": j["state"], "stage": j["job_stage"],
-                "ts": j["updated"], "error": j["error"]}, "document": None}
-        return found
-    finally:
-        store.close()
-
-
 def run_jobs(args: argparse.Namespace) -> int:
-    url = registry_db(args)
-    if url:
-        found = _db_jobs(url)
-    else:
-        conn = connect(args)
-        try:
-            from agent.fleet.commands.jobs import retained_jobs
+    from agent.fleet.commands.jobs import jobs
 
-            found = retained_jobs(conn)
-        finally:
-            conn.close()
-    rows = []
-    for (dev, job_id), entry in sorted(found.items()):
-        if args.device and dev not in args.device:
-            continue
-        st = entry["status"] or {}
-        doc = entry["document"] or {}
-        state = st.get("state") or "SENT"
-        rows.append({"device": dev, "job_id": job_id, "kind": st.get("kind") or doc.get("kind"),
-                     "state": state, "stage": None if protocol.is_terminal(state) else
-                     st.get("stage"),  # a finished job's last stage (activating) is past
-                     "version": st.get("version"), "updated": st.get("ts"),
-                     "error": st.get("error"), "pending_document": bool(entry["document"])})
+    rows = jobs(registry_db(args), lambda: connect(args), args.device)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
         return EXIT_OK

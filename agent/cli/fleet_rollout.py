@@ -229,7 +229,7 @@ def _signed(docs: fleet.DocFactory, signer: job_signer.Signer) -> fleet.DocFacto
 
 
 def run_rollout(args: argparse.Namespace) -> int:
-    from agent.fleet.rollouts.spec import spec_from_args
+    from agent.fleet.rollouts.spec import spec_from_flags
 
     _check_numbers(args)
     from agent.fleet.rollouts.spec import model_name_version, model_set_spec
@@ -265,7 +265,7 @@ def run_rollout(args: argparse.Namespace) -> int:
             args.predicted = preflight["keep"]
         artifacts = _artifact_refs(files, work)
         _add_urls(artifacts, args.artifact_url)
-        spec = spec_from_args(args, artifacts, user_layers, args.timeout)
+        spec = spec_from_flags(vars(args), artifacts, user_layers, args.timeout)
         if preflight is not None:
             spec["preflight"] = preflight
         docs = fleet.doc_factory(spec)

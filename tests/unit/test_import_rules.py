@@ -278,6 +278,7 @@ def test_the_cli_and_the_fleet_service_load_no_sqlalchemy_until_a_schema_changes
             "import agent.cli, agent.cli.fleet, agent.cli.fleet_serve, agent.cli.fleet_db\n"
             "import agent.fleet.database.store, agent.fleet.service, agent.fleet.database.history\n"
             "import agent.fleet.web, agent.fleet.web.views, agent.device.daemon\n"
+            "import agent.fleet.commands.serve, agent.fleet.commands.rollout_run\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('sqlalchemy', 'alembic', 'mako')))\n")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

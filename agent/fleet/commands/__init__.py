@@ -7,7 +7,7 @@ migrations), ``admission`` (the policy a controller hears devices by), ``rollbac
 service or embedded, and followed), ``rollouts`` (``fleet rollouts``), ``deploy``
 (``fleet deploy|deployments|pin|unpin|label``), ``models`` (``fleet models``), ``engines``
 (``fleet engines``), ``jobs`` (``fleet cancel``, the jobs retained on the broker),
-``devices`` (``fleet devices ls``).
+``devices`` (``fleet devices ls``), ``telemetry`` (``fleet telemetry``).
 
 May import every other subpackage of ``agent.fleet`` and the wiring (``service``,
 ``mqtt_edge``), plus ``wire``, ``engines``, ``precision``, ``platform``, ``calib`` and the base

@@ -1,5 +1,6 @@
-"""``fleet cancel`` and ``fleet jobs``' broker side: the jobs retained on the broker, and a
-job cancelled on its devices with each device's own final state (bounded wait).
+"""``fleet jobs`` and ``fleet cancel``: the jobs retained on the broker or recorded in the
+fleet database, and a job cancelled on its devices with each device's own final state
+(bounded wait).
 """
 
 import time
@@ -36,6 +37,49 @@ def retained_jobs(conn: fleet.FleetConnection) -> Dict[Any, Dict[str, Any]]:
     conn.subscribe([base + "/status", base + "/jobs/+", base + "/jobs/+/status"])
     conn.settle(on_message)
     return found
+
+
+def _db_jobs(url: str) -> Dict[Any, Dict[str, Any]]:
+    from agent.fleet.database.store import Store
+
+    store = Store(url, schema="read")
+    try:
+        found: Dict[Any, Dict[str, Any]] = {}
+        for j in store.device_jobs():
+            found[(j["device"], j["job_id"])] = {"status": {
+                "kind": j["phase"], "state": j["state"], "stage": j["job_stage"],
+                "ts": j["updated"], "error": j["error"]}, "document": None}
+        return found
+    finally:
+        store.close()
+
+
+def jobs(url: Optional[str], connect: Callable[[], Any], only: Optional[List[str]] = None
+         ) -> List[Dict[str, Any]]:
+    """``fleet jobs``: one row per (device, job) from the database of ``fleet serve``
+    (``url``: every per-device job of every rollout) or the broker (what it retains), only
+    the devices in ``only`` when given."""
+    if url:
+        found = _db_jobs(url)
+    else:
+        conn = connect()
+        try:
+            found = retained_jobs(conn)
+        finally:
+            conn.close()
+    rows = []
+    for (dev, job_id), entry in sorted(found.items()):
+        if only and dev not in only:
+            continue
+        st = entry["status"] or {}
+        doc = entry["document"] or {}
+        state = st.get("state") or "SENT"
+        rows.append({"device": dev, "job_id": job_id, "kind": st.get("kind") or doc.get("kind"),
+                     "state": state, "stage": None if protocol.is_terminal(state) else
+                     st.get("stage"),  # a finished job's last stage (activating) is past
+                     "version": st.get("version"), "updated": st.get("ts"),
+                     "error": st.get("error"), "pending_document": bool(entry["document"])})
+    return rows
 
 
 def cancel(connect: Callable[[], Any], job_id: str, devices: Optional[List[str]], wait: float

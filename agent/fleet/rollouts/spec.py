@@ -1,6 +1,6 @@
 """A rollout's specification as stored in the database (``rollouts.spec``): what to deploy and
 how, enough to rebuild the job documents after a restart (``doc_factory``) and the policy.
-``fleet rollout`` builds it from its arguments (``spec_from_args``)."""
+``fleet rollout`` builds it from its flags' values (``spec_from_flags``)."""
 
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
@@ -60,22 +60,24 @@ def model_set_spec(set_id: Any, names: Any, model_name: Optional[str]
     return {"id": str(set_id), "names": listed}
 
 
-def spec_from_args(args: Any, artifacts: Mapping[str, Mapping[str, Any]],
-                   user_layers: Mapping[str, str], timeout: float) -> Dict[str, Any]:
-    spec: Dict[str, Any] = {k: getattr(args, k, None) for k in DOC_KEYS}
+def spec_from_flags(flags: Mapping[str, Any], artifacts: Mapping[str, Mapping[str, Any]],
+                    user_layers: Mapping[str, str], timeout: float) -> Dict[str, Any]:
+    """``flags``: ``fleet rollout``'s values by name (the document keys, ``name``, ``version``,
+    ``model_set``, ``model_set_names``, ``model``, and the policy's ``success_threshold``,
+    ``abort_failure_rate``, ``min_executed``)."""
+    spec: Dict[str, Any] = {k: flags.get(k) for k in DOC_KEYS}
     spec["model_name"], spec["model_version"] = model_name_version(
-        getattr(args, "name", None), getattr(args, "version", None),
-        str(artifacts["model"]["sha256"]))
-    model_set = model_set_spec(getattr(args, "model_set", None),
-                               getattr(args, "model_set_names", None), spec["model_name"])
+        flags.get("name"), flags.get("version"), str(artifacts["model"]["sha256"]))
+    model_set = model_set_spec(flags.get("model_set"), flags.get("model_set_names"),
+                               spec["model_name"])
     if model_set is not None:
         spec["model_set"] = model_set
     spec.update({"artifacts": {k: dict(v) for k, v in artifacts.items()},
                  "layer_precisions": dict(user_layers), "timeout": float(timeout),
-                 "model_path": getattr(args, "model", None),
-                 "policy": {"success_threshold": args.success_threshold,
-                            "abort_failure_rate": args.abort_failure_rate,
-                            "min_executed": args.min_executed}})
+                 "model_path": flags.get("model"),
+                 "policy": {"success_threshold": flags["success_threshold"],
+                            "abort_failure_rate": flags["abort_failure_rate"],
+                            "min_executed": flags["min_executed"]}})
     return spec
 
 
