@@ -539,6 +539,8 @@ class FleetService(object):
             self.conn.client.unsubscribe(f)
         self.reread_filters = []
         for rid, ro in list(self.rollouts.items()):
+            if ro.unsent:
+                self.reread.sending(rid, mono)
             room = min(self.reread.room(rid, mono),
                        self.reread.batch - len(self.reread_filters))
             if ro.done or room <= 0:

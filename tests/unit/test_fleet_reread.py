@@ -68,6 +68,9 @@ def test_once_the_rollout_is_quiet_what_is_unfinished_is_read_back_in_rounds_wit
     assert rr.due("ro", runs, 5.5, 1000) == []
     again = rr.due("ro", runs, 2.0 + 4.0, 1000)
     assert len(again) == 1000 and again[0] == ("d0", "j1", 2)
+    # Documents still to send: never quiet (the service, busy building them, reads nothing).
+    rr.sending("ro", 6.2)
+    assert not rr.quiet("ro", 6.5)
     # A status from a device not asked: the stream goes on (it had paused), the quiet ends.
     rr.heard("ro", "d3499", 6.5)
     assert not rr.quiet("ro", 7.0) and rr.room("ro", 7.0) == rr.busy_batch

@@ -8,18 +8,18 @@ subscription to the status topic brings the retained copy back.
 
 When to ask depends on the rollout's traffic. While its statuses still flow (a stage being
 streamed), the broker's queue is the scarce thing: a run is read again after ``after_s`` s
-without a change, ``busy_batch`` a round, rounds ``busy_every_s`` apart. Once no status of the
-rollout has come for ``quiet_s`` s, the burst is over, and what is still QUEUED past
-``quick_s`` s (a device starts a job within a second, unless busy with a local one: it is in
-one rollout at a time), or still unfinished once at least half of the sent jobs are final
-(behind its peers, where a fleet-wide build that reports nothing for minutes is not), is most
-likely an answer the queue dropped: rounds of ``batch`` (what the shipped queue holds, 1000 +
-100 in flight, with the connection otherwise quiet) every round the service runs, so 3,700
-lost statuses are back within seconds, not minutes. The answers to a round do not count as
-traffic (a status of a device the last round asked about), or each round would end the quiet;
-any other status does (a stream that paused under load and goes on). A run's waits double
-with each attempt (a long build reports no new state for minutes) up to ``max_wait_s``, at
-most ``attempts`` per state and job stage.
+without a change, ``busy_batch`` a round, rounds ``busy_every_s`` apart. Once its documents are
+sent (``sending``) and no status of it has come for ``quiet_s`` s, the burst is over, and what
+is still QUEUED past ``quick_s`` s (a device starts a job within a second, unless busy with a
+local one: it is in one rollout at a time), or still unfinished once at least half of the sent
+jobs are final (behind its peers, where a fleet-wide build that reports nothing for minutes is
+not), is most likely an answer the queue dropped: rounds of ``batch`` (what the shipped queue
+holds, 1000 + 100 in flight, with the connection otherwise quiet) every round the service runs,
+so 3,700 lost statuses are back within seconds, not minutes. The answers to a round do not
+count as traffic (a status of a device the last round asked about), or each round would end the
+quiet; any other status does (a stream that paused under load and goes on). A run's waits
+double with each attempt (a long build reports no new state for minutes) up to ``max_wait_s``,
+at most ``attempts`` per state and job stage.
 
 Exact subscriptions rather than one wildcard per job (``{p}/devices/+/jobs/{job}/status``):
 a wildcard's retained burst is as large as the number of unfinished devices, which the broker
@@ -71,6 +71,12 @@ class Reread(object):
             asked.discard(device)
         else:
             self._heard[rollout_id] = now
+
+    def sending(self, rollout_id: str, now: float) -> None:
+        """The rollout still has documents to send: not quiet, whatever came (a starved service
+        building a batch for over a second reads no status meanwhile, and its devices' QUEUED
+        wait in its queue, not lost)."""
+        self._heard[rollout_id] = now
 
     def quiet(self, rollout_id: str, now: float) -> bool:
         """No status of the rollout for ``quiet_s``: its burst is over."""
