@@ -530,10 +530,12 @@ class FleetService(object):
     def _reread_due(self) -> None:
         """Ask the broker again for the retained statuses of jobs unchanged for a while (their
         status may have been dropped by the broker's queue on its way here), a bounded round
-        every JOB_REREAD_EVERY_S s; the last round's exact subscriptions end first."""
+        every JOB_REREAD_EVERY_S s, or at the next tick once the last one was answered (the
+        queue has room again); the last round's exact subscriptions end first."""
         mono = time.monotonic()
-        if mono - self.last_reread < JOB_REREAD_EVERY_S:
-            return
+        if mono - self.last_reread < JOB_REREAD_EVERY_S and not (
+                self.reread_filters and self.reread.answered()):
+            return  # (the last round answered: the next goes at this tick)
         self.last_reread = mono
         for f in self.reread_filters:
             self.conn.client.unsubscribe(f)

@@ -58,7 +58,8 @@ class Reread(object):
         # (rollout, device) -> [(state, job id, stage) last seen, since when, attempts made]
         self._seen: Dict[Tuple[str, str], List[Any]] = {}
         self._heard: Dict[str, float] = {}  # rollout -> when its last status came
-        self._round: Dict[str, Set[str]] = {}  # rollout -> devices its last round asked
+        # rollout -> (devices its last round asked not answered yet, how many it asked)
+        self._round: Dict[str, Tuple[Set[str], int]] = {}
         self._looked: Dict[str, float] = {}  # rollout -> when its runs were last scanned
         self._behind: Dict[str, bool] = {}  # rollout -> unfinished runs behind most peers
         self.asked = 0
@@ -67,10 +68,15 @@ class Reread(object):
         """A job status of ``rollout_id`` came from ``device`` (answers to the last round
         excepted)."""
         asked = self._round.get(rollout_id)
-        if asked is not None and device in asked:
-            asked.discard(device)
+        if asked is not None and device in asked[0]:
+            asked[0].discard(device)
         else:
             self._heard[rollout_id] = now
+
+    def answered(self) -> bool:
+        """Whether the last rounds' answers came (a tenth at most still owed): the broker's
+        queue has room for the next round before its usual time."""
+        return all(len(left) * 10 <= n for left, n in self._round.values())
 
     def sending(self, rollout_id: str, now: float) -> None:
         """The rollout still has documents to send: not quiet, whatever came (a starved service
@@ -123,7 +129,7 @@ class Reread(object):
                 out.append((run.device, run.job_id, rec[2]))
         self._behind[rollout_id] = final >= unfinished
         if out:
-            self._round[rollout_id] = {device for device, _j, _a in out}
+            self._round[rollout_id] = ({device for device, _j, _a in out}, len(out))
         self.asked += len(out)
         return out
 
