@@ -57,10 +57,12 @@ def test_once_the_rollout_is_quiet_what_is_unfinished_is_read_back_in_rounds_wit
     while len(asked) < 3500 and now < 10:
         due = rr.due("ro", runs, now, rr.room("ro", now))
         assert len(due) <= 1000
+        assert not due or not rr.answered()  # asked, not answered yet
         for device, _j, attempt in due:
             asked.append(device)
             assert attempt == 1
             rr.heard("ro", device, now + 0.1)  # the answers to the round
+        assert rr.answered()  # the next round may go before its time
         now += 1.0
     # Quiet at 1 s, unchanged for 2 s at 2 s: four rounds, 2 to 5 s.
     assert sorted(asked) == sorted(r.device for r in runs[:3500]) and now == 6.0, now
@@ -68,6 +70,9 @@ def test_once_the_rollout_is_quiet_what_is_unfinished_is_read_back_in_rounds_wit
     assert rr.due("ro", runs, 5.5, 1000) == []
     again = rr.due("ro", runs, 2.0 + 4.0, 1000)
     assert len(again) == 1000 and again[0] == ("d0", "j1", 2)
+    # Documents still to send: never quiet (the service, busy building them, reads nothing).
+    rr.sending("ro", 6.2)
+    assert not rr.quiet("ro", 6.5)
     # A status from a device not asked: the stream goes on (it had paused), the quiet ends.
     rr.heard("ro", "d3499", 6.5)
     assert not rr.quiet("ro", 7.0) and rr.room("ro", 7.0) == rr.busy_batch

@@ -33,15 +33,19 @@ class Rereader(object):
         self.reread.forget(rollout_id)
 
     def due(self, rollouts: Mapping[str, Rollout]) -> None:
-        """A round, when one is due; the last round's exact subscriptions end first."""
+        """A round, every JOB_REREAD_EVERY_S s or at the next tick once the last one was
+        answered (the queue has room again); the last round's exact subscriptions end first."""
         mono = time.monotonic()
-        if mono - self.last < JOB_REREAD_EVERY_S:
-            return
+        if mono - self.last < JOB_REREAD_EVERY_S and not (
+                self.filters and self.reread.answered()):
+            return  # (the last round answered: the next goes at this tick)
         self.last = mono
         for f in self.filters:
             self.conn.client.unsubscribe(f)
         self.filters = []
         for rid, ro in list(rollouts.items()):
+            if ro.unsent:
+                self.reread.sending(rid, mono)
             room = min(self.reread.room(rid, mono), self.reread.batch - len(self.filters))
             if ro.done or room <= 0:
                 continue

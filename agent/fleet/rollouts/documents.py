@@ -74,10 +74,10 @@ def job_document(job_id: str, kind: str, device: str, artifacts: Mapping[str, An
 class Checked(object):
     """Job documents already checked, by shape: a stage's documents differ only in their device
     and time, and the schema check and size of each (``job_document``: 40 us a document, a
-    seventh of the service's work on one) gave the same answer 50,000 times. ``like`` copies
-    a checked document for another device (top-level keys only: a document's parts are never
-    changed after it is built, agent.fleet.rollouts.doc_parts), its id checked and its size
-    within the limit by a margin the device id and time cannot use up."""
+    seventh of the service's measured steps for one) gave the same answer 50,000 times.
+    ``like`` copies a checked document for another device (top-level keys only: a document's
+    parts are never changed after it is built, agent.fleet.rollouts.doc_parts), its id
+    checked and its size within the limit by a margin the device id and time cannot use up."""
 
     KEPT = 64  # shapes (a search's deploy documents differ by device: those are not kept)
     MARGIN = 160  # bytes: a longer device id (64 characters at most) and another time

@@ -8,18 +8,18 @@ subscription to the status topic brings the retained copy back.
 
 When to ask depends on the rollout's traffic. While its statuses still flow (a stage being
 streamed), the broker's queue is the scarce thing: a run is read again after ``after_s`` s
-without a change, ``busy_batch`` a round, rounds ``busy_every_s`` apart. Once no status of the
-rollout has come for ``quiet_s`` s, the burst is over, and what is still QUEUED past
-``quick_s`` s (a device starts a job within a second, unless busy with a local one: it is in
-one rollout at a time), or still unfinished once at least half of the sent jobs are final
-(behind its peers, where a fleet-wide build that reports nothing for minutes is not), is most
-likely an answer the queue dropped: rounds of ``batch`` (what the shipped queue holds, 1000 +
-100 in flight, with the connection otherwise quiet) every round the service runs, so 3,700
-lost statuses are back within seconds, not minutes. The answers to a round do not count as
-traffic (a status of a device the last round asked about), or each round would end the quiet;
-any other status does (a stream that paused under load and goes on). A run's waits double
-with each attempt (a long build reports no new state for minutes) up to ``max_wait_s``, at
-most ``attempts`` per state and job stage.
+without a change, ``busy_batch`` a round, rounds ``busy_every_s`` apart. Once its documents are
+sent (``sending``) and no status of it has come for ``quiet_s`` s, the burst is over, and what
+is still QUEUED past ``quick_s`` s (a device starts a job within a second, unless busy with a
+local one: it is in one rollout at a time), or still unfinished once at least half of the sent
+jobs are final (behind its peers, where a fleet-wide build that reports nothing for minutes is
+not), is most likely an answer the queue dropped: rounds of ``batch`` (what the shipped queue
+holds, 1000 + 100 in flight, with the connection otherwise quiet) every round the service runs,
+so 3,700 lost statuses are back within seconds, not minutes. The answers to a round do not
+count as traffic (a status of a device the last round asked about), or each round would end the
+quiet; any other status does (a stream that paused under load and goes on). A run's waits
+double with each attempt (a long build reports no new state for minutes) up to ``max_wait_s``,
+at most ``attempts`` per state and job stage.
 
 Exact subscriptions rather than one wildcard per job (``{p}/devices/+/jobs/{job}/status``):
 a wildcard's retained burst is as large as the number of unfinished devices, which the broker
@@ -61,7 +61,8 @@ class Reread(object):
         # (rollout, device) -> [(state, job id, stage) last seen, since when, attempts made]
         self._seen: Dict[Tuple[str, str], List[Any]] = {}
         self._heard: Dict[str, float] = {}  # rollout -> when its last status came
-        self._round: Dict[str, Set[str]] = {}  # rollout -> devices its last round asked
+        # rollout -> (devices its last round asked not answered yet, how many it asked)
+        self._round: Dict[str, Tuple[Set[str], int]] = {}
         self._looked: Dict[str, float] = {}  # rollout -> when its runs were last scanned
         self._behind: Dict[str, bool] = {}  # rollout -> unfinished runs behind most peers
         self.asked = 0
@@ -70,10 +71,21 @@ class Reread(object):
         """A job status of ``rollout_id`` came from ``device`` (answers to the last round
         excepted)."""
         asked = self._round.get(rollout_id)
-        if asked is not None and device in asked:
-            asked.discard(device)
+        if asked is not None and device in asked[0]:
+            asked[0].discard(device)
         else:
             self._heard[rollout_id] = now
+
+    def answered(self) -> bool:
+        """Whether the last rounds' answers came (a tenth at most still owed): the broker's
+        queue has room for the next round before its usual time."""
+        return all(len(left) * 10 <= n for left, n in self._round.values())
+
+    def sending(self, rollout_id: str, now: float) -> None:
+        """The rollout still has documents to send: not quiet, whatever came (a starved service
+        building a batch for over a second reads no status meanwhile, and its devices' QUEUED
+        wait in its queue, not lost)."""
+        self._heard[rollout_id] = now
 
     def quiet(self, rollout_id: str, now: float) -> bool:
         """No status of the rollout for ``quiet_s``: its burst is over."""
@@ -120,7 +132,7 @@ class Reread(object):
                 out.append((run.device, run.job_id, rec[2]))
         self._behind[rollout_id] = final >= unfinished
         if out:
-            self._round[rollout_id] = {device for device, _j, _a in out}
+            self._round[rollout_id] = ({device for device, _j, _a in out}, len(out))
         self.asked += len(out)
         return out
 
