@@ -143,10 +143,13 @@ STALL_LIMIT = 8
 # The adaptive budget: past the default budget, shrinking goes on while the evaluations are
 # cheap (median at most CHEAP_S seconds: host emulation, not a device build) and the set is
 # still shrinking fast: a first look of FIRST_LOOK shrinking evaluations (where the budget
-# left fewer), then while the last WINDOW evaluations (fewer at first) decided (removed, or
+# left fewer, and the set holds at most DENSE of the candidates: bisect's prefix holding
+# nearly all of them says the needed layers reach the end, where group testing rarely
+# pays), then while the last WINDOW evaluations (fewer at first) decided (removed, or
 # confirmed needed) at least FAST of the set and at least one layer; never past CAP
 # evaluations in all.
-FIRST_LOOK = 2
+FIRST_LOOK = 4
+DENSE = 0.75
 WINDOW = 8
 FAST = 0.04
 CHEAP_S = 5.0
@@ -180,6 +183,7 @@ class Budget(object):
         self._granted: Optional[int] = None  # evaluations spent when first let past limit
         self.bounded = False  # the answer keeps no more layers than bisect and worst-first
         self.looked = 0  # shrinking evaluations so far
+        self.candidates = 0  # layers searched (the Search sets it)
         self.phase = "sanity"
 
     @property
@@ -195,7 +199,9 @@ class Budget(object):
             return True
         if self.cap is None or spent >= self.cap or not self.cheap():
             return False
-        if self.looked >= FIRST_LOOK and not shrinking_fast(self.trace):
+        looking = self.looked < FIRST_LOOK and bool(self.trace) and \
+            self.trace[-1][0] <= DENSE * self.candidates
+        if not looking and not shrinking_fast(self.trace):
             return False
         if self._granted is None:
             self._granted = spent

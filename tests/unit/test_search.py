@@ -443,6 +443,8 @@ def test_budget_goes_past_twice_bisect_only_while_shrinking_fast_cheaply_up_to_t
     assert b.go_on() and not b.extended  # within the budget: always
     spent[0] = 10
     b.trace = [(40, 0)]
+    assert not b.go_on()  # a set of at least DENSE of the candidates: no first look
+    b.candidates = 100
     assert b.go_on() and not b.extended  # a first look past the budget...
     b.looked = FIRST_LOOK
     assert not b.go_on()  # ... then only while shrinking fast
