@@ -143,11 +143,11 @@ STALL_LIMIT = 8
 # The adaptive budget: past the default budget, shrinking goes on while the evaluations are
 # cheap (median at most CHEAP_S seconds: host emulation, not a device build) and the set is
 # still shrinking fast: a first look of FIRST_LOOK shrinking evaluations (where the budget
-# left fewer, and the set holds at most DENSE of the candidates: bisect's prefix holding
-# nearly all of them says the needed layers reach the end, where group testing rarely
-# pays), then while the last WINDOW evaluations (fewer at first) decided (removed, or
-# confirmed needed) at least FAST of the set and at least one layer; never past CAP
-# evaluations in all.
+# left fewer, and the set holds at most DENSE of the candidates or FIRST_LOOK layers:
+# bisect's prefix holding nearly all of many says the needed layers reach the end, where
+# group testing rarely pays), then while the last WINDOW evaluations (fewer at first)
+# decided (removed, or confirmed needed) at least FAST of the set and at least one layer;
+# never past CAP evaluations in all.
 FIRST_LOOK = 4
 DENSE = 0.75
 WINDOW = 8
@@ -200,7 +200,7 @@ class Budget(object):
         if self.cap is None or spent >= self.cap or not self.cheap():
             return False
         looking = self.looked < FIRST_LOOK and bool(self.trace) and \
-            self.trace[-1][0] <= DENSE * self.candidates
+            self.trace[-1][0] <= max(FIRST_LOOK, DENSE * self.candidates)
         if not looking and not shrinking_fast(self.trace):
             return False
         if self._granted is None:
