@@ -120,6 +120,7 @@ class Search(object):
                 n = len(self.layers)
                 cap = max(strategies.CAP, 3 * strategies.bisect_evaluations(n) + 4)
                 self.budget = Budget(strategies.default_budget(n, self.ranked), cap=cap)
+                self.budget.candidates = n
                 max_evaluations = cap
             else:  # the caller's, spent as asked
                 self.budget = Budget(max_evaluations)

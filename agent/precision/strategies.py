@@ -142,9 +142,14 @@ def default_budget(n: int, ranked: bool = True) -> int:
 STALL_LIMIT = 8
 # The adaptive budget: past the default budget, shrinking goes on while the evaluations are
 # cheap (median at most CHEAP_S seconds: host emulation, not a device build) and the set is
-# still shrinking fast: while the last WINDOW evaluations (fewer at first) decided (removed,
-# or confirmed needed) at least FAST of the set and at least one layer; never past CAP
-# evaluations in all.
+# still shrinking fast: a first look of FIRST_LOOK shrinking evaluations (where the budget
+# left fewer, and the set holds at most DENSE of the candidates or FIRST_LOOK layers:
+# bisect's prefix holding nearly all of many says the needed layers reach the end, where
+# group testing rarely pays), then while the last WINDOW evaluations (fewer at first)
+# decided (removed, or confirmed needed) at least FAST of the set and at least one layer;
+# never past CAP evaluations in all.
+FIRST_LOOK = 4
+DENSE = 0.75
 WINDOW = 8
 FAST = 0.04
 CHEAP_S = 5.0
@@ -177,22 +182,26 @@ class Budget(object):
         self.trace: List[Tuple[int, int]] = []
         self._granted: Optional[int] = None  # evaluations spent when first let past limit
         self.bounded = False  # the answer keeps no more layers than bisect and worst-first
+        self.looked = 0  # shrinking evaluations so far
+        self.candidates = 0  # layers searched (the Search sets it)
         self.phase = "sanity"
 
     @property
     def extended(self) -> bool:
-        """Shrinking evaluations ran past ``limit`` (the set was still shrinking fast)."""
+        """Shrinking evaluations ran past ``limit`` (a first look, or still shrinking fast)."""
         return self._granted is not None and self.spent() > self._granted
 
     def go_on(self) -> bool:
-        """Within the budget; past it, while evaluations are cheap and the set shrinks fast,
-        up to the cap."""
+        """Within the budget; past it, while evaluations are cheap and the set shrinks fast
+        (after a first look), up to the cap."""
         spent = self.spent()
         if self.limit is None or spent < self.limit:
             return True
         if self.cap is None or spent >= self.cap or not self.cheap():
             return False
-        if not shrinking_fast(self.trace):
+        looking = self.looked < FIRST_LOOK and bool(self.trace) and \
+            self.trace[-1][0] <= max(FIRST_LOOK, DENSE * self.candidates)
+        if not looking and not shrinking_fast(self.trace):
             return False
         if self._granted is None:
             self._granted = spent
@@ -347,6 +356,7 @@ def _shrink(keep: Set[str], by_rank: Any, suspects: Set[str], budget: Budget, st
         if budget.spent() > state["seen"]:  # after each real evaluation
             state["seen"] = budget.spent()
             budget.trace.append((len(keep), state["decided"]))
+            budget.looked += 1
         if state["stalled"] >= stall:
             budget.phase = "stalled"
             return False

@@ -429,7 +429,7 @@ def test_evaluation_lines_are_rate_limited_in_the_log(caplog):
 
 
 def test_budget_goes_past_twice_bisect_only_while_shrinking_fast_cheaply_up_to_the_cap():
-    from agent.precision.strategies import Budget, shrinking_fast
+    from agent.precision.strategies import FIRST_LOOK, Budget, shrinking_fast
 
     # (layers in the set, layers decided so far) after each shrinking evaluation
     assert shrinking_fast([(49, 0), (41, 8)]) and not shrinking_fast([(49, 0)])
@@ -443,7 +443,11 @@ def test_budget_goes_past_twice_bisect_only_while_shrinking_fast_cheaply_up_to_t
     assert b.go_on() and not b.extended  # within the budget: always
     spent[0] = 10
     b.trace = [(40, 0)]
-    assert not b.go_on()  # past the budget only while shrinking fast
+    assert not b.go_on()  # a set of at least DENSE of the candidates: no first look
+    b.candidates = 100
+    assert b.go_on() and not b.extended  # a first look past the budget...
+    b.looked = FIRST_LOOK
+    assert not b.go_on()  # ... then only while shrinking fast
     b.trace = [(40, 0)] * 4 + [(30, 10)]
     assert b.go_on() and not b.extended
     spent[0] = 11

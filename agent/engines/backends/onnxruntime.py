@@ -71,7 +71,7 @@ class OnnxRuntimeBackend(Backend):
         self.cache_trt_version = cache_trt_version
         # The session that checked the last engine built loads (its bytes' sha256, the
         # session): ``open`` of those same bytes takes it instead of loading them again (a
-        # search opens every engine right after building it; loading is a third of an
+        # search opens every engine right after building it; loading twice was a quarter of an
         # evaluation). One at most: the next build replaces it.
         self._checked: Optional[Tuple[bytes, Any]] = None
 
