@@ -302,7 +302,7 @@ def build_from_args(args: argparse.Namespace, model: str
     record = build_engine(os.path.abspath(model), plan, backend, cache,
                           info.fingerprint(backend_name), progress=progress_for(args),
                           calibration_dir=os.path.join(state, "calibration"),
-                          model_name=model_label(model))
+                          model_label=model_label(model))
     return record, backend, decision
 
 

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 print("{}  {:>10}  {:<5} {:<12} {:<14} {}{}".format(
                     e["key"][:16], _size(e["bytes"]), e["precision"] or "?",
                     e["backend"] or "?", _age(now - e["last_used"]),
-                    e["model_name"] or (e["model"] or "")[:12],
+                    e["model_label"] or (e["model"] or "")[:12],
                     "  [in use: {}]".format(", ".join(e["in_use_by"])) if e["in_use_by"]
                     else ""))
     elif args.action == "verify":

@@ -46,6 +46,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from agent.errors import AgentError
+from agent.wire.limits import TokenBuckets
 
 MAX_LINE = 4096
 MAX_DEPTH = 8  # a request is a flat object: deeper nesting is refused before parsing
@@ -103,31 +104,6 @@ def groups_of(uid: int, gid: int) -> List[int]:
         return sorted(set(os.getgrouplist(name, gid)))
     except OSError:
         return [gid]
-
-
-class TokenBucket:
-    def __init__(self, rate_per_s: float, burst: int) -> None:
-        self.rate = float(rate_per_s)
-        self.burst = float(burst)
-        self.tokens: Dict[int, float] = {}
-        self.stamp: Dict[int, float] = {}
-        self.lock = threading.Lock()
-
-    def take(self, key: int, now: Optional[float] = None) -> bool:
-        now = time.monotonic() if now is None else now
-        with self.lock:
-            tokens = min(self.burst, self.tokens.get(key, self.burst) +
-                         (now - self.stamp.get(key, now)) * self.rate)
-            self.stamp[key] = now
-            if tokens < 1.0:
-                self.tokens[key] = tokens
-                return False
-            self.tokens[key] = tokens - 1.0
-            if len(self.tokens) > 4096:  # bounded: forget the quietest users
-                for old in sorted(self.stamp, key=self.stamp.__getitem__)[:1024]:
-                    self.tokens.pop(old, None)
-                    self.stamp.pop(old, None)
-            return True
 
 
 def nesting_depth(line: bytes) -> int:
@@ -221,7 +197,7 @@ class AppSocket:
         self.donate = donate
         self.donating = threading.Lock()
         self._group_cache: Dict[Tuple[int, int], Tuple[float, List[int]]] = {}
-        self.bucket = TokenBucket(rate_per_s, burst)
+        self.bucket = TokenBuckets(rate_per_s, burst)
         self.slots = threading.BoundedSemaphore(max_concurrent)
         self.max_per_uid, self.max_open = max(1, max_per_uid), max(1, max_open)
         self.read_timeout_s = read_timeout_s

@@ -71,7 +71,7 @@ from agent.wire.device_identity import (
     default_key_path,
     load_device_key,
 )
-from agent.wire.limits import ByteQueue
+from agent.wire.limits import BlockingByteQueue
 from agent.wire.mqtt import (
     CONNECT_FAILED,
     CONNECTED,
@@ -278,7 +278,7 @@ class Daemon:
     def __init__(self, cfg: Config, notifier: Optional[Notifier] = None) -> None:
         self.cfg = cfg
         self.device: str = cfg.device_id or ""
-        self.events: "queue.Queue[Any]" = ByteQueue()  # bounded by bytes, not count
+        self.events: "queue.Queue[Any]" = BlockingByteQueue()  # bounded by bytes, not count
         self.shared = DaemonState()
         self.status = ServiceStatus(notifier)
         self.last_watchdog = 0.0

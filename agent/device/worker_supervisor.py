@@ -158,7 +158,7 @@ class WorkerSupervisor:
             bench=run.doc.get("bench"), search=run.doc.get("search"),
             fallback_reason=run.fallback_reason, limits=self._worker_limits())
         # The artifact's own name, for `cache ls` (the worker stages it as model.onnx).
-        spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
+        spec["model_label"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
         spec["device"] = self.device
         spec["platform_root"] = self.cfg.platform_root  # conditions.snapshot reads it
         spec["share"] = dict(run.doc.get("share") or {})  # fleet engine sharing: offer URL

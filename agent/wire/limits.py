@@ -3,12 +3,15 @@
 A token bucket per device daemon bounds how many new jobs it accepts: ``burst`` at once, then
 ``rate`` per second on average. A controller (or anyone who can publish to a device's job
 topics) that floods it gets REJECTED ``rate_limited`` answers instead of a queue that grows
-without bound. Pure: the clock is injected. ``ByteQueue`` bounds the daemon's event queue by bytes.
+without bound. Pure: the clock is injected. ``TokenBuckets`` keeps one per key (an app's uid).
+``BlockingByteQueue`` bounds the daemon's event queue by bytes (the controller's
+queue, ``agent.fleet.transfer.bytequeue.SheddingByteQueue``, drops instead of blocking).
 """
 
 import queue
+import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Hashable, Optional
 
 
 class TokenBucket(object):
@@ -49,6 +52,31 @@ class TokenBucket(object):
         return max(0.0, (n - self.tokens) / self.rate)
 
 
+class TokenBuckets(object):
+    """One ``TokenBucket`` per key (a uid, a device), bounded: past ``max_keys`` the quietest
+    quarter is forgotten (they start again with a full bucket). Thread-safe."""
+
+    def __init__(self, rate: float, burst: float, max_keys: int = 4096,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        TokenBucket(rate, burst, clock)  # checks the arguments once
+        self.rate, self.burst, self.clock = float(rate), float(burst), clock
+        self.max_keys = max_keys
+        self.buckets: Dict[Hashable, TokenBucket] = {}
+        self.lock = threading.Lock()
+
+    def take(self, key: Hashable, n: float = 1.0) -> bool:
+        with self.lock:
+            bucket = self.buckets.get(key)
+            if bucket is None:
+                bucket = self.buckets[key] = TokenBucket(self.rate, self.burst, self.clock)
+                if len(self.buckets) > self.max_keys:
+                    for old in sorted(self.buckets, key=lambda k: self.buckets[k].updated)[
+                            :self.max_keys // 4]:
+                        if old != key:
+                            del self.buckets[old]
+            return bucket.take(n)
+
+
 EVENT_QUEUE_BYTES = 32 << 20  # what the daemon's event queue may hold (messages, worker lines)
 EVENT_QUEUE_ITEMS = 4000
 TRIM_AFTER_BYTES = 8 << 20  # give freed memory back to the OS once a spike this large drained
@@ -64,7 +92,7 @@ def item_bytes(item: Any) -> int:
     return size
 
 
-class ByteQueue(queue.Queue):  # type: ignore[type-arg]
+class BlockingByteQueue(queue.Queue):  # type: ignore[type-arg]
     """A FIFO bounded by the bytes it holds as well as by its length: a flood of large
     messages (junk artifact blocks of up to 1 MiB) blocks the producer (paho's network thread:
     back-pressure onto the socket) instead of growing the daemon's memory. An item larger than

@@ -158,7 +158,7 @@ class JobContext(object):
         record = build_engine(self.files["model"], self.plan, self.backend, self.cache,
                               self.spec["platform_fingerprint"], self.progress,
                               calibration_dir=self.spec["calibration_dir"],
-                              model_name=self.spec.get("model_name"), shared=shared)
+                              model_label=self.spec.get("model_label"), shared=shared)
         if use_shared and refused:
             self.share = {"mode": "built", "reason": refused}
         if shared is not None and shared.get("container"):

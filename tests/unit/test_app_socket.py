@@ -13,8 +13,9 @@ import tempfile
 import pytest
 
 from agent import client
-from agent.device.app_socket import AppSocket, TokenBucket, groups_of, nesting_depth
+from agent.device.app_socket import AppSocket, groups_of, nesting_depth
 from agent.errors import CODES, AgentError
+from agent.wire.limits import TokenBuckets
 
 NOBODY = 65534
 
@@ -165,11 +166,20 @@ def test_names_restrict_what_an_app_may_act_on(sock_dir):
         assert ask(path, b'{"op": "commit", "name": "det"}\n')["ok"]  # root: every name
 
 
-def test_token_bucket_refills():
-    bucket = TokenBucket(rate_per_s=2, burst=2)
-    assert [bucket.take(7, now=0.0) for _ in range(3)] == [True, True, False]
-    assert bucket.take(7, now=0.5) is True and bucket.take(7, now=0.5) is False
-    assert bucket.take(8, now=0.5) is True  # per uid
+def test_token_buckets_refill_per_uid():
+    now = [0.0]
+    bucket = TokenBuckets(rate=2, burst=2, clock=lambda: now[0])
+    assert [bucket.take(7) for _ in range(3)] == [True, True, False]
+    now[0] = 0.5
+    assert bucket.take(7) is True and bucket.take(7) is False
+    assert bucket.take(8) is True  # per uid
+
+
+def test_token_buckets_stay_bounded():
+    bucket = TokenBuckets(rate=1, burst=1, max_keys=8)
+    for uid in range(100):
+        assert bucket.take(uid)
+    assert len(bucket.buckets) <= 8
 
 
 def as_other_user(path, uid, gid, request=None):

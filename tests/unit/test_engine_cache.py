@@ -9,7 +9,7 @@ import pytest
 
 from agent.engines.backends.base import BuildPlan, CalibrationSettings
 from agent.engines.cache import EngineCache
-from agent.engines.cache_key import cache_key
+from agent.engines.cache_key import cache_key, sorted_json
 from agent.engines.cache_upkeep import engine_loader
 from agent.errors import AgentError
 from tests import models
@@ -27,6 +27,16 @@ def _key(**overrides):
 
 
 # --- keys ----------------------------------------------------------------------------------
+
+def test_key_bytes_never_change():
+    """Golden values: a change here orphans every cached engine in the field."""
+    assert sorted_json({"b": [1, 2.5, None], "a": "\u00e9", "c": {"z": 1, "y": "object"}}) == \
+        b'{"a":"\\u00e9","b":[1,2.5,null],"c":{"y":"object","z":1}}'
+    plan = {"precision": "fp16", "calibration": {"data": "/x", "cache": "/y", "algo": "minmax"},
+            "plugins": [{"sha256": "p2"}, {"sha256": "p1"}]}
+    assert cache_key("sha256:ab", plan, "cd", {"trt": "10.3"}, {"sm": "87"}) == \
+        "38588d50067eb2b6a28f33304321320fe22294ab36718665ee1547c903e7bec7"
+
 
 def test_key_is_stable_and_ignores_calibration_paths():
     base = _key()

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from agent.fleet.transfer.bytequeue import ByteQueue
+from agent.fleet.transfer.bytequeue import SheddingByteQueue
 from agent.wire.mqtt import MESSAGE
 from agent.wire.mqtt_types import Event
 
@@ -17,7 +17,7 @@ def msg(topic, size):
 
 
 def test_over_budget_requests_and_telemetry_are_dropped_statuses_never():
-    q = ByteQueue(max_bytes=10000)
+    q = SheddingByteQueue(max_bytes=10000)
     q.put(msg("p/devices/a/artifacts/" + "0" * 64 + "/request", 9000), timeout=0.5)
     q.put(msg("p/devices/a/artifacts/" + "0" * 64 + "/request", 9000), timeout=0.5)
     q.put(msg("p/devices/a/telemetry", 5000))
@@ -33,7 +33,7 @@ def test_over_budget_requests_and_telemetry_are_dropped_statuses_never():
 
 
 def test_put_never_blocks_and_get_wakes_up():
-    q = ByteQueue(max_bytes=1)
+    q = SheddingByteQueue(max_bytes=1)
     got = []
     t = threading.Thread(target=lambda: got.append(q.get(timeout=5)))
     t.start()
@@ -47,7 +47,7 @@ def status(state):
 
 
 def test_a_superseded_job_status_is_coalesced_the_newest_kept_in_order():
-    q = ByteQueue(hold_s=0)
+    q = SheddingByteQueue(hold_s=0)
     st = "p/devices/a/jobs/j/status"
     q.put(Event(MESSAGE, topic=st, payload=status("QUEUED")))
     q.put(msg("p/devices/a/status", 10))  # a birth between: stays before the newer status
@@ -65,7 +65,7 @@ def test_a_superseded_job_status_is_coalesced_the_newest_kept_in_order():
 
 
 def test_a_status_not_final_waits_hold_s_and_is_superseded_unread():
-    q = ByteQueue(hold_s=0.2)
+    q = SheddingByteQueue(hold_s=0.2)
     a, b = "p/devices/a/jobs/j/status", "p/devices/b/jobs/j/status"
     q.put(Event(MESSAGE, topic=a, payload=status("QUEUED")))
     q.put(Event(MESSAGE, topic=b, payload=status("IN_PROGRESS")))
@@ -86,14 +86,14 @@ def test_a_status_not_final_waits_hold_s_and_is_superseded_unread():
 def test_a_payload_larger_than_any_decodable_message_is_dropped_whatever_the_budget():
     from agent.fleet.transfer.bytequeue import MAX_PAYLOAD
 
-    q = ByteQueue()
+    q = SheddingByteQueue()
     q.put(msg("p/devices/a/jobs/j/status", MAX_PAYLOAD + 1))  # decode would refuse it
     q.put(msg("p/devices/a/status", MAX_PAYLOAD))
     assert q.dropped == 1 and q.qsize() == 1
 
 
 def test_retained_births_and_models_over_their_budget_are_left_at_the_broker():
-    q = ByteQueue(max_bytes=1 << 20, reread_bytes=10000)
+    q = SheddingByteQueue(max_bytes=1 << 20, reread_bytes=10000)
     for i in range(10):  # a subscription's flood of retained births and models messages
         for kind in ("status", "models"):
             ev = msg("p/devices/d{}/{}".format(i, kind), 2000)
@@ -117,7 +117,7 @@ def test_devices_not_admitted_share_one_small_budget_admitted_ones_keep_theirs(c
     import logging
 
     caplog.set_level(logging.WARNING, logger="agent.fleet")
-    q = ByteQueue(trusted=lambda d: d.startswith("real"), untrusted_bytes=100000,
+    q = SheddingByteQueue(trusted=lambda d: d.startswith("real"), untrusted_bytes=100000,
                   source_bytes=30000, hold_s=0, untrusted_rate=1e12)
     for i in range(1000):
         q.put(msg("p/devices/fake{}/status".format(i), 9000))
@@ -138,7 +138,7 @@ def test_devices_not_admitted_share_one_small_budget_admitted_ones_keep_theirs(c
 
 
 def test_a_coalesced_status_returns_its_source_budget():
-    q = ByteQueue(trusted=lambda d: False, untrusted_bytes=20000, hold_s=0,
+    q = SheddingByteQueue(trusted=lambda d: False, untrusted_bytes=20000, hold_s=0,
                   untrusted_rate=1e12)
     for _ in range(100):
         q.put(msg("p/devices/x/jobs/j/status", 9000))
@@ -148,7 +148,7 @@ def test_a_coalesced_status_returns_its_source_budget():
 def test_devices_not_admitted_enter_at_most_their_rate():
     """A queue drained at once still lets devices not admitted in at ``untrusted_rate``
     bytes a second only (the work behind the queue is bounded too), admitted ones as before."""
-    q = ByteQueue(trusted=lambda d: d == "real", untrusted_bytes=100000, hold_s=0,
+    q = SheddingByteQueue(trusted=lambda d: d == "real", untrusted_bytes=100000, hold_s=0,
                   untrusted_rate=10000.0)
     taken = 0
     t0 = time.monotonic()

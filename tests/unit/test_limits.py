@@ -85,13 +85,13 @@ def test_the_event_queue_is_bounded_by_bytes():
     import queue
     import threading
 
-    from agent.wire.limits import ByteQueue
+    from agent.wire.limits import BlockingByteQueue
 
     class Ev(object):
         def __init__(self, n):
             self.payload = b"x" * n
 
-    q = ByteQueue(max_bytes=10000, max_items=100)
+    q = BlockingByteQueue(max_bytes=10000, max_items=100)
     q.put(Ev(6000))
     with pytest.raises(queue.Full):
         q.put(Ev(6000), timeout=0.05)  # over the bytes, not the count
