@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from agent import fsio
 from agent.cli import STATE_DIR_HELP
 from agent.cli.models_location import add_models_dir_arg, models_dir
-from agent.device import config, models_guard
+from agent.device import config
+from agent.device.models import guard as models_guard
 from agent.device.state_lock import check_state_dir
 from agent.engines.cache import EngineCache
 from agent.engines.cache_upkeep import engine_loader

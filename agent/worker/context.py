@@ -27,7 +27,7 @@ PROGRESS_INTERVAL_S = 0.25
 def protected_from_spec(spec: Dict[str, Any]) -> Callable[[], Dict[str, List[str]]]:
     """The engines this job's builds must not evict: the spec's ``protected_engines`` (key ->
     users, or a list of keys), which the daemon reads from its models directory
-    (``agent.device.models_guard.protected_engines``) when it starts the job."""
+    (``agent.device.models.guard.protected_engines``) when it starts the job."""
     given = spec.get("protected_engines") or {}
     table = dict(given) if isinstance(given, dict) else {str(k): [] for k in given}
 

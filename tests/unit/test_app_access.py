@@ -12,8 +12,8 @@ import tempfile
 
 import pytest
 
-from agent.device import app_socket
-from agent.device.app_requests import allowed_ids
+from agent.device.app import server as app_socket
+from agent.device.app.requests import allowed_ids
 from agent.device.config import Config
 from agent.errors import AgentError
 

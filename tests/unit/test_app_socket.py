@@ -13,9 +13,9 @@ import tempfile
 import pytest
 
 from agent import client
-from agent.device.app_socket import AppSocket, groups_of, nesting_depth
+from agent.device.app.server import AppSocket, groups_of, nesting_depth
 from agent.errors import CODES, AgentError
-from agent.wire.limits import TokenBuckets
+from agent.wire.device.limits import TokenBuckets
 
 NOBODY = 65534
 
@@ -307,7 +307,7 @@ def test_every_code_the_client_raises_is_documented():
 
 
 def test_app_names_resolve_users_and_groups():
-    from agent.device.app_requests import names_of
+    from agent.device.app.requests import names_of
 
     assert names_of({}) is None  # not configured: every name
     lookup = names_of({"root": ["det"], "@0": ["cls"], "4242": ["seg"]})

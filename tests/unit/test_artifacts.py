@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from agent.device.journal import Journal
+from agent.device.journal.store import Journal
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.artifacts import ArtifactStore
+from agent.wire.device.artifacts import ArtifactStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BS = 1024
@@ -261,8 +261,8 @@ def test_recovery_drops_orphans(state, journal):
 CHILD = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {root!r})
-    from agent.wire.artifacts import ArtifactStore
-    from agent.device.journal import Journal
+    from agent.wire.device.artifacts import ArtifactStore
+    from agent.device.journal.store import Journal
     data = open({src!r}, "rb").read()
     store = ArtifactStore({state!r}, Journal({db!r}), reserve_bytes=0, flush_every=4)
     t = store.begin({sha!r}, len(data), {bs})

@@ -12,7 +12,7 @@ import tempfile
 import pytest
 
 from agent import fsio
-from agent.device import models_guard
+from agent.device.models import guard as models_guard
 from agent.engines.cache import EngineCache
 from tests.models_dir import add_version
 

@@ -9,10 +9,10 @@ import pytest
 from agent import platform
 from agent.device import config
 from agent.device.daemon_state import DaemonState
-from agent.device.job_end import JobEnding
-from agent.device.job_intake import JobIntake
-from agent.device.job_scheduler import JobScheduler
-from agent.device.journal import Journal
+from agent.device.jobs.end import JobEnding
+from agent.device.jobs.intake import JobIntake
+from agent.device.jobs.scheduler import JobScheduler
+from agent.device.journal.store import Journal
 from agent.device.status_publisher import StatusPublisher, status_platform
 from agent.wire import protocol
 from agent.wire.mqtt import MqttClient

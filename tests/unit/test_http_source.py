@@ -1,6 +1,6 @@
 """Artifacts over HTTP: the service's store (agent.fleet.transfer.http_source, a real loopback HTTP
-server) and a device's BlockFetcher with a URL (agent.wire.http_fetch): Range requests into the
-same transfer and bitmap as MQTT blocks, so a download resumes; blocks checked against the
+server) and a device's BlockFetcher with a URL (agent.wire.device.http_fetch): Range requests
+into the same transfer and bitmap as MQTT blocks, so a download resumes; blocks checked against the
 signed per-block hashes; a source answering junk or nothing hands the artifact back to MQTT
 blocks."""
 

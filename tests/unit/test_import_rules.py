@@ -45,6 +45,10 @@ FLEET = {
     "web": {"database", "rollouts", "deployments", "admission", "transfer"},
 }
 FLEET_WIRING = {"agent.fleet", "agent.fleet.service", "agent.fleet.mqtt_edge"}
+# The wire modules only a device imports (agent/wire/device/): the controller (agent.fleet and
+# the fleet CLI) never does, directly or through another module it loads.
+DEVICE_WIRE = "agent.wire.device"
+CONTROLLER = ("agent.fleet", "agent.cli.fleet")
 # Third-party modules that only some packages may import.
 ONLY = {
     "paho": {"wire"},
@@ -191,6 +195,46 @@ def test_fleet_modules_sit_in_their_subpackages_and_import_no_circle():
             broken.append("{}:{} imports {} (fleet.{} may not use {})".format(
                 module, line, target, own, theirs))
     assert not broken, "\n".join(broken)
+
+
+def _targets(path, known):
+    """The modules of ``known`` an import of ``path`` loads (``from a.b import c`` may name a
+    module ``a.b.c`` or a name in ``a.b``)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module] + [node.module + "." + a.name for a in node.names]
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                yield node.lineno, name
+
+
+def test_the_controller_never_loads_a_device_only_wire_module():
+    """What agent.fleet and the fleet CLI import, followed through every module they load
+    (lazy imports included): nothing under agent/wire/device/."""
+    paths = {module_name(p): p for p in sources()}
+    via = {m: [m] for m in paths if m.startswith(CONTROLLER)}
+    todo = sorted(via)
+    broken = []
+    while todo:
+        module = todo.pop()
+        for line, target in _targets(paths[module], paths):
+            if target in via:
+                continue
+            via[target] = via[module] + [target]
+            if target == DEVICE_WIRE or target.startswith(DEVICE_WIRE + "."):
+                broken.append("{} (line {}): {}".format(
+                    " -> ".join(via[target]), line, "device-only"))
+            else:
+                todo.append(target)
+    assert not broken, "\n".join(broken)
+    assert "agent.fleet.service" in via and "agent.wire.protocol" in via  # it did look
 
 
 def test_the_fleet_rules_have_no_circle():

@@ -2,7 +2,7 @@ import pytest
 
 from agent.engines.backends import base
 from agent.errors import AgentError
-from agent.wire import job_semantics
+from agent.wire.device import job_semantics
 from tests.unit.wire_samples import job_doc
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from agent.device.journal import Journal
+from agent.device.journal.store import Journal
 from agent.errors import AgentError
 from agent.wire import protocol, status_messages
 from agent.wire.topics import Topics
@@ -245,7 +245,7 @@ WRITER = textwrap.dedent("""
     from agent.wire import protocol
     from agent.wire import status_messages
     from agent.wire.topics import Topics
-    from agent.device.journal import Journal
+    from agent.device.journal.store import Journal
     j = Journal({path!r})
     t = Topics()
     # not retained: every status stays in the outbox, so versions can be counted

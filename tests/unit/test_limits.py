@@ -2,11 +2,11 @@
 
 import pytest
 
-from agent.device.journal import Journal
+from agent.device.journal.store import Journal
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.artifacts import ArtifactStore
-from agent.wire.limits import TokenBucket
+from agent.wire.device.artifacts import ArtifactStore
+from agent.wire.device.limits import TokenBucket
 from agent.wire.topics import Topics
 
 
@@ -85,7 +85,7 @@ def test_the_event_queue_is_bounded_by_bytes():
     import queue
     import threading
 
-    from agent.wire.limits import BlockingByteQueue
+    from agent.wire.device.limits import BlockingByteQueue
 
     class Ev(object):
         def __init__(self, n):

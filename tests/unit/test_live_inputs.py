@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from agent import client
-from agent.device.app_socket import MAX_PAYLOAD, AppSocket
-from agent.device.live_samples import SampleStore, check_inputs
+from agent.device.app.server import MAX_PAYLOAD, AppSocket
+from agent.device.models.live_samples import SampleStore, check_inputs
 from agent.errors import AgentError
 from agent.precision.live import calibration_inputs, compare, field_ranges, load_rows
 
@@ -214,8 +214,8 @@ def test_export_and_recalibrate_say_when_there_are_no_samples(tmp_path, capsys):
 
 def test_the_last_field_figures_come_back_after_a_restart(tmp_path):
     from agent.device.config import Config
-    from agent.device.live_check import LiveCheck
-    from agent.device.models_dir import ModelsDir
+    from agent.device.models.directory import ModelsDir
+    from agent.device.models.live_check import LiveCheck
 
     models = ModelsDir(str(tmp_path / "models"))
     os.makedirs(models.version_dir("det", "v2"))

@@ -3,7 +3,7 @@ message, or a gate failure listing 30,000 outputs, wedged the device's connectio
 
 import pytest
 
-from agent.device.journal import Journal
+from agent.device.journal.store import Journal
 from agent.errors import AgentError
 from agent.wire import message_caps as caps
 from agent.wire import protocol, status_messages

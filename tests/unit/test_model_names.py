@@ -67,7 +67,7 @@ def test_schema_patterns_are_the_validators():
 
 
 def test_reserved_words_are_the_models_layouts():
-    from agent.device import models_dir
+    from agent.device.models import directory as models_dir
     from agent.wire import model_names
 
     assert models_dir.CURRENT in model_names.RESERVED_VERSIONS

@@ -1,4 +1,4 @@
-"""agent.device.model_removal: the ``remove`` command on a real journal and models directory
+"""agent.device.models.removal: the ``remove`` command on a real journal and models directory
 (no app: no hand-off entries)."""
 
 import os
@@ -6,17 +6,17 @@ import os
 import pytest
 
 from agent.device.config import Config
-from agent.device.journal import Journal
-from agent.device.live_check import LiveCheck
-from agent.device.model_notes import ModelNotes
-from agent.device.model_removal import remove
-from agent.device.models_dir import ModelsDir
+from agent.device.journal.store import Journal
+from agent.device.models.directory import ModelsDir
+from agent.device.models.live_check import LiveCheck
+from agent.device.models.notes import ModelNotes
+from agent.device.models.removal import remove
 from agent.errors import AgentError
 from agent.wire import protocol
 
 
 class Switch(object):
-    """What model_removal reads of agent.device.model_switch.ModelSwitch."""
+    """What model_removal reads of agent.device.models.switch.ModelSwitch."""
 
     def __init__(self, journal, models, pending=None, state_dir=None):
         self.journal, self.models, self.pending, self.entries = journal, models, pending, []

@@ -6,8 +6,9 @@ import os
 
 import pytest
 
-from agent.device import model_meta, model_sets
-from agent.device.model_notes import ModelNotes
+from agent.device.models import meta as model_meta
+from agent.device.models import sets as model_sets
+from agent.device.models.notes import ModelNotes
 from agent.errors import AgentError
 from agent.wire.json_schema import Validator
 
@@ -157,7 +158,7 @@ def test_rollout_passes_the_set_to_devices_that_know_sets():
 
 
 def test_pin_over_the_socket_is_for_root_and_the_service_user():
-    from agent.device import app_requests
+    from agent.device.app import requests as app_requests
 
     class Switch(object):
         def pin(self, name, version):

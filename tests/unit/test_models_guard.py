@@ -1,4 +1,4 @@
-"""The models directory's protection set and health problems (agent.device.models_guard):
+"""The models directory's protection set and health problems (agent.device.models.guard):
 what the cache must keep, and each problem with its stable code and fix."""
 
 import json
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from agent.device import models_guard
+from agent.device.models import guard as models_guard
 from tests.models_dir import add_version, set_current
 
 KEY1, KEY2, KEY3 = ("{:064x}".format(i) for i in (1, 2, 3))

@@ -12,11 +12,14 @@ import time
 
 import pytest
 
-from agent.device import app_requests, commit_logic, config, handoff, model_meta
-from agent.device.job_run import Run
-from agent.device.journal import Journal
-from agent.device.model_switch import ModelSwitch, names_for
-from agent.device.models_dir import ModelsDir, version_problem
+from agent.device import config, handoff
+from agent.device.app import requests as app_requests
+from agent.device.jobs.run import Run
+from agent.device.journal.store import Journal
+from agent.device.models import commit_logic
+from agent.device.models import meta as model_meta
+from agent.device.models.directory import ModelsDir, version_problem
+from agent.device.models.switch import ModelSwitch, names_for
 from agent.errors import AgentError
 from agent.wire.model_names import validate_name, validate_version
 

@@ -333,7 +333,7 @@ def test_foreign_signer_interoperates():
 
 
 def test_the_journal_keeps_the_last_sequence_per_key(tmp_path):
-    from agent.device.journal import Journal
+    from agent.device.journal.store import Journal
 
     path = str(tmp_path / "j.sqlite3")
     with Journal(path) as journal:

@@ -4,7 +4,7 @@ broker that only closes the socket, connections closed right after being accepte
 import logging
 
 from agent.device.daemon_state import DaemonState
-from agent.device.journal import Journal
+from agent.device.journal.store import Journal
 from agent.device.status_publisher import StatusPublisher
 from agent.wire.mqtt import DISCONNECTED, SESSION_TAKEN_OVER
 from agent.wire.mqtt_types import Event

@@ -203,8 +203,9 @@ def test_a_jobs_plugins_are_files_of_the_models_plugins_folder_pinned_by_the_job
     import json
     import types
 
-    from agent.device.job_scheduler import JobScheduler
-    from agent.wire import job_semantics, protocol
+    from agent.device.jobs.scheduler import JobScheduler
+    from agent.wire import protocol
+    from agent.wire.device import job_semantics
     from tests.unit.wire_samples import job_doc
 
     folder = tmp_path / "models" / "plugins"
@@ -290,7 +291,7 @@ def test_timing_cache_failures_are_reported_not_ignored(monkeypatch, tmp_path, p
 def test_a_dla_engines_sidecars_reach_the_version_folder(monkeypatch, tmp_path):
     """The app opens ``<models>/<name>/<version>/model.engine``: its DLA core, platform record
     and plugin list travel with it (they stayed in the engine cache before)."""
-    from agent.device.models_dir import ModelsDir
+    from agent.device.models.directory import ModelsDir
 
     _, result, _, _ = _build(monkeypatch, tmp_path, "8.5",
                              BuildPlan("fp16", dla_core=1, shapes=FIXED),

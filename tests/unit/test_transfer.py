@@ -8,12 +8,12 @@ import random
 
 import pytest
 
-from agent.device.journal import Journal
+from agent.device.journal.store import Journal
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.artifacts import ArtifactStore
+from agent.wire.device.artifacts import ArtifactStore
+from agent.wire.device.transfer import BlockFetcher, BlockServer
 from agent.wire.topics import Topics
-from agent.wire.transfer import BlockFetcher, BlockServer
 
 BS = 1024
 T = Topics()
@@ -199,7 +199,7 @@ def test_timeouts_back_off_while_nothing_arrives(env, tmp_path):
 def test_by_default_the_back_off_stops_at_a_few_seconds(env, tmp_path):
     """An interrupted download (the controller gone a while) is asked for again every 8 s at
     most, not every 60 s: it resumes within seconds of the controller's return."""
-    from agent.wire.transfer import MAX_BACKOFF_S
+    from agent.wire.device.transfer import MAX_BACKOFF_S
 
     data = blob(4 * BS)
     sha = serve(env, tmp_path, data)

@@ -7,7 +7,7 @@ import hashlib
 
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.transfer import block_digests
+from agent.wire.device.transfer import block_digests
 from tests.unit import test_transfer
 from tests.unit.test_transfer import BS, T, blob, serve
 
@@ -100,7 +100,7 @@ def test_a_hash_list_poisoned_on_every_mqtt_answer_for_a_while_does_not_fail_the
         env, tmp_path):
     """Junk completing the list 20 times (more than MAX_LIST_TRIES): junk from the broker,
     where anyone may answer, never counts towards failing the job."""
-    from agent.wire.transfer import MAX_LIST_TRIES
+    from agent.wire.device.transfer import MAX_LIST_TRIES
 
     data = blob(5 * BS)
     sha, blocks = serve_with_hashes(env, tmp_path, data)

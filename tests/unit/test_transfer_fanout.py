@@ -7,10 +7,10 @@ without it) falls back to its own block topic after a request timeout."""
 import collections
 import os
 
-from agent.device.journal import Journal
+from agent.device.journal.store import Journal
 from agent.wire import protocol
-from agent.wire.artifacts import ArtifactStore
-from agent.wire.transfer import BlockFetcher, BlockServer
+from agent.wire.device.artifacts import ArtifactStore
+from agent.wire.device.transfer import BlockFetcher, BlockServer
 from tests.unit.test_transfer import BS, Clock, T, blob
 
 
@@ -158,7 +158,7 @@ def test_a_device_joining_within_the_window_falls_back_after_a_short_wait(tmp_pa
     # The second stage of a rollout asks for blocks fanned out a moment before it listened:
     # the server does not send them again within its window (fan-out stays one copy), and the
     # device goes to its own topic after the short first timeout, not a full request timeout.
-    from agent.wire.transfer import FANOUT_FIRST_TIMEOUT_S
+    from agent.wire.device.transfer import FANOUT_FIRST_TIMEOUT_S
 
     clock, broker, sha, data, late, (j1, j2) = late_joiner(tmp_path)
     assert not broker.completed["late"]  # deduplicated: one copy per window

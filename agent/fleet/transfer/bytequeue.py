@@ -87,7 +87,8 @@ def rereadable(event: Any) -> bool:
 
 class SheddingByteQueue(object):
     """``queue.Queue``'s ``put``/``get``/``qsize`` for ``agent.wire.mqtt`` events; over its
-    budgets it sheds messages (the daemon's ``agent.wire.limits.BlockingByteQueue`` blocks)."""
+    budgets it sheds messages (the daemon's ``agent.wire.device.limits.BlockingByteQueue``
+    blocks)."""
 
     def __init__(self, max_bytes: int = 64 << 20, hold_s: float = HOLD_S,
                  reread_bytes: int = REREAD_BYTES,

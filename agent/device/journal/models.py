@@ -9,7 +9,7 @@ state, model (sha256), engine_key, precision, activated, job_id, info, deadline,
 import sqlite3
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from agent.device.journal_schema import dumps, loads
+from agent.device.journal.schema import dumps, loads
 
 _COLUMNS = ("name, version, active, state, model_sha, engine_key, precision, activated, job_id, "
             "info, deadline, previous")

@@ -11,7 +11,7 @@ import os
 from typing import Any, Dict, List, Mapping, Optional
 
 SCHEMA_VERSION = 1
-SCHEMA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+SCHEMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "data",
                       "schemas", "model_meta.json")
 MAX_PROFILE_INPUTS = 64  # as many as a job's plan.shapes may name
 

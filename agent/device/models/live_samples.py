@@ -2,7 +2,8 @@
 name, kept on the device only (docs/using-models.md, "Live inputs").
 
     <state_dir>/samples/<name>/<seq>-<rows>.npz   one donation: input name -> array [rows, ...]
-    <state_dir>/samples/<name>/field.json   the last INT8 range figures (agent.device.live_check)
+    <state_dir>/samples/<name>/field.json   the last INT8 range figures
+                                            (agent.device.models.live_check)
 
 A donation is checked against the inputs of the name's current version (meta.json: the same
 input names, their dtypes, their fixed dimensions; one sample or a batch of rows), read as
@@ -20,7 +21,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
-from agent.device.app_socket import MAX_PAYLOAD
+from agent.device.app.server import MAX_PAYLOAD
 from agent.errors import AgentError
 from agent.fsio import atomic_write
 from agent.wire.model_names import validate_name

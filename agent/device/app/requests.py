@@ -1,5 +1,5 @@
 """The app socket's requests, answered on the daemon's main loop: the socket's thread
-(``agent.device.app_socket.AppSocket``, which checks the peer's uid/gid and the rate) calls
+(``agent.device.app.server.AppSocket``, which checks the peer's uid/gid and the rate) calls
 ``handler``, which posts an ``AppRequest`` to the main loop and waits for the answer; the main
 loop answers it with ``answer`` (the model switch does the work).
 
@@ -13,7 +13,7 @@ loop answers it with ``answer`` (the model switch does the work).
                                                                   (root and the service user)
     {"op": "donate", "name", "bytes"} + an .npz payload             the app's inputs: taken by
                                                                   the socket itself
-                                                                  (agent.device.live_samples)
+                                                                  (agent.device.models.live_samples)
 
 ``models.app_names`` (``names_of``) limits health, commit and rollback per name: the socket
 checks it (``model_not_owned``) before a request reaches the main loop.
@@ -127,11 +127,11 @@ def allowed_ids(users: List[str], group: Optional[str]) -> Tuple[List[int], List
 
 def open_socket(cfg: Any, events: Any, donate: Any = None) -> Any:
     """The app socket at ``cfg.app_socket``, started; None (warned) where this installation
-    has no ``agent.device.app_socket``. ``donate(name, payload)``: keeps donated inputs."""
+    has no ``agent.device.app.server``. ``donate(name, payload)``: keeps donated inputs."""
     import importlib
 
     try:  # imported by name: the module plugs in (another part of the device owns it)
-        module: Any = importlib.import_module("agent.device.app_socket")
+        module: Any = importlib.import_module("agent.device.app.server")
     except ImportError as exc:
         log.warning("no app socket: %s", exc)
         return None

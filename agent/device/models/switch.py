@@ -33,14 +33,17 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from agent.device import commit_logic, model_meta, model_sets, models_guard
 from agent.device.handoff import Entry, adapters_for
 from agent.device.handoff.base import Adapter, ModelVersion
-from agent.device.job_run import Run
-from agent.device.journal_models import UNCONFIRMED, UNCONFIRMED_PREFIX
-from agent.device.live_check import LiveCheck
-from agent.device.model_notes import ModelNotes
-from agent.device.models_dir import ENGINE, ModelsDir, read_meta
+from agent.device.jobs.run import Run
+from agent.device.journal.models import UNCONFIRMED, UNCONFIRMED_PREFIX
+from agent.device.models import commit_logic
+from agent.device.models import guard as models_guard
+from agent.device.models import meta as model_meta
+from agent.device.models import sets as model_sets
+from agent.device.models.directory import ENGINE, ModelsDir, read_meta
+from agent.device.models.live_check import LiveCheck
+from agent.device.models.notes import ModelNotes
 from agent.device.status_publisher import fit_result
 from agent.errors import AgentError
 from agent.wire.model_names import validate_name, validate_version

@@ -10,12 +10,13 @@ from typing import Any, Callable, Dict, Tuple
 
 from agent.device.config import Config
 from agent.device.daemon_state import DaemonState
-from agent.device.job_end import JobEnding
-from agent.device.job_run import Run
+from agent.device.jobs.end import JobEnding
+from agent.device.jobs.run import Run
 from agent.device.status_publisher import StatusPublisher
 from agent.errors import AgentError
-from agent.wire import job_semantics, protocol, signing
-from agent.wire.limits import TokenBucket
+from agent.wire import protocol, signing
+from agent.wire.device import job_semantics
+from agent.wire.device.limits import TokenBucket
 from agent.wire.model_names import validate_name, validate_version
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon

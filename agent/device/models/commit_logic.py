@@ -11,7 +11,7 @@ confirmation it needs has come, and is rolled back on the first failure or at it
 An explicit commit (the app's or ``jetson-agent models commit``) commits at once; an unhealthy
 report, an adapter that failed or said False, or the deadline rolls back. With no needs (no
 hand-off, no probe, no app confirmation) a version commits at once: the accuracy gate was the
-check. ``agent.device.model_switch`` drives it.
+check. ``agent.device.models.switch`` drives it.
 """
 
 from typing import FrozenSet, List, NamedTuple, Optional, Set

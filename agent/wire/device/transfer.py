@@ -4,8 +4,8 @@
 blocks it asks for; ``BlockFetcher`` (device side) asks for the blocks it misses, a window at
 a time, writes them through the artifact store and re-asks for what a timeout, a disconnect or
 a restart lost; with per-block hashes it checks each block as it arrives, with a URL it fetches
-over HTTP (``agent.wire.http_fetch``), and it listens on the artifact's shared (fan-out) block topic
-while it fetches. Both are free of paho: they publish through a
+over HTTP (``agent.wire.device.http_fetch``), and it listens on the artifact's shared
+(fan-out) block topic while it fetches. Both are free of paho: they publish through a
 ``publish(topic, payload, qos, retain)`` callable and are fed the messages the MQTT layer
 receives.
 """
@@ -19,12 +19,12 @@ from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Tup
 
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.artifacts import ArtifactStore
-from agent.wire.block_assembly import Transfer
 from agent.wire.block_server import BlockServer, Publish, block_digests, sha256_file
+from agent.wire.device.artifacts import ArtifactStore
+from agent.wire.device.block_assembly import Transfer
 from agent.wire.topics import Topics
 
-log = logging.getLogger("agent.wire.transfer")
+log = logging.getLogger("agent.wire.device.transfer")
 
 __all__ = ["BlockFetcher", "BlockServer", "block_digests", "sha256_file"]
 
@@ -48,7 +48,7 @@ class _Fetch(object):
         self.requests = 0
         self.digests = digests  # per-block sha256 digests from the signed hash list
         self.bad_blocks = 0
-        self.http = False  # an HTTP thread fetches it (agent.wire.http_fetch); MQTT waits
+        self.http = False  # an HTTP thread fetches it (agent.wire.device.http_fetch); MQTT waits
         self.fanout = False  # subscribed to the artifact's shared block topic
         self.shared_blocks = 0  # blocks that came on it
         self.url: Optional[str] = None  # the trusted source (the service's HTTP), if any
@@ -124,9 +124,9 @@ class BlockFetcher(object):
         start or resume fetching it and return None (``on_block`` returns the path later).
         ``blocks``: the job document's per-block hash reference (``{"block_size", "sha256"}``):
         its hash list is fetched first, then every block is checked against it as it arrives.
-        ``url``: fetch the artifact over HTTP(S) with Range requests (agent.wire.http_fetch), MQTT
-        blocks when that fails. AgentError bad_message, bad_argument, disk_full,
-        hash_mismatch."""
+        ``url``: fetch the artifact over HTTP(S) with Range requests
+        (agent.wire.device.http_fetch), MQTT blocks when that fails. AgentError bad_message,
+        bad_argument, disk_full, hash_mismatch."""
         protocol.check_sha256(sha256)
         with self._lock:
             if sha256 not in self._fetches and self.store.has(sha256):
@@ -185,7 +185,7 @@ class BlockFetcher(object):
             # (see ``tick``) rather than after a full request timeout.
             fetch.timeout = min(self.timeout_s, FANOUT_FIRST_TIMEOUT_S)
         if url and url.startswith(("http://", "https://")):
-            from agent.wire import http_fetch
+            from agent.wire.device import http_fetch
 
             fetch.http = True
             threading.Thread(target=http_fetch.run, args=(self, sha256, fetch, url),
@@ -204,7 +204,7 @@ class BlockFetcher(object):
                 self._request(sha256, fetch)
 
     def _http_start(self, sha256: str, fetch: _Fetch) -> None:
-        from agent.wire import http_fetch
+        from agent.wire.device import http_fetch
 
         fetch.http = True
         threading.Thread(target=http_fetch.run, args=(self, sha256, fetch, fetch.url),

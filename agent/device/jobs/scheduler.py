@@ -10,11 +10,11 @@ from typing import Any, Callable, Dict, List, Optional
 
 from agent.device.config import Config
 from agent.device.daemon_state import DaemonState
-from agent.device.job_run import Run
+from agent.device.jobs.run import Run
 from agent.device.status_publisher import StatusPublisher
 from agent.device.worker_process import kill_orphan
 from agent.errors import AgentError
-from agent.wire import job_semantics
+from agent.wire.device import job_semantics
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 

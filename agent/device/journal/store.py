@@ -29,8 +29,11 @@ from typing import (
     Tuple,
 )
 
-from agent.device import journal_models, journal_outbox, journal_schema, journal_transfers
-from agent.device.journal_schema import Progress, dumps, loads
+from agent.device.journal import models as journal_models
+from agent.device.journal import outbox as journal_outbox
+from agent.device.journal import schema as journal_schema
+from agent.device.journal import transfers as journal_transfers
+from agent.device.journal.schema import Progress, dumps, loads
 from agent.errors import AgentError
 from agent.wire import protocol
 

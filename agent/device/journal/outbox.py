@@ -11,7 +11,7 @@ from typing import Any, List, NamedTuple, Optional
 from agent.errors import AgentError
 from agent.wire import message_caps, protocol
 
-log = logging.getLogger("agent.device.journal")  # the outbox is part of the journal
+log = logging.getLogger("agent.device.journal.store")  # the outbox is part of the journal
 
 # The largest outbox message: a job status (agent.wire.message_caps keeps them under it).
 OUTBOX_MAX_BYTES = protocol.MAX_BYTES["job_status"]

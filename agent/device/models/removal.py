@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from agent.device.handoff import adapters_for
 from agent.device.handoff.base import ModelVersion
-from agent.device.models_dir import ENGINE, REMOVED_PREFIX, read_meta
+from agent.device.models.directory import ENGINE, REMOVED_PREFIX, read_meta
 from agent.errors import AgentError
 from agent.wire.model_names import validate_name
 

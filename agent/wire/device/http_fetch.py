@@ -26,7 +26,7 @@ from typing import Any, Optional
 from agent.errors import AgentError
 from agent.wire import protocol
 
-log = logging.getLogger("agent.wire.transfer")
+log = logging.getLogger("agent.wire.device.transfer")
 RUN_BLOCKS = 64
 TIMEOUT_S = 30.0
 MAX_BAD_BLOCKS = 16

@@ -28,8 +28,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from agent.device.live_samples import SampleStore
-from agent.device.models_dir import CALIBRATION, ENGINE, ONNX, ModelsDir, read_meta
+from agent.device.models.directory import CALIBRATION, ENGINE, ONNX, ModelsDir, read_meta
+from agent.device.models.live_samples import SampleStore
 from agent.device.worker_supervisor import worker_env
 from agent.fsio import state_dir as default_state_dir
 

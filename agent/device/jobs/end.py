@@ -8,7 +8,7 @@ import shutil
 from typing import Any, Callable, Dict, Optional
 
 from agent.device.daemon_state import DaemonState
-from agent.device.job_run import Run
+from agent.device.jobs.run import Run
 from agent.device.status_publisher import StatusPublisher, fit_result
 from agent.errors import AgentError
 from agent.wire import message_caps

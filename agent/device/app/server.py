@@ -19,9 +19,10 @@ complete line goes to one of ``max_concurrent`` workers; requests are rate-limit
 
 A donation (``{"op": "donate", "name", "bytes": N}``, then N bytes: an .npz of the app's
 inputs, at most ``MAX_PAYLOAD``) is the one request with a payload: read by its worker within
-``PAYLOAD_WITHIN_S`` and handed to ``donate(name, payload)`` (agent.device.live_samples), one at
-a time: another that comes meanwhile is refused at once (``rate_limited``, "dropped"), so
-donations hold at most one worker and the app never waits behind them.
+``PAYLOAD_WITHIN_S`` and handed to ``donate(name, payload)``
+(agent.device.models.live_samples), one at a time: another that comes meanwhile is refused
+at once (``rate_limited``, "dropped"), so donations hold at most one worker and the app never
+waits behind them.
 
 The socket file is mode 0660, group ``socket_gid`` (default: the first allowed gid), with a
 POSIX ACL entry for each allowed uid and gid, so a listed user or group reaches it whether or
@@ -46,7 +47,7 @@ import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from agent.errors import AgentError
-from agent.wire.limits import TokenBuckets
+from agent.wire.device.limits import TokenBuckets
 
 MAX_LINE = 4096
 MAX_DEPTH = 8  # a request is a flat object: deeper nesting is refused before parsing

@@ -5,7 +5,7 @@ models: the journal says which version is active, this module makes the disk say
 
     <models_dir>/<name>/<version>/model.engine   hard link to the engine cache's file
                                   model.onnx     hard link to the artifact store's model
-                                  meta.json      agent.device.model_meta
+                                  meta.json      agent.device.models.meta
                                   model.engine.dla-core / .platform.json / .plugins.json
                                                  the engine's sidecars, when it has them
     <models_dir>/<name>/current -> <version>     relative symlink
@@ -33,7 +33,7 @@ from agent.fsio import atomic_write, fsync_dir, sha256_file
 ENGINE, ONNX, META, CURRENT = "model.engine", "model.onnx", "meta.json", "current"
 CALIBRATION = "calibration.cache"  # INT8: TensorRT calibration cache (int8-calib-file)
 TMP_PREFIX = ".tmp-"
-REMOVED_PREFIX = ".removed-"  # a removed name moved aside (agent.device.model_removal)
+REMOVED_PREFIX = ".removed-"  # a removed name moved aside (agent.device.models.removal)
 FILE_MODE, DIR_MODE = 0o640, 0o750
 
 

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 from agent.errors import AgentError
 from agent.fsio import fsync_dir
 from agent.wire import protocol
-from agent.wire.block_assembly import HASH_CHUNK, Transfer, disk_full
+from agent.wire.device.block_assembly import HASH_CHUNK, Transfer, disk_full
 
 if TYPE_CHECKING:  # the daemon's journal is handed in; wire never imports the device at run time
-    from agent.device.journal import Journal
+    from agent.device.journal.store import Journal
 
 DEFAULT_RESERVE = 64 << 20  # keep this much disk free for the journal, logs and engines
 FLUSH_BYTES = 32 << 20  # fsync a download and record its blocks at least this often

@@ -19,7 +19,7 @@ from agent.errors import AgentError
 from agent.wire import protocol
 
 if TYPE_CHECKING:  # the store hands itself in
-    from agent.wire.artifacts import ArtifactStore
+    from agent.wire.device.artifacts import ArtifactStore
 
 HASH_CHUNK = 1 << 20
 
