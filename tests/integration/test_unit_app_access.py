@@ -24,7 +24,7 @@ import pytest
 from tests.integration.conftest import ROOT, AgentProcess
 from tests.integration.test_install_jetson import PLATFORMS, SCRIPT, _exposure
 from tests.integration.test_named_models import final, named
-from tests.unit.test_systemd_unit import read_unit, settings, verify
+from tests.unit.device.test_systemd_unit import read_unit, settings, verify
 
 UNIT_MODELS_DIR = "/var/lib/jetson-agent-models"
 UNIT_SOCKET = "/run/jetson-agent/app.sock"

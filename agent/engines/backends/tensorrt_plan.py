@@ -1,6 +1,6 @@
 """What to ask TensorRT for a plan: pure functions of a ``BuildPlan`` and a TensorRT version
 (the features a version offers, the builder flags and settings a plan turns into). No TensorRT
-needed: ``tests/unit/test_tensorrt_plan.py`` checks them, and
+needed: ``tests/unit/engines/test_tensorrt_plan.py`` checks them, and
 ``tensorrt_build`` carries them out on a device. Reading TensorRT's answers is
 ``tensorrt_inspect``'s, shape profiles are ``tensorrt_shapes``'.
 

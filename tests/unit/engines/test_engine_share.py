@@ -10,8 +10,8 @@ import pytest
 from agent.engines import share as engine_share
 from agent.engines.build import build_engine
 from agent.engines.cache import EngineCache
-from tests.unit.test_build_engine import CountingBackend, _int8, digits  # noqa: F401
-from tests.unit.test_engine_cache import PLATFORM
+from tests.unit.engines.test_build_engine import CountingBackend, _int8, digits  # noqa: F401
+from tests.unit.engines.test_engine_cache import PLATFORM
 
 
 def device(tmp_path, name):

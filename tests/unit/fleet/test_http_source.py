@@ -8,9 +8,9 @@ import time
 import urllib.request
 
 from agent.fleet.transfer.http_source import HttpSource
-from tests.unit import test_transfer
-from tests.unit.test_transfer import BS, blob, serve
-from tests.unit.test_transfer_block_hashes import serve_with_hashes
+from tests.unit.wire import test_transfer
+from tests.unit.wire.test_transfer import BS, blob, serve
+from tests.unit.wire.test_transfer_block_hashes import serve_with_hashes
 
 env = test_transfer.env  # the in-memory broker fixture
 

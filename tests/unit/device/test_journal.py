@@ -14,7 +14,7 @@ from agent.errors import AgentError
 from agent.wire import protocol, status_messages
 from agent.wire.topics import Topics
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 SHA = "ab" * 32
 T = Topics()
 

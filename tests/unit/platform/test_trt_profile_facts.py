@@ -9,7 +9,7 @@ import pytest
 
 from tests.fake_trt import PROFILE_DIR, PROFILES, load_profile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 CROSSCHECK = os.path.join(PROFILE_DIR, "crosscheck", "tensorrt-stubs-10.13.0.35.1.json")
 
 

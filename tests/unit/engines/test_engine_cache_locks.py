@@ -9,7 +9,7 @@ import pytest
 from agent.engines import cache_lock
 from agent.engines.cache import EngineCache
 from agent.errors import AgentError
-from tests.unit.test_engine_cache import _hex
+from tests.unit.engines.test_engine_cache import _hex
 
 # --- two processes, one build --------------------------------------------------------------
 

@@ -110,7 +110,7 @@ def test_a_late_device_gets_the_missed_blocks_in_the_next_round_on_the_shared_to
     # As a daemon of any release fetches (agent.wire.device.transfer.BlockFetcher): a device that
     # starts listening after the blocks went out gets them from the next round, on the shared
     # topic, before its first fan-out timeout; nothing goes on its own topic.
-    from tests.unit.test_transfer_fanout import late_joiner
+    from tests.unit.wire.test_transfer_fanout import late_joiner
 
     clock, broker, sha, data, _late, (j1, j2) = late_joiner(tmp_path)
     assert not broker.completed["late"]

@@ -15,7 +15,7 @@ from agent.errors import AgentError
 from agent.wire import protocol
 from agent.wire.device.artifacts import ArtifactStore
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 BS = 1024
 
 

@@ -14,7 +14,7 @@ from agent.precision import search as agent_search
 from agent.wire import json_schema, protocol
 from tests.unit.wire_samples import SHA, code_of, job_doc
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 
 
 # ----------------------------------------------------------------------------- encode / decode

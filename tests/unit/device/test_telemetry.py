@@ -6,7 +6,7 @@ import os
 from jtop import JtopException
 
 from agent.device import telemetry
-from tests.unit.test_platform import FakeJtop, fixture, load_jtop_recording
+from tests.unit.platform.test_platform import FakeJtop, fixture, load_jtop_recording
 
 
 def test_sysfs_nano_jetpack4_layout():

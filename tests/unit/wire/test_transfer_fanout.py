@@ -11,7 +11,7 @@ from agent.device.journal.store import Journal
 from agent.wire import protocol
 from agent.wire.device.artifacts import ArtifactStore
 from agent.wire.device.transfer import BlockFetcher, BlockServer
-from tests.unit.test_transfer import BS, Clock, T, blob
+from tests.unit.wire.test_transfer import BS, Clock, T, blob
 
 
 class Broker(object):

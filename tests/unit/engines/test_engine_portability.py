@@ -19,7 +19,7 @@ from agent.fleet.transfer.sharing import device_class
 from agent.platform import for_row
 from tests import fake_trt
 from tests.trt_builds import save
-from tests.unit.test_engine_cache import PLATFORM
+from tests.unit.engines.test_engine_cache import PLATFORM
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ from agent.device.handoff import deepstream, triton
 from agent.device.handoff.base import ModelVersion
 from agent.errors import AgentError
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "handoff")
+FIXTURES = os.path.join(os.path.join(os.path.dirname(__file__), "..", ".."), "fixtures", "handoff")
 
 
 def golden(name):

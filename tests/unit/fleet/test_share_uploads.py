@@ -159,7 +159,7 @@ def test_a_body_that_ends_early_is_dropped(board, key):
 
 def test_two_uploads_at_most_and_none_from_a_builder_no_longer_designated(board, key):
     """A stolen key racing the builder does not use its URL up (the builder's signed report
-    picks its own upload, tests/unit/test_fleet_sharing.py); a third upload is refused, and so
+    picks its own upload, tests/unit/fleet/test_fleet_sharing.py); a third upload is refused, and so
     is any from a device that is not a designated builder."""
     shares, _store, _server, base = board
     url = "{}/shares/{}".format(base, shares.token("ro", "dev-a"))

@@ -3,7 +3,7 @@ and it runs `fleet serve` as a notify service restarted on any exit."""
 
 import os
 
-from tests.unit.test_systemd_unit import ROOT, settings, verify
+from tests.unit.device.test_systemd_unit import ROOT, settings, verify
 
 UNIT = os.path.join(ROOT, "systemd", "jetson-agent-fleet.service")
 

@@ -17,8 +17,8 @@ from agent.engines.build import build_engine
 from agent.engines.cache import EngineCache
 from agent.errors import AgentError
 from tests import models
-from tests.unit.test_engine_cache import PLATFORM, _fail_writes_after
-from tests.unit.test_engine_cache_locks import in_two_processes
+from tests.unit.engines.test_engine_cache import PLATFORM, _fail_writes_after
+from tests.unit.engines.test_engine_cache_locks import in_two_processes
 
 # --- build_engine with the real onnxruntime backend ----------------------------------------
 

@@ -13,7 +13,7 @@ from jtop import JtopException
 from agent import platform as plat
 from agent.errors import AgentError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "platforms")
 
 

@@ -163,7 +163,7 @@ def test_imports_stay_light():
     code = ("import sys, agent.engines.backends.tensorrt, calib.calibrators,"
             " agent.engines.backends.cuda_buffers;"
             "print(sorted(m for m in ('tensorrt', 'pycuda') if m in sys.modules))")
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
     out = subprocess.check_output([sys.executable, "-c", code], cwd=root)
     assert out.decode().strip() == "[]"
 

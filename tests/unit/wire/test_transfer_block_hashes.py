@@ -8,8 +8,8 @@ import hashlib
 from agent.errors import AgentError
 from agent.wire import protocol
 from agent.wire.device.transfer import block_digests
-from tests.unit import test_transfer
-from tests.unit.test_transfer import BS, T, blob, serve
+from tests.unit.wire import test_transfer
+from tests.unit.wire.test_transfer import BS, T, blob, serve
 
 env = test_transfer.env  # the in-memory broker fixture
 
@@ -118,7 +118,7 @@ def test_the_hash_list_comes_from_the_trusted_http_source_when_the_job_names_one
     """With the service's URL the list is fetched over HTTP like the artifact: junk on the
     broker answering every block request changes nothing."""
     from agent.fleet.transfer.http_source import HttpSource
-    from tests.unit.test_http_source import wait_http
+    from tests.unit.fleet.test_http_source import wait_http
 
     data = blob(6 * BS)
     sha, blocks = serve_with_hashes(env, tmp_path, data)

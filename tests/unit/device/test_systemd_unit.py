@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 UNIT = os.path.join(ROOT, "systemd", "jetson-agent.service")
 DROPINS = sorted(glob.glob(os.path.join(ROOT, "systemd", "jetson-agent.service.d",
                                         "*.conf.example")))

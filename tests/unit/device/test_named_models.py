@@ -23,7 +23,7 @@ from agent.device.models.switch import ModelSwitch, names_for
 from agent.errors import AgentError
 from agent.wire.model_names import validate_name, validate_version
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "journal")
+FIXTURES = os.path.join(os.path.join(os.path.dirname(__file__), "..", ".."), "fixtures", "journal")
 A, B = "a" * 64, "b" * 64
 
 
