@@ -106,8 +106,8 @@ def _type_checking_only(node):
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports(path):
-    """(line, imported module) for every import that can run, resolving `from agent import x`."""
+def _runnable(path):
+    """The import nodes of ``path`` that can run (those under ``if TYPE_CHECKING:`` never do)."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     skip = set()
@@ -115,17 +115,39 @@ def imports(path):
         if isinstance(node, ast.If) and _type_checking_only(node):
             skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+        if id(node) not in skip and isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+
+
+def imports(path):
+    """(line, imported module) for every import that can run, resolving `from agent import x`."""
+    for node in _runnable(path):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        elif node.module and not node.level:
             if node.module in ("agent", "calib"):
                 for alias in node.names:
                     yield node.lineno, node.module + "." + alias.name
             else:
                 yield node.lineno, node.module
+
+
+def module_imports(path, known):
+    """(line, module) for each module of ``known`` an import of ``path`` that can run loads
+    (``from a.b import c`` may name a module ``a.b.c`` or a name in ``a.b``)."""
+    for node in _runnable(path):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif node.module and not node.level:
+            names = [node.module] + [node.module + "." + a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                yield node.lineno, name
 
 
 def test_every_module_has_a_package():
@@ -197,24 +219,6 @@ def test_fleet_modules_sit_in_their_subpackages_and_import_no_circle():
     assert not broken, "\n".join(broken)
 
 
-def _targets(path, known):
-    """The modules of ``known`` an import of ``path`` loads (``from a.b import c`` may name a
-    module ``a.b.c`` or a name in ``a.b``)."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names = [node.module] + [node.module + "." + a.name for a in node.names]
-        for name in names:
-            while name and name not in known:
-                name = name.rpartition(".")[0]
-            if name:
-                yield node.lineno, name
-
-
 def test_the_controller_never_loads_a_device_only_wire_module():
     """What agent.fleet and the fleet CLI import, followed through every module they load
     (lazy imports included): nothing under agent/wire/device/."""
@@ -224,7 +228,7 @@ def test_the_controller_never_loads_a_device_only_wire_module():
     broken = []
     while todo:
         module = todo.pop()
-        for line, target in _targets(paths[module], paths):
+        for line, target in module_imports(paths[module], paths):
             if target in via:
                 continue
             via[target] = via[module] + [target]
