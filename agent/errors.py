@@ -190,7 +190,8 @@ CODES = {
     # The per-layer view (issue 34).
     "profile_unavailable": "bench --profile on a backend or TensorRT version without a "
     "per-layer profiler.",
-    # Live inputs and the live check (agent.device.live_samples, agent.device.live_check).
+    # Live inputs and the live check (agent.device.models.live_samples,
+    # agent.device.models.live_check).
     "bad_donation": "An app's donated inputs do not match the model's inputs (names, dtypes, "
     "shapes), are larger than models.live_check.keep_bytes allows, or the name has no active "
     "version to check them against.",

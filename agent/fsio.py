@@ -1,14 +1,17 @@
-"""Atomic file writes and the state-directory rule (worker side: Python >= 3.6).
+"""Atomic file writes, the state-directory rule and file locks (worker side: Python >= 3.6).
 
 Writes go to a temporary file in the target's directory, are fsync'd, then renamed over the
 target, so a reader (or a crash) never sees half a file. ENOSPC becomes ``disk_full``.
 """
 
+import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import tempfile
-from typing import Optional
+import time
+from typing import Iterator, Optional
 
 from agent.errors import AgentError
 
@@ -94,3 +97,46 @@ def sha256_file(path: str, chunk: int = 1 << 20) -> str:
         for block in iter(lambda: f.read(chunk), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------- file locks
+# The one flock helper (the engine cache, timing caches, the signer's sequence, the state
+# directory's daemon lock). flock locks belong to an open file: a second open+flock of the
+# same file in one process deadlocks, so re-entrant callers keep their fd
+# (agent.engines.cache_lock).
+
+def lock_fd(fd: int, mode: int = fcntl.LOCK_EX, timeout: Optional[float] = None,
+            poll_s: float = 0.02) -> bool:
+    """``flock(fd, mode)`` (LOCK_EX or LOCK_SH); wait at most ``timeout`` seconds (None:
+    forever; 0: do not wait). False when it was not taken in time; other errors raise."""
+    if timeout is None:
+        fcntl.flock(fd, mode)
+        return True
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+
+
+def unlock_fd(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def file_lock(path: str, mode: int = fcntl.LOCK_EX) -> Iterator[int]:
+    """Hold ``mode`` on ``path`` (created, with its directory, if needed) for the block,
+    waiting as long as it takes; yields the fd."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        lock_fd(fd, mode)
+        yield fd
+    finally:
+        os.close(fd)  # closing drops the flock

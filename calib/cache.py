@@ -25,6 +25,7 @@ from typing import Dict, Optional, Tuple
 
 from agent.errors import AgentError
 from agent.fsio import atomic_write_text
+from agent.version_key import version_key
 
 # The TensorRT of JetPack 6 (L4T r36): the default target of caches written on a host.
 DEFAULT_TRT_VERSION = "10.3.0"
@@ -87,16 +88,10 @@ def algorithm_name(algorithm: str) -> str:
 
 
 def _parse_version(version: str) -> Tuple[int, int, int]:
-    parts = str(version).strip().split(".")
-    try:
-        nums = [int(p) for p in parts[:3]]
-    except ValueError:
-        nums = []
-    if not nums or any(n < 0 for n in nums):
+    nums = version_key(version, 3)
+    if not nums:
         raise AgentError("bad_argument",
                          "TensorRT version must look like 10.3.0, found {!r}".format(version))
-    while len(nums) < 3:
-        nums.append(0)
     return nums[0], nums[1], nums[2]
 
 

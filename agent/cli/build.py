@@ -20,7 +20,8 @@ from agent import fsio
 from agent import platform as plat
 from agent.cli import STATE_DIR_HELP
 from agent.cli.models_location import add_models_dir_arg, models_dir
-from agent.device import config, config_schema, models_guard
+from agent.device import config, config_schema
+from agent.device.models import guard as models_guard
 from agent.device.state_lock import check_state_dir
 from agent.engines import plugins
 from agent.engines.backends.base import (
@@ -302,7 +303,7 @@ def build_from_args(args: argparse.Namespace, model: str
     record = build_engine(os.path.abspath(model), plan, backend, cache,
                           info.fingerprint(backend_name), progress=progress_for(args),
                           calibration_dir=os.path.join(state, "calibration"),
-                          model_name=model_label(model))
+                          model_label=model_label(model))
     return record, backend, decision
 
 
@@ -377,12 +378,12 @@ def print_human(out: Dict[str, Any]) -> None:
 def save_engine(path: str, model: str, record: EngineRecord, backend: Backend,
                 shapes: Optional[Dict[str, Any]] = None, dla_core: Optional[int] = None) -> str:
     """The engine copied to ``path`` atomically (temporary file, fsync, rename) and its
-    meta.json (``agent.device.model_meta``) written to ``path + ".json"``, the same way."""
+    meta.json (``agent.device.models.meta``) written to ``path + ".json"``, the same way."""
     import re
     import shutil
     import tempfile
 
-    from agent.device import model_meta
+    from agent.device.models import meta as model_meta
     from agent.fsio import atomic_write, fsync_dir, sha256_file
 
     path = os.path.abspath(path)

@@ -19,7 +19,8 @@ from typing import Any, Dict, List, Optional, Tuple
 from agent import fsio
 from agent.cli import STATE_DIR_HELP
 from agent.cli.models_location import add_models_dir_arg, models_dir
-from agent.device import config, models_guard
+from agent.device import config
+from agent.device.models import guard as models_guard
 from agent.device.state_lock import check_state_dir
 from agent.engines.cache import EngineCache
 from agent.engines.cache_upkeep import engine_loader
@@ -173,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
                 print("{}  {:>10}  {:<5} {:<12} {:<14} {}{}".format(
                     e["key"][:16], _size(e["bytes"]), e["precision"] or "?",
                     e["backend"] or "?", _age(now - e["last_used"]),
-                    e["model_name"] or (e["model"] or "")[:12],
+                    e["model_label"] or (e["model"] or "")[:12],
                     "  [in use: {}]".format(", ".join(e["in_use_by"])) if e["in_use_by"]
                     else ""))
     elif args.action == "verify":

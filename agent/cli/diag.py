@@ -100,8 +100,8 @@ def default_backend(info: plat.PlatformInfo, backends: Dict[str, Dict[str, Any]]
 
 
 def models_report(path: str, verify: bool = False) -> Dict[str, Any]:
-    """The models directory's health (``agent.device.models_guard.check_models``)."""
-    from agent.device import models_guard
+    """The models directory's health (``agent.device.models.guard.check_models``)."""
+    from agent.device.models import guard as models_guard
 
     problems = models_guard.check_models(path, verify=verify)
     return {"dir": path, "exists": os.path.isdir(path), "verified": verify,
@@ -142,7 +142,7 @@ def collect(root: str = "/", use_jtop: bool = True, matrix_path: Optional[str] =
     security = None
     if config_path is not None:
         from agent.device import config
-        from agent.wire import security_posture
+        from agent.wire.device import security_posture
 
         security = security_posture.posture(config.load(config_path))
         add(security["problems"], "security")

@@ -98,15 +98,15 @@ def _list(journal: Any, notes: Any = None) -> List[Dict[str, Any]]:
 
 
 def _notes(args: argparse.Namespace) -> Any:
-    """The daemon's pins and last health per name (agent.device.model_notes), read-only."""
-    from agent.device.model_notes import ModelNotes
+    """The daemon's pins and last health per name (agent.device.models.notes), read-only."""
+    from agent.device.models.notes import ModelNotes
 
     _, state_dir, _ = daemon_dirs(args.config, args.state_dir)
     return ModelNotes.in_state_dir(state_dir)
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from agent.device.model_sets import ModelSets
+    from agent.device.models.sets import ModelSets
 
     with open_journal(args) as journal:
         rows = _list(journal, _notes(args))
@@ -133,7 +133,7 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from agent.device.models_dir import ModelsDir, read_meta, version_problem
+    from agent.device.models.directory import ModelsDir, read_meta, version_problem
 
     name = validate_name(args.name)
     cfg, _, _ = daemon_dirs(args.config, args.state_dir)
@@ -200,7 +200,7 @@ def run_show(args: argparse.Namespace) -> int:
 
 def _field(args: argparse.Namespace, name: str) -> Any:
     """The daemon's last INT8 range figures of ``name`` (None: none measured)."""
-    from agent.device.live_samples import SampleStore
+    from agent.device.models.live_samples import SampleStore
 
     _, state_dir, _ = daemon_dirs(args.config, args.state_dir)
     return SampleStore(os.path.join(state_dir, "samples")).read_field(name)
@@ -297,7 +297,7 @@ SHARD_ROWS = 64  # rows per calibration shard (a build loads one shard at a time
 
 def _samples(args: argparse.Namespace) -> Dict[str, Any]:
     """The name's donated inputs (newest ``keep`` rows); AgentError no_samples without."""
-    from agent.device.live_samples import SampleStore
+    from agent.device.models.live_samples import SampleStore
 
     name = validate_name(args.name)
     cfg, state_dir, _ = daemon_dirs(args.config, args.state_dir)

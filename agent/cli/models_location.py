@@ -1,7 +1,7 @@
 """Where the daemon's models directory is, for the commands that must respect it (``build``,
 ``cache``, ``diag``): ``--models-dir DIR``, else the config's ``models.dir``, else
 ``<state_dir>/models`` (the daemon's default). Its versions protect their engines in the cache
-(``agent.device.models_guard``), so a build with a small ``--cache-budget`` or a ``cache purge``
+(``agent.device.models.guard``), so a build with a small ``--cache-budget`` or a ``cache purge``
 never removes an engine an application runs.
 """
 

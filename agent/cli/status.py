@@ -86,7 +86,7 @@ def state_dir_of(args: argparse.Namespace) -> str:
 def open_journal(args: argparse.Namespace) -> Any:
     """The daemon's journal, located like the daemon locates it; never created here."""
     from agent.device.daemon import journal_path
-    from agent.device.journal import Journal
+    from agent.device.journal.store import Journal
 
     path = journal_path(state_dir_of(args))
     if not os.path.isfile(path):

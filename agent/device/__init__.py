@@ -2,12 +2,14 @@
 
 Owns the daemon (``daemon``: the main loop, and ``assemble``, the one place its parts are wired)
 and its parts, each handed its collaborators in its constructor, none inheriting from another:
-``job_intake`` (documents in, validated, queued; cancels), ``job_scheduler`` (the next job
-checked), ``artifact_downloads``, ``worker_supervisor`` (with ``worker_process``, the worker as an
-OS process), ``job_end`` (how any job ends), ``status_publisher`` (the outbox, birth status),
-``telemetry_publisher``, ``device_commands`` and ``engine_rollback``; ``daemon_state`` (the
-little they share) and ``job_run`` (the job in hand). Also the SQLite ``journal``, the YAML
-``config``, device ``telemetry``, ``sdnotify``, the per-state-dir ``state_lock`` and the start-up
+``jobs/`` (``intake``: documents in, validated, queued; ``scheduler``: the next job checked;
+``run``: the job in hand; ``end``: how any job ends), ``artifact_downloads``,
+``worker_supervisor`` (with ``worker_process``, the worker as an OS process),
+``status_publisher`` (the outbox, birth status), ``telemetry_publisher``, ``device_commands``;
+``daemon_state`` (the little they share). Also the SQLite ``journal/``, ``models/`` (the models
+directory, the switch into named versions, commit and rollback, sets, live inputs), ``app/``
+(the app socket), ``handoff/`` (Triton, DeepStream, a command), the YAML ``config``, device
+``telemetry``, ``sdnotify``, the per-state-dir ``state_lock`` and the start-up
 ``backend_check``.
 
 May import: ``wire``, ``engines``, ``precision``, ``platform``, ``worker`` (the job spec it

@@ -7,13 +7,13 @@ import time
 from typing import Any, Callable, Optional, Tuple
 
 from agent.device.daemon_state import DaemonState
-from agent.device.job_run import PROGRESS_EVERY_S, Run
+from agent.device.jobs.run import PROGRESS_EVERY_S, Run
 from agent.device.status_publisher import StatusPublisher
 from agent.errors import AgentError
 from agent.wire import protocol
-from agent.wire.artifacts import ArtifactStore
+from agent.wire.device.artifacts import ArtifactStore
+from agent.wire.device.transfer import BlockFetcher
 from agent.wire.topics import Topics
-from agent.wire.transfer import BlockFetcher
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
 
@@ -64,8 +64,8 @@ class ArtifactDownloads:
             self.launch(run)
 
     def _inject_block(self, topic: str, payload: bytes) -> None:
-        """An artifact's last block fetched over HTTP (agent.wire.http_fetch), handed to the main
-        loop as if it came over MQTT: completion happens in one place."""
+        """An artifact's last block fetched over HTTP (agent.wire.device.http_fetch), handed to
+        the main loop as if it came over MQTT: completion happens in one place."""
         from agent.wire.mqtt import MESSAGE
         from agent.wire.mqtt_types import Event
 

@@ -18,7 +18,7 @@ another, wired in one place (``assemble``). A job passes through them in this or
     MQTT message in          ``Daemon._on_message`` routes it by topic
     validated, queued        ``job_intake.JobIntake``  (the journal is the queue)
     checked                  ``job_scheduler.JobScheduler``  (platform decision, limits)
-    downloaded               ``artifact_downloads.ArtifactDownloads``  (agent.wire.transfer)
+    downloaded               ``artifact_downloads.ArtifactDownloads``  (agent.wire.device.transfer)
     worker                   ``worker_supervisor.WorkerSupervisor``  (the subprocess)
     activated, committed     ``model_switch.ModelSwitch``  (a deployed engine becomes a version of
                              its name in the models directory, handed to the app, committed or
@@ -45,25 +45,29 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from agent import __version__
-from agent.device import app_requests, backend_check, handoff, state_lock, writable_paths
+from agent.device import backend_check, handoff, state_lock, writable_paths
+from agent.device.app import requests as app_requests
 from agent.device.artifact_downloads import ArtifactDownloads, reclaim_partials
 from agent.device.config import Config, http_ca_file
 from agent.device.daemon_state import DaemonState, ServiceStatus
 from agent.device.device_commands import DeviceCommands
-from agent.device.job_end import JobEnding
-from agent.device.job_intake import JobIntake
-from agent.device.job_scheduler import JobScheduler
-from agent.device.journal import Journal
-from agent.device.model_switch import ModelSwitch, SwitchEvent
-from agent.device.models_dir import ModelsDir
+from agent.device.jobs.end import JobEnding
+from agent.device.jobs.intake import JobIntake
+from agent.device.jobs.scheduler import JobScheduler
+from agent.device.journal.store import Journal
+from agent.device.models.directory import ModelsDir
+from agent.device.models.switch import ModelSwitch, SwitchEvent
 from agent.device.sdnotify import Notifier
 from agent.device.status_publisher import StatusPublisher, status_platform
 from agent.device.telemetry_publisher import TelemetryPublisher, open_telemetry
 from agent.device.worker_process import WorkerEvent
 from agent.device.worker_supervisor import WorkerSupervisor, clean_work_dirs
 from agent.errors import AgentError
-from agent.wire import device_identity, protocol, security_posture, status_messages
-from agent.wire.artifacts import ArtifactStore
+from agent.wire import device_identity, protocol, status_messages
+from agent.wire.device import security_posture
+from agent.wire.device.artifacts import ArtifactStore
+from agent.wire.device.limits import BlockingByteQueue
+from agent.wire.device.transfer import MAX_BACKOFF_S, BlockFetcher
 from agent.wire.device_identity import (
     DeviceKey,
     ReportSigner,
@@ -71,7 +75,6 @@ from agent.wire.device_identity import (
     default_key_path,
     load_device_key,
 )
-from agent.wire.limits import ByteQueue
 from agent.wire.mqtt import (
     CONNECT_FAILED,
     CONNECTED,
@@ -83,7 +86,6 @@ from agent.wire.mqtt import (
 )
 from agent.wire.mqtt_types import Event, TlsOptions, Will
 from agent.wire.topics import Topics
-from agent.wire.transfer import MAX_BACKOFF_S, BlockFetcher
 
 log = logging.getLogger("agent.device.daemon")
 
@@ -135,7 +137,7 @@ class Parts(NamedTuple):
     commands: DeviceCommands
     telemetry: TelemetryPublisher
     switch: ModelSwitch
-    app_socket: Any  # agent.device.app_socket.AppSocket, or None
+    app_socket: Any  # agent.device.app.server.AppSocket, or None
 
 
 def assemble(cfg: Config, events: "queue.Queue[Any]", shared: DaemonState,
@@ -278,7 +280,7 @@ class Daemon:
     def __init__(self, cfg: Config, notifier: Optional[Notifier] = None) -> None:
         self.cfg = cfg
         self.device: str = cfg.device_id or ""
-        self.events: "queue.Queue[Any]" = ByteQueue()  # bounded by bytes, not count
+        self.events: "queue.Queue[Any]" = BlockingByteQueue()  # bounded by bytes, not count
         self.shared = DaemonState()
         self.status = ServiceStatus(notifier)
         self.last_watchdog = 0.0

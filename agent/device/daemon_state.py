@@ -5,7 +5,7 @@ else a part needs is handed to it in its constructor (agent/device/daemon.py wir
 import time
 from typing import Dict, Optional
 
-from agent.device.job_run import Run
+from agent.device.jobs.run import Run
 from agent.device.sdnotify import Notifier
 
 

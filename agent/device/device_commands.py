@@ -12,7 +12,8 @@ from agent.device.daemon_state import DaemonState
 from agent.device.status_publisher import StatusPublisher
 from agent.device.telemetry_publisher import TelemetryPublisher
 from agent.errors import AgentError
-from agent.wire import message_caps, protocol, security_posture, status_messages
+from agent.wire import message_caps, protocol, status_messages
+from agent.wire.device import security_posture
 from agent.wire.mqtt_types import Event
 from agent.wire.topics import Topics, reply_topic
 
@@ -30,7 +31,7 @@ class DeviceCommands:
         # What diag reports on, and where rollback and cancel go.
         self.journal, self.platform, self.shared = journal, platform, shared
         self.publisher, self.telemetry, self.cancel = publisher, telemetry, cancel
-        self.switch = switch  # named models: rollback (agent.device.model_switch)
+        self.switch = switch  # named models: rollback (agent.device.models.switch)
 
     def on_command(self, ev: Event) -> None:
         limit = min(protocol.MAX_BYTES["command"], self.cfg.limits.max_message_bytes)
@@ -46,15 +47,15 @@ class DeviceCommands:
                 state = self.cancel(cmd["job_id"])
                 result: Dict[str, Any] = {"job_id": cmd["job_id"], "state": state}
             elif cmd["command"] == "rollback":
-                from agent.device import engine_rollback
+                from agent.device.models import rollback as engine_rollback
 
                 result = engine_rollback.rollback(self.journal, self.switch, cmd)
             elif cmd["command"] == "remove":
-                from agent.device import model_removal
+                from agent.device.models import removal as model_removal
 
                 result = model_removal.remove(self.switch, cmd["name"])
             elif cmd["command"] == "revoke_engine":
-                from agent.device import engine_rollback
+                from agent.device.models import rollback as engine_rollback
 
                 result = engine_rollback.revoke(self.journal, self.switch, cmd,
                                                 os.path.join(self.cfg.cache_dir, "engines"))

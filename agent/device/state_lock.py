@@ -7,7 +7,6 @@ stale); the file names the holder's PID and device for the error message and for
 ``jetson-agent status``, which probes the lock without blocking the daemon.
 """
 
-import errno
 import fcntl
 import json
 import os
@@ -15,6 +14,7 @@ import time
 from typing import Any, Dict, Optional
 
 from agent.errors import AgentError
+from agent.fsio import lock_fd, unlock_fd
 
 LOCK_FILE = "daemon.lock"
 # A probe by `status` holds a shared lock for microseconds; the daemon retries this long
@@ -71,28 +71,22 @@ def acquire(state_dir: str, device: str = "") -> StateLock:
     state_dir = check_state_dir(state_dir)
     path = lock_path(state_dir)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    deadline = time.monotonic() + ACQUIRE_RETRY_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError as exc:
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                os.close(fd)
-                raise
-            if time.monotonic() < deadline:
-                time.sleep(0.05)
-                continue
-            os.close(fd)
-            other = _read(path)
-            raise AgentError(
-                "state_dir_in_use",
-                "state directory {} is in use by another jetson-agent daemon (PID {}{}): stop "
-                "it first (sudo systemctl stop jetson-agent), or give this one its own "
-                "--state-dir and --device-id".format(
-                    state_dir, other.get("pid", "unknown"),
-                    ", device {}".format(other["device"]) if other.get("device") else ""),
-                details={"pid": other.get("pid"), "device": other.get("device")})
+    try:
+        taken = lock_fd(fd, fcntl.LOCK_EX, ACQUIRE_RETRY_S, poll_s=0.05)
+    except OSError:
+        os.close(fd)
+        raise
+    if not taken:
+        os.close(fd)
+        other = _read(path)
+        raise AgentError(
+            "state_dir_in_use",
+            "state directory {} is in use by another jetson-agent daemon (PID {}{}): stop "
+            "it first (sudo systemctl stop jetson-agent), or give this one its own "
+            "--state-dir and --device-id".format(
+                state_dir, other.get("pid", "unknown"),
+                ", device {}".format(other["device"]) if other.get("device") else ""),
+            details={"pid": other.get("pid"), "device": other.get("device")})
     body = json.dumps({"pid": os.getpid(), "device": device, "started": time.time()})
     os.ftruncate(fd, 0)
     os.pwrite(fd, (body + "\n").encode("utf-8"), 0)
@@ -112,10 +106,12 @@ def holder(state_dir: str) -> Optional[Dict[str, Any]]:
         return {"unknown": "cannot read {}: {}".format(path, exc.strerror)}
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            taken = lock_fd(fd, fcntl.LOCK_SH, 0)
         except OSError:
+            taken = False
+        if not taken:
             return _read(path) or {"pid": None}
-        fcntl.flock(fd, fcntl.LOCK_UN)
+        unlock_fd(fd)
         return None
     finally:
         os.close(fd)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from agent import __version__
 from agent.device.birth_pacing import BirthPacer
-from agent.device.job_run import Run
+from agent.device.jobs.run import Run
 from agent.errors import AgentError
 from agent.wire import message_caps, protocol, rollcall, status_messages
 from agent.wire.mqtt import SESSION_TAKEN_OVER
@@ -35,10 +35,10 @@ QUICK_DROP_S = 5.0
 QUICK_DROPS = 3
 # signed_engines: a shared engine comes with its builder's signature (checked here), and this
 # device signs the engines it offers.
-# model_sets: the job's model_set (agent.device.model_sets); model_pins: the models message's
+# model_sets: the job's model_set (agent.device.models.sets); model_pins: the models message's
 # pins (jetson-agent models pin).
-# remove_model: the remove command (agent.device.model_removal; a deployment's on_leave).
-# revoke_engine: the revoke_engine command (fleet engines revoke; agent.device.engine_rollback).
+# remove_model: the remove command (agent.device.models.removal; a deployment's on_leave).
+# revoke_engine: the revoke_engine command (fleet engines revoke; agent.device.models.rollback).
 # birth_ack: the birth is published again until acknowledged (agent.device.birth_pacing).
 FEATURES = ("named_models", "signed_engines", "model_sets", "model_pins", "remove_model",
             "revoke_engine", rollcall.ACK_FEATURE)
@@ -98,7 +98,7 @@ class StatusPublisher:
         self.last_scan = 0.0
         self.quick_drops: List[float] = []  # when connections closed right after accepted
         self.last_takeover_log = 0.0
-        # The per-name models state (agent.device.model_switch), set once it is built.
+        # The per-name models state (agent.device.models.switch), set once it is built.
         self.models_state: Callable[[], List[Dict[str, Any]]] = lambda: []
         self.models_pins: Callable[[], Dict[str, str]] = lambda: {}  # name -> pinned version
         self.pacer = BirthPacer(device, boot)  # the birth again, until acknowledged

@@ -21,11 +21,11 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional
 
-from agent.device import models_guard
 from agent.device.config import Config, http_ca_file
 from agent.device.daemon_state import DaemonState
-from agent.device.job_end import REJECT_CODES, JobEnding
-from agent.device.job_run import PROGRESS_EVERY_S, Run
+from agent.device.jobs.end import REJECT_CODES, JobEnding
+from agent.device.jobs.run import PROGRESS_EVERY_S, Run
+from agent.device.models import guard as models_guard
 from agent.device.status_publisher import StatusPublisher, fit_result
 from agent.device.worker_process import (
     WorkerEvent,
@@ -38,7 +38,7 @@ from agent.device.worker_process import (
 from agent.errors import CODES, AgentError
 from agent.fsio import atomic_write
 from agent.wire import protocol
-from agent.wire.artifacts import ArtifactStore
+from agent.wire.device.artifacts import ArtifactStore
 from agent.worker import jobs
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
@@ -158,7 +158,7 @@ class WorkerSupervisor:
             bench=run.doc.get("bench"), search=run.doc.get("search"),
             fallback_reason=run.fallback_reason, limits=self._worker_limits())
         # The artifact's own name, for `cache ls` (the worker stages it as model.onnx).
-        spec["model_name"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
+        spec["model_label"] = ((run.doc.get("artifacts") or {}).get("model") or {}).get("name")
         spec["device"] = self.device
         spec["platform_root"] = self.cfg.platform_root  # conditions.snapshot reads it
         spec["share"] = dict(run.doc.get("share") or {})  # fleet engine sharing: offer URL
@@ -345,7 +345,7 @@ class WorkerSupervisor:
         engine_path = result.pop("engine", None)
         if activate and result.get("engine_key") and engine_path:
             # The model switch ends the job: now, or when its version is committed or rolled
-            # back (agent/device/model_switch.py).
+            # back (agent/device/models/switch.py).
             self.activate_model(run, result, engine_path)
             return
         for key in ("io", "calibration_cache"):

@@ -30,7 +30,7 @@ from agent.engines.backends.base import (
     no_progress,
 )
 from agent.engines.cache import EngineCache
-from agent.engines.cache_key import cache_key, canonical_json
+from agent.engines.cache_key import cache_key, sorted_json
 from agent.errors import AgentError
 from agent.fsio import sha256_file
 
@@ -133,7 +133,7 @@ def calibration_digest(plan: BuildPlan) -> Optional[str]:
         "cache": sha256_file(calib.cache) if calib.cache and os.path.isfile(calib.cache)
         else None,
     }
-    return hashlib.sha256(canonical_json(parts)).hexdigest()
+    return hashlib.sha256(sorted_json(parts)).hexdigest()
 
 
 def default_calibration_cache(
@@ -153,7 +153,7 @@ def default_calibration_cache(
         "max_samples": calib.max_samples,
         "backend": backend_fingerprint,
     }
-    name = hashlib.sha256(canonical_json(doc)).hexdigest()[:32]
+    name = hashlib.sha256(sorted_json(doc)).hexdigest()[:32]
     return os.path.join(calibration_dir, "{}-{}.cache".format(calib.algorithm, name))
 
 
@@ -190,13 +190,14 @@ def build_engine(
     platform_fingerprint: Dict[str, str],
     progress: Progress = no_progress,
     calibration_dir: Optional[str] = None,
-    model_name: Optional[str] = None,
+    model_label: Optional[str] = None,
     shared: Optional[Dict[str, Any]] = None,
 ) -> EngineRecord:
     """Return the engine for (model, plan, backend, platform) from the cache, building and
     publishing it first on a miss. ``calibration_dir`` holds default calibration caches
-    (default ``<state_dir>/calibration``); ``model_name`` is what ``cache ls`` shows (default:
-    the file's name; a job's model is staged as model.onnx, so the daemon passes its own).
+    (default ``<state_dir>/calibration``); ``model_label`` is what ``cache ls`` shows (default: the
+    file's name; a job's model is staged as model.onnx, so the daemon passes the artifact's
+    name; not a job's ``model_name``, the name a device activates the model under).
     ``shared``: {"container": path} of an engine another device of the fleet built
     (``agent.engines.share``), taken instead of building when it is this key's; "adopted" and
     "reason" (why not) are written into it."""
@@ -260,7 +261,7 @@ def build_engine(
             result_dict = result.to_dict()
             info = {
                 "model": model_digest,
-                "model_name": _display_name(model_name or os.path.basename(model_path)),
+                "model_label": _display_name(model_label or os.path.basename(model_path)),
                 "plan": plan.to_dict(),
                 "calibration_digest": calibration_digest(plan),
                 "result": result_dict,

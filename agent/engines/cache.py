@@ -56,7 +56,7 @@ from agent.engines.cache_files import (
     share,
     write_file,
 )
-from agent.engines.cache_key import FORMAT, canonical_json
+from agent.engines.cache_key import FORMAT, sorted_json
 from agent.errors import AgentError
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class EngineCache(object):
             "bytes": sum(f["bytes"] for f in files.values()),
             "created": now,
         })
-        write_file(os.path.join(stage.path, META), canonical_json(meta))
+        write_file(os.path.join(stage.path, META), sorted_json(meta))
         write_file(os.path.join(stage.path, STAMP), b"")
         os.utime(os.path.join(stage.path, STAMP), (now, now))
         share(stage.path, self.gid)

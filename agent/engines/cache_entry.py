@@ -52,7 +52,8 @@ class CacheEntry(object):
             "precision": result.get("precision") or plan.get("precision"),
             "backend": (self.meta.get("fingerprints") or {}).get("backend", {}).get("backend"),
             "model": self.meta.get("model"),
-            "model_name": self.meta.get("model_name"),
+            # "model_name" in entries written before the rename
+            "model_label": self.meta.get("model_label") or self.meta.get("model_name"),
         }
 
 

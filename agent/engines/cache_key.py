@@ -8,6 +8,8 @@ import hashlib
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
+from agent.version_key import version_key
+
 # Of the key document and of meta.json: bump to orphan every old entry. 2: the backend
 # fingerprint carries the SM count, the CUDA runtime and the compatibility flags, the platform
 # fingerprint the module and DLA cores (issue 24). Entries of format 1 stay on disk under their
@@ -20,7 +22,10 @@ FORMAT = 2
 _CALIBRATION_PATH_FIELDS = ("data", "cache")
 
 
-def canonical_json(value: Any) -> bytes:
+def sorted_json(value: Any) -> bytes:
+    """``json.dumps`` with sorted keys, no spaces, anything else as ``str``: the cache key's
+    and meta.json's bytes (not RFC 8785: that is the wire's ``signing.canonical_json``, and
+    changing either output would orphan every cached engine or break every signature)."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str).encode("utf-8")
 
 
@@ -37,7 +42,7 @@ def cache_key(
     a dataset must not change the key); ``calibration_digest`` stands for their content.
     """
     plan_dict = plan if isinstance(plan, dict) else plan.to_dict()
-    plan_dict = json.loads(canonical_json(plan_dict).decode("utf-8"))  # a deep copy
+    plan_dict = json.loads(sorted_json(plan_dict).decode("utf-8"))  # a deep copy
     calibration = plan_dict.get("calibration")
     if calibration:
         for field in _CALIBRATION_PATH_FIELDS:
@@ -53,7 +58,7 @@ def cache_key(
         "backend": dict(backend_fingerprint),
         "platform": dict(platform_fingerprint),
     }
-    return hashlib.sha256(canonical_json(doc)).hexdigest()
+    return hashlib.sha256(sorted_json(doc)).hexdigest()
 
 
 # What a serialized TensorRT engine depends on (NVIDIA: "serialized engines are not portable
@@ -89,7 +94,7 @@ def platform_mismatches(recorded: Dict[str, str], here: Dict[str, str]
     level = str(recorded.get("hardware_compatibility") or "")
     dla = str(recorded.get("dla_core") or "").isdigit()
     free = set() if dla else set(_HW_COMPAT_FREE.get(level, ()))
-    if level == "ampere_plus" and _vkey(str(here.get("compute_capability") or "0")) < (8, 0):
+    if level == "ampere_plus" and version_key(str(here.get("compute_capability") or "0")) < (8, 0):
         free = set()
     out = []
     for field in PLATFORM_FIELDS:
@@ -103,17 +108,14 @@ def platform_mismatches(recorded: Dict[str, str], here: Dict[str, str]
         if field in free or field in _ENGINE_SETTINGS or want == found or not want or \
                 not found:
             continue
-        if field == "cuda_driver" and _vkey(want) >= _vkey(found):
+        if field == "cuda_driver" and version_key(want) >= version_key(found):
             continue
-        if field == "cuda_runtime" and _vkey(want)[:1] == _vkey(found)[:1]:
+        if field == "cuda_runtime" and version_key(want)[:1] == version_key(found)[:1]:
             continue
         if field == "tensorrt" and str(recorded.get("version_compatible")) == "true" and \
-                not dla and _vkey(found) >= (8, 6) and \
-                _vkey(want)[:1] == _vkey(found)[:1] and _vkey(want) >= _vkey(found):
+                not dla and version_key(found) >= (8, 6) and \
+                version_key(want)[:1] == version_key(found)[:1] and \
+                version_key(want) >= version_key(found):
             continue
         out.append((field, want, found or "-"))
     return out
-
-
-def _vkey(text: str) -> Tuple[int, ...]:
-    return tuple(int(p) for p in text.split(".") if p.isdigit())

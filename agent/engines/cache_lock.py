@@ -11,6 +11,8 @@ import os
 import time
 from typing import Dict, List, Optional
 
+from agent.fsio import lock_fd
+
 # Locks this process holds: path -> [fd, count, mode, pid]. flock locks belong to an open file,
 # so a second open+flock of the same file in one process would deadlock; re-entry reuses the
 # fd. Per process (a forked child starts afresh), not per thread.
@@ -39,18 +41,10 @@ def acquire(path: str, mode: int, timeout: Optional[float]) -> bool:
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            if deadline is None:
-                fcntl.flock(fd, mode)
-            else:
-                while True:
-                    try:
-                        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                        break
-                    except (BlockingIOError, PermissionError):
-                        if time.monotonic() >= deadline:
-                            os.close(fd)
-                            return False
-                        time.sleep(0.02)
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not lock_fd(fd, mode, remaining):
+                os.close(fd)
+                return False
             # The lock file may have been unlinked (entry dropped) between open and flock:
             # then we locked a dead inode and must retry on the new file.
             try:

@@ -11,7 +11,7 @@ import uuid
 from typing import Any, Callable, Dict, Iterable, List, Optional
 
 from agent.errors import AgentError
-from agent.fleet.transfer.bytequeue import ByteQueue
+from agent.fleet.transfer.bytequeue import SheddingByteQueue
 from agent.wire import protocol, status_messages
 from agent.wire.topics import DEFAULT_PREFIX, TopicInfo, Topics
 
@@ -132,7 +132,7 @@ class FleetConnection(object):
             protocol=self.protocol_version, username=self.username, password=self.password,
             tls=tls, session_expiry=0, clean_start=True, reconnect_min=0.5, reconnect_max=5.0,
             max_packet_bytes=None,
-            events=ByteQueue(trusted=self._trusted))  # type: ignore[arg-type]
+            events=SheddingByteQueue(trusted=self._trusted))  # type: ignore[arg-type]
         self.client.start()
         deadline = time.monotonic() + self.connect_timeout
         while True:

@@ -70,9 +70,9 @@ from agent.platform.parsers import (
     parse_tegra_release,
     parse_version_header,
     upstream_version,
-    version_key,
 )
 from agent.platform.versions import dist_version, dla_available
+from agent.version_key import version_key
 
 # The public names of the former single-module agent/platform.py, unchanged.
 __all__ = [

@@ -13,7 +13,8 @@ from typing import Any, Collection, Dict, List, Optional, Sequence, Tuple
 import yaml
 
 from agent.errors import AgentError
-from agent.platform.parsers import _VERSION_RE, version_key
+from agent.platform.parsers import _VERSION_RE
+from agent.version_key import version_key
 
 # Canonical order, widest to narrowest.
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8", "fp4")

@@ -7,7 +7,7 @@ and raise AgentError("bad_platform_data") naming the file for garbled input.
 import itertools
 import json
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 from agent.errors import AgentError
 
@@ -33,10 +33,6 @@ DLA_GLOBS = ("sys/devices/platform/host1x/*.nvdla*",
              "sys/devices/platform/bus@0/*.host1x/*.nvdla*")
 
 _VERSION_RE = re.compile(r"^\d+(\.\d+)*$")
-
-
-def version_key(version: str) -> Tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version))
 
 
 _RELEASE_RE = re.compile(r"^# R(\d+) \(release\), REVISION: (\d+)\.(\d+)")

@@ -15,9 +15,9 @@ from agent.platform.parsers import (
     parse_dpkg_status,
     parse_version_header,
     upstream_version,
-    version_key,
 )
 from agent.platform.tree import _path, _read_text
+from agent.version_key import version_key
 
 
 def dist_version(name: str) -> Optional[str]:

@@ -1,4 +1,5 @@
-"""Accuracy on the field's own inputs (the app's donated samples, ``agent.device.live_samples``):
+"""Accuracy on the field's own inputs (the app's donated samples,
+``agent.device.models.live_samples``):
 
 - ``live_check``: a candidate version against the running one on the same rows. Classifier-like
   outputs (float, rank >= 2, more than one class: the worker's gate uses the same rule) are

@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Dict, Mapping, Optional
 
 from agent.errors import AgentError
-from agent.fsio import atomic_write
+from agent.fsio import atomic_write, file_lock
 from agent.wire.signing import ALG, key_id, manifest, public_key_pem
 
 MAX_SEQ = (1 << 53) - 1  # JSON-safe integer in every language
@@ -137,23 +137,14 @@ class SequenceFile(object):
         """Allocate and persist the next sequence for ``kid``: above the stored one and at
         least ``floor`` (the clock in milliseconds, so a lost state file cannot send a
         controller back below what its devices accepted)."""
-        import fcntl
-
-        directory = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(directory, exist_ok=True)
-        with open(self.path + ".lock", "a") as lock:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            try:
-                data = self._read()
-                seq = max(data.get(kid, 0) + 1, int(floor))
-                if seq > MAX_SEQ:
-                    raise AgentError("bad_argument", "sequence of key {} is exhausted".format(
-                        kid))
-                data[kid] = seq
-                atomic_write(self.path, json.dumps(data, sort_keys=True).encode("utf-8"))
-                return seq
-            finally:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        with file_lock(self.path + ".lock"):
+            data = self._read()
+            seq = max(data.get(kid, 0) + 1, int(floor))
+            if seq > MAX_SEQ:
+                raise AgentError("bad_argument", "sequence of key {} is exhausted".format(kid))
+            data[kid] = seq
+            atomic_write(self.path, json.dumps(data, sort_keys=True).encode("utf-8"))
+            return seq
 
 
 class Signer(object):

@@ -27,7 +27,7 @@ PROGRESS_INTERVAL_S = 0.25
 def protected_from_spec(spec: Dict[str, Any]) -> Callable[[], Dict[str, List[str]]]:
     """The engines this job's builds must not evict: the spec's ``protected_engines`` (key ->
     users, or a list of keys), which the daemon reads from its models directory
-    (``agent.device.models_guard.protected_engines``) when it starts the job."""
+    (``agent.device.models.guard.protected_engines``) when it starts the job."""
     given = spec.get("protected_engines") or {}
     table = dict(given) if isinstance(given, dict) else {str(k): [] for k in given}
 
@@ -158,7 +158,7 @@ class JobContext(object):
         record = build_engine(self.files["model"], self.plan, self.backend, self.cache,
                               self.spec["platform_fingerprint"], self.progress,
                               calibration_dir=self.spec["calibration_dir"],
-                              model_name=self.spec.get("model_name"), shared=shared)
+                              model_label=self.spec.get("model_label"), shared=shared)
         if use_shared and refused:
             self.share = {"mode": "built", "reason": refused}
         if shared is not None and shared.get("container"):

@@ -1,5 +1,5 @@
 """``python -m agent.worker.live``: the daemon's work on the app's donated inputs, in a child
-process (``agent.device.live_check``), so the daemon never loads a runtime or a model and
+process (``agent.device.models.live_check``), so the daemon never loads a runtime or a model and
 gets its memory back after each run. One JSON request on stdin, one JSON line on stdout:
 ``{"ok": true, "figures": {...}}`` or ``{"ok": false, "error": {"code", "message"}}``.
 

@@ -174,7 +174,7 @@ class Selftest(object):
         return build_engine(os.path.join(self.examples_dir, example, "model.onnx"), plan,
                             backend, cache, self.info.fingerprint(backend.name),
                             calibration_dir=os.path.join(self.scratch, label, "calibration"),
-                            model_name=example)
+                            model_label=example)
 
     def _verdict(self, backend: Backend, example: str, plan: BuildPlan, label: str,
                  bench: bool) -> Dict[str, Any]:

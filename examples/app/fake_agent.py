@@ -1,6 +1,6 @@
 """What the agent does to ``models_dir``, for running the example app without a daemon (its
 test, the switch benchmark): install a version directory and switch ``current`` to it with the
-daemon's own code (``agent.device.models_dir``: complete version directory first, then a new
+daemon's own code (``agent.device.models.directory``: complete version directory first, then a new
 relative link renamed over ``current``), and a stand-in for the daemon's app socket that
 records what the app reports.
 
@@ -17,14 +17,14 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from agent.device.models_dir import ModelsDir
+from agent.device.models.directory import ModelsDir
 from agent.fsio import atomic_write, atomic_write_text
 
 
 def install_version(models_dir: str, name: str, version: str, onnx_path: str,
                     extra_meta: Optional[Dict[str, Any]] = None) -> str:
     """<models_dir>/<name>/<version>/ with model.engine, model.onnx and meta.json, written by
-    the daemon's own code (``agent.device.models_dir``: a temporary directory, fsync'd, renamed
+    the daemon's own code (``agent.device.models.directory``: a temporary directory, fsync'd, renamed
     into place; files linked from the source); its path."""
     with open(onnx_path, "rb") as f:
         data = f.read()

@@ -56,7 +56,7 @@ def _round_trips(path):
 
 
 def measure():
-    from agent.device.app_socket import AppSocket
+    from agent.device.app.server import AppSocket
 
     folder = tempfile.mkdtemp(prefix="bench-appsock-")
     path = os.path.join(folder, "app.sock")

@@ -6,9 +6,10 @@
   costs).
 - Transfer: a random artifact of TRANSFER_MB MiB fetched by the daemon in 128 KiB blocks
   (requests with a want-bitmap, QoS 1, written and fsync'd into the store, verified by sha256)
-  from a controller serving it with agent.wire.transfer.BlockServer, timed from the job document to
-  the verified file in the store. Baseline: the same bytes as one message from ``mosquitto_pub``
-  to ``mosquitto_sub`` through the same broker (no blocks, no resume, no verification).
+  from a controller serving it with agent.wire.block_server.BlockServer, timed from the job
+  document to the verified file in the store. Baseline: the same bytes as one message from
+  ``mosquitto_pub`` to ``mosquitto_sub`` through the same broker (no blocks, no resume, no
+  verification).
 """
 
 import os
@@ -128,8 +129,8 @@ def _start_agent(workdir, port):
 class _Controller:
     def __init__(self, port):
         from agent.wire import mqtt, protocol
+        from agent.wire.device.transfer import BlockServer
         from agent.wire.topics import Topics
-        from agent.wire.transfer import BlockServer
 
         self.mqtt, self.protocol = mqtt, protocol
         self.topics = Topics()

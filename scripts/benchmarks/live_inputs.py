@@ -40,8 +40,8 @@ def _times(fn):
 
 def donations(folder):
     from agent import client
-    from agent.device.app_socket import AppSocket
-    from agent.device.live_samples import SampleStore
+    from agent.device.app.server import AppSocket
+    from agent.device.models.live_samples import SampleStore
 
     models = os.path.join(folder, "models")
     os.makedirs(os.path.join(models, "digits", "v1"))
@@ -66,7 +66,7 @@ def donations(folder):
 
 
 def live_check(folder):
-    from agent.device.live_samples import SampleStore
+    from agent.device.models.live_samples import SampleStore
     from agent.device.worker_supervisor import worker_env
 
     store = SampleStore(os.path.join(folder, "samples"))

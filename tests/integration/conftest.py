@@ -229,7 +229,7 @@ class AgentProcess:
 
     def journal(self):
         from agent.device.daemon import journal_path
-        from agent.device.journal import Journal
+        from agent.device.journal.store import Journal
 
         return Journal(journal_path(self.state_dir))
 

@@ -7,16 +7,17 @@ import time
 
 class Controller:
     """What a fleet controller does, minimally: serve artifact blocks, send jobs and commands,
-    record device, job and telemetry messages. Uses agent.wire.mqtt and agent.wire.transfer."""
+    record device, job and telemetry messages. Uses agent.wire.mqtt and
+    agent.wire.device.transfer."""
 
     def __init__(self, broker, device="dev1", signer=None, **client_kwargs):
         import queue
         import threading
         import uuid
 
+        from agent.wire.device.transfer import BlockServer
         from agent.wire.mqtt import MqttClient
         from agent.wire.topics import Topics
-        from agent.wire.transfer import BlockServer
 
         self.device = device
         self.signer = signer  # agent.wire.job_signer.Signer: send_job signs the documents

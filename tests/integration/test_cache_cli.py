@@ -57,6 +57,6 @@ def test_a_jobs_model_keeps_its_name_in_the_cache(tmp_path):
 
     cache = EngineCache(str(tmp_path / "engines"))
     record = build_engine(FP16_MAX, BuildPlan(precision="fp32"), create(), cache,
-                          {"kind": "host"}, model_name="resnet50-v2\x1b[31m.onnx")
+                          {"kind": "host"}, model_label="resnet50-v2\x1b[31m.onnx")
     (entry,) = cache.ls()
-    assert entry.key == record.key and entry.to_dict()["model_name"] == "resnet50-v2?[31m.onnx"
+    assert entry.key == record.key and entry.to_dict()["model_label"] == "resnet50-v2?[31m.onnx"

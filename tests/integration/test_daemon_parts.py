@@ -13,7 +13,7 @@ from agent import platform
 from agent.device import config
 from agent.device.daemon_state import DaemonState
 from agent.device.device_commands import DeviceCommands
-from agent.device.journal import Journal
+from agent.device.journal.store import Journal
 from agent.device.status_publisher import StatusPublisher, status_platform
 from agent.device.telemetry_publisher import TelemetryPublisher
 from agent.errors import AgentError

@@ -15,9 +15,9 @@ import numpy as np
 import onnx
 import pytest
 
-from agent.device import model_meta
 from agent.device.handoff.base import ModelVersion
 from agent.device.handoff.deepstream import property_keys
+from agent.device.models import meta as model_meta
 from agent.engines.backends import onnx_model, quantization, tensorrt_network
 from agent.engines.backends.base import BuildPlan, CalibrationSettings
 from agent.engines.backends.onnxruntime import create as create_ort

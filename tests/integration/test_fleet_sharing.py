@@ -85,7 +85,7 @@ def test_one_build_two_adoptions_then_a_tampered_engine_falls_back(
         # A compromised *designated* builder has its own device key: it signs what it
         # uploads and reports its sha256 (the residual risk docs/security.md states: the
         # adopters' own load and gate checks are what is left). Anyone else's upload is
-        # refused (tests/unit/test_share_uploads.py), and so is an upload the builder did
+        # refused (tests/unit/fleet/test_share_uploads.py), and so is an upload the builder did
         # not report (test_an_insider_trojan_is_refused_and_a_revoked_engine_rolled_back).
         from agent.wire import device_identity
 

@@ -22,7 +22,7 @@ from agent.wire import protocol
 from scripts.make_examples import rotate_classes
 from tests.integration.conftest import ROOT
 from tests.integration.test_daemon_deploy import deploy_doc
-from tests.unit.test_model_sets_pins import assert_meta_valid
+from tests.unit.device.test_model_sets_pins import assert_meta_valid
 
 CONFIG = ("telemetry_interval: 0.5\nmodels:\n  commit_timeout_s: 60\n  live_check:\n"
           "    min_samples: 16\n    keep: 128\n    every_s: 1\n    max_clip_rate: 0.01\n"

@@ -17,7 +17,7 @@ import os
 import time
 
 from agent import client
-from agent.device import model_meta
+from agent.device.models import meta as model_meta
 from agent.wire.json_schema import Validator
 from tests.integration.test_daemon_deploy import deploy_doc
 from tests.integration.test_named_models import MODELS_TOPIC, ask, cli, current, final, named

@@ -176,7 +176,7 @@ def ask(path, request):
 
 
 def test_app_socket_commits_and_reports(controller, agent_factory, digits_files):
-    pytest.importorskip("agent.device.app_socket", reason="the app socket module (another "
+    pytest.importorskip("agent.device.app.server", reason="the app socket module (another "
                         "branch of issue 21) is not in this tree yet")
     extra = "models:\n  commit_timeout_s: 60\n  app_confirms: [det]\n"
     agent = agent_factory(extra_config=extra).start()

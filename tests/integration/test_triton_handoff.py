@@ -6,7 +6,7 @@ Triton version; a broken v3 fails to load and Triton keeps serving v2 (confirm()
 revert() lists v2 alone again; revert() with no previous version unloads. The repository
 holds ``backend: python`` versions whose model.py serves the host's emulated engine (ONNX)
 through onnxruntime: no TensorRT backend runs here (the production ``tensorrt_plan`` config is
-checked against golden files in tests/unit/test_handoff_triton.py).
+checked against golden files in tests/unit/device/test_handoff_adapters.py).
 """
 
 import json

@@ -24,7 +24,7 @@ import pytest
 from tests.integration.conftest import ROOT, AgentProcess
 from tests.integration.test_install_jetson import PLATFORMS, SCRIPT, _exposure
 from tests.integration.test_named_models import final, named
-from tests.unit.test_systemd_unit import read_unit, settings, verify
+from tests.unit.device.test_systemd_unit import read_unit, settings, verify
 
 UNIT_MODELS_DIR = "/var/lib/jetson-agent-models"
 UNIT_SOCKET = "/run/jetson-agent/app.sock"
@@ -327,7 +327,7 @@ def test_app_as_a_third_user_under_the_units_users_and_modes(mosquitto, controll
 
 @needs_root
 def test_a_models_group_the_service_is_not_in_stops_the_start_with_a_clear_error(tmp_path):
-    from agent.device.models_dir import ModelsDir
+    from agent.device.models.directory import ModelsDir
     from agent.errors import AgentError
 
     accounts = Accounts()

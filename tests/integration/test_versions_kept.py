@@ -22,7 +22,7 @@ import pytest
 
 from tests.integration.conftest import ROOT
 from tests.integration.test_named_models import ask, cli, current, final, named, reply_to
-from tests.unit.test_app_socket import NOBODY, as_other_user
+from tests.unit.device.test_app_socket import NOBODY, as_other_user
 
 
 def cli_error(*args):

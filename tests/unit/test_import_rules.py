@@ -10,7 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The modules directly under agent/ that every package may use; anything new there must be
 # placed in a package (or added here on purpose).
 BASE = {"agent", "agent.errors", "agent.fsio", "agent.log", "agent.progress",
-        "agent.client"}  # agent.client: the apps' library, standard library only
+        "agent.client",  # agent.client: the apps' library, standard library only
+        "agent.version_key"}  # the one version parser: platform and engines both need it
 ENTRY = {"agent.__main__"}  # `python -m agent`: the CLI
 
 # package -> the packages it may import (besides itself and the third-party rules below).
@@ -52,6 +53,10 @@ FLEET_WIRING = {"agent.fleet", "agent.fleet.service", "agent.fleet.mqtt_edge"}
 # entry (`python -m agent.worker`, started by the daemon under another interpreter, Python 3.6
 # on JetPack 4.6): it may not import the CLI, so it parses its two flags itself.
 ARGPARSE = {"agent.__main__", "agent.worker"}  # besides the package cli
+# The wire modules only a device imports (agent/wire/device/): the controller (agent.fleet and
+# the fleet CLI) never does, directly or through another module it loads.
+DEVICE_WIRE = "agent.wire.device"
+CONTROLLER = ("agent.fleet", "agent.cli.fleet")
 # Third-party modules that only some packages may import.
 ONLY = {
     "paho": {"wire"},
@@ -109,8 +114,8 @@ def _type_checking_only(node):
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def imports(path):
-    """(line, imported module) for every import that can run, resolving `from agent import x`."""
+def _runnable(path):
+    """The import nodes of ``path`` that can run (those under ``if TYPE_CHECKING:`` never do)."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
     skip = set()
@@ -118,17 +123,39 @@ def imports(path):
         if isinstance(node, ast.If) and _type_checking_only(node):
             skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
+        if id(node) not in skip and isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+
+
+def imports(path):
+    """(line, imported module) for every import that can run, resolving `from agent import x`."""
+    for node in _runnable(path):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        elif node.module and not node.level:
             if node.module in ("agent", "calib"):
                 for alias in node.names:
                     yield node.lineno, node.module + "." + alias.name
             else:
                 yield node.lineno, node.module
+
+
+def module_imports(path, known):
+    """(line, module) for each module of ``known`` an import of ``path`` that can run loads
+    (``from a.b import c`` may name a module ``a.b.c`` or a name in ``a.b``)."""
+    for node in _runnable(path):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif node.module and not node.level:
+            names = [node.module] + [node.module + "." + a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in known:
+                name = name.rpartition(".")[0]
+            if name:
+                yield node.lineno, name
 
 
 def test_every_module_has_a_package():
@@ -239,6 +266,26 @@ def test_the_fleet_serve_parts_reach_each_other_only_through_the_wiring():
             if target.startswith("agent.fleet.parts.") and target != module:
                 broken.append("{}:{} imports {}".format(module, line, target))
     assert not broken, "\n".join(broken)
+def test_the_controller_never_loads_a_device_only_wire_module():
+    """What agent.fleet and the fleet CLI import, followed through every module they load
+    (lazy imports included): nothing under agent/wire/device/."""
+    paths = {module_name(p): p for p in sources()}
+    via = {m: [m] for m in paths if m.startswith(CONTROLLER)}
+    todo = sorted(via)
+    broken = []
+    while todo:
+        module = todo.pop()
+        for line, target in module_imports(paths[module], paths):
+            if target in via:
+                continue
+            via[target] = via[module] + [target]
+            if target == DEVICE_WIRE or target.startswith(DEVICE_WIRE + "."):
+                broken.append("{} (line {}): {}".format(
+                    " -> ".join(via[target]), line, "device-only"))
+            else:
+                todo.append(target)
+    assert not broken, "\n".join(broken)
+    assert "agent.fleet.service" in via and "agent.wire.protocol" in via  # it did look
 
 
 def test_the_fleet_rules_have_no_circle():

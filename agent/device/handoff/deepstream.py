@@ -50,7 +50,7 @@ from agent.device.handoff.base import (
     dla_core,
     plugin_libraries,
 )
-from agent.device.models_dir import CALIBRATION
+from agent.device.models.directory import CALIBRATION
 from agent.errors import AgentError
 from agent.fsio import atomic_write_text, fsync_dir
 from agent.wire.model_names import validate_name

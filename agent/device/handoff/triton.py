@@ -65,6 +65,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 from agent.device.handoff.base import Adapter, ModelVersion, check_batch_size, dla_core
 from agent.errors import AgentError
 from agent.fsio import atomic_write, atomic_write_text
+from agent.version_key import version_key
 
 MAP_FILE = "jetson-agent-versions.json"
 MAX_RESPONSE = 64 * 1024
@@ -251,7 +252,7 @@ def from_config(section: Mapping[str, Any], where: str) -> "TritonAdapter":
 
 def _release(version: str) -> Tuple[int, ...]:
     """major.minor.patch of a TensorRT version (a build number after them does not count)."""
-    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+    return version_key(version)[:3]
 
 
 def _dims(tensor: Mapping[str, Any], max_batch_size: int, what: str) -> List[int]:

@@ -4,14 +4,12 @@ existing calibration cache is one TensorRT would reuse. TensorRT objects are pas
 side: Python >= 3.6.
 """
 
-import contextlib
-import fcntl
 import logging
 import os
 import re
-from typing import TYPE_CHECKING, Any, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
-from agent.fsio import atomic_write, state_dir
+from agent.fsio import atomic_write, file_lock, state_dir
 
 if TYPE_CHECKING:  # the stubs (scripts/lib/trt_stubs.py): mypy checks our calls against them
     import tensorrt
@@ -26,19 +24,6 @@ def timing_cache_path(trt_version: str, device: str, root: Optional[str] = None)
     TensorRT version on one device model only."""
     safe = re.sub(r"[^A-Za-z0-9.+-]+", "_", "{}-{}".format(trt_version, device)).strip("_")
     return os.path.join(root or state_dir(), "timing", safe + ".cache")
-
-
-@contextlib.contextmanager
-def file_lock(path: str) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path`` (created if needed) for the block."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 
 def _read_bytes(path: str) -> bytes:

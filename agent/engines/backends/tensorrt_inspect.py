@@ -2,7 +2,7 @@
 metadata), what the engine inspector's JSON says each layer runs in, the precision mismatches
 that follow, and the ONNX parser's errors as one ``AgentError``. Pure functions of the text
 TensorRT produces (8.2 - 10.x and 11 formats); no TensorRT needed, so
-``tests/unit/test_tensorrt_inspect.py`` checks them on recorded strings. Worker side:
+``tests/unit/engines/test_tensorrt_inspect.py`` checks them on recorded strings. Worker side:
 Python >= 3.6.
 """
 

@@ -1,6 +1,6 @@
 """What to ask TensorRT for a plan: pure functions of a ``BuildPlan`` and a TensorRT version
 (the features a version offers, the builder flags and settings a plan turns into). No TensorRT
-needed: ``tests/unit/test_tensorrt_plan.py`` checks them, and
+needed: ``tests/unit/engines/test_tensorrt_plan.py`` checks them, and
 ``tensorrt_build`` carries them out on a device. Reading TensorRT's answers is
 ``tensorrt_inspect``'s, shape profiles are ``tensorrt_shapes``'.
 
@@ -9,11 +9,11 @@ TensorRT versions that matter (docs/tensorrt.md has the table): 8.0.1 (JetPack 4
 11 (explicitly typed only). Older than 8.0 is refused. Worker side: Python >= 3.6.
 """
 
-import re
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from agent.engines.backends.base import BuildPlan
 from agent.errors import AgentError
+from agent.version_key import version_key
 
 if TYPE_CHECKING:
     # mypy checks every TensorRT name the settings can hold against the stubs (10.13 API);
@@ -55,11 +55,11 @@ PRECISION_RANK = {"int8": 0, "fp8": 0, "float16": 1, "bfloat16": 1, "float32": 2
 
 def parse_version(text: str) -> Version:
     """``"8.6.1.6"`` -> (8, 6, 1); missing parts are 0."""
-    match = re.match(r"^\s*(\d+)(?:\.(\d+))?(?:\.(\d+))?", str(text))
-    if not match:
+    version = version_key(text, 3)
+    if not version:
         raise AgentError("backend_unavailable",
                          "TensorRT version must look like 8.6.1, found {!r}".format(text))
-    return (int(match.group(1)), int(match.group(2) or 0), int(match.group(3) or 0))
+    return version  # type: ignore[return-value]
 
 
 class Features(object):

@@ -85,8 +85,10 @@ def rereadable(event: Any) -> bool:
         topic.endswith("/models") or topic.endswith("/status") and not coalescable(topic))
 
 
-class ByteQueue(object):
-    """``queue.Queue``'s ``put``/``get``/``qsize`` for ``agent.wire.mqtt`` events."""
+class SheddingByteQueue(object):
+    """``queue.Queue``'s ``put``/``get``/``qsize`` for ``agent.wire.mqtt`` events; over its
+    budgets it sheds messages (the daemon's ``agent.wire.device.limits.BlockingByteQueue``
+    blocks)."""
 
     def __init__(self, max_bytes: int = 64 << 20, hold_s: float = HOLD_S,
                  reread_bytes: int = REREAD_BYTES,

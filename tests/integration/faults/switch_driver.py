@@ -23,11 +23,12 @@ import signal
 import sys
 import time
 
-from agent.device import app_requests, config, handoff
-from agent.device.job_run import Run
-from agent.device.journal import Journal
-from agent.device.model_switch import ModelSwitch
-from agent.device.models_dir import ModelsDir
+from agent.device import config, handoff
+from agent.device.app import requests as app_requests
+from agent.device.jobs.run import Run
+from agent.device.journal.store import Journal
+from agent.device.models.directory import ModelsDir
+from agent.device.models.switch import ModelSwitch
 
 HOOK = """import os, signal
 if os.environ.get("SWITCH_KILL_AT") == "handoff_running" and \\

@@ -16,8 +16,8 @@ import time
 import uuid
 
 from agent.wire import protocol
+from agent.wire.device.transfer import MAX_LIST_TRIES, block_digests
 from agent.wire.mqtt import MESSAGE, MqttClient
-from agent.wire.transfer import MAX_LIST_TRIES, block_digests
 from tests.integration.faults.suite import SMALL_BLOCKS, audit, calib_file, deploy_doc, fault
 
 

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import time
 
-from agent.device.journal import Journal
-from agent.device.models_dir import ModelsDir, version_problem
+from agent.device.journal.store import Journal
+from agent.device.models.directory import ModelsDir, version_problem
 from tests.integration.faults.suite import FAULTS, KILLS, REPORT
 
 STEPS = ("version_written", "pending_recorded", "link_switched", "handoff_running", "pending")
