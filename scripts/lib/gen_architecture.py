@@ -4,8 +4,7 @@ python scripts/lib/gen_architecture.py  (``--check``: exit 1 when the page is st
 Between the markers it writes the import rules (the tables of tests/unit/test_import_rules.py,
 which enforces them), the import graph's size, circles and back-arrows (every import that can
 run, lazy ones included; ``if TYPE_CHECKING:`` left out), and the module map: each package's
-modules with their line counts and their docstring's first line. The prose around the markers
-is written by hand."""
+modules with their docstring's first line. The prose around the markers is written by hand."""
 
 import ast
 import os
@@ -112,11 +111,6 @@ def first_line(path: str) -> str:
     return (line[:157] + "...") if len(line) > 160 else line.replace("|", "\\|")
 
 
-def line_count(path: str) -> int:
-    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
-        return sum(1 for _ in f)
-
-
 def package_folder(path: str) -> str:
     folder = os.path.dirname(path)
     return "`{}/`".format(folder) if folder != "agent" else "`agent/` (base modules)"
@@ -153,12 +147,11 @@ def rules_section() -> List[str]:
 def graph_section(mods: Dict[str, str], graph: Graph) -> List[str]:
     found = circles(graph)
     back = back_arrows(graph)
-    lines = sum(line_count(p) for p in mods.values())
     out = ["### Import graph", "",
-           "{} modules, {} lines, {} imports between them; **{} circles** (sets of modules that "
-           "import each other, through any path) and **{} back-arrows** (imports that close a "
+           "{} modules, {} imports between them; **{} circles** (sets of modules that import "
+           "each other, through any path) and **{} back-arrows** (imports that close a "
            "circle: without them none is left).".format(
-               len(mods), lines, sum(len(v) for v in graph.values()), len(found), len(back)),
+               len(mods), sum(len(v) for v in graph.values()), len(found), len(back)),
            ""]
     for component in found:
         out.append("- circle: {}".format(", ".join("`{}`".format(m) for m in component)))
@@ -169,16 +162,16 @@ def graph_section(mods: Dict[str, str], graph: Graph) -> List[str]:
 
 def map_section(mods: Dict[str, str]) -> List[str]:
     out = ["### Module map", "",
-           "Each module's line count and the first sentence of its docstring.", ""]
+           "The first sentence of each module's docstring (no line counts: the page changes "
+           "when the structure does, not with every edit).", ""]
     by_folder: Dict[str, List[str]] = {}
     for module in sorted(mods):
         by_folder.setdefault(package_folder(mods[module]), []).append(module)
     for folder in sorted(by_folder):
-        out += ["#### {}".format(folder), "", "| module | lines | what it is |", "|---|---:|---|"]
+        out += ["#### {}".format(folder), "", "| module | what it is |", "|---|---|"]
         for module in by_folder[folder]:
             path = mods[module]
-            out.append("| `{}` | {} | {} |".format(
-                os.path.basename(path), line_count(path), first_line(path)))
+            out.append("| `{}` | {} |".format(os.path.basename(path), first_line(path)))
         out.append("")
     return out[:-1]
 

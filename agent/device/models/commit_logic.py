@@ -12,7 +12,7 @@ An explicit commit (the app's or ``jetson-agent models commit``) commits at once
 live check runs: its verdict comes first (a refusal still refuses; with none by the deadline
 the commit stands); an unhealthy report, an adapter that failed or said False, or the
 deadline rolls back. With no needs (no hand-off, no probe, no app confirmation) a version
-commits at once: the accuracy gate was the check. ``agent.device.model_switch`` drives it.
+commits at once: the accuracy gate was the check. ``agent.device.models.switch`` drives it.
 """
 
 from typing import FrozenSet, List, NamedTuple, Optional, Set

@@ -40,20 +40,21 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from agent.device import model_meta, model_sets
-from agent.device import switch_states as states
 from agent.device.handoff import Entry
-from agent.device.job_run import Run
-from agent.device.journal_models import UNCONFIRMED
-from agent.device.live_check import LiveCheck
-from agent.device.model_notes import ModelNotes
-from agent.device.models_dir import ENGINE, ModelsDir, read_meta
-from agent.device.switch_handoff import HandoffRunner, SwitchEvent, text
-from agent.device.switch_jobs import JobEnds, committing_stage
-from agent.device.switch_machine import Pending, SwitchMachine
-from agent.device.switch_records import SwitchRecords
-from agent.device.switch_requests import ModelRequests
-from agent.device.switch_sets import SetWatcher
+from agent.device.jobs.run import Run
+from agent.device.journal.models import UNCONFIRMED
+from agent.device.models import meta as model_meta
+from agent.device.models import sets as model_sets
+from agent.device.models import switch_states as states
+from agent.device.models.directory import ENGINE, ModelsDir, read_meta
+from agent.device.models.live_check import LiveCheck
+from agent.device.models.notes import ModelNotes
+from agent.device.models.switch_handoff import HandoffRunner, SwitchEvent, text
+from agent.device.models.switch_jobs import JobEnds, committing_stage
+from agent.device.models.switch_machine import Pending, SwitchMachine
+from agent.device.models.switch_records import SwitchRecords
+from agent.device.models.switch_requests import ModelRequests
+from agent.device.models.switch_sets import SetWatcher
 from agent.errors import AgentError
 from agent.wire.model_names import validate_name, validate_version
 

@@ -271,8 +271,8 @@ def test_a_live_check_recorded_in_meta_json_is_read_back_only_when_whole(tmp_pat
     """After a restart a pending version takes its live check's recorded end back; anything
     else (nothing recorded, a damaged record) makes the check run again."""
     from agent.device.config import Config
-    from agent.device.live_check import LiveCheck
-    from agent.device.models_dir import ModelsDir
+    from agent.device.models.directory import ModelsDir
+    from agent.device.models.live_check import LiveCheck
 
     models = ModelsDir(str(tmp_path / "models"))
     folder = models.version_dir("det", "v2")

@@ -439,7 +439,7 @@ def test_a_live_check_refusal_recorded_before_a_restart_still_refuses(tmp_path):
 def test_an_apps_commit_waits_for_the_live_checks_verdict(tmp_path):
     """The app commits before the live check has ended: the reply says pending, and the
     check's refusal still rolls the version back."""
-    from agent.device.model_switch import SwitchEvent
+    from agent.device.models.switch import SwitchEvent
 
     h = Harness(tmp_path, app_confirms=["det"], commit_timeout_s=60)
     h.deploy("j1", "det", "v1", b"one")

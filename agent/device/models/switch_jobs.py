@@ -3,8 +3,8 @@ code (``handoff_rolled_back`` unless a check refused it: ``live_check_failed`` .
 
 from typing import Any, Callable, Dict, List, Optional
 
-from agent.device import model_sets
-from agent.device.job_run import Run
+from agent.device.jobs.run import Run
+from agent.device.models import sets as model_sets
 from agent.device.status_publisher import fit_result
 from agent.errors import AgentError
 

@@ -4,8 +4,8 @@ import itertools
 
 import pytest
 
-from agent.device import switch_states as s
-from agent.device.commit_logic import CommitState
+from agent.device.models import switch_states as s
+from agent.device.models.commit_logic import CommitState
 
 H, W, R, B = s.HANDOFF, s.WAITING, s.RESUMED, s.ROLLING_BACK
 

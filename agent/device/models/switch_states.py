@@ -3,8 +3,8 @@
 A pending version is in one *phase*; what happens to it is an *event*; each row of ``TABLE``
 says ``(phase, event) -> (next phase, actions)``, the way the Mender client's daemon adds its
 transitions (``AddTransition``) and its update modules name their states (ArtifactInstall,
-ArtifactCommit, ArtifactRollback). The actions are names; ``agent.device.switch_machine`` runs
-them in order (journal writes, threads to the hand-off adapters, the job's end).
+ArtifactCommit, ArtifactRollback). The actions are names; ``agent.device.models.switch_machine``
+runs them in order (journal writes, threads to the hand-off adapters, the job's end).
 
     phase          meaning                                       ArtifactXxx
     recorded       the journal holds it pending (activation)
@@ -25,7 +25,7 @@ actions is an event the phase ignores on purpose.
 
 from typing import Dict, NamedTuple, Optional, Tuple
 
-from agent.device.commit_logic import COMMIT, WAIT, CommitState
+from agent.device.models.commit_logic import COMMIT, WAIT, CommitState
 
 # Phases
 RECORDED, RESUMED = "recorded", "resumed"

@@ -7,14 +7,14 @@ import logging
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from agent.device import commit_logic
-from agent.device import switch_states as states
-from agent.device.job_run import Run
-from agent.device.journal_models import UNCONFIRMED_PREFIX
-from agent.device.live_check import LiveCheck
-from agent.device.models_dir import ModelsDir
-from agent.device.switch_handoff import HandoffRunner, SwitchEvent
-from agent.device.switch_jobs import JobEnds
+from agent.device.jobs.run import Run
+from agent.device.journal.models import UNCONFIRMED_PREFIX
+from agent.device.models import commit_logic
+from agent.device.models import switch_states as states
+from agent.device.models.directory import ModelsDir
+from agent.device.models.live_check import LiveCheck
+from agent.device.models.switch_handoff import HandoffRunner, SwitchEvent
+from agent.device.models.switch_jobs import JobEnds
 from agent.errors import AgentError
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon

@@ -6,8 +6,8 @@ import logging
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from agent.device import model_sets
-from agent.device.switch_states import ROLLING_BACK
+from agent.device.models import sets as model_sets
+from agent.device.models.switch_states import ROLLING_BACK
 from agent.errors import AgentError
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon

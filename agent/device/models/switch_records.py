@@ -7,13 +7,13 @@ import logging
 import os
 from typing import Any, Callable, Dict, List
 
-from agent.device import model_meta
-from agent.device import switch_states as states
-from agent.device.job_run import Run
-from agent.device.live_check import LiveCheck
-from agent.device.models_dir import ModelsDir
-from agent.device.switch_jobs import JobEnds, committing_stage
-from agent.device.switch_machine import Pending, SwitchMachine
+from agent.device.jobs.run import Run
+from agent.device.models import meta as model_meta
+from agent.device.models import switch_states as states
+from agent.device.models.directory import ModelsDir
+from agent.device.models.live_check import LiveCheck
+from agent.device.models.switch_jobs import JobEnds, committing_stage
+from agent.device.models.switch_machine import Pending, SwitchMachine
 from agent.errors import AgentError
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon

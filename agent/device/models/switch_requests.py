@@ -8,15 +8,15 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from agent.device import models_guard
-from agent.device import switch_states as states
-from agent.device.journal_models import UNCONFIRMED
-from agent.device.live_check import LiveCheck
-from agent.device.model_notes import ModelNotes
-from agent.device.model_sets import ModelSets
-from agent.device.models_dir import ModelsDir
-from agent.device.switch_handoff import HandoffRunner
-from agent.device.switch_machine import SwitchMachine
+from agent.device.journal.models import UNCONFIRMED
+from agent.device.models import guard as models_guard
+from agent.device.models import switch_states as states
+from agent.device.models.directory import ModelsDir
+from agent.device.models.live_check import LiveCheck
+from agent.device.models.notes import ModelNotes
+from agent.device.models.sets import ModelSets
+from agent.device.models.switch_handoff import HandoffRunner
+from agent.device.models.switch_machine import SwitchMachine
 from agent.errors import AgentError
 from agent.wire.model_names import validate_name, validate_version
 

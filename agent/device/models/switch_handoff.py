@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 from agent.device.handoff import Entry, adapters_for
 from agent.device.handoff.base import Adapter, ModelVersion
-from agent.device.models_dir import ENGINE, ModelsDir, read_meta
+from agent.device.models.directory import ENGINE, ModelsDir, read_meta
 from agent.errors import AgentError
 
 log = logging.getLogger("agent.device.daemon")  # one logger name for the whole daemon
