@@ -20,7 +20,7 @@ import time
 from agent.fleet.database.store import Store
 from agent.fleet.deployments import deployments
 from tests.integration.test_fleet_rollout import wait_status
-from tests.integration.test_fleet_service import Service, fleet_cli, wait_registered
+from tests.integration.test_fleet_service import Service, fleet_cli, fleet_main, wait_registered
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP16 = os.path.join(ROOT, "examples", "fp16_max")
@@ -33,9 +33,11 @@ MOVED_IN, MOVED_OUT = "dp-09", "dp-05"  # relabelled by the operator
 
 
 def cli(args, db):
-    out = fleet_cli(args + ["--db", db], timeout=120)
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
+    """``jetson-agent fleet ARGS --db DB`` as typed, in this process (no interpreter and its
+    imports a command, which a loaded host makes seconds); its stdout."""
+    code, out, err = fleet_main(args + ["--db", db])
+    assert code == 0, out + err
+    return out
 
 
 def device_states(db, dep):

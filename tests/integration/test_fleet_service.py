@@ -217,7 +217,8 @@ def retained_job_statuses(broker):
 
 def fleet_main(args):
     """``jetson-agent fleet ARGS`` in this process -> (exit status, stdout, stderr): for poll
-    loops, where ``fleet_cli`` would start an interpreter (and its imports) at every look."""
+    loops and operator commands, where ``fleet_cli`` would start an interpreter (and its
+    imports) every time; ``fleet_cli`` stays for what needs a process of its own."""
     from agent.cli import main
 
     out, err = io.StringIO(), io.StringIO()

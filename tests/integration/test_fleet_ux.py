@@ -183,7 +183,7 @@ def _sigterm_pending(pid):
 def _held_search(agent, job_id):
     """The device's search worker stopped (SIGSTOP) until the daemon signals it to end, then
     resumed: the search cannot finish before the cancel lands, however loaded the host (a
-    race on the search's length is what made this test flaky at load 8)."""
+    race on the search's length alone, which a loaded host can lose)."""
     pid = worker_pid(agent, job_id, timeout=120)
     os.killpg(pid, signal.SIGSTOP)
     done = threading.Event()
