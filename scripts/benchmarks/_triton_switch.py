@@ -231,6 +231,13 @@ def by_phase(records: List[Tuple[float, float, bool]], marks: List[List[float]]
     return out
 
 
+def onnx_bytes(model: Any) -> bytes:
+    """The model at an IR version any onnxruntime of the last two years reads: the onnx package
+    stamps its newest (a newer onnx than onnxruntime refuses the load); opset 17 needs IR 8."""
+    model.ir_version = min(model.ir_version, 8)
+    return model.SerializeToString()
+
+
 def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
     from agent.device.handoff.triton import from_config
     from tests.integration.test_triton_handoff import make_version, scale_model
@@ -247,7 +254,7 @@ def run_triton(switches: int, http_switches: int) -> Optional[Dict[str, Any]]:
         server = TritonServer(workdir, repo, os.environ.get(
             "JETSON_AGENT_TRITON_ARGS", "").split(), auto_complete=AUTO_COMPLETE).start()
         models = workdir / "models"
-        versions = [make_version(models, v, scale_model(k).SerializeToString())
+        versions = [make_version(models, v, onnx_bytes(scale_model(k)))
                     for v, k in (("v1", 1.0), ("v2", 2.0))]
         section = {"repository": str(repo), "url": server.url, "backend": "python",
                    "timeout_s": 120,
