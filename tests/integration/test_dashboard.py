@@ -41,7 +41,8 @@ def db(request, tmp_path):
                    "reason": "connection_lost"}})
     store.touch_devices({"orin-1": {"ts": now, "metrics": {
         "temp_cpu_c": 91.5, "power_total_mw": 7300, "gpu_percent": 55.0,
-        "ram_fraction": 0.4, "int8_clip_rate.det": 0.125}}})
+        "ram_fraction": 0.4, "int8_clip_rate.det": 0.125,
+        "int8_input_drift.det": 0.39}}})
     rec = history.TelemetryHistory(store)
     for i in range(4):
         rec.record({"orin-1": {"metrics": {"temp_cpu_c": 50 + i, "gpu_percent": 10.0 * i}}},
@@ -150,6 +151,8 @@ def test_metrics_parse_with_prometheus_client(dash):
                                                      ("metric", "live_agreement"), name))] == 0.984
     assert samples[("jetson_fleet_device_model_int8_clip_ratio", (("device", "orin-1"),
                                                                   ("model", "det")))] == 0.125
+    assert samples[("jetson_fleet_device_model_int8_input_drift", (("device", "orin-1"),
+                                                                   ("model", "det")))] == 0.39
 
 
 def test_metrics_pass_promtool_check_metrics(dash):

@@ -8,7 +8,9 @@ finished within a day), every model a device holds (``device_model_info`` with i
 and state, ``device_model_healthy``: one series per name the device holds, at most 256), the
 newest engine's throughput, latency and accuracy per device (labelled with its ``model``
 name), the share of the field's activations an INT8 version clips
-(``device_model_int8_clip_ratio``, from the device's telemetry ``int8_clip_rate.<name>``),
+(``device_model_int8_clip_ratio``, from the device's telemetry ``int8_clip_rate.<name>``) and
+how far the field's inputs drifted from its calibration set (``device_model_int8_input_drift``,
+from ``int8_input_drift.<name>``),
 temperatures, power, GPU/CPU load and memory per device; live deployments (at most 100):
 devices per convergence state, failures per reason, converged ratio.
 Label values come from devices: they are cut to ``MAX_LABEL`` characters, and a device has
@@ -28,6 +30,7 @@ PREFIX = "jetson_fleet_"
 MAX_DEPLOYMENTS = 100  # live deployments in /metrics (bounded series)
 MAX_REASONS = 16  # failure reasons per deployment
 CLIP_PREFIX = "int8_clip_rate."  # the device's telemetry key per INT8 name
+DRIFT_PREFIX = "int8_input_drift."  # ... its inputs' histogram distance from calibration
 
 
 def _label(value: Any) -> str:
@@ -86,6 +89,9 @@ class FleetCollector(object):
         clip = gauge("device_model_int8_clip_ratio", "share of the field's activations beyond "
                      "an INT8 version's calibrated range (its worst tensor, on the app's "
                      "donated inputs)", ["device", "model"])
+        drift = gauge("device_model_int8_input_drift", "histogram distance of the app's donated "
+                      "inputs from an INT8 version's calibration set (its worst input)",
+                      ["device", "model"])
         for r in rows:
             dev, board = _label(r["device"]), _label(r["board"] or "unknown")
             key = ("online" if r["online"] else "offline", board)
@@ -128,10 +134,11 @@ class FleetCollector(object):
                 v = views._num(metrics.get(kind + "_fraction"))
                 if v is not None:
                     mem.add_metric([dev, kind], v)
-            clips = {k[len(CLIP_PREFIX):]: v for k, v in metrics.items()
-                     if k.startswith(CLIP_PREFIX) and views._num(v) is not None}
-            for name, v in sorted(bounds.first(clips).items()):
-                clip.add_metric([dev, _label(name)], float(v))
+            for prefix, family in ((CLIP_PREFIX, clip), (DRIFT_PREFIX, drift)):
+                per_name = {k[len(prefix):]: v for k, v in metrics.items()
+                            if k.startswith(prefix) and views._num(v) is not None}
+                for name, v in sorted(bounds.first(per_name).items()):
+                    family.add_metric([dev, _label(name)], float(v))
         devices = gauge("devices", "devices by state and board", ["state", "board"])
         for (state, board), n in sorted(by_state.items()):
             devices.add_metric([state, board], n)
@@ -155,6 +162,7 @@ class FleetCollector(object):
         yield load
         yield mem
         yield clip
+        yield drift
 
     def _deployments(self, gauge: Any) -> Iterator[Any]:
         """Live deployments (at most MAX_DEPLOYMENTS, newest first): devices per convergence
