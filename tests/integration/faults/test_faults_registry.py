@@ -60,14 +60,16 @@ def test_random_telemetry_keys_leave_metrics_bounded(mosquitto, tmp_path):
         for row in store.devices():
             held = (row.get("telemetry") or {}).get("metrics") or {}
             assert len(held) <= bounds.MAX_TELEMETRY_KEYS
-        t0 = time.monotonic()
+        # This thread's CPU time, not the wall clock: a loaded host (the suite at load 8) must
+        # not fail a bound that is about the work a scrape does.
+        t0 = time.thread_time()
         body, _ = metrics.exposition(store)
-        took = time.monotonic() - t0
+        took = time.thread_time() - t0
         extra = len(_series(body)) - len(_series(base_body))
         # Temperatures and power rails: at most 16 each a device, whatever it sends.
         assert 0 < extra <= FLOOD_DEVICES * 2 * bounds.MAX_SERIES_PER_FAMILY
         assert took < 1.0
-        print("flood: {} -> {} series ({} bytes) for {} devices, scrape {:.2f} s".format(
+        print("flood: {} -> {} series ({} bytes) for {} devices, scrape {:.2f} s of CPU".format(
             len(_series(base_body)), len(_series(body)), len(body), FLOOD_DEVICES, took))
     finally:
         conn.close()
