@@ -25,6 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from agent.fsio import atomic_write
+from agent.heap import trim_heap
 
 log = logging.getLogger(__name__)
 Feed = Dict[str, np.ndarray]
@@ -234,7 +235,7 @@ def instrumented_ranking(model: Any, groups: Dict[str, List[str]], plan: Any,
     low_plan = BuildPlan.from_dict(plan.to_dict())
     low_plan.mark_outputs = ["*"]
     feeds = list(inputs[:INSTRUMENT_ITERATIONS])
-    _trim_heap()  # what the check's evaluation freed: the instrumented builds go on top
+    trim_heap()  # what the check's evaluation freed: the instrumented builds go on top
     # The engines are built and run one after the other, never side by side: the reference
     # run keeps a fixed sample of each tensor (SAMPLE elements) and its exact counts, then the
     # reduced run is compared with them. Memory: one engine and one run's activations.
@@ -245,7 +246,7 @@ def instrumented_ranking(model: Any, groups: Dict[str, List[str]], plan: Any,
             refs.append({name: _reference_sample(out.pop(name), plan.precision)
                          for name in tensors if name in out})
             del out
-    _trim_heap()  # the reference run's activations, before the next build
+    trim_heap()  # the reference run's activations, before the next build
     stats: Dict[str, Tuple[float, float, float, float]] = {}
     with backend.open(build(low_plan).engine_path) as runner:
         for feed, ref in zip(feeds, refs):
@@ -256,20 +257,8 @@ def instrumented_ranking(model: Any, groups: Dict[str, List[str]], plan: Any,
                     merge_stats(stats, name, _sampled_stats(sample, oor, ref_nonfinite,
                                                             out.pop(name)))
             del out
-    _trim_heap()
+    trim_heap()
     return rank_errors(io, stats, precision=plan.precision)
-
-
-def _trim_heap() -> None:
-    """Give the C heap freed by a run back to the OS (glibc's ``malloc_trim``): ONNX Runtime's
-    threads free an instrumented run's activations into per-thread heaps that glibc keeps,
-    so the next build and every later evaluation would stack on top of them."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 # Instrumented ranking compares this many evenly spaced elements of each tensor: enough for

@@ -10,7 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # The modules directly under agent/ that every package may use; anything new there must be
 # placed in a package (or added here on purpose).
 BASE = {"agent", "agent.errors", "agent.fsio", "agent.log", "agent.progress",
-        "agent.client",  # agent.client: the apps' library, standard library only
+        "agent.client", "agent.heap",  # agent.client: the apps' library, standard library only
         "agent.version_key"}  # the one version parser: platform and engines both need it
 ENTRY = {"agent.__main__"}  # `python -m agent`: the CLI
 

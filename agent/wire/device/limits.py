@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, Hashable, Optional
 
+from agent.heap import trim_heap
+
 
 class TokenBucket(object):
     """``take()`` is True while tokens remain; they refill at ``rate`` per second up to
@@ -145,13 +147,3 @@ class BlockingByteQueue(queue.Queue):  # type: ignore[type-arg]
             self._trim_due = False
             trim_heap()
         return item
-
-
-def trim_heap() -> None:
-    """Return free C-heap memory to the OS (glibc ``malloc_trim``); a no-op elsewhere."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
